@@ -1,0 +1,77 @@
+"""Resume checks: does a saved state belong to this stream? Each difference is named, old vs new."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import StreamMismatchError
+
+# Fingerprint entries that map to config keys users can change, shown under those names.
+_ORDER_KEYS = {"seed": "shuffle_seed", "buffer_size": "buffer_size", "shuffle": "shuffle",
+               "interleave": "interleave_shards", "block_rows": "block_rows"}
+
+
+def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]]:
+    old = {f["path"]: f for f in saved}
+    new = {f["path"]: f for f in now}
+    out = []
+    for path in sorted(set(old) - set(new)):
+        out.append((f"file removed: {path}", old[path], None))
+    for path in sorted(set(new) - set(old)):
+        out.append((f"file added: {path}", None, new[path]))
+    for path in sorted(set(old) & set(new)):
+        a, b = old[path], new[path]
+        for key in sorted(set(a) | set(b)):
+            if key != "path" and a.get(key) != b.get(key):
+                what = "resized" if key == "size" else "modified"
+                out.append((f"file {what}: {path} ({key})", a.get(key), b.get(key)))
+    if not out and [f["path"] for f in saved] != [f["path"] for f in now]:
+        out.append(("file order", [f["path"] for f in saved], [f["path"] for f in now]))
+    return out
+
+
+def fingerprint_diff(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    out: list[tuple[str, Any, Any]] = []
+    for key in sorted(set(saved) | set(now), key=str):
+        a, b = saved.get(key), now.get(key)
+        name = f"{prefix}{key}"
+        if key == "files" and isinstance(a, list) and isinstance(b, list):
+            out.extend(_files_diff(a, b))
+        elif isinstance(a, dict) and isinstance(b, dict):
+            out.extend(fingerprint_diff(a, b, prefix=f"{name}."))
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
+def _describe(diffs: list[tuple[str, Any, Any]]) -> str:
+    lines = []
+    for what, a, b in diffs[:12]:
+        for short, key in _ORDER_KEYS.items():
+            if what == f"order.{short}":
+                what = f"data.{key}"
+        lines.append(f"  {what}: saved {a!r}, now {b!r}")
+    if len(diffs) > 12:
+        lines.append(f"  ... and {len(diffs) - 12} more")
+    return "\n".join(lines)
+
+
+def check_fingerprint(saved: dict, now: dict, where: str) -> None:
+    diffs = fingerprint_diff(saved, now)
+    if diffs:
+        raise StreamMismatchError(
+            f"{where}: the saved stream state was written for different data or settings; resuming would "
+            f"read other samples than the interrupted run. Differences:\n{_describe(diffs)}",
+            diffs,
+        )
+
+
+def check_topology(saved: dict, now: dict, where: str) -> None:
+    diffs = [(k, saved.get(k), now.get(k)) for k in ("world_size", "num_workers", "num_partitions", "rank")
+             if saved.get(k) != now.get(k)]
+    if diffs:
+        raise StreamMismatchError(
+            f"{where}: the saved stream state was written for another topology; resume with the same number "
+            f"of ranks and DataLoader workers (and the matching rank's file). Differences:\n{_describe(diffs)}",
+            diffs,
+        )

@@ -1,0 +1,28 @@
+"""The exceptions a user can meet. Each message names what is wrong and what is allowed."""
+
+
+class ResumableStreamError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(ResumableStreamError, ValueError):
+    """A configuration key has a wrong type or value, or is unknown."""
+
+
+class SourceError(ResumableStreamError):
+    """The dataset could not be opened or read (missing files, unreadable data)."""
+
+
+class SidecarError(ResumableStreamError):
+    """A stream-state sidecar is missing, corrupt, truncated or incomplete."""
+
+
+class StreamMismatchError(ResumableStreamError):
+    """The saved stream state does not belong to the stream it is loaded into.
+
+    ``differences`` lists ``(what, saved, now)`` triples so callers can act on them.
+    """
+
+    def __init__(self, message: str, differences: list[tuple[str, object, object]] | None = None):
+        super().__init__(message)
+        self.differences = differences or []

@@ -1,0 +1,121 @@
+"""Pure functions that decide the order of data: no I/O, no state, no wall clock.
+
+Every random choice comes from a counter-based generator keyed by integers such as
+(seed, epoch, partition, window), so any position can be recomputed from its cursor
+without replaying what came before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+# Domain tags keep the seeds of different decisions independent of each other.
+TAG_SHARDS = 1
+TAG_WINDOW = 2
+
+
+def derive_seed(*parts: int) -> int:
+    """A 64-bit seed from a tuple of non-negative integers (stable across platforms and versions)."""
+    packed = struct.pack(f"<{len(parts)}Q", *(p & 0xFFFFFFFFFFFFFFFF for p in parts))
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
+def permutation(n: int, seed: int) -> np.ndarray:
+    """A permutation of range(n) that depends only on (n, seed): sort by a hash of (seed, i)."""
+    if n <= 1:
+        return np.arange(n, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(np.arange(n, dtype=np.uint64) * _GOLDEN + np.uint64(seed))
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def window_permutation(n: int, seed: int, epoch: int, partition: int, window: int) -> np.ndarray:
+    return permutation(n, derive_seed(TAG_WINDOW, seed, epoch, partition, window))
+
+
+def epoch_shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(num_shards, dtype=np.int64)
+    return permutation(num_shards, derive_seed(TAG_SHARDS, seed, epoch))
+
+
+def deal_shards(order: np.ndarray, row_counts: list[int | None], num_partitions: int) -> list[list[int]]:
+    """Deal shards (in ``order``) to partitions, each to the partition with the fewest rows so far.
+
+    Unknown row counts count as the mean of the known ones, so with no counts this is round-robin.
+    """
+    known = [c for c in row_counts if c is not None]
+    fallback = (sum(known) / len(known)) if known else 1.0
+    heap = [(0.0, p) for p in range(num_partitions)]
+    dealt: list[list[int]] = [[] for _ in range(num_partitions)]
+    for shard in order.tolist():
+        load, p = heapq.heappop(heap)
+        dealt[p].append(shard)
+        rows = row_counts[shard]
+        heapq.heappush(heap, (load + (fallback if rows is None else rows), p))
+    return dealt
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one epoch's rows are split among ``num_partitions`` ordered partitions.
+
+    With at least as many shards as partitions each partition owns whole shards; with fewer,
+    every partition reads every shard and keeps the rows where ``row % num_partitions == partition``.
+    """
+
+    num_shards: int
+    row_counts: tuple[int | None, ...]
+    num_partitions: int
+    seed: int
+    shuffle: bool
+    buffer_size: int
+    interleave: int
+    block_rows: int
+
+    @property
+    def strided(self) -> bool:
+        return self.num_shards < self.num_partitions
+
+    @property
+    def open_slots(self) -> int:
+        """How many shards a partition reads at once (1 without shuffle: keep the natural order)."""
+        return self.interleave if self.shuffle else 1
+
+    @property
+    def block(self) -> int:
+        """Rows taken from one open shard before moving to the next, so a window mixes several shards."""
+        return max(1, min(self.block_rows, -(-self.buffer_size // self.open_slots)))
+
+    def shards_for(self, epoch: int, partition: int) -> tuple[int, ...]:
+        return _shards_for(self, epoch)[partition]
+
+    def stride(self, partition: int) -> tuple[int, int]:
+        """(step, phase) of the rows a partition keeps inside each shard."""
+        return (self.num_partitions, partition) if self.strided else (1, 0)
+
+
+@lru_cache(maxsize=8)
+def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
+    order = epoch_shard_order(layout.num_shards, layout.seed, epoch, layout.shuffle)
+    if layout.strided:
+        return [tuple(order.tolist())] * layout.num_partitions
+    return [tuple(x) for x in deal_shards(order, list(layout.row_counts), layout.num_partitions)]

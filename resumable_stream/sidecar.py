@@ -1,0 +1,255 @@
+"""Stream state <-> safetensors sidecar files, written atomically; per-checkpoint manifest.
+
+Layout of a checkpoint's stream state::
+
+    checkpoint-N/stream_state/rank-00000.safetensors
+    checkpoint-N/stream_state/rank-00001.safetensors
+    checkpoint-N/stream_state/manifest.json   (written last, by rank 0: without it the state is incomplete)
+
+Tensors hold the integer cursors and digest chains; ``__metadata__`` holds JSON strings
+(format version, fingerprint, topology, per-partition sample digests). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from .errors import SidecarError
+
+FORMAT = "resumable-stream"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_DIR = "stream_state"
+CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
+_RANK_FILE = re.compile(r"^rank-(\d{5})\.safetensors$")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+# ------------------------------------------------------------------ atomic writes
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+# ------------------------------------------------------------------ encode / decode
+def encode_state(state: dict[str, Any]) -> bytes:
+    parts = sorted(state["partitions"])
+    k = len(parts)
+    max_slots = max([len(state["partitions"][p]["slots"]) for p in parts] + [1])
+    cursors = np.zeros((k, len(CURSOR_FIELDS)), dtype=np.int64)
+    slots = np.full((k, max_slots, 2), -1, dtype=np.int64)
+    chains = np.zeros((k, 16), dtype=np.uint8)
+    digests = {}
+    for i, p in enumerate(parts):
+        ps = state["partitions"][p]
+        cursors[i] = [ps[f] for f in CURSOR_FIELDS]
+        for j, (pos, row) in enumerate(ps["slots"]):
+            slots[i, j] = (pos, row)
+        chains[i] = np.frombuffer(bytes.fromhex(ps["chain"]), dtype=np.uint8)
+        digests[str(p)] = {"next_sample": ps["next_sample_digest"], "consumed": ps["consumed_digest"],
+                           "consumed_samples": ps["consumed"]}
+    tensors = {
+        "partition_ids": np.asarray(parts, dtype=np.int64),
+        "cursors": cursors,
+        "slots": slots,
+        "chains": chains,
+    }
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "cursor_fields": json.dumps(list(CURSOR_FIELDS)),
+        "fingerprint": json.dumps(state["fingerprint"], sort_keys=True),
+        "topology": json.dumps(state["topology"], sort_keys=True),
+        "turn": str(state.get("turn", 0)),
+        "digests": json.dumps(digests, sort_keys=True),
+    }
+    return st_save(tensors, metadata=metadata)
+
+
+def _read_header_metadata(data: bytes, path: str) -> dict[str, str]:
+    if len(data) < 8:
+        raise SidecarError(f"sidecar {path!r}: truncated ({len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise SidecarError(f"sidecar {path!r}: corrupt or truncated (header of {n} bytes, file of {len(data)})")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError:
+        raise SidecarError(f"sidecar {path!r}: corrupt header (not JSON)") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise SidecarError(f"sidecar {path!r}: no metadata; it was not written by resumable-stream")
+    return meta
+
+
+def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
+    meta = _read_header_metadata(data, path)
+    if meta.get("format") != FORMAT:
+        raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    version = meta.get("format_version")
+    if version != str(FORMAT_VERSION):
+        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads version "
+                           f"{FORMAT_VERSION} (upgrade resumable-stream or resume with the version that wrote it)")
+    try:
+        tensors = st_load(data)
+        fields = json.loads(meta["cursor_fields"])
+        fingerprint = json.loads(meta["fingerprint"])
+        topology = json.loads(meta["topology"])
+        digests = json.loads(meta["digests"])
+        turn = int(meta.get("turn", "0"))
+        parts, cursors = tensors["partition_ids"], tensors["cursors"]
+        slots, chains = tensors["slots"], tensors["chains"]
+    except (KeyError, ValueError, TypeError) as e:
+        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete ({type(e).__name__}: {e})") from None
+    except Exception as e:  # safetensors' own parse errors
+        raise SidecarError(f"sidecar {path!r}: corrupt or truncated ({e})") from None
+    if list(fields) != list(CURSOR_FIELDS) or cursors.shape != (len(parts), len(CURSOR_FIELDS)):
+        raise SidecarError(f"sidecar {path!r}: unexpected cursor layout {fields} {cursors.shape}")
+    partitions = {}
+    for i, p in enumerate(parts.tolist()):
+        d = digests.get(str(p))
+        if d is None:
+            raise SidecarError(f"sidecar {path!r}: no digests for partition {p}")
+        ps = {f: int(v) for f, v in zip(CURSOR_FIELDS, cursors[i].tolist())}
+        ps["slots"] = [(int(a), int(b)) for a, b in slots[i].tolist() if a >= 0]
+        ps["chain"] = bytes(chains[i].tolist()).hex()
+        ps["next_sample_digest"] = d["next_sample"]
+        ps["consumed_digest"] = d["consumed"]
+        ps["consumed"] = int(d["consumed_samples"])
+        partitions[int(p)] = ps
+    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
+            "turn": turn, "partitions": partitions}
+
+
+# ------------------------------------------------------------------ files and directories
+def write_state_file(path: str, state: dict[str, Any]) -> str:
+    atomic_write(path, encode_state(state))
+    return path
+
+
+def read_state_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SidecarError(f"sidecar {path!r}: not found") from None
+    except OSError as e:
+        raise SidecarError(f"sidecar {path!r}: cannot be read ({e})") from None
+    return decode_state(data, path)
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(state_dir: str, world_size: int) -> str:
+    """Rank 0, after every rank wrote its file: record them all. Missing files are an error."""
+    files = {}
+    for r in range(world_size):
+        p = os.path.join(state_dir, rank_file_name(r))
+        if not os.path.isfile(p):
+            raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} missing; cannot write the manifest")
+        files[rank_file_name(r)] = {"bytes": os.path.getsize(p), "blake2b": _file_digest(p)}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size, "files": files}
+    path = os.path.join(state_dir, MANIFEST)
+    atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    return path
+
+
+def read_manifest(state_dir: str) -> dict[str, Any]:
+    path = os.path.join(state_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise SidecarError(f"stream state {state_dir!r}: no {MANIFEST}; the checkpoint was not completely written "
+                           "and is not resumed from")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        world_size = int(manifest["world_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SidecarError(f"manifest {path!r}: corrupt ({type(e).__name__}: {e})") from None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict) or len(files) != world_size:
+        raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest for {world_size} ranks")
+    return manifest
+
+
+def state_dir_of(path: str) -> str | None:
+    """The stream_state directory at ``path``: itself, or ``path/stream_state``."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) or any(_RANK_FILE.match(f) for f in _listdir(path)):
+        return path
+    sub = os.path.join(path, STATE_DIR)
+    if os.path.isdir(sub):
+        return sub
+    return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def resolve_rank_file(path: str, rank: int) -> str:
+    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise SidecarError(f"stream state {path!r}: not found")
+    state_dir = state_dir_of(path)
+    if state_dir is None:
+        raise SidecarError(f"stream state {path!r}: expected a rank-NNNNN.safetensors file, a stream_state directory "
+                           "or a checkpoint directory containing stream_state/")
+    manifest = read_manifest(state_dir)
+    name = rank_file_name(rank)
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise SidecarError(f"stream state {state_dir!r}: written by {manifest['world_size']} ranks, has no file for "
+                           f"rank {rank}")
+    file = os.path.join(state_dir, name)
+    if not os.path.isfile(file):
+        raise SidecarError(f"sidecar {file!r}: listed in the manifest but missing")
+    if os.path.getsize(file) != entry["bytes"] or _file_digest(file) != entry["blake2b"]:
+        raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    return file
