@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,6 @@ import yaml
 from .errors import ConfigError
 
 BACKENDS = ("hf", "local")
-# Keys the block cache (a later feature) reserves; accepted only with their "off" values for now.
-_NOT_YET = {"cache_dir": None}
 
 
 def _is_int(v: Any) -> bool:
@@ -57,8 +56,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
     "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
     "cache_dir": (lambda v: v is None, "null (the local block cache is not available in this version)"),
-    "cache_size_limit_gb": (lambda v: (_is_int(v) or isinstance(v, float)) and v > 0 and not isinstance(v, bool),
-                            "a number of gigabytes > 0"),
+    "cache_size_limit_gb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
+                            "a finite number of gigabytes > 0"),
 }
 
 
@@ -133,10 +132,17 @@ class StreamConfig:
                 doc = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r}: not found") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path!r}: not UTF-8 text; expected a yaml file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r}: cannot be read ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r}: not valid yaml ({e})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping at the top level, got {type(doc).__name__}")
+        if "data" not in doc and ({"model", "train"} & set(doc)):
+            raise ConfigError(f"config file {path!r}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
+                              "without a data: section; add one with at least dataset_name_or_path")
         section = doc["data"] if "data" in doc else doc
         return cls.from_dict(section, base_dir=os.path.dirname(os.path.abspath(path)), source_file=path)
 
@@ -174,6 +180,9 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
                 else [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in v] if isinstance(v, list) else v)
             for k, v in dfs.items()
         }
+    state = out.get("resume_state_path")
+    if isinstance(state, str) and state:
+        out["resume_state_path"] = _resolve_one(state, base_dir)
     name = out.get("dataset_name_or_path")
     if isinstance(name, str) and (name.startswith(".") or os.sep in name) and not _looks_remote(name):
         out["dataset_name_or_path"] = _resolve_one(name, base_dir)

@@ -87,8 +87,8 @@ class Window:
 class _OpenShard:
     """One shard being read: buffers kept rows and their raw row numbers."""
 
-    def __init__(self, source, shard: int, pos: int, next_row: int, step: int, phase: int):
-        self.shard, self.pos, self.next_row = shard, pos, next_row
+    def __init__(self, source, shard: int, pos: int, next_row: int, step: int, phase: int, epoch: int):
+        self.shard, self.pos, self.next_row, self.epoch = shard, pos, next_row, epoch
         self._step, self._phase = step, phase
         self._tables = source.read(shard, next_row)
         self._raw_start = next_row       # raw row of the first row of the next table
@@ -135,6 +135,7 @@ class PartitionReader:
     def __init__(self, source, layout: Layout, partition: int, cursor: Cursor | None = None):
         self.source, self.layout, self.partition = source, layout, partition
         self._window: Window | None = None
+        self._open: dict[int, _OpenShard] = {}   # shards left open by the last window, by position
         self.cursor = cursor or Cursor()
 
     # ------------------------------------------------------------------ state
@@ -152,6 +153,7 @@ class PartitionReader:
     def set_cursor(self, cursor: Cursor) -> None:
         self.cursor = cursor
         self._window = None
+        self._open = {}
 
     def consumed_digest(self) -> str:
         c, w = self._start, self._window
@@ -167,10 +169,13 @@ class PartitionReader:
     def window(self, rollover: bool = True) -> Window | None:
         """The current window, built if needed. At the end of the epoch: the next epoch's first
         window if ``rollover``, else None (and the cursor moves to the next epoch's start)."""
-        if self._window is not None and self.offset < len(self._window):
-            return self._window
-        if self._window is not None:       # fully consumed: move on
-            self.finish_window()
+        if self._window is not None:
+            if self.offset < len(self._window):
+                return self._window
+            epoch = self._start.epoch
+            self.finish_window()           # fully consumed: move on
+            if not rollover and self._start.epoch != epoch:
+                return None
         win = self._build(self._start)
         if win is None:
             s = self._start
@@ -198,7 +203,13 @@ class PartitionReader:
         lay = self.layout
         shard_list = lay.shards_for(start.epoch, self.partition)
         step, phase = lay.stride(self.partition)
-        slots = [_OpenShard(self.source, shard_list[pos], pos, row, step, phase) for pos, row in start.slots]
+        # Shards left open by the previous window continue where they are; others are (re)opened.
+        live = self._open
+        slots = [
+            live[pos] if pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
+            else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)
+            for pos, row in start.slots
+        ]
         next_pos, rr, rr_taken = start.next_pos, start.rr, start.rr_taken
         want_total, block = lay.buffer_size, lay.block
         tables: list[pa.Table] = []
@@ -207,7 +218,7 @@ class PartitionReader:
         have = 0
         while have < want_total:
             while len(slots) < lay.open_slots and next_pos < len(shard_list):
-                slots.append(_OpenShard(self.source, shard_list[next_pos], next_pos, 0, step, phase))
+                slots.append(_OpenShard(self.source, shard_list[next_pos], next_pos, 0, step, phase, start.epoch))
                 next_pos += 1
             if not slots:
                 break
@@ -239,6 +250,7 @@ class PartitionReader:
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
         rows = list(zip(*columns)) if columns else [()] * have
+        self._open = {s.pos: s for s in slots}
         exhausted = not slots and next_pos >= len(shard_list)
         after = Cursor(
             epoch=start.epoch, window=start.window + 1, offset=0, next_pos=next_pos,

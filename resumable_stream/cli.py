@@ -1,0 +1,156 @@
+"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+from .config import StreamConfig
+from .errors import ConfigError, ResumableStreamError, SidecarError
+
+
+def _show(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return repr(value)
+
+
+def _positive(name: str, minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: got {text!r}; allowed: an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name}: got {value}; allowed: an integer >= {minimum}")
+        return value
+    return parse
+
+
+def cmd_peek(args: argparse.Namespace) -> int:
+    from .stream import ResumableStream
+
+    cfg = StreamConfig.from_yaml(args.config)
+    if args.resume_from:
+        cfg = cfg.replace(resume_state_path=args.resume_from)
+    if args.rank >= args.world_size:
+        raise ConfigError(f"--rank: got {args.rank}; allowed: 0 .. {args.world_size - 1} for --world-size "
+                          f"{args.world_size}")
+    stream = ResumableStream(cfg, rank=args.rank, world_size=args.world_size, num_workers=args.num_workers)
+    fields = None
+    if args.fields:
+        fields = [f.strip() for f in args.fields.split(",") if f.strip()]
+        columns = stream.source.column_names
+        unknown = [f for f in fields if columns is not None and f not in columns]
+        if unknown:
+            raise ConfigError(f"--fields: unknown column(s) {', '.join(unknown)}; columns: {', '.join(columns)}")
+    out = sys.stdout
+    for sample in itertools.islice(stream, args.num):
+        if fields is not None:
+            sample = {k: sample.get(k) for k in fields}
+        out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
+    out.flush()
+    if args.save_state:
+        path = stream.save_sidecar(args.save_state)
+        print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
+    return 0
+
+
+def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
+    fp = state["fingerprint"]
+    ds = fp.get("dataset", {})
+    summary = {
+        "format_version": state["format_version"],
+        "topology": state["topology"],
+        "dataset": {k: v for k, v in ds.items() if k != "files"},
+        "files": ds.get("files") if full else len(ds.get("files", [])),
+        "order": fp.get("order"),
+        "partitions": {},
+    }
+    for p, ps in sorted(state["partitions"].items()):
+        summary["partitions"][str(p)] = {
+            "epoch": ps["epoch"], "window": ps["window"], "offset_in_window": ps["offset"],
+            "consumed_samples": ps["consumed"], "open_shards": [list(s) for s in ps["slots"]],
+            "next_shard_position": ps["next_pos"],
+            "next_sample_digest": ps["next_sample_digest"], "consumed_digest": ps["consumed_digest"],
+        }
+    return summary
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .sidecar import read_manifest, read_state_file, state_dir_of
+
+    path = args.path
+    if os.path.isfile(path):
+        result = {"file": path, **_summarize_state(read_state_file(path), args.full)}
+    elif os.path.isdir(path):
+        state_dir = state_dir_of(path)
+        if state_dir is None:
+            raise SidecarError(f"stream state {path!r}: no sidecar files or stream_state/ directory here")
+        manifest = read_manifest(state_dir)
+        ranks = {}
+        for name in sorted(manifest["files"]):
+            ranks[name] = _summarize_state(read_state_file(os.path.join(state_dir, name)), args.full)
+        result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks}
+    else:
+        raise SidecarError(f"stream state {path!r}: not found")
+    print(json.dumps(result, indent=2, default=_show))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="resumable-stream",
+                                description="Exactly resumable HuggingFace streaming datasets for training.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    peek = sub.add_parser("peek", help="print the next samples a rank will read, as JSON lines")
+    peek.add_argument("config", help="yaml file with a data: section (or only data keys)")
+    peek.add_argument("--rank", type=_positive("--rank", 0), default=0)
+    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1)
+    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0,
+                      help="DataLoader workers per rank the state is for (default 0)")
+    peek.add_argument("--num", type=_positive("--num", 0), default=10, help="how many samples (default 10)")
+    peek.add_argument("--resume-from", help="a sidecar file, stream_state dir or checkpoint dir to start from")
+    peek.add_argument("--save-state", help="write the state after the printed samples (file.safetensors or dir)")
+    peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
+    peek.set_defaults(func=cmd_peek)
+
+    insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON")
+    insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
+    insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
+    insp.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("RESUMABLE_STREAM_DEBUG") == "1"
+    try:
+        return args.func(args)
+    except ResumableStreamError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"resumable-stream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # unexpected: still one readable line unless --debug
+        if debug:
+            traceback.print_exc()
+        print(f"resumable-stream: unexpected error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
