@@ -195,10 +195,13 @@ def open_source(cfg: StreamConfig) -> Source:
                           f"({type(e).__name__}: {e})") from None
 
     resolved = builder.config.data_files
-    splits = list(resolved) if resolved else list((builder.info.splits or {}).keys())
+    splits = [str(s) for s in (resolved if resolved else (builder.info.splits or {}))]
     if splits and cfg.split not in splits:
         raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
     files = [str(f) for f in resolved[cfg.split]] if resolved else []
+    if resolved and not files:
+        raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
+                          f"split {cfg.split!r}")
     identities = _map_threads(_file_identity, files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
