@@ -1,0 +1,28 @@
+# Both quick-start commands bootstrap their own virtual environment in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build first: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/stream_demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check resumable_stream tests examples benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/resume_cost.py
+
+clean:
+	rm -rf $(VENV) .bench .pytest_cache

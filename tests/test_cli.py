@@ -1,0 +1,107 @@
+"""The command line: peek, inspect, errors as one readable line, and the quick-start demo."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import take_ids
+
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _yaml(tmp_path, directory, extra=""):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(f"data:\n  dataset_name_or_path: parquet\n  data_files: {directory}/*.parquet\n"
+                 f"  shuffle: true\n  buffer_size: 64\n{extra}")
+    return str(p)
+
+
+def test_peek_prints_the_samples_the_stream_yields(parquet_small, tmp_path, capsys):
+    cfg_path = _yaml(tmp_path, parquet_small)
+    assert main(["peek", cfg_path, "--rank", "1", "--world-size", "2", "--num", "25"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    expected = take_ids(ResumableStream(StreamConfig.from_yaml(cfg_path), rank=1, world_size=2), 25)
+    assert [x["id"] for x in lines] == expected
+    assert set(lines[0]) == {"id", "text", "label"}
+
+
+def test_peek_fields_and_save_state_then_resume(parquet_small, tmp_path, capsys):
+    cfg_path = _yaml(tmp_path, parquet_small)
+    assert main(["peek", cfg_path, "--num", "30", "--fields", "id,label", "--save-state", str(tmp_path / "st")]) == 0
+    first = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert set(first[0]) == {"id", "label"}
+    assert os.path.isfile(tmp_path / "st" / "rank-00000.safetensors")
+    assert main(["peek", cfg_path, "--num", "10", "--fields", "id", "--resume-from", str(tmp_path / "st")]) == 0
+    second = [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()]
+    assert [x["id"] for x in first] + second == take_ids(
+        ResumableStream(StreamConfig.from_yaml(cfg_path), rank=0, world_size=1), 40)
+
+
+def test_inspect_file_and_directory(parquet_small, tmp_path, capsys):
+    cfg_path = _yaml(tmp_path, parquet_small)
+    assert main(["peek", cfg_path, "--num", "70", "--save-state", str(tmp_path / "ck" / "stream_state")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    part = out["ranks"]["rank-00000.safetensors"]["partitions"]["0"]
+    assert part["consumed_samples"] == 70 and part["window"] == 1 and part["offset_in_window"] == 6
+    assert out["world_size"] == 1
+    assert main(["inspect", str(tmp_path / "ck" / "stream_state" / "rank-00000.safetensors"), "--full"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert len(one["files"]) == 4 and one["order"]["buffer_size"] == 64
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["peek", "{cfg}", "--fields", "nope"], "--fields: unknown column(s) nope"),
+        (["peek", "{cfg}", "--rank", "2", "--world-size", "2"], "--rank: got 2"),
+        (["peek", "{tmp}/missing.yaml"], "not found"),
+        (["peek", "{cfg}", "--resume-from", "{tmp}/none"], "not found"),
+        (["inspect", "{tmp}/none"], "not found"),
+        (["inspect", "{tmp}/bad.safetensors"], "corrupt or truncated"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(parquet_small, tmp_path, argv, needle):
+    cfg_path = _yaml(tmp_path, parquet_small)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    argv = [a.format(cfg=cfg_path, tmp=tmp_path) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_debug_shows_the_traceback(parquet_small, tmp_path):
+    argv = ["--debug", "peek", _yaml(tmp_path, parquet_small), "--fields", "nope"]
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_mismatch_lists_every_difference_on_its_own_line(parquet_small, tmp_path):
+    cfg_path = _yaml(tmp_path, parquet_small)
+    assert main(["peek", cfg_path, "--num", "5", "--save-state", str(tmp_path / "s.safetensors")]) == 0
+    other = _yaml(tmp_path, parquet_small, extra="  shuffle_seed: 5\n")
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", "peek", other, "--resume-from",
+                        str(tmp_path / "s.safetensors")], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "data.shuffle_seed: saved 42, now 5" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_console_script_is_installed():
+    exe = os.path.join(os.path.dirname(sys.executable), "resumable-stream")
+    r = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "peek" in r.stdout and "inspect" in r.stdout
+
+
+def test_quick_start_demo_kills_and_resumes_exactly(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "stream_demo.py"), "--steps", "160",
+                        "--save-every", "30", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "killed with SIGKILL" in r.stdout and "RESULT: exact resume" in r.stdout
+    assert r.stdout.count("identical to the uninterrupted run") == 2

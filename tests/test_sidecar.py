@@ -1,0 +1,211 @@
+"""Sidecars: safetensors layout, atomic writes, manifests, corrupt input, topology mismatches."""
+
+import json
+import os
+
+import pytest
+from helpers import parquet_config, take_ids
+from safetensors import safe_open
+
+from resumable_stream import ResumableStream, SidecarError, StreamMismatchError
+from resumable_stream import sidecar as sc
+from resumable_stream.source import open_source
+
+
+@pytest.fixture(scope="module")
+def cfg(parquet_small):
+    return parquet_config(parquet_small, shuffle=True, buffer_size=64)
+
+
+@pytest.fixture(scope="module")
+def source(cfg):
+    return open_source(cfg)
+
+
+def _saved(cfg, source, tmp_path, n=150, world_size=1, rank=0, num_workers=0):
+    s = ResumableStream(cfg, rank=rank, world_size=world_size, num_workers=num_workers, source=source)
+    take_ids(s, n)
+    return s, s.save_sidecar(tmp_path / "state")
+
+
+def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, source, tmp_path):
+    s, path = _saved(cfg, source, tmp_path)
+    assert os.path.basename(path) == "rank-00000.safetensors"
+    assert os.path.isfile(tmp_path / "state" / "manifest.json")
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata()
+        assert set(f.keys()) == {"partition_ids", "cursors", "slots", "chains"}
+        cursors = f.get_tensor("cursors")
+    assert meta["format"] == "resumable-stream" and meta["format_version"] == "1"
+    fields = json.loads(meta["cursor_fields"])
+    row = dict(zip(fields, cursors[0].tolist()))
+    assert row["offset"] + row["consumed_before"] == 150
+    fp = json.loads(meta["fingerprint"])
+    assert fp["order"]["seed"] == 42 and fp["order"]["buffer_size"] == 64
+    assert len(fp["dataset"]["files"]) == 4
+    assert json.loads(meta["topology"]) == {"rank": 0, "world_size": 1, "num_workers": 0, "num_partitions": 1}
+    digests = json.loads(meta["digests"])["0"]
+    assert digests["consumed_samples"] == 150 and len(digests["next_sample"]) == 16
+    # no temp files left behind
+    assert sorted(os.listdir(tmp_path / "state")) == ["manifest.json", "rank-00000.safetensors"]
+
+
+def test_consumed_digest_identifies_what_was_consumed(cfg, source, tmp_path):
+    a = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    b = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(a, 100)
+    take_ids(b, 100)
+    assert a.state_dict()["partitions"][0]["consumed_digest"] == b.state_dict()["partitions"][0]["consumed_digest"]
+    take_ids(b, 1)
+    assert a.state_dict()["partitions"][0]["consumed_digest"] != b.state_dict()["partitions"][0]["consumed_digest"]
+    c = ResumableStream(cfg.replace(shuffle_seed=1), rank=0, world_size=1, source=source)
+    take_ids(c, 100)
+    assert c.state_dict()["partitions"][0]["consumed_digest"] != a.state_dict()["partitions"][0]["consumed_digest"]
+
+
+def test_atomic_write_keeps_the_old_file_when_interrupted(cfg, source, tmp_path, monkeypatch):
+    s, path = _saved(cfg, source, tmp_path)
+    before = open(path, "rb").read()
+    take_ids(s, 10)
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sc.os, "replace", boom)
+    with pytest.raises(OSError):
+        s.save_sidecar(path)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before
+    assert [f for f in os.listdir(os.path.dirname(path)) if f.startswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("damage", ["truncate_half", "truncate_8", "empty", "garbage", "flip_header", "not_ours"])
+def test_corrupt_or_truncated_sidecar_is_a_clear_error(cfg, source, tmp_path, damage):
+    _, path = _saved(cfg, source, tmp_path)
+    data = open(path, "rb").read()
+    if damage == "truncate_half":
+        data = data[: len(data) // 2]
+    elif damage == "truncate_8":
+        data = data[:8]
+    elif damage == "empty":
+        data = b""
+    elif damage == "garbage":
+        data = os.urandom(500)
+    elif damage == "flip_header":
+        data = data[:8] + b"#" + data[9:]
+    elif damage == "not_ours":
+        from safetensors.numpy import save
+        import numpy as np
+        data = save({"w": np.zeros(3)}, metadata={"x": "y"})
+    open(path, "wb").write(data)
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    with pytest.raises(SidecarError) as e:
+        s.load_sidecar(path)      # the file itself: no manifest check
+    assert path in str(e.value)
+
+
+def test_missing_sidecar_names_the_path(cfg, source, tmp_path):
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    with pytest.raises(SidecarError, match="not found"):
+        s.load_sidecar(tmp_path / "nope.safetensors")
+    with pytest.raises(SidecarError, match="expected a rank"):
+        s.load_sidecar(tmp_path)
+
+
+def test_directory_without_manifest_is_incomplete(cfg, source, tmp_path):
+    _, path = _saved(cfg, source, tmp_path)
+    os.unlink(tmp_path / "state" / "manifest.json")
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    with pytest.raises(SidecarError, match="manifest.json"):
+        s.load_sidecar(tmp_path / "state")
+
+
+def test_rank_file_changed_after_manifest_is_refused(cfg, source, tmp_path):
+    s, path = _saved(cfg, source, tmp_path)
+    take_ids(s, 5)
+    sc.write_state_file(path, s.state_dict())      # rewritten without a new manifest
+    fresh = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    with pytest.raises(SidecarError, match="manifest"):
+        fresh.load_sidecar(tmp_path / "state")
+
+
+def test_checkpoint_directory_with_stream_state_subdir(cfg, source, tmp_path):
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(s, 70)
+    s.save_sidecar(tmp_path / "checkpoint-70" / "stream_state")
+    expected = take_ids(s, 30)
+    r = ResumableStream(cfg.replace(resume_state_path=str(tmp_path / "checkpoint-70")), rank=0, world_size=1,
+                        source=source)
+    assert take_ids(r, 30) == expected
+
+
+def test_multi_rank_manifest(cfg, source, tmp_path):
+    state_dir = tmp_path / "checkpoint-5" / "stream_state"
+    expected = {}
+    for rank in range(3):
+        s = ResumableStream(cfg, rank=rank, world_size=3, source=source)
+        take_ids(s, 40 + rank)
+        s.save_sidecar(state_dir)
+        expected[rank] = take_ids(s, 20)
+    with pytest.raises(SidecarError, match="manifest.json"):
+        ResumableStream(cfg, rank=1, world_size=3, source=source).load_sidecar(state_dir.parent)
+    sc.write_manifest(str(state_dir), 3)
+    for rank in range(3):
+        r = ResumableStream(cfg, rank=rank, world_size=3, source=source)
+        r.load_sidecar(state_dir.parent)
+        assert take_ids(r, 20) == expected[rank]
+    os.unlink(state_dir / "rank-00002.safetensors")
+    with pytest.raises(SidecarError, match="missing"):
+        ResumableStream(cfg, rank=2, world_size=3, source=source).load_sidecar(state_dir)
+    with pytest.raises(SidecarError, match="rank-00002.safetensors missing"):
+        sc.write_manifest(str(state_dir), 3)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "what"),
+    [
+        ((2, 0, 0), (3, 0, 0), "world_size"),
+        ((2, 0, 0), (1, 0, 0), "world_size"),
+        ((1, 0, 2), (1, 0, 1), "num_workers"),
+        ((1, 0, 0), (1, 0, 2), "num_workers"),
+        ((2, 1, 0), (2, 0, 0), "rank"),
+    ],
+)
+def test_topology_change_is_a_mismatch(cfg, source, tmp_path, saved, now, what):
+    w, r, k = saved
+    s = ResumableStream(cfg, rank=r, world_size=w, num_workers=k, source=source)
+    take_ids(s, 20)
+    path = s.save_sidecar(tmp_path / "x.safetensors")
+    w2, r2, k2 = now
+    fresh = ResumableStream(cfg, rank=r2, world_size=w2, num_workers=k2, source=source)
+    with pytest.raises(StreamMismatchError) as e:
+        fresh.load_sidecar(path)
+    assert what in str(e.value)
+    assert any(d[0] == what for d in e.value.differences)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [({"shuffle_seed": 43}, "data.shuffle_seed"), ({"buffer_size": 65}, "data.buffer_size"),
+     ({"shuffle": False}, "data.shuffle"), ({"interleave_shards": 2}, "data.interleave_shards")],
+)
+def test_config_change_is_a_mismatch_naming_old_and_new(cfg, source, tmp_path, change, key):
+    s, path = _saved(cfg, source, tmp_path)
+    fresh = ResumableStream(cfg.replace(**change), rank=0, world_size=1, source=source)
+    with pytest.raises(StreamMismatchError) as e:
+        fresh.load_sidecar(path)
+    msg = str(e.value)
+    (name, new), = change.items()
+    old = getattr(cfg, name)
+    assert key in msg and f"saved {old!r}, now {new!r}" in msg
+
+
+def test_future_format_version_is_refused(cfg, source, tmp_path):
+    _, path = _saved(cfg, source, tmp_path)
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].replace(b'"format_version":"1"', b'"format_version":"9"')
+    assert len(header) == n
+    open(path, "wb").write(data[:8] + header + data[8 + n:])
+    with pytest.raises(SidecarError, match="format version '9'"):
+        ResumableStream(cfg, rank=0, world_size=1, source=source).load_sidecar(path)
