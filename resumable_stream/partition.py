@@ -7,8 +7,10 @@ permutation and skips ``offset`` rows: the cost is one window, however far the r
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -84,6 +86,17 @@ class Window:
         return dict(zip(self.names, self.rows[i]))
 
 
+_LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_shards() -> None:
+    # Close readers while modules are still alive; left to interpreter teardown, datasets'
+    # parquet generator prints "Exception ignored" noise.
+    for shard in list(_LIVE_SHARDS):
+        shard.close()
+
+
 class _OpenShard:
     """One shard being read: buffers kept rows and their raw row numbers."""
 
@@ -94,6 +107,12 @@ class _OpenShard:
         self._raw_start = next_row       # raw row of the first row of the next table
         self._buf: pa.Table | None = None
         self._buf_rows = np.empty(0, dtype=np.int64)
+        _LIVE_SHARDS.add(self)
+
+    def close(self) -> None:
+        close = getattr(self._tables, "close", None)
+        if close is not None:
+            close()
 
     def _fill(self) -> bool:
         for table in self._tables:
