@@ -142,7 +142,7 @@ class StreamingSource(Source):
         one = self._ids.shard(num_shards=len(self.shards), index=shard, contiguous=True).with_format("arrow")
         seen = 0
         # Reopening at a row re-reads the shard's prefix: bounded by one shard (a row group for parquet).
-        for table in one.iter(batch_size=READ_BATCH_ROWS):
+        for table in self._guarded(one.iter(batch_size=READ_BATCH_ROWS), shard):
             n = table.num_rows
             if seen + n <= start_row:
                 seen += n
@@ -150,6 +150,20 @@ class StreamingSource(Source):
             if seen < start_row:
                 table = table.slice(start_row - seen)
             seen += n
+            yield table
+
+
+    def _guarded(self, tables: Iterator[pa.Table], shard: int) -> Iterator[pa.Table]:
+        """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
+        while True:
+            try:
+                table = next(tables)
+            except StopIteration:
+                return
+            except Exception as e:
+                info = self.shards[shard]
+                raise SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
+                                  f"({type(e).__name__}: {e})") from e
             yield table
 
 

@@ -94,8 +94,8 @@ def test_corrupt_or_truncated_sidecar_is_a_clear_error(cfg, source, tmp_path, da
     elif damage == "flip_header":
         data = data[:8] + b"#" + data[9:]
     elif damage == "not_ours":
-        from safetensors.numpy import save
         import numpy as np
+        from safetensors.numpy import save
         data = save({"w": np.zeros(3)}, metadata={"x": "y"})
     open(path, "wb").write(data)
     s = ResumableStream(cfg, rank=0, world_size=1, source=source)
