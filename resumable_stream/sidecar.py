@@ -90,6 +90,13 @@ def encode_state(state: dict[str, Any]) -> bytes:
         "slots": slots,
         "chains": chains,
     }
+    extra_meta = {}
+    for p in parts:   # what a transform carries over (e.g. packed tokens), per partition
+        extra = state["partitions"][p].get("extra")
+        if extra is not None:
+            for name, arr in extra.get("tensors", {}).items():
+                tensors[f"extra/{p}/{name}"] = np.ascontiguousarray(arr)
+            extra_meta[str(p)] = {"meta": extra.get("meta", {}), "tensors": sorted(extra.get("tensors", {}))}
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -98,6 +105,7 @@ def encode_state(state: dict[str, Any]) -> bytes:
         "topology": json.dumps(state["topology"], sort_keys=True),
         "turn": str(state.get("turn", 0)),
         "digests": json.dumps(digests, sort_keys=True),
+        "extra": json.dumps(extra_meta, sort_keys=True),
     }
     return st_save(tensors, metadata=metadata)
 
@@ -133,6 +141,7 @@ def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
         topology = json.loads(meta["topology"])
         digests = json.loads(meta["digests"])
         turn = int(meta.get("turn", "0"))
+        extra_meta = json.loads(meta.get("extra", "{}"))
         parts, cursors = tensors["partition_ids"], tensors["cursors"]
         slots, chains = tensors["slots"], tensors["chains"]
     except (KeyError, ValueError, TypeError) as e:
@@ -152,6 +161,12 @@ def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
         ps["next_sample_digest"] = d["next_sample"]
         ps["consumed_digest"] = d["consumed"]
         ps["consumed"] = int(d["consumed_samples"])
+        if str(p) in extra_meta:
+            em = extra_meta[str(p)]
+            missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
+            if missing:
+                raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
+            ps["extra"] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
         partitions[int(p)] = ps
     return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
             "turn": turn, "partitions": partitions}

@@ -82,17 +82,21 @@ class ResumableStream(torch.utils.data.IterableDataset):
         self._turn = 0
         self._epoch_limit: int | None = None
         self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
+        self.transform_fingerprint: dict | None = None   # set by the loader when a transform follows
         if config.resume_state_path:
             self.load_sidecar(config.resume_state_path)
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
         c = self.config
-        return {
+        fp = {
             "dataset": self.source.fingerprint,
             "order": {"shuffle": c.shuffle, "seed": c.shuffle_seed, "buffer_size": c.buffer_size,
                       "interleave": c.interleave_shards, "block_rows": c.block_rows},
         }
+        if self.transform_fingerprint is not None:
+            fp["transform"] = self.transform_fingerprint
+        return fp
 
     def topology(self) -> dict[str, int]:
         return {"rank": self.rank, "world_size": self.world_size, "num_workers": self.num_workers,
@@ -126,6 +130,12 @@ class ResumableStream(torch.utils.data.IterableDataset):
         if len(parts) == 1:
             return self._iter_partition(self._readers[parts[0]])
         return self._iter_round_robin(parts)
+
+    def iter_partition(self, partition: int) -> Iterator[tuple[dict, tuple[int, int]]]:
+        """(sample, (shard, row)) pairs of one partition: what the loader's workers read."""
+        reader = self._readers[partition]
+        for sample in self._iter_partition(reader):
+            yield sample, reader.sample_key(reader.offset - 1)
 
     def _iter_partition(self, reader: PartitionReader) -> Iterator[dict]:
         finite = self._epoch_limit is not None
@@ -170,21 +180,26 @@ class ResumableStream(torch.utils.data.IterableDataset):
             )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last sample this stream yielded (per partition)."""
-        parts = {}
-        for p, reader in self._readers.items():
-            win = reader.window(rollover=True)   # the next sample is needed for its digest
-            c = reader.cursor
-            nxt = win.sample(c.offset)
-            parts[p] = {
-                **{f: getattr(c, f) for f in Cursor.FIELDS},
-                "slots": [list(s) for s in c.slots],
-                "chain": c.chain.hex(),
-                "consumed": c.consumed,
-                "consumed_digest": reader.consumed_digest(),
-                "next_sample_digest": sample_digest(nxt),
-            }
+    def partition_state(self, partition: int) -> dict[str, Any]:
+        """One partition's position after the last sample it yielded, with the digest of the next one."""
+        reader = self._readers[partition]
+        win = reader.window(rollover=True)   # the next sample is needed for its digest
+        c = reader.cursor
+        return {
+            **{f: getattr(c, f) for f in Cursor.FIELDS},
+            "slots": [list(s) for s in c.slots],
+            "chain": c.chain.hex(),
+            "consumed": c.consumed,
+            "consumed_digest": reader.consumed_digest(),
+            "next_sample_digest": sample_digest(win.sample(c.offset)),
+        }
+
+    def state_dict(self, partitions: dict[int, dict] | None = None) -> dict[str, Any]:
+        """The position after the last sample this stream yielded (per partition).
+
+        ``partitions`` replaces the per-partition states (the loader passes what training consumed).
+        """
+        parts = {p: (partitions or {}).get(p) or self.partition_state(p) for p in self.partitions}
         return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint(), "topology": self.topology(),
                 "turn": self._turn, "partitions": parts}
 
