@@ -105,6 +105,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from .trainer_patch.train import run_training
+
+    run_training(args.config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
                                 description="Exactly resumable HuggingFace streaming datasets for training.")
@@ -122,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     peek.add_argument("--save-state", help="write the state after the printed samples (file.safetensors or dir)")
     peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
     peek.set_defaults(func=cmd_peek)
+
+    train = sub.add_parser("train", help="train a model from one yaml (model/data/train); torchrun-compatible")
+    train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
+    train.set_defaults(func=cmd_train)
 
     insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON")
     insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")

@@ -107,18 +107,26 @@ class StreamConfig:
         return [f.name for f in dataclasses.fields(cls) if f.name != "source_file"]
 
     @classmethod
-    def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None) -> StreamConfig:
+    def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None,
+                  extra_keys: tuple[str, ...] | None = None) -> StreamConfig:
+        """``extra_keys``: other keys of the ``data:`` section (the transform's), accepted and left out.
+        Default: the text transform's keys, so a trainer yaml's data section reads as a stream config."""
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
+        if extra_keys is None:
+            from .transforms.config import TransformConfig
+
+            extra_keys = (*TransformConfig.KEYS, "max_samples")
         known = cls.keys()
+        everything = known + list(extra_keys)
         for key in data:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            if key not in everything:
+                close = difflib.get_close_matches(str(key), everything, n=1, cutoff=0.6)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"data.{key}: unknown key{hint} Allowed keys: {', '.join(sorted(known))}")
+                raise ConfigError(f"data.{key}: unknown key{hint} Allowed keys: {', '.join(sorted(everything))}")
         if "dataset_name_or_path" not in data:
             raise ConfigError("data.dataset_name_or_path: missing; it is required (a hub id, builder name or path)")
-        values = dict(data)
+        values = {k: v for k, v in data.items() if k in known}
         if base_dir is not None:
             values = _resolve_relative_paths(values, base_dir)
         return cls(**values, source_file=source_file)

@@ -1,0 +1,83 @@
+"""Trainer callbacks: the per-step consumed-sample log and ``train_log.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from transformers import TrainerCallback
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Keep the lines of steps <= last_step (a resumed run redoes the later ones); drop a cut last line."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            try:
+                if json.loads(line)["step"] <= last_step:
+                    keep.append(line)
+            except (ValueError, KeyError):
+                break
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+class ConsumedLogCallback(TrainerCallback):
+    """``DIR/rank-{r:05d}.jsonl``: one line per optimizer step, ``{"step": s, "samples": [key, ...]}``."""
+
+    def __init__(self, directory: str, rank: int, loader_of):
+        self.path = os.path.join(directory, f"rank-{rank:05d}.jsonl")
+        self.loader_of = loader_of   # () -> the trainer's StreamLoader (built after the callback)
+        self._file = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        _truncate_jsonl(self.path, state.global_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        keys = self.loader_of().pop_consumed_keys()
+        self._file.write(json.dumps({"step": state.global_step, "samples": keys}) + "\n")
+        self._file.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TrainLogCallback(TrainerCallback):
+    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s."""
+
+    def __init__(self, output_dir: str, samples_per_step: int, extra_of=None):
+        self.path = os.path.join(output_dir, "train_log.jsonl")
+        self.samples_per_step = samples_per_step
+        self.extra_of = extra_of
+        self._last = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            _truncate_jsonl(self.path, state.global_step)
+        self._last = (time.perf_counter(), state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        now, step = time.perf_counter(), state.global_step
+        t0, s0 = self._last
+        rate = (step - s0) * self.samples_per_step / (now - t0) if now > t0 and step > s0 else None
+        self._last = (now, step)
+        rec = {"step": step, "loss": logs["loss"], "learning_rate": logs.get("learning_rate"),
+               "samples_per_s": rate}
+        if self.extra_of is not None:
+            rec.update(self.extra_of())
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")

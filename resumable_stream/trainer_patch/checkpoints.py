@@ -1,0 +1,75 @@
+"""Which checkpoints are complete, and writing a checkpoint's stream state from every rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+
+from ..errors import SidecarError
+from ..sidecar import MANIFEST, STATE_DIR, read_manifest, write_manifest
+
+log = logging.getLogger(__name__)
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return sorted(found)
+
+
+def is_complete(checkpoint: str) -> bool:
+    """Complete = the Trainer's state and a stream-state manifest (written last) are both there."""
+    return (os.path.isfile(os.path.join(checkpoint, TRAINER_STATE))
+            and os.path.isfile(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+
+
+def check_complete(checkpoint: str) -> None:
+    if not os.path.isdir(checkpoint):
+        raise SidecarError(f"checkpoint {checkpoint!r}: not found")
+    if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
+        raise SidecarError(f"checkpoint {checkpoint!r}: no {TRAINER_STATE}; it was not completely written")
+    state_dir = os.path.join(checkpoint, STATE_DIR)
+    if not os.path.isdir(state_dir):
+        raise SidecarError(f"checkpoint {checkpoint!r}: no {STATE_DIR}/ with the data stream's state; it was not "
+                           "written by a resumable-stream trainer, so the data position cannot be restored exactly")
+    read_manifest(state_dir)   # raises when incomplete
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        if is_complete(path):
+            return path
+    return None
+
+
+def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
+    """Delete checkpoints newer than ``keep`` that were cut short (rank 0, before training resumes)."""
+    keep_step = int(_CHECKPOINT.match(os.path.basename(keep)).group(1)) if keep else -1
+    removed = []
+    for step, path in checkpoint_dirs(output_dir):
+        if step > keep_step and not is_complete(path):
+            log.warning("removing incomplete checkpoint %s (interrupted while it was written)", path)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, barrier) -> None:
+    """Every rank writes its sidecar; after a barrier rank 0 writes the manifest that completes the checkpoint."""
+    state_dir = os.path.join(checkpoint, STATE_DIR)
+    os.makedirs(state_dir, exist_ok=True)
+    loader.save_sidecar(state_dir)
+    barrier()
+    if is_main:
+        delay = float(os.environ.get("RESUMABLE_STREAM_SAVE_DELAY_S", "0") or 0)
+        if delay > 0:   # fault-injection hook for the kill-during-checkpoint test
+            time.sleep(delay)
+        write_manifest(state_dir, world_size)
+    barrier()

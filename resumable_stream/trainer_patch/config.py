@@ -1,0 +1,145 @@
+"""The trainer yaml: ``model:``, ``data:`` and ``train:`` sections, validated before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from ..config import StreamConfig
+from ..errors import ConfigError
+from ..transforms.config import TransformConfig
+
+MODEL_KEYS = ("name_or_path", "config", "tokenizer", "dtype", "trust_remote_code")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# TrainingArguments we set ourselves; a user value would break exact resume.
+_FORCED = {"ignore_data_skip": True, "remove_unused_columns": False}
+_DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10, "save_steps": 100}
+
+
+def _unknown(section: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{section}.{key}: unknown key{hint}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str | None = None
+    config: dict | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name_or_path is None and self.config is None:
+            raise ConfigError("model: set model.name_or_path (pretrained weights) or model.config (random init "
+                              "from an inline config with model_type)")
+        if self.name_or_path is not None and not (isinstance(self.name_or_path, str) and self.name_or_path):
+            raise ConfigError(f"model.name_or_path: got {self.name_or_path!r}; allowed: a hub id or a local path")
+        if self.config is not None:
+            if not isinstance(self.config, dict) or not isinstance(self.config.get("model_type"), str):
+                raise ConfigError(f"model.config: got {self.config!r}; allowed: a mapping with model_type "
+                                  "(e.g. qwen3) and the config fields")
+        if self.name_or_path is None and not self.tokenizer:
+            raise ConfigError("model.tokenizer: missing; with model.config (random init) name the tokenizer "
+                              "(a hub id or a local directory)")
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+            raise ConfigError(f"model.tokenizer: got {self.tokenizer!r}; allowed: a hub id or a local directory")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError(f"model.trust_remote_code: got {self.trust_remote_code!r}; allowed: true or false")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    model: ModelConfig
+    stream: StreamConfig
+    transform: TransformConfig
+    train: dict[str, Any]
+    path: str | None = None
+
+    @classmethod
+    def from_yaml(cls, path: str) -> TrainerConfig:
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r}: not found") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+        for key in doc:
+            if key not in ("model", "data", "train"):
+                raise _unknown("config", str(key), ["model", "data", "train"])
+        for key in ("model", "data", "train"):
+            if not isinstance(doc.get(key), dict):
+                raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
+        return cls.from_dict(doc, base_dir=os.path.dirname(os.path.abspath(path)), path=path)
+
+    @classmethod
+    def from_dict(cls, doc: dict, base_dir: str | None = None, path: str | None = None) -> TrainerConfig:
+        model_doc = dict(doc["model"])
+        for key in model_doc:
+            if key not in MODEL_KEYS:
+                raise _unknown("model", str(key), list(MODEL_KEYS))
+        for key in ("name_or_path", "tokenizer"):   # local model / tokenizer dirs next to the yaml
+            v = model_doc.get(key)
+            if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
+                model_doc[key] = os.path.normpath(os.path.join(base_dir, v))
+        model = ModelConfig(**model_doc)
+
+        data = dict(doc["data"])
+        if data.get("max_samples") is not None:
+            raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
+                              "and its length unknown in advance; bound training with train.max_steps")
+        data.pop("max_samples", None)
+        transform = TransformConfig.from_dict(data)
+        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path, extra_keys=TransformConfig.KEYS)
+
+        train = dict(doc["train"])
+        _check_train(train)
+        return cls(model, stream, transform, train, path)
+
+    def training_arguments(self, **overrides: Any):
+        """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
+        ConfigErrors naming the train section."""
+        from transformers import TrainingArguments
+
+        values = {**_DEFAULTS, **self.train, **overrides, **_FORCED}
+        try:
+            return TrainingArguments(**values)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
+
+
+def _check_train(train: dict[str, Any]) -> None:
+    from transformers import TrainingArguments
+
+    known = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    for key in train:
+        if key not in known:
+            raise _unknown("train", str(key), known)
+    for key, forced in _FORCED.items():
+        if key in train and train[key] != forced:
+            raise ConfigError(f"train.{key}: got {train[key]!r}; allowed: {forced!r} (resumable-stream restores the "
+                              "data position from its sidecars instead of replaying batches)")
+    if "output_dir" not in train or not isinstance(train["output_dir"], str) or not train["output_dir"]:
+        raise ConfigError("train.output_dir: missing; checkpoints and logs go there (and a restart resumes from it)")
+    steps = train.get("max_steps")
+    if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ConfigError(f"train.max_steps: got {steps!r}; allowed: an integer > 0. A streaming dataset has no "
+                          "known length, so training length must be set in steps")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "logging_steps"):
+        v = train.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"train.{key}: got {v!r}; allowed: an integer > 0")
+    workers = train.get("dataloader_num_workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")

@@ -1,0 +1,141 @@
+"""One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream.
+
+    from resumable_stream.trainer_patch import patch_trainer, TrainingStream
+    patch_trainer()                                   # once; or patch_trainer(MyTrainerSubclass)
+    trainer = Trainer(model, args, train_dataset=TrainingStream(stream, ...))
+    trainer.train(resume_from_checkpoint=True)
+
+When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
+
+* uses our rank-aware :class:`StreamLoader` as its train dataloader (no accelerate dispatch, no
+  ``IterableDatasetShard`` re-sharding on top of ours);
+* skips no batches on resume (``ignore_data_skip``): the stream is restored from the checkpoint's
+  ``stream_state/`` sidecars instead, and a checkpoint without complete sidecars is refused;
+* writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
+  then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint).
+
+Any other ``train_dataset`` goes through the Trainer's own code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+
+import torch.utils.data
+
+from ..errors import ConfigError
+from ..loader import StreamLoader, shard_row_key
+from ..stream import ResumableStream
+from .checkpoints import check_complete, latest_complete_checkpoint, save_stream_state
+
+_PATCHED = "_resumable_stream_patched"
+
+
+class TrainingStream(torch.utils.data.IterableDataset):
+    """What to hand the Trainer as ``train_dataset``: a stream plus how to turn rows into batches."""
+
+    def __init__(self, stream: ResumableStream, collate_fn: Callable, processor_factory: Callable | None = None,
+                 key_fn: Callable = shard_row_key, resume_state_path: str | None = None):
+        super().__init__()
+        self.stream, self.collate_fn = stream, collate_fn
+        self.processor_factory, self.key_fn = processor_factory, key_fn
+        self.resume_state_path = resume_state_path or stream.config.resume_state_path
+
+    def __iter__(self):
+        raise TypeError("TrainingStream is read through the patched Trainer's StreamLoader; call patch_trainer() "
+                        "before creating the Trainer")
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _uses_stream(trainer) -> bool:
+    return isinstance(getattr(trainer, "train_dataset", None), TrainingStream)
+
+
+def _get_train_dataloader(original):
+    @functools.wraps(original)
+    def get_train_dataloader(self):
+        if not _uses_stream(self):
+            return original(self)
+        ts: TrainingStream = self.train_dataset
+        args = self.args
+        if ts.stream.num_workers != args.dataloader_num_workers:
+            raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
+                              f"created for {ts.stream.num_workers} workers; they must match")
+        loader = StreamLoader(
+            ts.stream, batch_size=self._train_batch_size, collate_fn=ts.collate_fn,
+            processor_factory=ts.processor_factory, key_fn=ts.key_fn, num_workers=args.dataloader_num_workers,
+            prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
+            pin_memory=args.dataloader_pin_memory,
+        )
+        source = ts.resume_state_path or getattr(self, "_rs_resume_checkpoint", None)
+        if source:
+            loader.load_sidecar(source)
+        self._rs_loader = loader
+        return loader
+    return get_train_dataloader
+
+
+def _train(original):
+    @functools.wraps(original)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if not _uses_stream(self):
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+        elif resume_from_checkpoint:
+            check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
+        self._rs_resume_checkpoint = resume_from_checkpoint or None
+        self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
+        return original(self, resume_from_checkpoint or None, *args, **kwargs)
+    return train
+
+
+@contextlib.contextmanager
+def _rotation_deferred():
+    import transformers.trainer as trainer_module
+
+    real = trainer_module.rotate_checkpoints
+    calls = []
+    trainer_module.rotate_checkpoints = lambda *a, **k: calls.append((a, k))
+    try:
+        yield calls
+    finally:
+        trainer_module.rotate_checkpoints = real
+    for a, k in calls:
+        real(*a, **k)
+
+
+def _save_checkpoint(original):
+    @functools.wraps(original)
+    def _save_checkpoint(self, model, trial):
+        if not _uses_stream(self) or getattr(self, "_rs_loader", None) is None:
+            return original(self, model, trial)
+        with _rotation_deferred():
+            original(self, model, trial)
+            checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            save_stream_state(self._rs_loader, checkpoint, self.args.world_size, self.args.process_index == 0,
+                              _barrier)
+    return _save_checkpoint
+
+
+def patch_trainer(trainer_cls=None):
+    """Patch ``trainer_cls`` (default ``transformers.Trainer``, which covers subclasses that do not
+    override these methods). Idempotent. Returns the class."""
+    if trainer_cls is None:
+        from transformers import Trainer as trainer_cls
+    if trainer_cls.__dict__.get(_PATCHED):
+        return trainer_cls
+    trainer_cls.get_train_dataloader = _get_train_dataloader(trainer_cls.get_train_dataloader)
+    trainer_cls.train = _train(trainer_cls.train)
+    trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
+    setattr(trainer_cls, _PATCHED, True)
+    return trainer_cls

@@ -1,0 +1,96 @@
+"""Transform keys of the ``data:`` section, validated into a frozen dataclass.
+
+The caller splits a ``data:`` mapping into stream keys and transform keys (``TransformConfig.KEYS``);
+``from_dict`` reads only its own keys and ignores the rest. Every bad value raises ``ConfigError``
+naming ``data.<key>``, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+
+FORMATS = ("text", "messages")
+OVERLONG = ("truncate", "drop", "error")
+EMPTY = ("skip", "error")
+MIN_SEQ_LEN = 8
+MAX_SEQ_LEN = 1_000_000
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _name(v: Any) -> bool:
+    return isinstance(v, str) and v.strip() != ""
+
+
+# key -> (check, what is allowed)
+_RULES: dict[str, tuple[Any, str]] = {
+    "format": (lambda v: v in FORMATS, f"one of {', '.join(FORMATS)}"),
+    "text_column": (_name, "a non-empty column name"),
+    "messages_column": (_name, "a non-empty column name"),
+    "max_seq_len": (lambda v: _is_int(v) and MIN_SEQ_LEN <= v <= MAX_SEQ_LEN,
+                    f"an integer from {MIN_SEQ_LEN} to {MAX_SEQ_LEN} (tokens)"),
+    "packing": (lambda v: isinstance(v, bool), "true or false"),
+    "overlong": (lambda v: v in OVERLONG, f"one of {', '.join(OVERLONG)}"),
+    "empty": (lambda v: v in EMPTY, f"one of {', '.join(EMPTY)}"),
+    "add_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "id_column": (lambda v: v is None or _name(v), "null or a non-empty column name"),
+    "consumed_log": (lambda v: v is None or _name(v), "null or a file path"),
+}
+
+
+@dataclass(frozen=True)
+class TransformConfig:
+    """How raw rows become training examples.
+
+    - ``format``: ``text`` (one string column) or ``messages`` (a list of {role, content}, rendered with
+      the tokenizer's chat template; only assistant turns are labelled).
+    - ``max_seq_len``: tokens per example (packing: exactly this many per block).
+    - ``packing``: concatenate consecutive examples and cut blocks of ``max_seq_len``; leftovers carry
+      over (and are part of the saved state). ``overlong`` does not apply with packing.
+    - ``overlong``: an example longer than ``max_seq_len`` is truncated (its head is kept), dropped, or an error.
+    - ``empty``: empty/whitespace/missing text, or a conversation without an assistant turn: skip or error.
+    - ``add_eos``: append the tokenizer's EOS to every ``text`` document (``messages`` end with the
+      template's own end-of-turn token).
+    - ``id_column``: column the loader takes sample keys from (null: the stream's (shard, row) key).
+    - ``consumed_log``: file the loader logs consumed sample keys to (null: off); never changes outputs.
+    """
+
+    KEYS: ClassVar[tuple[str, ...]] = tuple(_RULES)
+
+    format: str = "text"
+    text_column: str = "text"
+    messages_column: str = "messages"
+    max_seq_len: int = 1024
+    packing: bool = False
+    overlong: str = "truncate"
+    empty: str = "skip"
+    add_eos: bool = True
+    id_column: str | None = None
+    consumed_log: str | None = None
+
+    def __post_init__(self) -> None:
+        for key, (check, allowed) in _RULES.items():
+            value = getattr(self, key)
+            if not check(value):
+                raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+
+    @classmethod
+    def from_dict(cls, section: Any) -> TransformConfig:
+        """Build from a ``data:`` mapping, taking only the transform keys (others are ignored)."""
+        if section is None:
+            section = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"data: got {type(section).__name__} {section!r}; allowed: a mapping of data keys")
+        return cls(**{k: section[k] for k in cls.KEYS if k in section})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+    def replace(self, **changes: Any) -> TransformConfig:
+        return dataclasses.replace(self, **changes)

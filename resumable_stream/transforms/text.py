@@ -1,0 +1,428 @@
+"""Text transform: raw rows -> tokenized training examples, with optional packing.
+
+``TextProcessor`` is a small stateful object a DataLoader worker drives::
+
+    proc.feed(sample, key)          # one raw row and its stream key
+    while proc.ready():
+        example = proc.take()       # {"input_ids", "labels", "keys"}, oldest first
+
+Its ``state()`` holds everything needed to continue exactly (tokens carried over by packing, finished
+examples not taken yet, counters); ``load_state`` on a fresh processor continues as if never stopped.
+
+Formats
+-------
+``text``: ``sample[text_column]`` is tokenized without special tokens, EOS appended (``add_eos``);
+labels equal input_ids.
+
+``messages``: ``sample[messages_column]`` (a list of {role, content}) is rendered with the tokenizer's
+chat template and tokenized once, with offsets. Labels are -100 except on assistant turns: the tokens of
+the assistant content plus the end-of-turn token that follows it. Locating the assistant content: the
+conversation before assistant message *i* is rendered with ``add_generation_prompt=True``; when that
+text is a prefix of the full rendering (true of ChatML, Llama-3 and Qwen3 templates) the content is
+searched from its end, so header text can never be mistaken for content; otherwise from the end of the
+previous message's content. The end-of-turn token is the first special token after the content
+(whitespace in between allowed) unless it is the token that opens a turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..errors import SidecarError, StreamMismatchError
+from .config import TransformConfig
+from .errors import TransformError
+
+IGNORE_INDEX = -100
+STATE_VERSION = 1
+STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples")
+
+Example = dict[str, Any]
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """blake2b of the backend tokenizer (with its transient truncation/padding settings removed), the
+    chat template and the EOS id: what decides the tokens this transform produces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TransformError(
+            f"tokenizer {type(tokenizer).__name__}: not a fast tokenizer; the text transform needs one "
+            "(load it with AutoTokenizer.from_pretrained(..., use_fast=True))"
+        )
+    spec = json.loads(backend.to_str())
+    # transformers sets these on the backend per call (truncation=True, padding=...); they are not identity.
+    spec["truncation"] = None
+    spec["padding"] = None
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode())
+    h.update(b"\0chat_template\0")
+    h.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
+    h.update(b"\0eos\0")
+    h.update(str(getattr(tokenizer, "eos_token_id", None)).encode())
+    return h.hexdigest()
+
+
+class TextProcessor:
+    """Turns raw rows into training examples; see the module docstring."""
+
+    def __init__(self, tokenizer: Any, cfg: TransformConfig):
+        if not isinstance(cfg, TransformConfig):
+            raise TypeError(f"cfg: expected a TransformConfig, got {type(cfg).__name__}")
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self._fingerprint = self._compute_fingerprint()
+        self._eos = tokenizer.eos_token_id
+        if cfg.format == "text" and cfg.add_eos and self._eos is None:
+            raise TransformError("data.add_eos: true but the tokenizer has no eos_token; set one or add_eos: false")
+        if cfg.format == "messages" and not getattr(tokenizer, "chat_template", None):
+            raise TransformError("data.format: 'messages' but the tokenizer has no chat_template")
+        self._special_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self._special_ids.update(int(i) for i in tokenizer.all_special_ids)
+        self._turn_start_id: int | None = self._find_turn_start() if cfg.format == "messages" else None
+        self._reset()
+
+    # ------------------------------------------------------------------ state kept between feeds
+    def _reset(self) -> None:
+        self._pending: deque[tuple[list[int], list[int], list[str]]] = deque()
+        # packing carry: flat token/label lists from _cpos on, and [key, n_tokens] per contributing sample
+        self._cids: list[int] = []
+        self._clabels: list[int] = []
+        self._cpos = 0
+        self._ckeys: deque[list[Any]] = deque()
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
+
+    # ------------------------------------------------------------------ public API
+    def feed(self, sample: dict, key: str) -> None:
+        """Take one raw row. Finished examples become available through ``ready``/``take``."""
+        key = str(key)
+        self._stats["samples"] += 1
+        if self.cfg.format == "text":
+            encoded = self._encode_text(sample, key)
+        else:
+            encoded = self._encode_messages(sample, key)
+        if encoded is None:
+            return
+        ids, labels = encoded
+        if self.cfg.packing:
+            self._cids += ids
+            self._clabels += labels
+            self._ckeys.append([key, len(ids)])
+            self._cut_blocks()
+            return
+        L = self.cfg.max_seq_len
+        if len(ids) > L:
+            policy = self.cfg.overlong
+            if policy == "error":
+                raise TransformError(
+                    f"sample {key!r}: {len(ids)} tokens, longer than data.max_seq_len {L} "
+                    "(data.overlong is 'error'; use 'truncate' or 'drop', raise max_seq_len, or enable packing)",
+                    key)
+            if policy == "drop":
+                self._stats["dropped_overlong"] += 1
+                return
+            ids, labels = ids[:L], labels[:L]
+            if all(x == IGNORE_INDEX for x in labels):
+                # truncation cut away every assistant token: nothing left to learn from
+                self._stats["dropped_overlong"] += 1
+                return
+            self._stats["truncated"] += 1
+        self._emit(ids, labels, [key])
+
+    def ready(self) -> int:
+        """Number of finished examples waiting to be taken."""
+        return len(self._pending)
+
+    def take(self) -> Example:
+        """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists)."""
+        if not self._pending:
+            raise IndexError("TextProcessor.take: no finished example; feed more samples (check ready())")
+        ids, labels, keys = self._pending.popleft()
+        return {"input_ids": ids, "labels": labels, "keys": keys}
+
+    def flush(self) -> None:
+        """Packing only: turn the carried tokens into one last, shorter example (end of a finite stream)."""
+        if self.cfg.packing and len(self._cids) > self._cpos:
+            ids = self._cids[self._cpos:]
+            labels = self._clabels[self._cpos:]
+            keys = [k for k, _ in self._ckeys]
+            self._cids, self._clabels, self._cpos = [], [], 0
+            self._ckeys.clear()
+            self._emit(ids, labels, keys)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides the outputs: tokenizer identity and the settings that matter for this format."""
+        return dict(self._fingerprint)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """``{"tensors": {name: int64 ndarray}, "meta": JSON-able dict}``; see ``load_state``."""
+        carry_ids = self._cids[self._cpos:]
+        carry_labels = self._clabels[self._cpos:]
+        pending = list(self._pending)
+        tensors = {
+            "carry_input_ids": _arr(carry_ids),
+            "carry_labels": _arr(carry_labels),
+            "carry_key_tokens": _arr([n for _, n in self._ckeys]),
+            "pending_input_ids": _arr([t for ids, _, _ in pending for t in ids]),
+            "pending_labels": _arr([t for _, labels, _ in pending for t in labels]),
+            "pending_lengths": _arr([len(ids) for ids, _, _ in pending]),
+            "pending_key_counts": _arr([len(keys) for _, _, keys in pending]),
+        }
+        meta = {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "carry_keys": [k for k, _ in self._ckeys],
+            "pending_keys": [k for _, _, keys in pending for k in keys],
+            "stats": self.stats(),
+        }
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a ``state()``; raises ``StreamMismatchError`` if it was made with another tokenizer
+        or other output-changing settings, ``SidecarError`` if it is malformed."""
+        try:
+            tensors, meta = state["tensors"], state["meta"]
+            version = meta["version"]
+        except (KeyError, TypeError):
+            raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
+        if version != STATE_VERSION:
+            raise SidecarError(f"transform state: version {version!r}; this version reads {STATE_VERSION}")
+        saved_fp = meta.get("fingerprint") or {}
+        now_fp = self.fingerprint()
+        if saved_fp != now_fp:
+            diffs = [(f"transform.{k}", saved_fp.get(k), now_fp.get(k))
+                     for k in sorted(set(saved_fp) | set(now_fp)) if saved_fp.get(k) != now_fp.get(k)]
+            what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
+            raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
+        try:
+            t = {k: np.asarray(tensors[k], dtype=np.int64).reshape(-1).tolist() for k in (
+                "carry_input_ids", "carry_labels", "carry_key_tokens",
+                "pending_input_ids", "pending_labels", "pending_lengths", "pending_key_counts")}
+            carry_keys = [str(k) for k in meta["carry_keys"]]
+            pending_keys = [str(k) for k in meta["pending_keys"]]
+            stats = {k: int(meta["stats"][k]) for k in STAT_KEYS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SidecarError(f"transform state: missing or malformed field ({e})") from None
+        n_carry = len(t["carry_input_ids"])
+        if (len(t["carry_labels"]) != n_carry or sum(t["carry_key_tokens"]) != n_carry
+                or len(t["carry_key_tokens"]) != len(carry_keys)
+                or len(t["pending_labels"]) != len(t["pending_input_ids"])
+                or sum(t["pending_lengths"]) != len(t["pending_input_ids"])
+                or len(t["pending_key_counts"]) != len(t["pending_lengths"])
+                or sum(t["pending_key_counts"]) != len(pending_keys)):
+            raise SidecarError("transform state: inconsistent lengths (truncated or corrupt state)")
+        self._reset()
+        self._cids, self._clabels = t["carry_input_ids"], t["carry_labels"]
+        self._ckeys = deque([k, n] for k, n in zip(carry_keys, t["carry_key_tokens"]))
+        pos = kpos = 0
+        for n, nk in zip(t["pending_lengths"], t["pending_key_counts"]):
+            self._pending.append((t["pending_input_ids"][pos:pos + n], t["pending_labels"][pos:pos + n],
+                                  pending_keys[kpos:kpos + nk]))
+            pos += n
+            kpos += nk
+        self._stats = stats
+
+    # ------------------------------------------------------------------ internals
+    def _compute_fingerprint(self) -> dict[str, Any]:
+        c = self.cfg
+        fp: dict[str, Any] = {"tokenizer": tokenizer_digest(self.tokenizer), "format": c.format,
+                              "max_seq_len": c.max_seq_len, "packing": c.packing, "empty": c.empty,
+                              "id_column": c.id_column}
+        if c.format == "text":
+            fp["text_column"] = c.text_column
+            fp["add_eos"] = c.add_eos
+        else:
+            fp["messages_column"] = c.messages_column
+        if not c.packing:
+            fp["overlong"] = c.overlong
+        return fp
+
+    def _emit(self, ids: list[int], labels: list[int], keys: list[str]) -> None:
+        self._pending.append((ids, labels, keys))
+        self._stats["examples"] += 1
+
+    def _cut_blocks(self) -> None:
+        L = self.cfg.max_seq_len
+        while len(self._cids) - self._cpos >= L:
+            start, end = self._cpos, self._cpos + L
+            keys: list[str] = []
+            need = L
+            while need:
+                entry = self._ckeys[0]
+                n = min(need, entry[1])
+                keys.append(entry[0])
+                need -= n
+                if n == entry[1]:
+                    self._ckeys.popleft()
+                else:
+                    entry[1] -= n
+            self._emit(self._cids[start:end], self._clabels[start:end], keys)
+            self._cpos = end
+        if self._cpos:
+            del self._cids[:self._cpos]
+            del self._clabels[:self._cpos]
+            self._cpos = 0
+
+    def _empty(self, key: str, why: str) -> None:
+        if self.cfg.empty == "error":
+            raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)", key)
+        self._stats["skipped_empty"] += 1
+
+    def _encode_text(self, sample: dict, key: str) -> tuple[list[int], list[int]] | None:
+        col = self.cfg.text_column
+        text = sample.get(col) if isinstance(sample, dict) else None
+        if text is None or (isinstance(text, str) and not text.strip()):
+            what = "missing" if text is None and (not isinstance(sample, dict) or col not in sample) else (
+                "null" if text is None else "empty or whitespace only")
+            self._empty(key, f"column data.text_column {col!r} is {what}")
+            return None
+        if not isinstance(text, str):
+            raise TransformError(
+                f"sample {key!r}: column data.text_column {col!r} holds {type(text).__name__}, expected a string",
+                key)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.cfg.add_eos:
+            ids.append(self._eos)
+        return ids, list(ids)
+
+    # ---- messages
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        if not isinstance(out, str):
+            raise TransformError(f"chat template rendered {type(out).__name__}, expected a string")
+        return out
+
+    def _find_turn_start(self) -> int | None:
+        """The token that opens an assistant turn (e.g. <|im_start|>): never taken as an end-of-turn."""
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            plain = self._render(probe, False)
+            header = self._render(probe, True)[len(plain):]
+        except Exception:  # a template that cannot render the probe: no turn-start exclusion
+            return None
+        ids = self.tokenizer(header, add_special_tokens=False)["input_ids"] if header else []
+        return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
+
+    def _check_messages(self, msgs: Any, key: str) -> list[dict]:
+        col = self.cfg.messages_column
+        if not isinstance(msgs, (list, tuple)):
+            raise TransformError(
+                f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
+                "expected a list of {role, content}", key)
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise TransformError(
+                    f"sample {key!r}: column data.messages_column {col!r} message {i} is {m!r}, "
+                    "expected {'role': str, 'content': str}", key)
+            content = m.get("content")
+            if content is not None and not isinstance(content, str):
+                raise TransformError(
+                    f"sample {key!r}: column data.messages_column {col!r} message {i} content is "
+                    f"{type(content).__name__}, expected a string", key)
+            out.append(dict(m))
+        return out
+
+    def _encode_messages(self, sample: dict, key: str) -> tuple[list[int], list[int]] | None:
+        col = self.cfg.messages_column
+        msgs = sample.get(col) if isinstance(sample, dict) else None
+        if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
+            self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
+            return None
+        msgs = self._check_messages(msgs, key)
+        if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in msgs):
+            self._empty(key, f"column data.messages_column {col!r} has no assistant turn with content")
+            return None
+        try:
+            full = self._render(msgs, False)
+        except Exception as e:
+            raise TransformError(f"sample {key!r}: the chat template failed on this conversation ({e})", key) from e
+
+        # character spans of the assistant contents in `full`
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, m in enumerate(msgs):
+            content = (m.get("content") or "").strip()
+            if not content:
+                continue
+            if m["role"] != "assistant":
+                pos = full.find(content, cursor)
+                if pos >= 0:
+                    cursor = pos + len(content)
+                continue
+            start = cursor
+            if i > 0:
+                try:
+                    prefix = self._render(msgs[:i], True)
+                except Exception:
+                    prefix = None
+                if prefix is not None and full.startswith(prefix) and len(prefix) >= cursor:
+                    start = len(prefix)
+            pos = full.find(content, start)
+            if pos < 0:
+                raise TransformError(
+                    f"sample {key!r}: assistant message {i} does not appear verbatim in the chat template's "
+                    "rendering, so its tokens cannot be labelled", key)
+            spans.append((pos, pos + len(content)))
+            cursor = pos + len(content)
+
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = [int(x) for x in enc["input_ids"]]
+        offsets = enc["offset_mapping"]
+        labels = [IGNORE_INDEX] * len(ids)
+        n = len(ids)
+        t = 0
+        for s, e in spans:
+            while t < n and offsets[t][1] <= s:
+                t += 1
+            while t < n and offsets[t][0] < e:
+                labels[t] = ids[t]
+                t += 1
+            # end-of-turn: the first special token after the content, only whitespace in between
+            j = t
+            while j < n:
+                if ids[j] in self._special_ids:
+                    if ids[j] != self._turn_start_id:
+                        for q in range(t, j + 1):
+                            labels[q] = ids[q]
+                        t = j + 1
+                    break
+                a, b = offsets[j]
+                if full[a:b].strip():
+                    break
+                j += 1
+        return ids, labels
+
+
+def _arr(values: list[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def collate(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
+    """Right-pad a batch: input_ids with ``pad_token_id``, labels with -100, attention_mask 1/0.
+    Returns int64 torch tensors ``input_ids``, ``labels``, ``attention_mask`` ("keys" are dropped)."""
+    import torch
+
+    if not examples:
+        raise ValueError("collate: empty batch")
+    if pad_token_id is None:
+        raise ValueError("collate: pad_token_id is None; set tokenizer.pad_token (e.g. to the EOS token)")
+    width = max(len(ex["input_ids"]) for ex in examples)
+    ids = torch.full((len(examples), width), int(pad_token_id), dtype=torch.int64)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.int64)
+    mask = torch.zeros((len(examples), width), dtype=torch.int64)
+    for r, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        if len(ex["labels"]) != n:
+            raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['labels'])} labels")
+        ids[r, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.int64)
+        labels[r, :n] = torch.as_tensor(ex["labels"], dtype=torch.int64)
+        mask[r, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
