@@ -1,0 +1,12 @@
+"""Integration with ``transformers.Trainer``: no batch replay, stream sidecars in every checkpoint."""
+
+from .patch import TrainingStream, patch_trainer
+
+__all__ = ["TrainingStream", "patch_trainer", "run_training"]
+
+
+def run_training(config_path: str, **argument_overrides):
+    """Train from a yaml file (see :mod:`resumable_stream.trainer_patch.train`)."""
+    from .train import run_training as _run
+
+    return _run(config_path, **argument_overrides)
