@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+.PHONY: demo stream-demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+stream-demo: $(VENV)/.installed
 	$(PY) examples/stream_demo.py
 
 test: $(VENV)/.installed
@@ -23,6 +26,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
+	$(PY) benchmarks/resume.py
 
 clean:
 	rm -rf $(VENV) .bench .pytest_cache

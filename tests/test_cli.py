@@ -105,3 +105,11 @@ def test_quick_start_demo_kills_and_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "killed with SIGKILL" in r.stdout and "RESULT: exact resume" in r.stdout
     assert r.stdout.count("identical to the uninterrupted run") == 2
+
+
+def test_quick_start_training_demo_resumes_exactly(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--steps", "40",
+                        "--save-steps", "15", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "killed with SIGKILL" in r.stdout and "resumed from checkpoint-" in r.stdout
+    assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
