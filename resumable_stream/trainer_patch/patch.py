@@ -74,7 +74,7 @@ def _get_train_dataloader(original):
             ts.stream, batch_size=self._train_batch_size, collate_fn=ts.collate_fn,
             processor_factory=ts.processor_factory, key_fn=ts.key_fn, num_workers=args.dataloader_num_workers,
             prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
-            pin_memory=args.dataloader_pin_memory,
+            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
         )
         source = ts.resume_state_path or getattr(self, "_rs_resume_checkpoint", None)
         if source:

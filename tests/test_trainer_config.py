@@ -1,0 +1,103 @@
+"""The trainer yaml (model / data / train) is validated before anything loads."""
+
+import copy
+import os
+
+import pytest
+import yaml
+
+from resumable_stream import ConfigError, StreamConfig
+from resumable_stream.trainer_patch.config import TrainerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")
+
+
+def _doc():
+    with open(TINY, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def _write(tmp_path, doc):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return str(p)
+
+
+def test_tiny_config_parses_into_sections():
+    cfg = TrainerConfig.from_yaml(TINY)
+    assert cfg.model.config["model_type"] == "qwen3"
+    assert os.path.isdir(cfg.model.tokenizer), "tokenizer dir resolved next to the yaml"
+    assert cfg.stream.shuffle and cfg.stream.buffer_size == 256
+    assert cfg.transform.packing and cfg.transform.max_seq_len == 64
+    args = cfg.training_arguments()
+    assert args.max_steps == 200 and args.ignore_data_skip is True and args.remove_unused_columns is False
+    # peek / StreamConfig.from_yaml read the same file's data section (transform keys are tolerated)
+    assert StreamConfig.from_yaml(TINY).data_files == cfg.stream.data_files
+
+
+def _set(doc, dotted, value):
+    section, key = dotted.split(".", 1)
+    if value is _DELETE:
+        doc[section].pop(key, None)
+    else:
+        doc[section][key] = value
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "needle"),
+    [
+        ("train.max_steps", _DELETE, "train.max_steps"),
+        ("train.max_steps", 0, "train.max_steps: got 0"),
+        ("train.max_steps", "100", "train.max_steps: got '100'"),
+        ("train.output_dir", _DELETE, "train.output_dir: missing"),
+        ("train.learning_rat", 0.1, "did you mean 'learning_rate'"),
+        ("train.ignore_data_skip", False, "train.ignore_data_skip: got False"),
+        ("train.per_device_train_batch_size", 0, "train.per_device_train_batch_size: got 0"),
+        ("train.dataloader_num_workers", -1, "train.dataloader_num_workers: got -1"),
+        ("data.max_samples", 1000, "data.max_samples: got 1000"),
+        ("data.packin", True, "did you mean 'packing'"),
+        ("data.max_seq_len", 0, "data.max_seq_len"),
+        ("data.format", "chat", "data.format"),
+        ("data.buffer_size", -5, "data.buffer_size: got -5"),
+        ("model.tokeniser", "x", "did you mean 'tokenizer'"),
+        ("model.dtype", "float8", "model.dtype: got 'float8'"),
+        ("model.config", {"hidden_size": 3}, "model.config"),
+        ("model.tokenizer", _DELETE, "model.tokenizer: missing"),
+    ],
+)
+def test_bad_trainer_configs(tmp_path, dotted, value, needle):
+    doc = copy.deepcopy(_doc())
+    _set(doc, dotted, value)
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_yaml(_write(tmp_path, doc))
+    assert needle in str(e.value)
+
+
+def test_model_needs_weights_or_config(tmp_path):
+    doc = _doc()
+    doc["model"] = {"tokenizer": "tokenizer"}
+    with pytest.raises(ConfigError, match="model.name_or_path .* or model.config"):
+        TrainerConfig.from_yaml(_write(tmp_path, doc))
+
+
+def test_unknown_section_and_missing_section(tmp_path):
+    doc = _doc()
+    doc["trian"] = {}
+    with pytest.raises(ConfigError, match="did you mean 'train'"):
+        TrainerConfig.from_yaml(_write(tmp_path, doc))
+    doc = _doc()
+    del doc["train"]
+    with pytest.raises(ConfigError, match="train: missing"):
+        TrainerConfig.from_yaml(_write(tmp_path, doc))
+
+
+def test_training_arguments_errors_name_the_section(tmp_path):
+    doc = _doc()
+    doc["train"]["lr_scheduler_type"] = "sideways"
+    cfg = TrainerConfig.from_yaml(_write(tmp_path, doc))
+    with pytest.raises(ConfigError, match="train: TrainingArguments rejected .*sideways"):
+        cfg.training_arguments()

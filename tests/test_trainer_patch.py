@@ -1,0 +1,111 @@
+"""The patched transformers.Trainer: our loader, sidecars in every checkpoint, deferred rotation, no replay."""
+
+import os
+
+import pytest
+import torch
+import yaml
+
+from resumable_stream import SidecarError
+from resumable_stream.loader import StreamLoader
+from resumable_stream.trainer_patch import checkpoints as ck
+from resumable_stream.trainer_patch.config import TrainerConfig
+from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")
+
+
+def _config(tmp_path, **train):
+    with open(TINY, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    doc["data"].pop("consumed_log")
+    doc["train"].update(output_dir=str(tmp_path / "out"), max_steps=12, save_steps=4, logging_steps=1,
+                        disable_tqdm=True, **train)
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    # tokenizer / data paths are relative to the tiny example dir
+    doc["model"]["tokenizer"] = os.path.join(ROOT, "examples", "tiny", "tokenizer")
+    doc["data"]["data_files"] = os.path.join(ROOT, "examples", "tiny", "data", "*.parquet")
+    p.write_text(yaml.safe_dump(doc))
+    return TrainerConfig.from_yaml(str(p))
+
+
+def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path, monkeypatch):
+    cfg = _config(tmp_path, save_total_limit=1)
+    trainer = build_trainer(cfg)
+    seen = []
+    real_manifest = ck.write_manifest
+
+    def checking_manifest(state_dir, world_size):
+        step = int(os.path.basename(os.path.dirname(state_dir)).split("-")[1])
+        previous = os.path.join(cfg.train["output_dir"], f"checkpoint-{step - 4}")
+        # the previous complete checkpoint must survive until this one is complete
+        seen.append((step, step == 4 or os.path.isdir(previous)))
+        return real_manifest(state_dir, world_size)
+
+    monkeypatch.setattr(ck, "write_manifest", checking_manifest)
+    trainer.train()
+    assert isinstance(trainer._rs_loader, StreamLoader), "the train dataloader is ours, not accelerate's"
+    assert seen == [(4, True), (8, True), (12, True)]
+    out = cfg.train["output_dir"]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-12"]
+    state = os.path.join(out, "checkpoint-12", "stream_state")
+    assert sorted(os.listdir(state)) == ["manifest.json", "rank-00000.safetensors"]
+    assert ck.is_complete(os.path.join(out, "checkpoint-12"))
+
+
+def test_resume_replays_no_batches(tmp_path, monkeypatch):
+    cfg = _config(tmp_path)
+    build_trainer(cfg).train()
+    import transformers.trainer as tt
+
+    def no_skip(*a, **k):
+        raise AssertionError("the Trainer tried to replay consumed batches")
+
+    monkeypatch.setattr(tt, "skip_first_batches", no_skip)
+    cfg_more = TrainerConfig(cfg.model, cfg.stream, cfg.transform, dict(cfg.train, max_steps=16), cfg.path)
+    trainer = build_trainer(cfg_more)
+    checkpoint = resolve_resume(cfg_more, trainer)
+    assert checkpoint.endswith("checkpoint-12")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    assert trainer.state.global_step == 16
+    state = trainer._rs_loader.state_dict()
+    assert state["partitions"][0]["consumed"] > 0
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    cfg = _config(tmp_path, save_total_limit=10)
+    build_trainer(cfg).train()
+    ckpt = os.path.join(cfg.train["output_dir"], "checkpoint-8")
+    os.unlink(os.path.join(ckpt, "stream_state", "manifest.json"))
+    trainer = build_trainer(cfg)
+    with pytest.raises(SidecarError, match="manifest.json"):
+        trainer.train(resume_from_checkpoint=ckpt)
+    # the automatic choice skips it and takes the newest complete one
+    assert ck.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-12")
+    os.unlink(os.path.join(cfg.train["output_dir"], "checkpoint-12", "stream_state", "manifest.json"))
+    assert ck.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-4")
+    removed = ck.remove_incomplete_after(cfg.train["output_dir"], ck.latest_complete_checkpoint(cfg.train["output_dir"]))
+    assert sorted(os.path.basename(p) for p in removed) == ["checkpoint-12", "checkpoint-8"]
+
+
+def test_unpatched_datasets_keep_the_trainer_path(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from resumable_stream.trainer_patch import patch_trainer
+
+    patch_trainer(Trainer)
+
+    class Tiny(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"x": torch.tensor([float(i)])}
+
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), report_to="none", per_device_train_batch_size=4)
+    trainer = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=Tiny())
+    loader = trainer.get_train_dataloader()
+    assert not isinstance(loader, StreamLoader)
+    assert len(loader) == 2
