@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
 import os
 from collections.abc import Callable
 
@@ -32,6 +34,7 @@ from ..stream import ResumableStream
 from .checkpoints import check_complete, latest_complete_checkpoint, save_stream_state
 
 _PATCHED = "_resumable_stream_patched"
+logger = logging.getLogger(__name__)
 
 
 class TrainingStream(torch.utils.data.IterableDataset):
@@ -84,6 +87,17 @@ def _get_train_dataloader(original):
     return get_train_dataloader
 
 
+def _finished_step(checkpoint: str | None, max_steps: int) -> int | None:
+    if not checkpoint or max_steps is None or max_steps <= 0:
+        return None
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+            step = int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return step if step >= max_steps else None
+
+
 def _train(original):
     @functools.wraps(original)
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -95,6 +109,14 @@ def _train(original):
             check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
         self._rs_resume_checkpoint = resume_from_checkpoint or None
         self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
+        done = _finished_step(resume_from_checkpoint, self.args.max_steps)
+        if done is not None:
+            # Without a dataset length the Trainer would run one more step past max_steps.
+            from transformers.trainer_utils import TrainOutput
+
+            logger.warning("checkpoint %s is already at step %d >= max_steps %d: nothing left to train",
+                           resume_from_checkpoint, done, self.args.max_steps)
+            return TrainOutput(done, 0.0, {})
         return original(self, resume_from_checkpoint or None, *args, **kwargs)
     return train
 

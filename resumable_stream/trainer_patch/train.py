@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import signal
+import sys
 
 from ..devices import detect_device
 from ..stream import ResumableStream
@@ -108,7 +111,22 @@ def resolve_resume(cfg: TrainerConfig, trainer) -> str | None:
     return latest
 
 
+def _die_with_launcher() -> None:
+    """Under torchrun each rank runs in its own session; if the launcher is killed, take the rank down
+    too instead of leaving it training (and writing checkpoints) on its own."""
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:               # the launcher is already gone
+        os._exit(1)
+
+
 def run_training(config_path: str, **argument_overrides):
+    _die_with_launcher()
     cfg = TrainerConfig.from_yaml(config_path)
     trainer = build_trainer(cfg, **argument_overrides)
     checkpoint = resolve_resume(cfg, trainer)

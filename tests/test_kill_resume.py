@@ -1,0 +1,286 @@
+"""Kill real training processes with SIGKILL and restart them: the result must equal an uninterrupted run.
+
+Each test trains the tiny model of ``examples/tiny/train_lm.yaml`` with ``examples/train_lm.py`` (one
+process, or ``torch.distributed.run`` with 2 gloo ranks), kills it, restarts it with the same yaml (it
+resumes from the last complete checkpoint) and compares, step by step, what every rank consumed
+(``data.consumed_log``) and the loss of every step (``train_log.jsonl``, logging_steps 1) with an
+uninterrupted reference run. References are shared through a module fixture and run alongside the
+killed run they are compared with (one thread per process, so two processes fill the 2 cores).
+
+The kill step is random; the seed is printed in every assertion message. Reproduce a failure with
+``RS_KILL_SEED=<seed> pytest tests/test_kill_resume.py`` (the exact step reached when the kill lands
+still depends on timing, so the message also says where it landed and which checkpoint was used).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+
+import pytest
+from training_helpers import (
+    MANIFEST,
+    STATE_DIR,
+    Procs,
+    checkpoint_path,
+    checkpoint_steps,
+    complete_checkpoints,
+    consumed,
+    count_lines,
+    is_complete,
+    printed_steps,
+    train_losses,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 80
+SAVE_STEPS = 20
+BATCH = 8                    # per_device_train_batch_size of the tiny yaml
+LOSS_TOL = 1e-6
+SAVE_DELAY_S = 5             # RESUMABLE_STREAM_SAVE_DELAY_S for the kill-during-checkpoint run
+SEED = int(os.environ.get("RS_KILL_SEED") or random.SystemRandom().randrange(2**31))
+
+# name -> (write_config options, ranks)
+SETUPS = {
+    "single": (dict(packing=False, workers=0), 1),
+    "packing": (dict(packing=True, workers=0), 1),
+    "packing-workers2": (dict(packing=True, workers=2), 1),
+    "ddp": (dict(packing=False, workers=0), 2),
+}
+
+
+class References:
+    """Uninterrupted runs, started on first use (so they overlap the test's own runs), waited for on ``get``."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.procs = Procs(directory)
+        self.runs: dict[str, tuple] = {}
+
+    def start(self, name: str) -> None:
+        if name not in self.runs:
+            options, ranks = SETUPS[name]
+            config, out = write_config(self.directory, f"ref-{name}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                                       **options)
+            self.runs[name] = (self.procs.start(config, f"ref-{name}", nproc=ranks), out)
+
+    def get(self, name: str) -> str:
+        self.start(name)
+        run, out = self.runs[name]
+        run.wait_ok()
+        return out
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    r = References(str(tmp_path_factory.mktemp("references")))
+    try:
+        yield r
+    finally:
+        r.procs.cleanup()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(str(tmp_path))
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+def _seed_note(name: str, **facts) -> str:
+    extra = ", ".join(f"{k}={v}" for k, v in facts.items())
+    return f"[{name}: seed {SEED} (rerun with RS_KILL_SEED={SEED}){', ' + extra if extra else ''}]"
+
+
+def _train_log(out: str) -> str:
+    return os.path.join(out, "train_log.jsonl")
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    for step in sorted(set(a) | set(b)):
+        if a.get(step) != b.get(step):
+            return f"first difference at step {step}: reference {a.get(step)!r}, resumed {b.get(step)!r}"
+    return "no difference"
+
+
+def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
+    """Every step's loss (within LOSS_TOL) and every rank's consumed samples equal the reference's."""
+    ref_losses, losses = train_losses(ref_out), train_losses(out)
+    assert sorted(ref_losses) == list(range(1, MAX_STEPS + 1)), f"reference train log incomplete {note}"
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1)), \
+        f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{MAX_STEPS} {note}"
+    bad = [(s, ref_losses[s], losses[s]) for s in ref_losses if abs(ref_losses[s] - losses[s]) > LOSS_TOL]
+    assert not bad, f"{len(bad)} step losses differ (step, reference, resumed): {bad[:5]} {note}"
+    for rank in range(ranks):
+        ref_keys, keys = consumed(ref_out, rank), consumed(out, rank)
+        assert sorted(ref_keys) == list(range(1, MAX_STEPS + 1)), f"reference rank {rank} consumed log {note}"
+        assert all(ref_keys[s] for s in ref_keys), f"reference rank {rank} logged a step with no samples {note}"
+        assert keys == ref_keys, f"rank {rank} consumed other samples: {_first_difference(ref_keys, keys)} {note}"
+
+
+def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random):
+    """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
+
+    Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
+    target = rng.randint(SAVE_STEPS + 1, MAX_STEPS - 15)
+    run = procs.start(config, f"{name}-killed", nproc=ranks)
+    log = _train_log(out)
+    run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
+                   f"step {target} and a complete checkpoint {_seed_note(name)}")
+    run.kill()
+    logged = count_lines(log)
+    note = _seed_note(name, target_step=target, killed_after_step=logged)
+    assert run.proc.returncode == -signal.SIGKILL, \
+        f"the run was not killed mid-training (exit {run.proc.returncode}) {note}\n{run.describe()}"
+    assert logged < MAX_STEPS, f"the run got to the end before the kill landed {note}"
+    done = complete_checkpoints(out)
+    assert done, f"no complete checkpoint when killed {note}"
+    return target, logged, done[-1], _seed_note(name, target_step=target, killed_after_step=logged,
+                                                resumed_from=f"checkpoint-{done[-1]}")
+
+
+def assert_resumed_from(run, out: str, resume_step: int, note: str) -> None:
+    """The restart loaded ``checkpoint-<resume_step>`` and trained only the steps after it."""
+    expected = checkpoint_path(out, resume_step)
+    assert f"resuming from {expected}" in run.stderr, f"restart did not log 'resuming from {expected}' {note}\n" \
+                                                      f"{run.describe()}"
+    trained = printed_steps(run)
+    assert trained == MAX_STEPS - resume_step, \
+        f"restart trained {trained} steps, expected {MAX_STEPS - resume_step} (steps after the checkpoint) {note}"
+
+
+def kill_and_resume(procs: Procs, refs: References, tmp_path, name: str) -> None:
+    options, ranks = SETUPS[name]
+    refs.start(name)    # the reference trains alongside the run we kill
+    rng = random.Random(f"{SEED}:{name}")
+    config, out = write_config(str(tmp_path), name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
+    _, _, resume_step, note = kill_at_random_step(procs, config, out, name, ranks, rng)
+
+    restart = procs.start(config, f"{name}-restart", nproc=ranks).wait_ok()
+    assert_resumed_from(restart, out, resume_step, note)
+    assert_same_training(refs.get(name), out, ranks, note)
+    assert all(is_complete(out, s) for s in checkpoint_steps(out)), f"incomplete checkpoint left behind {note}"
+
+
+# ------------------------------------------------------------------------------------------------- (a) one process
+def test_sigkill_at_random_step_resumes_exactly(procs, refs, tmp_path):
+    kill_and_resume(procs, refs, tmp_path, "single")
+
+
+# ------------------------------------------------------------------------ (c) SIGKILL while a checkpoint is written
+@pytest.mark.parametrize("cut", [2 * SAVE_STEPS, SAVE_STEPS], ids=["second-checkpoint", "first-checkpoint"])
+def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, refs, tmp_path, cut):
+    """Rank 0 sleeps between the sidecars and the manifest; the kill lands there. The restart removes the
+    incomplete checkpoint and resumes from the one before it (or, killed in the first one, starts over).
+    ``save_total_limit: 1`` also checks that the previous checkpoint is not rotated away before the new
+    one is complete."""
+    name, (options, ranks) = "single", SETUPS["single"]
+    refs.start(name)
+    previous = cut - SAVE_STEPS
+    note = _seed_note("kill-during-checkpoint", checkpoint=cut)
+    config, out = write_config(str(tmp_path), "midsave", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                               save_total_limit=1, **options)
+    state_dir = os.path.join(checkpoint_path(out, cut), STATE_DIR)
+    run = procs.start(config, "midsave-killed", env={"RESUMABLE_STREAM_SAVE_DELAY_S": str(SAVE_DELAY_S)})
+    run.wait_until(lambda: os.path.isfile(os.path.join(state_dir, "rank-00000.safetensors")),
+                   f"checkpoint-{cut}/{STATE_DIR}/rank-00000.safetensors {note}")
+    run.kill()
+    assert run.proc.returncode == -signal.SIGKILL, f"not killed (exit {run.proc.returncode}) {note}"
+    assert not os.path.exists(os.path.join(state_dir, MANIFEST)), \
+        f"the manifest was written before the kill; RESUMABLE_STREAM_SAVE_DELAY_S had no effect {note}"
+    assert os.path.isfile(os.path.join(checkpoint_path(out, cut), "trainer_state.json")), note
+    assert complete_checkpoints(out) == ([previous] if previous else []), \
+        f"expected complete checkpoints {[previous] if previous else []} (the previous one kept until the new " \
+        f"one is complete), found checkpoints {checkpoint_steps(out)}, complete {complete_checkpoints(out)} {note}"
+
+    restart = procs.start(config, "midsave-restart").wait_ok()
+    assert f"removing incomplete checkpoint {checkpoint_path(out, cut)}" in restart.stderr, \
+        f"restart did not report removing the incomplete checkpoint {note}\n{restart.describe()}"
+    if previous:
+        assert_resumed_from(restart, out, previous, note)
+    else:
+        assert "resuming from" not in restart.stderr, f"nothing to resume from, yet {note}\n{restart.describe()}"
+        assert printed_steps(restart) == MAX_STEPS, f"the restart must train from step 1 {note}"
+    assert_same_training(refs.get(name), out, ranks, note)
+    assert checkpoint_steps(out) == [MAX_STEPS] and is_complete(out, MAX_STEPS), \
+        f"checkpoints after the restart: {checkpoint_steps(out)} {note}"
+
+
+# ---------------------------------------------------------------- explicit resume_from_checkpoint: refused if partial
+def test_explicit_resume_from_incomplete_checkpoint_is_refused(procs, refs, tmp_path):
+    ref_out = refs.get("single")
+    source = checkpoint_path(ref_out, complete_checkpoints(ref_out)[-1])
+    no_manifest = str(tmp_path / "no-manifest" / "checkpoint-60")
+    no_state = str(tmp_path / "no-state" / "checkpoint-60")
+    shutil.copytree(source, no_manifest)
+    os.remove(os.path.join(no_manifest, STATE_DIR, MANIFEST))
+    shutil.copytree(source, no_state)
+    shutil.rmtree(os.path.join(no_state, STATE_DIR))
+
+    cases = {}
+    for label, checkpoint, env in [("no-manifest", no_manifest, None), ("no-state", no_state, None),
+                                   ("no-manifest-debug", no_manifest, {"RESUMABLE_STREAM_DEBUG": "1"})]:
+        config, out = write_config(str(tmp_path), f"explicit-{label}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                                   resume_from_checkpoint=checkpoint, **SETUPS["single"][0])
+        cases[label] = (procs.start(config, f"explicit-{label}", env=env), out, checkpoint)
+    for label, (run, out, checkpoint) in cases.items():
+        rc = run.wait()
+        err = run.stderr
+        assert rc not in (0, None), f"{label}: resuming from {checkpoint} was not refused\n{run.describe()}"
+        assert checkpoint in err, f"{label}: the error does not name the checkpoint {checkpoint}\n{run.describe()}"
+        assert not os.path.exists(_train_log(out)) and not checkpoint_steps(out), f"{label}: it trained anyway"
+        if label == "no-state":
+            assert STATE_DIR in err, f"{label}: the error does not name {STATE_DIR}/\n{run.describe()}"
+        else:
+            assert MANIFEST in err, f"{label}: the error does not name {MANIFEST}\n{run.describe()}"
+        if label.endswith("-debug"):
+            assert "Traceback" in err, f"{label}: RESUMABLE_STREAM_DEBUG=1 shows no traceback\n{run.describe()}"
+        else:
+            assert rc == 2, f"{label}: exit {rc}, expected 2 (a resumable-stream error)\n{run.describe()}"
+            assert "Traceback" not in err, f"{label}: a traceback without --debug\n{run.describe()}"
+            assert "resumable-stream: error:" in err, f"{label}: not the one-line error\n{run.describe()}"
+
+
+# ------------------------------------------------------------------------------------- restarting a finished run
+def test_restarting_a_finished_run_trains_nothing_more(procs, refs, tmp_path):
+    """A kill after the final checkpoint (or a rerun of a finished job) must not train past max_steps.
+
+    Fails with transformers 5.24: resuming an IterableDataset run from checkpoint-<max_steps> trains one
+    more step (num_train_epochs is sys.maxsize, and should_training_stop is only checked after a step);
+    the patched ``train`` (trainer_patch/patch.py ``_train``) should return without training instead."""
+    ref_out = refs.get("single")
+    config, out = write_config(str(tmp_path), "finished", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                               **SETUPS["single"][0])
+    shutil.copytree(ref_out, out)
+    restart = procs.start(config, "finished-restart").wait_ok()
+    assert printed_steps(restart) == 0 and checkpoint_steps(out)[-1] == MAX_STEPS, \
+        f"restarting a run finished at max_steps={MAX_STEPS} trained {printed_steps(restart)} more step(s); " \
+        f"checkpoints now {checkpoint_steps(out)}, train log steps {sorted(train_losses(out))[-3:]}"
+    assert_same_training(ref_out, out, 1, "[restart of a finished run]")
+
+
+# ------------------------------------------------------------------ (d) packing, and packing with 2 DataLoader workers
+@pytest.mark.parametrize("name", ["packing", "packing-workers2"])
+def test_sigkill_resumes_exactly_with_packing_and_workers(procs, refs, tmp_path, name):
+    kill_and_resume(procs, refs, tmp_path, name)
+
+
+# ------------------------------------------------------------------------------------- (b) torchrun, 2 gloo ranks
+def test_sigkill_torchrun_two_ranks_resumes_exactly(procs, refs, tmp_path):
+    kill_and_resume(procs, refs, tmp_path, "ddp")
+    # the ranks split the data: within the first epoch (2 x 640 of 4000 rows) no row is read twice
+    ref_out = refs.get("ddp")
+    per_rank = []
+    for rank in range(2):
+        keys = [k for step in sorted(consumed(ref_out, rank)) for k in consumed(ref_out, rank)[step]]
+        assert len(keys) == MAX_STEPS * BATCH, f"rank {rank}: {len(keys)} samples"
+        assert len(set(keys)) == len(keys), f"rank {rank} read a row twice within the first epoch"
+        per_rank.append(set(keys))
+    both = per_rank[0] & per_rank[1]
+    assert not both, f"ranks 0 and 1 both read rows {sorted(both)[:10]}"
