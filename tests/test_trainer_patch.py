@@ -109,3 +109,25 @@ def test_unpatched_datasets_keep_the_trainer_path(tmp_path):
     loader = trainer.get_train_dataloader()
     assert not isinstance(loader, StreamLoader)
     assert len(loader) == 2
+
+
+def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
+    import json
+
+    (tmp_path / "a").mkdir()
+    cfg = _config(tmp_path / "a", save_total_limit=10)
+    log_a = tmp_path / "a" / "consumed"
+    cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(consumed_log=str(log_a)), cfg.train, cfg.path)
+    build_trainer(cfg).train()
+    steps_a = [json.loads(line) for line in open(log_a / "rank-00000.jsonl")]
+
+    log_b = tmp_path / "b" / "consumed"
+    stream_b = cfg.stream.replace(resume_state_path=os.path.join(cfg.train["output_dir"], "checkpoint-4"))
+    cfg_b = TrainerConfig(cfg.model, stream_b, cfg.transform.replace(consumed_log=str(log_b)),
+                          dict(cfg.train, output_dir=str(tmp_path / "b" / "out"), max_steps=8), cfg.path)
+    trainer = build_trainer(cfg_b)
+    assert resolve_resume(cfg_b, trainer) is None          # a new run: fresh model, step 0 ...
+    trainer.train()
+    steps_b = [json.loads(line) for line in open(log_b / "rank-00000.jsonl")]
+    # ... but the data continues where run A was at its step 4
+    assert [s["samples"] for s in steps_b] == [s["samples"] for s in steps_a[4:12]]

@@ -45,7 +45,7 @@ class TrainingStream(torch.utils.data.IterableDataset):
         super().__init__()
         self.stream, self.collate_fn = stream, collate_fn
         self.processor_factory, self.key_fn = processor_factory, key_fn
-        self.resume_state_path = resume_state_path or stream.config.resume_state_path
+        self.resume_state_path = resume_state_path
 
     def __iter__(self):
         raise TypeError("TrainingStream is read through the patched Trainer's StreamLoader; call patch_trainer() "

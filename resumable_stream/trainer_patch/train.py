@@ -82,12 +82,14 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     tokenizer = _load_tokenizer(cfg)
     model = _load_model(cfg, tokenizer, args.seed)
 
-    stream = ResumableStream(cfg.stream, rank=args.process_index, world_size=args.world_size,
-                             num_workers=args.dataloader_num_workers)
+    # The loader restores the state (stream cursor + transform carry), not the bare stream.
+    stream = ResumableStream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
+                             world_size=args.world_size, num_workers=args.dataloader_num_workers)
     processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)
     collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row
-    dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn)
+    dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
+                             resume_state_path=cfg.stream.resume_state_path)
 
     patch_trainer(Trainer)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
