@@ -55,9 +55,14 @@ _RULES: dict[str, tuple[Any, str]] = {
     "interleave_shards": (lambda v: _is_int(v) and 1 <= v <= 64, "an integer from 1 to 64"),
     "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
     "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
-    "cache_dir": (lambda v: v is None, "null (the local block cache is not available in this version)"),
+    "cache_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null (off) or a directory"),
     "cache_size_limit_gb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
                             "a finite number of gigabytes > 0"),
+    "retries": (lambda v: _is_int(v) and 0 <= v <= 100, "an integer from 0 to 100"),
+    "retry_backoff_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 600,
+                        "a number of seconds from 0 to 600"),
+    "timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 3600,
+                  "a number of seconds > 0 and <= 3600"),
 }
 
 
@@ -79,6 +84,9 @@ class StreamConfig:
     resume_state_path: str | None = None
     cache_dir: str | None = None
     cache_size_limit_gb: float = 50
+    retries: int = 5
+    retry_backoff_s: float = 1.0
+    timeout_s: float = 60.0
     source_file: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

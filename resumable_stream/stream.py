@@ -63,6 +63,10 @@ class ResumableStream(torch.utils.data.IterableDataset):
             raise ConfigError(f"num_workers: got {num_workers!r}; allowed: an integer >= 0")
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
         self.source = source if source is not None else open_source(config)
+        if config.cache_dir and not getattr(self.source, "is_cached", False):
+            from .cache import CachedSource  # local block cache around the source (never changes results)
+
+            self.source = CachedSource(self.source, config)
         slots = max(1, num_workers)
         self.layout = Layout(
             num_shards=len(self.source.shards),

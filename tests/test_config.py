@@ -97,9 +97,14 @@ BAD_CONFIGS = [
     _case("resume_state_path", "", "sidecar"),
     _case("resume_state_path", 7, "sidecar"),
     _case("resume_state_path", ["ckpt"], "sidecar"),
-    # cache_dir (reserved: only null for now)
-    _case("cache_dir", "/tmp/block-cache", "null"),
-    _case("cache_dir", "", "null"),
+    # cache_dir / network settings
+    _case("cache_dir", "", "null (off) or a directory"),
+    _case("cache_dir", 5, "null (off) or a directory"),
+    _case("retries", -1, "0 to 100"),
+    _case("retries", 1.5, "0 to 100"),
+    _case("retry_backoff_s", -0.1, "0 to 600"),
+    _case("timeout_s", 0, "> 0"),
+    _case("timeout_s", float("nan"), "> 0"),
     # cache_size_limit_gb
     _case("cache_size_limit_gb", 0, "> 0"),
     _case("cache_size_limit_gb", -1.5, "> 0"),
@@ -233,6 +238,7 @@ FULL_DATA = {
     "backend": "hf", "streaming": True, "dataset_name_or_path": "parquet", "name": None, "data_files": ["/abs/x/*.parquet"],
     "split": "train", "shuffle": True, "shuffle_seed": 1234, "buffer_size": 256, "interleave_shards": 2,
     "block_rows": 64, "resume_state_path": None, "cache_dir": None, "cache_size_limit_gb": 1.5,
+    "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0,
 }
 
 
