@@ -23,6 +23,7 @@ from .checks import check_fingerprint
 from .errors import ConfigError, StreamMismatchError
 from .sidecar import rank_file_name, read_state_file, resolve_rank_file, write_state_file
 from .stream import ResumableStream
+from .transforms.errors import TransformError
 
 
 def _identity(item):
@@ -61,6 +62,8 @@ class _BatchProducer(torch.utils.data.IterableDataset):
             proc.load_state(self.carries[partition])
         examples: list[Any] = []
         keys: list[str] = []
+        starved = 0
+        epoch_of_last_example = self.stream._readers[partition].cursor.epoch
         for sample, where in self.stream.iter_partition(partition):
             key = self.key_fn(sample, where)
             if proc is None:
@@ -71,11 +74,26 @@ class _BatchProducer(torch.utils.data.IterableDataset):
                     examples, keys = [], []
                 continue
             proc.feed(sample, key)
+            if proc.ready():
+                starved = 0
+            else:
+                starved += 1
+                if starved % 1024 == 0:
+                    self._check_not_starved(partition, proc, epoch_of_last_example)
             # examples made but not yet batched stay inside the processor, so they are in its state
             while proc.ready() >= self.batch_size:
                 batch = [proc.take() for _ in range(self.batch_size)]
                 batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
                 yield self._item(partition, batch, batch_keys, proc)
+
+    def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
+        """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""
+        epoch = self.stream._readers[partition].cursor.epoch
+        if epoch >= since_epoch + 2:
+            raise TransformError(
+                f"partition {partition}: a whole epoch of samples produced no training example; the transform "
+                f"skipped them all ({proc.stats()}); check data.text_column / data.messages_column / data.format "
+                "and the skip policies", None)
 
     def _item(self, partition: int, batch: list, keys: list[str], proc) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)

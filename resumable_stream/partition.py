@@ -21,6 +21,7 @@ from .errors import SourceError
 from .plan import Layout, window_permutation
 
 DIGEST_BYTES = 16
+MAX_EMPTY_EPOCHS = 16
 _EMPTY_CHAIN = bytes(DIGEST_BYTES)
 
 
@@ -195,24 +196,25 @@ class PartitionReader:
             self.finish_window()           # fully consumed: move on
             if not rollover and self._start.epoch != epoch:
                 return None
-        win = self._build(self._start)
-        if win is None:
+        empty_epochs = 0
+        while True:
+            win = self._build(self._start)
+            if win is not None:
+                self._window = win
+                return win
             s = self._start
-            fresh = s.window == 0 and s.next_pos == 0 and not s.slots
-            if fresh:
-                raise SourceError(
-                    f"partition {self.partition} of {self.layout.num_partitions} gets no rows in epoch "
-                    f"{s.epoch}: the dataset has too few rows ({self.layout.num_shards} shards) "
-                    "for this many ranks x workers"
-                )
-            self.cursor = self._start.next_epoch()
+            if s.window == 0 and s.next_pos == 0 and not s.slots:
+                # this partition's shards of this epoch were all empty (e.g. an empty file): move on,
+                # but a partition that never gets a row is an error, not an endless loop
+                empty_epochs += 1
+                if empty_epochs >= MAX_EMPTY_EPOCHS:
+                    raise SourceError(
+                        f"partition {self.partition} of {self.layout.num_partitions} got no rows in "
+                        f"{empty_epochs} epochs in a row: the dataset has too few rows ({self.layout.num_shards} "
+                        "shards) for this many ranks x workers, or its files are empty")
+            self.cursor = s.next_epoch()
             if not rollover:
                 return None
-            win = self._build(self._start)
-            if win is None:
-                raise SourceError(f"partition {self.partition} gets no rows in epoch {self._start.epoch}")
-        self._window = win
-        return win
 
     def finish_window(self) -> None:
         self.cursor = self._window.next_start

@@ -92,8 +92,13 @@ class Layout:
     block_rows: int
 
     @property
+    def usable_shards(self) -> int:
+        """Shards not known to be empty (a 0-row parquet row group is left out of the plan)."""
+        return sum(1 for c in self.row_counts if c != 0)
+
+    @property
     def strided(self) -> bool:
-        return self.num_shards < self.num_partitions
+        return self.usable_shards < self.num_partitions
 
     @property
     def open_slots(self) -> int:
@@ -116,6 +121,7 @@ class Layout:
 @lru_cache(maxsize=8)
 def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
     order = epoch_shard_order(layout.num_shards, layout.seed, epoch, layout.shuffle)
+    order = np.asarray([s for s in order.tolist() if layout.row_counts[s] != 0], dtype=np.int64)
     if layout.strided:
         return [tuple(order.tolist())] * layout.num_partitions
     return [tuple(x) for x in deal_shards(order, list(layout.row_counts), layout.num_partitions)]

@@ -115,10 +115,12 @@ class ResumableStream(torch.utils.data.IterableDataset):
         if not (isinstance(epoch, int) and epoch >= 0):
             raise ConfigError(f"epoch: got {epoch!r}; allowed: an integer >= 0")
         self._epoch_limit = epoch
-        for reader in self._readers.values():
-            if reader.cursor.epoch != epoch:
+        for p, reader in self._readers.items():
+            # inside `epoch`: continue; past it: done for this epoch; before it: start it
+            if reader.cursor.epoch < epoch:
                 reader.set_cursor(Cursor(epoch=epoch, consumed_before=reader.cursor.consumed,
                                          chain=reader.cursor.chain))
+                self._expect.pop(p, None)
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
@@ -211,7 +213,12 @@ class ResumableStream(torch.utils.data.IterableDataset):
         if state.get("format_version") != FORMAT_VERSION:
             raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
                                       f"{FORMAT_VERSION}")
-        check_fingerprint(state["fingerprint"], self.fingerprint(), where)
+        saved_fp = state["fingerprint"]
+        if self.transform_fingerprint is None and "transform" in saved_fp:
+            # a bare stream (e.g. peek) reading a training checkpoint: it shows raw samples from the
+            # cursor; the transform's state is the loader's to check
+            saved_fp = {k: v for k, v in saved_fp.items() if k != "transform"}
+        check_fingerprint(saved_fp, self.fingerprint(), where)
         check_topology(state["topology"], self.topology(), where)
         saved_parts = {int(p): ps for p, ps in state["partitions"].items()}
         if sorted(saved_parts) != sorted(self.partitions):

@@ -101,3 +101,13 @@ def test_training_arguments_errors_name_the_section(tmp_path):
     cfg = TrainerConfig.from_yaml(_write(tmp_path, doc))
     with pytest.raises(ConfigError, match="train: TrainingArguments rejected .*sideways"):
         cfg.training_arguments()
+
+
+def test_float_train_values_written_as_strings(tmp_path):
+    doc = _doc()
+    doc["train"]["learning_rate"] = "3e-4"          # yaml 1.1 reads this as a string
+    cfg = TrainerConfig.from_yaml(_write(tmp_path, doc))
+    assert cfg.train["learning_rate"] == pytest.approx(3e-4)
+    doc["train"]["learning_rate"] = "abc"
+    with pytest.raises(ConfigError, match="train.learning_rate: got 'abc'; allowed: a number"):
+        TrainerConfig.from_yaml(_write(tmp_path, doc))

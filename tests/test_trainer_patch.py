@@ -131,3 +131,36 @@ def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
     steps_b = [json.loads(line) for line in open(log_b / "rank-00000.jsonl")]
     # ... but the data continues where run A was at its step 4
     assert [s["samples"] for s in steps_b] == [s["samples"] for s in steps_a[4:12]]
+
+
+def test_checkpoint_wins_over_data_resume_state_path(tmp_path):
+    """A crash-restart of a run seeded with data.resume_state_path continues from its own checkpoint."""
+    import json
+
+    (tmp_path / "a").mkdir()
+    cfg = _config(tmp_path / "a", save_total_limit=10)
+    build_trainer(cfg).train()
+    seed_state = os.path.join(cfg.train["output_dir"], "checkpoint-4")
+
+    def run(name, max_steps):
+        log = tmp_path / name / "consumed"
+        c = TrainerConfig(cfg.model, cfg.stream.replace(resume_state_path=seed_state),
+                          cfg.transform.replace(consumed_log=str(log)),
+                          dict(cfg.train, output_dir=str(tmp_path / name / "out"), max_steps=max_steps,
+                               save_total_limit=10), cfg.path)
+        t = build_trainer(c)
+        t.train(resume_from_checkpoint=resolve_resume(c, t))
+        return [json.loads(line)["samples"] for line in open(log / "rank-00000.jsonl")]
+
+    whole = run("whole", 12)
+    run("cut", 8)                  # stops after checkpoint-8 ...
+    assert run("cut", 12) == whole  # ... and the restart continues from it, not from the seed state
+
+
+def test_wrong_text_column_is_a_config_error(tmp_path):
+    from resumable_stream import ConfigError
+
+    cfg = _config(tmp_path)
+    cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(text_column="txt"), cfg.train, cfg.path)
+    with pytest.raises(ConfigError, match="data.text_column: got 'txt'; the dataset's columns are: id, text, label"):
+        build_trainer(cfg)

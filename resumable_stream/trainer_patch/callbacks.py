@@ -1,12 +1,15 @@
-"""Trainer callbacks: the per-step consumed-sample log and ``train_log.jsonl``."""
+"""Trainer callbacks: the per-step consumed-sample log, ``train_log.jsonl`` and block cache statistics."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
@@ -81,3 +84,49 @@ class TrainLogCallback(TrainerCallback):
             rec.update(self.extra_of())
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+class CacheStatsCallback(TrainerCallback):
+    """Block cache counters of this rank (its DataLoader workers included) during training.
+
+    Logged (``logging``, INFO, logger ``resumable_stream.trainer_patch.callbacks``) every ``every_s``
+    seconds and/or ``every_steps`` steps and at the end of training; :meth:`fields` gives them as
+    ``cache_*`` fields for ``train_log.jsonl``.
+    """
+
+    def __init__(self, stats_of, rank: int = 0, every_s: float | None = 60.0, every_steps: int | None = None):
+        self.stats_of = stats_of   # () -> CachedSource.stats()
+        self.rank, self.every_s, self.every_steps = rank, every_s, every_steps
+        self._last_t = time.monotonic()
+        self._last_step = 0
+        self.records: list[dict] = []   # what was logged (the newest few)
+
+    def fields(self) -> dict:
+        s = self.stats_of()
+        return {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_hit_rate": s["hit_rate"],
+                "cache_corrupt": s["corrupt"], "cache_bytes_read": s["bytes_read"],
+                "cache_bytes_written": s["bytes_written"], "cache_size_bytes": s["cache_bytes"]}
+
+    def _emit(self, step: int) -> None:
+        rec = {"step": step, "rank": self.rank, **self.fields()}
+        self.records = (self.records + [rec])[-100:]
+        rate = rec["cache_hit_rate"]
+        log.info("block cache, rank %d, step %d: %d hits, %d misses (hit rate %s), %.1f MB read from the cache, "
+                 "%.1f MB written, %d corrupt blocks re-fetched, %.2f GB on disk", self.rank, step,
+                 rec["cache_hits"], rec["cache_misses"], "n/a" if rate is None else f"{rate:.1%}",
+                 rec["cache_bytes_read"] / 1e6, rec["cache_bytes_written"] / 1e6, rec["cache_corrupt"],
+                 (rec["cache_size_bytes"] or 0) / 2**30)
+        self._last_t, self._last_step = time.monotonic(), step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last_t, self._last_step = time.monotonic(), state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        due_t = self.every_s is not None and time.monotonic() - self._last_t >= self.every_s
+        due_s = self.every_steps is not None and step - self._last_step >= self.every_steps
+        if due_t or due_s:
+            self._emit(step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._emit(state.global_step)

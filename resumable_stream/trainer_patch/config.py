@@ -122,10 +122,21 @@ class TrainerConfig:
 def _check_train(train: dict[str, Any]) -> None:
     from transformers import TrainingArguments
 
-    known = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    known = list(fields)
     for key in train:
         if key not in known:
             raise _unknown("train", str(key), known)
+    for key, value in list(train.items()):
+        default = fields[key].default
+        if isinstance(default, float) and not isinstance(value, bool):
+            if isinstance(value, str):
+                try:    # yaml reads 3e-4 (no dot) as a string
+                    train[key] = float(value)
+                except ValueError:
+                    raise ConfigError(f"train.{key}: got {value!r}; allowed: a number") from None
+            elif not isinstance(value, (int, float)):
+                raise ConfigError(f"train.{key}: got {value!r}; allowed: a number")
     for key, forced in _FORCED.items():
         if key in train and train[key] != forced:
             raise ConfigError(f"train.{key}: got {train[key]!r}; allowed: {forced!r} (resumable-stream restores the "

@@ -79,7 +79,8 @@ def _get_train_dataloader(original):
             prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
             pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
         )
-        source = ts.resume_state_path or getattr(self, "_rs_resume_checkpoint", None)
+        # the checkpoint being resumed wins; data.resume_state_path only seeds a fresh run
+        source = getattr(self, "_rs_resume_checkpoint", None) or ts.resume_state_path
         if source:
             loader.load_sidecar(source)
         self._rs_loader = loader

@@ -15,8 +15,9 @@ import signal
 import sys
 
 from ..devices import detect_device
+from ..errors import ConfigError
 from ..stream import ResumableStream
-from .callbacks import ConsumedLogCallback, TrainLogCallback
+from .callbacks import CacheStatsCallback, ConsumedLogCallback, TrainLogCallback
 from .checkpoints import check_complete, latest_complete_checkpoint, remove_incomplete_after
 from .config import TrainerConfig
 from .patch import TrainingStream, patch_trainer
@@ -42,7 +43,11 @@ def _load_tokenizer(cfg: TrainerConfig):
     from transformers import AutoTokenizer
 
     name = cfg.model.tokenizer or cfg.model.name_or_path
-    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
+        raise ConfigError(f"{key}: {name!r} cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -54,18 +59,37 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int):
 
     dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     if cfg.model.name_or_path:
-        return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype or "auto",
-                                                    trust_remote_code=cfg.model.trust_remote_code)
+        try:
+            return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype or "auto",
+                                                        trust_remote_code=cfg.model.trust_remote_code)
+        except OSError as e:
+            raise ConfigError(f"model.name_or_path: {cfg.model.name_or_path!r} cannot be loaded ({e})") from None
     fields = dict(cfg.model.config)
     model_type = fields.pop("model_type")
     fields.setdefault("vocab_size", len(tokenizer))
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
             fields.setdefault(name, getattr(tokenizer, name))
-    config = AutoConfig.for_model(model_type, **fields)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"model.config: model_type {model_type!r} with these fields is not a transformers "
+                          f"config ({type(e).__name__}: {e})") from None
     set_seed(seed)   # the random init is part of what a rerun must reproduce
     model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype is not None else model
+
+
+def _check_columns(cfg: TrainerConfig, columns: list[str] | None) -> None:
+    if not columns:
+        return   # unknown until read (some json / hub datasets); the loader catches an all-skipped epoch
+    tc = cfg.transform
+    wanted = {"text_column": tc.text_column} if tc.format == "text" else {"messages_column": tc.messages_column}
+    if tc.id_column:
+        wanted["id_column"] = tc.id_column
+    for key, column in wanted.items():
+        if column not in columns:
+            raise ConfigError(f"data.{key}: got {column!r}; the dataset's columns are: {', '.join(columns)}")
 
 
 def build_trainer(cfg: TrainerConfig, **argument_overrides):
@@ -85,6 +109,7 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     # The loader restores the state (stream cursor + transform carry), not the bare stream.
     stream = ResumableStream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                              world_size=args.world_size, num_workers=args.dataloader_num_workers)
+    _check_columns(cfg, stream.source.column_names)
     processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)
     collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row
@@ -94,7 +119,12 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     patch_trainer(Trainer)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    trainer.add_callback(TrainLogCallback(args.output_dir, per_step))
+    extra_of = None
+    if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
+        cache_stats = CacheStatsCallback(stream.source.stats, args.process_index, every_s=60.0)
+        trainer.add_callback(cache_stats)
+        extra_of = cache_stats.fields
+    trainer.add_callback(TrainLogCallback(args.output_dir, per_step, extra_of=extra_of))
     if cfg.transform.consumed_log:
         trainer.add_callback(ConsumedLogCallback(cfg.transform.consumed_log, args.process_index,
                                                  lambda: trainer._rs_loader))
