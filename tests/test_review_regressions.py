@@ -10,9 +10,9 @@ from helpers import parquet_config, take_ids
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cli import main
-from resumable_stream.transforms.errors import TransformError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.synthetic import write_jsonl_dataset
+from resumable_stream.transforms.errors import TransformError
 
 
 def test_set_epoch_after_resuming_at_the_end_of_that_epoch(parquet_small):
