@@ -1,4 +1,4 @@
-"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state."""
+"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
+from .sidecar import MANIFEST, rank_file_name
 
 
 def _show(value: Any) -> Any:
@@ -39,7 +40,12 @@ def cmd_peek(args: argparse.Namespace) -> int:
 
     cfg = StreamConfig.from_yaml(args.config)
     if args.resume_from:
-        cfg = cfg.replace(resume_state_path=args.resume_from)
+        resume = args.resume_from
+        # a directory written by `peek --save-state DIR` for one rank of several has no manifest: take the file
+        own = os.path.join(resume, rank_file_name(args.rank))
+        if os.path.isdir(resume) and not os.path.exists(os.path.join(resume, MANIFEST)) and os.path.isfile(own):
+            resume = own
+        cfg = cfg.replace(resume_state_path=resume)
     if args.rank >= args.world_size:
         raise ConfigError(f"--rank: got {args.rank}; allowed: 0 .. {args.world_size - 1} for --world-size "
                           f"{args.world_size}")
@@ -105,6 +111,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_ranks(text: str) -> list[int] | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        ranks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks: got {text!r}; allowed: all, or ranks like 0,3") from None
+    if not ranks or ranks[0] < 0:
+        raise argparse.ArgumentTypeError(f"--ranks: got {text!r}; allowed: all, or ranks >= 0 like 0,3")
+    return ranks
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from .cache.warmup import run_warmup
+
+    cfg = StreamConfig.from_yaml(args.config)
+    result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
+                        num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
+                        progress=not args.no_progress)
+    print(f"warmup: {result.summary()}; cache {cfg.cache_dir}: {result.stats.get('cache_bytes') or 0:,} bytes",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .trainer_patch.train import run_training
 
@@ -133,6 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from one yaml (model/data/train); torchrun-compatible")
     train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
     train.set_defaults(func=cmd_train)
+
+    warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
+    warm.add_argument("config", help="yaml file with a data: section that sets cache_dir")
+    warm.add_argument("--from", dest="from_", metavar="CHECKPOINT",
+                      help="start from these cursors (checkpoint dir, stream_state dir or sidecar file); "
+                           "default data.resume_state_path, else a fresh start")
+    warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000,
+                      help="samples per rank to warm (default 100000)")
+    warm.add_argument("--world-size", type=_positive("--world-size", 1), default=None,
+                      help="ranks of the run (default: the checkpoint's, else 1)")
+    warm.add_argument("--ranks", type=_parse_ranks, default=None,
+                      help="all (default) or a comma-separated list, e.g. 0,3 (the ranks of this node)")
+    warm.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None,
+                      help="DataLoader workers per rank (default: the checkpoint's, else 0)")
+    warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, help="parallel fetches (default 8)")
+    warm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    warm.set_defaults(func=cmd_warmup)
 
     insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON")
     insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")

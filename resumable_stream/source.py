@@ -8,13 +8,21 @@ and yield Arrow tables from there. Everything above it (plan, stream, cache) onl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
-from collections.abc import Iterator
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -75,13 +83,21 @@ def _builder_args(cfg: StreamConfig) -> tuple[str, object]:
     return path, data_files
 
 
-def _file_identity(path: str) -> dict:
+def _file_identity(path: str, retry: _Retry | None = None) -> dict:
     """Size plus whatever version marker the filesystem gives (mtime, ETag, Last-Modified, blob id)."""
     import fsspec
 
+    def fetch() -> dict:
+        fs, fs_path = fsspec.core.url_to_fs(path, **_protocol_options(retry.storage_options if retry else {}, path))
+        return fs.info(fs_path)
+
     try:
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        info = fs.info(fs_path)
+        if retry is not None and retry.applies(path):
+            info = retry.call(fetch, f"data file {path!r}: reading its metadata", [path])
+        else:
+            info = fetch()
+    except SourceError:
+        raise
     except FileNotFoundError:
         raise SourceError(f"data file {path!r}: not found") from None
     except Exception as e:  # network and permission errors
@@ -96,13 +112,20 @@ def _file_identity(path: str) -> dict:
     return ident
 
 
-def _parquet_row_groups(path: str) -> list[int]:
+def _parquet_row_groups(path: str, retry: _Retry | None = None) -> list[int]:
     import fsspec
 
-    try:
-        with fsspec.open(path, "rb") as f:
+    def fetch() -> list[int]:
+        with fsspec.open(path, "rb", **_protocol_options(retry.storage_options if retry else {}, path)) as f:
             md = pq.ParquetFile(f).metadata
             return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+
+    try:
+        if retry is not None and retry.applies(path):
+            return retry.call(fetch, f"data file {path!r}: reading its parquet footer", [path])
+        return fetch()
+    except SourceError:
+        raise
     except Exception as e:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
@@ -118,6 +141,310 @@ def _digest(obj) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
+# ------------------------------------------------------------------------------ network faults
+#
+# Remote data (http(s)://, hf://, s3://, ... files and Hub ids) is opened and read under one retry
+# policy, ``data.retries`` / ``data.retry_backoff_s`` with exponential backoff: every step of resolving
+# the dataset is retried on its own (a file's metadata, a parquet footer, load_dataset_builder, ...),
+# and a shard read that fails midway is reopened at the next row not yet yielded, so the rows come out
+# exactly as without the fault. Local files are never retried: a missing local file fails at once.
+#
+# ``data.timeout_s`` reaches aiohttp (fsspec's HTTP filesystem) as a ClientTimeout in the
+# ``client_kwargs`` of the storage options handed to ``load_dataset_builder``: a connection or a read
+# that stalls for that long raises instead of hanging. While our retries govern, datasets' own
+# read/open retries (up to 20 tries, 5-60 s sleeps each, see datasets.config.STREAMING_*) are off.
+
+T = TypeVar("T")
+
+# datasets.config knobs set while our retry layer is in charge (restored when no call needs them).
+_DATASETS_RETRY_KNOBS = {
+    "STREAMING_READ_MAX_RETRIES": 1,
+    "STREAMING_READ_RETRY_INTERVAL": 0,
+    "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL": 0,
+    "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL": 0,
+    "STREAMING_OPEN_MAX_RETRIES": 1,
+    "STREAMING_OPEN_RETRY_INTERVAL": 0,
+}
+_knobs_lock = threading.Lock()
+_knobs_depth = 0
+_knobs_saved: dict[str, Any] = {}
+
+# HTTP statuses worth another try; any other 4xx is an answer, not a fault.
+_RETRY_STATUSES = frozenset({408, 425, 429})
+_MISSING_STATUSES = frozenset({404, 410})
+# Retries of one HTTP request (at most data.retries), inside each try of a step (resolving a file,
+# reading a shard), which has data.retries of its own.
+HTTP_REQUEST_RETRIES = 2
+# The longest wait between two tries (unless retry_backoff_s itself is longer).
+_MAX_BACKOFF_S = 60.0
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+@contextlib.contextmanager
+def _datasets_retries_off() -> Iterator[None]:
+    """datasets' internal retries off for the duration (re-entrant, thread-safe, restored after)."""
+    global _knobs_depth
+    import datasets.config as dc
+
+    with _knobs_lock:
+        if _knobs_depth == 0:
+            _knobs_saved.clear()
+            for key, value in _DATASETS_RETRY_KNOBS.items():
+                if hasattr(dc, key):
+                    _knobs_saved[key] = getattr(dc, key)
+                    setattr(dc, key, value)
+        _knobs_depth += 1
+    try:
+        yield
+    finally:
+        with _knobs_lock:
+            _knobs_depth -= 1
+            if _knobs_depth == 0:
+                for key, value in _knobs_saved.items():
+                    setattr(dc, key, value)
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _flat_files(data_files: object) -> list[str]:
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, (list, tuple)):
+        return [f for f in data_files if isinstance(f, str)]
+    if isinstance(data_files, dict):
+        return [f for v in data_files.values() for f in _flat_files(v)]
+    return []
+
+
+def _remote_targets(path: str, data_files: object) -> list[str]:
+    """The remote paths opening this dataset touches; [] when everything is local."""
+    targets = [p for p in [path, *_flat_files(data_files)] if _is_remote(p)]
+    if targets or data_files is not None:
+        return targets
+    import datasets.config
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    hub_id = (_HUB_ID.match(path) is not None and path not in _PACKAGED_DATASETS_MODULES
+              and not os.path.exists(path) and not datasets.config.HF_HUB_OFFLINE)
+    return [path] if hub_id else []
+
+
+class _HttpRetry:
+    """aiohttp client middleware: each idempotent HTTP request is retried up to ``retries`` times.
+
+    Covers what no code of ours wraps (requests made deep inside datasets while it resolves files,
+    infers a schema or reshards) so that a step made of many requests does not fail whenever one of them
+    does. Retried: connection errors and resets, timeouts, 5xx / 408 / 425 / 429; for ranged GETs (the
+    only body reads fsspec buffers whole anyway) the body is read here, so a cut-off or stalled body is
+    retried too. Anything else comes back as aiohttp gave it. Picklable, with a stable repr (fsspec keys
+    its filesystem cache on it)."""
+
+    def __init__(self, retries: int, backoff_s: float):
+        self.retries, self.backoff_s = retries, backoff_s
+
+    def __repr__(self) -> str:
+        return f"_HttpRetry(retries={self.retries}, backoff_s={self.backoff_s})"
+
+    async def __call__(self, req, handler):
+        import asyncio
+
+        import aiohttp
+
+        if req.method not in ("GET", "HEAD") or self.retries <= 0:
+            return await handler(req)
+        ranged = req.method == "GET" and "Range" in req.headers
+        attempt = 0
+        while True:
+            try:
+                resp = await handler(req)
+                if not (resp.status >= 500 or resp.status in _RETRY_STATUSES):
+                    if ranged and resp.status == 206:
+                        try:
+                            await resp.read()        # cached on the response: fsspec's read() returns it
+                        except BaseException:
+                            resp.close()
+                            raise
+                    return resp
+                if attempt >= self.retries:
+                    return resp                      # the caller raises for the status, naming it
+                resp.release()
+                error = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # A refused connection / unknown host: the host is down, a step's backoff suits it better.
+                if attempt >= self.retries or _is_invalid_url(e) or isinstance(e, aiohttp.ClientConnectorError):
+                    raise
+                error = f"{type(e).__name__}: {e}"
+            wait = min(self.backoff_s * 2.0 ** attempt, max(_MAX_BACKOFF_S, self.backoff_s))
+            attempt += 1
+            log.warning("%s %s: %s; request retry %d of %d in %.2f s",
+                        req.method, req.url, error, attempt, self.retries, wait)
+            await asyncio.sleep(wait)
+
+
+def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
+    """fsspec HTTP options handed to datasets: aiohttp times out a connect or read stalled for
+    ``timeout_s``, and retries single requests (see :class:`_HttpRetry`)."""
+    try:
+        import aiohttp
+    except ImportError:  # no fsspec HTTP filesystem without aiohttp anyway
+        return {}
+    client_kwargs: dict[str, Any] = {
+        "timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)}
+    if retries > 0 and "middlewares" in inspect.signature(aiohttp.ClientSession.__init__).parameters:
+        client_kwargs["middlewares"] = (_HttpRetry(retries, backoff_s),)   # aiohttp >= 3.12
+    return {protocol: {"client_kwargs": dict(client_kwargs)} for protocol in ("http", "https")}
+
+
+def _protocol_options(storage_options: dict, path: str) -> dict:
+    """The flat fsspec kwargs for ``path``'s protocol out of datasets-style ``{protocol: kwargs}``."""
+    protocol = path.split("://", 1)[0] if "://" in path else "file"
+    return dict(storage_options.get(protocol, {}))
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and len(out) < 16 and all(cur is not x for x in out):
+        out.append(cur)
+        cur = cur.__cause__ if cur.__cause__ is not None else (
+            None if cur.__suppress_context__ else cur.__context__)
+    return out
+
+
+def _status_of(e: BaseException) -> int | None:
+    """The HTTP status an exception reports (aiohttp, requests / httpx based Hub errors), if any."""
+    status = getattr(e, "status", None)
+    if isinstance(status, int) and 100 <= status < 600:
+        return status
+    code = getattr(getattr(e, "response", None), "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [OSError, TimeoutError]   # ConnectionError, requests' errors, ...
+    for module, name in (("aiohttp", "ClientError"), ("httpx", "TransportError")):
+        try:
+            types.append(getattr(__import__(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _is_invalid_url(e: BaseException) -> bool:
+    return any(t.__name__ in ("InvalidURL", "NonHttpUrlClientError") and t.__module__.startswith("aiohttp")
+               for t in type(e).__mro__)
+
+
+def _classify(e: BaseException) -> str:
+    """'transient' (worth another try), 'missing' (a FileNotFoundError: maybe a fault, maybe not) or
+    'permanent'."""
+    chain = _chain(e)
+    if any(isinstance(x, (ConfigError, SourceError)) for x in chain):
+        return "permanent"
+    for x in chain:
+        status = _status_of(x)
+        if status is not None:
+            if status >= 500 or status in _RETRY_STATUSES:
+                return "transient"
+            return "missing" if status in _MISSING_STATUSES else "permanent"
+    if any(isinstance(x, FileNotFoundError) or _is_invalid_url(x) for x in chain):
+        # A fault can look like this too: fsspec's HTTP info() turns any failure into FileNotFoundError,
+        # and datasets' file listing then tries the URL as a directory with its scheme cut off.
+        return "missing"
+    if any(isinstance(x, _network_error_types()) for x in chain):
+        return "transient"
+    return "permanent"
+
+
+def _error_text(e: BaseException) -> str:
+    """``Type: message``, plus the root cause when a library wrapped it (datasets' "Server Disconnected")."""
+    text = f"{type(e).__name__}: {e}"
+    root = _chain(e)[-1]
+    if root is not e and str(root) not in text:
+        text += f" (caused by {type(root).__name__}: {root})"
+    return text
+
+
+def _probe_missing(urls: list[str], timeout_s: float) -> tuple[str, int] | None:
+    """The first http(s) URL the server says is not there (404 / 410), or None (all there, or unknown)."""
+    probe = [u for u in dict.fromkeys(urls) if u.split("://", 1)[0] in ("http", "https")
+             and not _GLOB_CHARS.search(u)]
+
+    def one(url: str) -> tuple[str, int] | None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s):
+                return None
+        except urllib.error.HTTPError as err:
+            return (url, err.code) if err.code in _MISSING_STATUSES else None
+        except Exception:  # unreachable, reset, timeout: nothing definite
+            return None
+
+    return next((hit for hit in _map_threads(one, probe) if hit is not None), None)
+
+
+class _Retry:
+    """The retry policy of one source: which paths are remote, backoff, timeouts (picklable)."""
+
+    def __init__(self, cfg: StreamConfig, remote: bool):
+        self.retries = cfg.retries
+        self.backoff_s = float(cfg.retry_backoff_s)
+        self.timeout_s = float(cfg.timeout_s)
+        self.remote = remote
+        self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
+                                                 self.backoff_s) if remote else {})
+
+    def applies(self, path: str) -> bool:
+        """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
+        return self.remote and (path == "" or _is_remote(path))
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...)."""
+        return min(self.backoff_s * 2.0 ** min(attempt, 60), max(_MAX_BACKOFF_S, self.backoff_s))
+
+    def failed(self, e: BaseException, attempt: int, label: str, probe: list[str]) -> bool:
+        """After ``e`` ended try ``attempt + 1``: sleep and return True when another try is due; False
+        when ``e`` is no network fault (the caller reports it). Raises SourceError when a probe shows
+        the file is gone, or when the retries are spent."""
+        kind = _classify(e)
+        if kind == "permanent":
+            return False
+        if kind == "missing":
+            hit = _probe_missing(probe, self.timeout_s)
+            if hit is not None:
+                raise SourceError(f"{label} failed: data file {hit[0]!r} is not found (HTTP {hit[1]})") from e
+            if not any(u.split("://", 1)[0] in ("http", "https") for u in probe):
+                return False      # hf://, s3://, ...: their filesystems only say 'not found' when it is so
+        if attempt >= self.retries:
+            raise SourceError(f"{label} failed after {attempt + 1} attempt(s) (data.retries: {self.retries}); "
+                              f"last error: {_error_text(e)}") from e
+        wait = self.delay(attempt)
+        log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(e), attempt + 1, self.retries, wait)
+        time.sleep(wait)
+        return True
+
+    def call(self, fn: Callable[[], T], label: str, probe: list[str]) -> T:
+        """``fn()`` with retries when remote; its own exceptions pass through when they are no fault."""
+        if not self.remote:
+            return fn()
+        attempt = 0
+        while True:
+            try:
+                with _datasets_retries_off():
+                    return fn()
+            except Exception as e:
+                if not self.failed(e, attempt, label, probe):
+                    raise
+            attempt += 1
+
+
+def _describe(targets: list[str]) -> str:
+    shown = ", ".join(targets[:3])
+    return shown + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
+
+
 class Source:
     """A dataset split opened through ``datasets``. Use :func:`open_source` to make one."""
 
@@ -130,19 +457,51 @@ class Source:
 
 
 class StreamingSource(Source):
-    """``load_dataset(..., streaming=True)``; parquet resharded to one shard per row group."""
+    """``load_dataset(..., streaming=True)``; parquet resharded to one shard per row group.
 
-    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict):
+    With a remote dataset, a read that fails midway (reset, 5xx, truncated body, timeout) reopens the
+    shard at the next row not yet yielded, under ``data.retries``: the rows come out as without it."""
+
+    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: _Retry | None = None):
         self._ids = ids
         self.shards = shards
         self.fingerprint = fingerprint
         self.column_names = ids.column_names
+        self._retry = retry
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        info = self.shards[shard]
+        retry = self._retry
+        if retry is None or not retry.applies(info.file):
+            yield from self._guarded(self._tables_from(shard, start_row), shard)
+            return
+        row, attempt = start_row, 0
+        while True:
+            tables = self._tables_from(shard, row)
+            try:
+                while True:
+                    try:
+                        with _datasets_retries_off():
+                            table = next(tables)
+                    except StopIteration:
+                        return
+                    except Exception as e:
+                        label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {row}"
+                        if not retry.failed(e, attempt, label, [info.file] if info.file else []):
+                            raise self._read_error(shard, e) from e
+                        attempt += 1
+                        break        # reopen the shard at ``row``, the first row not yet yielded
+                    attempt = 0      # progress: a later fault gets the full number of retries again
+                    row += table.num_rows
+                    yield table
+            finally:
+                tables.close()
+
+    def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         one = self._ids.shard(num_shards=len(self.shards), index=shard, contiguous=True).with_format("arrow")
         seen = 0
         # Reopening at a row re-reads the shard's prefix: bounded by one shard (a row group for parquet).
-        for table in self._guarded(one.iter(batch_size=READ_BATCH_ROWS), shard):
+        for table in one.iter(batch_size=READ_BATCH_ROWS):
             n = table.num_rows
             if seen + n <= start_row:
                 seen += n
@@ -152,6 +511,10 @@ class StreamingSource(Source):
             seen += n
             yield table
 
+    def _read_error(self, shard: int, e: Exception) -> SourceError:
+        info = self.shards[shard]
+        return SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
+                           f"({type(e).__name__}: {e})")
 
     def _guarded(self, tables: Iterator[pa.Table], shard: int) -> Iterator[pa.Table]:
         """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
@@ -161,9 +524,7 @@ class StreamingSource(Source):
             except StopIteration:
                 return
             except Exception as e:
-                info = self.shards[shard]
-                raise SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
-                                  f"({type(e).__name__}: {e})") from e
+                raise self._read_error(shard, e) from e
             yield table
 
 
@@ -191,18 +552,29 @@ class MapStyleSource(Source):
 
 
 def open_source(cfg: StreamConfig) -> Source:
-    """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason."""
+    """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason.
+
+    Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
+    own) with ``data.timeout_s`` on every HTTP connection and read."""
     import datasets
 
     if cfg.backend == "local":
         return _open_local(cfg)
     path, data_files = _builder_args(cfg)
+    targets = _remote_targets(path, data_files)
+    retry = _Retry(cfg, remote=bool(targets))
+    where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+    if targets and targets != [cfg.dataset_name_or_path]:
+        where += f" ({_describe(targets)})"
+    # a copy: datasets adds to the dict it is given
+    options = {"storage_options": {k: dict(v) for k, v in retry.storage_options.items()}} if retry.remote else {}
     try:
-        builder = datasets.load_dataset_builder(path, cfg.name, data_files=data_files)
+        builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
+                             f"{where}: resolving the dataset", targets)
     except FileNotFoundError as e:
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
                           f"{cfg.data_files!r}: {e}") from None
-    except ConfigError:
+    except (ConfigError, SourceError):
         raise
     except Exception as e:
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
@@ -216,30 +588,38 @@ def open_source(cfg: StreamConfig) -> Source:
     if resolved and not files:
         raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
                           f"split {cfg.split!r}")
-    identities = _map_threads(_file_identity, files)
+    identities = _map_threads(lambda f: _file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": builder.name, "files": identities,
     }
 
     if not cfg.streaming:
-        try:
+        def load():
             builder.download_and_prepare()
-            ds = builder.as_dataset(split=cfg.split)
+            return builder.as_dataset(split=cfg.split)
+
+        try:
+            ds = retry.call(load, f"{where}: downloading and preparing", files or targets)
+        except SourceError:
+            raise
         except Exception as e:
             raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: loading without streaming "
                               f"failed ({type(e).__name__}: {e})") from None
         return _finish_map_style(ds, fingerprint)
 
     try:
-        ids = builder.as_streaming_dataset(split=cfg.split)
+        ids = retry.call(lambda: builder.as_streaming_dataset(split=cfg.split), f"{where}: opening the stream",
+                         files or targets)
+    except SourceError:
+        raise
     except Exception as e:
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: streaming failed "
                           f"({type(e).__name__}: {e})") from None
     shards: list[ShardInfo] | None = None
     if builder.name == "parquet" and files:
-        groups = _map_threads(_parquet_row_groups, files)
-        resharded = ids.reshard()
+        groups = _map_threads(lambda f: _parquet_row_groups(f, retry), files)
+        resharded = retry.call(ids.reshard, f"{where}: resharding by row group", files)
         if resharded.num_shards == sum(len(g) for g in groups):
             ids = resharded
             shards = [ShardInfo(0, f, rg, rows) for f, g in zip(files, groups) for rg, rows in enumerate(g)]
@@ -250,7 +630,7 @@ def open_source(cfg: StreamConfig) -> Source:
     shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
     fingerprint["num_shards"] = len(shards)
     fingerprint["shard_rows"] = _digest([s.num_rows for s in shards])
-    return StreamingSource(ids, shards, fingerprint)
+    return StreamingSource(ids, shards, fingerprint, retry if retry.remote else None)
 
 
 def _finish_map_style(ds, fingerprint: dict) -> MapStyleSource:

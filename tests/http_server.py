@@ -13,34 +13,66 @@ explicit file URLs.
         assert srv.stats()["status"][206] > 0
 
 Every request is counted (thread-safe) and recorded in ``srv.requests`` as a
-:class:`RequestRecord`.
+:class:`RequestRecord` (with the fault injected into it, if any) as soon as it is read; its
+status and byte count fill in while it is served.
 
-Extension points for later fault / network-condition tests:
+Network conditions, all switchable at runtime (plain attributes, read per request):
 
-* ``srv.faults``: a list of callables ``fault(record) -> int | None`` consulted, in order, for
-  every request before it is served. The first one returning a status code makes the server
-  answer with that status and an empty body (e.g. 503 to simulate an overloaded host). A
-  later change can widen the return type (latency, truncated bodies, resets, ...).
-* ``FileServer._send_body`` writes the body in ``chunk_size`` pieces: the place for a
-  bandwidth limit or a mid-body fault.
+* ``srv.latency_s``: seconds to wait before answering each request (after reading it).
+* ``srv.bandwidth_bps``: body throughput limit in **bytes** per second, per response
+  (``None``: unlimited).
+
+Faults. A fault is one of :data:`FAULT_KINDS`:
+
+* ``"reset"``: the connection is reset (RST) without any response;
+* ``"reset_body"``: headers and part of the body, then a reset (HEAD: like ``"reset"``);
+* ``"500"`` / ``"503"``: that status with a short body (503 with ``Retry-After: 0``);
+* ``"truncate"``: headers with the full ``Content-Length``, about half the body, then a
+  clean close (HEAD / empty body: like ``"reset"``);
+* ``"stall"``: headers, then no body for ``stall_s`` seconds, then a reset (HEAD: nothing
+  at all for ``stall_s``, then a reset). Pick ``stall_s`` above the client's read timeout.
+
+Two ways to inject them, consulted in this order before a request is served:
+
+* ``srv.faults``: a list of callables ``fault(record) -> int | str | None``. The first one that
+  returns something decides: a status code (``503``) answers with that status and an empty
+  body; a kind (``"reset"``) injects that fault.
+* ``srv.set_faults(rate=0.2, kinds=("reset", "500", "503", "truncate"), seed=1)``: every
+  eligible request is faulted with probability ``rate``, the kind drawn uniformly from
+  ``kinds``, both from a ``random.Random(seed)`` consulted under a lock in arrival order
+  (sequential clients see the same faults on every run). Eligible requests can be
+  narrowed: ``methods=("GET",)``, ``paths=("*.parquet",)`` (``fnmatch`` patterns on the
+  decoded URL path), ``first=N`` (only the first N eligible requests after the call).
+  ``srv.clear_faults()`` removes the policy (and empties ``srv.faults``).
+
+``srv.stats()`` counts requests, statuses, bytes and faults (``faults`` per kind,
+``faults_injected`` in all). ``stop()`` is bounded: it wakes stalled / throttled / delayed
+handlers, shuts every open connection down and joins the handler threads.
 """
 
 from __future__ import annotations
 
 import email.utils
+import fnmatch
 import os
+import random
 import re
+import socket
+import struct
 import sys
 import threading
+import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
 
 _RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
+
+FAULT_KINDS = ("reset", "reset_body", "500", "503", "truncate", "stall")
 
 
 @dataclass
@@ -48,8 +80,51 @@ class RequestRecord:
     method: str
     path: str                  # the URL path as requested (percent-encoded)
     range: str | None          # the Range header, if any
-    status: int = 0
+    status: int = 0            # 0: no status line was sent (reset / stall before headers)
     bytes_sent: int = 0        # body bytes written
+    fault: str | None = None   # the fault injected into this request, as applied
+
+
+@dataclass
+class FaultPolicy:
+    """Seeded, per-request fault choice (see the module docstring). Use ``FileServer.set_faults``."""
+
+    rate: float
+    kinds: tuple[str, ...]
+    seed: int = 0
+    methods: frozenset[str] | None = None
+    paths: tuple[str, ...] | None = None
+    first: int | None = None
+    stall_s: float = 5.0
+    eligible: int = 0                                  # eligible requests seen so far
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"rate: got {self.rate!r}; allowed: 0.0 .. 1.0")
+        unknown = [k for k in self.kinds if k not in FAULT_KINDS]
+        if not self.kinds or unknown:
+            raise ValueError(f"kinds: got {self.kinds!r}; allowed: a non-empty subset of {FAULT_KINDS}")
+        if self.first is not None and self.first < 0:
+            raise ValueError(f"first: got {self.first!r}; allowed: None or >= 0")
+        if self.stall_s < 0:
+            raise ValueError(f"stall_s: got {self.stall_s!r}; allowed: >= 0")
+        self._rng = random.Random(self.seed)
+
+    def choose(self, rec: RequestRecord) -> str | None:
+        """The fault for this request, or None. Call under the server's lock."""
+        if self.methods is not None and rec.method not in self.methods:
+            return None
+        if self.paths is not None:
+            path = urllib.parse.unquote(urllib.parse.urlsplit(rec.path).path)
+            if not any(fnmatch.fnmatchcase(path, p) for p in self.paths):
+                return None
+        self.eligible += 1
+        if self.first is not None and self.eligible > self.first:
+            return None
+        if self._rng.random() >= self.rate:
+            return None
+        return self.kinds[self._rng.randrange(len(self.kinds))]
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None | str:
@@ -84,6 +159,10 @@ def file_etag(st: os.stat_result) -> str:
     return f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
 
 
+class _Abort(Exception):
+    """Raised inside a handler to drop the connection (after a reset / stall / truncation)."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "rs-test-fileserver/1"
@@ -113,16 +192,38 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
             rec.bytes_sent = len(body)
 
+    def _reset(self) -> None:
+        """Drop the connection with a TCP reset (SO_LINGER 0), as a crashed peer or proxy does."""
+        self.close_connection = True
+        try:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+        except OSError:
+            pass
+        raise _Abort
+
     # -- the request -----------------------------------------------------------------------
     def _serve(self, head: bool) -> None:
         srv = self.server.owner
         rec = RequestRecord(self.command, self.path, self.headers.get("Range"))
+        srv._record(rec)                   # counted at once: a stalled request shows before it ends
         try:
-            for fault in list(srv.faults):
-                status = fault(rec)
-                if status is not None:
-                    self._reply_empty(rec, int(status))
-                    return
+            if srv.latency_s:
+                srv._sleep(srv.latency_s)
+            kind, stall_s = srv._choose_fault(rec)
+            if kind is not None and kind.isdigit():
+                rec.fault = kind
+                self._reply_empty(rec, int(kind), {"Retry-After": "0"} if kind == "503" else None)
+                return
+            if kind in ("reset", "reset_body", "truncate") and head:
+                kind = "reset"             # nothing to cut short in a HEAD answer
+            if kind == "reset":
+                rec.fault = kind
+                self._reset()
+            if kind == "stall" and head:
+                rec.fault = kind
+                srv._sleep(stall_s)
+                self._reset()
             path = srv.local_path(self.path)
             if path is None:
                 self._reply_empty(rec, 404)
@@ -150,20 +251,36 @@ class _Handler(BaseHTTPRequestHandler):
                     first, last = rng
                     status, length = 206, last - first + 1
                     headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+                if kind in ("reset_body", "truncate") and length == 0:
+                    kind = "reset"         # an empty body cannot be cut short
+                    rec.fault = kind
+                    self._reset()
                 rec.status = status
+                rec.fault = kind
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(length))
                 self.end_headers()
-                if not head:
-                    f.seek(first)
-                    srv._send_body(self.wfile, f, length, rec)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True   # the client went away mid-response
-        finally:
-            srv._record(rec)
+                if head:
+                    return
+                if kind == "stall":
+                    self.wfile.flush()
+                    srv._sleep(stall_s)
+                    self._reset()
+                f.seek(first)
+                if kind in ("reset_body", "truncate"):
+                    srv._send_body(self.wfile, f, length // 2, rec)
+                    if kind == "reset_body":
+                        self._reset()
+                    self.close_connection = True   # truncate: a clean close short of Content-Length
+                    return
+                srv._send_body(self.wfile, f, length, rec)
+        except _Abort:
+            self.close_connection = True
+        except OSError:                    # the client went away mid-response, or stop()
+            self.close_connection = True
 
 
 class _Server(ThreadingHTTPServer):
@@ -171,10 +288,30 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     owner: FileServer
 
+    def __init__(self, *args: Any, **kw: Any):
+        self.live: dict[threading.Thread, socket.socket] = {}
+        self.live_lock = threading.Lock()
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Like ThreadingMixIn, but the handler threads are tracked so that stop() can join them.
+        t = threading.Thread(target=self._run_request, args=(request, client_address), daemon=True,
+                             name=f"FileServer:{self.server_address[1]}:conn")
+        with self.live_lock:
+            self.live[t] = request
+        t.start()
+
+    def _run_request(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self.live_lock:
+                self.live.pop(threading.current_thread(), None)
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients (aiohttp pools, forked DataLoader workers) drop keep-alive connections at will.
         exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
+        if isinstance(exc, (OSError, _Abort)):
             return
         super().handle_error(request, client_address)
 
@@ -187,9 +324,14 @@ class FileServer:
     def __init__(self, root: str | os.PathLike, host: str = "127.0.0.1"):
         self.root = os.path.realpath(os.fspath(root))
         self.host = host
-        self.faults: list[Callable[[RequestRecord], int | None]] = []
+        self.faults: list[Callable[[RequestRecord], int | str | None]] = []
+        self.fault_policy: FaultPolicy | None = None
+        self.stall_s = 5.0                 # stall length for kinds returned by ``faults`` callables
+        self.latency_s = 0.0
+        self.bandwidth_bps: float | None = None
         self.requests: list[RequestRecord] = []
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -197,6 +339,7 @@ class FileServer:
     def start(self) -> FileServer:
         if self._httpd is not None:
             return self
+        self._stopping = threading.Event()
         httpd = _Server((self.host, 0), _Handler)
         httpd.owner = self
         self._httpd = httpd
@@ -205,15 +348,27 @@ class FileServer:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving; wakes sleeping handlers, closes open connections, joins the threads."""
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return
+        self._stopping.set()               # stalls, latency and throttling return at once
         httpd.shutdown()
-        httpd.server_close()
+        deadline = time.monotonic() + timeout
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
             self._thread = None
+        with httpd.live_lock:
+            live = list(httpd.live.items())
+        for _, sock in live:               # idle keep-alive handlers wake from their read
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t, _ in live:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        httpd.server_close()
 
     def __enter__(self) -> FileServer:
         return self.start()
@@ -248,6 +403,45 @@ class FileServer:
             return None
         return full
 
+    # -- faults ----------------------------------------------------------------------------
+    def set_faults(self, rate: float = 0.2, kinds: Iterable[str] = FAULT_KINDS, seed: int = 0, *,
+                   methods: Iterable[str] | None = None, paths: Iterable[str] | None = None,
+                   first: int | None = None, stall_s: float = 5.0) -> FaultPolicy:
+        """Fault a share ``rate`` of the eligible requests from now on (replaces any policy)."""
+        policy = FaultPolicy(
+            rate=float(rate), kinds=tuple(kinds), seed=seed,
+            methods=None if methods is None else frozenset(m.upper() for m in methods),
+            paths=None if paths is None else tuple(paths), first=first, stall_s=float(stall_s),
+        )
+        with self._lock:
+            self.fault_policy = policy
+        return policy
+
+    def clear_faults(self) -> None:
+        """No more faults: drops the seeded policy and the ``faults`` callables."""
+        with self._lock:
+            self.fault_policy = None
+        self.faults.clear()
+
+    def _choose_fault(self, rec: RequestRecord) -> tuple[str | None, float]:
+        for fault in list(self.faults):
+            out = fault(rec)
+            if out is not None:
+                kind = str(out)
+                if not kind.isdigit() and kind not in FAULT_KINDS:
+                    raise ValueError(f"fault callable returned {out!r}; allowed: a status code or {FAULT_KINDS}")
+                return kind, self.stall_s
+        with self._lock:
+            policy = self.fault_policy
+            if policy is None:
+                return None, 0.0
+            return policy.choose(rec), policy.stall_s
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake up at once when the server stops."""
+        if seconds > 0 and self._stopping.wait(seconds):
+            raise _Abort
+
     # -- accounting ------------------------------------------------------------------------
     def _record(self, rec: RequestRecord) -> None:
         with self._lock:
@@ -255,24 +449,39 @@ class FileServer:
 
     def _send_body(self, out: BinaryIO, f: BinaryIO, length: int, rec: RequestRecord) -> None:
         left = length
+        bps = self.bandwidth_bps
+        chunk_size = self.chunk_size if not bps else max(1024, min(self.chunk_size, int(bps) // 20))
+        start = time.monotonic()
+        sent = 0
         while left > 0:
-            chunk = f.read(min(self.chunk_size, left))
+            if self._stopping.is_set():
+                raise _Abort
+            chunk = f.read(min(chunk_size, left))
             if not chunk:              # the file shrank under us: the connection cannot be reused
                 raise ConnectionResetError("file truncated while serving")
             out.write(chunk)
             left -= len(chunk)
+            sent += len(chunk)
             rec.bytes_sent += len(chunk)
+            bps = self.bandwidth_bps   # may change while a response is being sent
+            if bps:
+                ahead = sent / bps - (time.monotonic() - start)
+                if ahead > 0:
+                    self._sleep(ahead)
 
     def stats(self) -> dict[str, Any]:
-        """Counts so far: requests, per method, per status, Range requests, body bytes sent."""
+        """Counts so far: requests, per method, per status, Range requests, body bytes sent, faults."""
         with self._lock:
             recs = list(self.requests)
+        faults = Counter(r.fault for r in recs if r.fault)
         return {
             "requests": len(recs),
             "methods": Counter(r.method for r in recs),
             "status": Counter(r.status for r in recs),
             "range_requests": sum(1 for r in recs if r.range),
             "bytes_sent": sum(r.bytes_sent for r in recs),
+            "faults": faults,
+            "faults_injected": sum(faults.values()),
         }
 
     def reset_stats(self) -> None:

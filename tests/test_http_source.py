@@ -369,7 +369,8 @@ def test_unreachable_server_raises_source_error(tmp_path):
     with FileServer(tmp_path) as srv:
         url = srv.url("part-00000.parquet")
     with pytest.raises((SourceError, ConfigError)) as info:     # connection refused
-        ResumableStream(StreamConfig(dataset_name_or_path="parquet", data_files=[url]))
+        ResumableStream(StreamConfig(dataset_name_or_path="parquet", data_files=[url], retries=1,
+                                     retry_backoff_s=0.01))
     assert url in str(info.value)
 
 

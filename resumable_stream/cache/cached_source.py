@@ -1,0 +1,185 @@
+"""``CachedSource``: a read-through block cache around any :class:`~resumable_stream.source.Source`.
+
+``read(shard, start_row)`` serves the shard block by block from the store while blocks are
+there, and from the first missing block on reads the source (from that block's first row),
+cutting what it yields into blocks and handing each to the store's writer thread as it passes
+(a block being written is simply a miss for a reader that wants it meanwhile). It yields the same rows
+in the same order as the source; only the table boundaries differ (one table per block), which
+the partition reader does not see. Shards, fingerprint and column names are the source's own,
+so sidecars written with the cache on resume with it off and the other way round.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from ..config import StreamConfig
+from ..source import Source
+from .store import DEFAULT_BLOCK_ROWS, BlockStore, namespace
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)   # zero-copy: chunks stay chunks
+
+
+class CachedSource(Source):
+    """Read-through local block cache; ``config.cache_dir`` / ``config.cache_size_limit_gb``."""
+
+    is_cached = True
+
+    def __init__(self, source: Source, config: StreamConfig | None = None, *, cache_dir: str | None = None,
+                 size_limit_gb: float | None = None, block_rows: int | None = None):
+        directory = cache_dir or (config.cache_dir if config is not None else None)
+        if not directory:
+            from ..errors import ConfigError
+
+            raise ConfigError("data.cache_dir: got null; the block cache needs a directory")
+        limit_gb = size_limit_gb if size_limit_gb is not None else (
+            config.cache_size_limit_gb if config is not None else 50)
+        self.inner = source
+        self.shards = source.shards
+        self.fingerprint = source.fingerprint
+        self.column_names = source.column_names
+        self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
+        self.store = BlockStore(os.path.expanduser(directory), int(limit_gb * 2**30),
+                                namespace(source.fingerprint, self.block_rows), self.block_rows)
+
+    # ------------------------------------------------------------------ geometry
+    def num_blocks(self, shard: int) -> int | None:
+        """Blocks of a shard whose row count is known (None otherwise)."""
+        n = self.shards[shard].num_rows
+        return None if n is None else -(-n // self.block_rows)
+
+    def _is_last(self, shard: int, block: int) -> bool:
+        n = self.shards[shard].num_rows
+        return n is not None and (block + 1) * self.block_rows >= n
+
+    def _where(self, shard: int) -> str:
+        return self.shards[shard].name
+
+    # ------------------------------------------------------------------ reading
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        n = self.shards[shard].num_rows
+        if n is not None and start_row >= n:
+            return
+        R = self.block_rows
+        block, skip = divmod(start_row, R)
+        schema = None
+        while True:
+            hit = self.store.get(shard, block, self._where(shard))
+            if hit is None:
+                yield from self._read_through(shard, block, skip, schema)
+                return
+            table, last = hit
+            schema = table.schema
+            if skip:
+                table, skip = table.slice(min(skip, table.num_rows)), 0
+            if table.num_rows:
+                yield table
+            if last:
+                return
+            block += 1
+
+    def _read_through(self, shard: int, block: int, skip: int, schema: pa.Schema | None) -> Iterator[pa.Table]:
+        """Read the source from ``block`` on; store and yield whole blocks (the first one cut at ``skip``)."""
+        R = self.block_rows
+        tables = self.inner.read(shard, block * R)
+        parts: list[pa.Table] = []
+        have = 0
+        try:
+            for table in tables:
+                schema = table.schema
+                while table.num_rows:
+                    take = min(R - have, table.num_rows)
+                    parts.append(table.slice(0, take))
+                    table = table.slice(take)
+                    have += take
+                    if have < R:
+                        continue
+                    full = _concat(parts)
+                    last = self._is_last(shard, block)
+                    out = self._keep(shard, block, full, last, skip)
+                    parts, have, skip = [], 0, 0
+                    block += 1
+                    if out is not None:
+                        yield out
+                    if last:
+                        return
+            # the source ended: what is left is the last block (empty when the shard ended on a boundary)
+            if parts:
+                rest = _concat(parts)
+            elif schema is not None:
+                rest = schema.empty_table()
+            else:       # nothing read and no schema known: leave it uncached
+                return
+            out = self._keep(shard, block, rest, True, skip)
+            if out is not None:
+                yield out
+        finally:
+            close = getattr(tables, "close", None)
+            if close is not None:
+                close()
+
+    def _keep(self, shard: int, block: int, table: pa.Table, last: bool, skip: int) -> pa.Table | None:
+        self.store.put_behind(shard, block, table, last, self._where(shard))
+        self.store.count(rows_fetched=table.num_rows)
+        if skip:
+            table = table.slice(min(skip, table.num_rows))
+        return table if table.num_rows else None
+
+    # ------------------------------------------------------------------ warmup
+    def fetch_blocks(self, shard: int, first: int, last: int, on_block=None) -> tuple[int, int]:
+        """Fetch blocks ``first..last`` of a shard from the source into the store (those missing).
+
+        Returns (blocks written, bytes written). ``on_block(bytes_written)`` is called per block.
+        """
+        R = self.block_rows
+        written = nbytes = 0
+        block, parts, have = first, [], 0
+        tables = self.inner.read(shard, first * R)
+        try:
+            for table in tables:
+                while table.num_rows and block <= last:
+                    take = min(R - have, table.num_rows)
+                    parts.append(table.slice(0, take))
+                    table = table.slice(take)
+                    have += take
+                    if have == R:
+                        is_last = self._is_last(shard, block)
+                        b = self.store.put(shard, block, _concat(parts), is_last)
+                        self.store.count(rows_fetched=R)
+                        written, nbytes = written + (b > 0), nbytes + b
+                        if on_block is not None:
+                            on_block(b)
+                        parts, have, block = [], 0, block + 1
+                        if is_last:
+                            return written, nbytes
+                if block > last:
+                    return written, nbytes
+            if block <= last and parts:
+                b = self.store.put(shard, block, _concat(parts), True)
+                self.store.count(rows_fetched=have)
+                written, nbytes = written + (b > 0), nbytes + b
+                if on_block is not None:
+                    on_block(b)
+        finally:
+            close = getattr(tables, "close", None)
+            if close is not None:
+                close()
+        return written, nbytes
+
+    # ------------------------------------------------------------------ the rest
+    def stats(self) -> dict[str, Any]:
+        """Hits, misses, corrupt blocks, bytes and rows read from / written to the cache, hit rate, size."""
+        return self.store.stats()
+
+    def flush(self) -> None:
+        """Wait for the blocks this process is still writing (reads never wait for them)."""
+        self.store.flush()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,264 @@
+"""Cache warmup: fetch exactly the blocks some ranks will read in their next N samples.
+
+Planning runs the real stream (partition reader, windows, interleave, epoch roll-over) for each
+rank over a *planning source*: for shards whose row counts are known (parquet row groups,
+map-style slices) it yields tables that carry only row numbers, cut at the same block
+boundaries as the cache serves them, and records every block the reader pulls. Nothing is
+downloaded while planning those shards, and the trace is exactly the set of lookups the cached
+stream will do. Shards of unknown length (json, csv, text files) cannot be planned without
+their data, so the planner reads them through the cache, which fills it as a side effect.
+
+The planned blocks that are not cached yet are then fetched in parallel, consecutive blocks of
+one shard in one job (a shard's prefix is read once), in the order they will be needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..config import StreamConfig
+from ..errors import ConfigError, SidecarError
+from ..source import Source, open_source
+from .cached_source import CachedSource
+
+log = logging.getLogger(__name__)
+
+
+class _PlanningSource(Source):
+    """Row numbers instead of data, block by block; records the blocks the reader pulls."""
+
+    is_cached = True      # the stream must not wrap it in another cache
+
+    def __init__(self, cached: CachedSource):
+        self.cached = cached
+        self.shards = cached.shards
+        self.fingerprint = cached.fingerprint
+        self.column_names = ["row"]
+        self.need: dict[tuple[int, int], tuple[int, int]] = {}   # (shard, block) -> (sample index, rank)
+        self.clock = (0, 0)
+
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        n = self.shards[shard].num_rows
+        if n is None:              # unknown length: read it through the cache (fills it)
+            row = start_row
+            for table in self.cached.read(shard, start_row):
+                yield pa.table({"row": np.arange(row, row + table.num_rows, dtype=np.int64)})
+                row += table.num_rows
+            return
+        if start_row >= n:         # as CachedSource.read: nothing to look up
+            return
+        R = self.cached.block_rows
+        block = start_row // R
+        while block * R < n:       # the same blocks, pulled at the same moments, as CachedSource.read
+            self.need.setdefault((shard, block), self.clock)
+            lo, hi = max(start_row, block * R), min(n, (block + 1) * R)
+            yield pa.table({"row": np.arange(lo, hi, dtype=np.int64)})
+            block += 1
+
+
+@dataclass
+class WarmupPlan:
+    """What a warmup will fetch."""
+
+    cached: CachedSource
+    ranks: list[int]
+    world_size: int
+    num_workers: int
+    samples: int
+    blocks: list[tuple[int, int]]                 # (shard, block) the ranks read, in the order first needed
+    missing: list[tuple[int, int]]                # of those, not in the cache yet (same order)
+    read_through_blocks: int = 0                  # blocks of unknown-length shards cached while planning
+    seconds: float = 0.0
+
+    def jobs(self) -> list[tuple[int, int, int]]:
+        """(shard, first block, last block) runs of consecutive missing blocks, in the order needed."""
+        order = {b: i for i, b in enumerate(self.missing)}
+        by_shard: dict[int, list[int]] = {}
+        for shard, block in self.missing:
+            by_shard.setdefault(shard, []).append(block)
+        runs = []
+        for shard, blocks in by_shard.items():
+            blocks.sort()
+            start = prev = blocks[0]
+            for b in blocks[1:] + [None]:
+                if b is not None and b == prev + 1:
+                    prev = b
+                    continue
+                first_need = min(order[(shard, x)] for x in range(start, prev + 1))
+                runs.append((first_need, shard, start, prev))
+                if b is not None:
+                    start = prev = b
+        runs.sort()
+        return [(shard, a, b) for _, shard, a, b in runs]
+
+
+@dataclass
+class WarmupResult:
+    planned_blocks: int
+    already_cached: int
+    fetched_blocks: int
+    fetched_bytes: int
+    read_through_blocks: int
+    plan_seconds: float
+    fetch_seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (f"{self.planned_blocks} blocks needed, {self.already_cached} already cached, "
+                f"{self.fetched_blocks} fetched ({self.fetched_bytes / 1e6:.1f} MB) in {self.fetch_seconds:.1f} s "
+                f"(planning {self.plan_seconds:.1f} s"
+                + (f", {self.read_through_blocks} blocks of unknown-length shards read while planning"
+                   if self.read_through_blocks else "") + ")")
+
+
+def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
+    """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
+    from ..sidecar import read_manifest, read_state_file, resolve_rank_file, state_dir_of
+
+    if os.path.isfile(state_path):
+        topo = read_state_file(state_path)["topology"]
+        return int(topo["world_size"]), int(topo["num_workers"]), [int(topo["rank"])]
+    if not os.path.isdir(state_path):
+        raise SidecarError(f"stream state {state_path!r}: not found")
+    state_dir = state_dir_of(state_path)
+    if state_dir is None:
+        raise SidecarError(f"stream state {state_path!r}: expected a rank-NNNNN.safetensors file, a stream_state "
+                           "directory or a checkpoint directory containing stream_state/")
+    world = int(read_manifest(state_dir)["world_size"])
+    topo = read_state_file(resolve_rank_file(state_path, 0))["topology"]
+    return world, int(topo["num_workers"]), list(range(world))
+
+
+def _open_cached(config: StreamConfig, source: Source | None, block_rows: int | None) -> CachedSource:
+    if not config.cache_dir:
+        raise ConfigError("data.cache_dir: got null; warmup fills the block cache, set data.cache_dir to a "
+                          "local directory")
+    if isinstance(source, CachedSource):
+        return source
+    return CachedSource(source if source is not None else open_source(config), config, block_rows=block_rows)
+
+
+def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = None,
+                ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
+                source: Source | None = None, block_rows: int | None = None) -> WarmupPlan:
+    """The blocks ranks ``ranks`` of ``world_size`` read in their next ``samples`` samples each.
+
+    The cursors are fresh, or loaded from ``state_path`` (default ``config.resume_state_path``): a
+    sidecar file, stream_state dir or checkpoint dir, whose topology gives the defaults of
+    ``world_size`` / ``num_workers`` / ``ranks``. With ``num_workers`` K each rank's samples are
+    spread over its K partitions as the stream interleaves them. The window after the last sample
+    is included when the Nth sample ends a window (saving a checkpoint there reads it).
+    """
+    from ..sidecar import read_state_file, resolve_rank_file
+    from ..stream import ResumableStream
+
+    if not (isinstance(samples, int) and samples >= 0):
+        raise ConfigError(f"samples: got {samples!r}; allowed: an integer >= 0")
+    t0 = time.perf_counter()
+    state_path = state_path or config.resume_state_path
+    ck_world = ck_workers = None
+    ck_ranks: list[int] | None = None
+    if state_path:
+        ck_world, ck_workers, ck_ranks = checkpoint_topology(os.fspath(state_path))
+    world_size = world_size or ck_world or 1
+    num_workers = num_workers if num_workers is not None else (ck_workers or 0)
+    if ranks is None:
+        ranks = ck_ranks if ck_ranks is not None and ck_world == world_size else list(range(world_size))
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad or not ranks:
+        raise ConfigError(f"ranks: got {ranks!r}; allowed: ranks in 0 .. {world_size - 1}")
+
+    cached = _open_cached(config, source, block_rows)
+    planner = _PlanningSource(cached)
+    written_before = cached.store.stats()["blocks_written"]
+    plain = config.replace(resume_state_path=None)
+    for rank in ranks:
+        stream = ResumableStream(plain, rank=rank, world_size=world_size, num_workers=num_workers, source=planner)
+        if state_path:
+            file = resolve_rank_file(os.fspath(state_path), rank)
+            state = read_state_file(file)
+            stream.transform_fingerprint = state["fingerprint"].get("transform")
+            stream.load_state_dict(state, where=f"sidecar {file!r}")
+            stream._expect.clear()   # the planning rows are row numbers, not the recorded samples
+        it = iter(stream)
+        for i in range(samples):
+            planner.clock = (i, rank)
+            next(it)
+        planner.clock = (samples, rank)
+        stream.state_dict()          # a checkpoint right after the Nth sample reads the next window
+    cached.flush()                   # blocks of unknown-length shards read while planning
+    blocks = [b for b, _ in sorted(planner.need.items(), key=lambda kv: (kv[1], kv[0]))]
+    missing = [b for b in blocks if not cached.store.contains(*b)]
+    return WarmupPlan(cached=cached, ranks=list(ranks), world_size=world_size, num_workers=num_workers,
+                      samples=samples, blocks=blocks, missing=missing,
+                      read_through_blocks=cached.store.stats()["blocks_written"] - written_before,
+                      seconds=time.perf_counter() - t0)
+
+
+def fetch(plan: WarmupPlan, jobs: int = 8, progress: bool = True) -> tuple[int, int, float]:
+    """Fetch the plan's missing blocks with ``jobs`` threads; (blocks written, bytes, seconds)."""
+    from tqdm.auto import tqdm
+
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ConfigError(f"jobs: got {jobs!r}; allowed: an integer >= 1")
+    t0 = time.perf_counter()
+    runs = plan.jobs()
+    if not runs:
+        return 0, 0, 0.0
+    lock = threading.Lock()
+    done = {"blocks": 0, "bytes": 0}
+    bar = tqdm(total=len(plan.missing), unit="block", desc="warmup", disable=not progress, dynamic_ncols=True)
+
+    def on_block(nbytes: int) -> None:
+        with lock:
+            done["blocks"] += 1
+            done["bytes"] += nbytes
+            elapsed = max(1e-9, time.perf_counter() - t0)
+            bar.set_postfix_str(f"{done['bytes'] / 1e6:,.1f} MB, {done['bytes'] / 1e6 / elapsed:,.1f} MB/s",
+                                refresh=False)
+            bar.update(1)
+
+    cached = plan.cached
+    written = nbytes = 0
+    try:
+        with ThreadPoolExecutor(max_workers=min(jobs, len(runs)), thread_name_prefix="rs-warmup") as pool:
+            futures = [pool.submit(cached.fetch_blocks, shard, a, b, on_block) for shard, a, b in runs]
+            finished, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in itertools.chain(finished, pending):
+                if f.cancelled():
+                    continue
+                w, n = f.result()          # re-raises the first failure
+                written, nbytes = written + w, nbytes + n
+    finally:
+        bar.close()
+    if nbytes > cached.store.size_limit_bytes:
+        log.warning("warmup wrote %.1f GB into a cache limited to %.1f GB: the blocks needed first may already "
+                    "have been evicted; warm fewer samples or raise data.cache_size_limit_gb",
+                    nbytes / 2**30, cached.store.size_limit_bytes / 2**30)
+    return written, nbytes, time.perf_counter() - t0
+
+
+def run_warmup(config: StreamConfig, samples: int, *, world_size: int | None = None,
+               ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
+               jobs: int = 8, progress: bool = True, source: Source | None = None,
+               block_rows: int | None = None) -> WarmupResult:
+    """Plan (see :func:`plan_warmup`) and fetch. Warming a warm cache fetches nothing."""
+    plan = plan_warmup(config, samples, world_size=world_size, ranks=ranks, num_workers=num_workers,
+                       state_path=state_path, source=source, block_rows=block_rows)
+    written, nbytes, secs = fetch(plan, jobs=jobs, progress=progress)
+    return WarmupResult(planned_blocks=len(plan.blocks), already_cached=len(plan.blocks) - len(plan.missing),
+                        fetched_blocks=written, fetched_bytes=nbytes, read_through_blocks=plan.read_through_blocks,
+                        plan_seconds=plan.seconds, fetch_seconds=secs, stats=plan.cached.stats())
