@@ -245,17 +245,23 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def resolve_rank_file(path: str, rank: int) -> str:
-    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        return path
+def find_state_dir(path: str) -> str:
+    """The stream_state directory of a stream_state dir or a checkpoint dir, or a clear error."""
     if not os.path.isdir(path):
         raise SidecarError(f"stream state {path!r}: not found")
     state_dir = state_dir_of(path)
     if state_dir is None:
         raise SidecarError(f"stream state {path!r}: expected a rank-NNNNN.safetensors file, a stream_state directory "
                            "or a checkpoint directory containing stream_state/")
+    return state_dir
+
+
+def resolve_rank_file(path: str, rank: int) -> str:
+    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    state_dir = find_state_dir(path)
     manifest = read_manifest(state_dir)
     name = rank_file_name(rank)
     entry = manifest["files"].get(name)

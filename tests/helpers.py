@@ -12,3 +12,16 @@ def take_ids(stream: ResumableStream, n: int, column: str = "id") -> list:
 
 def parquet_config(directory: str, **kw) -> StreamConfig:
     return StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(directory, "*.parquet"), **kw)
+
+
+_SOURCES: dict = {}
+
+
+def shared_source(cfg: StreamConfig):
+    """One opened source per dataset for a test session (opening resolves files and reads footers)."""
+    from resumable_stream.source import open_source
+
+    key = (str(cfg.data_files), cfg.streaming)
+    if key not in _SOURCES:
+        _SOURCES[key] = open_source(cfg)
+    return _SOURCES[key]

@@ -13,25 +13,18 @@ import textwrap
 
 import pyarrow as pa
 import pytest
-from helpers import parquet_config, take_ids
+from helpers import parquet_config, shared_source, take_ids
 from http_server import FileServer
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cache import CachedSource, CorruptBlock, decode_block, encode_block
 from resumable_stream.sidecar import decode_state, encode_state
-from resumable_stream.source import ShardInfo, Source, open_source
+from resumable_stream.source import ShardInfo, Source
 from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
-_SOURCES: dict = {}
-
-
-def _source(cfg: StreamConfig):
-    key = (str(cfg.data_files), cfg.streaming)
-    if key not in _SOURCES:
-        _SOURCES[key] = open_source(cfg)
-    return _SOURCES[key]
+_source = shared_source
 
 
 def _cached(cfg: StreamConfig, cache_dir, block_rows: int = 32, **kw) -> CachedSource:

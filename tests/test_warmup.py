@@ -8,7 +8,7 @@ import time
 
 import pytest
 import yaml
-from helpers import parquet_config, take_ids
+from helpers import parquet_config, shared_source, take_ids
 from http_server import FileServer
 
 from resumable_stream import ResumableStream, StreamConfig
@@ -20,14 +20,7 @@ from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_datase
 
 pytestmark = pytest.mark.timeout(120)
 
-_SOURCES: dict = {}
-
-
-def _source(cfg: StreamConfig):
-    key = (str(cfg.data_files), cfg.streaming)
-    if key not in _SOURCES:
-        _SOURCES[key] = open_source(cfg)
-    return _SOURCES[key]
+_source = shared_source
 
 
 def _keys(cached: CachedSource) -> set[tuple[int, int]]:

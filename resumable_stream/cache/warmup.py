@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import StreamConfig
-from ..errors import ConfigError, SidecarError
+from ..errors import ConfigError
 from ..source import Source, open_source
 from .cached_source import CachedSource
 
@@ -124,17 +124,12 @@ class WarmupResult:
 
 def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
     """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
-    from ..sidecar import read_manifest, read_state_file, resolve_rank_file, state_dir_of
+    from ..sidecar import find_state_dir, read_manifest, read_state_file, resolve_rank_file
 
     if os.path.isfile(state_path):
         topo = read_state_file(state_path)["topology"]
         return int(topo["world_size"]), int(topo["num_workers"]), [int(topo["rank"])]
-    if not os.path.isdir(state_path):
-        raise SidecarError(f"stream state {state_path!r}: not found")
-    state_dir = state_dir_of(state_path)
-    if state_dir is None:
-        raise SidecarError(f"stream state {state_path!r}: expected a rank-NNNNN.safetensors file, a stream_state "
-                           "directory or a checkpoint directory containing stream_state/")
+    state_dir = find_state_dir(state_path)
     world = int(read_manifest(state_dir)["world_size"])
     topo = read_state_file(resolve_rank_file(state_path, 0))["topology"]
     return world, int(topo["num_workers"]), list(range(world))
