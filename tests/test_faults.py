@@ -216,6 +216,9 @@ def test_server_stop_is_bounded_with_stalled_and_idle_connections(tmp_path):
     srv.set_faults(rate=1.0, kinds=("stall",), stall_s=60, methods=("GET",))
     stalled = threading.Thread(target=_request, args=(port,), kwargs={"timeout": 30}, daemon=True)
     stalled.start()
+    deadline = time.monotonic() + 10          # the stall must be in place before faults are cleared
+    while srv.stats()["faults"].get("stall", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     idle = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     idle.request("HEAD", "/f.bin")
     assert idle.getresponse().status == 200              # a keep-alive connection left open
