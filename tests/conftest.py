@@ -36,3 +36,16 @@ def parquet_two_shards(tmp_path_factory):
     write_parquet_dataset(str(d), rows=300, files=1, row_group_size=150)
     return str(d)
 
+
+
+@pytest.fixture(scope="module")
+def hub_offline():
+    """The Hub is unreachable: only local files and the loopback server may be used (also forced in
+    the already-imported config modules, not only through the environment)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield

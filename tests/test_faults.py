@@ -35,21 +35,11 @@ AFTER = 64
 # Quick retries for tests: the defaults (5 retries, 1 s doubling) are for real networks.
 FAST = {"retries": 8, "retry_backoff_s": 0.02, "timeout_s": 1.0}
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("hub_offline")]
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module", autouse=True)
-def hub_offline():
-    import datasets.config
-    import huggingface_hub.constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-
-
+# hub_offline (the Hub made unreachable) comes from conftest.py
 class Site:
     def __init__(self, srv: FileServer, paths: list[str], fmt: str):
         self.srv, self.paths, self.fmt = srv, paths, fmt

@@ -38,22 +38,11 @@ BUFFER = 64
 BUILDER = {"parquet": "parquet", "jsonl": "json"}
 
 # A stuck connection or a forked worker deadlock must fail fast, not eat the 300 s default.
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("hub_offline")]
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module", autouse=True)
-def hub_offline():
-    """The Hub is unreachable for the whole module: only the loopback server may be used."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-
-
+# hub_offline (the Hub made unreachable) comes from conftest.py
 class Site:
     """A served dataset: the server, the local files and their URLs (in order)."""
 
@@ -66,6 +55,8 @@ class Site:
     def config(self, **kw) -> StreamConfig:
         kw.setdefault("shuffle", True)
         kw.setdefault("buffer_size", BUFFER)
+        kw.setdefault("retry_backoff_s", 0.05)   # a loopback hiccup is retried at once, not after seconds
+        kw.setdefault("timeout_s", 10.0)
         return StreamConfig(dataset_name_or_path=BUILDER[self.fmt], data_files=list(self.urls), **kw)
 
 
