@@ -9,7 +9,7 @@ and 30 ms per request (a remote object store seen from a training node), on gene
   (another shard order, every block a hit): rows/s and the ratio warm / cold (target >= 5);
 * ``warmup`` of the next N samples (8 parallel fetches) and then reading them, vs reading the same
   N samples from a cold cache;
-* on plain local parquet files: cache off vs cold vs warm (best of 3), overhead in % (target <= 10).
+* on plain local parquet files: cache off vs cold vs warm (best of 5), overhead in % (target <= 10).
 
     .venv/bin/python benchmarks/cache.py [--quick] [--json out.json] [--data-dir DIR]
 """
@@ -187,7 +187,7 @@ def main() -> int:
     print(f"block cache benchmark: {rows:,} rows over HTTP at {args.bandwidth_mbs:g} MB/s + {args.latency_ms:g} ms "
           f"per request; {local_rows:,} local rows; {platform.python_version()}, {os.cpu_count()} cores", flush=True)
     http = bench_http(remote, args.bandwidth_mbs * 1e6, args.latency_ms / 1e3, args.jobs, warm_samples=rows // 2)
-    loc = bench_local(local, 1 if args.quick else 3)
+    loc = bench_local(local, 1 if args.quick else 5)
     w = http["warmup"]
     print("ratios:")
     print(f"  warm epoch / cold epoch:                {http['warm_over_cold']:6.1f}x   (target >= 5)")

@@ -67,20 +67,42 @@ def namespace(fingerprint: dict, block_rows: int) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def encode_block_parts(table: pa.Table, last: bool) -> tuple[bytes, pa.Buffer]:
-    """(header, Arrow IPC stream) of a block, without copying the data."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    payload = sink.getvalue()
-    header = _HEADER.pack(_MAGIC, _FLAG_LAST if last else 0, table.num_rows, payload.size, zlib.crc32(payload))
-    return header, payload
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"      # end-of-stream marker of the Arrow IPC stream format
+
+
+def _has_dictionary(t: pa.DataType) -> bool:
+    return pa.types.is_dictionary(t) or any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
+
+
+def _ipc_stream_parts(table: pa.Table) -> list:
+    """The Arrow IPC stream of ``table`` as a list of buffers (schema, batches, end marker).
+
+    Each record batch is serialized into a buffer of its exact size: ~10x faster than
+    ``ipc.new_stream`` into a growing ``BufferOutputStream`` on the cache-filling path. Dictionary
+    columns need dictionary messages, so they go through the stream writer.
+    """
+    if any(_has_dictionary(f.type) for f in table.schema):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return [sink.getvalue()]
+    return [table.schema.serialize(), *(rb.serialize() for rb in table.to_batches()), _IPC_EOS]
+
+
+def encode_block_parts(table: pa.Table, last: bool) -> list:
+    """[header, *Arrow IPC stream buffers] of a block; the checksum covers the whole stream."""
+    parts = _ipc_stream_parts(table)
+    size = crc = 0
+    for part in parts:
+        view = memoryview(part)
+        size += view.nbytes
+        crc = zlib.crc32(view, crc)
+    return [_HEADER.pack(_MAGIC, _FLAG_LAST if last else 0, table.num_rows, size, crc), *parts]
 
 
 def encode_block(table: pa.Table, last: bool) -> bytes:
     """Header + Arrow IPC stream of ``table``, as one bytes value."""
-    header, payload = encode_block_parts(table, last)
-    return b"".join((header, memoryview(payload)))
+    return b"".join(memoryview(p) for p in encode_block_parts(table, last))
 
 
 class _PartsReader:
@@ -282,11 +304,11 @@ class BlockStore:
                     return 0
                 except CorruptBlock as e:
                     self._corrupt(shard, block, where, e)
-        header, payload = encode_block_parts(table, last)
+        parts = encode_block_parts(table, last)
         # as a file object: diskcache writes it to a file in 4 MiB pieces with no copy (given bytes, it
         # would iterate them line by line) and reads it back as bytes
-        cache.set(key, _PartsReader(header, payload), read=True)
-        size = len(header) + payload.size
+        cache.set(key, _PartsReader(*parts), read=True)
+        size = sum(memoryview(p).nbytes for p in parts)
         self._counters.add(bytes_written=size, blocks_written=1)
         return size
 
