@@ -207,6 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server.owner
         rec = RequestRecord(self.command, self.path, self.headers.get("Range"))
         srv._record(rec)                   # counted at once: a stalled request shows before it ends
+        srv._enter()
         try:
             if srv.latency_s:
                 srv._sleep(srv.latency_s)
@@ -281,6 +282,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except OSError:                    # the client went away mid-response, or stop()
             self.close_connection = True
+        finally:
+            srv._leave()
 
 
 class _Server(ThreadingHTTPServer):
@@ -331,6 +334,7 @@ class FileServer:
         self.bandwidth_bps: float | None = None
         self.requests: list[RequestRecord] = []
         self._lock = threading.Lock()
+        self._in_flight = self._max_in_flight = 0
         self._stopping = threading.Event()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -447,6 +451,15 @@ class FileServer:
         with self._lock:
             self.requests.append(rec)
 
+    def _enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._max_in_flight = max(self._max_in_flight, self._in_flight)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
     def _send_body(self, out: BinaryIO, f: BinaryIO, length: int, rec: RequestRecord) -> None:
         left = length
         bps = self.bandwidth_bps
@@ -482,8 +495,10 @@ class FileServer:
             "bytes_sent": sum(r.bytes_sent for r in recs),
             "faults": faults,
             "faults_injected": sum(faults.values()),
+            "max_in_flight": self._max_in_flight,     # most requests being served at the same moment
         }
 
     def reset_stats(self) -> None:
         with self._lock:
             self.requests.clear()
+            self._max_in_flight = self._in_flight

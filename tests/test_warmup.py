@@ -191,6 +191,26 @@ def test_warmup_of_unknown_length_shards_reads_them_through_the_cache(site, tmp_
     assert srv.stats()["requests"] == 0
 
 
+def test_unknown_length_shards_interleaved_by_a_partition_download_in_parallel(site, tmp_path):
+    """While planning, each open unknown-length shard is read by its own thread: with 4 shards
+    interleaved and a slow server, requests overlap (read one after another, they never would)."""
+    srv, _, jsonl = site
+    cfg = _http_cfg(jsonl, builder="json", buffer_size=50, interleave_shards=4, cache_dir=str(tmp_path / "c"))
+    src = open_source(cfg)
+    reference = take_ids(ResumableStream(cfg.replace(cache_dir=None), source=src), 150)
+    srv.reset_stats()
+    srv.latency_s = 0.2
+    try:
+        result = run_warmup(cfg, 150, source=src, progress=False)
+    finally:
+        srv.latency_s = 0.0
+    assert result.read_through_blocks > 0
+    assert srv.stats()["max_in_flight"] >= 2
+    srv.reset_stats()
+    assert take_ids(ResumableStream(cfg, source=src), 150) == reference
+    assert srv.stats()["requests"] == 0
+
+
 # ------------------------------------------------------------------------------ errors
 def test_warmup_errors_are_one_line(parquet_small, tmp_path, capsys):
     no_cache = tmp_path / "a.yaml"

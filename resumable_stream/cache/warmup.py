@@ -6,7 +6,9 @@ map-style slices) it yields tables that carry only row numbers, cut at the same 
 boundaries as the cache serves them, and records every block the reader pulls. Nothing is
 downloaded while planning those shards, and the trace is exactly the set of lookups the cached
 stream will do. Shards of unknown length (json, csv, text files) cannot be planned without
-their data, so the planner reads them through the cache, which fills it as a side effect.
+their data, so the planner reads them through the cache, which fills it as a side effect; each
+such shard is read by its own thread a few blocks ahead of the planner, so the shards a
+partition interleaves download in parallel.
 
 The planned blocks that are not cached yet are then fetched in parallel, consecutive blocks of
 one shard in one job (a shard's prefix is read once), in the order they will be needed.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +38,68 @@ from .cached_source import CachedSource
 log = logging.getLogger(__name__)
 
 
+READ_AHEAD_TABLES = 4     # tables an unknown-length shard's reader thread may be ahead of the planner
+
+
+def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _pump(tables: Iterator[pa.Table], q: queue.Queue, stop: threading.Event) -> None:
+    """The read-ahead thread (holds no reference to its _ReadAhead, so that one can be collected)."""
+    try:
+        for table in tables:
+            if not _put(q, stop, ("rows", table.num_rows)):
+                return
+        _put(q, stop, ("end", None))
+    except BaseException as e:   # handed to the caller, which raises it
+        _put(q, stop, ("error", e))
+    finally:
+        close = getattr(tables, "close", None)
+        if close is not None:
+            close()
+
+
+class _ReadAhead:
+    """The row counts of ``tables``, read by a thread that starts at once and keeps up to ``depth``
+    tables ahead of the caller. The partition reader opens all its interleaved shards before it
+    takes from any, so they download in parallel. ``close()`` (also on garbage collection) stops
+    the thread; a read error is raised in the caller."""
+
+    def __init__(self, tables: Iterator[pa.Table], depth: int = READ_AHEAD_TABLES):
+        self._q, self._stop, self._done = queue.Queue(maxsize=depth), threading.Event(), False
+        self._thread = threading.Thread(target=_pump, args=(tables, self._q, self._stop),
+                                        name="rs-warmup-read-ahead", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self._done:
+            raise StopIteration
+        kind, value = self._q.get()
+        if kind == "rows":
+            return value
+        self.close()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        self._thread.join()
+
+    __del__ = close
+
+
 class _PlanningSource(Source):
     """Row numbers instead of data, block by block; records the blocks the reader pulls."""
 
@@ -49,13 +114,22 @@ class _PlanningSource(Source):
         self.clock = (0, 0)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        if self.shards[shard].num_rows is None:   # unknown length: read through the cache (fills it)
+            return self._read_through(shard, start_row, _ReadAhead(self.cached.read(shard, start_row)))
+        return self._row_numbers(shard, start_row)
+
+    @staticmethod
+    def _read_through(shard: int, start_row: int, counts: _ReadAhead) -> Iterator[pa.Table]:
+        row = start_row
+        try:
+            for rows in counts:
+                yield pa.table({"row": np.arange(row, row + rows, dtype=np.int64)})
+                row += rows
+        finally:
+            counts.close()
+
+    def _row_numbers(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         n = self.shards[shard].num_rows
-        if n is None:              # unknown length: read it through the cache (fills it)
-            row = start_row
-            for table in self.cached.read(shard, start_row):
-                yield pa.table({"row": np.arange(row, row + table.num_rows, dtype=np.int64)})
-                row += table.num_rows
-            return
         if start_row >= n:         # as CachedSource.read: nothing to look up
             return
         R = self.cached.block_rows
