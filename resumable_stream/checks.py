@@ -66,12 +66,42 @@ def check_fingerprint(saved: dict, now: dict, where: str) -> None:
         )
 
 
-def check_topology(saved: dict, now: dict, where: str) -> None:
-    diffs = [(k, saved.get(k), now.get(k)) for k in ("world_size", "num_workers", "num_partitions", "rank")
-             if saved.get(k) != now.get(k)]
-    if diffs:
+def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
+                   compare_partitions: bool = True) -> bool:
+    """May a state saved under topology ``saved`` resume under ``now``? True: same ranks and workers, the
+    state continues exactly as saved; False: another topology, allowed with ``elastic`` (every virtual
+    partition then continues from its own cursor). ``compare_partitions``: num_partitions is set in the
+    config (else it is taken from the saved state and cannot differ)."""
+    n_saved, n_now = saved.get("num_partitions"), now.get("num_partitions")
+    if compare_partitions and n_saved != n_now:
+        raise StreamMismatchError(
+            f"{where}: data.num_partitions: saved {n_saved!r}, now {n_now!r}; the virtual partitions decide which "
+            f"rows each partition reads, so their number cannot change during a run: set data.num_partitions: "
+            f"{n_saved} (or null to take it from the checkpoint)",
+            [("num_partitions", n_saved, n_now)],
+        )
+    diffs = [(k, saved.get(k), now.get(k)) for k in ("world_size", "num_workers") if saved.get(k) != now.get(k)]
+    if not diffs:
+        if saved.get("rank") is not None and saved.get("rank") != now.get("rank"):
+            diffs = [("rank", saved.get("rank"), now.get("rank"))]
+            raise StreamMismatchError(
+                f"{where}: the saved stream state is rank {saved.get('rank')}'s, this is rank {now.get('rank')}; "
+                f"load the matching rank's file (or the stream_state / checkpoint directory). "
+                f"Differences:\n{_describe(diffs)}", diffs)
+        return True
+    if not elastic:
+        if not compare_partitions and n_saved != n_now:
+            diffs.append(("num_partitions", n_saved, n_now))
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for another topology; resume with the same number "
-            f"of ranks and DataLoader workers (and the matching rank's file). Differences:\n{_describe(diffs)}",
+            f"of ranks and DataLoader workers, or set data.elastic: true to resume on this one (each of the "
+            f"{n_saved} virtual partitions then continues from its own cursor; keep data.num_partitions "
+            f"{n_saved} or null). Differences:\n{_describe(diffs)}",
             diffs,
         )
+    return False
+
+
+def same_topology(saved: dict, now: dict) -> bool:
+    """Same ranks and DataLoader workers: the saved interleaving of partitions continues unchanged."""
+    return all(saved.get(k) == now.get(k) for k in ("world_size", "num_workers"))

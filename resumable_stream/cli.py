@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
-from .sidecar import MANIFEST, rank_file_name
+from .sidecar import MANIFEST, partition_progress, progress_summary, rank_file_name
 
 
 def _show(value: Any) -> Any:
@@ -36,7 +36,7 @@ def _positive(name: str, minimum: int):
 
 
 def cmd_peek(args: argparse.Namespace) -> int:
-    from .stream import ResumableStream
+    from .mixture import open_stream
 
     cfg = StreamConfig.from_yaml(args.config)
     if args.resume_from:
@@ -49,7 +49,7 @@ def cmd_peek(args: argparse.Namespace) -> int:
     if args.rank >= args.world_size:
         raise ConfigError(f"--rank: got {args.rank}; allowed: 0 .. {args.world_size - 1} for --world-size "
                           f"{args.world_size}")
-    stream = ResumableStream(cfg, rank=args.rank, world_size=args.world_size, num_workers=args.num_workers)
+    stream = open_stream(cfg, rank=args.rank, world_size=args.world_size, num_workers=args.num_workers)
     fields = None
     if args.fields:
         fields = [f.strip() for f in args.fields.split(",") if f.strip()]
@@ -71,6 +71,10 @@ def cmd_peek(args: argparse.Namespace) -> int:
 
 def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
     fp = state["fingerprint"]
+    if "mixture" in fp:   # data.sources: per-partition and per-source progress
+        from .mixture import describe_state
+
+        return describe_state(state, full)
     ds = fp.get("dataset", {})
     summary = {
         "format_version": state["format_version"],
@@ -86,8 +90,18 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
             "consumed_samples": ps["consumed"], "open_shards": [list(s) for s in ps["slots"]],
             "next_shard_position": ps["next_pos"],
             "next_sample_digest": ps["next_sample_digest"], "consumed_digest": ps["consumed_digest"],
+            **partition_progress(ps),
         }
     return summary
+
+
+def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
+    if any("mixture" in st["fingerprint"] for st in states):   # data.sources: per source
+        from .mixture import mixture_progress
+
+        return mixture_progress(states)
+    return progress_summary([partition_progress(ps) for st in states for ps in st["partitions"].values()])
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -95,16 +109,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     path = args.path
     if os.path.isfile(path):
-        result = {"file": path, **_summarize_state(read_state_file(path), args.full)}
+        state = read_state_file(path)
+        result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
     elif os.path.isdir(path):
         state_dir = state_dir_of(path)
         if state_dir is None:
             raise SidecarError(f"stream state {path!r}: no sidecar files or stream_state/ directory here")
         manifest = read_manifest(state_dir)
-        ranks = {}
+        ranks, states = {}, []
         for name in sorted(manifest["files"]):
-            ranks[name] = _summarize_state(read_state_file(os.path.join(state_dir, name)), args.full)
-        result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks}
+            states.append(read_state_file(os.path.join(state_dir, name)))
+            ranks[name] = _summarize_state(states[-1], args.full)
+        result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks,
+                  "progress": _progress(states)}
     else:
         raise SidecarError(f"stream state {path!r}: not found")
     print(json.dumps(result, indent=2, default=_show))
@@ -127,6 +144,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from .cache.warmup import run_warmup
 
     cfg = StreamConfig.from_yaml(args.config)
+    if not isinstance(cfg, StreamConfig):
+        raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) is not supported by warmup yet; "
+                          "training reads through data.cache_dir without it")
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
                         progress=not args.no_progress)
@@ -160,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
     peek.set_defaults(func=cmd_peek)
 
-    train = sub.add_parser("train", help="train a model from one yaml (model/data/train); torchrun-compatible")
+    train = sub.add_parser("train", help="train a model from one yaml (model/data/train; text, or vision-language "
+                                         "with data.format vl); torchrun-compatible")
     train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
     train.set_defaults(func=cmd_train)
 
@@ -181,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
     warm.set_defaults(func=cmd_warmup)
 
-    insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON")
+    insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON, with each "
+                                          "partition's epoch and fraction of it consumed")
     insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
     insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
     insp.set_defaults(func=cmd_inspect)

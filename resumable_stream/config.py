@@ -11,6 +11,7 @@ import difflib
 import glob
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,10 @@ _RULES: dict[str, tuple[Any, str]] = {
                         "a number of seconds from 0 to 600"),
     "timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 3600,
                   "a number of seconds > 0 and <= 3600"),
+    "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= 1_000_000),
+                       "null (ranks x DataLoader workers of the first run) or an integer from 1 to 1000000, "
+                       "at least ranks x workers"),
+    "elastic": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -87,6 +92,8 @@ class StreamConfig:
     retries: int = 5
     retry_backoff_s: float = 1.0
     timeout_s: float = 60.0
+    num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
+    elastic: bool = False               # resume a checkpoint on other ranks / workers
     source_file: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,22 +123,28 @@ class StreamConfig:
 
     @classmethod
     def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None,
-                  extra_keys: tuple[str, ...] | None = None) -> StreamConfig:
+                  extra_keys: tuple[str, ...] | None = None) -> StreamConfig | MixtureConfig:
         """``extra_keys``: other keys of the ``data:`` section (the transform's), accepted and left out.
-        Default: the text transform's keys, so a trainer yaml's data section reads as a stream config."""
+        Default: the text transform's keys, so a trainer yaml's data section reads as a stream config.
+        A section with ``sources`` is a weighted mixture of datasets: a :class:`MixtureConfig`."""
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
         if extra_keys is None:
             from .transforms.config import TransformConfig
 
             extra_keys = (*TransformConfig.KEYS, "max_samples")
+        if "sources" in data:
+            return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
         known = cls.keys()
-        everything = known + list(extra_keys)
+        everything = known + list(extra_keys) + list(MIXTURE_KEYS)
         for key in data:
             if key not in everything:
                 close = difflib.get_close_matches(str(key), everything, n=1, cutoff=0.6)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"data.{key}: unknown key{hint} Allowed keys: {', '.join(sorted(everything))}")
+        if "stopping" in data:
+            raise ConfigError(f"data.stopping: got {data['stopping']!r} without data.sources; it only applies to a "
+                              "mixture of datasets (data.sources: [...])")
         if "dataset_name_or_path" not in data:
             raise ConfigError("data.dataset_name_or_path: missing; it is required (a hub id, builder name or path)")
         values = {k: v for k, v in data.items() if k in known}
@@ -140,8 +153,9 @@ class StreamConfig:
         return cls(**values, source_file=source_file)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> StreamConfig:
-        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section."""
+    def from_yaml(cls, path: str | os.PathLike) -> StreamConfig | MixtureConfig:
+        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section
+        (a :class:`MixtureConfig` when it has ``sources``)."""
         path = os.fspath(path)
         try:
             with open(path, encoding="utf-8") as f:
@@ -203,3 +217,160 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
     if isinstance(name, str) and (name.startswith(".") or os.sep in name) and not _looks_remote(name):
         out["dataset_name_or_path"] = _resolve_one(name, base_dir)
     return out
+
+
+# ------------------------------------------------------------------ mixtures of datasets
+STOPPING = ("first_exhausted", "all_exhausted", "never")
+MIXTURE_KEYS = ("sources", "stopping")
+# What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
+# label. Everything else (shuffle_seed, cache, num_partitions, elastic, the transform keys) is the data
+# section's and applies to every source.
+SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
+               "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
+               "weight", "label")
+_IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
+_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic")
+_LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _in_source(message: str, at: str, entry: dict) -> str:
+    """A StreamConfig error about a key the source entry set, renamed ``data.key`` -> ``data.sources[i].key``."""
+    return re.sub(r"\bdata\.(\w+)", lambda m: f"{at}.{m.group(1)}" if m.group(1) in entry else m.group(0), message)
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    """A weighted mixture of datasets (``data.sources``): one full :class:`StreamConfig` per source.
+
+    ``weights`` are relative (``probabilities`` normalises them); ``labels`` name the sources in sample
+    keys, logs and errors (default ``source0``, ``source1``, ...). ``stopping`` says where a mixture
+    epoch ends (see ``resumable_stream.mixture``). Keys of the ``data:`` section other than the
+    sources' apply to every source; ``resume_state_path`` is the mixture's own.
+    """
+
+    sources: tuple[StreamConfig, ...]
+    weights: tuple[float, ...]
+    labels: tuple[str, ...] | None = None
+    stopping: str = "first_exhausted"
+    resume_state_path: str | None = None
+    source_file: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.sources, (list, tuple)) and self.sources
+                and all(isinstance(s, StreamConfig) for s in self.sources)):
+            raise ConfigError(f"data.sources: got {self.sources!r}; allowed: a non-empty list of sources")
+        n = len(self.sources)
+        labels = tuple(self.labels) if self.labels is not None else tuple(f"source{i}" for i in range(n))
+        if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:
+            raise ConfigError(f"data.sources: {n} sources with weights {self.weights!r} and labels {labels!r}; "
+                              "allowed: one weight and one label per source")
+        for i, w in enumerate(self.weights):
+            if not ((_is_int(w) or isinstance(w, float)) and math.isfinite(w) and w > 0):
+                raise ConfigError(f"data.sources[{i}].weight: got {w!r}; allowed: a finite number > 0 (weights are "
+                                  "relative: they are normalised to sum to 1)")
+        for i, label in enumerate(labels):
+            if not (isinstance(label, str) and _LABEL.match(label)):
+                raise ConfigError(f"data.sources[{i}].label: got {label!r}; allowed: 1 to 64 letters, digits, "
+                                  "'_', '-' or '.' (it prefixes the source's sample keys)")
+            if label in labels[:i]:
+                raise ConfigError(f"data.sources[{i}].label: got {label!r}, the label of data.sources"
+                                  f"[{labels.index(label)}] too; allowed: a label no other source has")
+        if self.stopping not in STOPPING:
+            raise ConfigError(f"data.stopping: got {self.stopping!r}; allowed: one of {', '.join(STOPPING)}")
+        first = self.sources[0]
+        for i, s in enumerate(self.sources):
+            if s.resume_state_path is not None:
+                raise ConfigError(f"data.sources[{i}].resume_state_path: got {s.resume_state_path!r}; allowed: null "
+                                  "(the mixture resumes as a whole from data.resume_state_path)")
+            for key in _SHARED_KEYS:
+                if getattr(s, key) != getattr(first, key):
+                    raise ConfigError(f"data.sources[{i}].{key}: got {getattr(s, key)!r}, data.sources[0] has "
+                                      f"{getattr(first, key)!r}; allowed: the same for every source (set it in data:)")
+        if self.resume_state_path is not None and not (isinstance(self.resume_state_path, str)
+                                                       and self.resume_state_path):
+            raise ConfigError(f"data.resume_state_path: got {self.resume_state_path!r}; allowed: null or a sidecar "
+                              "file / directory")
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "weights", tuple(self.weights))
+        object.__setattr__(self, "labels", labels)
+
+    # settings every source shares
+    @property
+    def shuffle_seed(self) -> int:
+        return self.sources[0].shuffle_seed
+
+    @property
+    def cache_dir(self) -> str | None:
+        return self.sources[0].cache_dir
+
+    @property
+    def num_partitions(self) -> int | None:
+        return self.sources[0].num_partitions
+
+    @property
+    def elastic(self) -> bool:
+        return self.sources[0].elastic
+
+    @property
+    def probabilities(self) -> tuple[float, ...]:
+        total = float(sum(self.weights))
+        return tuple(float(w) / total for w in self.weights)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
+                  extra_keys: tuple[str, ...] = ()) -> MixtureConfig:
+        raw = data["sources"]
+        if not (isinstance(raw, list) and raw):
+            raise ConfigError(f"data.sources: got {raw!r}; allowed: a non-empty list of mappings, each with "
+                              "dataset_name_or_path (and data_files, split, weight, label, ...)")
+        for key in _IDENTITY_KEYS:
+            if key in data:
+                raise ConfigError(f"data.{key}: got {data[key]!r} next to data.sources; allowed: only inside each "
+                                  f"source (data.sources[i].{key})")
+        shared = {k: v for k, v in data.items() if k not in MIXTURE_KEYS}
+        # the shared keys, checked under their own names (a placeholder stands in for the dataset)
+        StreamConfig.from_dict({**shared, "dataset_name_or_path": "-"}, extra_keys=extra_keys)
+        base = {k: v for k, v in shared.items() if k in StreamConfig.keys() and k != "resume_state_path"}
+        sources, weights, labels = [], [], []
+        for i, entry in enumerate(raw):
+            at = f"data.sources[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{at}: got {entry!r}; allowed: a mapping with dataset_name_or_path, data_files, "
+                                  "split, weight, label, ...")
+            for key in entry:
+                if key in SOURCE_KEYS:
+                    continue
+                if key in StreamConfig.keys() or key in extra_keys or key in MIXTURE_KEYS:
+                    raise ConfigError(f"{at}.{key}: not a per-source key; set it in the data: section, where it "
+                                      f"applies to every source. Per-source keys: {', '.join(SOURCE_KEYS)}")
+                close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{at}.{key}: unknown key{hint} Allowed keys: {', '.join(SOURCE_KEYS)}")
+            if "dataset_name_or_path" not in entry:
+                raise ConfigError(f"{at}.dataset_name_or_path: missing; every source needs one (a hub id, builder "
+                                  "name or path)")
+            weights.append(entry.get("weight", 1.0))
+            labels.append(entry.get("label", f"source{i}"))
+            values = {**base, **{k: v for k, v in entry.items() if k not in ("weight", "label")}}
+            try:
+                sources.append(StreamConfig.from_dict(values, base_dir=base_dir, source_file=source_file,
+                                                      extra_keys=()))
+            except ConfigError as e:
+                raise ConfigError(_in_source(str(e), at, entry)) from None
+        resume = shared.get("resume_state_path")
+        if base_dir is not None and isinstance(resume, str) and resume:
+            resume = _resolve_one(resume, base_dir)
+        return cls(tuple(sources), tuple(weights), tuple(labels), data.get("stopping", "first_exhausted"), resume,
+                   source_file=source_file)
+
+    def replace(self, **changes: Any) -> MixtureConfig:
+        """Mixture fields (sources, weights, labels, stopping, resume_state_path) change here; data keys
+        (e.g. cache_dir) change in every source."""
+        own = {k: changes.pop(k) for k in list(changes) if k in ("sources", "weights", "labels", "stopping",
+                                                                 "resume_state_path")}
+        for key in changes:
+            if key not in StreamConfig.keys():
+                raise ConfigError(f"data.{key}: unknown key")
+        if changes:
+            own["sources"] = tuple(s.replace(**changes) for s in own.get("sources", self.sources))
+        return dataclasses.replace(self, **own)

@@ -1,14 +1,18 @@
 """Batches for training, with the state of what the training loop *consumed*.
 
-Each DataLoader worker reads one partition, runs the transform (tokenize, pack) and collates
-batches; with every batch it sends a snapshot of its partition's cursor and the transform's
-carried-over state *after* that batch. The main process keeps, per partition, the snapshot of
-the last batch it handed to the training loop. Batches prefetched by workers but not yet handed
-out are therefore never counted: the saved state equals that of a run that stopped right there.
+Each DataLoader worker reads one lane of the rank's virtual partitions (by default exactly one
+partition), runs the transform (tokenize, pack) and collates batches; every batch comes from ONE
+partition, whose lane rotates over its partitions batch by batch, with one transform processor
+(and carry) per partition. With every batch the worker sends a snapshot of that partition's cursor
+and the transform's carried-over state *after* that batch. The main process keeps, per partition,
+the snapshot of the last batch it handed to the training loop. Batches prefetched by workers but
+not yet handed out are therefore never counted: the saved state equals that of a run that stopped
+right there.
 
 The DataLoader hands out batches worker by worker in a fixed rotation; the rotation position is
-saved too, and on resume worker *i* reads partition ``(i + turn) % workers`` so the batch order
-continues unchanged.
+saved too, and on resume worker *i* reads lane ``(i + turn) % workers``, each lane starting at its
+saved turn, so the batch order continues unchanged. After an elastic change of ranks or workers
+every partition continues from its cursor and the rotations start afresh.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from typing import Any
 
 import torch.utils.data
 
-from .checks import check_fingerprint
+from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .sidecar import rank_file_name, read_state_file, resolve_rank_file, write_state_file
+from .sidecar import rank_file_name, write_state_file
 from .stream import ResumableStream
 from .transforms.errors import TransformError
 
@@ -35,35 +39,54 @@ def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
 
 
 class _BatchProducer(torch.utils.data.IterableDataset):
-    """Runs in each worker (or the main process): partition -> transform -> batches + snapshots."""
+    """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
     def __init__(self, stream: ResumableStream, batch_size: int, collate_fn: Callable,
-                 processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int):
+                 processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
+                 lane_turns: list[int]):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
         self.processor_factory, self.key_fn = processor_factory, key_fn
-        self.carries, self.turn = carries, turn
+        self.carries, self.turn, self.lane_turns = carries, turn, lane_turns
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        parts = self.stream.partitions
+        lanes = self.stream.lanes
         info = torch.utils.data.get_worker_info()
         if info is None:
-            if len(parts) != 1:
-                raise ConfigError(f"num_workers: the stream has {len(parts)} partitions per rank but the loader "
-                                  "runs in the main process; create both with the same num_workers")
-            partition = parts[0]
+            if len(lanes) != 1:
+                raise ConfigError(f"num_workers: the stream was created for {len(lanes)} DataLoader workers but the "
+                                  "loader runs in the main process; create both with the same num_workers")
+            j = 0
         else:
-            if info.num_workers != len(parts):
-                raise ConfigError(f"num_workers: the stream was created for {len(parts)} workers, the DataLoader "
+            if info.num_workers != len(lanes):
+                raise ConfigError(f"num_workers: the stream was created for {len(lanes)} workers, the DataLoader "
                                   f"has {info.num_workers}")
-            partition = parts[(info.id + self.turn) % len(parts)]
+            j = (info.id + self.turn) % len(lanes)
+        lane = lanes[j]
+        if len(lane) == 1:
+            yield from self._batches(lane[0])
+            return
+        # several partitions: one batch from each in turn, starting where the saved rotation stood
+        live = {p: self._batches(p) for p in lane}
+        turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
+        while live:
+            p = lane[turn % len(lane)]
+            turn += 1
+            if p not in live:
+                continue
+            try:
+                yield next(live[p])
+            except StopIteration:
+                del live[p]
+
+    def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = self.processor_factory() if self.processor_factory is not None else None
         if proc is not None and partition in self.carries:
             proc.load_state(self.carries[partition])
         examples: list[Any] = []
         keys: list[str] = []
         starved = 0
-        epoch_of_last_example = self.stream._readers[partition].cursor.epoch
+        epoch_of_last_example = self.stream.partition_epoch(partition)
         for sample, where in self.stream.iter_partition(partition):
             key = self.key_fn(sample, where)
             if proc is None:
@@ -88,7 +111,7 @@ class _BatchProducer(torch.utils.data.IterableDataset):
 
     def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
         """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""
-        epoch = self.stream._readers[partition].cursor.epoch
+        epoch = self.stream.partition_epoch(partition)
         if epoch >= since_epoch + 2:
             raise TransformError(
                 f"partition {partition}: a whole epoch of samples produced no training example; the transform "
@@ -129,23 +152,29 @@ class StreamLoader:
             stream.transform_fingerprint = processor_factory().fingerprint()
         self._consumed: dict[int, dict] = {}       # partition -> snapshot after its last consumed batch
         self._carries: dict[int, dict] = {}        # loaded transform state, per partition
-        self._turn = 0
+        self._turn = 0                              # lane the next batch comes from
+        self._lane_turns: list[int] = []           # per lane: partition (index in the lane) of its next batch
         self._pending_keys: list[list[str]] = []
         self.batches_consumed = 0
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        lanes = self.stream.lanes
+        if len(self._lane_turns) != len(lanes):
+            self._lane_turns = [0] * len(lanes)
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
-                                  self.key_fn, dict(self._carries), self._turn)
+                                  self.key_fn, dict(self._carries), self._turn, list(self._lane_turns))
         kwargs: dict[str, Any] = {"batch_size": None, "collate_fn": _identity, "num_workers": self.num_workers,
                                   "pin_memory": self.pin_memory, "timeout": self.timeout}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
-        parts = self.stream.partitions
+        place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
         for item in torch.utils.data.DataLoader(producer, **kwargs):
             p = item["partition"]
+            j, i = place[p]
             self._consumed[p] = item["snapshot"]
-            self._turn = (parts.index(p) + 1) % len(parts)
+            self._turn = (j + 1) % len(lanes)
+            self._lane_turns[j] = (i + 1) % len(lanes[j])
             self._pending_keys.append(item["keys"])
             self.batches_consumed += 1
             yield item["batch"]
@@ -171,23 +200,34 @@ class StreamLoader:
             parts[p] = snap
         state = self.stream.state_dict(parts)
         state["turn"] = self._turn
+        lanes = self.stream.lanes
+        if any(len(lane) > 1 for lane in lanes):
+            state["lane_turns"] = list(self._lane_turns) if len(self._lane_turns) == len(lanes) else [0] * len(lanes)
         return state
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
+        """Restore cursors and transform carries; same ranks and workers also restore the batch rotation."""
         self.stream.load_state_dict(state, where)
-        if self.processor_factory is None and any(ps.get("extra") for ps in state["partitions"].values()):
+        mine = {int(p): ps for p, ps in state["partitions"].items() if int(p) in self.stream.partitions}
+        if self.processor_factory is None and any(ps.get("extra") for ps in mine.values()):
             raise StreamMismatchError(f"{where}: carries transform state (e.g. packed tokens) but this loader has "
                                       "no transform")
-        self._carries = {int(p): ps["extra"] for p, ps in state["partitions"].items() if ps.get("extra")}
+        self._carries = {p: ps["extra"] for p, ps in mine.items() if ps.get("extra")}
         self._consumed = {}
-        self._turn = int(state.get("turn", 0)) % max(1, len(self.stream.partitions))
+        lanes = self.stream.lanes
+        self._turn, self._lane_turns = 0, [0] * len(lanes)
+        if same_topology(state["topology"], self.stream.topology()):
+            self._turn = int(state.get("turn", 0)) % len(lanes)
+            saved = state.get("lane_turns")
+            if saved is not None and len(saved) == len(lanes):
+                self._lane_turns = [int(t) % len(lane) for t, lane in zip(saved, lanes)]
 
     def save_sidecar(self, state_dir: str) -> str:
         """Write this rank's ``rank-NNNNN.safetensors`` into ``state_dir`` (the manifest is the caller's)."""
         return write_state_file(os.path.join(state_dir, rank_file_name(self.stream.rank)), self.state_dict())
 
     def load_sidecar(self, path: str) -> None:
-        file = resolve_rank_file(os.fspath(path), self.stream.rank)
-        state = read_state_file(file)
-        check_fingerprint(state["fingerprint"], self.stream.fingerprint(), f"sidecar {file!r}")
-        self.load_state_dict(state, where=f"sidecar {file!r}")
+        """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files
+        after an elastic change of ranks or workers; see ``ResumableStream.read_sidecar``)."""
+        state, where = self.stream.read_sidecar(os.fspath(path))
+        self.load_state_dict(state, where=where)

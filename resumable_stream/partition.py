@@ -36,6 +36,7 @@ class Cursor:
     consumed_before: int = 0     # samples consumed before the current window (all epochs)
     slots: tuple[tuple[int, int], ...] = ()   # open shards: (position in shard list, next raw row)
     chain: bytes = field(default=_EMPTY_CHAIN)  # digest of the keys of every sample consumed before the window
+    epoch_start: int | None = 0  # samples consumed before this epoch began (progress only; None: unknown)
 
     FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 
@@ -44,7 +45,8 @@ class Cursor:
         return self.consumed_before + self.offset
 
     def next_epoch(self) -> Cursor:
-        return Cursor(epoch=self.epoch + 1, consumed_before=self.consumed, chain=self.chain)
+        return Cursor(epoch=self.epoch + 1, consumed_before=self.consumed, chain=self.chain,
+                      epoch_start=self.consumed)
 
 
 def _chain(prev: bytes, shard_ids: np.ndarray, row_ids: np.ndarray) -> bytes:
@@ -181,6 +183,10 @@ class PartitionReader:
             return c.chain.hex()
         return _chain(c.chain, w.shard_ids[: self.offset], w.row_ids[: self.offset]).hex()
 
+    @property
+    def epoch(self) -> int:
+        return self._start.epoch
+
     def sample_key(self, i: int) -> tuple[int, int]:
         """(shard, raw row) of row i of the current window."""
         return int(self._window.shard_ids[i]), int(self._window.row_ids[i])
@@ -277,6 +283,7 @@ class PartitionReader:
             epoch=start.epoch, window=start.window + 1, offset=0, next_pos=next_pos,
             rr=rr % len(slots) if slots else 0, rr_taken=rr_taken, consumed_before=start.consumed_before + have,
             slots=tuple((s.pos, s.next_row) for s in slots), chain=_chain(start.chain, sids, rids),
+            epoch_start=start.epoch_start,
         )
         if exhausted:
             after = replace(after, offset=0).next_epoch()

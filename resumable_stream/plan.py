@@ -117,6 +117,17 @@ class Layout:
         """(step, phase) of the rows a partition keeps inside each shard."""
         return (self.num_partitions, partition) if self.strided else (1, 0)
 
+    def partition_rows(self, epoch: int, partition: int) -> int | None:
+        """Rows ``partition`` reads in ``epoch``; None when a shard's row count is unknown."""
+        step, phase = self.stride(partition)
+        total = 0
+        for shard in self.shards_for(epoch, partition):
+            n = self.row_counts[shard]
+            if n is None:
+                return None
+            total += len(range(phase, n, step))
+        return total
+
 
 @lru_cache(maxsize=8)
 def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
@@ -125,3 +136,37 @@ def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
     if layout.strided:
         return [tuple(order.tolist())] * layout.num_partitions
     return [tuple(x) for x in deal_shards(order, list(layout.row_counts), layout.num_partitions)]
+
+
+# ------------------------------------------------------------------ who reads which partition
+def check_consumers(num_partitions: int, world_size: int, slots: int, key: str = "data.num_partitions") -> None:
+    """Every consumer (rank, DataLoader worker) needs at least one virtual partition."""
+    consumers = world_size * slots
+    if num_partitions < consumers:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"{key}: got {num_partitions} virtual partitions for {consumers} consumers ({world_size} ranks x "
+            f"{slots} DataLoader worker(s)); allowed: at least ranks x workers = {consumers}. A run can only grow "
+            "up to num_partitions consumers: start runs that may change size with a data.num_partitions that "
+            "every planned ranks x workers divides (e.g. 24 or 60)")
+
+
+def partition_owner(partition: int, num_partitions: int, world_size: int) -> int:
+    """The rank that reads ``partition``: ranks own contiguous, balanced blocks of partitions."""
+    return partition * world_size // num_partitions
+
+
+def partition_lanes(num_partitions: int, world_size: int, slots: int, rank: int) -> list[list[int]]:
+    """The virtual partitions of ``rank``, split into ``slots`` lanes: lane w is read by DataLoader worker w
+    (or, with one slot, by the main process), which interleaves its partitions batch by batch.
+
+    The one place that decides which consumer reads which partition. Ranks get contiguous blocks
+    (:func:`partition_owner`), balanced to within one partition; inside a rank, lane w takes every
+    ``slots``-th partition from the w-th. With ``num_partitions == world_size * slots`` (the default)
+    worker w of rank r reads exactly partition ``r * slots + w``.
+    """
+    check_consumers(num_partitions, world_size, slots)
+    # partition_owner(p) == rank  <=>  rank * N / W <= p < (rank + 1) * N / W
+    mine = list(range(-(-rank * num_partitions // world_size), -(-(rank + 1) * num_partitions // world_size)))
+    return [mine[w::slots] for w in range(slots)]

@@ -7,7 +7,9 @@ Layout of a checkpoint's stream state::
     checkpoint-N/stream_state/manifest.json   (written last, by rank 0: without it the state is incomplete)
 
 Tensors hold the integer cursors and digest chains; ``__metadata__`` holds JSON strings
-(format version, fingerprint, topology, per-partition sample digests). No pickle anywhere.
+(format version, fingerprint, topology with ``num_partitions``, per-partition sample digests and
+epoch progress for ``inspect``). No pickle anywhere. After a change of ranks or workers
+(``data.elastic``) a rank reads the files of the ranks that held its virtual partitions.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def encode_state(state: dict[str, Any]) -> bytes:
     cursors = np.zeros((k, len(CURSOR_FIELDS)), dtype=np.int64)
     slots = np.full((k, max_slots, 2), -1, dtype=np.int64)
     chains = np.zeros((k, 16), dtype=np.uint8)
-    digests = {}
+    digests, progress = {}, {}
     for i, p in enumerate(parts):
         ps = state["partitions"][p]
         cursors[i] = [ps[f] for f in CURSOR_FIELDS]
@@ -84,6 +86,7 @@ def encode_state(state: dict[str, Any]) -> bytes:
         chains[i] = np.frombuffer(bytes.fromhex(ps["chain"]), dtype=np.uint8)
         digests[str(p)] = {"next_sample": ps["next_sample_digest"], "consumed": ps["consumed_digest"],
                            "consumed_samples": ps["consumed"]}
+        progress[str(p)] = {"epoch_start": ps.get("epoch_start"), "epoch_rows": ps.get("epoch_rows")}
     tensors = {
         "partition_ids": np.asarray(parts, dtype=np.int64),
         "cursors": cursors,
@@ -106,7 +109,10 @@ def encode_state(state: dict[str, Any]) -> bytes:
         "turn": str(state.get("turn", 0)),
         "digests": json.dumps(digests, sort_keys=True),
         "extra": json.dumps(extra_meta, sort_keys=True),
+        "progress": json.dumps(progress, sort_keys=True),
     }
+    if state.get("lane_turns") is not None:   # only when a DataLoader lane interleaves several partitions
+        metadata["lane_turns"] = json.dumps(list(state["lane_turns"]))
     return st_save(tensors, metadata=metadata)
 
 
@@ -142,6 +148,8 @@ def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
         digests = json.loads(meta["digests"])
         turn = int(meta.get("turn", "0"))
         extra_meta = json.loads(meta.get("extra", "{}"))
+        progress = json.loads(meta.get("progress", "{}"))
+        lane_turns = json.loads(meta["lane_turns"]) if "lane_turns" in meta else None
         parts, cursors = tensors["partition_ids"], tensors["cursors"]
         slots, chains = tensors["slots"], tensors["chains"]
     except (KeyError, ValueError, TypeError) as e:
@@ -161,6 +169,8 @@ def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
         ps["next_sample_digest"] = d["next_sample"]
         ps["consumed_digest"] = d["consumed"]
         ps["consumed"] = int(d["consumed_samples"])
+        pr = progress.get(str(p), {})
+        ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
         if str(p) in extra_meta:
             em = extra_meta[str(p)]
             missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
@@ -168,8 +178,40 @@ def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
                 raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
             ps["extra"] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
         partitions[int(p)] = ps
-    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
-            "turn": turn, "partitions": partitions}
+    state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
+             "turn": turn, "partitions": partitions}
+    if lane_turns is not None:
+        state["lane_turns"] = lane_turns
+    return state
+
+
+# ------------------------------------------------------------------ progress (for inspect)
+def partition_progress(ps: dict[str, Any]) -> dict[str, Any]:
+    """Where one partition stands in its data: its epoch, rows of that epoch consumed, and the fraction
+    (None when the epoch's row count or start is unknown, e.g. json shards or an older sidecar)."""
+    start, rows = ps.get("epoch_start"), ps.get("epoch_rows")
+    done = ps["consumed"] - start if start is not None else None
+    fraction = done / rows if done is not None and rows else None
+    return {"epoch": ps["epoch"], "epoch_consumed": done, "epoch_rows": rows,
+            "epoch_fraction": None if fraction is None else round(fraction, 6)}
+
+
+def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
+    """min / max / mean over partitions of the epoch, the fraction of the current epoch consumed, and
+    epochs completed (epoch + fraction: comparable across partitions in different epochs)."""
+    def stats(values: list[float]) -> dict[str, float] | None:
+        if not values:
+            return None
+        return {"min": round(min(values), 6), "max": round(max(values), 6),
+                "mean": round(sum(values) / len(values), 6)}
+
+    known = [p for p in progress if p["epoch_fraction"] is not None]
+    return {"partitions": len(progress),
+            "epoch": {"min": min(p["epoch"] for p in progress), "max": max(p["epoch"] for p in progress)}
+            if progress else None,
+            "epoch_fraction": stats([p["epoch_fraction"] for p in known]),
+            "epochs_completed": stats([p["epoch"] + p["epoch_fraction"] for p in known]),
+            "unknown_fraction": len(progress) - len(known)}
 
 
 # ------------------------------------------------------------------ files and directories
@@ -256,13 +298,8 @@ def find_state_dir(path: str) -> str:
     return state_dir
 
 
-def resolve_rank_file(path: str, rank: int) -> str:
-    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        return path
-    state_dir = find_state_dir(path)
-    manifest = read_manifest(state_dir)
+def verified_rank_file(state_dir: str, manifest: dict[str, Any], rank: int) -> str:
+    """``rank``'s file of a stream_state directory, checked against its manifest entry."""
     name = rank_file_name(rank)
     entry = manifest["files"].get(name)
     if entry is None:
@@ -274,3 +311,12 @@ def resolve_rank_file(path: str, rank: int) -> str:
     if os.path.getsize(file) != entry["bytes"] or _file_digest(file) != entry["blake2b"]:
         raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
     return file
+
+
+def resolve_rank_file(path: str, rank: int) -> str:
+    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    state_dir = find_state_dir(path)
+    return verified_rank_file(state_dir, read_manifest(state_dir), rank)

@@ -1,4 +1,18 @@
-"""``ResumableStream``: a torch IterableDataset over a HF dataset that saves and resumes exactly."""
+"""``ResumableStream``: a torch IterableDataset over a HF dataset that saves and resumes exactly.
+
+The interface the loader, the trainer patch and mixtures build on:
+
+* ``partitions``: the virtual partitions this rank reads (sorted); ``lanes``: the same, split per
+  DataLoader worker (``lanes[w]`` for worker w, one lane without workers); both from
+  :func:`plan.partition_lanes`, the one place that decides who reads what;
+* ``iter_partition(p)``: ``(sample, (shard, row))`` pairs of one partition, from its cursor;
+* ``partition_state(p)``, ``partition_epoch(p)``: one partition's position / current epoch;
+* ``state_dict(partitions=...)`` / ``load_state_dict(state, where)``: the rank's state (per-partition
+  states replaceable by what training consumed); ``read_sidecar(path)`` returns the state of this
+  rank's partitions from a checkpoint, gathered from several rank files after an elastic change;
+* ``fingerprint()``, ``topology()``, ``transform_fingerprint``, ``set_epoch(e)``, ``rank``,
+  ``world_size``, ``num_workers``, ``source``, ``config``.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +25,23 @@ import torch.utils.data
 
 from .checks import check_fingerprint, check_topology
 from .config import StreamConfig
-from .errors import ConfigError, StreamMismatchError
+from .errors import ConfigError, SidecarError, StreamMismatchError
 from .partition import Cursor, PartitionReader, sample_digest
-from .plan import Layout
+from .plan import Layout, check_consumers, partition_lanes, partition_owner
 from .sidecar import (
     FORMAT_VERSION,
+    find_state_dir,
     rank_file_name,
+    read_manifest,
     read_state_file,
-    resolve_rank_file,
+    verified_rank_file,
     write_manifest,
     write_state_file,
 )
 from .source import Source, open_source
 
 log = logging.getLogger(__name__)
-_warned_strided: set[tuple] = set()
+_warned: set[tuple] = set()
 
 
 def _default_topology() -> tuple[int, int]:
@@ -42,9 +58,10 @@ def _default_topology() -> tuple[int, int]:
 class ResumableStream(torch.utils.data.IterableDataset):
     """The samples of one rank, as dicts with the dataset's own columns, in a resumable order.
 
-    ``num_workers`` is the DataLoader worker count the stream will be read with (0: the main
-    process). Each (rank, worker) owns one partition; iterating in the main process with
-    ``num_workers > 0`` interleaves this rank's partitions sample by sample.
+    The data is cut into ``data.num_partitions`` ordered virtual partitions (default: ranks x
+    DataLoader workers, one per consumer); each rank reads its own, each DataLoader worker one lane
+    of them. ``num_workers`` is the DataLoader worker count the stream will be read with (0: the
+    main process). Iterating in the main process interleaves this rank's partitions sample by sample.
     """
 
     def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
@@ -67,28 +84,40 @@ class ResumableStream(torch.utils.data.IterableDataset):
             from .cache import CachedSource  # local block cache around the source (never changes results)
 
             self.source = CachedSource(self.source, config)
-        slots = max(1, num_workers)
+        self._epoch_limit: int | None = None
+        self.transform_fingerprint: dict | None = None   # set by the loader when a transform follows
+        self._set_partitions(config.num_partitions or world_size * max(1, num_workers))
+        if config.resume_state_path:
+            self.load_sidecar(config.resume_state_path)
+
+    def _set_partitions(self, num_partitions: int, key: str = "data.num_partitions") -> None:
+        """(Re)build the plan for ``num_partitions`` virtual partitions and this rank's readers (fresh cursors)."""
+        slots = max(1, self.num_workers)
+        check_consumers(num_partitions, self.world_size, slots, key)
         self.layout = Layout(
             num_shards=len(self.source.shards),
             row_counts=tuple(s.num_rows for s in self.source.shards),
-            num_partitions=world_size * slots,
-            seed=config.shuffle_seed, shuffle=config.shuffle, buffer_size=config.buffer_size,
-            interleave=config.interleave_shards, block_rows=config.block_rows,
+            num_partitions=num_partitions,
+            seed=self.config.shuffle_seed, shuffle=self.config.shuffle, buffer_size=self.config.buffer_size,
+            interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
         )
-        if self.layout.strided and (key := (id(self.source), self.layout.num_partitions)) not in _warned_strided:
-            _warned_strided.add(key)
+        consumers = self.world_size * slots
+        if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
+            _warned.add(note)
             log.warning(
-                "dataset has %d shards for %d partitions (ranks x workers): every partition reads every shard "
-                "and keeps every %d-th row; give it more files or row groups to read less",
-                self.layout.num_shards, self.layout.num_partitions, self.layout.num_partitions)
-        self.partitions = [rank * slots + w for w in range(slots)]
+                "dataset has %d shards for %d partitions: every partition reads every shard and keeps every %d-th "
+                "row; give it more files or row groups to read less",
+                self.layout.num_shards, num_partitions, num_partitions)
+        if num_partitions % consumers and (note := ("uneven", num_partitions, consumers)) not in _warned:
+            _warned.add(note)
+            log.warning("%d virtual partitions over %d consumers (ranks x workers): some read %d partitions, others "
+                        "%d, so they move through an epoch at different speeds", num_partitions, consumers,
+                        -(-num_partitions // consumers), num_partitions // consumers)
+        self.lanes = partition_lanes(num_partitions, self.world_size, slots, self.rank)
+        self.partitions = sorted(p for lane in self.lanes for p in lane)
         self._readers = {p: PartitionReader(self.source, self.layout, p) for p in self.partitions}
         self._turn = 0
-        self._epoch_limit: int | None = None
         self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
-        self.transform_fingerprint: dict | None = None   # set by the loader when a transform follows
-        if config.resume_state_path:
-            self.load_sidecar(config.resume_state_path)
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
@@ -118,8 +147,9 @@ class ResumableStream(torch.utils.data.IterableDataset):
         for p, reader in self._readers.items():
             # inside `epoch`: continue; past it: done for this epoch; before it: start it
             if reader.cursor.epoch < epoch:
-                reader.set_cursor(Cursor(epoch=epoch, consumed_before=reader.cursor.consumed,
-                                         chain=reader.cursor.chain))
+                consumed = reader.cursor.consumed
+                reader.set_cursor(Cursor(epoch=epoch, consumed_before=consumed, chain=reader.cursor.chain,
+                                         epoch_start=consumed))
                 self._expect.pop(p, None)
 
     # ------------------------------------------------------------------ iteration
@@ -132,10 +162,10 @@ class ResumableStream(torch.utils.data.IterableDataset):
                 raise ConfigError(
                     f"num_workers: the stream was created for {self.num_workers} DataLoader workers but is read by "
                     f"{info.num_workers}; create it with num_workers={info.num_workers}")
-            parts = [self.partitions[info.id]]
+            parts = self.lanes[info.id]
         if len(parts) == 1:
             return self._iter_partition(self._readers[parts[0]])
-        return self._iter_round_robin(parts)
+        return self._iter_round_robin(parts, saved_turn=info is None)
 
     def iter_partition(self, partition: int) -> Iterator[tuple[dict, tuple[int, int]]]:
         """(sample, (shard, row)) pairs of one partition: what the loader's workers read."""
@@ -162,11 +192,15 @@ class ResumableStream(torch.utils.data.IterableDataset):
                 reader.offset = i      # consumed once handed out: a save now resumes after it
                 yield sample
 
-    def _iter_round_robin(self, parts: list[int]) -> Iterator[dict]:
+    def _iter_round_robin(self, parts: list[int], saved_turn: bool) -> Iterator[dict]:
+        """Sample by sample over ``parts``; in the main process the turn is part of the saved state."""
         live = {p: self._iter_partition(self._readers[p]) for p in parts}
+        turn = self._turn if saved_turn else 0
         while live:
-            p = parts[self._turn % len(parts)]
-            self._turn = (self._turn + 1) % len(parts)
+            p = parts[turn % len(parts)]
+            turn = (turn + 1) % len(parts)
+            if saved_turn:
+                self._turn = turn
             it = live.get(p)
             if it is None:
                 continue
@@ -186,8 +220,15 @@ class ResumableStream(torch.utils.data.IterableDataset):
             )
 
     # ------------------------------------------------------------------ state
+    def partition_epoch(self, partition: int) -> int:
+        """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
+        return self._readers[partition].epoch
+
     def partition_state(self, partition: int) -> dict[str, Any]:
-        """One partition's position after the last sample it yielded, with the digest of the next one."""
+        """One partition's position after the last sample it yielded, with the digest of the next one.
+
+        ``epoch_start`` (samples consumed before the current epoch) and ``epoch_rows`` (rows of the
+        current epoch, None if unknown) are for progress reports only."""
         reader = self._readers[partition]
         win = reader.window(rollover=True)   # the next sample is needed for its digest
         c = reader.cursor
@@ -198,6 +239,8 @@ class ResumableStream(torch.utils.data.IterableDataset):
             "consumed": c.consumed,
             "consumed_digest": reader.consumed_digest(),
             "next_sample_digest": sample_digest(win.sample(c.offset)),
+            "epoch_start": c.epoch_start,
+            "epoch_rows": self.layout.partition_rows(c.epoch, partition),
         }
 
     def state_dict(self, partitions: dict[int, dict] | None = None) -> dict[str, Any]:
@@ -209,30 +252,99 @@ class ResumableStream(torch.utils.data.IterableDataset):
         return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint(), "topology": self.topology(),
                 "turn": self._turn, "partitions": parts}
 
-    def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
+    def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
+                        verify_next_sample: bool = True) -> None:
+        """Continue every partition of this rank from its saved cursor.
+
+        Same ranks and workers: the state must be this rank's and the interleaving continues exactly.
+        Other ranks / workers (``data.elastic``): ``state`` must hold at least this rank's partitions
+        (see :meth:`read_sidecar`); each continues from its cursor, the interleaving starts afresh.
+        ``verify_next_sample=False`` skips the content check of each partition's first sample (for
+        readers of other data than the rows, e.g. the warmup planner's row numbers)."""
         if state.get("format_version") != FORMAT_VERSION:
             raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
                                       f"{FORMAT_VERSION}")
+        self._check_saved_fingerprint(state, where)
+        same = self._adopt_topology(state["topology"], where)
+        saved_parts = {int(p): ps for p, ps in state["partitions"].items()}
+        if same and sorted(saved_parts) != self.partitions:
+            raise StreamMismatchError(f"{where}: holds partitions {sorted(saved_parts)}, this rank owns "
+                                      f"{self.partitions}")
+        missing = [p for p in self.partitions if p not in saved_parts]
+        if missing:
+            raise StreamMismatchError(f"{where}: holds partitions {sorted(saved_parts)}, this rank reads "
+                                      f"{self.partitions} after the topology change; load a stream_state or "
+                                      "checkpoint directory so they are gathered from every rank's file")
+        for p in self.partitions:
+            ps = saved_parts[p]
+            cursor = Cursor(
+                **{f: int(ps[f]) for f in Cursor.FIELDS},
+                slots=tuple((int(a), int(b)) for a, b in ps["slots"]),
+                chain=bytes.fromhex(ps["chain"]),
+                epoch_start=ps.get("epoch_start"),
+            )
+            self._readers[p].set_cursor(cursor)
+            if verify_next_sample:
+                self._expect[p] = ps["next_sample_digest"]
+        self._turn = int(state.get("turn", 0)) if same else 0
+
+    def _check_saved_fingerprint(self, state: dict[str, Any], where: str) -> None:
         saved_fp = state["fingerprint"]
         if self.transform_fingerprint is None and "transform" in saved_fp:
             # a bare stream (e.g. peek) reading a training checkpoint: it shows raw samples from the
             # cursor; the transform's state is the loader's to check
             saved_fp = {k: v for k, v in saved_fp.items() if k != "transform"}
         check_fingerprint(saved_fp, self.fingerprint(), where)
-        check_topology(state["topology"], self.topology(), where)
-        saved_parts = {int(p): ps for p, ps in state["partitions"].items()}
-        if sorted(saved_parts) != sorted(self.partitions):
-            raise StreamMismatchError(f"{where}: holds partitions {sorted(saved_parts)}, this rank owns "
-                                      f"{self.partitions}")
-        for p, ps in saved_parts.items():
-            cursor = Cursor(
-                **{f: int(ps[f]) for f in Cursor.FIELDS},
-                slots=tuple((int(a), int(b)) for a, b in ps["slots"]),
-                chain=bytes.fromhex(ps["chain"]),
-            )
-            self._readers[p].set_cursor(cursor)
-            self._expect[p] = ps["next_sample_digest"]
-        self._turn = int(state.get("turn", 0))
+
+    def _adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
+        """Check a saved topology against this stream's; take its num_partitions when data.num_partitions
+        is null. True when ranks and workers are unchanged (the state continues exactly as saved)."""
+        configured = self.config.num_partitions is not None
+        same = check_topology(saved, self.topology(), where, elastic=self.config.elastic,
+                              compare_partitions=configured)
+        saved_n = int(saved["num_partitions"])
+        if saved_n != self.layout.num_partitions:
+            self._set_partitions(saved_n, key=f"{where}: num_partitions (taken from the saved state because "
+                                              "data.num_partitions is null)")
+        return same
+
+    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+        """(state, description) of this rank's partitions from a sidecar file, a stream_state directory or
+        a checkpoint directory. Same topology: this rank's file. After a change of ranks or workers
+        (``data.elastic``): the partitions this rank reads now, gathered from the files of the ranks
+        that read them, every file checked against the manifest and this stream's fingerprint. Takes
+        the saved num_partitions when data.num_partitions is null."""
+        path = os.fspath(path)
+        if os.path.isfile(path):
+            return read_state_file(path), f"sidecar {path!r}"
+        state_dir = find_state_dir(path)
+        manifest = read_manifest(state_dir)
+        first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
+        first_file = verified_rank_file(state_dir, manifest, first_rank)
+        first = read_state_file(first_file)
+        where = f"sidecar {first_file!r}"
+        self._check_saved_fingerprint(first, where)
+        if self._adopt_topology(first["topology"], where):
+            return first, where
+        # elastic: gather this rank's partitions from the ranks that read them before
+        saved_world = int(manifest["world_size"])
+        owners = sorted({partition_owner(p, self.layout.num_partitions, saved_world) for p in self.partitions})
+        merged = {p: ps for p, ps in first["partitions"].items() if p in self.partitions}
+        for r in owners:
+            if r == first_rank:
+                continue
+            file = verified_rank_file(state_dir, manifest, r)
+            state = read_state_file(file)
+            self._check_saved_fingerprint(state, f"sidecar {file!r}")
+            topo = state["topology"]
+            if any(topo[k] != first["topology"][k] for k in ("world_size", "num_workers", "num_partitions")):
+                raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} has topology {topo}, "
+                                   f"{rank_file_name(first_rank)} {first['topology']}: not one run's checkpoint")
+            merged.update({p: ps for p, ps in state["partitions"].items() if p in self.partitions})
+        topology = {k: first["topology"][k] for k in ("world_size", "num_workers", "num_partitions")}
+        where = f"stream state {state_dir!r} (ranks {owners} of {saved_world})"
+        return {"format_version": first["format_version"], "fingerprint": first["fingerprint"],
+                "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}, where
 
     def save_sidecar(self, path: str | os.PathLike) -> str:
         """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
@@ -248,8 +360,8 @@ class ResumableStream(torch.utils.data.IterableDataset):
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
         """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
-        file = resolve_rank_file(os.fspath(path), self.rank)
-        self.load_state_dict(read_state_file(file), where=f"sidecar {file!r}")
+        state, where = self.read_sidecar(path)
+        self.load_state_dict(state, where=where)
 
     def sample_key(self, partition: int) -> tuple[int, int]:
         """(shard, row) of the sample ``partition`` yielded last."""

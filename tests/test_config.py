@@ -112,6 +112,15 @@ BAD_CONFIGS = [
     _case("cache_size_limit_gb", "50", "> 0"),
     _case("cache_size_limit_gb", None, "> 0"),
     _case("cache_size_limit_gb", float("nan"), "> 0"),
+    # num_partitions / elastic
+    _case("num_partitions", 0, "at least ranks x workers"),
+    _case("num_partitions", -3, "an integer from 1 to 1000000"),
+    _case("num_partitions", 6.0, "an integer from 1 to 1000000"),
+    _case("num_partitions", "6", "an integer from 1 to 1000000"),
+    _case("num_partitions", True, "an integer from 1 to 1000000"),
+    _case("elastic", "yes", "true or false"),
+    _case("elastic", None, "true or false"),
+    _case("elastic", 1, "true or false"),
 ]
 
 
@@ -238,7 +247,7 @@ FULL_DATA = {
     "backend": "hf", "streaming": True, "dataset_name_or_path": "parquet", "name": None, "data_files": ["/abs/x/*.parquet"],
     "split": "train", "shuffle": True, "shuffle_seed": 1234, "buffer_size": 256, "interleave_shards": 2,
     "block_rows": 64, "resume_state_path": None, "cache_dir": None, "cache_size_limit_gb": 1.5,
-    "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0,
+    "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0, "num_partitions": 12, "elastic": True,
 }
 
 

@@ -142,6 +142,34 @@ def test_cli_warmup_from_checkpoint_then_reading_makes_no_requests(site, tmp_pat
     assert len(_keys(s.source)) < total_blocks, "only what the next samples need was fetched"
 
 
+def test_elastic_warmup_for_another_world_size_then_reading_makes_no_requests(site, tmp_path, capsys):
+    """A checkpoint of 2 ranks x 2 workers warmed for 3 ranks (data.elastic): each new rank's partitions
+    are gathered from the old ranks' files, and reading them after the warmup asks the server nothing."""
+    srv, urls, _ = site
+    cfg = _http_cfg(urls, num_partitions=6, elastic=True)
+    cached_cfg = cfg.replace(cache_dir=str(tmp_path / "cache"))
+    src = open_source(cfg)
+    ckpt = _save_checkpoint(cfg, str(tmp_path), 2, 2, 130, src)
+    n = 150
+    references = []
+    for rank in range(3):
+        s = ResumableStream(cfg, rank=rank, world_size=3, source=src)
+        s.load_sidecar(ckpt)
+        references.append(take_ids(s, n))
+    rigid = _yaml(tmp_path, cached_cfg.replace(elastic=False))
+    assert main(["warmup", rigid, "--from", ckpt, "--samples", "10", "--world-size", "3", "--num-workers", "0",
+                 "--no-progress"]) == 2
+    assert "data.elastic: true" in capsys.readouterr().err
+    assert main(["warmup", _yaml(tmp_path, cached_cfg), "--from", ckpt, "--samples", str(n), "--world-size", "3",
+                 "--num-workers", "0", "--no-progress"]) == 0
+    for rank in range(3):
+        s = ResumableStream(cached_cfg, rank=rank, world_size=3)
+        s.load_sidecar(ckpt)
+        srv.reset_stats()
+        assert take_ids(s, n) == references[rank]
+        assert srv.stats()["requests"] == 0, srv.requests[:5]
+
+
 def test_warming_a_warm_cache_is_a_fast_noop(site, tmp_path, capsys):
     srv, urls, _ = site
     cfg = _http_cfg(urls, cache_dir=str(tmp_path / "cache"))

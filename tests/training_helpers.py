@@ -26,6 +26,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
 TRAIN_LM = os.path.join(ROOT, "examples", "train_lm.py")
+TRAIN_VL = os.path.join(ROOT, "examples", "train_vl.py")
 MANIFEST = "manifest.json"
 STATE_DIR = "stream_state"
 
@@ -35,18 +36,44 @@ _ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM"
 
 
 def write_config(directory: str, name: str, *, max_steps: int, save_steps: int, packing: bool = False,
-                 workers: int = 0, save_total_limit: int | None = 2, **train) -> tuple[str, str]:
-    """``examples/tiny/train_lm.yaml`` with absolute paths, outputs in ``directory/name``; every step logged.
+                 workers: int = 0, save_total_limit: int | None = 2, template: str = "train_lm.yaml",
+                 data: dict | None = None, **train) -> tuple[str, str]:
+    """``examples/tiny/<template>`` with absolute paths, outputs in ``directory/name``; every step logged.
+    ``data``: keys of the ``data:`` section to override (e.g. data_files, num_partitions, elastic).
 
     Returns (yaml path, output_dir). The consumed log is ``output_dir/consumed``.
     """
-    with open(os.path.join(TINY, "train_lm.yaml"), encoding="utf-8") as f:
+    with open(os.path.join(TINY, template), encoding="utf-8") as f:
         doc = yaml.safe_load(f)
     doc = copy.deepcopy(doc)
     out = os.path.join(directory, name)
     doc["model"]["tokenizer"] = os.path.join(TINY, "tokenizer")
-    doc["data"].update(data_files=os.path.join(TINY, "data", "*.parquet"), consumed_log=os.path.join(out, "consumed"),
-                       packing=packing, id_column="id")
+    if "sources" in doc["data"]:     # a mixture (train_mix.yaml): each source's files
+        for source in doc["data"]["sources"]:
+            source["data_files"] = os.path.join(TINY, source["data_files"])
+    else:
+        doc["data"]["data_files"] = os.path.join(TINY, "data", "*.parquet")
+    doc["data"].update(consumed_log=os.path.join(out, "consumed"), packing=packing, id_column="id")
+    doc["data"].update(data or {})
+    doc["train"].update(output_dir=out, max_steps=max_steps, save_steps=save_steps, logging_steps=1,
+                        dataloader_num_workers=workers, save_total_limit=save_total_limit, disable_tqdm=True)
+    doc["train"].update(train)
+    path = os.path.join(directory, f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(doc, f)
+    return path, out
+
+
+def write_vl_config(directory: str, name: str, *, max_steps: int, save_steps: int, workers: int = 0,
+                    save_total_limit: int | None = 2, **train) -> tuple[str, str]:
+    """``examples/tiny/train_vl.yaml`` (broken rows skipped: ``bad_sample: skip``) with absolute paths,
+    outputs in ``directory/name``, every step logged. Returns (yaml path, output_dir)."""
+    with open(os.path.join(TINY, "train_vl.yaml"), encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    out = os.path.join(directory, name)
+    doc["model"]["processor"] = os.path.join(TINY, "vl")
+    doc["data"].update(data_files=os.path.join(TINY, "data_vl", "*.parquet"), id_column="id",
+                       consumed_log=os.path.join(out, "consumed"))
     doc["train"].update(output_dir=out, max_steps=max_steps, save_steps=save_steps, logging_steps=1,
                         dataloader_num_workers=workers, save_total_limit=save_total_limit, disable_tqdm=True)
     doc["train"].update(train)
@@ -65,14 +92,14 @@ def free_port() -> int:
 class Run:
     """One training process (or one torchrun with its ranks), output in ``log_base.{out,err}``."""
 
-    def __init__(self, config: str, log_base: str, nproc: int = 1, env: dict | None = None):
+    def __init__(self, config: str, log_base: str, nproc: int = 1, env: dict | None = None, script: str = TRAIN_LM):
         self.config, self.nproc = config, nproc
         self.stdout_path, self.stderr_path = log_base + ".out", log_base + ".err"
         if nproc == 1:
-            cmd = [sys.executable, TRAIN_LM, config]
+            cmd = [sys.executable, script, config]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), TRAIN_LM, config]
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, config]
         self.tag = uuid.uuid4().hex
         full_env = {**os.environ, **_ENV, **(env or {}), "RS_TEST_RUN": self.tag}
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
@@ -162,14 +189,14 @@ class Run:
 
 
 class Procs:
-    """Starts runs and guarantees none outlives the test (or fixture) that started it."""
+    """Starts runs (of ``script``) and guarantees none outlives the test (or fixture) that started it."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, script: str = TRAIN_LM):
+        self.directory, self.script = directory, script
         self.runs: list[Run] = []
 
     def start(self, config: str, label: str, nproc: int = 1, env: dict | None = None) -> Run:
-        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env)
+        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env, script=self.script)
         self.runs.append(run)
         return run
 

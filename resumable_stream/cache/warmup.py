@@ -229,7 +229,6 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     spread over its K partitions as the stream interleaves them. The window after the last sample
     is included when the Nth sample ends a window (saving a checkpoint there reads it).
     """
-    from ..sidecar import read_state_file, resolve_rank_file
     from ..stream import ResumableStream
 
     if not (isinstance(samples, int) and samples >= 0):
@@ -254,12 +253,9 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     plain = config.replace(resume_state_path=None)
     for rank in ranks:
         stream = ResumableStream(plain, rank=rank, world_size=world_size, num_workers=num_workers, source=planner)
-        if state_path:
-            file = resolve_rank_file(os.fspath(state_path), rank)
-            state = read_state_file(file)
-            stream.transform_fingerprint = state["fingerprint"].get("transform")
-            stream.load_state_dict(state, where=f"sidecar {file!r}")
-            stream._expect.clear()   # the planning rows are row numbers, not the recorded samples
+        if state_path:   # this rank's partitions, gathered from the old ranks' files after a topology change
+            state, where = stream.read_sidecar(state_path)
+            stream.load_state_dict(state, where, verify_next_sample=False)   # row numbers, not the samples
         it = iter(stream)
         for i in range(samples):
             planner.clock = (i, rank)

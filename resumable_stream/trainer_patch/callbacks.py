@@ -1,4 +1,5 @@
-"""Trainer callbacks: the per-step consumed-sample log, ``train_log.jsonl`` and block cache statistics."""
+"""Trainer callbacks: the per-step consumed-sample log, ``train_log.jsonl`` (with the transform's
+counters) and block cache statistics."""
 
 from __future__ import annotations
 
@@ -54,6 +55,50 @@ class ConsumedLogCallback(TrainerCallback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def transform_stats(loader) -> dict:
+    """The transform's counters (samples, examples, skipped / dropped samples, ...) as of the last batch the
+    training loop consumed, summed over this rank's partitions, as ``data_<name>`` fields. They travel
+    with the batch snapshots, so DataLoader workers' counts are included and a resumed run continues them."""
+    totals: dict[str, int] = {}
+    if loader is None:
+        return totals
+    for p in loader.stream.partitions:
+        extra = (loader._consumed.get(p) or {}).get("extra") or loader._carries.get(p) or {}
+        for name, value in ((extra.get("meta") or {}).get("stats") or {}).items():
+            totals[f"data_{name}"] = totals.get(f"data_{name}", 0) + int(value)
+    return totals
+
+
+class SourceCountsCallback(TrainerCallback):
+    """A mixture's (``data.sources``) samples per source, summed over ranks, for ``train_log.jsonl``.
+
+    Counted from the loader's state of what the training loop consumed (the batch snapshots, not what
+    workers prefetched): the samples each source's cursors moved past, including with packing those
+    whose tokens are still carried over to the next batch. A resumed run continues the counts."""
+
+    def __init__(self, loader_of):
+        self.loader_of = loader_of   # () -> the trainer's StreamLoader
+        self.latest: dict[str, int] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:   # the training logs, which every rank makes at the same steps
+            return
+        import torch
+        import torch.distributed as dist
+
+        from ..mixture import source_counts
+
+        counts = source_counts(self.loader_of().state_dict())
+        if args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            total = torch.tensor(list(counts.values()), dtype=torch.int64, device=args.device)
+            dist.all_reduce(total)
+            counts = dict(zip(counts, total.tolist()))
+        self.latest = counts
+
+    def fields(self) -> dict:
+        return {"source_samples": dict(self.latest)}
 
 
 class TrainLogCallback(TrainerCallback):

@@ -10,11 +10,11 @@ from typing import Any
 
 import yaml
 
-from ..config import StreamConfig
+from ..config import MixtureConfig, StreamConfig
 from ..errors import ConfigError
 from ..transforms.config import TransformConfig
 
-MODEL_KEYS = ("name_or_path", "config", "tokenizer", "dtype", "trust_remote_code")
+MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TrainingArguments we set ourselves; a user value would break exact resume.
 _FORCED = {"ignore_data_skip": True, "remove_unused_columns": False}
@@ -32,6 +32,7 @@ class ModelConfig:
     name_or_path: str | None = None
     config: dict | None = None
     tokenizer: str | None = None
+    processor: str | None = None     # data.format vl: the AutoProcessor (default: name_or_path)
     dtype: str = "float32"
     trust_remote_code: bool = False
 
@@ -45,11 +46,10 @@ class ModelConfig:
             if not isinstance(self.config, dict) or not isinstance(self.config.get("model_type"), str):
                 raise ConfigError(f"model.config: got {self.config!r}; allowed: a mapping with model_type "
                                   "(e.g. qwen3) and the config fields")
-        if self.name_or_path is None and not self.tokenizer:
-            raise ConfigError("model.tokenizer: missing; with model.config (random init) name the tokenizer "
-                              "(a hub id or a local directory)")
-        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
-            raise ConfigError(f"model.tokenizer: got {self.tokenizer!r}; allowed: a hub id or a local directory")
+        for key in ("tokenizer", "processor"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ConfigError(f"model.{key}: got {value!r}; allowed: a hub id or a local directory")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
         if not isinstance(self.trust_remote_code, bool):
@@ -59,7 +59,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     model: ModelConfig
-    stream: StreamConfig
+    stream: StreamConfig | MixtureConfig
     transform: TransformConfig
     train: dict[str, Any]
     path: str | None = None
@@ -89,7 +89,7 @@ class TrainerConfig:
         for key in model_doc:
             if key not in MODEL_KEYS:
                 raise _unknown("model", str(key), list(MODEL_KEYS))
-        for key in ("name_or_path", "tokenizer"):   # local model / tokenizer dirs next to the yaml
+        for key in ("name_or_path", "tokenizer", "processor"):   # local dirs next to the yaml
             v = model_doc.get(key)
             if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
                 model_doc[key] = os.path.normpath(os.path.join(base_dir, v))
@@ -101,6 +101,10 @@ class TrainerConfig:
                               "and its length unknown in advance; bound training with train.max_steps")
         data.pop("max_samples", None)
         transform = TransformConfig.from_dict(data)
+        if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
+                and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
+            transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
+        _check_model_for_format(model, transform)
         stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path, extra_keys=TransformConfig.KEYS)
 
         train = dict(doc["train"])
@@ -117,6 +121,17 @@ class TrainerConfig:
             return TrainingArguments(**values)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
+
+
+def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
+    """With model.config (random init) the tokenizer, or for data.format vl the processor, must be named."""
+    if transform.format == "vl":
+        if not (model.processor or model.name_or_path):
+            raise ConfigError("model.processor: missing; data.format 'vl' with model.config (random init) needs the "
+                              "processor (a hub id or a local directory with the tokenizer and image processor)")
+    elif model.tokenizer is None and model.name_or_path is None:
+        raise ConfigError("model.tokenizer: missing; with model.config (random init) name the tokenizer (a hub id "
+                          "or a local directory)")
 
 
 def _check_train(train: dict[str, Any]) -> None:

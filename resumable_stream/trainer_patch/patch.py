@@ -10,7 +10,9 @@ When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
 * uses our rank-aware :class:`StreamLoader` as its train dataloader (no accelerate dispatch, no
   ``IterableDatasetShard`` re-sharding on top of ours);
 * skips no batches on resume (``ignore_data_skip``): the stream is restored from the checkpoint's
-  ``stream_state/`` sidecars instead, and a checkpoint without complete sidecars is refused;
+  ``stream_state/`` sidecars instead (with ``data.elastic``, also on another number of ranks or workers:
+  each rank gathers its virtual partitions from the files that hold them), and a checkpoint without
+  complete sidecars is refused;
 * writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
   then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint).
 

@@ -1,4 +1,5 @@
-"""Train a causal LM from one yaml file; a restart with the same output_dir resumes exactly.
+"""Train a causal LM or, with ``data.format: vl``, a vision-language model from one yaml file; a restart
+with the same output_dir resumes exactly.
 
     python examples/train_lm.py CONFIG                 # one process
     torchrun --nproc_per_node=N examples/train_lm.py CONFIG
@@ -16,8 +17,14 @@ import sys
 
 from ..devices import detect_device
 from ..errors import ConfigError
-from ..stream import ResumableStream
-from .callbacks import CacheStatsCallback, ConsumedLogCallback, TrainLogCallback
+from ..mixture import MixtureStream, open_stream
+from .callbacks import (
+    CacheStatsCallback,
+    ConsumedLogCallback,
+    SourceCountsCallback,
+    TrainLogCallback,
+    transform_stats,
+)
 from .checkpoints import check_complete, latest_complete_checkpoint, remove_incomplete_after
 from .config import TrainerConfig
 from .patch import TrainingStream, patch_trainer
@@ -32,6 +39,8 @@ class ColumnKey:
         self.column = column
 
     def __call__(self, sample: dict, where: tuple[int, int]) -> str:
+        if isinstance(where[0], str):   # a mixture's ("label/shard", row): ids of two sources may coincide
+            return f"{where[0].partition('/')[0]}/{sample[self.column]}"
         return str(sample[self.column])
 
 
@@ -53,20 +62,56 @@ def _load_tokenizer(cfg: TrainerConfig):
     return tok
 
 
-def _load_model(cfg: TrainerConfig, tokenizer, seed: int):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+def _load_processor(cfg: TrainerConfig):
+    from ..transforms.vl import load_processor
 
+    name = cfg.model.processor or cfg.model.name_or_path
+    key = "model.processor" if cfg.model.processor else "model.name_or_path"
+    try:
+        processor = load_processor(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"{key}: {name!r} cannot be loaded as a processor ({type(e).__name__}: {e})") from None
+    if getattr(processor, "tokenizer", None) is None or getattr(processor, "image_processor", None) is None:
+        raise ConfigError(f"{key}: {name!r} loads as {type(processor).__name__}, not a processor with a tokenizer "
+                          "and an image processor (data.format vl needs one)")
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def _vl_config_fields(fields: dict, processor) -> None:
+    """Defaults a random-init VL config takes from the processor: the text model's vocabulary size and
+    special tokens, and the vision token ids."""
+    text = fields.setdefault("text_config", {})
+    if isinstance(text, dict):
+        text.setdefault("vocab_size", len(processor.tokenizer))
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            if getattr(processor.tokenizer, name, None) is not None:
+                text.setdefault(name, getattr(processor.tokenizer, name))
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(processor, name, None)
+        if isinstance(value, int) and value >= 0:
+            fields.setdefault(name, value)
+
+
+def _load_model(cfg: TrainerConfig, tokenizer, seed: int, processor=None):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, set_seed
+
+    auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     if cfg.model.name_or_path:
         try:
-            return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype or "auto",
-                                                        trust_remote_code=cfg.model.trust_remote_code)
+            return auto.from_pretrained(cfg.model.name_or_path, dtype=dtype or "auto",
+                                        trust_remote_code=cfg.model.trust_remote_code)
         except OSError as e:
             raise ConfigError(f"model.name_or_path: {cfg.model.name_or_path!r} cannot be loaded ({e})") from None
     fields = dict(cfg.model.config)
     model_type = fields.pop("model_type")
-    fields.setdefault("vocab_size", len(tokenizer))
+    if processor is not None:
+        _vl_config_fields(fields, processor)
+    else:
+        fields.setdefault("vocab_size", len(tokenizer))
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
             fields.setdefault(name, getattr(tokenizer, name))
@@ -76,7 +121,10 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int):
         raise ConfigError(f"model.config: model_type {model_type!r} with these fields is not a transformers "
                           f"config ({type(e).__name__}: {e})") from None
     set_seed(seed)   # the random init is part of what a rerun must reproduce
-    model = AutoModelForCausalLM.from_config(config)
+    try:
+        model = auto.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"model.config: model_type {model_type!r} is not a {auto.__name__} model ({e})") from None
     return model.to(dtype) if dtype is not None else model
 
 
@@ -85,6 +133,8 @@ def _check_columns(cfg: TrainerConfig, columns: list[str] | None) -> None:
         return   # unknown until read (some json / hub datasets); the loader catches an all-skipped epoch
     tc = cfg.transform
     wanted = {"text_column": tc.text_column} if tc.format == "text" else {"messages_column": tc.messages_column}
+    if tc.format == "vl":
+        wanted["images_column"] = tc.images_column
     if tc.id_column:
         wanted["id_column"] = tc.id_column
     for key, column in wanted.items():
@@ -97,34 +147,46 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     from transformers import Trainer
 
     from ..transforms.text import TextProcessor, collate
+    from ..transforms.vl import VLProcessor, collate_vl
 
     device = detect_device()
     overrides = dict(argument_overrides)
     if "ddp_backend" not in cfg.train and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         overrides["ddp_backend"] = device.backend
     args = cfg.training_arguments(**overrides)
-    tokenizer = _load_tokenizer(cfg)
-    model = _load_model(cfg, tokenizer, args.seed)
+    vl = cfg.transform.format == "vl"
+    processor = _load_processor(cfg) if vl else None
+    tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
+    model = _load_model(cfg, tokenizer, args.seed, processor)
 
     # The loader restores the state (stream cursor + transform carry), not the bare stream.
-    stream = ResumableStream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
-                             world_size=args.world_size, num_workers=args.dataloader_num_workers)
+    stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
+                         world_size=args.world_size, num_workers=args.dataloader_num_workers)
     _check_columns(cfg, stream.source.column_names)
-    processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)
-    collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
+    if vl:
+        processor_factory = functools.partial(VLProcessor, processor, cfg.transform)
+        collate_fn = functools.partial(collate_vl, pad_token_id=tokenizer.pad_token_id)
+    else:
+        processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)
+        collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
                              resume_state_path=cfg.stream.resume_state_path)
 
     patch_trainer(Trainer)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=processor or tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    extra_of = None
+    extras = [lambda: transform_stats(getattr(trainer, "_rs_loader", None))]   # skips, drops: data_* fields
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
         cache_stats = CacheStatsCallback(stream.source.stats, args.process_index, every_s=60.0)
         trainer.add_callback(cache_stats)
-        extra_of = cache_stats.fields
-    trainer.add_callback(TrainLogCallback(args.output_dir, per_step, extra_of=extra_of))
+        extras.append(cache_stats.fields)
+    if isinstance(stream, MixtureStream):   # samples per source: source_samples in train_log.jsonl
+        source_samples = SourceCountsCallback(lambda: trainer._rs_loader)
+        trainer.add_callback(source_samples)
+        extras.append(source_samples.fields)
+    trainer.add_callback(TrainLogCallback(args.output_dir, per_step,
+                                          extra_of=lambda: {k: v for f in extras for k, v in f().items()}))
     if cfg.transform.consumed_log:
         trainer.add_callback(ConsumedLogCallback(cfg.transform.consumed_log, args.process_index,
                                                  lambda: trainer._rs_loader))

@@ -1,7 +1,9 @@
-"""Transforms from raw rows to training examples (text and chat messages, optional packing)."""
+"""Transforms from raw rows to training examples (text, chat messages with optional packing, vision-language)."""
 
 from .config import TransformConfig
 from .errors import TransformError
 from .text import IGNORE_INDEX, TextProcessor, collate, tokenizer_digest
+from .vl import VLProcessor, collate_vl, load_processor
 
-__all__ = ["IGNORE_INDEX", "TextProcessor", "TransformConfig", "TransformError", "collate", "tokenizer_digest"]
+__all__ = ["IGNORE_INDEX", "TextProcessor", "TransformConfig", "TransformError", "VLProcessor", "collate",
+           "collate_vl", "load_processor", "tokenizer_digest"]

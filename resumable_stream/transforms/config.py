@@ -13,9 +13,10 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigError
 
-FORMATS = ("text", "messages")
+FORMATS = ("text", "messages", "vl")
 OVERLONG = ("truncate", "drop", "error")
 EMPTY = ("skip", "error")
+BAD_SAMPLE = ("error", "skip")
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 1_000_000
 
@@ -41,6 +42,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "add_eos": (lambda v: isinstance(v, bool), "true or false"),
     "id_column": (lambda v: v is None or _name(v), "null or a non-empty column name"),
     "consumed_log": (lambda v: v is None or _name(v), "null or a file path"),
+    "images_column": (_name, "a non-empty column name"),
+    "image_dir": (lambda v: v is None or _name(v), "null or a directory"),
+    "bad_sample": (lambda v: v in BAD_SAMPLE, f"one of {', '.join(BAD_SAMPLE)}"),
 }
 
 
@@ -59,6 +63,12 @@ class TransformConfig:
       template's own end-of-turn token).
     - ``id_column``: column the loader takes sample keys from (null: the stream's (shard, row) key).
     - ``consumed_log``: file the loader logs consumed sample keys to (null: off); never changes outputs.
+    - ``format: vl``: ``messages`` with ``<image>`` placeholders plus ``images_column`` (a list of images:
+      HF ``Image`` structs, bytes, local paths relative to ``image_dir``, or http(s) URLs), run through the
+      model's processor. ``bad_sample`` decides what an undecodable / missing / unsupported image, a
+      placeholder count that differs from the image count, a processor failure or an over-length sample
+      does: ``error`` (``TransformError`` naming the sample) or ``skip`` (counted and logged). VL samples
+      are never truncated (``overlong`` does not apply) and never packed.
     """
 
     KEYS: ClassVar[tuple[str, ...]] = tuple(_RULES)
@@ -73,12 +83,21 @@ class TransformConfig:
     add_eos: bool = True
     id_column: str | None = None
     consumed_log: str | None = None
+    images_column: str = "images"
+    image_dir: str | None = None
+    bad_sample: str = "error"
 
     def __post_init__(self) -> None:
         for key, (check, allowed) in _RULES.items():
             value = getattr(self, key)
             if not check(value):
                 raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+        if self.format == "vl":
+            if self.packing:
+                raise ConfigError("data.packing: got True with data.format 'vl'; allowed: false (image samples "
+                                  "are not packed)")
+            if self.overlong != "truncate":
+                raise _vl_overlong(self.overlong)
 
     @classmethod
     def from_dict(cls, section: Any) -> TransformConfig:
@@ -87,6 +106,8 @@ class TransformConfig:
             section = {}
         if not isinstance(section, dict):
             raise ConfigError(f"data: got {type(section).__name__} {section!r}; allowed: a mapping of data keys")
+        if section.get("format") == "vl" and "overlong" in section:
+            raise _vl_overlong(section["overlong"])
         return cls(**{k: section[k] for k in cls.KEYS if k in section})
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,3 +115,9 @@ class TransformConfig:
 
     def replace(self, **changes: Any) -> TransformConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _vl_overlong(value: Any) -> ConfigError:
+    return ConfigError(f"data.overlong: got {value!r}; not used with data.format 'vl': a VL sample is never cut "
+                       "(that would split image tokens); one longer than data.max_seq_len follows data.bad_sample "
+                       "(error or skip). Remove data.overlong")

@@ -1,0 +1,576 @@
+"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
+
+``VLProcessor`` has the same driving interface as ``TextProcessor`` (``feed`` / ``ready`` / ``take`` /
+``state`` / ``load_state`` / ``fingerprint`` / ``stats`` / ``flush``) and ``collate_vl`` batches its
+examples, so the loader, sidecars and Trainer patch carry VL training unchanged.
+
+A row
+-----
+``sample[messages_column]``: a list of ``{role, content}`` whose string contents hold ``<image>``
+placeholders; ``sample[images_column]``: one image per placeholder, in order, each an HF ``Image`` value
+(``{"bytes", "path"}``), raw bytes, a local path (relative paths against ``data.image_dir``), an
+``http(s)://`` URL, or a PIL image.
+
+What happens to it
+------------------
+1. Images are decoded here (never by ``datasets``), so ``data.bad_sample`` can act on a broken one.
+2. Each content becomes HF's structured form (``{"type": "image"}`` / ``{"type": "text", ...}`` parts) and
+   the conversation is rendered with the processor's chat template.
+3. Labels: the rendering is tokenized with offsets and labelled as in the text transform (assistant
+   content plus its end-of-turn token; everything else -100).
+4. ``processor(text=..., images=...)`` makes the model inputs (image tokens expanded, ``pixel_values``,
+   ``image_grid_thw`` or the model's equivalents). Its ids must equal the labelled ids with each run of
+   image tokens expanded; the labels are expanded the same way (image tokens are never labelled).
+
+Bad samples
+-----------
+An undecodable, missing or unsupported-mode image, a placeholder count that differs from the image count,
+a processor failure, or more than ``max_seq_len`` tokens: ``bad_sample: error`` raises ``TransformError``
+naming the sample and the reason; ``skip`` counts it (``stats()``), logs a warning and moves on. Both
+depend on the sample alone, so a resumed run skips the same samples. Samples are never truncated.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.client
+import io
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..errors import SidecarError, StreamMismatchError
+from .config import TransformConfig
+from .errors import TransformError
+from .text import IGNORE_INDEX, collate, tokenizer_digest
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = "<image>"
+STATE_VERSION = 1
+STAT_KEYS = ("samples", "examples", "images", "skipped_empty", "skipped_image", "skipped_mismatch",
+             "skipped_processor", "dropped_overlong")
+# PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
+# would be clipped or reinterpreted, so they are refused instead.
+SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
+URL_TIMEOUT_S = 30.0
+URL_ATTEMPTS = 3
+
+Example = dict[str, Any]
+
+
+class _Bad(Exception):
+    """A sample that ``data.bad_sample`` decides about; ``kind`` is its stats counter."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+# ---------------------------------------------------------------------------------------------- processor loading
+def load_processor(name: str, trust_remote_code: bool = False):
+    """``AutoProcessor.from_pretrained(name)``; where that fails only because of the processor's *video*
+    processor (it needs torchvision for Qwen2-VL / Qwen2.5-VL / Qwen3-VL in transformers 5, and a processor
+    saved without one has no video config), the same processor class is built without its video
+    processor: images go through the image processor AutoImageProcessor picks (PIL without torchvision)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (ImportError, OSError) as e:
+        # the video processor needs torchvision, or its config is missing (a processor saved by this fallback)
+        if not any(w in str(e).lower() for w in ("torchvision", "video processor", "video_preprocessor")):
+            raise
+    cls = _processor_class(name, trust_remote_code)
+    processor = _image_only(cls).from_pretrained(name, trust_remote_code=trust_remote_code)
+    processor._rs_origin = (name, trust_remote_code)
+    return processor
+
+
+def _processor_class(name: str, trust_remote_code: bool):
+    import transformers
+    from transformers.utils import cached_file
+
+    for file in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = cached_file(name, file, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        if path:
+            with open(path, encoding="utf-8") as f:
+                cls_name = json.load(f).get("processor_class")
+            if cls_name and hasattr(transformers, cls_name):
+                return getattr(transformers, cls_name)
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).model_type
+    cls_name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    if not cls_name:
+        raise ValueError(f"no processor class known for {name!r} (model_type {model_type!r})")
+    return getattr(transformers, cls_name)
+
+
+def _reload(name: str, trust_remote_code: bool):
+    return load_processor(name, trust_remote_code)
+
+
+@functools.cache
+def _image_only(cls):
+    """``cls`` without its video processor attribute (saved and reported under ``cls``'s own name)."""
+
+    def get_attributes(klass):
+        return [a for a in cls.get_attributes() if "video" not in a]
+
+    def __reduce__(self):   # a class made at run time pickles by reloading the processor
+        return _reload, self._rs_origin
+
+    return type(cls.__name__, (cls,), {"get_attributes": classmethod(get_attributes), "__reduce__": __reduce__,
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def processor_digest(processor: Any) -> str:
+    """blake2b of what decides the outputs: the tokenizer, the chat template and the image processor's
+    settings (not its backend class: the PIL and torchvision image processors are interchangeable)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(tokenizer_digest(processor.tokenizer).encode())
+    h.update(b"\0chat_template\0")
+    h.update(json.dumps(getattr(processor, "chat_template", None), sort_keys=True).encode())
+    h.update(b"\0image_processor\0")
+    settings = processor.image_processor.to_dict()
+    for k in ("image_processor_type", "processor_class", "_processor_class", "backend"):
+        settings.pop(k, None)
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(b"\0processor\0")
+    h.update(type(processor).__name__.encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- images
+def _read_bytes(value: Any, i: int, image_dir: str | None) -> bytes:
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        if data:
+            return bytes(data)
+        if not path:
+            raise _Bad("skipped_image", f"image {i} has neither bytes nor a path")
+        value = path
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if not isinstance(value, str):
+        raise _Bad("skipped_image",
+                   f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
+    if value.startswith(("http://", "https://")):
+        return _fetch(value, i)
+    path = value if os.path.isabs(value) or not image_dir else os.path.join(image_dir, value)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise _Bad("skipped_image", f"image {i} file {path!r} not found") from None
+    except OSError as e:
+        raise _Bad("skipped_image", f"image {i} file {path!r} cannot be read ({e})") from None
+
+
+def _fetch(url: str, i: int) -> bytes:
+    """GET with a few retries. A status that describes the resource (404, 403, ...) makes the sample bad;
+    a network failure that outlasts the retries is an error whatever the policy: skipping on it would
+    make the skipped samples depend on the network, and a resumed run could differ."""
+    last: Exception | None = None
+    for attempt in range(URL_ATTEMPTS):
+        try:
+            with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            if e.code < 500 and e.code not in (408, 425, 429):
+                raise _Bad("skipped_image", f"image {i} URL {url} answered HTTP {e.code}") from None
+            last = e
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:   # refused, reset, timeout,
+            last = e                                                                # truncated body
+        if attempt + 1 < URL_ATTEMPTS:
+            time.sleep(0.5 * 2 ** attempt)
+    raise TransformError(f"image {i} URL {url}: no answer after {URL_ATTEMPTS} attempts ({last}); a network "
+                         "failure is not skipped by data.bad_sample")
+
+
+def decode_image(value: Any, i: int = 0, image_dir: str | None = None):
+    """One image value -> an RGB PIL image; raises ``_Bad`` with the reason when it cannot be used."""
+    from PIL import Image
+
+    if value is None:
+        raise _Bad("skipped_image", f"image {i} is null")
+    if isinstance(value, Image.Image):
+        img = value
+    else:
+        data = _read_bytes(value, i, image_dir)
+        try:
+            img = Image.open(io.BytesIO(data))
+            img.load()
+        except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, EOFError, ...
+            raise _Bad("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+    if img.mode not in SUPPORTED_MODES:
+        raise _Bad("skipped_image",
+                   f"image {i} has the unsupported mode {img.mode!r}; supported: {', '.join(SUPPORTED_MODES)}")
+    if img.width < 1 or img.height < 1:
+        raise _Bad("skipped_image", f"image {i} is empty ({img.width}x{img.height})")
+    if img.mode == "RGB":
+        return img
+    # transparency over white, as the HF image processors' convert_to_rgb does
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+# ---------------------------------------------------------------------------------------------- the transform
+class VLProcessor:
+    """Turns raw VL rows into model inputs with labels; see the module docstring."""
+
+    def __init__(self, processor: Any, cfg: TransformConfig):
+        if not isinstance(cfg, TransformConfig):
+            raise TypeError(f"cfg: expected a TransformConfig, got {type(cfg).__name__}")
+        if cfg.format != "vl":
+            raise TransformError(f"data.format: {cfg.format!r}; VLProcessor needs 'vl'")
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            raise TransformError("data.format 'vl' decodes images with Pillow, which is not installed: "
+                                 "pip install 'resumable-stream[vl]'") from None
+        self.processor, self.cfg = processor, cfg
+        self.tokenizer = getattr(processor, "tokenizer", None)
+        if self.tokenizer is None or getattr(processor, "image_processor", None) is None:
+            raise TransformError(f"processor {type(processor).__name__}: needs a tokenizer and an image processor "
+                                 "(load it with AutoProcessor.from_pretrained)")
+        if not getattr(processor, "chat_template", None):
+            raise TransformError(f"processor {type(processor).__name__}: has no chat_template; data.format 'vl' "
+                                 "renders conversations with it")
+        self.image_token_id = _image_token_id(processor)
+        # bad_sample / empty are left out: a run under 'error' never skipped, so switching it to 'skip' to get
+        # past a broken sample resumes exactly like a run that skipped from the start (and back again)
+        self._fingerprint = {"processor": processor_digest(processor), "format": cfg.format,
+                             "max_seq_len": cfg.max_seq_len, "messages_column": cfg.messages_column,
+                             "images_column": cfg.images_column, "image_dir": cfg.image_dir,
+                             "id_column": cfg.id_column}
+        self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
+        self._turn_start_id = self._find_turn_start()
+        self._pending: deque[Example] = deque()
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
+
+    # ------------------------------------------------------------------ public API
+    def feed(self, sample: dict, key: str) -> None:
+        """Take one raw row; a finished example becomes available through ``ready`` / ``take``."""
+        key = str(key)
+        self._stats["samples"] += 1
+        try:
+            example = self._encode(sample, key)
+        except _Bad as bad:
+            if self.cfg.bad_sample == "error":
+                raise TransformError(f"sample {key!r}: {bad.reason} (data.bad_sample is 'error'; 'skip' skips "
+                                     "such samples)", key) from None
+            self._stats[bad.kind] += 1
+            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad.reason)
+            return
+        if example is not None:
+            self._pending.append(example)
+            self._stats["examples"] += 1
+
+    def ready(self) -> int:
+        return len(self._pending)
+
+    def take(self) -> Example:
+        """Pop the oldest example: ``input_ids``, ``labels`` (int64 arrays), ``token`` (other per-token
+        arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g. ``pixel_values``, ``image_grid_thw``), ``keys``."""
+        if not self._pending:
+            raise IndexError("VLProcessor.take: no finished example; feed more samples (check ready())")
+        return self._pending.popleft()
+
+    def flush(self) -> None:
+        """Nothing is carried between samples (no packing)."""
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self._fingerprint)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """``{"tensors": {name: ndarray}, "meta": JSON-able}``: examples made but not taken, and counters."""
+        tensors: dict[str, np.ndarray] = {}
+        layout = []
+        for i, ex in enumerate(self._pending):
+            tensors[f"{i}.input_ids"] = ex["input_ids"]
+            tensors[f"{i}.labels"] = ex["labels"]
+            for group in ("token", "vision"):
+                for name, arr in ex[group].items():
+                    tensors[f"{i}.{group}.{name}"] = np.ascontiguousarray(arr)
+            layout.append({"keys": ex["keys"], "token": sorted(ex["token"]), "vision": sorted(ex["vision"])})
+        meta = {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "pending": layout,
+                "stats": self.stats()}
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a ``state()``: ``StreamMismatchError`` if it was made with another processor or other
+        output-changing settings, ``SidecarError`` if it is malformed."""
+        try:
+            tensors, meta = state["tensors"], state["meta"]
+            version = meta["version"]
+        except (KeyError, TypeError):
+            raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
+        if version != STATE_VERSION:
+            raise SidecarError(f"transform state: version {version!r}; this version reads {STATE_VERSION}")
+        saved, now = meta.get("fingerprint") or {}, self.fingerprint()
+        if saved != now:
+            diffs = [(f"transform.{k}", saved.get(k), now.get(k))
+                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+            what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
+            raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
+        try:
+            pending = deque()
+            for i, entry in enumerate(meta["pending"]):
+                ex = {"input_ids": np.asarray(tensors[f"{i}.input_ids"], dtype=np.int64),
+                      "labels": np.asarray(tensors[f"{i}.labels"], dtype=np.int64),
+                      "keys": [str(k) for k in entry["keys"]],
+                      "token": {n: np.asarray(tensors[f"{i}.token.{n}"]) for n in entry["token"]},
+                      "vision": {n: np.asarray(tensors[f"{i}.vision.{n}"]) for n in entry["vision"]}}
+                if ex["labels"].shape != ex["input_ids"].shape:
+                    raise ValueError(f"example {i}: labels and input_ids differ in length")
+                pending.append(ex)
+            stats = {k: int(meta["stats"][k]) for k in STAT_KEYS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SidecarError(f"transform state: missing or malformed field ({e})") from None
+        self._pending, self._stats = pending, stats
+
+    # ------------------------------------------------------------------ internals
+    def _render(self, conversation: list[dict], generation_prompt: bool) -> str:
+        out = self.processor.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, str):
+            raise TransformError(f"chat template rendered {type(out).__name__}, expected a string")
+        return out
+
+    def _find_turn_start(self) -> int | None:
+        """The token that opens an assistant turn (e.g. <|im_start|>): never taken as an end-of-turn."""
+        probe = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
+        try:
+            plain = self._render(probe, False)
+            header = self._render(probe, True)[len(plain):]
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe: no exclusion
+            return None
+        ids = self._tokenize(header)[0] if header else []
+        return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
+
+    def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:   # the fast tokenizer's core: same ids, less per-call overhead
+            enc = backend.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), list(enc["offset_mapping"])
+
+    def _empty(self, key: str, why: str) -> None:
+        if self.cfg.empty == "error":
+            raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)",
+                                 key)
+        self._stats["skipped_empty"] += 1
+
+    def _conversation(self, sample: dict, key: str) -> tuple[list[dict], list[Any]] | None:
+        """Checked messages in HF's structured content form, and the raw image values."""
+        col, icol = self.cfg.messages_column, self.cfg.images_column
+        msgs = sample.get(col) if isinstance(sample, dict) else None
+        if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
+            self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
+            return None
+        if not isinstance(msgs, (list, tuple)):
+            raise TransformError(f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
+                                 "expected a list of {role, content}", key)
+        conversation, placeholders = [], 0
+        for i, m in enumerate(msgs):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, (str, type(None)))):
+                raise TransformError(f"sample {key!r}: column data.messages_column {col!r} message {i} is {m!r}, "
+                                     "expected {'role': str, 'content': str}", key)
+            pieces = (content or "").split(PLACEHOLDER)
+            placeholders += len(pieces) - 1
+            parts: list[dict] = []
+            for j, piece in enumerate(pieces):
+                if j:
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            conversation.append({"role": m["role"], "content": parts})
+        if not any(m["role"] == "assistant" and any(p.get("text", "").strip() for p in m["content"])
+                   for m in conversation):
+            self._empty(key, f"column data.messages_column {col!r} has no assistant turn with content")
+            return None
+        images = sample.get(icol)
+        images = [] if images is None else images
+        if not isinstance(images, (list, tuple)):
+            raise TransformError(f"sample {key!r}: column data.images_column {icol!r} holds {type(images).__name__}, "
+                                 "expected a list of images", key)
+        if placeholders != len(images):
+            raise _Bad("skipped_mismatch", f"{placeholders} {PLACEHOLDER} placeholder(s) in the messages but "
+                                           f"{len(images)} image(s) in column data.images_column {icol!r}")
+        return conversation, list(images)
+
+    def _encode(self, sample: dict, key: str) -> Example | None:
+        got = self._conversation(sample, key)
+        if got is None:
+            return None
+        conversation, raw_images = got
+        try:
+            full = self._render(conversation, False)
+        except TransformError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja errors of a template that cannot render this sample
+            raise _Bad("skipped_processor",
+                       f"the chat template failed on this conversation ({type(e).__name__}: {e})") from None
+        ids0, labels0 = self._label(full, conversation, key)
+        L = self.cfg.max_seq_len
+        text_tokens = len(ids0) - sum(1 for t in ids0 if t == self.image_token_id)
+        if text_tokens > L:   # image tokens only add to this: over-length before any image is decoded
+            raise _Bad("dropped_overlong", f"{text_tokens} tokens before image tokens, longer than "
+                                           f"data.max_seq_len {L}")
+        images = [decode_image(v, i, self.cfg.image_dir) for i, v in enumerate(raw_images)]
+        try:
+            out = self.processor(text=[full], images=images or None, return_tensors="np", add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - processors raise ValueError, TypeError, ... on a sample they refuse
+            raise _Bad("skipped_processor", f"the processor failed ({type(e).__name__}: {e})") from None
+        ids = np.asarray(out["input_ids"], dtype=np.int64).reshape(-1)
+        labels = self._expand_labels(ids0, labels0, ids, key)
+        if len(ids) > L:
+            n_img = int((ids == self.image_token_id).sum())
+            raise _Bad("dropped_overlong", f"{len(ids)} tokens ({n_img} of them image tokens), longer than "
+                                           f"data.max_seq_len {L} (raise it, or lower the image processor's max_pixels)")
+        shape = np.asarray(out["input_ids"]).shape
+        example: Example = {"input_ids": ids, "labels": labels, "keys": [key], "token": {}, "vision": {}}
+        for name, value in out.items():
+            if name in ("input_ids", "attention_mask"):
+                continue
+            arr = np.asarray(value)
+            if arr.shape == shape:          # one value per token (mm_token_type_ids, token_type_ids)
+                example["token"][name] = arr.reshape(-1)
+            else:                           # per image / per patch (pixel_values, image_grid_thw, ...)
+                example["vision"][name] = arr
+        self._stats["images"] += len(images)
+        return example
+
+    def _label(self, full: str, conversation: list[dict], key: str) -> tuple[list[int], list[int]]:
+        """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only."""
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, m in enumerate(conversation):
+            pieces = [p["text"].strip() for p in m["content"] if p["type"] == "text" and p["text"].strip()]
+            if m["role"] != "assistant":
+                for piece in pieces:
+                    pos = full.find(piece, cursor)
+                    if pos >= 0:
+                        cursor = pos + len(piece)
+                continue
+            start = cursor
+            if i > 0 and pieces:
+                try:
+                    prefix = self._render(conversation[:i], True)
+                except Exception:  # noqa: BLE001 - fall back to searching after the previous message
+                    prefix = None
+                if prefix is not None and full.startswith(prefix) and len(prefix) >= cursor:
+                    start = len(prefix)   # never mistake header text for content
+            for piece in pieces:
+                pos = full.find(piece, start)
+                if pos < 0:
+                    raise TransformError(f"sample {key!r}: assistant message {i} does not appear verbatim in the chat "
+                                         "template's rendering, so its tokens cannot be labelled", key)
+                spans.append((pos, pos + len(piece)))
+                start = cursor = pos + len(piece)
+
+        ids, offsets = self._tokenize(full)
+        labels = [IGNORE_INDEX] * len(ids)
+        n, t = len(ids), 0
+        for s, e in spans:
+            while t < n and offsets[t][1] <= s:
+                t += 1
+            while t < n and offsets[t][0] < e:
+                labels[t] = ids[t]
+                t += 1
+            # end-of-turn: the first special token after the content, only whitespace in between
+            j = t
+            while j < n:
+                if ids[j] in self._special_ids:
+                    if ids[j] != self._turn_start_id:
+                        for q in range(t, j + 1):
+                            labels[q] = ids[q]
+                        t = j + 1
+                    break
+                a, b = offsets[j]
+                if full[a:b].strip():
+                    break
+                j += 1
+        for q, tok in enumerate(ids):   # an image slot inside an assistant turn is still not a target
+            if tok == self.image_token_id:
+                labels[q] = IGNORE_INDEX
+        return ids, labels
+
+    def _expand_labels(self, ids0: list[int], labels0: list[int], ids: np.ndarray, key: str) -> np.ndarray:
+        """Labels for the processor's ids: ``ids0`` with every run of image tokens expanded must give
+        ``ids``; each non-image token keeps its label, image tokens get -100."""
+        a, b = np.asarray(ids0, dtype=np.int64), ids
+        img_a, img_b = a == self.image_token_id, b == self.image_token_id
+        if _runs(img_a) != _runs(img_b) or not np.array_equal(a[~img_a], b[~img_b]):
+            raise TransformError(
+                f"sample {key!r}: the processor's input_ids are not the chat template's tokens with image tokens "
+                f"expanded ({len(b)} vs {len(a)} tokens); processor {type(self.processor).__name__} is not supported "
+                "by the vl transform", key)
+        labels = np.full(len(b), IGNORE_INDEX, dtype=np.int64)
+        labels[~img_b] = np.asarray(labels0, dtype=np.int64)[~img_a]
+        return labels
+
+
+def _runs(mask: np.ndarray) -> int:
+    """Number of runs of True in a 1-d bool array."""
+    if mask.size == 0:
+        return 0
+    return int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1]))
+
+
+def _image_token_id(processor: Any) -> int:
+    tid = getattr(processor, "image_token_id", None)
+    if isinstance(tid, int) and tid >= 0:
+        return tid
+    token = getattr(processor, "image_token", None)
+    if isinstance(token, str):
+        tid = processor.tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= 0 and tid != processor.tokenizer.unk_token_id:
+            return tid
+    raise TransformError(f"processor {type(processor).__name__}: no image_token / image_token_id; the vl "
+                         "transform needs the token the processor expands into image features")
+
+
+def collate_vl(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
+    """Batch VL examples: ``input_ids`` / ``labels`` / ``attention_mask`` right-padded as in ``collate``;
+    per-token fields (``mm_token_type_ids``, ...) padded with 0; per-image fields (``pixel_values``,
+    ``image_grid_thw``, ...) concatenated along their first axis in sample order, so a batch holds any
+    number of images and patches per sample."""
+    import torch
+
+    batch = collate(examples, pad_token_id)
+    rows, width = batch["input_ids"].shape
+    for name in sorted({n for ex in examples for n in ex.get("token", {})}):
+        first = next(ex["token"][name] for ex in examples if name in ex.get("token", {}))
+        out = torch.zeros((rows, width), dtype=torch.from_numpy(np.asarray(first[:0])).dtype)
+        for r, ex in enumerate(examples):
+            arr = ex.get("token", {}).get(name)
+            if arr is not None:
+                out[r, :len(arr)] = torch.from_numpy(np.asarray(arr))
+        batch[name] = out
+    for name in sorted({n for ex in examples for n in ex.get("vision", {})}):
+        parts = [torch.from_numpy(np.ascontiguousarray(ex["vision"][name])) for ex in examples
+                 if name in ex.get("vision", {})]
+        batch[name] = torch.cat(parts, dim=0)
+    return batch
