@@ -379,31 +379,36 @@ class TextProcessor:
 
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = [int(x) for x in enc["input_ids"]]
-        offsets = enc["offset_mapping"]
-        labels = [IGNORE_INDEX] * len(ids)
-        n = len(ids)
-        t = 0
-        for s, e in spans:
-            while t < n and offsets[t][1] <= s:
-                t += 1
-            while t < n and offsets[t][0] < e:
-                labels[t] = ids[t]
-                t += 1
-            # end-of-turn: the first special token after the content, only whitespace in between
-            j = t
-            while j < n:
-                if ids[j] in self._special_ids:
-                    if ids[j] != self._turn_start_id:
-                        for q in range(t, j + 1):
-                            labels[q] = ids[q]
-                        t = j + 1
-                    break
-                a, b = offsets[j]
-                if full[a:b].strip():
-                    break
-                j += 1
-        return ids, labels
+        return ids, label_spans(full, ids, enc["offset_mapping"], spans, self._special_ids, self._turn_start_id)
 
+
+def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]], special_ids: set[int],
+                turn_start_id: int | None) -> list[int]:
+    """Labels for ``ids`` (tokens of ``full`` with character ``offsets``): the tokens overlapping the
+    assistant ``spans`` and, after each span, its end-of-turn token (the first special token, with only
+    whitespace in between, unless it opens the next turn); everything else is IGNORE_INDEX."""
+    labels = [IGNORE_INDEX] * len(ids)
+    n = len(ids)
+    t = 0
+    for s, e in spans:
+        while t < n and offsets[t][1] <= s:
+            t += 1
+        while t < n and offsets[t][0] < e:
+            labels[t] = ids[t]
+            t += 1
+        j = t
+        while j < n:
+            if ids[j] in special_ids:
+                if ids[j] != turn_start_id:
+                    for q in range(t, j + 1):
+                        labels[q] = ids[q]
+                    t = j + 1
+                break
+            a, b = offsets[j]
+            if full[a:b].strip():
+                break
+            j += 1
+    return labels
 
 def _arr(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)

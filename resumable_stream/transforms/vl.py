@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import SidecarError, StreamMismatchError
 from .config import TransformConfig
 from .errors import TransformError
-from .text import IGNORE_INDEX, collate, tokenizer_digest
+from .text import IGNORE_INDEX, collate, label_spans, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -491,27 +491,7 @@ class VLProcessor:
                 start = cursor = pos + len(piece)
 
         ids, offsets = self._tokenize(full)
-        labels = [IGNORE_INDEX] * len(ids)
-        n, t = len(ids), 0
-        for s, e in spans:
-            while t < n and offsets[t][1] <= s:
-                t += 1
-            while t < n and offsets[t][0] < e:
-                labels[t] = ids[t]
-                t += 1
-            # end-of-turn: the first special token after the content, only whitespace in between
-            j = t
-            while j < n:
-                if ids[j] in self._special_ids:
-                    if ids[j] != self._turn_start_id:
-                        for q in range(t, j + 1):
-                            labels[q] = ids[q]
-                        t = j + 1
-                    break
-                a, b = offsets[j]
-                if full[a:b].strip():
-                    break
-                j += 1
+        labels = label_spans(full, ids, offsets, spans, self._special_ids, self._turn_start_id)
         for q, tok in enumerate(ids):   # an image slot inside an assistant turn is still not a target
             if tok == self.image_token_id:
                 labels[q] = IGNORE_INDEX
