@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -47,22 +46,15 @@ import torch.utils.data
 from .checks import check_fingerprint, check_topology
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
-from .plan import _GOLDEN, _splitmix64, check_consumers, derive_seed, partition_lanes, partition_owner
+from .plan import _GOLDEN, _splitmix64, check_consumers, derive_seed, partition_lanes
 from .sidecar import (
     CURSOR_FIELDS,
     FORMAT_VERSION,
-    find_state_dir,
     partition_progress,
     progress_summary,
-    rank_file_name,
-    read_manifest,
-    read_state_file,
-    verified_rank_file,
-    write_manifest,
-    write_state_file,
 )
 from .source import Source, open_source
-from .stream import ResumableStream, _default_topology
+from .stream import ResumableStream, SidecarMixin, _default_topology
 
 TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
 SOURCE_STRIDE = 1 << 32    # sidecar entry of source i, partition p: p + (i + 1) * SOURCE_STRIDE
@@ -173,7 +165,7 @@ def source_counts(state: dict[str, Any]) -> dict[str, int]:
     return counts
 
 
-class MixtureStream(torch.utils.data.IterableDataset):
+class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
     """A weighted mixture of several datasets with the interface of :class:`ResumableStream`.
 
     ``sources``: already opened sources, one per ``config.sources`` (tests and benchmarks share them).
@@ -420,63 +412,8 @@ class MixtureStream(torch.utils.data.IterableDataset):
                                               "data.num_partitions is null)")
         return same
 
-    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-        """(state, description) of this rank's partitions, as ``ResumableStream.read_sidecar``: this rank's
-        file, or after an elastic change of ranks or workers the entries of its partitions gathered from
-        the files of the ranks that read them."""
-        path = os.fspath(path)
-        if os.path.isfile(path):
-            return read_state_file(path), f"sidecar {path!r}"
-        state_dir = find_state_dir(path)
-        manifest = read_manifest(state_dir)
-        first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
-        first_file = verified_rank_file(state_dir, manifest, first_rank)
-        first = read_state_file(first_file)
-        where = f"sidecar {first_file!r}"
-        self._check_saved_fingerprint(first, where)
-        if self._adopt_topology(first["topology"], where):
-            return first, where
-        mine = set(self.partitions)
-
-        def owned(state: dict) -> dict:
-            return {fid: ps for fid, ps in state["partitions"].items() if int(fid) % SOURCE_STRIDE in mine}
-
-        saved_world = int(manifest["world_size"])
-        owners = sorted({partition_owner(p, self.num_partitions, saved_world) for p in self.partitions})
-        merged = owned(first)
-        keys = ("world_size", "num_workers", "num_partitions")
-        for r in owners:
-            if r == first_rank:
-                continue
-            file = verified_rank_file(state_dir, manifest, r)
-            state = read_state_file(file)
-            self._check_saved_fingerprint(state, f"sidecar {file!r}")
-            if any(state["topology"][k] != first["topology"][k] for k in keys):
-                raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} has topology "
-                                   f"{state['topology']}, {rank_file_name(first_rank)} {first['topology']}: not one "
-                                   "run's checkpoint")
-            merged.update(owned(state))
-        topology = {k: first["topology"][k] for k in keys}
-        return ({"format_version": first["format_version"], "fingerprint": first["fingerprint"],
-                 "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged},
-                f"stream state {state_dir!r} (ranks {owners} of {saved_world})")
-
-    def save_sidecar(self, path: str | os.PathLike) -> str:
-        """Write this rank's state: a ``.safetensors`` file, or ``rank-NNNNN.safetensors`` in a directory
-        (plus the manifest when world_size is 1)."""
-        path = os.fspath(path)
-        state = self.state_dict()
-        if path.endswith(".safetensors"):
-            return write_state_file(path, state)
-        file = write_state_file(os.path.join(path, rank_file_name(self.rank)), state)
-        if self.world_size == 1:
-            write_manifest(path, 1)
-        return file
-
-    def load_sidecar(self, path: str | os.PathLike) -> None:
-        """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
-        state, where = self.read_sidecar(path)
-        self.load_state_dict(state, where=where)
+    def _entry_partition(self, entry: int) -> int:
+        return entry % SOURCE_STRIDE     # source i's entry of partition p is p + (i + 1) * SOURCE_STRIDE
 
 
 def _mixture_entry(ps: dict[str, Any]) -> dict[str, Any]:

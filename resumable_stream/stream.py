@@ -55,7 +55,82 @@ def _default_topology() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class ResumableStream(torch.utils.data.IterableDataset):
+class SidecarMixin:
+    """Sidecar files of a stream (ResumableStream, MixtureStream): write this rank's state, read it back,
+    and after an elastic change of ranks / workers gather this rank's partitions from the old rank files.
+
+    The stream provides ``rank``, ``world_size``, ``partitions``, ``num_partitions``, ``state_dict()``,
+    ``load_state_dict(state, where)``, ``_check_saved_fingerprint(state, where)``,
+    ``_adopt_topology(topology, where)`` (True when ranks and workers are unchanged) and
+    ``_entry_partition(entry)``: the virtual partition a saved entry belongs to."""
+
+    _TOPOLOGY_KEYS = ("world_size", "num_workers", "num_partitions")
+
+    def _entry_partition(self, entry: int) -> int:
+        return entry
+
+    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+        """(state, description) of this rank's partitions from a sidecar file, a stream_state directory or
+        a checkpoint directory. Same topology: this rank's file. After a change of ranks or workers
+        (``data.elastic``): the partitions this rank reads now, gathered from the files of the ranks
+        that read them, every file checked against the manifest and this stream's fingerprint. Takes
+        the saved num_partitions when data.num_partitions is null."""
+        path = os.fspath(path)
+        if os.path.isfile(path):
+            return read_state_file(path), f"sidecar {path!r}"
+        state_dir = find_state_dir(path)
+        manifest = read_manifest(state_dir)
+        first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
+        first_file = verified_rank_file(state_dir, manifest, first_rank)
+        first = read_state_file(first_file)
+        where = f"sidecar {first_file!r}"
+        self._check_saved_fingerprint(first, where)
+        if self._adopt_topology(first["topology"], where):
+            return first, where
+        # elastic: gather this rank's partitions from the ranks that read them before
+        mine = set(self.partitions)
+
+        def owned(state: dict) -> dict:
+            return {e: ps for e, ps in state["partitions"].items() if self._entry_partition(int(e)) in mine}
+
+        saved_world = int(manifest["world_size"])
+        owners = sorted({partition_owner(p, self.num_partitions, saved_world) for p in self.partitions})
+        merged = owned(first)
+        for r in owners:
+            if r == first_rank:
+                continue
+            file = verified_rank_file(state_dir, manifest, r)
+            state = read_state_file(file)
+            self._check_saved_fingerprint(state, f"sidecar {file!r}")
+            topo = state["topology"]
+            if any(topo[k] != first["topology"][k] for k in self._TOPOLOGY_KEYS):
+                raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} has topology {topo}, "
+                                   f"{rank_file_name(first_rank)} {first['topology']}: not one run's checkpoint")
+            merged.update(owned(state))
+        topology = {k: first["topology"][k] for k in self._TOPOLOGY_KEYS}
+        where = f"stream state {state_dir!r} (ranks {owners} of {saved_world})"
+        return {"format_version": first["format_version"], "fingerprint": first["fingerprint"],
+                "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}, where
+
+    def save_sidecar(self, path: str | os.PathLike) -> str:
+        """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
+        ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
+        path = os.fspath(path)
+        state = self.state_dict()
+        if path.endswith(".safetensors"):
+            return write_state_file(path, state)
+        file = write_state_file(os.path.join(path, rank_file_name(self.rank)), state)
+        if self.world_size == 1:
+            write_manifest(path, 1)
+        return file
+
+    def load_sidecar(self, path: str | os.PathLike) -> None:
+        """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
+        state, where = self.read_sidecar(path)
+        self.load_state_dict(state, where=where)
+
+
+class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
     """The samples of one rank, as dicts with the dataset's own columns, in a resumable order.
 
     The data is cut into ``data.num_partitions`` ordered virtual partitions (default: ranks x
@@ -118,6 +193,10 @@ class ResumableStream(torch.utils.data.IterableDataset):
         self._readers = {p: PartitionReader(self.source, self.layout, p) for p in self.partitions}
         self._turn = 0
         self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
+
+    @property
+    def num_partitions(self) -> int:
+        return self.layout.num_partitions
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
@@ -307,61 +386,6 @@ class ResumableStream(torch.utils.data.IterableDataset):
             self._set_partitions(saved_n, key=f"{where}: num_partitions (taken from the saved state because "
                                               "data.num_partitions is null)")
         return same
-
-    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-        """(state, description) of this rank's partitions from a sidecar file, a stream_state directory or
-        a checkpoint directory. Same topology: this rank's file. After a change of ranks or workers
-        (``data.elastic``): the partitions this rank reads now, gathered from the files of the ranks
-        that read them, every file checked against the manifest and this stream's fingerprint. Takes
-        the saved num_partitions when data.num_partitions is null."""
-        path = os.fspath(path)
-        if os.path.isfile(path):
-            return read_state_file(path), f"sidecar {path!r}"
-        state_dir = find_state_dir(path)
-        manifest = read_manifest(state_dir)
-        first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
-        first_file = verified_rank_file(state_dir, manifest, first_rank)
-        first = read_state_file(first_file)
-        where = f"sidecar {first_file!r}"
-        self._check_saved_fingerprint(first, where)
-        if self._adopt_topology(first["topology"], where):
-            return first, where
-        # elastic: gather this rank's partitions from the ranks that read them before
-        saved_world = int(manifest["world_size"])
-        owners = sorted({partition_owner(p, self.layout.num_partitions, saved_world) for p in self.partitions})
-        merged = {p: ps for p, ps in first["partitions"].items() if p in self.partitions}
-        for r in owners:
-            if r == first_rank:
-                continue
-            file = verified_rank_file(state_dir, manifest, r)
-            state = read_state_file(file)
-            self._check_saved_fingerprint(state, f"sidecar {file!r}")
-            topo = state["topology"]
-            if any(topo[k] != first["topology"][k] for k in ("world_size", "num_workers", "num_partitions")):
-                raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} has topology {topo}, "
-                                   f"{rank_file_name(first_rank)} {first['topology']}: not one run's checkpoint")
-            merged.update({p: ps for p, ps in state["partitions"].items() if p in self.partitions})
-        topology = {k: first["topology"][k] for k in ("world_size", "num_workers", "num_partitions")}
-        where = f"stream state {state_dir!r} (ranks {owners} of {saved_world})"
-        return {"format_version": first["format_version"], "fingerprint": first["fingerprint"],
-                "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}, where
-
-    def save_sidecar(self, path: str | os.PathLike) -> str:
-        """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
-        ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
-        path = os.fspath(path)
-        state = self.state_dict()
-        if path.endswith(".safetensors"):
-            return write_state_file(path, state)
-        file = write_state_file(os.path.join(path, rank_file_name(self.rank)), state)
-        if self.world_size == 1:
-            write_manifest(path, 1)
-        return file
-
-    def load_sidecar(self, path: str | os.PathLike) -> None:
-        """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
-        state, where = self.read_sidecar(path)
-        self.load_state_dict(state, where=where)
 
     def sample_key(self, partition: int) -> tuple[int, int]:
         """(shard, row) of the sample ``partition`` yielded last."""
