@@ -54,7 +54,7 @@ from .sidecar import (
     progress_summary,
 )
 from .source import Source, open_source
-from .stream import ResumableStream, SidecarMixin, _default_topology
+from .stream import ResumableStream, SidecarMixin, resolve_topology
 
 TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
 SOURCE_STRIDE = 1 << 32    # sidecar entry of source i, partition p: p + (i + 1) * SOURCE_STRIDE
@@ -176,15 +176,7 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         super().__init__()
         if not isinstance(config, MixtureConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
-        d_rank, d_world = _default_topology()
-        rank = d_rank if rank is None else rank
-        world_size = d_world if world_size is None else world_size
-        if not (isinstance(world_size, int) and world_size >= 1):
-            raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
-        if not (isinstance(rank, int) and 0 <= rank < world_size):
-            raise ConfigError(f"rank: got {rank!r}; allowed: an integer in [0, {world_size})")
-        if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ConfigError(f"num_workers: got {num_workers!r}; allowed: an integer >= 0")
+        rank, world_size = resolve_topology(rank, world_size, num_workers)
         if sources is not None and len(sources) != len(config.sources):
             raise ConfigError(f"sources: got {len(sources)} opened sources for {len(config.sources)} in the config")
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers

@@ -55,6 +55,20 @@ def _default_topology() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def resolve_topology(rank: int | None, world_size: int | None, num_workers: int) -> tuple[int, int]:
+    """(rank, world_size), defaulting to torch.distributed / $RANK / $WORLD_SIZE; ConfigError if invalid."""
+    d_rank, d_world = _default_topology()
+    rank = d_rank if rank is None else rank
+    world_size = d_world if world_size is None else world_size
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ConfigError(f"rank: got {rank!r}; allowed: an integer in [0, {world_size})")
+    if not (isinstance(num_workers, int) and num_workers >= 0):
+        raise ConfigError(f"num_workers: got {num_workers!r}; allowed: an integer >= 0")
+    return rank, world_size
+
+
 class SidecarMixin:
     """Sidecar files of a stream (ResumableStream, MixtureStream): write this rank's state, read it back,
     and after an elastic change of ranks / workers gather this rank's partitions from the old rank files.
@@ -144,15 +158,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
         super().__init__()
         if not isinstance(config, StreamConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
-        d_rank, d_world = _default_topology()
-        rank = d_rank if rank is None else rank
-        world_size = d_world if world_size is None else world_size
-        if not (isinstance(world_size, int) and world_size >= 1):
-            raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
-        if not (isinstance(rank, int) and 0 <= rank < world_size):
-            raise ConfigError(f"rank: got {rank!r}; allowed: an integer in [0, {world_size})")
-        if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ConfigError(f"num_workers: got {num_workers!r}; allowed: an integer >= 0")
+        rank, world_size = resolve_topology(rank, world_size, num_workers)
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
         self.source = source if source is not None else open_source(config)
         if config.cache_dir and not getattr(self.source, "is_cached", False):
