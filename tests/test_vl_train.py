@@ -114,3 +114,35 @@ def test_shipped_vl_yamls_are_valid():
     real = TrainerConfig.from_yaml(os.path.join(os.path.dirname(TINY), "qwen3_vl_2b", "train_vl.yaml"))
     assert real.model.name_or_path == "Qwen/Qwen3-VL-2B-Instruct" and real.transform.format == "vl"
     assert real.train["bf16"] and real.stream.name == "en"
+
+
+def test_vl_with_a_text_only_checkpoint_is_a_config_error(tmp_path):
+    """format vl loads the model with AutoModelForImageTextToText: a text-only checkpoint (or a directory
+    that holds no model) is a ConfigError naming model.name_or_path, not an unexpected ValueError."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from resumable_stream.errors import ConfigError
+    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.trainer_patch.train import _load_model
+    from resumable_stream.transforms.vl import load_processor
+
+    processor = load_processor(os.path.join(TINY, "vl"))
+    text_dir = str(tmp_path / "text-model")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3", vocab_size=len(processor.tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(text_dir)
+    (tmp_path / "no-model").mkdir()
+    for name, why in [(text_dir, "cannot be loaded as an AutoModelForImageTextToText model (ValueError: "),
+                      (str(tmp_path / "no-model"), "is a directory without config.json")]:
+        config, _ = write_vl_config(str(tmp_path), "m", max_steps=1, save_steps=100)
+        with open(config, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        doc["model"] = {"name_or_path": name, "processor": os.path.join(TINY, "vl")}
+        with open(config, "w", encoding="utf-8") as f:
+            yaml.safe_dump(doc, f)
+        cfg = TrainerConfig.from_yaml(config)
+        with pytest.raises(ConfigError) as e:
+            _load_model(cfg, processor.tokenizer, 0, processor)
+        msg = str(e.value)
+        assert msg.startswith(f"model.name_or_path: {name!r} ") and why in msg, msg
+        assert "data.format vl needs an image-text-to-text model" in msg, msg

@@ -4,6 +4,8 @@ config keys, the processor loader, exact resume through the loader, and the bund
 
 from __future__ import annotations
 
+import copy
+import errno
 import functools
 import io
 import logging
@@ -131,6 +133,80 @@ def test_placeholders_anywhere_several_images_and_text_only(processor):
     assert [processor.tokenizer.decode(r) for r in label_runs(plain)] == ["Hi.<|im_end|>"]
 
 
+# Qwen2-VL's chat template (transformers' Qwen2VLProcessor): a default system prompt when the conversation
+# does not start with one
+QWEN2VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+# a reasoning template in the Qwen3-thinking style: an assistant's <think>...</think> block is not rendered
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif m['role'] == 'assistant' %}"
+    "{{ c['text'].split('</think>')[-1] | trim }}{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_template(processor, template: str):
+    other = copy.deepcopy(processor)
+    other.chat_template = template
+    return other
+
+
+@pytest.mark.parametrize("content", ["a", "helpful", "You are", "Hello! Send me a picture."])
+def test_a_conversation_opened_by_the_assistant_is_not_matched_in_the_system_prompt(processor, content):
+    proc = make(with_template(processor, QWEN2VL_TEMPLATE))
+    msgs = [{"role": "assistant", "content": content}, {"role": "user", "content": "<image>ok"},
+            {"role": "assistant", "content": "fine"}]
+    ex = encode(proc, {"messages": msgs, "images": [struct(png())]})
+    text = processor.tokenizer.decode(ex["input_ids"])
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>assistant\n")
+    assert [processor.tokenizer.decode(r) for r in label_runs(ex)] == [f"{content}<|im_end|>", "fine<|im_end|>"]
+
+
+@pytest.mark.parametrize("template", ["bundled", "qwen2-vl"])
+def test_images_inside_an_assistant_turn_one_end_of_turn_no_vision_tokens(processor, template):
+    proc = make(processor if template == "bundled" else with_template(processor, QWEN2VL_TEMPLATE))
+    tok = processor.tokenizer
+    vision = {tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")}
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    cases = {"here <image> and more": ["here", " and more<|im_end|>"],
+             "look: <image>": ["look: ", "<|im_end|>"],
+             "<image> then text": [" then text<|im_end|>"],
+             "two <image><image>": ["two ", "<|im_end|>"],
+             "a <image> b <image>": ["a", " b ", "<|im_end|>"]}
+    for content, runs in cases.items():
+        n = content.count("<image>") + 1
+        ex = encode(proc, {"messages": chat("<image>q", content), "images": [struct(png())] * n})
+        assert [tok.decode(r) for r in label_runs(ex)] == runs, content
+        labelled = ex["labels"][ex["labels"] != IGNORE_INDEX].tolist()
+        assert not vision & set(labelled) and labelled.count(im_end) == 1, content
+
+
+def test_a_template_that_rewrites_assistant_text_follows_bad_sample(processor, caplog):
+    think = with_template(processor, THINK_TEMPLATE)
+    row = {"messages": chat("<image>What is it?", "<think>It is red.</think>A red square."),
+           "images": [struct(png())]}
+    plain = {"messages": chat("<image>What is it?", "A red square."), "images": [struct(png())]}
+    with pytest.raises(TransformError) as e:
+        make(think).feed(row, "think-row")
+    assert e.value.key == "think-row" and "sample 'think-row': assistant message 1 does not appear verbatim" in \
+        str(e.value) and "data.bad_sample" in str(e.value)
+    proc = make(think, bad_sample="skip")
+    with caplog.at_level(logging.WARNING, logger="resumable_stream.transforms.vl"):
+        for key, sample in [("a", plain), ("think-row", row), ("b", plain)]:
+            proc.feed(sample, key)
+    assert [proc.take()["keys"] for _ in range(proc.ready())] == [["a"], ["b"]]
+    assert proc.stats()["skipped_processor"] == 1 and "think-row" in caplog.text
+
+
 def test_collate_variable_images_matches_the_model_sample_by_sample(processor):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -198,6 +274,24 @@ def test_image_sources_give_the_same_pixels(processor, tmp_path):
         assert ex["input_ids"].tolist() == got["struct bytes"]["input_ids"].tolist()
 
 
+def test_premultiplied_alpha_modes_convert_and_a_failed_conversion_is_a_bad_sample(processor, monkeypatch):
+    la = Image.new("LA", (32, 32), (120, 255))
+    rgba = Image.new("RGBA", (32, 32), (120, 40, 200, 255))
+    proc = make(processor, bad_sample="skip")
+    pixels = {name: encode(proc, {"messages": chat("<image>?", "!"), "images": [img]}, name)["vision"]["pixel_values"]
+              for name, img in [("LA", la), ("La", la.convert("La")), ("RGBA", rgba), ("RGBa", rgba.convert("RGBa"))]}
+    assert np.array_equal(pixels["La"], pixels["LA"]) and np.array_equal(pixels["RGBa"], pixels["RGBA"])
+
+    def boom(*args, **kwargs):
+        raise ValueError("conversion not supported")
+
+    monkeypatch.setattr(Image, "alpha_composite", boom)
+    proc.feed({"messages": chat("<image>?", "!"), "images": [la]}, "conv")
+    assert proc.stats()["skipped_image"] == 1 and proc.ready() == 0
+    with pytest.raises(TransformError, match=r"sample 'conv': image 0 cannot be converted from mode 'LA' to RGB"):
+        make(processor).feed({"messages": chat("<image>?", "!"), "images": [la]}, "conv")
+
+
 def _palette_png() -> bytes:
     img = Image.new("P", (48, 32), 0)
     img.putpalette([10, 200, 90] + [0] * 765)
@@ -228,8 +322,40 @@ def test_unreachable_url_is_an_error_even_when_skipping(processor, monkeypatch):
         port = s.getsockname()[1]          # closed again: connections are refused
     proc = make(processor, bad_sample="skip")
     url = f"http://127.0.0.1:{port}/a.png"
-    with pytest.raises(TransformError, match=r"no answer after 2 attempts.*not skipped"):
+    with pytest.raises(TransformError, match=r"no answer after 2 attempts.*not skipped") as e:
         proc.feed({"messages": chat("<image>?", "!"), "images": [url]}, "s1")
+    assert str(e.value).startswith("sample 's1': image 0 URL ") and e.value.key == "s1"
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.EIO, errno.EACCES])
+def test_local_io_failure_is_an_error_even_when_skipping(processor, tmp_path, monkeypatch, code):
+    """Only a missing file / a directory is a property of the sample; EMFILE, EIO, EACCES depend on the
+    machine, and skipping on them would make a resumed run skip other samples."""
+    path = tmp_path / "a.png"
+    path.write_bytes(png())
+    real_open = open
+
+    def failing_open(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise OSError(code, os.strerror(code), str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(vl_module, "open", failing_open, raising=False)
+    proc = make(processor, bad_sample="skip")
+    with pytest.raises(TransformError) as e:
+        proc.feed({"messages": chat("<image>?", "!"), "images": [str(path)]}, "row-9")
+    msg = str(e.value)
+    assert e.value.key == "row-9" and msg.startswith("sample 'row-9': image 0 file ")
+    assert str(path) in msg and f"errno {code} {errno.errorcode[code]}" in msg and "not skipped" in msg
+    assert proc.stats()["skipped_image"] == 0
+
+
+def test_a_directory_in_the_path_is_a_bad_sample(processor, tmp_path):
+    (tmp_path / "file.png").write_bytes(png())
+    proc = make(processor, bad_sample="skip")
+    for key, value in [("dir", str(tmp_path)), ("under-file", str(tmp_path / "file.png" / "x.png"))]:
+        proc.feed({"messages": chat("<image>?", "!"), "images": [value]}, key)
+    assert proc.stats()["skipped_image"] == 2 and proc.ready() == 0
 
 
 # ------------------------------------------------------------------------------------------ bad samples

@@ -101,11 +101,19 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int, processor=None):
     auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     if cfg.model.name_or_path:
+        name = cfg.model.name_or_path
+        need = ("; data.format vl needs an image-text-to-text model (one AutoModelForImageTextToText loads, "
+                "e.g. Qwen2-VL / Qwen3-VL), not a text-only checkpoint" if processor is not None else "")
+        if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"model.name_or_path: {name!r} is a directory without config.json, not a saved "
+                              f"model{need}")
         try:
-            return auto.from_pretrained(cfg.model.name_or_path, dtype=dtype or "auto",
-                                        trust_remote_code=cfg.model.trust_remote_code)
+            return auto.from_pretrained(name, dtype=dtype or "auto", trust_remote_code=cfg.model.trust_remote_code)
         except OSError as e:
-            raise ConfigError(f"model.name_or_path: {cfg.model.name_or_path!r} cannot be loaded ({e})") from None
+            raise ConfigError(f"model.name_or_path: {name!r} cannot be loaded ({e}){need}") from None
+        except (ValueError, KeyError) as e:   # e.g. "Unrecognized configuration class ... for this kind of AutoModel"
+            raise ConfigError(f"model.name_or_path: {name!r} cannot be loaded as an {auto.__name__} model "
+                              f"({type(e).__name__}: {e}){need}") from None
     fields = dict(cfg.model.config)
     model_type = fields.pop("model_type")
     if processor is not None:

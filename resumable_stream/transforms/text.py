@@ -383,25 +383,35 @@ class TextProcessor:
 
 
 def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]], special_ids: set[int],
-                turn_start_id: int | None) -> list[int]:
+                turn_start_id: int | None, ends: list[bool] | None = None,
+                skip_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """Labels for ``ids`` (tokens of ``full`` with character ``offsets``): the tokens overlapping the
-    assistant ``spans`` and, after each span, its end-of-turn token (the first special token, with only
-    whitespace in between, unless it opens the next turn); everything else is IGNORE_INDEX."""
+    assistant ``spans`` and, after each span that ends a message (``ends[k]``; default: every span), its
+    end-of-turn token (the first special token, with only whitespace in between, unless it opens the next
+    turn); everything else is IGNORE_INDEX. Tokens in ``skip_ids`` (e.g. an image's vision tokens between
+    the last text of a message and its end-of-turn) are stepped over on the way to the end-of-turn token and
+    never labelled."""
     labels = [IGNORE_INDEX] * len(ids)
     n = len(ids)
     t = 0
-    for s, e in spans:
+    for k, (s, e) in enumerate(spans):
         while t < n and offsets[t][1] <= s:
             t += 1
         while t < n and offsets[t][0] < e:
             labels[t] = ids[t]
             t += 1
+        if ends is not None and not ends[k]:
+            continue
         j = t
         while j < n:
+            if ids[j] in skip_ids:
+                j += 1
+                continue
             if ids[j] in special_ids:
                 if ids[j] != turn_start_id:
                     for q in range(t, j + 1):
-                        labels[q] = ids[q]
+                        if ids[q] not in skip_ids:
+                            labels[q] = ids[q]
                     t = j + 1
                 break
             a, b = offsets[j]
@@ -409,6 +419,7 @@ def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]]
                 break
             j += 1
     return labels
+
 
 def _arr(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)

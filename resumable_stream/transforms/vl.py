@@ -17,7 +17,9 @@ What happens to it
 2. Each content becomes HF's structured form (``{"type": "image"}`` / ``{"type": "text", ...}`` parts) and
    the conversation is rendered with the processor's chat template.
 3. Labels: the rendering is tokenized with offsets and labelled as in the text transform (assistant
-   content plus its end-of-turn token; everything else -100).
+   content plus, once per assistant message, its end-of-turn token past any image that ends the message;
+   everything else -100, vision tokens included). An assistant message's content is never searched for
+   inside the rendering of the messages before it (a default system prompt, a turn header).
 4. ``processor(text=..., images=...)`` makes the model inputs (image tokens expanded, ``pixel_values``,
    ``image_grid_thw`` or the model's equivalents). Its ids must equal the labelled ids with each run of
    image tokens expanded; the labels are expanded the same way (image tokens are never labelled).
@@ -25,13 +27,18 @@ What happens to it
 Bad samples
 -----------
 An undecodable, missing or unsupported-mode image, a placeholder count that differs from the image count,
-a processor failure, or more than ``max_seq_len`` tokens: ``bad_sample: error`` raises ``TransformError``
-naming the sample and the reason; ``skip`` counts it (``stats()``), logs a warning and moves on. Both
-depend on the sample alone, so a resumed run skips the same samples. Samples are never truncated.
+a processor failure, an assistant message the chat template does not render verbatim (e.g. a template
+that moves or drops ``<think>`` reasoning; counted as ``skipped_processor``), or more than ``max_seq_len``
+tokens: ``bad_sample: error`` raises ``TransformError`` naming the sample and the reason; ``skip`` counts
+it (``stats()``), logs a warning and moves on. Both depend on the sample alone, so a resumed run skips the
+same samples. A failure that depends on the machine (a URL that keeps failing, a local read failing with
+anything but a missing file / a directory: EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the
+sample whatever the policy. Samples are never truncated.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import http.client
@@ -174,8 +181,14 @@ def _read_bytes(value: Any, i: int, image_dir: str | None) -> bytes:
             return f.read()
     except FileNotFoundError:
         raise _Bad("skipped_image", f"image {i} file {path!r} not found") from None
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise _Bad("skipped_image", f"image {i} file {path!r} cannot be read ({e.strerror})") from None
     except OSError as e:
-        raise _Bad("skipped_image", f"image {i} file {path!r} cannot be read ({e})") from None
+        # EMFILE, EIO, EACCES, ESTALE, ...: a property of the machine, not of the sample; skipping on it would
+        # make the skipped samples depend on the environment, and a resumed run could differ
+        code = errno.errorcode.get(e.errno, "?") if e.errno is not None else "no errno"
+        raise TransformError(f"image {i} file {path!r} cannot be read (errno {e.errno} {code}: {e.strerror or e}); "
+                             "a local I/O failure is not skipped by data.bad_sample") from None
 
 
 def _fetch(url: str, i: int) -> bytes:
@@ -221,9 +234,15 @@ def decode_image(value: Any, i: int = 0, image_dir: str | None = None):
         raise _Bad("skipped_image", f"image {i} is empty ({img.width}x{img.height})")
     if img.mode == "RGB":
         return img
-    # transparency over white, as the HF image processors' convert_to_rgb does
-    rgba = img.convert("RGBA")
-    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    try:
+        if img.mode == "La":     # premultiplied alpha: PIL converts it to RGBA only through LA
+            img = img.convert("LA")
+        # transparency over white, as the HF image processors' convert_to_rgb does
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    except Exception as e:  # noqa: BLE001 - PIL raises ValueError, OSError, ... on a conversion it cannot do
+        raise _Bad("skipped_image", f"image {i} cannot be converted from mode {img.mode!r} to RGB "
+                                    f"({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------------------------- the transform
@@ -258,6 +277,8 @@ class VLProcessor:
         self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
         self._turn_start_id = self._find_turn_start()
+        self._vision_ids = self._find_vision_ids()
+        self._assistant_header = self._find_assistant_header()
         self._pending: deque[Example] = deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
@@ -268,6 +289,10 @@ class VLProcessor:
         self._stats["samples"] += 1
         try:
             example = self._encode(sample, key)
+        except TransformError as e:
+            if e.key is None:   # raised below the sample level (a URL, a file, the template): name the sample
+                raise TransformError(f"sample {key!r}: {e}", key) from e.__cause__
+            raise
         except _Bad as bad:
             if self.cfg.bad_sample == "error":
                 raise TransformError(f"sample {key!r}: {bad.reason} (data.bad_sample is 'error'; 'skip' skips "
@@ -367,6 +392,69 @@ class VLProcessor:
         ids = self._tokenize(header)[0] if header else []
         return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
 
+    def _find_vision_ids(self) -> set[int]:
+        """Tokens the chat template renders for an image part (e.g. <|vision_start|><|image_pad|>
+        <|vision_end|>) and the processor's own vision token ids: never labelled, and stepped over on the
+        way from an assistant message's last text to its end-of-turn token."""
+        out = {self.image_token_id}
+        for name in ("vision_start_token_id", "vision_end_token_id", "video_token_id"):
+            value = getattr(self.processor, name, None)
+            if isinstance(value, int) and value >= 0:
+                out.add(value)
+        text = [{"type": "text", "text": "x"}]
+        try:
+            plain = self._render([{"role": "user", "content": text}], False)
+            with_image = self._render([{"role": "user", "content": [{"type": "image"}, *text]}], False)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe: the known ids only
+            return out
+        before = set(self._tokenize(plain)[0])
+        out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._special_ids and t not in before)
+        return out
+
+    def _find_assistant_header(self) -> str | None:
+        """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\n``): the common start of the
+        generation prompt and of the header of a rendered assistant message, last or not (a Qwen3-style
+        template adds an empty <think> block to the last one only); None where the template shows none."""
+        user = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
+        marker = "\x00rs-probe\x00"
+        reply = [{"role": "assistant", "content": [{"type": "text", "text": marker}]}]
+        heads = []
+        for conversation, generation_prompt in ((user, True), (user + reply, False), (user + reply + user, False)):
+            try:
+                plain = self._render(user, False)
+                text = self._render(conversation, generation_prompt)
+            except Exception:  # noqa: BLE001 - a template that cannot render this probe: the others decide
+                continue
+            if not text.startswith(plain):
+                return None
+            text = text[len(plain):]
+            heads.append(text[:text.index(marker)] if marker in text else text)
+        header = os.path.commonprefix(heads) if heads else ""
+        return header if header.strip() else None
+
+    def _content_start(self, full: str, conversation: list[dict], i: int, cursor: int) -> int:
+        """Where to search for assistant message ``i``'s content in ``full``: never inside the rendering of
+        the messages before it (a system prompt, a header), whatever message ``i`` is."""
+        try:
+            prefix = self._render(conversation[:i], True)   # i == 0: the empty conversation's generation prompt
+        except Exception:  # noqa: BLE001 - a template that cannot render it: the fallbacks below
+            prefix = None
+        if prefix and len(prefix) >= cursor and full.startswith(prefix):
+            return len(prefix)
+        base = cursor
+        if i > 0:
+            try:
+                before = self._render(conversation[:i], False)
+            except Exception:  # noqa: BLE001
+                before = ""
+            if before and full.startswith(before):
+                base = max(base, len(before))
+        if self._assistant_header:     # the first assistant header after the previous messages
+            h = full.find(self._assistant_header, base)
+            if h >= 0:
+                return h + len(self._assistant_header)
+        return base
+
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:   # the fast tokenizer's core: same ids, less per-call overhead
@@ -463,8 +551,11 @@ class VLProcessor:
         return example
 
     def _label(self, full: str, conversation: list[dict], key: str) -> tuple[list[int], list[int]]:
-        """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only."""
+        """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only: each text
+        piece of an assistant message, and once per message the end-of-turn token after its last piece
+        (past any image that ends the message); vision tokens never."""
         spans: list[tuple[int, int]] = []
+        ends: list[bool] = []
         cursor = 0
         for i, m in enumerate(conversation):
             pieces = [p["text"].strip() for p in m["content"] if p["type"] == "text" and p["text"].strip()]
@@ -474,26 +565,25 @@ class VLProcessor:
                     if pos >= 0:
                         cursor = pos + len(piece)
                 continue
-            start = cursor
-            if i > 0 and pieces:
-                try:
-                    prefix = self._render(conversation[:i], True)
-                except Exception:  # noqa: BLE001 - fall back to searching after the previous message
-                    prefix = None
-                if prefix is not None and full.startswith(prefix) and len(prefix) >= cursor:
-                    start = len(prefix)   # never mistake header text for content
-            for piece in pieces:
+            if not pieces:
+                continue
+            start = self._content_start(full, conversation, i, cursor)
+            for k, piece in enumerate(pieces):
                 pos = full.find(piece, start)
                 if pos < 0:
-                    raise TransformError(f"sample {key!r}: assistant message {i} does not appear verbatim in the chat "
-                                         "template's rendering, so its tokens cannot be labelled", key)
+                    raise _Bad("skipped_processor",
+                               f"assistant message {i} does not appear verbatim in the chat template's rendering "
+                               "(a template that rewrites assistant text, e.g. moves or drops <think> reasoning), "
+                               "so its tokens cannot be labelled")
                 spans.append((pos, pos + len(piece)))
+                ends.append(k == len(pieces) - 1)
                 start = cursor = pos + len(piece)
 
         ids, offsets = self._tokenize(full)
-        labels = label_spans(full, ids, offsets, spans, self._special_ids, self._turn_start_id)
-        for q, tok in enumerate(ids):   # an image slot inside an assistant turn is still not a target
-            if tok == self.image_token_id:
+        labels = label_spans(full, ids, offsets, spans, self._special_ids, self._turn_start_id, ends,
+                             self._vision_ids)
+        for q, tok in enumerate(ids):   # an image inside an assistant turn is still not a target
+            if tok in self._vision_ids:
                 labels[q] = IGNORE_INDEX
         return ids, labels
 
