@@ -273,8 +273,13 @@ class MixtureConfig:
                 raise ConfigError(f"data.sources[{i}].label: got {label!r}; allowed: 1 to 64 letters, digits, "
                                   "'_', '-' or '.' (it prefixes the source's sample keys)")
             if label in labels[:i]:
+                j = labels.index(label)
+                if label == f"source{i}":    # source i has no label of its own: its default clashes
+                    raise ConfigError(f"data.sources[{j}].label: got {label!r}, which is the default label of "
+                                      f"data.sources[{i}]; give data.sources[{i}] a label, or data.sources[{j}] "
+                                      "another one")
                 raise ConfigError(f"data.sources[{i}].label: got {label!r}, the label of data.sources"
-                                  f"[{labels.index(label)}] too; allowed: a label no other source has")
+                                  f"[{j}] too; allowed: a label no other source has")
         if self.stopping not in STOPPING:
             raise ConfigError(f"data.stopping: got {self.stopping!r}; allowed: one of {', '.join(STOPPING)}")
         first = self.sources[0]

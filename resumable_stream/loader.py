@@ -108,6 +108,15 @@ class _BatchProducer(torch.utils.data.IterableDataset):
                 batch = [proc.take() for _ in range(self.batch_size)]
                 batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
                 yield self._item(partition, batch, batch_keys, proc)
+        # the partition's epoch ended (finite mode, set_epoch): what is left is one shorter batch; packed
+        # tokens not yet in a block stay in the processor's state and carry over to the next epoch
+        if proc is None:
+            if examples:
+                yield self._item(partition, examples, keys, None)
+        elif proc.ready():
+            batch = [proc.take() for _ in range(proc.ready())]
+            batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
+            yield self._item(partition, batch, batch_keys, proc)
 
     def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
         """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""
@@ -156,9 +165,15 @@ class StreamLoader:
         self._lane_turns: list[int] = []           # per lane: partition (index in the lane) of its next batch
         self._pending_keys: list[list[str]] = []
         self.batches_consumed = 0
+        self._iterated = False
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        if self._iterated:
+            # a new pass continues after the last batch handed out: the readers (and workers' processors)
+            # of the previous pass may have run ahead of it
+            self.load_state_dict(self.state_dict(), where="the state after the last batch handed out")
+        self._iterated = True
         lanes = self.stream.lanes
         if len(self._lane_turns) != len(lanes):
             self._lane_turns = [0] * len(lanes)

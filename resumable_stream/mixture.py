@@ -335,8 +335,13 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
     # ------------------------------------------------------------------ state
     def partition_state(self, partition: int) -> dict[str, Any]:
         """One partition's position after the last sample it yielded: its own and every source's."""
-        return {"mixture": self._pos[partition].to_dict(),
-                "sources": [views[partition].partition_state(partition) for views in self._views]}
+        sources = []
+        for i, views in enumerate(self._views):
+            try:
+                sources.append(views[partition].partition_state(partition))
+            except SourceError as e:      # e.g. a source with no rows: say which one
+                raise SourceError(f"data.sources[{i}] ({self.config.labels[i]!r}): {e}") from e
+        return {"mixture": self._pos[partition].to_dict(), "sources": sources}
 
     def state_dict(self, partitions: dict[int, dict] | None = None) -> dict[str, Any]:
         """The position after the last sample this stream yielded, as flat sidecar entries (module doc).
@@ -371,6 +376,7 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         for p in self.partitions:
             for i, label in enumerate(labels):
                 view = self._views[i][p]
+                view.set_endless()       # the source epoch to read is set again when the view is next iterated
                 view.load_state_dict({"format_version": FORMAT_VERSION, "fingerprint": view.fingerprint(),
                                       "topology": view.topology(), "turn": 0,
                                       "partitions": {p: parts[p]["sources"][i]}}, where=f"{where}, source {label!r}")
@@ -380,6 +386,8 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
             pos.ended = [bool(b) for _, b in entry["slots"]]
             pos.iters = [None] * len(labels)
         self._turn = int(state.get("turn", 0)) if same else 0
+        if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded positions
+            self.set_epoch(self._epoch_limit)
 
     def _check_saved_fingerprint(self, state: dict[str, Any], where: str) -> None:
         saved = state["fingerprint"]

@@ -237,6 +237,10 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
                                          epoch_start=consumed))
                 self._expect.pop(p, None)
 
+    def set_endless(self) -> None:
+        """Undo :meth:`set_epoch`: iterate endlessly again, each partition rolling over into its next epoch."""
+        self._epoch_limit = None
+
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
@@ -372,6 +376,8 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
             if verify_next_sample:
                 self._expect[p] = ps["next_sample_digest"]
         self._turn = int(state.get("turn", 0)) if same else 0
+        if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded cursors
+            self.set_epoch(self._epoch_limit)
 
     def _check_saved_fingerprint(self, state: dict[str, Any], where: str) -> None:
         saved_fp = state["fingerprint"]

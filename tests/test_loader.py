@@ -1,6 +1,7 @@
 """StreamLoader: batches through DataLoader workers, state = what was consumed, exact resume."""
 
 import itertools
+import os
 
 import pytest
 from helpers import parquet_config
@@ -74,3 +75,75 @@ def test_two_ranks_with_workers_never_share_a_sample(setup):
         loader = _make(cfg, source, 2, world_size=2, rank=rank, batch_size=10)
         seen.append({i for b in itertools.islice(loader, 50) for i in _ids(b)})   # one epoch: 500 per rank
     assert not (seen[0] & seen[1]) and len(seen[0] | seen[1]) == 1000
+
+
+# ------------------------------------------------------------------------------ review regressions
+@pytest.fixture(scope="module")
+def dataset_600(tmp_path_factory):
+    from resumable_stream.synthetic import write_parquet_dataset
+
+    d = tmp_path_factory.mktemp("d600")
+    write_parquet_dataset(str(d), rows=600, files=12, row_group_size=25)
+    return str(d)
+
+
+def _packing_loader(directory, num_workers):
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from resumable_stream import StreamConfig
+    from resumable_stream.transforms import TextProcessor, TransformConfig, collate
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "examples", "tiny",
+                                                     "tokenizer"))
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(directory, "*.parquet"),
+                       shuffle=True, buffer_size=16, num_partitions=2)
+    return StreamLoader(ResumableStream(cfg, 0, 1, num_workers), batch_size=2,
+                        collate_fn=functools.partial(collate, pad_token_id=tok.pad_token_id),
+                        processor_factory=functools.partial(TextProcessor, tok, TransformConfig(packing=True,
+                                                                                                 max_seq_len=16)))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_second_pass_over_a_loader_continues_after_the_last_batch_handed_out(dataset_600, num_workers):
+    """Workers (and the main process's readers and packing processors) run ahead of what the loop took;
+    iterating the loader again continues exactly after the last batch handed out."""
+    import torch
+
+    ref = [b["input_ids"] for b in itertools.islice(iter(_packing_loader(dataset_600, num_workers)), 10)]
+    loader = _packing_loader(dataset_600, num_workers)
+    got = [b["input_ids"] for b in itertools.islice(iter(loader), 5)]
+    got += [b["input_ids"] for b in itertools.islice(iter(loader), 5)]
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_finite_epoch_through_the_loader_hands_out_every_row_including_short_last_batches(dataset_600,
+                                                                                          num_workers):
+    from resumable_stream import StreamConfig
+
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(dataset_600, "*.parquet"),
+                       shuffle=True, buffer_size=16, num_partitions=4)
+    s = ResumableStream(cfg, 0, 1, num_workers)
+    s.set_epoch(0)
+    got = [row["id"] for batch in StreamLoader(s, batch_size=7) for row in batch]
+    assert sorted(got) == list(range(600))
+
+
+def test_set_epoch_before_loading_a_sidecar_is_applied_to_the_loaded_cursors(dataset_600, tmp_path):
+    from resumable_stream import StreamConfig
+
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(dataset_600, "*.parquet"),
+                       shuffle=True, buffer_size=16)
+    s = ResumableStream(cfg, 0, 1)
+    list(itertools.islice(iter(s), 100))             # 100 rows into epoch 0
+    s.save_sidecar(str(tmp_path / "st"))
+    load_first = ResumableStream(cfg, 0, 1)
+    load_first.load_sidecar(str(tmp_path / "st"))
+    load_first.set_epoch(1)
+    epoch_first = ResumableStream(cfg, 0, 1)
+    epoch_first.set_epoch(1)
+    epoch_first.load_sidecar(str(tmp_path / "st"))
+    a, b = [r["id"] for r in load_first], [r["id"] for r in epoch_first]
+    assert a == b and sorted(a) == list(range(600))

@@ -376,6 +376,8 @@ def test_elastic_resume_continues_every_virtual_partition(dirs, tmp_path, before
     ({"sources": [{"dataset_name_or_path": "p", "label": "a/b"}]}, "data.sources[0].label: got 'a/b'"),
     ({"sources": [{"dataset_name_or_path": "p", "label": "x"}, {"dataset_name_or_path": "q", "label": "x"}]},
      "data.sources[1].label: got 'x', the label of data.sources[0] too"),
+    ({"sources": [{"dataset_name_or_path": "p", "label": "source1"}, {"dataset_name_or_path": "q"}]},
+     "data.sources[0].label: got 'source1', which is the default label of data.sources[1]"),
     ({"sources": [{"dataset_name_or_path": "p", "backend": "local", "streaming": True}]},
      "data.sources[0].streaming: got true with data.sources[0].backend 'local'"),
     ({"sources": [{"dataset_name_or_path": "p"}], "stopping": "longest"}, "data.stopping: got 'longest'; allowed: one of"),
@@ -547,3 +549,23 @@ def test_torchrun_two_ranks_sum_source_counts_over_ranks(tmp_path):
         assert sum(running.values()) == 2 * 12 * 8
     finally:
         procs.cleanup()
+
+
+def test_a_source_without_rows_is_named_when_the_state_is_taken(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from resumable_stream.errors import SourceError
+    from resumable_stream.synthetic import write_parquet_dataset
+
+    write_parquet_dataset(str(tmp_path / "a"), rows=100, files=2, row_group_size=25)
+    (tmp_path / "z").mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.int64()), "text": pa.array([], pa.string()),
+                             "label": pa.array([], pa.int64())}), str(tmp_path / "z" / "empty.parquet"))
+    cfg = StreamConfig.from_dict({"sources": [
+        {"label": "a", "dataset_name_or_path": "parquet", "data_files": str(tmp_path / "a" / "*.parquet")},
+        {"label": "z", "dataset_name_or_path": "parquet", "data_files": str(tmp_path / "z" / "*.parquet")}]})
+    stream = open_stream(cfg, 0, 1)
+    list(itertools.islice(iter(stream), 3))
+    with pytest.raises(SourceError, match=r"^data\.sources\[1\] \('z'\): "):
+        stream.state_dict()
