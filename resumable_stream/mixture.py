@@ -46,7 +46,7 @@ import torch.utils.data
 from .checks import check_fingerprint, check_topology
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
-from .plan import _GOLDEN, _splitmix64, check_consumers, derive_seed, partition_lanes
+from .plan import check_consumers, counter_hashes, derive_seed, partition_lanes
 from .sidecar import (
     CURSOR_FIELDS,
     FORMAT_VERSION,
@@ -66,8 +66,7 @@ def draw_sources(probabilities: np.ndarray, seed: int, epoch: int, partition: in
                  count: int) -> np.ndarray:
     """The sources of draws ``start .. start+count-1`` of (partition, epoch): a pure function of its arguments."""
     key = derive_seed(TAG_MIXTURE, seed, epoch, partition)
-    with np.errstate(over="ignore"):
-        bits = _splitmix64(np.arange(start, start + count, dtype=np.uint64) * _GOLDEN + np.uint64(key))
+    bits = counter_hashes(key, start, count)
     uniform = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     picks = np.searchsorted(np.cumsum(probabilities), uniform, side="right")
     return np.minimum(picks, len(probabilities) - 1)

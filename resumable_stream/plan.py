@@ -38,13 +38,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def counter_hashes(seed: int, start: int, count: int) -> np.ndarray:
+    """uint64 hashes of counters ``start .. start+count-1`` under ``seed``: a pure function of the three."""
+    with np.errstate(over="ignore"):
+        return _splitmix64(np.arange(start, start + count, dtype=np.uint64) * _GOLDEN + np.uint64(seed))
+
+
 def permutation(n: int, seed: int) -> np.ndarray:
     """A permutation of range(n) that depends only on (n, seed): sort by a hash of (seed, i)."""
     if n <= 1:
         return np.arange(n, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        keys = _splitmix64(np.arange(n, dtype=np.uint64) * _GOLDEN + np.uint64(seed))
-    return np.argsort(keys, kind="stable").astype(np.int64)
+    return np.argsort(counter_hashes(seed, 0, n), kind="stable").astype(np.int64)
 
 
 def window_permutation(n: int, seed: int, epoch: int, partition: int, window: int) -> np.ndarray:
