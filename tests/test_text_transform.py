@@ -374,6 +374,25 @@ def test_messages_labels_with_a_qwen3_like_template(convs):
         assert "You are a bot." in tok2.decode(ex["input_ids"]) or r["messages"][0]["role"] == "system"
 
 
+QWEN25_LIKE = (  # indexes messages[0] (fails on an empty conversation) and injects a default system prompt
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant. Start here.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("first", ["helpful", "a", "Start here.", "You are"])
+def test_a_conversation_opened_by_the_assistant_is_not_labelled_inside_the_system_prompt(first):
+    tok2 = AutoTokenizer.from_pretrained(TOK_DIR)
+    tok2.chat_template = QWEN25_LIKE
+    msgs = [{"role": "assistant", "content": first}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "fine"}]
+    _, out = _run(tok2, TransformConfig(format="messages"), [("k", {"messages": msgs})])
+    assert _labelled_runs(tok2, out[0]) == [first + "<|im_end|>", "fine<|im_end|>"]
+
+
 def test_messages_template_without_end_of_turn_token():
     # the next turn's opening token directly follows the content: it is not an end-of-turn marker
     tok2 = AutoTokenizer.from_pretrained(TOK_DIR)

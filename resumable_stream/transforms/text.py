@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import deque
 from typing import Any
 
@@ -83,6 +84,8 @@ class TextProcessor:
         self._special_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self._special_ids.update(int(i) for i in tokenizer.all_special_ids)
         self._turn_start_id: int | None = self._find_turn_start() if cfg.format == "messages" else None
+        self._assistant_header = find_assistant_header(self._render, lambda role, text: {"role": role, "content": text}) \
+            if cfg.format == "messages" else None
         self._reset()
 
     # ------------------------------------------------------------------ state kept between feeds
@@ -361,14 +364,7 @@ class TextProcessor:
                 if pos >= 0:
                     cursor = pos + len(content)
                 continue
-            start = cursor
-            if i > 0:
-                try:
-                    prefix = self._render(msgs[:i], True)
-                except Exception:
-                    prefix = None
-                if prefix is not None and full.startswith(prefix) and len(prefix) >= cursor:
-                    start = len(prefix)
+            start = content_start(self._render, self._assistant_header, full, msgs, i, cursor)
             pos = full.find(content, start)
             if pos < 0:
                 raise TransformError(
@@ -381,6 +377,52 @@ class TextProcessor:
         ids = [int(x) for x in enc["input_ids"]]
         return ids, label_spans(full, ids, enc["offset_mapping"], spans, self._special_ids, self._turn_start_id)
 
+
+def find_assistant_header(render, message) -> str | None:
+    """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\n``): the common start of the
+    generation prompt and of the header of a rendered assistant message, last or not (a Qwen3-style
+    template adds an empty <think> block to the last one only); None where the template shows none.
+    ``render(conversation, add_generation_prompt)`` renders; ``message(role, text)`` makes one message."""
+    user = [message("user", "x")]
+    marker = "\x00rs-probe\x00"
+    reply = [message("assistant", marker)]
+    heads = []
+    for conversation, generation_prompt in ((user, True), (user + reply, False), (user + reply + user, False)):
+        try:
+            plain = render(user, False)
+            text = render(conversation, generation_prompt)
+        except Exception:  # noqa: BLE001 - a template that cannot render this probe: the others decide
+            continue
+        if not text.startswith(plain):
+            return None
+        text = text[len(plain):]
+        heads.append(text[:text.index(marker)] if marker in text else text)
+    header = os.path.commonprefix(heads) if heads else ""
+    return header if header.strip() else None
+
+
+def content_start(render, header: str | None, full: str, conversation: list, i: int, cursor: int) -> int:
+    """Where to search for assistant message ``i``'s content in the rendering ``full``: never inside the
+    rendering of the messages before it (a default system prompt, a header), whatever message ``i`` is."""
+    try:
+        prefix = render(conversation[:i], True)   # i == 0: the empty conversation's generation prompt
+    except Exception:  # noqa: BLE001 - a template that cannot render it: the fallbacks below
+        prefix = None
+    if prefix and len(prefix) >= cursor and full.startswith(prefix):
+        return len(prefix)
+    base = cursor
+    if i > 0:
+        try:
+            before = render(conversation[:i], False)
+        except Exception:  # noqa: BLE001
+            before = ""
+        if before and full.startswith(before):
+            base = max(base, len(before))
+    if header:     # the first assistant header after the previous messages
+        h = full.find(header, base)
+        if h >= 0:
+            return h + len(header)
+    return base
 
 def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]], special_ids: set[int],
                 turn_start_id: int | None, ends: list[bool] | None = None,

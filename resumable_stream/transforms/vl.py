@@ -57,7 +57,7 @@ import numpy as np
 from ..errors import SidecarError, StreamMismatchError
 from .config import TransformConfig
 from .errors import TransformError
-from .text import IGNORE_INDEX, collate, label_spans, tokenizer_digest
+from .text import IGNORE_INDEX, collate, content_start, find_assistant_header, label_spans, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,8 @@ class VLProcessor:
         self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
         self._turn_start_id = self._find_turn_start()
         self._vision_ids = self._find_vision_ids()
-        self._assistant_header = self._find_assistant_header()
+        self._assistant_header = find_assistant_header(
+            self._render, lambda role, text: {"role": role, "content": [{"type": "text", "text": text}]})
         self._pending: deque[Example] = deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
@@ -411,50 +412,6 @@ class VLProcessor:
         out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._special_ids and t not in before)
         return out
 
-    def _find_assistant_header(self) -> str | None:
-        """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\n``): the common start of the
-        generation prompt and of the header of a rendered assistant message, last or not (a Qwen3-style
-        template adds an empty <think> block to the last one only); None where the template shows none."""
-        user = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
-        marker = "\x00rs-probe\x00"
-        reply = [{"role": "assistant", "content": [{"type": "text", "text": marker}]}]
-        heads = []
-        for conversation, generation_prompt in ((user, True), (user + reply, False), (user + reply + user, False)):
-            try:
-                plain = self._render(user, False)
-                text = self._render(conversation, generation_prompt)
-            except Exception:  # noqa: BLE001 - a template that cannot render this probe: the others decide
-                continue
-            if not text.startswith(plain):
-                return None
-            text = text[len(plain):]
-            heads.append(text[:text.index(marker)] if marker in text else text)
-        header = os.path.commonprefix(heads) if heads else ""
-        return header if header.strip() else None
-
-    def _content_start(self, full: str, conversation: list[dict], i: int, cursor: int) -> int:
-        """Where to search for assistant message ``i``'s content in ``full``: never inside the rendering of
-        the messages before it (a system prompt, a header), whatever message ``i`` is."""
-        try:
-            prefix = self._render(conversation[:i], True)   # i == 0: the empty conversation's generation prompt
-        except Exception:  # noqa: BLE001 - a template that cannot render it: the fallbacks below
-            prefix = None
-        if prefix and len(prefix) >= cursor and full.startswith(prefix):
-            return len(prefix)
-        base = cursor
-        if i > 0:
-            try:
-                before = self._render(conversation[:i], False)
-            except Exception:  # noqa: BLE001
-                before = ""
-            if before and full.startswith(before):
-                base = max(base, len(before))
-        if self._assistant_header:     # the first assistant header after the previous messages
-            h = full.find(self._assistant_header, base)
-            if h >= 0:
-                return h + len(self._assistant_header)
-        return base
-
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:   # the fast tokenizer's core: same ids, less per-call overhead
@@ -567,7 +524,7 @@ class VLProcessor:
                 continue
             if not pieces:
                 continue
-            start = self._content_start(full, conversation, i, cursor)
+            start = content_start(self._render, self._assistant_header, full, conversation, i, cursor)
             for k, piece in enumerate(pieces):
                 pos = full.find(piece, start)
                 if pos < 0:
