@@ -54,7 +54,7 @@ from .sidecar import (
     progress_summary,
 )
 from .source import Source, open_source
-from .stream import ResumableStream, SidecarMixin, resolve_topology
+from .stream import ResumableStream, SidecarMixin, resolve_topology, round_robin
 
 TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
 SOURCE_STRIDE = 1 << 32    # sidecar entry of source i, partition p: p + (i + 1) * SOURCE_STRIDE
@@ -316,20 +316,8 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
 
     def _iter_round_robin(self, parts: list[int], saved_turn: bool) -> Iterator[dict]:
         """Sample by sample over ``parts``; in the main process the turn is part of the saved state."""
-        live = {p: self._draw(p) for p in parts}
-        turn = self._turn if saved_turn else 0
-        while live:
-            p = parts[turn % len(parts)]
-            turn = (turn + 1) % len(parts)
-            if saved_turn:
-                self._turn = turn
-            it = live.get(p)
-            if it is None:
-                continue
-            try:
-                yield next(it)[1]
-            except StopIteration:
-                del live[p]
+        live = {p: (item[1] for item in self._draw(p)) for p in parts}
+        return round_robin(self, live, parts, saved_turn)
 
     # ------------------------------------------------------------------ state
     def partition_state(self, partition: int) -> dict[str, Any]:

@@ -69,6 +69,24 @@ def resolve_topology(rank: int | None, world_size: int | None, num_workers: int)
     return rank, world_size
 
 
+def round_robin(stream, live: dict[int, Iterator], parts: list[int], saved_turn: bool) -> Iterator:
+    """Item by item from the iterators ``live`` in the order of ``parts``, skipping those that end. With
+    ``saved_turn`` the rotation starts at, and is kept in, ``stream._turn`` (part of its saved state)."""
+    turn = stream._turn if saved_turn else 0
+    while live:
+        p = parts[turn % len(parts)]
+        turn = (turn + 1) % len(parts)
+        if saved_turn:
+            stream._turn = turn
+        it = live.get(p)
+        if it is None:
+            continue
+        try:
+            yield next(it)
+        except StopIteration:
+            del live[p]
+
+
 class SidecarMixin:
     """Sidecar files of a stream (ResumableStream, MixtureStream): write this rank's state, read it back,
     and after an elastic change of ranks / workers gather this rank's partitions from the old rank files.
@@ -283,20 +301,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
 
     def _iter_round_robin(self, parts: list[int], saved_turn: bool) -> Iterator[dict]:
         """Sample by sample over ``parts``; in the main process the turn is part of the saved state."""
-        live = {p: self._iter_partition(self._readers[p]) for p in parts}
-        turn = self._turn if saved_turn else 0
-        while live:
-            p = parts[turn % len(parts)]
-            turn = (turn + 1) % len(parts)
-            if saved_turn:
-                self._turn = turn
-            it = live.get(p)
-            if it is None:
-                continue
-            try:
-                yield next(it)
-            except StopIteration:
-                del live[p]
+        return round_robin(self, {p: self._iter_partition(self._readers[p]) for p in parts}, parts, saved_turn)
 
     def _verify_first(self, reader: PartitionReader, sample: dict, expected: str) -> None:
         got = sample_digest(sample)

@@ -190,20 +190,7 @@ class TextProcessor:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a ``state()``; raises ``StreamMismatchError`` if it was made with another tokenizer
         or other output-changing settings, ``SidecarError`` if it is malformed."""
-        try:
-            tensors, meta = state["tensors"], state["meta"]
-            version = meta["version"]
-        except (KeyError, TypeError):
-            raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
-        if version != STATE_VERSION:
-            raise SidecarError(f"transform state: version {version!r}; this version reads {STATE_VERSION}")
-        saved_fp = meta.get("fingerprint") or {}
-        now_fp = self.fingerprint()
-        if saved_fp != now_fp:
-            diffs = [(f"transform.{k}", saved_fp.get(k), now_fp.get(k))
-                     for k in sorted(set(saved_fp) | set(now_fp)) if saved_fp.get(k) != now_fp.get(k)]
-            what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
-            raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
+        tensors, meta = checked_state(state, STATE_VERSION, self.fingerprint())
         try:
             t = {k: np.asarray(tensors[k], dtype=np.int64).reshape(-1).tolist() for k in (
                 "carry_input_ids", "carry_labels", "carry_key_tokens",
@@ -377,6 +364,24 @@ class TextProcessor:
         ids = [int(x) for x in enc["input_ids"]]
         return ids, label_spans(full, ids, enc["offset_mapping"], spans, self._special_ids, self._turn_start_id)
 
+
+def checked_state(state: dict[str, Any], version: int, fingerprint: dict) -> tuple[dict, dict]:
+    """(tensors, meta) of a transform ``state()``: ``SidecarError`` if malformed or of another version,
+    ``StreamMismatchError`` naming every setting that differs from ``fingerprint``."""
+    try:
+        tensors, meta = state["tensors"], state["meta"]
+        saved_version = meta["version"]
+    except (KeyError, TypeError):
+        raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
+    if saved_version != version:
+        raise SidecarError(f"transform state: version {saved_version!r}; this version reads {version}")
+    saved = meta.get("fingerprint") or {}
+    if saved != fingerprint:
+        diffs = [(f"transform.{k}", saved.get(k), fingerprint.get(k))
+                 for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+        what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
+        raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
+    return tensors, meta
 
 def find_assistant_header(render, message) -> str | None:
     """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\n``): the common start of the

@@ -54,10 +54,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SidecarError, StreamMismatchError
+from ..errors import SidecarError
 from .config import TransformConfig
 from .errors import TransformError
-from .text import IGNORE_INDEX, collate, content_start, find_assistant_header, label_spans, tokenizer_digest
+from .text import (
+    IGNORE_INDEX,
+    checked_state,
+    collate,
+    content_start,
+    find_assistant_header,
+    label_spans,
+    tokenizer_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -343,19 +351,7 @@ class VLProcessor:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a ``state()``: ``StreamMismatchError`` if it was made with another processor or other
         output-changing settings, ``SidecarError`` if it is malformed."""
-        try:
-            tensors, meta = state["tensors"], state["meta"]
-            version = meta["version"]
-        except (KeyError, TypeError):
-            raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
-        if version != STATE_VERSION:
-            raise SidecarError(f"transform state: version {version!r}; this version reads {STATE_VERSION}")
-        saved, now = meta.get("fingerprint") or {}, self.fingerprint()
-        if saved != now:
-            diffs = [(f"transform.{k}", saved.get(k), now.get(k))
-                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-            what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
-            raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
+        tensors, meta = checked_state(state, STATE_VERSION, self.fingerprint())
         try:
             pending = deque()
             for i, entry in enumerate(meta["pending"]):
