@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -40,11 +41,11 @@ def test_block_roundtrip_keeps_schema_and_flags():
     table = pa.table(synthetic_rows(0, 100))
     table = table.replace_schema_metadata({b"huggingface": b'{"info": 1}'})
     for last in (False, True):
-        data = encode_block(table, last)
+        data = encode_block(table, last, "ns/0/1")
         assert isinstance(data, bytes)           # raw bytes: diskcache stores them without pickle
-        back, flag = decode_block(data)
+        back, flag = decode_block(data, "ns/0/1")
         assert back.equals(table) and back.schema.metadata == table.schema.metadata and flag is last
-    empty, flag = decode_block(encode_block(table.schema.empty_table(), True))
+    empty, flag = decode_block(encode_block(table.schema.empty_table(), True, "k"), "k")
     assert empty.num_rows == 0 and empty.schema == table.schema and flag
 
 
@@ -59,14 +60,15 @@ def test_block_roundtrip_of_chunked_sliced_nested_and_dictionary_columns():
     assert chunked.column("text").num_chunks == 3
     cat = pa.array([f"c{i % 4}" for i in range(70)]).dictionary_encode()
     for table in (chunked, chunked.append_column("cat", cat)):
-        back, _ = decode_block(encode_block(table, False))
+        back, _ = decode_block(encode_block(table, False, "k"), "k")
         assert back.equals(table) and back.num_rows == 70
         assert back.column("tags").to_pylist() == rows["tags"][7:77]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "magic", "short", "not-bytes"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "magic", "short", "not-bytes", "last-flag",
+                                    "rows", "other-key"])
 def test_damaged_block_is_detected(damage):
-    data = bytearray(encode_block(pa.table(synthetic_rows(0, 50)), False))
+    data = bytearray(encode_block(pa.table(synthetic_rows(0, 50)), False, "ns/3/7"))
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
     elif damage == "truncate":
@@ -77,9 +79,13 @@ def test_damaged_block_is_detected(damage):
         data[0:4] = b"XXXX"
     elif damage == "short":
         data = data[:10]
+    elif damage == "last-flag":                # the header's fields are under the checksum too
+        data[4] ^= 1
+    elif damage == "rows":
+        data[8] ^= 1
     value = 12345 if damage == "not-bytes" else bytes(data)
     with pytest.raises(CorruptBlock):
-        decode_block(value)
+        decode_block(value, "ns/3/8" if damage == "other-key" else "ns/3/7")
 
 
 # ------------------------------------------------------------------------------ results never change
@@ -140,7 +146,7 @@ def test_resume_mixing_cached_and_uncached_blocks(parquet_small, tmp_path, stop)
     state = decode_state(encode_state(first_stream.state_dict()))
     # drop every third cached block: the resumed run meets hits and misses, also inside one shard
     store = first.store
-    cache = store._store()
+    cache = store.diskcache()
     keys = sorted(k for k in cache.iterkeys() if k.startswith(store.ns))
     for k in keys[::3]:
         del cache[k]
@@ -170,13 +176,12 @@ def test_corrupt_entries_are_dropped_refetched_and_warned(parquet_wide_groups, t
         reference = take_ids(_stream(cfg, _source(cfg)), 1000)
         assert take_ids(_stream(cfg, c), 1000) == reference
         c.flush()
-        cache = c.store._store()
+        cache = c.store.diskcache()
         keys = sorted(k for k in cache.iterkeys() if k.startswith(c.store.ns))
         damaged = keys[::4]
         for k in damaged:
             if where == "file":
-                with cache.get(k, read=True) as handle:   # a file-stored value: its open file
-                    path = handle.name
+                path = _value_file(c.store, k)   # a file-stored value
                 with open(path, "r+b") as f:
                     f.seek(os.path.getsize(path) // 2)
                     b = f.read(1)
@@ -195,9 +200,15 @@ def test_corrupt_entries_are_dropped_refetched_and_warned(parquet_wide_groups, t
         assert s["corrupt"] == len(damaged), (where, s)
         assert sum("is corrupt" in r.getMessage() for r in caplog.records) == len(damaged)
         for k in damaged:                    # fetched again and stored whole
-            decode_block(cache[k])
+            decode_block(cache[k], k)
         third = _cached(cfg, tmp_path / where, block_rows=block_rows)
         assert take_ids(_stream(cfg, third), 1000) == reference and third.stats()["misses"] == 0
+
+
+def _value_file(store, key: str) -> str:
+    with sqlite3.connect(os.path.join(store.directory, "cache.db")) as con:
+        (name,), = con.execute("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchall()
+    return os.path.join(store.directory, name)
 
 
 # ------------------------------------------------------------------------------ shards and sources
@@ -252,7 +263,7 @@ def test_size_limit_evicts_least_recently_used(parquet_60, tmp_path):
     limit_gb = 0.3 / 1024                       # ~0.3 MB; each 100-row block is ~9 KB
     c = CachedSource(_source(cfg), cfg.replace(cache_dir=str(tmp_path), cache_size_limit_gb=limit_gb),
                      block_rows=100)
-    cache = c.store._store()
+    cache = c.store.diskcache()
     assert cache.eviction_policy == "least-recently-used" and cache.size_limit == int(limit_gb * 2**30)
     reference = take_ids(_stream(cfg, _source(cfg)), 6000)
     assert take_ids(_stream(cfg, c), 6000) == reference

@@ -24,7 +24,7 @@ _source = shared_source
 
 
 def _keys(cached: CachedSource) -> set[tuple[int, int]]:
-    cache = cached.store._store()
+    cache = cached.store.diskcache()
     out = set()
     for k in cache.iterkeys():
         ns, shard, block = k.split("/")

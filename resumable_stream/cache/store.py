@@ -23,17 +23,24 @@ finish before the process exits, and :meth:`BlockStore.flush` waits for them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import sqlite3
 import struct
 import threading
+import time
+import urllib.parse
 import zlib
 from typing import Any
 
+import diskcache
 import pyarrow as pa
+
+from .disk import DBNAME, SafeDisk, UnsafeEntry, read_value, sweep_orphans
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +48,34 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_ROWS = 8192
 # Blocks a reader may have waiting for the writer thread (memory bound: a few blocks).
 WRITE_BEHIND_BLOCKS = 4
-FORMAT = "rs-block-v1"
+# The data path never waits long for the cache. A lookup waits at most READ_TIMEOUT_S for a locked
+# cache.db (WAL readers are not blocked by writers: only an exclusive lock of another kind makes one
+# wait); a write (writer thread, warmup) at most WRITE_TIMEOUT_S; a reader whose writer thread is still
+# busy after SLOT_WAIT_S does not cache that block. After a failure, lookups (or writes) skip the cache
+# for RETRY_AFTER_S, then try again.
+READ_TIMEOUT_S = 0.2
+WRITE_TIMEOUT_S = 2.0
+SLOT_WAIT_S = 5.0
+RETRY_AFTER_S = 30.0
+# Value files no row refers to are removed once this old (a file is written before its row commits).
+ORPHAN_AGE_S = 600.0
+FORMAT = "rs-block-v2"     # v2: the header names its key; v1 entries sit in another namespace and miss
 
-_MAGIC = b"RSB1"
-_HEADER = struct.Struct("<4sBxxxQQI")     # magic, flags, rows, payload bytes, crc32 of the payload
+_MAGIC = b"RSB2"
+# magic, flags, rows, payload bytes, digest of the key, crc32 of (flags, rows, payload bytes, key digest, payload)
+_HEADER = struct.Struct("<4sBxxxQQ16sI")
+_BOUND = struct.Struct("<BQQ16s")
 _FLAG_LAST = 1
 
-COUNTERS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "blocks_written", "rows_read",
-            "rows_fetched")
+# unavailable: lookups given up because cache.db could not be read in time (locked...), served by the source;
+# writes_skipped: blocks not cached because the cache was read-only, locked or full
+COUNTERS = ("hits", "misses", "corrupt", "unavailable", "writes_skipped", "bytes_read", "bytes_written",
+            "blocks_written", "rows_read", "rows_fetched")
 _INDEX = {name: i for i, name in enumerate(COUNTERS)}
+
+# a lookup reads the row itself: diskcache's get would unpickle a row in pickle mode, and write (LRU)
+_SELECT = "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1"
+_TOUCH = "UPDATE Cache SET access_time = ? WHERE key = ? AND raw = 1"
 
 # diskcache objects inherited through a fork: never used (nor closed) in the child, only kept
 # referenced so that garbage collection does not close the parent's SQLite handles from here.
@@ -89,20 +115,28 @@ def _ipc_stream_parts(table: pa.Table) -> list:
     return [table.schema.serialize(), *(rb.serialize() for rb in table.to_batches()), _IPC_EOS]
 
 
-def encode_block_parts(table: pa.Table, last: bool) -> list:
-    """[header, *Arrow IPC stream buffers] of a block; the checksum covers the whole stream."""
+def _key_digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def encode_block_parts(table: pa.Table, last: bool, key: str) -> list:
+    """[header, *Arrow IPC stream buffers] of the block stored under ``key``.
+
+    The header names the key (a digest): a block moved under another key fails :func:`check_block`.
+    The checksum covers the header's fields and the whole stream.
+    """
     parts = _ipc_stream_parts(table)
-    size = crc = 0
+    size = sum(memoryview(p).nbytes for p in parts)
+    flags, digest = _FLAG_LAST if last else 0, _key_digest(key)
+    crc = zlib.crc32(_BOUND.pack(flags, table.num_rows, size, digest))
     for part in parts:
-        view = memoryview(part)
-        size += view.nbytes
-        crc = zlib.crc32(view, crc)
-    return [_HEADER.pack(_MAGIC, _FLAG_LAST if last else 0, table.num_rows, size, crc), *parts]
+        crc = zlib.crc32(memoryview(part), crc)
+    return [_HEADER.pack(_MAGIC, flags, table.num_rows, size, digest, crc), *parts]
 
 
-def encode_block(table: pa.Table, last: bool) -> bytes:
-    """Header + Arrow IPC stream of ``table``, as one bytes value."""
-    return b"".join(memoryview(p) for p in encode_block_parts(table, last))
+def encode_block(table: pa.Table, last: bool, key: str) -> bytes:
+    """Header + Arrow IPC stream of ``table`` stored under ``key``, as one bytes value."""
+    return b"".join(memoryview(p) for p in encode_block_parts(table, last, key))
 
 
 class _PartsReader:
@@ -123,25 +157,27 @@ class _PartsReader:
         return b""
 
 
-def check_block(data: bytes) -> tuple[int, int, memoryview]:
-    """(flags, rows, payload) of a stored value whose header, length and checksum are right."""
+def check_block(data: bytes, key: str) -> tuple[int, int, memoryview]:
+    """(flags, rows, payload) of the value stored under ``key`` if its header, length and checksum are right."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size:
         raise CorruptBlock("shorter than the block header" if isinstance(data, (bytes, bytearray, memoryview))
                            else f"a {type(data).__name__}, not bytes")
-    magic, flags, rows, size, crc = _HEADER.unpack_from(data)
+    magic, flags, rows, size, digest, crc = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise CorruptBlock("bad magic")
+    if digest != _key_digest(key):
+        raise CorruptBlock("it is the block of another key")
     payload = memoryview(data)[_HEADER.size:]
     if len(payload) != size:
         raise CorruptBlock(f"payload is {len(payload)} bytes, header says {size}")
-    if zlib.crc32(payload) != crc:
+    if zlib.crc32(payload, zlib.crc32(_BOUND.pack(flags, rows, size, digest))) != crc:
         raise CorruptBlock("checksum mismatch")
     return flags, rows, payload
 
 
-def decode_block(data: bytes) -> tuple[pa.Table, bool]:
-    """(table, is the shard's last block); raises CorruptBlock on any inconsistency."""
-    flags, rows, payload = check_block(data)
+def decode_block(data: bytes, key: str) -> tuple[pa.Table, bool]:
+    """(table, is the shard's last block) of the value stored under ``key``; CorruptBlock on any inconsistency."""
+    flags, rows, payload = check_block(data, key)
     try:
         table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
     except (pa.ArrowException, OSError) as e:
@@ -196,6 +232,70 @@ class _Counters:
         self._lock = threading.Lock()
 
 
+def _open_read_only(db: str) -> sqlite3.Connection:
+    """A connection that only ever reads ``cache.db``: lookups never write (nor wait for a writer).
+
+    In WAL mode readers are not blocked by writers; only an exclusive lock of another kind makes
+    a read wait, at most READ_TIMEOUT_S. A WAL database in a directory nobody may write (no ``-shm``
+    file can be made next to it) cannot be opened read-only: it is opened immutable, which it is.
+    """
+    uri = "file:" + urllib.parse.quote(db)
+    con = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=READ_TIMEOUT_S, isolation_level=None)
+    try:
+        con.execute("PRAGMA schema_version").fetchone()
+        return con
+    except sqlite3.OperationalError:
+        con.close()
+        if os.access(os.path.dirname(db), os.W_OK):
+            raise
+    return sqlite3.connect(uri + "?immutable=1", uri=True, isolation_level=None)
+
+
+class _Cache(diskcache.Cache):
+    """``diskcache.Cache`` whose set-up statements give up on a locked database after WRITE_TIMEOUT_S
+    (diskcache retries them for 60 s, and the process waits for its writer thread at exit)."""
+
+    @property
+    def _sql_retry(self):
+        sql = self._sql
+
+        def execute(statement, *args, **kwargs):
+            deadline = time.monotonic() + WRITE_TIMEOUT_S
+            while True:
+                try:
+                    return sql(statement, *args, **kwargs)
+                except sqlite3.OperationalError as e:
+                    if str(e) != "database is locked" or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.001)
+
+        return execute
+
+
+def _is_read_only(err: Exception) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return True
+    return isinstance(err, sqlite3.OperationalError) and "readonly" in str(err)
+
+
+class _ProcessState:
+    """What one process holds: SQLite connections and diskcache objects must not cross a fork."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.readers = threading.local()          # a read-only connection per thread
+        self.cache = None                         # the diskcache.Cache writes go through, opened on first write
+        self.toucher = None                       # the writer thread's connection that records hits (LRU)
+        self.writes_off = None                    # why this process never writes (a read-only cache)
+        self.reads_paused_until = self.writes_paused_until = 0.0
+        self.pool = None                          # the writer thread
+        self.slots = threading.BoundedSemaphore(WRITE_BEHIND_BLOCKS)
+        self.pending: set = set()
+        self.touched: list[str] = []
+        self.touch_queued = False
+
+
 class BlockStore:
     """Blocks of one dataset (one namespace) in a diskcache directory."""
 
@@ -204,47 +304,81 @@ class BlockStore:
         self.size_limit_bytes = int(size_limit_bytes)
         self.ns, self.block_rows = ns, block_rows
         self._counters = _Counters()
-        self._cache = None
-        self._pid = None
-        self._open_lock, self._lock_pid = threading.Lock(), os.getpid()
-        self._writer = None      # (pid, executor, in-flight semaphore, pending futures) of this process
+        self._state = None
+        self._state_lock, self._lock_pid = threading.Lock(), os.getpid()
         self._warned_errors = 0
 
-    # ------------------------------------------------------------------ the diskcache, per process
-    def _store(self):
-        pid = os.getpid()
-        if self._cache is not None and self._pid == pid:
-            return self._cache
+    # ------------------------------------------------------------------ per process
+    def _proc(self) -> _ProcessState:
+        st, pid = self._state, os.getpid()
+        if st is not None and st.pid == pid:
+            return st
         if self._lock_pid != pid:               # a lock inherited through fork may be held by a lost thread
-            self._open_lock, self._lock_pid = threading.Lock(), pid
-        with self._open_lock:
-            if self._cache is not None and self._pid == os.getpid():
-                return self._cache
-            if self._cache is not None:         # inherited through fork: leave it alone
-                _INHERITED.append(self._cache)
-            import diskcache
+            self._state_lock, self._lock_pid = threading.Lock(), pid
+        with self._state_lock:
+            if self._state is None or self._state.pid != pid:
+                if self._state is not None:     # inherited through fork: leave it alone
+                    _INHERITED.append(self._state)
+                self._state = _ProcessState()
+            return self._state
 
-            os.makedirs(self.directory, exist_ok=True)
-            self._cache = diskcache.Cache(
-                self.directory, size_limit=self.size_limit_bytes, eviction_policy="least-recently-used",
-                statistics=False, timeout=120)
-            self._pid = os.getpid()
-            return self._cache
+    def _reader(self, st: _ProcessState) -> sqlite3.Connection | None:
+        con = getattr(st.readers, "con", None)
+        if con is None:
+            db = os.path.join(self.directory, DBNAME)
+            if not os.path.exists(db):
+                return None                     # nothing cached yet
+            con = st.readers.con = _open_read_only(db)
+        return con
+
+    def _writer_cache(self, st: _ProcessState):
+        if st.cache is None:
+            with st.lock:
+                if st.cache is None:
+                    os.makedirs(self.directory, exist_ok=True)
+                    # created here so that it follows the umask (SQLite would make it 0644); SQLite gives
+                    # the -wal and -shm files the database's mode
+                    os.close(os.open(os.path.join(self.directory, DBNAME), os.O_WRONLY | os.O_CREAT, 0o666))
+                    cache = _Cache(self.directory, disk=SafeDisk, timeout=WRITE_TIMEOUT_S,
+                                   size_limit=self.size_limit_bytes, eviction_policy="least-recently-used",
+                                   statistics=False)
+                    self._sweep(st)
+                    st.cache = cache
+        return st.cache
+
+    def _sweep(self, st: _ProcessState) -> None:
+        """Remove value files no row refers to (cache.db deleted, killed writes): they would sit outside
+        the size limit for good. Once per process, on its first write."""
+        try:
+            rows = self._reader(st).execute("SELECT filename FROM Cache WHERE filename IS NOT NULL")
+            removed = sweep_orphans(self.directory, {name for (name,) in rows}, ORPHAN_AGE_S)
+        except Exception as e:
+            self._error("removing value files no entry refers to", e)
+            return
+        if removed:
+            log.warning("block cache %s: removed %d value files no entry refers to", self.directory, removed)
+
+    def diskcache(self):
+        """The ``diskcache.Cache`` this process writes through (opened on first use)."""
+        return self._writer_cache(self._proc())
 
     def close(self) -> None:
         self.flush()
-        if self._cache is not None and self._pid == os.getpid():
-            self._cache.close()
-        self._cache = None
+        st = self._state
+        if st is not None and st.pid == os.getpid():
+            for con in (st.cache, st.toucher, getattr(st.readers, "con", None)):
+                if con is not None:
+                    con.close()
+            self._state = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_cache"], state["_pid"], state["_open_lock"], state["_writer"] = None, None, None, None
+        state["_state"], state["_state_lock"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._open_lock, self._lock_pid = threading.Lock(), os.getpid()
+        self._state_lock, self._lock_pid = threading.Lock(), os.getpid()
 
     # ------------------------------------------------------------------ blocks
     def key(self, shard: int, block: int) -> str:
@@ -257,109 +391,218 @@ class BlockStore:
             log.warning("block cache %s: %s failed (%s: %s); reading from the source instead%s", self.directory,
                         what, type(err).__name__, err, "" if self._warned_errors < 5 else " (further errors not shown)")
 
+    def _lookup(self, st: _ProcessState, key: str) -> bytes | None:
+        """The stored bytes of ``key`` (None if absent); UnsafeEntry for a row that is not raw bytes in the directory."""
+        con = self._reader(st)
+        if con is None:
+            return None
+        try:
+            row = con.execute(_SELECT, (key,)).fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):        # cache.db being created
+                return None
+            raise
+        if row is None:
+            return None
+        try:
+            return read_value(self.directory, *row)
+        except FileNotFoundError:               # evicted between the row and its file
+            return None
+
     def get(self, shard: int, block: int, where: str = "") -> tuple[pa.Table, bool] | None:
-        """(table, last) of a cached block, or None (a miss; a corrupt entry is dropped and is a miss)."""
+        """(table, last) of a cached block, or None: a miss, an unreachable cache (counted ``unavailable``)
+        or a corrupt / unsafe entry (dropped, and a miss)."""
+        st = self._proc()
+        if time.monotonic() < st.reads_paused_until:
+            self._counters.add(unavailable=1)
+            return None
         key = self.key(shard, block)
         try:
-            data = self._store().get(key)
-        except Exception as e:
+            data = self._lookup(st, key)
+            hit = None if data is None else decode_block(data, key)
+        except (UnsafeEntry, CorruptBlock) as e:
+            self._drop(st, shard, block, where, e)
+            hit = None
+        except Exception as e:                  # locked, unreadable: skip the cache a while, read the source
+            st.reads_paused_until = time.monotonic() + RETRY_AFTER_S
             self._error("a lookup", e)
-            data = None
-        if data is None:
+            self._counters.add(unavailable=1)
+            return None
+        if hit is None:
             self._counters.add(misses=1)
             return None
-        try:
-            table, last = decode_block(data)
-        except CorruptBlock as e:
-            self._corrupt(shard, block, where, e)
-            try:
-                self._store().delete(key)
-            except Exception as err:
-                self._error("dropping a corrupt block", err)
-            self._counters.add(misses=1)
-            return None
-        self._counters.add(hits=1, bytes_read=len(data), rows_read=table.num_rows)
-        return table, last
+        self._counters.add(hits=1, bytes_read=len(data), rows_read=hit[0].num_rows)
+        self._touch_behind(st, key)
+        return hit
 
     def contains(self, shard: int, block: int) -> bool:
-        return self.key(shard, block) in self._store()
+        st = self._proc()
+        try:
+            con = self._reader(st)
+            return con is not None and con.execute(_SELECT, (self.key(shard, block),)).fetchone() is not None
+        except sqlite3.Error as e:
+            self._error("a lookup", e)
+            return False
 
     def _corrupt(self, shard: int, block: int, where: str, err: Exception) -> None:
         log.warning("block cache %s: block %d of shard %d%s is corrupt (%s); dropped, reading it again from "
                     "the source", self.directory, block, shard, f" ({where})" if where else "", err)
         self._counters.add(corrupt=1)
 
+    def _drop(self, st: _ProcessState, shard: int, block: int, where: str, err: Exception) -> None:
+        """Warn, and delete the entry on the writer thread (its file only if inside the directory)."""
+        self._corrupt(shard, block, where, err)
+        key = self.key(shard, block)
+
+        def delete():
+            if self._may_write(st):
+                try:
+                    self._writer_cache(st).delete(key)
+                except Exception as e:
+                    self._write_failed(st, "dropping a corrupt block", e)
+
+        self._behind(st, delete)
+
+    def _may_write(self, st: _ProcessState) -> bool:
+        return st.writes_off is None and time.monotonic() >= st.writes_paused_until
+
+    def _write_failed(self, st: _ProcessState, what: str, err: Exception) -> None:
+        if _is_read_only(err):
+            if st.writes_off is None:
+                st.writes_off = f"{type(err).__name__}: {err}"
+                log.warning("block cache %s is read-only (%s): serving the blocks it holds, caching no new ones",
+                            self.directory, st.writes_off)
+        else:
+            st.writes_paused_until = time.monotonic() + RETRY_AFTER_S
+            self._error(what, err)
+
     def put(self, shard: int, block: int, table: pa.Table, last: bool, where: str = "") -> int:
-        """Store a block unless a sound copy is already there; returns the bytes written (0 if present).
+        """Store a block unless a sound copy is already there; returns the bytes written (0 if present or
+        not written: a read-only, locked or full cache is skipped, counted in ``writes_skipped``).
 
         An entry already there is checked (header and checksum) and replaced if it is corrupt.
         """
+        st = self._proc()
+        if not self._may_write(st):
+            self._counters.add(writes_skipped=1)
+            return 0
         key = self.key(shard, block)
-        cache = self._store()
-        if key in cache:
-            existing = cache.get(key)
+        try:
+            existing = self._lookup(st, key)
             if existing is not None:
-                try:
-                    check_block(existing)
-                    return 0
-                except CorruptBlock as e:
-                    self._corrupt(shard, block, where, e)
-        parts = encode_block_parts(table, last)
-        # as a file object: diskcache writes it to a file in 4 MiB pieces with no copy (given bytes, it
-        # would iterate them line by line) and reads it back as bytes
-        cache.set(key, _PartsReader(*parts), read=True)
+                check_block(existing, key)
+                return 0
+        except (UnsafeEntry, CorruptBlock) as e:
+            self._corrupt(shard, block, where, e)
+        except Exception:                       # unreadable just now: write it anyway
+            pass
+        parts = encode_block_parts(table, last, key)
+        try:
+            cache = self._writer_cache(st)
+            try:
+                # as a file object: diskcache writes it to a file in 4 MiB pieces with no copy (given bytes,
+                # it would iterate them line by line)
+                cache.set(key, _PartsReader(*parts), read=True)
+            except BaseException:
+                cache.disk.remove_last_write()  # its row was not committed: the file would be an orphan
+                raise
+        except Exception as e:
+            self._write_failed(st, "writing a block", e)
+            self._counters.add(writes_skipped=1)
+            return 0
         size = sum(memoryview(p).nbytes for p in parts)
         self._counters.add(bytes_written=size, blocks_written=1)
         return size
 
     # ------------------------------------------------------------------ writing behind the reader
-    def _writer_of_this_process(self):
-        w = self._writer
-        if w is None or w[0] != os.getpid():   # none yet, or inherited through fork (its thread is gone)
+    def _behind(self, st: _ProcessState, job) -> None:
+        """Run ``job`` on this process's writer thread (pending jobs finish before the process exits)."""
+        if st.pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            w = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="rs-cache-writer"),
-                 threading.BoundedSemaphore(WRITE_BEHIND_BLOCKS), set())
-            self._writer = w
-        return w
+            with st.lock:
+                if st.pool is None:
+                    st.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rs-cache-writer")
+        try:
+            fut = st.pool.submit(job)
+        except RuntimeError:          # interpreter shutting down: run it here
+            job()
+            return
+        st.pending.add(fut)
+        fut.add_done_callback(st.pending.discard)
 
     def put_behind(self, shard: int, block: int, table: pa.Table, last: bool, where: str = "") -> None:
-        """``put`` on a writer thread, so the reader does not wait for the disk (at most
-        ``WRITE_BEHIND_BLOCKS`` blocks in flight). Pending writes finish before the process exits."""
-        _, pool, slots, pending = self._writer_of_this_process()
-        slots.acquire()
+        """``put`` on the writer thread, so the reader does not wait for the disk (at most
+        ``WRITE_BEHIND_BLOCKS`` blocks in flight; a writer stuck longer than SLOT_WAIT_S is skipped)."""
+        st = self._proc()
+        if not self._may_write(st):
+            self._counters.add(writes_skipped=1)
+            return
+        if not st.slots.acquire(timeout=SLOT_WAIT_S):
+            st.writes_paused_until = time.monotonic() + RETRY_AFTER_S
+            self._counters.add(writes_skipped=1)
+            return
 
         def write():
             try:
                 self.put(shard, block, table, last, where)
             except Exception as e:
                 self._error("writing a block", e)
+            finally:
+                st.slots.release()
 
-        try:
-            fut = pool.submit(write)
-        except RuntimeError:          # interpreter shutting down: write here
-            slots.release()
-            write()
+        self._behind(st, write)
+
+    def _touch_behind(self, st: _ProcessState, key: str) -> None:
+        """Record a hit's access time on the writer thread (the LRU order), hits batched."""
+        with st.lock:
+            st.touched.append(key)
+            if st.touch_queued:
+                return
+            st.touch_queued = True
+        self._behind(st, lambda: self._touch(st))
+
+    def _touch(self, st: _ProcessState) -> None:
+        with st.lock:
+            keys, st.touched, st.touch_queued = st.touched, [], False
+        if not self._may_write(st):
             return
-        pending.add(fut)
-
-        def done(f):
-            pending.discard(f)
-            slots.release()
-
-        fut.add_done_callback(done)
+        try:
+            if st.toucher is None:
+                self._writer_cache(st)            # the database exists and follows the umask
+                st.toucher = sqlite3.connect(os.path.join(self.directory, DBNAME), timeout=WRITE_TIMEOUT_S,
+                                             isolation_level=None)
+            now = time.time()
+            st.toucher.execute("BEGIN IMMEDIATE")
+            try:
+                st.toucher.executemany(_TOUCH, [(now, k) for k in keys])
+                st.toucher.execute("COMMIT")
+            except BaseException:
+                st.toucher.execute("ROLLBACK")
+                raise
+        except Exception as e:
+            self._write_failed(st, "recording cache hits", e)
 
     def flush(self) -> None:
         """Wait until the blocks handed to :meth:`put_behind` by this process are written."""
-        w = self._writer
-        if w is None or w[0] != os.getpid():
+        st = self._state
+        if st is None or st.pid != os.getpid():
             return
         from concurrent.futures import wait
 
-        wait(list(w[3]))
+        while st.pending:
+            wait(list(st.pending))
 
     def count(self, **deltas: int) -> None:
         self._counters.add(**deltas)
+
+    def _volume(self) -> int | None:
+        con = self._reader(self._proc())
+        if con is None:
+            return 0
+        (page_size,), (page_count,) = con.execute("PRAGMA page_size"), con.execute("PRAGMA page_count")
+        row = con.execute("SELECT value FROM Settings WHERE key = 'size'").fetchone()
+        return int(page_size * page_count + (row[0] if row else 0))
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process and the DataLoader workers it started, plus the cache's size on disk."""
@@ -367,7 +610,7 @@ class BlockStore:
         lookups = s["hits"] + s["misses"]
         s["hit_rate"] = round(s["hits"] / lookups, 4) if lookups else None
         try:
-            s["cache_bytes"] = int(self._store().volume())
+            s["cache_bytes"] = self._volume()
         except Exception:   # a stats call must never break training
             s["cache_bytes"] = None
         s["size_limit_bytes"] = self.size_limit_bytes
