@@ -35,6 +35,7 @@ import threading
 import time
 import urllib.parse
 import zlib
+from contextlib import closing
 from typing import Any
 
 import diskcache
@@ -272,6 +273,14 @@ class _Cache(diskcache.Cache):
         return execute
 
 
+def _probe_write_lock(db: str) -> None:
+    """Raise (within WRITE_TIMEOUT_S) if another connection holds cache.db's write lock: diskcache's
+    set-up retries its PRAGMA statements on a locked database for 60 s."""
+    with closing(sqlite3.connect(db, timeout=WRITE_TIMEOUT_S, isolation_level=None)) as con:
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("ROLLBACK")
+
+
 def _is_read_only(err: Exception) -> bool:
     if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return True
@@ -338,7 +347,9 @@ class BlockStore:
                     os.makedirs(self.directory, exist_ok=True)
                     # created here so that it follows the umask (SQLite would make it 0644); SQLite gives
                     # the -wal and -shm files the database's mode
-                    os.close(os.open(os.path.join(self.directory, DBNAME), os.O_WRONLY | os.O_CREAT, 0o666))
+                    db = os.path.join(self.directory, DBNAME)
+                    os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o666))
+                    _probe_write_lock(db)
                     cache = _Cache(self.directory, disk=SafeDisk, timeout=WRITE_TIMEOUT_S,
                                    size_limit=self.size_limit_bytes, eviction_policy="least-recently-used",
                                    statistics=False)
@@ -363,13 +374,24 @@ class BlockStore:
         return self._writer_cache(self._proc())
 
     def close(self) -> None:
+        """Finish pending writes and close this process's connections (the writer thread's too)."""
         self.flush()
         st = self._state
-        if st is not None and st.pid == os.getpid():
-            for con in (st.cache, st.toucher, getattr(st.readers, "con", None)):
+        if st is None or st.pid != os.getpid():
+            return
+        def close_this_thread():               # diskcache and the readers hold a connection per thread
+            for con in (st.cache, getattr(st.readers, "con", None)):
                 if con is not None:
                     con.close()
-            self._state = None
+            st.readers.con = None
+
+        if st.pool is not None:
+            st.pool.submit(close_this_thread)
+            st.pool.shutdown(wait=True)
+        close_this_thread()
+        if st.toucher is not None:
+            st.toucher.close()
+        self._state = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -571,7 +593,7 @@ class BlockStore:
             if st.toucher is None:
                 self._writer_cache(st)            # the database exists and follows the umask
                 st.toucher = sqlite3.connect(os.path.join(self.directory, DBNAME), timeout=WRITE_TIMEOUT_S,
-                                             isolation_level=None)
+                                             isolation_level=None, check_same_thread=False)
             now = time.time()
             st.toucher.execute("BEGIN IMMEDIATE")
             try:
