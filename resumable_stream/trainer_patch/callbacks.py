@@ -149,7 +149,8 @@ class CacheStatsCallback(TrainerCallback):
     def fields(self) -> dict:
         s = self.stats_of()
         return {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_hit_rate": s["hit_rate"],
-                "cache_corrupt": s["corrupt"], "cache_bytes_read": s["bytes_read"],
+                "cache_corrupt": s["corrupt"], "cache_unavailable": s["unavailable"],
+                "cache_writes_skipped": s["writes_skipped"], "cache_bytes_read": s["bytes_read"],
                 "cache_bytes_written": s["bytes_written"], "cache_size_bytes": s["cache_bytes"]}
 
     def _emit(self, step: int) -> None:
