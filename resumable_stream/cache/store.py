@@ -1,24 +1,31 @@
-"""The block store: Arrow IPC blocks with a checksum in a ``diskcache`` directory shared by a node.
+"""The block store: Arrow IPC blocks bound to their key, in a ``diskcache`` directory shared by a node.
 
 A *block* is ``block_rows`` consecutive rows of one shard (block *b* holds rows
 ``[b * block_rows, (b + 1) * block_rows)``; the shard's last block may be shorter, and is marked
 *last* so that a fully cached shard is read without asking the source anything).
 
 Keys are ``"<namespace>/<shard>/<block>"`` where the namespace is a digest of the dataset
-fingerprint (files with sizes / versions, split, builder...) and the block size, so a changed
-file or another block size never meets an old entry. Values are raw bytes (diskcache stores
-``bytes`` without pickling): a fixed header (magic, flags, rows, payload length, CRC-32)
-followed by the Arrow IPC stream of the block. A value that fails any check is dropped with a
-warning and the block is fetched again.
+fingerprint (files with sizes / versions, split, builder...), the block size and the block format,
+so a changed file, another block size or an older format never meets an old entry. Values are raw
+bytes: a fixed header (magic, flags, rows, payload length, digest of the key, CRC-32 over the
+header's fields and the payload) followed by the Arrow IPC stream of the block. A value that fails
+any check (a block moved under another key included) is dropped with a warning and fetched again.
 
-Every process (rank, DataLoader worker, warmup thread pool) opens the diskcache itself, lazily
+``cache.db`` is not trusted (see :mod:`.disk`): lookups read the row themselves on a read-only
+SQLite connection (never through diskcache's ``get``, which unpickles and writes), take only raw
+bytes inside the directory, and give up on a locked database after READ_TIMEOUT_S. Writes go
+through ``diskcache.Cache`` with :class:`~.disk.SafeDisk`; a read-only, locked or full cache skips
+them (counted), it never stops reading.
+
+Every process (rank, DataLoader worker, warmup thread pool) opens its connections itself, lazily
 and again after a fork: SQLite connections must not cross a fork. diskcache's SQLite (WAL) and
 its file writes are safe between processes and threads, so one directory serves a whole node.
 Counters (hits, misses, bytes...) live in shared memory created by the process that made the
 store, so DataLoader workers' reads show up in the main process's :meth:`BlockStore.stats`.
 Blocks read from the source are written by one background thread per process
-(:meth:`BlockStore.put_behind`), so a cold read does not wait for the disk; pending writes
-finish before the process exits, and :meth:`BlockStore.flush` waits for them.
+(:meth:`BlockStore.put_behind`), which also records hits for the LRU order, so a read does not
+wait for the disk; pending writes finish before the process exits, and :meth:`BlockStore.flush`
+waits for them.
 """
 
 from __future__ import annotations
@@ -252,30 +259,9 @@ def _open_read_only(db: str) -> sqlite3.Connection:
     return sqlite3.connect(uri + "?immutable=1", uri=True, isolation_level=None)
 
 
-class _Cache(diskcache.Cache):
-    """``diskcache.Cache`` whose set-up statements give up on a locked database after WRITE_TIMEOUT_S
-    (diskcache retries them for 60 s, and the process waits for its writer thread at exit)."""
-
-    @property
-    def _sql_retry(self):
-        sql = self._sql
-
-        def execute(statement, *args, **kwargs):
-            deadline = time.monotonic() + WRITE_TIMEOUT_S
-            while True:
-                try:
-                    return sql(statement, *args, **kwargs)
-                except sqlite3.OperationalError as e:
-                    if str(e) != "database is locked" or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.001)
-
-        return execute
-
-
 def _probe_write_lock(db: str) -> None:
-    """Raise (within WRITE_TIMEOUT_S) if another connection holds cache.db's write lock: diskcache's
-    set-up retries its PRAGMA statements on a locked database for 60 s."""
+    """Raise (within WRITE_TIMEOUT_S) if another connection holds cache.db's write lock: opening a
+    ``diskcache.Cache`` retries its set-up statements on a locked database for 60 s."""
     with closing(sqlite3.connect(db, timeout=WRITE_TIMEOUT_S, isolation_level=None)) as con:
         con.execute("BEGIN IMMEDIATE")
         con.execute("ROLLBACK")
@@ -292,7 +278,8 @@ class _ProcessState:
 
     def __init__(self):
         self.pid = os.getpid()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()              # held briefly (the reader takes it)
+        self.open_lock = threading.Lock()         # held while opening the diskcache (seconds at worst)
         self.readers = threading.local()          # a read-only connection per thread
         self.cache = None                         # the diskcache.Cache writes go through, opened on first write
         self.toucher = None                       # the writer thread's connection that records hits (LRU)
@@ -342,7 +329,7 @@ class BlockStore:
 
     def _writer_cache(self, st: _ProcessState):
         if st.cache is None:
-            with st.lock:
+            with st.open_lock:
                 if st.cache is None:
                     os.makedirs(self.directory, exist_ok=True)
                     # created here so that it follows the umask (SQLite would make it 0644); SQLite gives
@@ -350,9 +337,9 @@ class BlockStore:
                     db = os.path.join(self.directory, DBNAME)
                     os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o666))
                     _probe_write_lock(db)
-                    cache = _Cache(self.directory, disk=SafeDisk, timeout=WRITE_TIMEOUT_S,
-                                   size_limit=self.size_limit_bytes, eviction_policy="least-recently-used",
-                                   statistics=False)
+                    cache = diskcache.Cache(self.directory, disk=SafeDisk, timeout=WRITE_TIMEOUT_S,
+                                            size_limit=self.size_limit_bytes,
+                                            eviction_policy="least-recently-used", statistics=False)
                     self._sweep(st)
                     st.cache = cache
         return st.cache
@@ -386,7 +373,10 @@ class BlockStore:
             st.readers.con = None
 
         if st.pool is not None:
-            st.pool.submit(close_this_thread)
+            try:
+                st.pool.submit(close_this_thread)
+            except RuntimeError:                # interpreter shutting down: its connections go with it
+                pass
             st.pool.shutdown(wait=True)
         close_this_thread()
         if st.toucher is not None:
