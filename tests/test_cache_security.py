@@ -292,6 +292,7 @@ def test_a_read_only_cache_serves_its_blocks(tmp_path):
 
 
 def test_a_full_cache_leaves_no_partial_files_and_keeps_serving(tmp_path):
+    """The cache's files may not grow past 2 MB (RLIMIT_FSIZE: writes fail half way, as on a full disk)."""
     d = str(tmp_path / "c")
     out, err = _child("full", d, [0, 1, 2, 3])      # shard 1's blocks do not fit
     s = out["stats"]
@@ -301,6 +302,26 @@ def test_a_full_cache_leaves_no_partial_files_and_keeps_serving(tmp_path):
     out, _ = _child("again", d, [0, 1, 2, 3])       # the disk has room again
     s = out["stats"]
     assert s["hits"] == 4 and s["misses"] == 3 and s["blocks_written"] == 12 and s["writes_skipped"] == 0
+
+
+def test_a_full_filesystem_leaves_no_partial_files_and_keeps_serving(tmp_path):
+    """The same on a real 3 MB filesystem (a tmpfs; mounting one needs CAP_SYS_ADMIN)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        d = str(mnt / "c")
+        for _ in range(2):                          # the second time, lookups still serve what fitted
+            out, err = _child("plain", d, [0, 1, 2, 3])
+            s = out["stats"]
+            assert s["blocks_written"] + s["hits"] == 4 and s["writes_skipped"] > 0
+            assert "No space left on device" in err or "full" in err
+            assert _value_files(d) == {name for mode, name in _rows(d).values() if name}
+        assert s["hits"] == 4
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_value_files_of_a_deleted_database_are_removed(cfg, reference, tmp_path):
