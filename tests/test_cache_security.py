@@ -24,6 +24,7 @@ from helpers import parquet_config, shared_source, take_ids
 
 from resumable_stream import ResumableStream
 from resumable_stream.cache import CachedSource
+from resumable_stream.cache.disk import SafeDisk, UnsafeEntry, read_value
 from resumable_stream.cache.store import ORPHAN_AGE_S
 
 pytestmark = pytest.mark.timeout(90)
@@ -136,6 +137,33 @@ def test_a_trigger_that_turns_new_rows_into_pickles_runs_nothing(cfg, reference,
     s = warm.stats()
     assert s["hits"] == 0 and s["corrupt"] >= s["misses"] > 0     # planted rows are also met when writing
     assert len(_messages(caplog, "diskcache mode 4")) == s["corrupt"]
+
+
+def test_only_raw_bytes_inside_the_directory_are_read(tmp_path):
+    """The row-level rules on their own: every diskcache mode but raw bytes is refused, and so is every
+    file name that leaves the directory, however it is spelled."""
+    root = tmp_path / "c"
+    (root / "ab" / "cd").mkdir(parents=True)
+    (root / "ab" / "cd" / "x.val").write_bytes(b"block")
+    (tmp_path / "outside.val").write_bytes(b"secret")
+    os.symlink(tmp_path, root / "ab" / "up")                   # a directory link leading out
+    assert read_value(str(root), 1, None, b"raw") == b"raw"
+    assert read_value(str(root), 2, "ab/cd/x.val", None) == b"block"
+    assert read_value(str(root), 2, "ab/../ab/cd/x.val", None) == b"block"
+    for mode, name, value in [(4, None, pickle.dumps(1)), (4, "ab/cd/x.val", None), (3, "ab/cd/x.val", None),
+                              (0, None, b"x"), (1, None, "text"), (2, "../outside.val", None),
+                              (2, str(tmp_path / "outside.val"), None), (2, "ab/up/outside.val", None),
+                              (2, "", None), (2, ".", None), (2, None, None), (2, "ab/cd/x.val", b"both")]:
+        with pytest.raises(UnsafeEntry):
+            read_value(str(root), mode, name, value)
+    disk = SafeDisk(str(root))
+    with pytest.raises(TypeError):
+        disk.store({"a": 1}, False)                            # would be pickled by diskcache
+    with pytest.raises(UnsafeEntry):
+        disk.fetch(4, None, pickle.dumps(1), False)
+    disk.remove("../outside.val")
+    disk.remove("ab/up/outside.val")
+    assert (tmp_path / "outside.val").exists()
 
 
 # ------------------------------------------------------------------------------ no path outside cache_dir
