@@ -393,3 +393,31 @@ def test_files_follow_the_umask(cfg, reference, tmp_path, umask):
     assert "cache.db-wal" in db_files and len(modes) > 5
     assert set(modes.values()) == {0o666 & ~umask}, modes
     assert dirs == {0o777 & ~umask}
+
+
+# ------------------------------------------------------------------------------ LRU without writing lookups
+def test_hits_keep_blocks_in_the_lru_order(tmp_path):
+    """Lookups never write; the writer thread records hits, so recently read blocks outlive unread ones."""
+    import diskcache
+    import pyarrow as pa
+
+    from resumable_stream.cache.store import BlockStore
+
+    d = str(tmp_path / "c")
+    diskcache.Cache(d, cull_limit=1).close()           # evict one block per write past the limit
+    table = pa.table({"id": list(range(2000)), "text": ["some words here"] * 2000})
+    store = BlockStore(d, 2**30, "ns", 2000)
+    for b in range(10):
+        assert store.put(0, b, table, False) > 0
+    for b in range(5):                                  # read blocks 0-4 again
+        assert store.get(0, b) is not None
+    store.flush()
+    full = store.stats()["cache_bytes"]
+    assert full == store.diskcache().volume() > 10 * 2000
+    store.close()
+    small = BlockStore(d, full, "ns", 2000)             # at the limit: each new block evicts one
+    for b in range(10, 15):
+        small.put(0, b, table, False)
+    small.flush()
+    kept = {b for b in range(15) if small.contains(0, b)}
+    assert kept == set(range(5)) | set(range(10, 15))

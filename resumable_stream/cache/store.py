@@ -612,9 +612,10 @@ class BlockStore:
         con = self._reader(self._proc())
         if con is None:
             return 0
-        (page_size,), (page_count,) = con.execute("PRAGMA page_size"), con.execute("PRAGMA page_count")
+        page_size = con.execute("PRAGMA page_size").fetchone()[0]
+        page_count = con.execute("PRAGMA page_count").fetchone()[0]
         row = con.execute("SELECT value FROM Settings WHERE key = 'size'").fetchone()
-        return int(page_size * page_count + (row[0] if row else 0))
+        return int(page_size * page_count + (row[0] if row else 0))     # what diskcache's volume() counts
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process and the DataLoader workers it started, plus the cache's size on disk."""
