@@ -164,3 +164,14 @@ def test_wrong_text_column_is_a_config_error(tmp_path):
     cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(text_column="txt"), cfg.train, cfg.path)
     with pytest.raises(ConfigError, match="data.text_column: got 'txt'; the dataset's columns are: id, text, label"):
         build_trainer(cfg)
+
+
+def test_patched_trainer_refuses_data_loading_arguments_it_would_ignore(tmp_path):
+    """A user's own Trainer (patch_trainer) gets the same check as the yaml: accelerate's dispatch_batches
+    would have rank 0 read for everyone, but the StreamLoader is never prepared by accelerate."""
+    from resumable_stream import ConfigError
+
+    trainer = build_trainer(_config(tmp_path))
+    trainer.args.accelerator_config.dispatch_batches = True
+    with pytest.raises(ConfigError, match="TrainingArguments.accelerator_config.dispatch_batches: got True"):
+        trainer.get_train_dataloader()

@@ -118,9 +118,11 @@ class TrainerConfig:
 
         values = {**_DEFAULTS, **self.train, **overrides, **_FORCED}
         try:
-            return TrainingArguments(**values)
+            args = TrainingArguments(**values)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
+        check_data_arguments(args)
+        return args
 
 
 def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
@@ -166,6 +168,44 @@ def _check_train(train: dict[str, Any]) -> None:
         v = train.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ConfigError(f"train.{key}: got {v!r}; allowed: an integer > 0")
+    strategy = train.get("eval_strategy", "no")
+    if strategy != "no" or train.get("eval_on_start") or train.get("do_eval"):
+        key = "eval_strategy" if strategy != "no" else "eval_on_start" if train.get("eval_on_start") else "do_eval"
+        raise ConfigError(f"train.{key}: got {train[key]!r}; evaluation is not supported by resumable-stream "
+                          "train (there is no eval data section); leave eval_strategy at 'no'")
     workers = train.get("dataloader_num_workers")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")
+
+
+# Settings of the Trainer's own data loading. Our StreamLoader replaces that loading (it is never
+# passed to accelerate's prepare()), so these would have no effect; the ones of accelerator_config
+# would otherwise change which rank reads what (dispatch_batches: rank 0 reads every batch and sends
+# slices; split_batches: a batch is cut across the ranks; even_batches / use_seedable_sampler: samplers).
+_NO_EFFECT = {
+    "accelerator_config.split_batches": (False, "the stream deals whole batches to every rank"),
+    "accelerator_config.dispatch_batches": (None, "every rank reads its own partitions; nothing is dispatched "
+                                                  "from rank 0"),
+    "accelerator_config.even_batches": (True, "the ranks' partitions are balanced by the plan, not by "
+                                              "repeating samples"),
+    "accelerator_config.use_seedable_sampler": (True, "there is no sampler; the order comes from "
+                                                      "data.shuffle_seed"),
+    "accelerator_config.non_blocking": (False, "batches are not moved by accelerate's data loader"),
+    "data_seed": (None, "the order comes from data.shuffle_seed"),
+    "dataloader_drop_last": (False, "the stream is endless; training length is max_steps"),
+    "dataloader_persistent_workers": (False, "the StreamLoader manages its workers"),
+    "train_sampling_strategy": ("random", "there is no sampler; set data.shuffle"),
+}
+
+
+def check_data_arguments(args, section: str = "train") -> None:
+    """Refuse TrainingArguments that the Trainer's data loading would use but ours does not."""
+    for key, (default, why) in _NO_EFFECT.items():
+        owner, _, name = key.rpartition(".")
+        holder = getattr(args, owner) if owner else args
+        if holder is None or not hasattr(holder, name):   # fields of other transformers versions
+            continue
+        value = getattr(holder, name)
+        if value != default:
+            raise ConfigError(f"{section}.{key}: got {value!r}; not supported with a resumable stream ({why}); "
+                              f"leave it at {default!r}")

@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
 from ..stream import ResumableStream
 from .checkpoints import check_complete, latest_complete_checkpoint, save_stream_state
+from .config import check_data_arguments
 
 _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _get_train_dataloader(original):
             return original(self)
         ts: TrainingStream = self.train_dataset
         args = self.args
+        check_data_arguments(args, section="TrainingArguments")
         if ts.stream.num_workers != args.dataloader_num_workers:
             raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
                               f"created for {ts.stream.num_workers} workers; they must match")

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from ..devices import detect_device
+from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
 from ..mixture import MixtureStream, open_stream
 from .callbacks import (
@@ -157,11 +157,10 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     from ..transforms.text import TextProcessor, collate
     from ..transforms.vl import VLProcessor, collate_vl
 
-    device = detect_device()
-    overrides = dict(argument_overrides)
-    if "ddp_backend" not in cfg.train and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        overrides["ddp_backend"] = device.backend
-    args = cfg.training_arguments(**overrides)
+    requested = {**cfg.train, **argument_overrides}
+    kind = "cpu" if requested.get("use_cpu") else detect_device().kind
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = cfg.training_arguments(**data_parallel_arguments(kind, world_size, requested), **argument_overrides)
     vl = cfg.transform.format == "vl"
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
