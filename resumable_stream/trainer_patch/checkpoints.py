@@ -61,6 +61,16 @@ def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
     return removed
 
 
+def resume_latest(output_dir: str, is_main: bool, barrier) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (None: start afresh); rank 0 first removes the
+    newer ones a kill cut short, so that the run writes its next checkpoints into clean directories."""
+    latest = latest_complete_checkpoint(output_dir)
+    if is_main:
+        remove_incomplete_after(output_dir, latest)
+    barrier()
+    return latest
+
+
 def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, barrier) -> None:
     """Every rank writes its sidecar; after a barrier rank 0 writes the manifest that completes the checkpoint."""
     state_dir = os.path.join(checkpoint, STATE_DIR)

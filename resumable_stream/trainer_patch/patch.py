@@ -33,7 +33,7 @@ import torch.utils.data
 from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
 from ..stream import ResumableStream
-from .checkpoints import check_complete, latest_complete_checkpoint, save_stream_state
+from .checkpoints import check_complete, resume_latest, save_stream_state
 from .config import check_data_arguments
 
 _PATCHED = "_resumable_stream_patched"
@@ -109,7 +109,8 @@ def _train(original):
         if not _uses_stream(self):
             return original(self, resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            # as `resumable-stream train` does: the newest complete checkpoint, the cut-short ones removed
+            resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, _barrier)
         elif resume_from_checkpoint:
             check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
         self._rs_resume_checkpoint = resume_from_checkpoint or None
@@ -127,16 +128,28 @@ def _train(original):
 
 
 @contextlib.contextmanager
-def _rotation_deferred():
+def _rotation_deferred(trainer):
+    """Hold back the Trainer's checkpoint rotation until the stream state completes the new checkpoint.
+
+    Rotation is ``transformers.trainer.rotate_checkpoints`` in recent transformers and the method
+    ``Trainer._rotate_checkpoints`` in older ones (4.x)."""
     import transformers.trainer as trainer_module
 
-    real = trainer_module.rotate_checkpoints
+    if hasattr(trainer_module, "rotate_checkpoints"):
+        owner, name = trainer_module, "rotate_checkpoints"
+    else:
+        owner, name = trainer, "_rotate_checkpoints"   # an instance attribute shadows the method
+    shadowed = name in vars(owner)
+    real = getattr(owner, name)
     calls = []
-    trainer_module.rotate_checkpoints = lambda *a, **k: calls.append((a, k))
+    setattr(owner, name, lambda *a, **k: calls.append((a, k)))
     try:
         yield calls
     finally:
-        trainer_module.rotate_checkpoints = real
+        if shadowed:
+            setattr(owner, name, real)
+        else:
+            delattr(owner, name)
     for a, k in calls:
         real(*a, **k)
 
@@ -146,7 +159,7 @@ def _save_checkpoint(original):
     def _save_checkpoint(self, model, trial):
         if not _uses_stream(self) or getattr(self, "_rs_loader", None) is None:
             return original(self, model, trial)
-        with _rotation_deferred():
+        with _rotation_deferred(self):
             original(self, model, trial)
             checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             save_stream_state(self._rs_loader, checkpoint, self.args.world_size, self.args.process_index == 0,

@@ -25,9 +25,9 @@ from .callbacks import (
     TrainLogCallback,
     transform_stats,
 )
-from .checkpoints import check_complete, latest_complete_checkpoint, remove_incomplete_after
+from .checkpoints import check_complete, resume_latest
 from .config import TrainerConfig
-from .patch import TrainingStream, patch_trainer
+from .patch import TrainingStream, _barrier, patch_trainer
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,7 @@ def resolve_resume(cfg: TrainerConfig, trainer) -> str | None:
     if explicit:
         check_complete(explicit)
         return explicit
-    latest = latest_complete_checkpoint(trainer.args.output_dir)
-    if trainer.args.process_index == 0:
-        remove_incomplete_after(trainer.args.output_dir, latest)
-    return latest
+    return resume_latest(trainer.args.output_dir, trainer.args.process_index == 0, _barrier)
 
 
 def _die_with_launcher() -> None:
