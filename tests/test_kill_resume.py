@@ -14,6 +14,7 @@ still depends on timing, so the message also says where it landed and which chec
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -297,9 +298,15 @@ def test_sigkill_torchrun_two_ranks_resumes_exactly(procs, refs, tmp_path, name)
 
 
 def test_torchrun_two_ranks_sft_trains_one_model(procs, tmp_path):
-    """format messages (examples/tiny/train_sft.yaml) on 2 gloo ranks: one model, the logged loss the ranks' mean."""
+    """format messages (examples/tiny/train_sft.yaml) on 2 gloo ranks: one model, the logged loss the ranks'
+    mean; data.eval evaluated on both ranks (each its own share of num_samples) at steps 3 and 6."""
+    sft = os.path.join(TINY, "data_sft", "*.parquet")
     config, out = write_config(str(tmp_path), "sft", max_steps=6, save_steps=6, template="train_sft.yaml",
-                               data={"data_files": os.path.join(TINY, "data_sft", "*.parquet")})
+                               data={"data_files": sft, "eval": {"data_files": sft, "num_samples": 16}},
+                               eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
     procs.start(config, "sft", nproc=2).wait_ok()
     assert sorted(train_losses(out)) == list(range(1, 7))
     assert_data_parallel(out, 2)
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as f:
+        evals = {r["step"]: r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r}
+    assert sorted(evals) == [3, 6] and evals[3] != evals[6], evals

@@ -229,6 +229,8 @@ def train_losses(out: str) -> dict[int, float]:
     """step -> loss from ``train_log.jsonl``; a step logged twice is an error (the restart must truncate)."""
     losses: dict[int, float] = {}
     for rec in _jsonl(os.path.join(out, "train_log.jsonl")):
+        if "loss" not in rec:   # an evaluation's line (eval_loss)
+            continue
         assert rec["step"] not in losses, f"step {rec['step']} logged twice in {out}/train_log.jsonl"
         losses[rec["step"]] = rec["loss"]
     return losses

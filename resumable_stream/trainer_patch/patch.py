@@ -16,6 +16,8 @@ When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
 * writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
   then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint).
 
+An :class:`EvalStream` as ``eval_dataset`` is evaluated over the same fixed samples every time.
+
 Any other ``train_dataset`` goes through the Trainer's own code unchanged.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -53,6 +56,51 @@ class TrainingStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         raise TypeError("TrainingStream is read through the patched Trainer's StreamLoader; call patch_trainer() "
                         "before creating the Trainer")
+
+
+class EvalStream(torch.utils.data.IterableDataset):
+    """What to hand the Trainer as ``eval_dataset``: a finite validation pass over the first ``num_samples``
+    training examples (packed blocks with packing) of ``stream``, over all ranks, the same at every
+    evaluation and after a resume (each pass restarts from the stream's position at creation)."""
+
+    def __init__(self, stream: ResumableStream, collate_fn: Callable, processor_factory: Callable | None = None,
+                 num_samples: int = 0, key_fn: Callable = shard_row_key, key: str = "data.eval.num_samples"):
+        super().__init__()
+        if stream.num_workers:
+            raise ConfigError("the eval stream is read in the main process: create it with num_workers=0")
+        if not (isinstance(num_samples, int) and num_samples > 0 and num_samples % stream.world_size == 0):
+            raise ConfigError(f"{key}: got {num_samples!r}; allowed: an integer > 0, a multiple of the "
+                              f"{stream.world_size} ranks")
+        self.stream, self.collate_fn = stream, collate_fn
+        self.processor_factory, self.key_fn, self.num_samples, self.key = processor_factory, key_fn, num_samples, key
+        if processor_factory is not None:   # as a StreamLoader sets it: part of the state every pass restores
+            stream.transform_fingerprint = processor_factory().fingerprint()
+        self.start = stream.state_dict()
+
+    def batches(self, batch_size: int) -> _EvalPass:
+        per_rank = self.num_samples // self.stream.world_size
+        if per_rank % batch_size:
+            raise ConfigError(f"{self.key}: got {self.num_samples}: {per_rank} per rank is not a multiple of "
+                              f"per_device_eval_batch_size {batch_size}")
+        return _EvalPass(self, batch_size, per_rank // batch_size)
+
+    def __iter__(self):
+        raise TypeError("EvalStream is read through the patched Trainer's evaluation; call patch_trainer() "
+                        "before creating the Trainer")
+
+
+class _EvalPass:
+    """One evaluation: ``num_batches`` batches from the eval stream's start."""
+
+    def __init__(self, source: EvalStream, batch_size: int, num_batches: int):
+        self.source, self.batch_size, self.num_batches = source, batch_size, num_batches
+
+    def __iter__(self):
+        src = self.source
+        src.stream.load_state_dict(src.start, where="the eval stream's start")
+        loader = StreamLoader(src.stream, batch_size=self.batch_size, collate_fn=src.collate_fn,
+                              processor_factory=src.processor_factory, key_fn=src.key_fn, num_workers=0)
+        return itertools.islice(iter(loader), self.num_batches)
 
 
 def _barrier() -> None:
@@ -90,6 +138,16 @@ def _get_train_dataloader(original):
         self._rs_loader = loader
         return loader
     return get_train_dataloader
+
+
+def _get_eval_dataloader(original):
+    @functools.wraps(original)
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if not isinstance(dataset, EvalStream):
+            return original(self, eval_dataset)
+        return dataset.batches(self.args.eval_batch_size)
+    return get_eval_dataloader
 
 
 def _finished_step(checkpoint: str | None, max_steps: int) -> int | None:
@@ -175,6 +233,7 @@ def patch_trainer(trainer_cls=None):
     if trainer_cls.__dict__.get(_PATCHED):
         return trainer_cls
     trainer_cls.get_train_dataloader = _get_train_dataloader(trainer_cls.get_train_dataloader)
+    trainer_cls.get_eval_dataloader = _get_eval_dataloader(trainer_cls.get_eval_dataloader)
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
     setattr(trainer_cls, _PATCHED, True)

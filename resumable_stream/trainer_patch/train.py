@@ -27,7 +27,7 @@ from .callbacks import (
 )
 from .checkpoints import check_complete, resume_latest
 from .config import TrainerConfig
-from .patch import TrainingStream, _barrier, patch_trainer
+from .patch import EvalStream, TrainingStream, _barrier, patch_trainer
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,15 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
                              resume_state_path=cfg.stream.resume_state_path)
 
+    eval_dataset = None
+    if cfg.eval_stream is not None:   # data.eval: the same fixed validation samples at every evaluation
+        eval_stream = open_stream(cfg.eval_stream, rank=args.process_index, world_size=args.world_size)
+        eval_dataset = EvalStream(eval_stream, collate_fn, processor_factory, cfg.eval_samples, key_fn)
+        eval_dataset.batches(args.eval_batch_size)   # a bad num_samples fails now, not at the first evaluation
+
     patch_trainer(Trainer)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=processor or tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                      processing_class=processor or tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     extras = [lambda: transform_stats(getattr(trainer, "_rs_loader", None))]   # skips, drops: data_* fields
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
