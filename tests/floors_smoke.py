@@ -47,11 +47,22 @@ def write(work: str, template: str, name: str, max_steps: int, **data) -> tuple[
     doc["data"].update(data_files=os.path.join(TINY, doc["data"]["data_files"]),
                        consumed_log=os.path.join(out, "consumed"), **data)
     doc["train"].update(output_dir=out, max_steps=max_steps, save_steps=2, logging_steps=1, disable_tqdm=True,
-                        per_device_train_batch_size=4)
+                        per_device_train_batch_size=4, save_total_limit=1)   # rotation runs too
+    text = doc["model"]["config"].get("text_config", {})
+    if "rope_parameters" in text and int(transformers_version().split(".")[0]) < 5:
+        rope = dict(text["rope_parameters"])   # transformers 4.x names them rope_theta + rope_scaling
+        text["rope_theta"] = rope.pop("rope_theta")
+        text["rope_scaling"] = rope
     path = os.path.join(work, f"{name}-{max_steps}.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(doc, f)
     return path, out
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def lines(path: str) -> dict:
@@ -90,7 +101,8 @@ def main(work: str) -> None:
             else:
                 assert a[step] == b[step], f"{name} step {step}: {a[step]} / {b[step]}"
     assert os.path.isdir(os.path.join(out, "checkpoint-4", "stream_state"))
-    print("2. tiny LM: 2 steps + restart to 4 = 4 uninterrupted steps (samples and losses)")
+    assert not os.path.exists(os.path.join(out, "checkpoint-2")), "checkpoint-2 was not rotated away"
+    print("2. tiny LM: 2 steps + restart to 4 = 4 uninterrupted steps (samples and losses), old checkpoint rotated")
 
     config, out = write(work, "train_vl.yaml", "vl", 1)
     run("-m", "resumable_stream", "train", config)

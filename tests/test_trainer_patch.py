@@ -175,3 +175,15 @@ def test_patched_trainer_refuses_data_loading_arguments_it_would_ignore(tmp_path
     trainer.args.accelerator_config.dispatch_batches = True
     with pytest.raises(ConfigError, match="TrainingArguments.accelerator_config.dispatch_batches: got True"):
         trainer.get_train_dataloader()
+
+
+def test_patched_trainer_refuses_ranks_that_would_each_train_their_own_model(tmp_path, monkeypatch):
+    """torchrun's WORLD_SIZE=2 but accelerate not distributed (what a CPU run without use_cpu gets): refused,
+    naming use_cpu, instead of every rank silently training its own copy."""
+    from resumable_stream import ConfigError
+
+    trainer = build_trainer(_config(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes were launched .* each rank would train its own copy. On "
+                                          "CPU set use_cpu=True"):
+        trainer.get_train_dataloader()

@@ -114,6 +114,19 @@ def _uses_stream(trainer) -> bool:
     return isinstance(getattr(trainer, "train_dataset", None), TrainingStream)
 
 
+def _check_data_parallel(args) -> None:
+    """Under torchrun (WORLD_SIZE > 1) accelerate must have set up data parallelism, else every rank trains
+    its own copy of the model on its share of the data (accelerate on CPU: only with use_cpu)."""
+    from transformers.training_args import ParallelMode
+
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and args.parallel_mode in (ParallelMode.NOT_PARALLEL, ParallelMode.NOT_DISTRIBUTED):
+        raise ConfigError(f"TrainingArguments: {launched} processes were launched (WORLD_SIZE) but the model is "
+                          f"not wrapped for data parallelism (parallel_mode {args.parallel_mode.value}); each rank "
+                          "would train its own copy. On CPU set use_cpu=True (accelerate needs it for gloo); "
+                          "see resumable_stream.devices.data_parallel_arguments")
+
+
 def _get_train_dataloader(original):
     @functools.wraps(original)
     def get_train_dataloader(self):
@@ -122,6 +135,7 @@ def _get_train_dataloader(original):
         ts: TrainingStream = self.train_dataset
         args = self.args
         check_data_arguments(args, section="TrainingArguments")
+        _check_data_parallel(args)
         if ts.stream.num_workers != args.dataloader_num_workers:
             raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
                               f"created for {ts.stream.num_workers} workers; they must match")
