@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test bench clean
+.PHONY: demo stream-demo test test-floors bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,14 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check resumable_stream tests examples benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# a second venv (.venv-floors) with the declared lower bounds of datasets / transformers / accelerate / torch
+test-floors:
+	PYTHON=$(PYTHON) .ci/floors
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
 	$(PY) benchmarks/resume.py
 
 clean:
-	rm -rf $(VENV) .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .bench .pytest_cache

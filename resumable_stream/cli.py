@@ -10,6 +10,7 @@ import sys
 import traceback
 from typing import Any
 
+from . import __version__
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
 from .sidecar import MANIFEST, partition_progress, progress_summary, rank_file_name
@@ -165,6 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
                                 description="Exactly resumable HuggingFace streaming datasets for training.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 

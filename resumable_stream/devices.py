@@ -32,3 +32,29 @@ def detect_device() -> Device:
     if npu_available():
         return Device("npu", "hccl")
     return Device("cpu", "gloo")
+
+
+# The collective backends each device kind can run data parallelism with.
+BACKENDS = {"cpu": ("gloo",), "cuda": ("nccl", "gloo"), "npu": ("hccl",)}
+
+
+def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
+    """TrainingArguments values that make every rank of a ``world_size`` job train one model
+    (DistributedDataParallel) on a ``kind`` device, given the user's ``train:`` values.
+
+    accelerate (``PartialState._prepare_backend``) picks MULTI_GPU / MULTI_NPU by itself under torchrun
+    (``LOCAL_RANK`` set, accelerator present), but on CPU it reports ``DistributedType.NO`` unless
+    ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy.
+    """
+    from .errors import ConfigError
+
+    allowed = BACKENDS[kind]
+    backend = train.get("ddp_backend")
+    if backend is not None and world_size > 1 and backend not in allowed:
+        raise ConfigError(f"train.ddp_backend: got {backend!r}; allowed on {kind}: {', '.join(allowed)}")
+    values = {}
+    if kind == "cpu" and not train.get("use_cpu"):
+        values["use_cpu"] = True
+    if world_size > 1 and backend is None:
+        values["ddp_backend"] = allowed[0]
+    return values

@@ -25,7 +25,7 @@ import torch.utils.data
 
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .sidecar import rank_file_name, write_state_file
+from .sidecar import rank_file_name, write_manifest, write_state_file
 from .stream import ResumableStream
 from .transforms.errors import TransformError
 
@@ -237,9 +237,17 @@ class StreamLoader:
             if saved is not None and len(saved) == len(lanes):
                 self._lane_turns = [int(t) % len(lane) for t, lane in zip(saved, lanes)]
 
-    def save_sidecar(self, state_dir: str) -> str:
-        """Write this rank's ``rank-NNNNN.safetensors`` into ``state_dir`` (the manifest is the caller's)."""
-        return write_state_file(os.path.join(state_dir, rank_file_name(self.stream.rank)), self.state_dict())
+    def save_sidecar(self, path: str) -> str:
+        """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
+        or a directory (then ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1;
+        with more ranks rank 0 writes it with ``sidecar.write_manifest`` after every rank saved)."""
+        path = os.fspath(path)
+        if path.endswith(".safetensors"):
+            return write_state_file(path, self.state_dict())
+        file = write_state_file(os.path.join(path, rank_file_name(self.stream.rank)), self.state_dict())
+        if self.stream.world_size == 1:
+            write_manifest(path, 1)
+        return file
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files

@@ -173,6 +173,7 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
     def __init__(self, config: MixtureConfig, rank: int | None = None, world_size: int | None = None,
                  num_workers: int = 0, sources: list[Source] | None = None):
         super().__init__()
+        self._track_worker_reads()
         if not isinstance(config, MixtureConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
         rank, world_size = resolve_topology(rank, world_size, num_workers)
@@ -251,6 +252,7 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
+        self._note_worker_read()
         info = torch.utils.data.get_worker_info()
         if info is None:
             parts = self.partitions
@@ -334,6 +336,8 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         """The position after the last sample this stream yielded, as flat sidecar entries (module doc).
 
         ``partitions`` replaces the per-partition states (the loader passes what training consumed)."""
+        if partitions is None:
+            self._check_not_read_by_workers()
         flat: dict[int, dict] = {}
         for p in self.partitions:
             ps = (partitions or {}).get(p) or self.partition_state(p)
@@ -349,6 +353,7 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         if state.get("format_version") != FORMAT_VERSION:
             raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
                                       f"{FORMAT_VERSION}")
+        self._read_by_workers.value = 0   # the position is the loaded one again
         self._check_saved_fingerprint(state, where)
         same = self._adopt_topology(state["topology"], where)
         labels = self.config.labels

@@ -98,6 +98,27 @@ class SidecarMixin:
 
     _TOPOLOGY_KEYS = ("world_size", "num_workers", "num_partitions")
 
+    def _track_worker_reads(self) -> None:
+        """A flag DataLoader workers share with this (main-process) object: a plain DataLoader with workers
+        reads copies of the stream, so this object's cursors never move and its state would say that
+        nothing was consumed; ``state_dict`` then refuses instead of silently restarting from the start."""
+        import multiprocessing
+
+        self._read_by_workers = multiprocessing.RawValue("b", 0)
+
+    def _note_worker_read(self) -> None:
+        if torch.utils.data.get_worker_info() is not None:
+            self._read_by_workers.value = 1
+
+    def _check_not_read_by_workers(self) -> None:
+        # inside a worker the copy's state is that worker's own, exact (torchdata's StatefulDataLoader uses it)
+        if self._read_by_workers.value and torch.utils.data.get_worker_info() is None:
+            raise ConfigError(
+                f"{type(self).__name__}.state_dict(): the stream was read by DataLoader worker processes, which "
+                "read copies of it: this object does not know what they consumed (and they prefetch ahead). "
+                "Read it through resumable_stream.loader.StreamLoader(stream, batch_size, num_workers=...) and "
+                "take the state from the StreamLoader (state_dict / save_sidecar), or read it without workers")
+
     def _entry_partition(self, entry: int) -> int:
         return entry
 
@@ -174,6 +195,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
     def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
                  num_workers: int = 0, source: Source | None = None):
         super().__init__()
+        self._track_worker_reads()
         if not isinstance(config, StreamConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
         rank, world_size = resolve_topology(rank, world_size, num_workers)
@@ -261,6 +283,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
+        self._note_worker_read()
         info = torch.utils.data.get_worker_info()
         if info is None:
             parts = self.partitions
@@ -342,6 +365,8 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
 
         ``partitions`` replaces the per-partition states (the loader passes what training consumed).
         """
+        if partitions is None:
+            self._check_not_read_by_workers()
         parts = {p: (partitions or {}).get(p) or self.partition_state(p) for p in self.partitions}
         return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint(), "topology": self.topology(),
                 "turn": self._turn, "partitions": parts}
@@ -358,6 +383,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
         if state.get("format_version") != FORMAT_VERSION:
             raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
                                       f"{FORMAT_VERSION}")
+        self._read_by_workers.value = 0   # the position is the loaded one again
         self._check_saved_fingerprint(state, where)
         same = self._adopt_topology(state["topology"], where)
         saved_parts = {int(p): ps for p, ps in state["partitions"].items()}

@@ -113,3 +113,20 @@ def test_quick_start_training_demo_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "killed with SIGKILL" in r.stdout and "resumed from checkpoint-" in r.stdout
     assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
+
+
+def test_version_and_python_m_run_the_command_line(tmp_path):
+    """``resumable-stream --version`` prints the package version (the one pyproject.toml declares), and
+    ``python -m resumable_stream`` is the same command line (here: an error on a missing config, exit 2)."""
+    import re
+
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        declared = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "resumable_stream", "--version"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, f"resumable-stream {declared}"), r.stderr
+    missing = str(tmp_path / "nope.yaml")
+    r = subprocess.run([sys.executable, "-m", "resumable_stream", "peek", missing], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and f"config file {missing!r}: not found" in r.stderr, r.stderr

@@ -4,9 +4,10 @@ import subprocess
 import sys
 import types
 
+import pytest
 import torch
 
-from resumable_stream import devices
+from resumable_stream import ConfigError, devices
 
 
 def test_cpu_gloo_without_accelerators(monkeypatch):
@@ -36,3 +37,45 @@ def test_import_does_not_touch_torch_npu():
             "print('torch_npu' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------ data parallelism: what accelerate makes of it
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("cpu", {"use_cpu": True, "ddp_backend": "gloo"}),
+    ("cuda", {"ddp_backend": "nccl"}),
+    ("npu", {"ddp_backend": "hccl"}),
+])
+def test_data_parallel_arguments_per_device(kind, expected):
+    assert devices.data_parallel_arguments(kind, 2, {}) == expected
+    # a single process needs no backend; on CPU use_cpu stays (it only names the device)
+    assert devices.data_parallel_arguments(kind, 1, {}) == {k: v for k, v in expected.items() if k == "use_cpu"}
+    # the user's own (valid) choice is kept
+    assert "ddp_backend" not in devices.data_parallel_arguments(kind, 2, {"ddp_backend": expected["ddp_backend"]})
+
+
+def test_a_backend_the_device_cannot_run_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"train.ddp_backend: got 'nccl'; allowed on cpu: gloo"):
+        devices.data_parallel_arguments("cpu", 2, {"ddp_backend": "nccl"})
+    with pytest.raises(ConfigError, match=r"train.ddp_backend: got 'gloo'; allowed on npu: hccl"):
+        devices.data_parallel_arguments("npu", 2, {"ddp_backend": "gloo"})
+
+
+@pytest.mark.parametrize(("kind", "distributed_type"), [("cpu", "MULTI_CPU"), ("cuda", "MULTI_GPU"),
+                                                        ("npu", "MULTI_NPU")])
+def test_accelerate_wraps_the_model_for_data_parallelism_on_every_device(monkeypatch, kind, distributed_type):
+    """accelerate's own detection (what TrainingArguments hands PartialState: cpu=use_cpu, backend=ddp_backend),
+    under torchrun's environment, with the device faked present: a data-parallel type on each device kind."""
+    import accelerate.state
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda")
+    monkeypatch.setattr(accelerate.state, "is_npu_available", lambda *a, **k: kind == "npu")
+    args = devices.data_parallel_arguments(kind, 2, {})
+    backend, found = PartialState._prepare_backend(object(), cpu=args.get("use_cpu", False),
+                                                   backend=args.get("ddp_backend"))
+    assert (found, backend) == (getattr(DistributedType, distributed_type), args["ddp_backend"])
+    if kind == "cpu":   # the bug this guards against: without use_cpu, accelerate does not wrap the model
+        assert PartialState._prepare_backend(object(), cpu=False, backend="gloo")[1] == DistributedType.NO

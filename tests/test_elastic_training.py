@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 from training_helpers import (
     Procs,
+    assert_data_parallel,
     checkpoint_path,
     complete_checkpoints,
     consumed,
@@ -70,6 +71,8 @@ def test_torchrun_resumes_on_another_world_size_reading_each_sample_once(procs, 
     first, out = write_config(str(tmp_path), "run", max_steps=CKPT, save_steps=CKPT, workers=k0, data=data)
     procs.start(first, "first", nproc=w0).wait_ok()
     assert complete_checkpoints(out) == [CKPT]
+    if w0 > 1:
+        assert_data_parallel(out, w0)   # one model on all ranks
 
     if w1 == 1:   # without data.elastic the change is refused, saying how to allow it
         refused, _ = write_config(str(tmp_path), "run", max_steps=total, save_steps=CKPT, workers=k1,
@@ -82,6 +85,8 @@ def test_torchrun_resumes_on_another_world_size_reading_each_sample_once(procs, 
     assert out2 == out
     run = procs.start(second, "resumed", nproc=w1).wait_ok()
     assert f"resuming from {checkpoint_path(out, CKPT)}" in run.stderr, run.describe()
+    if w1 > 1:
+        assert_data_parallel(out, w1)
 
     keys = []
     for rank in range(max(w0, w1)):

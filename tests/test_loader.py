@@ -147,3 +147,76 @@ def test_set_epoch_before_loading_a_sidecar_is_applied_to_the_loaded_cursors(dat
     epoch_first.load_sidecar(str(tmp_path / "st"))
     a, b = [r["id"] for r in load_first], [r["id"] for r in epoch_first]
     assert a == b and sorted(a) == list(range(600))
+
+
+def test_plain_dataloader_with_workers_refuses_to_report_a_state(setup, tmp_path):
+    """A plain DataLoader's workers read copies of the stream: its own state would say nothing was consumed
+    and a resume would replay from the start. state_dict / save_sidecar raise, naming StreamLoader."""
+    import torch.utils.data
+
+    from resumable_stream import ConfigError
+
+    cfg, source = setup
+    stream = ResumableStream(cfg, rank=0, world_size=1, num_workers=2, source=source)
+    fresh = stream.state_dict()        # nothing read yet: the start is the true position
+    assert sum(ps["consumed"] for ps in fresh["partitions"].values()) == 0
+    loader = torch.utils.data.DataLoader(stream, batch_size=4, num_workers=2, collate_fn=list)
+    batches = list(itertools.islice(loader, 5))
+    assert len(batches) == 5
+    with pytest.raises(ConfigError, match="StreamLoader"):
+        stream.state_dict()
+    with pytest.raises(ConfigError, match="StreamLoader"):
+        stream.save_sidecar(str(tmp_path / "state"))
+    assert not (tmp_path / "state").exists()
+    # without workers the stream itself is what was read: its state is exact
+    plain = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    head = [row["id"] for b in itertools.islice(torch.utils.data.DataLoader(plain, batch_size=4, collate_fn=list), 3)
+            for row in b]
+    assert sum(ps["consumed"] for ps in plain.state_dict()["partitions"].values()) == len(head) == 12
+
+
+def test_stream_loader_save_sidecar_writes_the_manifest_of_one_rank(setup, tmp_path):
+    """StreamLoader.save_sidecar(dir) completes a one-rank dir like ResumableStream.save_sidecar, so it loads
+    back (load_sidecar refuses a dir without manifest)."""
+    cfg, source = setup
+    loader = _make(cfg, source, 2)
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    expected = [_ids(next(it)) for _ in range(4)]
+    # the state after the 6 batches, written by a second loader resumed to the same point
+    loader = _make(cfg, source, 2)
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    state_dir = tmp_path / "stream_state"
+    loader.save_sidecar(str(state_dir))
+    assert sorted(os.listdir(state_dir)) == ["manifest.json", "rank-00000.safetensors"]
+    resumed = _make(cfg, source, 2)
+    resumed.load_sidecar(str(state_dir))
+    assert [_ids(b) for b in itertools.islice(resumed, 4)] == expected
+
+
+def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
+    """examples/torch_loop.py (shown verbatim in the README): 5 steps, then 7 in a new process, equal the
+    first 12 steps of one run; the prefetching workers never make the second run skip or repeat a batch."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "examples", "torch_loop.py")
+    with open(script, encoding="utf-8") as f:
+        code = f.read()
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        assert code.split('"""', 2)[2].strip() in f.read(), "the README shows examples/torch_loop.py verbatim"
+
+    def run(out, steps):
+        r = subprocess.run([sys.executable, script, str(out), str(steps)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": root})
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line.replace("'", '"')) for line in r.stdout.splitlines()]
+
+    first, second, whole = run(tmp_path / "a", 5), run(tmp_path / "a", 7), run(tmp_path / "b", 12)
+    assert len(whole) == 12 and all(len(b) == 8 for b in whole)
+    assert first + second == whole

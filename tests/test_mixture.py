@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from training_helpers import (
     Procs,
+    assert_data_parallel,
     checkpoint_path,
     complete_checkpoints,
     consumed,
@@ -547,6 +548,7 @@ def test_torchrun_two_ranks_sum_source_counts_over_ranks(tmp_path):
                 running.update(k.split("/")[0] for k in keys[step])
             assert counts[step] == {"lm": running["lm"], "notes": running["notes"]}, f"step {step}"
         assert sum(running.values()) == 2 * 12 * 8
+        assert_data_parallel(out, 2)
     finally:
         procs.cleanup()
 

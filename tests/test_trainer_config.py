@@ -59,6 +59,8 @@ _DELETE = object()
         ("train.per_device_train_batch_size", 0, "train.per_device_train_batch_size: got 0"),
         ("train.dataloader_num_workers", -1, "train.dataloader_num_workers: got -1"),
         ("data.max_samples", 1000, "data.max_samples: got 1000"),
+        ("train.eval_strategy", "steps", "train.eval_strategy: got 'steps'"),
+        ("train.eval_on_start", True, "train.eval_on_start: got True"),
         ("data.packin", True, "did you mean 'packing'"),
         ("data.max_seq_len", 0, "data.max_seq_len"),
         ("data.format", "chat", "data.format"),
@@ -111,3 +113,23 @@ def test_float_train_values_written_as_strings(tmp_path):
     doc["train"]["learning_rate"] = "abc"
     with pytest.raises(ConfigError, match="train.learning_rate: got 'abc'; allowed: a number"):
         TrainerConfig.from_yaml(_write(tmp_path, doc))
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("accelerator_config.split_batches", True), ("accelerator_config.dispatch_batches", True),
+    ("accelerator_config.dispatch_batches", False), ("accelerator_config.even_batches", False),
+    ("accelerator_config.use_seedable_sampler", False), ("accelerator_config.non_blocking", True),
+    ("data_seed", 7), ("dataloader_drop_last", True), ("dataloader_persistent_workers", True),
+    ("train_sampling_strategy", "sequential"),
+])
+def test_data_loading_arguments_the_stream_replaces_are_refused(tmp_path, key, value):
+    """The Trainer's own data loading is replaced by the StreamLoader: these settings would be ignored."""
+    doc = _doc()
+    owner, _, name = key.rpartition(".")
+    (doc["train"].setdefault(owner, {}) if owner else doc["train"])[name] = value
+    cfg = TrainerConfig.from_yaml(_write(tmp_path, doc))
+    with pytest.raises(ConfigError, match=rf"train\.{key}: got {value!r}; not supported with a resumable stream"):
+        cfg.training_arguments()
+    if owner:   # the same keys at their defaults are fine
+        doc["train"]["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        assert TrainerConfig.from_yaml(_write(tmp_path, doc)).training_arguments().accelerator_config

@@ -164,3 +164,26 @@ def test_wrong_text_column_is_a_config_error(tmp_path):
     cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(text_column="txt"), cfg.train, cfg.path)
     with pytest.raises(ConfigError, match="data.text_column: got 'txt'; the dataset's columns are: id, text, label"):
         build_trainer(cfg)
+
+
+def test_patched_trainer_refuses_data_loading_arguments_it_would_ignore(tmp_path):
+    """A user's own Trainer (patch_trainer) gets the same check as the yaml: accelerate's dispatch_batches
+    would have rank 0 read for everyone, but the StreamLoader is never prepared by accelerate."""
+    from resumable_stream import ConfigError
+
+    trainer = build_trainer(_config(tmp_path))
+    trainer.args.accelerator_config.dispatch_batches = True
+    with pytest.raises(ConfigError, match="TrainingArguments.accelerator_config.dispatch_batches: got True"):
+        trainer.get_train_dataloader()
+
+
+def test_patched_trainer_refuses_ranks_that_would_each_train_their_own_model(tmp_path, monkeypatch):
+    """torchrun's WORLD_SIZE=2 but accelerate not distributed (what a CPU run without use_cpu gets): refused,
+    naming use_cpu, instead of every rank silently training its own copy."""
+    from resumable_stream import ConfigError
+
+    trainer = build_trainer(_config(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes were launched .* each rank would train its own copy. On "
+                                          "CPU set use_cpu=True"):
+        trainer.get_train_dataloader()

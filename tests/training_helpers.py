@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
 TRAIN_LM = os.path.join(ROOT, "examples", "train_lm.py")
 TRAIN_VL = os.path.join(ROOT, "examples", "train_vl.py")
+DATA_PARALLEL_TRAIN = os.path.join(ROOT, "tests", "data_parallel_train.py")
 MANIFEST = "manifest.json"
 STATE_DIR = "stream_state"
 
@@ -97,9 +98,10 @@ class Run:
         self.stdout_path, self.stderr_path = log_base + ".out", log_base + ".err"
         if nproc == 1:
             cmd = [sys.executable, script, config]
-        else:
+        else:   # the script runs under data_parallel_train.py, which records what assert_data_parallel checks
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, config]
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), DATA_PARALLEL_TRAIN,
+                   script, config]
         self.tag = uuid.uuid4().hex
         full_env = {**os.environ, **_ENV, **(env or {}), "RS_TEST_RUN": self.tag}
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
@@ -227,6 +229,8 @@ def train_losses(out: str) -> dict[int, float]:
     """step -> loss from ``train_log.jsonl``; a step logged twice is an error (the restart must truncate)."""
     losses: dict[int, float] = {}
     for rec in _jsonl(os.path.join(out, "train_log.jsonl")):
+        if "loss" not in rec:   # an evaluation's line (eval_loss)
+            continue
         assert rec["step"] not in losses, f"step {rec['step']} logged twice in {out}/train_log.jsonl"
         losses[rec["step"]] = rec["loss"]
     return losses
@@ -266,3 +270,24 @@ def complete_checkpoints(out: str) -> list[int]:
 def printed_steps(run: Run) -> int:
     """How many optimizer steps a run logged on stdout (``{'loss': ...}`` lines, logging_steps 1, main rank)."""
     return sum(1 for line in run.stdout.splitlines() if line.startswith("{'loss'") or line.startswith('{"loss"'))
+
+
+def assert_data_parallel(out: str, world_size: int, note: str = "") -> None:
+    """The multi-rank runs writing ``out`` trained one model (DistributedDataParallel): at the end of the
+    last run all ranks hold identical parameters, and every logged loss is the mean of the losses of
+    the ranks' ``training_step`` (what the Trainer all-gathers and logs), not one rank's own loss."""
+    with open(os.path.join(out, "data_parallel.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    losses = [r for r in records if "logged_loss" in r]
+    assert any(len(r["rank_losses"]) == world_size for r in losses), \
+        f"no loss was logged by {world_size} ranks in {out} {note}"
+    for r in losses:   # also those of earlier runs into out (an elastic resume may change the world size)
+        ranks = r["rank_losses"]
+        mean = sum(ranks) / len(ranks)
+        assert abs(r["logged_loss"] - mean) <= 1e-6 * max(1.0, abs(mean)), \
+            f"step {r['step']}: logged loss {r['logged_loss']} is not the mean {mean} of the ranks' losses " \
+            f"{ranks} {note}"
+    sums = records[-1].get("parameter_sums")
+    assert sums is not None, f"the last run writing {out} did not finish training {note}"
+    assert len(sums) == world_size and max(sums) - min(sums) == 0, \
+        f"the ranks ended with different parameters (sums {sums}): each trained its own copy {note}"

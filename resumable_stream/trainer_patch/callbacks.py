@@ -102,7 +102,8 @@ class SourceCountsCallback(TrainerCallback):
 
 
 class TrainLogCallback(TrainerCallback):
-    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s."""
+    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s; after each
+    evaluation a line with step and the ``eval_*`` metrics (eval_loss, ...)."""
 
     def __init__(self, output_dir: str, samples_per_step: int, extra_of=None):
         self.path = os.path.join(output_dir, "train_log.jsonl")
@@ -117,7 +118,12 @@ class TrainLogCallback(TrainerCallback):
         self._last = (time.perf_counter(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "loss" not in logs:
+        if not state.is_world_process_zero or not logs:
+            return
+        if "eval_loss" in logs:   # an evaluation (data.eval): its own line
+            self._write({"step": state.global_step, **{k: v for k, v in logs.items() if k.startswith("eval_")}})
+            return
+        if "loss" not in logs:
             return
         now, step = time.perf_counter(), state.global_step
         t0, s0 = self._last
@@ -127,6 +133,9 @@ class TrainLogCallback(TrainerCallback):
                "samples_per_s": rate}
         if self.extra_of is not None:
             rec.update(self.extra_of())
+        self._write(rec)
+
+    def _write(self, rec: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
 

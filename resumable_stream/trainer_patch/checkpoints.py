@@ -9,7 +9,7 @@ import shutil
 import time
 
 from ..errors import SidecarError
-from ..sidecar import MANIFEST, STATE_DIR, read_manifest, write_manifest
+from ..sidecar import MANIFEST, STATE_DIR, rank_file_name, read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -61,11 +61,21 @@ def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
     return removed
 
 
+def resume_latest(output_dir: str, is_main: bool, barrier) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (None: start afresh); rank 0 first removes the
+    newer ones a kill cut short, so that the run writes its next checkpoints into clean directories."""
+    latest = latest_complete_checkpoint(output_dir)
+    if is_main:
+        remove_incomplete_after(output_dir, latest)
+    barrier()
+    return latest
+
+
 def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, barrier) -> None:
     """Every rank writes its sidecar; after a barrier rank 0 writes the manifest that completes the checkpoint."""
     state_dir = os.path.join(checkpoint, STATE_DIR)
     os.makedirs(state_dir, exist_ok=True)
-    loader.save_sidecar(state_dir)
+    loader.save_sidecar(os.path.join(state_dir, rank_file_name(loader.stream.rank)))   # the manifest comes last
     barrier()
     if is_main:
         delay = float(os.environ.get("RESUMABLE_STREAM_SAVE_DELAY_S", "0") or 0)

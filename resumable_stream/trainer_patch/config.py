@@ -63,6 +63,8 @@ class TrainerConfig:
     transform: TransformConfig
     train: dict[str, Any]
     path: str | None = None
+    eval_stream: StreamConfig | MixtureConfig | None = None   # data.eval: the validation stream
+    eval_samples: int = 0                                      # data.eval.num_samples
 
     @classmethod
     def from_yaml(cls, path: str) -> TrainerConfig:
@@ -100,6 +102,7 @@ class TrainerConfig:
             raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
                               "and its length unknown in advance; bound training with train.max_steps")
         data.pop("max_samples", None)
+        eval_doc = data.pop("eval", None)
         transform = TransformConfig.from_dict(data)
         if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
                 and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
@@ -107,9 +110,10 @@ class TrainerConfig:
         _check_model_for_format(model, transform)
         stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path, extra_keys=TransformConfig.KEYS)
 
+        eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
         train = dict(doc["train"])
-        _check_train(train)
-        return cls(model, stream, transform, train, path)
+        _check_train(train, has_eval=eval_stream is not None)
+        return cls(model, stream, transform, train, path, eval_stream, eval_samples)
 
     def training_arguments(self, **overrides: Any):
         """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
@@ -118,9 +122,11 @@ class TrainerConfig:
 
         values = {**_DEFAULTS, **self.train, **overrides, **_FORCED}
         try:
-            return TrainingArguments(**values)
+            args = TrainingArguments(**values)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
+        check_data_arguments(args)
+        return args
 
 
 def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
@@ -134,7 +140,36 @@ def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> N
                           "or a local directory)")
 
 
-def _check_train(train: dict[str, Any]) -> None:
+# data keys a validation stream does not take from the training one
+_NOT_INHERITED = ("sources", "stopping", "resume_state_path", "elastic", "num_partitions")
+
+
+def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):
+    """``data.eval``: the validation stream's data keys over the training stream's (the transform is the
+    same), plus ``num_samples``: examples per evaluation over all ranks."""
+    if doc is None:
+        return None, 0
+    if not isinstance(doc, dict):
+        raise ConfigError(f"data.eval: got {doc!r}; allowed: a mapping of data keys for the validation stream "
+                          "(e.g. data_files) with num_samples")
+    n = doc.get("num_samples")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(f"data.eval.num_samples: got {n!r}; allowed: an integer > 0 (training examples per "
+                          "evaluation, over all ranks)")
+    for key in doc:
+        if key in TransformConfig.KEYS:
+            raise ConfigError(f"data.eval.{key}: the validation data is transformed like the training data; "
+                              f"set {key} in data:")
+    section = {k: v for k, v in data.items() if k not in TransformConfig.KEYS and k not in _NOT_INHERITED}
+    section.update((k, v) for k, v in doc.items() if k != "num_samples")
+    try:
+        stream = StreamConfig.from_dict(section, base_dir=base_dir, source_file=path)
+    except ConfigError as e:
+        raise ConfigError(f"data.eval: {e}") from None
+    return stream, n
+
+
+def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
     from transformers import TrainingArguments
 
     fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
@@ -166,6 +201,50 @@ def _check_train(train: dict[str, Any]) -> None:
         v = train.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ConfigError(f"train.{key}: got {v!r}; allowed: an integer > 0")
+    strategy = train.get("eval_strategy", "no")
+    if strategy not in ("no", "steps"):
+        raise ConfigError(f"train.eval_strategy: got {strategy!r}; allowed: no, steps (a stream has no epochs)")
+    asked = [k for k in ("eval_strategy", "eval_on_start", "do_eval") if train.get(k) not in (None, False, "no")]
+    if asked and not has_eval:
+        raise ConfigError(f"train.{asked[0]}: got {train[asked[0]]!r} but there is no validation data: add a "
+                          "data.eval section (data keys of the validation stream, with num_samples) or leave "
+                          "eval_strategy at 'no'")
+    if has_eval and strategy == "no" and not train.get("eval_on_start"):
+        raise ConfigError("data.eval: set train.eval_strategy: steps (and eval_steps) to evaluate on it; without "
+                          "it the validation data would never be read")
     workers = train.get("dataloader_num_workers")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")
+
+
+# Settings of the Trainer's own data loading. Our StreamLoader replaces that loading (it is never
+# passed to accelerate's prepare()), so these would have no effect; the ones of accelerator_config
+# would otherwise change which rank reads what (dispatch_batches: rank 0 reads every batch and sends
+# slices; split_batches: a batch is cut across the ranks; even_batches / use_seedable_sampler: samplers).
+_NO_EFFECT = {
+    "accelerator_config.split_batches": (False, "the stream deals whole batches to every rank"),
+    "accelerator_config.dispatch_batches": (None, "every rank reads its own partitions; nothing is dispatched "
+                                                  "from rank 0"),
+    "accelerator_config.even_batches": (True, "the ranks' partitions are balanced by the plan, not by "
+                                              "repeating samples"),
+    "accelerator_config.use_seedable_sampler": (True, "there is no sampler; the order comes from "
+                                                      "data.shuffle_seed"),
+    "accelerator_config.non_blocking": (False, "batches are not moved by accelerate's data loader"),
+    "data_seed": (None, "the order comes from data.shuffle_seed"),
+    "dataloader_drop_last": (False, "the stream is endless; training length is max_steps"),
+    "dataloader_persistent_workers": (False, "the StreamLoader manages its workers"),
+    "train_sampling_strategy": ("random", "there is no sampler; set data.shuffle"),
+}
+
+
+def check_data_arguments(args, section: str = "train") -> None:
+    """Refuse TrainingArguments that the Trainer's data loading would use but ours does not."""
+    for key, (default, why) in _NO_EFFECT.items():
+        owner, _, name = key.rpartition(".")
+        holder = getattr(args, owner) if owner else args
+        if holder is None or not hasattr(holder, name):   # fields of other transformers versions
+            continue
+        value = getattr(holder, name)
+        if value != default:
+            raise ConfigError(f"{section}.{key}: got {value!r}; not supported with a resumable stream ({why}); "
+                              f"leave it at {default!r}")

@@ -16,6 +16,8 @@ When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
 * writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
   then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint).
 
+An :class:`EvalStream` as ``eval_dataset`` is evaluated over the same fixed samples every time.
+
 Any other ``train_dataset`` goes through the Trainer's own code unchanged.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -33,7 +36,8 @@ import torch.utils.data
 from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
 from ..stream import ResumableStream
-from .checkpoints import check_complete, latest_complete_checkpoint, save_stream_state
+from .checkpoints import check_complete, resume_latest, save_stream_state
+from .config import check_data_arguments
 
 _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
@@ -54,6 +58,51 @@ class TrainingStream(torch.utils.data.IterableDataset):
                         "before creating the Trainer")
 
 
+class EvalStream(torch.utils.data.IterableDataset):
+    """What to hand the Trainer as ``eval_dataset``: a finite validation pass over the first ``num_samples``
+    training examples (packed blocks with packing) of ``stream``, over all ranks, the same at every
+    evaluation and after a resume (each pass restarts from the stream's position at creation)."""
+
+    def __init__(self, stream: ResumableStream, collate_fn: Callable, processor_factory: Callable | None = None,
+                 num_samples: int = 0, key_fn: Callable = shard_row_key, key: str = "data.eval.num_samples"):
+        super().__init__()
+        if stream.num_workers:
+            raise ConfigError("the eval stream is read in the main process: create it with num_workers=0")
+        if not (isinstance(num_samples, int) and num_samples > 0 and num_samples % stream.world_size == 0):
+            raise ConfigError(f"{key}: got {num_samples!r}; allowed: an integer > 0, a multiple of the "
+                              f"{stream.world_size} ranks")
+        self.stream, self.collate_fn = stream, collate_fn
+        self.processor_factory, self.key_fn, self.num_samples, self.key = processor_factory, key_fn, num_samples, key
+        if processor_factory is not None:   # as a StreamLoader sets it: part of the state every pass restores
+            stream.transform_fingerprint = processor_factory().fingerprint()
+        self.start = stream.state_dict()
+
+    def batches(self, batch_size: int) -> _EvalPass:
+        per_rank = self.num_samples // self.stream.world_size
+        if per_rank % batch_size:
+            raise ConfigError(f"{self.key}: got {self.num_samples}: {per_rank} per rank is not a multiple of "
+                              f"per_device_eval_batch_size {batch_size}")
+        return _EvalPass(self, batch_size, per_rank // batch_size)
+
+    def __iter__(self):
+        raise TypeError("EvalStream is read through the patched Trainer's evaluation; call patch_trainer() "
+                        "before creating the Trainer")
+
+
+class _EvalPass:
+    """One evaluation: ``num_batches`` batches from the eval stream's start."""
+
+    def __init__(self, source: EvalStream, batch_size: int, num_batches: int):
+        self.source, self.batch_size, self.num_batches = source, batch_size, num_batches
+
+    def __iter__(self):
+        src = self.source
+        src.stream.load_state_dict(src.start, where="the eval stream's start")
+        loader = StreamLoader(src.stream, batch_size=self.batch_size, collate_fn=src.collate_fn,
+                              processor_factory=src.processor_factory, key_fn=src.key_fn, num_workers=0)
+        return itertools.islice(iter(loader), self.num_batches)
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -65,6 +114,19 @@ def _uses_stream(trainer) -> bool:
     return isinstance(getattr(trainer, "train_dataset", None), TrainingStream)
 
 
+def _check_data_parallel(args) -> None:
+    """Under torchrun (WORLD_SIZE > 1) accelerate must have set up data parallelism, else every rank trains
+    its own copy of the model on its share of the data (accelerate on CPU: only with use_cpu)."""
+    from transformers.training_args import ParallelMode
+
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and args.parallel_mode in (ParallelMode.NOT_PARALLEL, ParallelMode.NOT_DISTRIBUTED):
+        raise ConfigError(f"TrainingArguments: {launched} processes were launched (WORLD_SIZE) but the model is "
+                          f"not wrapped for data parallelism (parallel_mode {args.parallel_mode.value}); each rank "
+                          "would train its own copy. On CPU set use_cpu=True (accelerate needs it for gloo); "
+                          "see resumable_stream.devices.data_parallel_arguments")
+
+
 def _get_train_dataloader(original):
     @functools.wraps(original)
     def get_train_dataloader(self):
@@ -72,6 +134,8 @@ def _get_train_dataloader(original):
             return original(self)
         ts: TrainingStream = self.train_dataset
         args = self.args
+        check_data_arguments(args, section="TrainingArguments")
+        _check_data_parallel(args)
         if ts.stream.num_workers != args.dataloader_num_workers:
             raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
                               f"created for {ts.stream.num_workers} workers; they must match")
@@ -88,6 +152,16 @@ def _get_train_dataloader(original):
         self._rs_loader = loader
         return loader
     return get_train_dataloader
+
+
+def _get_eval_dataloader(original):
+    @functools.wraps(original)
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if not isinstance(dataset, EvalStream):
+            return original(self, eval_dataset)
+        return dataset.batches(self.args.eval_batch_size)
+    return get_eval_dataloader
 
 
 def _finished_step(checkpoint: str | None, max_steps: int) -> int | None:
@@ -107,7 +181,8 @@ def _train(original):
         if not _uses_stream(self):
             return original(self, resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            # as `resumable-stream train` does: the newest complete checkpoint, the cut-short ones removed
+            resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, _barrier)
         elif resume_from_checkpoint:
             check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
         self._rs_resume_checkpoint = resume_from_checkpoint or None
@@ -125,16 +200,28 @@ def _train(original):
 
 
 @contextlib.contextmanager
-def _rotation_deferred():
+def _rotation_deferred(trainer):
+    """Hold back the Trainer's checkpoint rotation until the stream state completes the new checkpoint.
+
+    Rotation is ``transformers.trainer.rotate_checkpoints`` in recent transformers and the method
+    ``Trainer._rotate_checkpoints`` in older ones (4.x)."""
     import transformers.trainer as trainer_module
 
-    real = trainer_module.rotate_checkpoints
+    if hasattr(trainer_module, "rotate_checkpoints"):
+        owner, name = trainer_module, "rotate_checkpoints"
+    else:
+        owner, name = trainer, "_rotate_checkpoints"   # an instance attribute shadows the method
+    shadowed = name in vars(owner)
+    real = getattr(owner, name)
     calls = []
-    trainer_module.rotate_checkpoints = lambda *a, **k: calls.append((a, k))
+    setattr(owner, name, lambda *a, **k: calls.append((a, k)))
     try:
         yield calls
     finally:
-        trainer_module.rotate_checkpoints = real
+        if shadowed:
+            setattr(owner, name, real)
+        else:
+            delattr(owner, name)
     for a, k in calls:
         real(*a, **k)
 
@@ -144,7 +231,7 @@ def _save_checkpoint(original):
     def _save_checkpoint(self, model, trial):
         if not _uses_stream(self) or getattr(self, "_rs_loader", None) is None:
             return original(self, model, trial)
-        with _rotation_deferred():
+        with _rotation_deferred(self):
             original(self, model, trial)
             checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             save_stream_state(self._rs_loader, checkpoint, self.args.world_size, self.args.process_index == 0,
@@ -160,6 +247,7 @@ def patch_trainer(trainer_cls=None):
     if trainer_cls.__dict__.get(_PATCHED):
         return trainer_cls
     trainer_cls.get_train_dataloader = _get_train_dataloader(trainer_cls.get_train_dataloader)
+    trainer_cls.get_eval_dataloader = _get_eval_dataloader(trainer_cls.get_eval_dataloader)
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
     setattr(trainer_cls, _PATCHED, True)

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from ..devices import detect_device
+from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
 from ..mixture import MixtureStream, open_stream
 from .callbacks import (
@@ -25,9 +25,9 @@ from .callbacks import (
     TrainLogCallback,
     transform_stats,
 )
-from .checkpoints import check_complete, latest_complete_checkpoint, remove_incomplete_after
+from .checkpoints import check_complete, resume_latest
 from .config import TrainerConfig
-from .patch import TrainingStream, patch_trainer
+from .patch import EvalStream, TrainingStream, _barrier, patch_trainer
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +157,10 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     from ..transforms.text import TextProcessor, collate
     from ..transforms.vl import VLProcessor, collate_vl
 
-    device = detect_device()
-    overrides = dict(argument_overrides)
-    if "ddp_backend" not in cfg.train and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        overrides["ddp_backend"] = device.backend
-    args = cfg.training_arguments(**overrides)
+    requested = {**cfg.train, **argument_overrides}
+    kind = "cpu" if requested.get("use_cpu") else detect_device().kind
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = cfg.training_arguments(**data_parallel_arguments(kind, world_size, requested), **argument_overrides)
     vl = cfg.transform.format == "vl"
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
@@ -181,8 +180,15 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
                              resume_state_path=cfg.stream.resume_state_path)
 
+    eval_dataset = None
+    if cfg.eval_stream is not None:   # data.eval: the same fixed validation samples at every evaluation
+        eval_stream = open_stream(cfg.eval_stream, rank=args.process_index, world_size=args.world_size)
+        eval_dataset = EvalStream(eval_stream, collate_fn, processor_factory, cfg.eval_samples, key_fn)
+        eval_dataset.batches(args.eval_batch_size)   # a bad num_samples fails now, not at the first evaluation
+
     patch_trainer(Trainer)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=processor or tokenizer)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                      processing_class=processor or tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     extras = [lambda: transform_stats(getattr(trainer, "_rs_loader", None))]   # skips, drops: data_* fields
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
@@ -207,10 +213,7 @@ def resolve_resume(cfg: TrainerConfig, trainer) -> str | None:
     if explicit:
         check_complete(explicit)
         return explicit
-    latest = latest_complete_checkpoint(trainer.args.output_dir)
-    if trainer.args.process_index == 0:
-        remove_incomplete_after(trainer.args.output_dir, latest)
-    return latest
+    return resume_latest(trainer.args.output_dir, trainer.args.process_index == 0, _barrier)
 
 
 def _die_with_launcher() -> None:

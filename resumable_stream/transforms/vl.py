@@ -146,8 +146,11 @@ def _image_only(cls):
     def __reduce__(self):   # a class made at run time pickles by reloading the processor
         return _reload, self._rs_origin
 
-    return type(cls.__name__, (cls,), {"get_attributes": classmethod(get_attributes), "__reduce__": __reduce__,
-                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+    members = {"get_attributes": classmethod(get_attributes), "__reduce__": __reduce__,
+               "__module__": cls.__module__, "__doc__": cls.__doc__}
+    if isinstance(getattr(cls, "attributes", None), list):   # transformers 4.x: a class list, no get_attributes
+        members["attributes"] = [a for a in cls.attributes if "video" not in a]
+    return type(cls.__name__, (cls,), members)
 
 
 def processor_digest(processor: Any) -> str:

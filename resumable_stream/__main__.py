@@ -1,0 +1,8 @@
+"""``python -m resumable_stream ...`` is the ``resumable-stream`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
