@@ -239,7 +239,9 @@ class StreamLoader:
 
     def save_sidecar(self, state_dir: str) -> str:
         """Write this rank's ``rank-NNNNN.safetensors`` into ``state_dir`` (the manifest is the caller's)."""
-        return write_state_file(os.path.join(state_dir, rank_file_name(self.stream.rank)), self.state_dict())
+        file = write_state_file(os.path.join(state_dir, rank_file_name(self.stream.rank)), self.state_dict())
+        self.stream.save_index(state_dir)
+        return file
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files
