@@ -10,6 +10,7 @@ as ``datasets``' parquet builder casts them, so rows come out as ``datasets`` wo
 from __future__ import annotations
 
 import io
+import os
 import threading
 from typing import Any
 
@@ -79,27 +80,45 @@ class ParquetFiles:
         self._storage_options = storage_options
         self.features = datasets.Features.from_dict(index["features"])
         self._schema = self.features.arrow_schema
+        self._forget()
+
+    def _forget(self) -> None:
         self._footers: dict[int, pq.FileMetaData] = {}
         self._lock = threading.Lock()
+        self._file_locks: dict[int, threading.Lock] = {}
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_footers"], state["_lock"] = {}, None
+        for key in ("_footers", "_lock", "_file_locks", "_pid"):
+            del state[key]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._forget()
 
     @property
     def column_names(self) -> list[str]:
         return list(self.features)
 
     def metadata(self, file: int) -> pq.FileMetaData:
-        """The footer of file ``file`` (read once per process), checked against the index."""
+        """The footer of file ``file`` (read once per process, also when threads ask for it at once),
+        checked against the index."""
+        if self._pid != os.getpid():    # forked (a DataLoader worker): locks may be held by the parent's threads
+            self._forget()
         md = self._footers.get(file)
         if md is not None:
             return md
+        with self._lock:
+            file_lock = self._file_locks.setdefault(file, threading.Lock())
+        with file_lock:
+            md = self._footers.get(file)
+            if md is None:
+                md = self._footers[file] = self._read_footer(file)
+        return md
+
+    def _read_footer(self, file: int) -> pq.FileMetaData:
         entry = self._files[file]
         size, length = entry["size"], entry["footer_bytes"]
         footer = read_range(entry["path"], size - length, size, self._storage_options)
@@ -109,10 +128,7 @@ class ParquetFiles:
                 f"data file {entry['path']!r} was modified: its parquet footer no longer matches the dataset index "
                 f"(footer digest: index {entry['footer']!r}, now {digest!r}); the data changed since the index or "
                 "checkpoint was made", [(f"file modified: {entry['path']} (footer)", entry["footer"], digest)])
-        md = parse_footer(footer, entry["path"])
-        with self._lock:
-            self._footers[file] = md
-        return md
+        return parse_footer(footer, entry["path"])
 
     def row_group(self, file: int, group: int) -> pa.Table:
         """Row group ``group`` of file ``file`` as one table, cast to the index's features."""

@@ -38,6 +38,7 @@ from .index import (
     split_footer,
 )
 from .parquet_files import ParquetFiles, read_range
+from .prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -496,7 +497,7 @@ class StreamingSource(Source):
     shard at the next row not yet yielded, under ``data.retries``: the rows come out as without it."""
 
     def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: _Retry | None = None,
-                 parquet: ParquetFiles | None = None, index: dict | None = None):
+                 parquet: ParquetFiles | None = None, index: dict | None = None, prefetch_blocks: int = 0):
         self._ids = ids
         self._parquet = parquet
         self.index = index          # the dataset index this source reads (None: not indexed)
@@ -504,8 +505,20 @@ class StreamingSource(Source):
         self.fingerprint = fingerprint
         self.column_names = parquet.column_names if parquet is not None else ids.column_names
         self._retry = retry
+        self._prefetch: Prefetcher | None = None
         if parquet is not None:
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
+            if prefetch_blocks > 0:
+                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
+
+    def prefetch(self, partition: int, shards: list[int]) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
+        if self._prefetch is not None:
+            self._prefetch.hint(partition, shards)
+
+    def _fetch_row_group(self, shard: int) -> pa.Table:
+        info = self.shards[shard]
+        return self._parquet.row_group(self._file_of[info.file], info.part)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]
@@ -557,8 +570,13 @@ class StreamingSource(Source):
 
     def _row_group_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
-        info = self.shards[shard]
-        table = self._parquet.row_group(self._file_of[info.file], info.part)
+        table = None
+        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        if ahead is not None:
+            with contextlib.suppress(Exception):   # a failed fetch ahead: read it here, under the retries
+                table = ahead.result()
+        if table is None:
+            table = self._fetch_row_group(shard)
         for lo in range(0, table.num_rows, READ_BATCH_ROWS):
             hi = min(lo + READ_BATCH_ROWS, table.num_rows)
             if hi > start_row:
@@ -667,7 +685,8 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> Streamin
         "num_shards": len(shards), "shard_rows": _digest([s.num_rows for s in shards]),
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
-                           parquet=ParquetFiles(index, retry.storage_options), index=index)
+                           parquet=ParquetFiles(index, retry.storage_options), index=index,
+                           prefetch_blocks=cfg.prefetch_blocks)
 
 
 def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry: _Retry) -> tuple[Any, list[str]]:

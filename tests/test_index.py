@@ -8,12 +8,14 @@ counter) and real torchrun (gloo) for the sharing between ranks.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import datasets
 import pyarrow as pa
@@ -105,10 +107,10 @@ def test_index_command_then_index_path_opens_without_requests(site, tmp_path, ca
     assert summary["files"] == FILES and summary["row_groups"] == FILES * ROWS // FILES // GROUP
     assert summary["rows"] == ROWS and summary["columns"] == ["id", "text", "label"]
     assert len(site.requests) == 2 * FILES
-    reference = _ids(ResumableStream(cfg), 300)
+    reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0)), 300)    # no fetch left in flight
 
     site.reset_stats()
-    trusting = ResumableStream(cfg.replace(index_path=str(out), verify_files=False))
+    trusting = ResumableStream(cfg.replace(index_path=str(out), verify_files=False, prefetch_blocks=0))
     assert len(site.requests) == 0                       # nothing resolved, no footer re-read
     assert _ids(trusting, 300) == reference
     site.reset_stats()
@@ -260,3 +262,60 @@ def test_torchrun_four_ranks_open_48_remote_files_with_two_requests_per_file(tmp
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(4)] == [f"{files * 2} {files * 2}"] * 4
         assert len(srv.requests) <= 2 * files + 20, _count(srv)
+
+
+# ---------------------------------------------------------------------------- plan-driven prefetch
+def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
+    """Row groups of the plan are fetched ahead on threads: the first two GETs of a stream are in flight
+    together (each waits at a barrier for the other), responses arrive in random order (random latency per
+    request), and the rows are exactly those read without prefetch."""
+    import random
+    import threading
+
+    cfg = site.config(interleave_shards=2, timeout_s=30.0)     # no client timeout while a GET waits
+    src = open_source(cfg.replace(prefetch_blocks=0))
+    reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0), source=src), ROWS + 100)
+    jitter = random.Random(5)
+    site.faults.append(lambda rec: time.sleep(jitter.random() * 0.02))
+    try:
+        for depth, concurrent in ((0, False), (8, True)):
+            src = open_source(cfg.replace(prefetch_blocks=depth))      # the index: read before the barrier
+            together = threading.Barrier(2, timeout=3)
+            gets = itertools.count()
+
+            def meet(rec, together=together, gets=gets):
+                if rec.method == "GET" and next(gets) < 2:
+                    with contextlib.suppress(threading.BrokenBarrierError):
+                        together.wait()
+
+            site.faults.insert(0, meet)
+            stream = ResumableStream(cfg.replace(prefetch_blocks=depth), source=src)
+            assert _ids(stream, ROWS + 100) == reference
+            assert together.broken is not concurrent
+            site.faults.remove(meet)
+    finally:
+        site.faults.clear()
+
+
+def test_prefetch_threads_end_with_the_stream(site):
+    import gc
+    import threading
+
+    stream = ResumableStream(site.config(prefetch_blocks=4))
+    _ids(stream, 100)
+    threads = [t for t in threading.enumerate() if t.name.startswith("rs-prefetch")]
+    assert threads
+    del stream
+    gc.collect()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("key,bad", [("prefetch_blocks", -1), ("prefetch_blocks", 257), ("verify_files", "yes"),
+                                     ("index_path", "")])
+def test_new_keys_are_validated(key, bad):
+    from resumable_stream import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"data\.{key}: got"):
+        StreamConfig(dataset_name_or_path="parquet", data_files=["x.parquet"], **{key: bad})
