@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
@@ -52,6 +53,25 @@ class _Span(io.RawIOBase):
         return n
 
 
+_FILESYSTEMS: dict[tuple, Any] = {}
+
+
+def _filesystem(protocol: str, storage_options: dict):
+    """This process's fsspec filesystem for ``protocol`` (a fresh one after a fork: with some fsspec versions
+    a filesystem made before the fork hangs in a forked DataLoader worker)."""
+    import fsspec
+
+    options = dict(storage_options.get(protocol, {}))
+    key = (os.getpid(), protocol, repr(sorted(options.items())))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        if any(k[0] != key[0] for k in _FILESYSTEMS):
+            _FILESYSTEMS.clear()         # the parent's, unusable here
+            fsspec.asyn.reset_lock()
+        fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    return fs
+
+
 def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
     """Bytes ``[start, end)`` of a local file or a URL (one ranged request); a short answer is an OSError
     (a network fault: retried by the caller)."""
@@ -60,11 +80,9 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
             f.seek(start)
             data = f.read(end - start)
     else:
-        import fsspec
-
         protocol = path.split("://", 1)[0]
-        fs, fs_path = fsspec.core.url_to_fs(path, **dict(storage_options.get(protocol, {})))
-        data = fs.cat_file(fs_path, start=start, end=end)
+        fs = _filesystem(protocol, storage_options)
+        data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
     if len(data) != end - start:
         raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
     return data
@@ -85,12 +103,12 @@ class ParquetFiles:
     def _forget(self) -> None:
         self._footers: dict[int, pq.FileMetaData] = {}
         self._lock = threading.Lock()
-        self._file_locks: dict[int, threading.Lock] = {}
+        self._reading: dict[int, Future] = {}      # footers being read, by file
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for key in ("_footers", "_lock", "_file_locks", "_pid"):
+        for key in ("_footers", "_lock", "_reading", "_pid"):
             del state[key]
         return state
 
@@ -103,20 +121,30 @@ class ParquetFiles:
         return list(self.features)
 
     def metadata(self, file: int) -> pq.FileMetaData:
-        """The footer of file ``file`` (read once per process, also when threads ask for it at once),
-        checked against the index."""
+        """The footer of file ``file``, checked against the index: read once per process; threads that ask
+        while it is being read share that read's outcome (a failure included: no queue of retries)."""
         if self._pid != os.getpid():    # forked (a DataLoader worker): locks may be held by the parent's threads
             self._forget()
         md = self._footers.get(file)
         if md is not None:
             return md
         with self._lock:
-            file_lock = self._file_locks.setdefault(file, threading.Lock())
-        with file_lock:
-            md = self._footers.get(file)
-            if md is None:
-                md = self._footers[file] = self._read_footer(file)
-        return md
+            reading = self._reading.get(file)
+            mine = reading is None
+            if mine:
+                reading = self._reading[file] = Future()
+        if not mine:
+            return reading.result()
+        try:
+            md = self._footers[file] = self._read_footer(file)
+            reading.set_result(md)
+            return md
+        except BaseException as e:
+            reading.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._reading.pop(file, None)
 
     def _read_footer(self, file: int) -> pq.FileMetaData:
         entry = self._files[file]
