@@ -129,7 +129,7 @@ def _startup_requests(srv, urls: list[str], ranks: int, work: str) -> int:
 
 
 # ------------------------------------------------------------------------------ the run
-def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...]) -> dict:
+def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...], readers: tuple[str, ...] = READERS) -> dict:
     from http_server import FileServer
 
     files = _common.parquet_files(path)
@@ -143,7 +143,7 @@ def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...]) -> dict:
                 cond = {"latency_s": latency, "bandwidth_mb_s": bandwidth / 1e6, "readers": {}}
                 print(f"  {latency * 1000:.0f} ms + {bandwidth / 1e6:.0f} MB/s, {rows:,} rows per reader", flush=True)
                 cache = os.path.join(work, f"cache-{latency}")
-                for reader in READERS:
+                for reader in readers:
                     if reader == "ours_warm":
                         _fill_cache(urls, rows, cache, prefetch)
                     srv.reset_stats()
@@ -153,10 +153,11 @@ def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...]) -> dict:
                     print(f"    {reader:12s} {res['rows_s']:12,.0f} rows/s  first sample {res['first_s']:6.2f} s  "
                           f"{res['requests']:5d} requests  peak RSS {res['peak_rss_mib']:7.0f} MiB", flush=True)
                 r = cond["readers"]
-                cond["ours_over_hf_plain"] = r["ours"]["rows_s"] / r["hf_plain"]["rows_s"]
-                cond["ours_over_hf_shuffled"] = r["ours"]["rows_s"] / r["hf_shuffled"]["rows_s"]
-                print(f"    ours / HF plain {cond['ours_over_hf_plain']:.2f}x, ours / HF shuffled "
-                      f"{cond['ours_over_hf_shuffled']:.2f}x", flush=True)
+                if {"ours", "hf_plain", "hf_shuffled"} <= set(r):
+                    cond["ours_over_hf_plain"] = r["ours"]["rows_s"] / r["hf_plain"]["rows_s"]
+                    cond["ours_over_hf_shuffled"] = r["ours"]["rows_s"] / r["hf_shuffled"]["rows_s"]
+                    print(f"    ours / HF plain {cond['ours_over_hf_plain']:.2f}x, ours / HF shuffled "
+                          f"{cond['ours_over_hf_shuffled']:.2f}x", flush=True)
                 out["conditions"].append(cond)
             srv.latency_s, srv.bandwidth_bps = CONDITIONS[0]
             out["startup_requests"] = {}
@@ -174,7 +175,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="200k rows in 16 files, 60k rows per reader")
     p.add_argument("--rows", type=int, default=None, help="rows per reader (default 300000, quick 60000)")
     p.add_argument("--prefetch", type=int, default=8, help="data.prefetch_blocks for ours (default 8)")
-    p.add_argument("--ranks", default="1,4,8", help="rank counts for the startup requests (default 1,4,8)")
+    p.add_argument("--ranks", default="1,4,8", help="rank counts for the startup requests (default 1,4,8; "
+                                                    "empty: none)")
+    p.add_argument("--readers", default=",".join(READERS), help=f"readers to run (default {','.join(READERS)})")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -191,7 +194,8 @@ def main() -> None:
     path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=4096 if args.quick else 16384)
     print(f"remote parquet benchmark: {total:,} rows in 16 files ({platform.machine()}, {os.cpu_count()} CPUs)")
     result = {"rows_total": total, "rows_per_reader": rows, "prefetch_blocks": args.prefetch,
-              **bench(path, rows, args.prefetch, tuple(int(x) for x in args.ranks.split(",")))}
+              **bench(path, rows, args.prefetch, tuple(int(x) for x in args.ranks.split(",") if x.strip()),
+                      tuple(r for r in args.readers.split(",") if r in READERS))}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
