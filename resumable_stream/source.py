@@ -20,7 +20,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -161,13 +160,6 @@ def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _R
     if features is None:
         features = features_of(done[0][1], files[0])
     return make_index(cfg, "parquet", features, [entry for entry, _ in done])
-
-
-def _map_threads(fn, items: list) -> list:
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
-        return list(pool.map(fn, items))
 
 
 def _digest(obj) -> str:
@@ -415,7 +407,7 @@ def _probe_missing(urls: list[str], timeout_s: float) -> tuple[str, int] | None:
         except Exception:  # unreachable, reset, timeout: nothing definite
             return None
 
-    return next((hit for hit in _map_threads(one, probe) if hit is not None), None)
+    return next((hit for hit in map_files(one, probe) if hit is not None), None)
 
 
 class _Retry:
@@ -727,7 +719,7 @@ def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: l
     where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
     if targets and targets != [cfg.dataset_name_or_path]:
         where += f" ({_describe(targets)})"
-    identities = _map_threads(lambda f: _file_identity(f, retry), files)
+    identities = map_files(lambda f: _file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": builder.name, "files": identities,
