@@ -322,3 +322,14 @@ def test_new_keys_are_validated(key, bad):
 
     with pytest.raises(ConfigError, match=rf"data\.{key}: got"):
         StreamConfig(dataset_name_or_path="parquet", data_files=["x.parquet"], **{key: bad})
+
+
+def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
+    from resumable_stream.synthetic import write_jsonl_dataset
+
+    files = write_jsonl_dataset(str(tmp_path / "j"), 20, 2)
+    (tmp_path / "data.yaml").write_text(json.dumps({"dataset_name_or_path": "json", "data_files": files}))
+    assert cli_main(["index", str(tmp_path / "data.yaml"), "-o", str(tmp_path / "i.json"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "only parquet data is indexed" in err and "'json'" in err
+    assert not (tmp_path / "i.json").exists()
