@@ -301,9 +301,10 @@ def test_prefetch_threads_end_with_the_stream(site):
     import gc
     import threading
 
+    before = set(threading.enumerate())       # (other tests' streams may still be alive)
     stream = ResumableStream(site.config(prefetch_blocks=4))
     _ids(stream, 100)
-    threads = [t for t in threading.enumerate() if t.name.startswith("rs-prefetch")]
+    threads = [t for t in threading.enumerate() if t.name.startswith("rs-prefetch") and t not in before]
     assert threads
     del stream
     for _ in range(60):        # a fetch still in flight holds the source until it ends: collect again after
