@@ -1,4 +1,5 @@
-"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache."""
+"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache,
+index a dataset."""
 
 from __future__ import annotations
 
@@ -156,6 +157,34 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .index import save_index
+    from .source import open_source
+
+    cfg = StreamConfig.from_yaml(args.config)
+    if not isinstance(cfg, StreamConfig):
+        raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) has no single index; write one "
+                          "config per source to index them")
+    if cfg.backend != "hf" or not cfg.streaming:
+        raise ConfigError(f"{args.config}: data.backend {cfg.backend!r} / data.streaming {cfg.streaming!r}: a dataset "
+                          "index is for streamed parquet data (backend hf, streaming true)")
+    with tqdm(desc="indexing", unit="file", disable=args.no_progress, file=sys.stderr) as bar:
+        source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
+    index = getattr(source, "index", None)
+    if index is None:
+        raise ConfigError(f"{args.config}: data.dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed")
+    save_index(args.output, index)
+    groups = [rg for f in index["files"] for rg in f["row_groups"]]
+    summary = {"index": os.path.abspath(args.output), "files": len(index["files"]), "row_groups": len(groups),
+               "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),
+               "columns": list(index["features"])}
+    print(json.dumps(summary))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .trainer_patch.train import run_training
 
@@ -203,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, help="parallel fetches (default 8)")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
     warm.set_defaults(func=cmd_warmup)
+
+    idx = sub.add_parser("index", help="resolve a parquet dataset once and write its dataset index (files, "
+                                       "identities, row-group layout) for data.index_path")
+    idx.add_argument("config", help="yaml file with a data: section")
+    idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON)")
+    idx.add_argument("--no-progress", action="store_true", help="no progress bar")
+    idx.set_defaults(func=cmd_index)
 
     insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON, with each "
                                           "partition's epoch and fraction of it consumed")

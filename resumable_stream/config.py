@@ -68,6 +68,10 @@ _RULES: dict[str, tuple[Any, str]] = {
                        "null (ranks x DataLoader workers of the first run) or an integer from 1 to 1000000, "
                        "at least ranks x workers"),
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
+    "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                   "null or the path of a dataset index file (written by `resumable-stream index`)"),
+    "verify_files": (lambda v: isinstance(v, bool), "true or false"),
+    "prefetch_blocks": (lambda v: _is_int(v) and 0 <= v <= 256, "an integer from 0 (off) to 256 (row groups)"),
 }
 
 
@@ -94,6 +98,9 @@ class StreamConfig:
     timeout_s: float = 60.0
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
+    index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
+    verify_files: bool = True           # re-check each file's identity against a saved / given index
+    prefetch_blocks: int = 8            # parquet row groups fetched ahead per partition (0: off)
     source_file: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -210,9 +217,10 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
                 else [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in v] if isinstance(v, list) else v)
             for k, v in dfs.items()
         }
-    state = out.get("resume_state_path")
-    if isinstance(state, str) and state:
-        out["resume_state_path"] = _resolve_one(state, base_dir)
+    for key in ("resume_state_path", "index_path"):
+        value = out.get(key)
+        if isinstance(value, str) and value:
+            out[key] = _resolve_one(value, base_dir)
     name = out.get("dataset_name_or_path")
     if isinstance(name, str) and (name.startswith(".") or os.sep in name) and not _looks_remote(name):
         out["dataset_name_or_path"] = _resolve_one(name, base_dir)
@@ -227,9 +235,9 @@ MIXTURE_KEYS = ("sources", "stopping")
 # section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
-               "weight", "label")
+               "prefetch_blocks", "weight", "label")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
-_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic")
+_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 

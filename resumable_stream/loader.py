@@ -25,7 +25,6 @@ import torch.utils.data
 
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .sidecar import rank_file_name, write_manifest, write_state_file
 from .stream import ResumableStream
 from .transforms.errors import TransformError
 
@@ -239,15 +238,9 @@ class StreamLoader:
 
     def save_sidecar(self, path: str) -> str:
         """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
-        or a directory (then ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1;
-        with more ranks rank 0 writes it with ``sidecar.write_manifest`` after every rank saved)."""
-        path = os.fspath(path)
-        if path.endswith(".safetensors"):
-            return write_state_file(path, self.state_dict())
-        file = write_state_file(os.path.join(path, rank_file_name(self.stream.rank)), self.state_dict())
-        if self.stream.world_size == 1:
-            write_manifest(path, 1)
-        return file
+        or a directory (then ``rank-NNNNN.safetensors`` inside it, rank 0 adds the dataset index, plus the
+        manifest when world_size is 1)."""
+        return self.stream.write_sidecar(path, self.state_dict())
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files

@@ -22,6 +22,7 @@ from .plan import Layout, window_permutation
 
 DIGEST_BYTES = 16
 MAX_EMPTY_EPOCHS = 16
+PREFETCH_HINT = 256        # shards of its plan a partition hints at most when it builds a window
 _EMPTY_CHAIN = bytes(DIGEST_BYTES)
 
 
@@ -232,8 +233,16 @@ class PartitionReader:
         step, phase = lay.stride(self.partition)
         # Shards left open by the previous window continue where they are; others are (re)opened.
         live = self._open
+
+        def continues(pos: int, row: int) -> bool:
+            return pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
+
+        prefetch = getattr(self.source, "prefetch", None)
+        if prefetch is not None:   # the shards this window (re)opens, then the next ones of the plan
+            prefetch(self.partition, [shard_list[pos] for pos, row in start.slots if not continues(pos, row)]
+                     + list(shard_list[start.next_pos:start.next_pos + PREFETCH_HINT]))
         slots = [
-            live[pos] if pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
+            live[pos] if continues(pos, row)
             else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)
             for pos, row in start.slots
         ]

@@ -30,6 +30,7 @@ from .errors import SidecarError
 FORMAT = "resumable-stream"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 STATE_DIR = "stream_state"
 CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.safetensors$")
@@ -248,6 +249,9 @@ def write_manifest(state_dir: str, world_size: int) -> str:
             raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} missing; cannot write the manifest")
         files[rank_file_name(r)] = {"bytes": os.path.getsize(p), "blake2b": _file_digest(p)}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size, "files": files}
+    index = os.path.join(state_dir, INDEX)
+    if os.path.isfile(index):    # the dataset index saved with the state (job_source): verified before use
+        manifest["index"] = {"file": INDEX, "bytes": os.path.getsize(index), "blake2b": _file_digest(index)}
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
     return path

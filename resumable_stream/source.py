@@ -20,15 +20,24 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from .config import StreamConfig
-from .errors import ConfigError, SourceError
+from .errors import ConfigError, ResumableStreamError, SourceError
+from .index import (
+    FOOTER_TAIL_BYTES,
+    features_of,
+    file_entry,
+    identity_of,
+    make_index,
+    map_files,
+    split_footer,
+)
+from .parquet_files import ParquetFiles, read_range
+from .prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +121,17 @@ def _file_identity(path: str, retry: _Retry | None = None) -> dict:
     return ident
 
 
-def _parquet_row_groups(path: str, retry: _Retry | None = None) -> list[int]:
-    import fsspec
+def _parquet_footer(path: str, size: int, retry: _Retry | None = None) -> bytes:
+    """The footer of a parquet file of ``size`` bytes: one ranged read of its tail (two when the footer is
+    bigger than FOOTER_TAIL_BYTES)."""
+    options = retry.storage_options if retry else {}
 
-    def fetch() -> list[int]:
-        with fsspec.open(path, "rb", **_protocol_options(retry.storage_options if retry else {}, path)) as f:
-            md = pq.ParquetFile(f).metadata
-            return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+    def fetch() -> bytes:
+        tail = read_range(path, max(0, size - FOOTER_TAIL_BYTES), size, options)
+        length = split_footer(tail, size, path)
+        if length > len(tail):
+            tail = read_range(path, size - length, size - len(tail), options) + tail
+        return tail[len(tail) - length:]
 
     try:
         if retry is not None and retry.applies(path):
@@ -130,11 +143,23 @@ def _parquet_row_groups(path: str, retry: _Retry | None = None) -> list[int]:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def _map_threads(fn, items: list) -> list:
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
-        return list(pool.map(fn, items))
+def _index_file(path: str, retry: _Retry | None) -> tuple[dict, bytes]:
+    """One file's index entry (its identity: one metadata request; its layout: one footer read) and footer."""
+    ident = _file_identity(path, retry)
+    if not isinstance(ident.get("size"), int):
+        raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
+    footer = _parquet_footer(path, ident["size"], retry)
+    return file_entry(ident, footer), footer
+
+
+def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _Retry | None,
+                        progress: Callable[[], None] | None = None) -> dict:
+    """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
+    first file's schema, as ``datasets`` does)."""
+    done = map_files(lambda f: _index_file(f, retry), files, progress)
+    if features is None:
+        features = features_of(done[0][1], files[0])
+    return make_index(cfg, "parquet", features, [entry for entry, _ in done])
 
 
 def _digest(obj) -> str:
@@ -382,7 +407,7 @@ def _probe_missing(urls: list[str], timeout_s: float) -> tuple[str, int] | None:
         except Exception:  # unreachable, reset, timeout: nothing definite
             return None
 
-    return next((hit for hit in _map_threads(one, probe) if hit is not None), None)
+    return next((hit for hit in map_files(one, probe) if hit is not None), None)
 
 
 class _Retry:
@@ -457,17 +482,35 @@ class Source:
 
 
 class StreamingSource(Source):
-    """``load_dataset(..., streaming=True)``; parquet resharded to one shard per row group.
+    """``load_dataset(..., streaming=True)`` read one shard per file; or, with a dataset index (parquet),
+    one shard per row group read with pyarrow (:class:`~resumable_stream.parquet_files.ParquetFiles`).
 
     With a remote dataset, a read that fails midway (reset, 5xx, truncated body, timeout) reopens the
     shard at the next row not yet yielded, under ``data.retries``: the rows come out as without it."""
 
-    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: _Retry | None = None):
+    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: _Retry | None = None,
+                 parquet: ParquetFiles | None = None, index: dict | None = None, prefetch_blocks: int = 0):
         self._ids = ids
+        self._parquet = parquet
+        self.index = index          # the dataset index this source reads (None: not indexed)
         self.shards = shards
         self.fingerprint = fingerprint
-        self.column_names = ids.column_names
+        self.column_names = parquet.column_names if parquet is not None else ids.column_names
         self._retry = retry
+        self._prefetch: Prefetcher | None = None
+        if parquet is not None:
+            self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
+            if prefetch_blocks > 0:
+                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
+
+    def prefetch(self, partition: int, shards: list[int]) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
+        if self._prefetch is not None:
+            self._prefetch.hint(partition, shards)
+
+    def _fetch_row_group(self, shard: int) -> pa.Table:
+        info = self.shards[shard]
+        return self._parquet.row_group(self._file_of[info.file], info.part)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]
@@ -488,7 +531,10 @@ class StreamingSource(Source):
                     except Exception as e:
                         label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {row}"
                         if not retry.failed(e, attempt, label, [info.file] if info.file else []):
-                            raise self._read_error(shard, e) from e
+                            err = self._read_error(shard, e)
+                            if err is e:
+                                raise
+                            raise err from e
                         attempt += 1
                         break        # reopen the shard at ``row``, the first row not yet yielded
                     attempt = 0      # progress: a later fault gets the full number of retries again
@@ -498,6 +544,9 @@ class StreamingSource(Source):
                 tables.close()
 
     def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
+        if self._parquet is not None:
+            yield from self._row_group_from(shard, start_row)
+            return
         one = self._ids.shard(num_shards=len(self.shards), index=shard, contiguous=True).with_format("arrow")
         seen = 0
         # Reopening at a row re-reads the shard's prefix: bounded by one shard (a row group for parquet).
@@ -511,7 +560,23 @@ class StreamingSource(Source):
             seen += n
             yield table
 
-    def _read_error(self, shard: int, e: Exception) -> SourceError:
+    def _row_group_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
+        """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
+        table = None
+        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        if ahead is not None:
+            with contextlib.suppress(Exception):   # a failed fetch ahead: read it here, under the retries
+                table = ahead.result()
+        if table is None:
+            table = self._fetch_row_group(shard)
+        for lo in range(0, table.num_rows, READ_BATCH_ROWS):
+            hi = min(lo + READ_BATCH_ROWS, table.num_rows)
+            if hi > start_row:
+                yield table.slice(max(lo, start_row), hi - max(lo, start_row))
+
+    def _read_error(self, shard: int, e: Exception) -> ResumableStreamError:
+        if isinstance(e, ResumableStreamError) and not isinstance(e, SourceError):
+            return e                 # a StreamMismatchError (a file changed under the index) stays one
         info = self.shards[shard]
         return SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
                            f"({type(e).__name__}: {e})")
@@ -524,7 +589,10 @@ class StreamingSource(Source):
             except StopIteration:
                 return
             except Exception as e:
-                raise self._read_error(shard, e) from e
+                err = self._read_error(shard, e)
+                if err is e:
+                    raise
+                raise err from e
             yield table
 
 
@@ -551,18 +619,72 @@ class MapStyleSource(Source):
             pos = end
 
 
-def open_source(cfg: StreamConfig) -> Source:
+def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None) -> Source:
     """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason.
 
     Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
-    own) with ``data.timeout_s`` on every HTTP connection and read."""
-    import datasets
-
+    own) with ``data.timeout_s`` on every HTTP connection and read. A parquet dataset is read from its
+    dataset index: ``index`` when given (checked against the config; nothing is resolved then),
+    otherwise built here (``progress()`` after each file)."""
     if cfg.backend == "local":
         return _open_local(cfg)
     path, data_files = _builder_args(cfg)
     targets = _remote_targets(path, data_files)
     retry = _Retry(cfg, remote=bool(targets))
+    if index is not None and cfg.streaming:
+        return source_from_index(cfg, index, retry)
+    files = _explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    if files is not None:
+        return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress), retry)
+    builder, files = _resolve(cfg, path, data_files, targets, retry)
+    if cfg.streaming and _indexable(builder, files):
+        index = build_parquet_index(cfg, files, builder.info.features, retry, progress)
+        return source_from_index(cfg, index, retry)
+    return _open_with_datasets(cfg, builder, files, targets, retry)
+
+
+def _explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
+    """The split's files when the config lists parquet files by plain http(s) URL: then there is nothing
+    to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
+    otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
+    if path != "parquet" or cfg.name is not None or data_files is None:
+        return None
+    splits = data_files if isinstance(data_files, dict) else {"train": data_files}
+    splits = {str(k): [v] if isinstance(v, str) else v for k, v in splits.items()}
+    if not all(isinstance(v, list) and v and all(isinstance(f, str) and f.split("://", 1)[0] in ("http", "https")
+                                                 and not _GLOB_CHARS.search(f) for f in v)
+               for v in splits.values()):
+        return None
+    if cfg.split not in splits:
+        raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
+    return list(splits[cfg.split])
+
+
+def _indexable(builder, files: list[str]) -> bool:
+    """Parquet files read whole (no column selection or row filter in the builder config)."""
+    return (builder.name == "parquet" and bool(files) and getattr(builder.config, "columns", None) is None
+            and getattr(builder.config, "filters", None) is None)
+
+
+def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> StreamingSource:
+    """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
+    files = index["files"]
+    shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
+    shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
+    fingerprint = {
+        "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
+        "streaming": cfg.streaming, "builder": index["builder"], "files": [identity_of(f) for f in files],
+        "num_shards": len(shards), "shard_rows": _digest([s.num_rows for s in shards]),
+    }
+    return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
+                           parquet=ParquetFiles(index, retry.storage_options), index=index,
+                           prefetch_blocks=cfg.prefetch_blocks)
+
+
+def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry: _Retry) -> tuple[Any, list[str]]:
+    """``datasets``' builder for the config and the resolved files of its split."""
+    import datasets
+
     where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
     if targets and targets != [cfg.dataset_name_or_path]:
         where += f" ({_describe(targets)})"
@@ -588,7 +710,16 @@ def open_source(cfg: StreamConfig) -> Source:
     if resolved and not files:
         raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
                           f"split {cfg.split!r}")
-    identities = _map_threads(lambda f: _file_identity(f, retry), files)
+    return builder, files
+
+
+def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: list[str],
+                        retry: _Retry) -> Source:
+    """Everything but indexed parquet: ``datasets`` reads it (one shard per file when streaming)."""
+    where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+    if targets and targets != [cfg.dataset_name_or_path]:
+        where += f" ({_describe(targets)})"
+    identities = map_files(lambda f: _file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": builder.name, "files": identities,
@@ -616,18 +747,9 @@ def open_source(cfg: StreamConfig) -> Source:
     except Exception as e:
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: streaming failed "
                           f"({type(e).__name__}: {e})") from None
-    shards: list[ShardInfo] | None = None
-    if builder.name == "parquet" and files:
-        groups = _map_threads(lambda f: _parquet_row_groups(f, retry), files)
-        resharded = retry.call(ids.reshard, f"{where}: resharding by row group", files)
-        if resharded.num_shards == sum(len(g) for g in groups):
-            ids = resharded
-            shards = [ShardInfo(0, f, rg, rows) for f, g in zip(files, groups) for rg, rows in enumerate(g)]
-    if shards is None:
-        n = ids.num_shards
-        names = files if len(files) == n else [""] * n
-        shards = [ShardInfo(0, f, None, None) for f in names]
-    shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
+    n = ids.num_shards
+    names = files if len(files) == n else [""] * n
+    shards = [ShardInfo(i, f, None, None) for i, f in enumerate(names)]
     fingerprint["num_shards"] = len(shards)
     fingerprint["shard_rows"] = _digest([s.num_rows for s in shards])
     return StreamingSource(ids, shards, fingerprint, retry if retry.remote else None)

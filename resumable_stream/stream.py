@@ -26,6 +26,7 @@ import torch.utils.data
 from .checks import check_fingerprint, check_topology
 from .config import StreamConfig
 from .errors import ConfigError, SidecarError, StreamMismatchError
+from .job_source import open_job_source, write_state_index
 from .partition import Cursor, PartitionReader, sample_digest
 from .plan import Layout, check_consumers, partition_lanes, partition_owner
 from .sidecar import (
@@ -38,7 +39,7 @@ from .sidecar import (
     write_manifest,
     write_state_file,
 )
-from .source import Source, open_source
+from .source import Source
 
 log = logging.getLogger(__name__)
 _warned: set[tuple] = set()
@@ -168,14 +169,24 @@ class SidecarMixin:
     def save_sidecar(self, path: str | os.PathLike) -> str:
         """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
         ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
+        return self.write_sidecar(path, self.state_dict())
+
+    def write_sidecar(self, path: str | os.PathLike, state: dict) -> str:
+        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says."""
         path = os.fspath(path)
-        state = self.state_dict()
         if path.endswith(".safetensors"):
             return write_state_file(path, state)
         file = write_state_file(os.path.join(path, rank_file_name(self.rank)), state)
+        self.save_index(path)
         if self.world_size == 1:
             write_manifest(path, 1)
         return file
+
+    def save_index(self, state_dir: str) -> None:
+        """Rank 0: the dataset index next to the rank files (listed in the manifest written after it), so that
+        a resume from this state opens the stream without resolving the dataset again."""
+        if self.rank == 0:
+            write_state_index(state_dir, getattr(self.source, "index", None))
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
         """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
@@ -200,7 +211,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
         rank, world_size = resolve_topology(rank, world_size, num_workers)
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
-        self.source = source if source is not None else open_source(config)
+        self.source = source if source is not None else open_job_source(config, rank, world_size)
         if config.cache_dir and not getattr(self.source, "is_cached", False):
             from .cache import CachedSource  # local block cache around the source (never changes results)
 

@@ -47,7 +47,7 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
     digests = json.loads(meta["digests"])["0"]
     assert digests["consumed_samples"] == 150 and len(digests["next_sample"]) == 16
     # no temp files left behind
-    assert sorted(os.listdir(tmp_path / "state")) == ["manifest.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(tmp_path / "state")) == ["index.json", "manifest.json", "rank-00000.safetensors"]
 
 
 def test_consumed_digest_identifies_what_was_consumed(cfg, source, tmp_path):

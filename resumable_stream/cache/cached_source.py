@@ -44,6 +44,7 @@ class CachedSource(Source):
         self.shards = source.shards
         self.fingerprint = source.fingerprint
         self.column_names = source.column_names
+        self.index = getattr(source, "index", None)     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
         self.store = BlockStore(os.path.expanduser(directory), int(limit_gb * 2**30),
                                 namespace(source.fingerprint, self.block_rows), self.block_rows)

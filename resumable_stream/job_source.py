@@ -1,0 +1,199 @@
+"""Open a rank's source so that the whole job resolves its dataset once.
+
+Where the dataset index comes from, in order: the checkpoint being resumed (``stream_state/index.json``,
+verified against the manifest), ``data.index_path`` when that file exists, else it is built (datasets
+resolves the files, then one metadata request and one footer read per file). With
+``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
+metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
+only rank 0 does any of this and broadcasts the index (JSON bytes, no pickle) to the other ranks,
+which then make no request at all to open the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from .config import StreamConfig
+from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from .index import (
+    changed_files,
+    check_resolution,
+    decode_index,
+    describe_changes,
+    footer_digest,
+    load_index,
+    map_files,
+    same_resolution,
+    save_index,
+)
+from .source import (
+    Source,
+    _builder_args,
+    _explicit_urls,
+    _file_identity,
+    _is_remote,
+    _parquet_footer,
+    _remote_targets,
+    _resolve,
+    _Retry,
+    open_source,
+)
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
+
+
+def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
+    """This rank's source of ``cfg``; ``state_path``: a checkpoint being resumed whose saved index may be
+    used (default ``cfg.resume_state_path``)."""
+    if cfg.backend != "hf" or not cfg.streaming:
+        return open_source(cfg)
+    shared = _shared_over_dist(rank, world_size)
+    if shared and rank != 0:
+        message = json.loads(_broadcast(None))
+        if "error" in message:
+            cls = _ERRORS.get(message["error"]["type"], SourceError)
+            raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
+        index = message["index"]
+        return open_source(cfg, index=index) if index is not None else open_source(cfg)
+    try:
+        src = _open_first(cfg, rank, state_path or cfg.resume_state_path)
+    except Exception as e:
+        if shared:
+            _broadcast(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
+        raise
+    if shared:
+        _broadcast(json.dumps({"index": getattr(src, "index", None)}).encode())
+    return src
+
+
+def _open_first(cfg: StreamConfig, rank: int, state_path: str | None) -> Source:
+    """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved."""
+    index, where, given = None, None, False
+    saved = saved_index_file(state_path) if state_path else None
+    if saved is not None:
+        index, where = saved, f"of {state_path!r}"
+    elif cfg.index_path and os.path.isfile(cfg.index_path):
+        index, where, given = load_index(cfg.index_path), repr(cfg.index_path), True
+    if saved is not None and not same_resolution(index, cfg):
+        index = None        # resolved afresh: the resume check then names what changed in the config
+    if index is not None:
+        check_resolution(index, cfg, where)
+        if cfg.verify_files:
+            index = _verified(cfg, index, where, given)
+        if index is not None:
+            return open_source(cfg, index=index)
+    src = open_source(cfg)
+    if cfg.index_path and rank == 0 and getattr(src, "index", None) is not None:
+        save_index(cfg.index_path, src.index)
+    return src
+
+
+def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict | None:
+    """``index`` if it still describes the data: the same files (patterns and repositories are listed again
+    by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
+    given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
+    dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
+    path, data_files = _builder_args(cfg)
+    targets = _remote_targets(path, data_files)
+    retry = _Retry(cfg, remote=bool(targets))
+    listed = [f["path"] for f in index["files"]]
+    if _explicit_urls(cfg, path, data_files) is None:
+        files = _resolve(cfg, path, data_files, targets, retry)[1]
+        if files != listed:
+            if not given:
+                return None
+            added, removed = sorted(set(files) - set(listed)), sorted(set(listed) - set(files))
+            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
+            raise StreamMismatchError(
+                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
+                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
+                diffs or [("file order", listed, files)])
+
+    def now(entry: dict) -> dict:
+        try:
+            ident = _file_identity(entry["path"], retry)
+        except SourceError as e:
+            return {"path": entry["path"], "error": str(e)}
+        if not _is_remote(entry["path"]) and isinstance(ident.get("size"), int):
+            # a local footer read costs no request: it catches a same-size, same-mtime rewrite
+            try:
+                ident["footer"] = footer_digest(_parquet_footer(entry["path"], ident["size"], retry))
+            except SourceError as e:
+                ident["footer"] = str(e)
+        return ident
+
+    changes = changed_files(index, map_files(now, index["files"]))
+    if not changes:
+        return index
+    if given:
+        raise StreamMismatchError(
+            f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`):\n"
+            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    return None
+
+
+def saved_index_file(state_path: str) -> dict[str, Any] | None:
+    """The index saved in a checkpoint's stream state (None when it has none), checked against the
+    manifest's digest of it: an index that is not listed there is never used."""
+    from .sidecar import INDEX, MANIFEST, _file_digest, state_dir_of
+
+    state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
+    if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
+        return None
+    try:
+        with open(os.path.join(state_dir, MANIFEST), "rb") as f:
+            entry = json.load(f).get("index")
+    except (OSError, ValueError, AttributeError):
+        return None        # the resume itself reports a corrupt manifest
+    file = os.path.join(state_dir, INDEX)
+    if not isinstance(entry, dict) or not os.path.isfile(file):
+        return None
+    if entry.get("blake2b") != _file_digest(file):
+        raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    with open(file, "rb") as f:
+        return decode_index(f.read(), repr(file))
+
+
+def write_state_index(state_dir: str, index: dict | None) -> None:
+    """Rank 0, before the manifest: save the source's index with the state (or drop a stale one)."""
+    from .sidecar import INDEX
+
+    file = os.path.join(state_dir, INDEX)
+    if index is not None:
+        save_index(file, index)
+    elif os.path.isfile(file):
+        os.remove(file)
+
+
+# ------------------------------------------------------------------------------ torch.distributed
+def _shared_over_dist(rank: int, world_size: int) -> bool:
+    """The ranks of this stream are those of an initialized process group: share the index over it."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return (world_size > 1 and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == world_size and dist.get_rank() == rank)
+
+
+def _broadcast(data: bytes | None) -> bytes:
+    """Rank 0's ``data`` on every rank (its length, then its bytes as a uint8 tensor)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().numpy().tobytes())
