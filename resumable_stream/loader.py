@@ -25,7 +25,7 @@ import torch.utils.data
 
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .sidecar import rank_file_name, write_state_file
+from .sidecar import write_rank_file
 from .stream import ResumableStream
 from .transforms.errors import TransformError
 
@@ -239,7 +239,7 @@ class StreamLoader:
 
     def save_sidecar(self, state_dir: str) -> str:
         """Write this rank's ``rank-NNNNN.safetensors`` into ``state_dir`` (the manifest is the caller's)."""
-        return write_state_file(os.path.join(state_dir, rank_file_name(self.stream.rank)), self.state_dict())
+        return write_rank_file(state_dir, self.stream.rank, self.state_dict())
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files
