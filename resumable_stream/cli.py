@@ -58,14 +58,17 @@ def cmd_peek(args: argparse.Namespace) -> int:
         if unknown:
             raise ConfigError(f"--fields: unknown column(s) {', '.join(unknown)}; columns: {', '.join(columns)}")
     out = sys.stdout
-    for sample in itertools.islice(stream, args.num):
-        if fields is not None:
-            sample = {k: sample.get(k) for k in fields}
-        out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
-    out.flush()
-    if args.save_state:
-        path = stream.save_sidecar(args.save_state)
-        print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
+    try:
+        for sample in itertools.islice(stream, args.num):
+            if fields is not None:
+                sample = {k: sample.get(k) for k in fields}
+            out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
+        out.flush()
+        if args.save_state:
+            path = stream.save_sidecar(args.save_state)
+            print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
+    finally:
+        stream.close()   # readers stop here, not at interpreter teardown
     return 0
 
 

@@ -214,6 +214,12 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         self._pos = {p: _Position([0] * n, [False] * n, iters=[None] * n) for p in self.partitions}
         self._turn = 0
 
+    def close(self) -> None:
+        """Close every source's open shards (see ResumableStream.close)."""
+        for views in self._views:
+            for view in views.values():
+                view.close()
+
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
         c = self.config

@@ -317,6 +317,12 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
         """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
         return self._readers[partition].epoch
 
+    def close(self) -> None:
+        """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
+        behind it) outlives its use. Iterating again reopens the shards where the cursors stand."""
+        for reader in self._readers.values():
+            reader.close()
+
     def partition_state(self, partition: int) -> dict[str, Any]:
         """One partition's position after the last sample it yielded, with the digest of the next one.
 
