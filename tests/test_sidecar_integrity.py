@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 from helpers import parquet_config, take_ids
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -330,3 +332,59 @@ def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_state(cfg, source
     resumed = _stream(cfg, source)
     resumed.load_sidecar(str(tmp_path / "ck"))
     assert take_ids(resumed, 30) == expected
+
+
+# ------------------------------------------------------------------ fuzzing the decoded state
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_well_sealed_state_loads_or_is_a_named_error(cfg, source, saved, data):
+    """Random values in the metadata (anywhere inside its JSON) and in the cursor / slot tensors, with a
+    valid self-digest: loading either works or raises SidecarError / StreamMismatchError, never another type."""
+    from resumable_stream import StreamMismatchError
+
+    path, _, _ = saved
+    original = open(path, "rb").read()
+
+    def edit(tensors, meta):
+        key = data.draw(st.sampled_from(sorted(k for k in meta if k != sc.SEAL_KEY)))
+        try:
+            value = json.loads(meta[key])
+        except ValueError:
+            value = meta[key]
+        path_in = data.draw(st.integers(0, 3))
+        node = value
+        for _ in range(path_in):        # descend a few levels, replace one value there
+            if isinstance(node, dict) and node:
+                k = data.draw(st.sampled_from(sorted(node)))
+                if isinstance(node[k], (dict, list)) and node[k]:
+                    node = node[k]
+                    continue
+                node[k] = data.draw(_JSON)
+                break
+            if isinstance(node, list) and node:
+                i = data.draw(st.integers(0, len(node) - 1))
+                if isinstance(node[i], (dict, list)) and node[i]:
+                    node = node[i]
+                    continue
+                node[i] = data.draw(_JSON)
+                break
+        else:
+            value = data.draw(_JSON) if path_in == 0 else value
+        meta[key] = json.dumps(value)
+        name = data.draw(st.sampled_from(["cursors", "slots", "partition_ids"]))
+        flat = tensors[name].reshape(-1)
+        flat[data.draw(st.integers(0, len(flat) - 1))] = data.draw(st.integers(-2**62, 2**62))
+
+    bad = _resealed(original, edit)
+    try:
+        s = _stream(cfg, source)
+        s.load_state_dict(sc.decode_state(bad, "fuzzed.safetensors"), where="sidecar 'fuzzed.safetensors'")
+        take_ids(s, 3)
+    except (SidecarError, StreamMismatchError):
+        pass
