@@ -32,6 +32,7 @@ FORMAT = "resumable-stream"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = "stream_state"
+ENTRY_STRIDE = 2**32   # mixtures: the entry of source i for partition p is p + (i + 1) * ENTRY_STRIDE
 CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 _RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
 
@@ -233,8 +234,8 @@ def _partition_fields(i: int, p: int, meta: dict[str, Any], arrays: dict[str, np
     """One partition's state from row ``i`` of the tensors and its metadata entries, every field checked."""
     d = meta["digests"].get(str(p))
     _require(isinstance(d, dict), path, f"digests[{p}]", d, "a mapping with next_sample, consumed, consumed_samples")
-    _require(_is_hex(d.get("next_sample"), 16), path, f"digests[{p}].next_sample", d.get("next_sample"),
-             "16 hex digits")
+    _require(_is_hex(d.get("next_sample"), 16) or d.get("next_sample") == "", path, f"digests[{p}].next_sample",
+             d.get("next_sample"), "16 hex digits ('' for a mixture's own entry)")
     _require(_is_hex(d.get("consumed"), 32), path, f"digests[{p}].consumed", d.get("consumed"), "32 hex digits")
     _require(_is_int(d.get("consumed_samples")), path, f"digests[{p}].consumed_samples", d.get("consumed_samples"),
              "an integer >= 0")
@@ -312,9 +313,10 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
         _require(arrays[name].shape == shape, path, f"tensor {name}", arrays[name].shape, f"shape {shape}")
     _require(arrays["slots"].shape[0] == k and arrays["slots"].shape[2] == 2, path, "tensor slots",
              arrays["slots"].shape, f"shape ({k}, open shards, 2)")
-    ids = parts.tolist()
-    _require(len(set(ids)) == k and all(0 <= p < topology["num_partitions"] for p in ids), path,
-             "tensor partition_ids", ids, f"distinct integers in [0, {topology['num_partitions']})")
+    ids, n = parts.tolist(), topology["num_partitions"]
+    # a mixture (data.sources) stores source i's entry of partition p as p + (i + 1) * 2**32
+    _require(len(set(ids)) == k and all(p >= 0 and p % ENTRY_STRIDE < n for p in ids), path,
+             "tensor partition_ids", ids, f"distinct partitions in [0, {n}) (plus multiples of 2**32 in a mixture)")
     partitions = {p: _partition_fields(i, p, entries, arrays, tensors, path) for i, p in enumerate(ids)}
     state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions}
