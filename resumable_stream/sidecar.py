@@ -283,7 +283,7 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
                            f"{FORMAT_VERSION} (upgrade resumable-stream or resume with the version that wrote it)")
     if not _check_seal(data, header_len, meta, path) and not verified:
         raise SidecarError(f"sidecar {path!r}: has no self-digest ({SEAL_KEY}), so it cannot be verified: it was "
-                           "written by resumable-stream < 0.2 or that field was damaged. Load it through its "
+                           "written by an earlier version of resumable-stream, or that field was damaged. Load it through its "
                            "stream_state or checkpoint directory (whose manifest.json verifies it)")
     try:
         tensors = st_load(data)
