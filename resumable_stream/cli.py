@@ -60,14 +60,17 @@ def cmd_peek(args: argparse.Namespace) -> int:
         if unknown:
             raise ConfigError(f"--fields: unknown column(s) {', '.join(unknown)}; columns: {', '.join(columns)}")
     out = sys.stdout
-    for sample in itertools.islice(stream, args.num):
-        if fields is not None:
-            sample = {k: sample.get(k) for k in fields}
-        out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
-    out.flush()
-    if args.save_state:
-        path = stream.save_sidecar(args.save_state)
-        print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
+    try:
+        for sample in itertools.islice(stream, args.num):
+            if fields is not None:
+                sample = {k: sample.get(k) for k in fields}
+            out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
+        out.flush()
+        if args.save_state:
+            path = stream.save_sidecar(args.save_state)
+            print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
+    finally:
+        stream.close()   # readers stop here, not at interpreter teardown
     return 0
 
 
@@ -107,23 +110,23 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .sidecar import read_manifest, read_state_file, state_dir_of
+    from .sidecar import read_manifest, read_rank_state, read_state_file, state_dir_of
 
     path = args.path
-    if os.path.isfile(path):
-        state = read_state_file(path)
-        result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
-    elif os.path.isdir(path):
+    if os.path.isdir(path):
         state_dir = state_dir_of(path)
         if state_dir is None:
             raise SidecarError(f"stream state {path!r}: no sidecar files or stream_state/ directory here")
         manifest = read_manifest(state_dir)
         ranks, states = {}, []
-        for name in sorted(manifest["files"]):
-            states.append(read_state_file(os.path.join(state_dir, name)))
-            ranks[name] = _summarize_state(states[-1], args.full)
+        for r in range(manifest["world_size"]):   # each file confined to state_dir and checked against its digest
+            states.append(read_rank_state(state_dir, manifest, r)[0])
+            ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks,
                   "progress": _progress(states)}
+    elif os.path.lexists(path):
+        state = read_state_file(path)   # verified by its own digest; a FIFO or device is refused unread
+        result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
     else:
         raise SidecarError(f"stream state {path!r}: not found")
     print(json.dumps(result, indent=2, default=_show))

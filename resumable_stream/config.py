@@ -40,6 +40,10 @@ def _check_data_files(v: Any) -> bool:
     return False
 
 
+# datasets' packaged builders that read files: without data_files they read the working directory
+FILE_BUILDERS = ("parquet", "json", "csv", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
+                 "audiofolder", "videofolder")
+
 # key -> (check, what is allowed)
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
@@ -116,6 +120,13 @@ class StreamConfig:
             raise ConfigError(
                 f"data.streaming: got true with data.backend {self.backend!r}; streaming needs backend 'hf' "
                 "(backend 'local' loads a dataset saved with save_to_disk, set streaming: false)"
+            )
+        if self.backend == "hf" and self.dataset_name_or_path in FILE_BUILDERS and self.data_files is None:
+            # datasets would read the files of the current working directory
+            raise ConfigError(
+                f"data.data_files: missing with data.dataset_name_or_path {self.dataset_name_or_path!r}; the "
+                f"{self.dataset_name_or_path} builder reads the files data_files names (a path or glob, a list of "
+                "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
             )
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(

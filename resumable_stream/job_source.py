@@ -138,36 +138,24 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
 
 
 def saved_index_file(state_path: str) -> dict[str, Any] | None:
-    """The index saved in a checkpoint's stream state (None when it has none), checked against the
-    manifest's digest of it: an index that is not listed there is never used."""
-    from .sidecar import INDEX, MANIFEST, _file_digest, state_dir_of
+    """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
+    checked against the manifest's digest of it: an index that is not listed there is never used."""
+    from .sidecar import MANIFEST, read_state_index, state_dir_of
 
     state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
     if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
         return None
-    try:
-        with open(os.path.join(state_dir, MANIFEST), "rb") as f:
-            entry = json.load(f).get("index")
-    except (OSError, ValueError, AttributeError):
-        return None        # the resume itself reports a corrupt manifest
-    file = os.path.join(state_dir, INDEX)
-    if not isinstance(entry, dict) or not os.path.isfile(file):
-        return None
-    if entry.get("blake2b") != _file_digest(file):
-        raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
-    with open(file, "rb") as f:
-        return decode_index(f.read(), repr(file))
+    saved = read_state_index(state_dir)
+    return None if saved is None else decode_index(saved[1], repr(saved[0]))
 
 
 def write_state_index(state_dir: str, index: dict | None) -> None:
-    """Rank 0, before the manifest: save the source's index with the state (or drop a stale one)."""
-    from .sidecar import INDEX
+    """Rank 0, before the manifest: save the source's index with the next generation of the state (the
+    current one keeps its own until the new manifest replaces it)."""
+    from .sidecar import generation_of, index_file_name
 
-    file = os.path.join(state_dir, INDEX)
     if index is not None:
-        save_index(file, index)
-    elif os.path.isfile(file):
-        os.remove(file)
+        save_index(os.path.join(state_dir, index_file_name(generation_of(state_dir) + 1)), index)
 
 
 # ------------------------------------------------------------------------------ torch.distributed

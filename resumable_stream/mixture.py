@@ -49,6 +49,7 @@ from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .plan import check_consumers, counter_hashes, derive_seed, partition_lanes
 from .sidecar import (
     CURSOR_FIELDS,
+    ENTRY_STRIDE,
     FORMAT_VERSION,
     partition_progress,
     progress_summary,
@@ -57,7 +58,7 @@ from .source import Source, open_source
 from .stream import ResumableStream, SidecarMixin, resolve_topology, round_robin
 
 TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
-SOURCE_STRIDE = 1 << 32    # sidecar entry of source i, partition p: p + (i + 1) * SOURCE_STRIDE
+SOURCE_STRIDE = ENTRY_STRIDE    # sidecar entry of source i, partition p: p + (i + 1) * SOURCE_STRIDE
 DRAW_BLOCK = 4096          # draws computed at once
 MAX_EMPTY_EPOCHS = 16      # a source partition that yields nothing this many epochs in a row is an error
 
@@ -214,6 +215,12 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         self._views = [{p: self._view(i, p, num_partitions) for p in self.partitions} for i in range(n)]
         self._pos = {p: _Position([0] * n, [False] * n, iters=[None] * n) for p in self.partitions}
         self._turn = 0
+
+    def close(self) -> None:
+        """Close every source's open shards (see ResumableStream.close)."""
+        for views in self._views:
+            for view in views.values():
+                view.close()
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ permutation and skips ``offset`` rows: the cost is one window, however far the r
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import json
 import weakref
@@ -95,10 +96,14 @@ _LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
 
 @atexit.register
 def _close_open_shards() -> None:
-    # Close readers while modules are still alive; left to interpreter teardown, datasets'
-    # parquet generator prints "Exception ignored" noise.
+    # Close readers while the interpreter is whole. Left to teardown, a shard stopped mid-way keeps a
+    # pyarrow dataset scan (datasets' parquet reader) alive on arrow's native threads past the end of
+    # Python, which aborts the process now and then ("terminate called without an active exception");
+    # datasets' parquet generator also prints "Exception ignored" noise. The collection frees scans
+    # that are only held by reference cycles.
     for shard in list(_LIVE_SHARDS):
         shard.close()
+    gc.collect()
 
 
 class _OpenShard:
@@ -114,9 +119,13 @@ class _OpenShard:
         _LIVE_SHARDS.add(self)
 
     def close(self) -> None:
-        close = getattr(self._tables, "close", None)
+        """Stop reading: close the source's generator chain now (not at garbage collection)."""
+        tables, self._tables = self._tables, iter(())
+        self._buf = None
+        close = getattr(tables, "close", None)
         if close is not None:
             close()
+        _LIVE_SHARDS.discard(self)
 
     def _fill(self) -> bool:
         for table in self._tables:
@@ -174,8 +183,14 @@ class PartitionReader:
         self.offset = cursor.offset
 
     def set_cursor(self, cursor: Cursor) -> None:
+        self.close()
         self.cursor = cursor
         self._window = None
+
+    def close(self) -> None:
+        """Close the shards this partition has open (it reopens them where it stands when read again)."""
+        for shard in self._open.values():
+            shard.close()
         self._open = {}
 
     def consumed_digest(self) -> str:
@@ -286,6 +301,9 @@ class PartitionReader:
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
         rows = list(zip(*columns)) if columns else [()] * have
+        for shard in live.values():     # open shards this window did not continue: stop reading them now
+            if all(shard is not s for s in slots):
+                shard.close()
         self._open = {s.pos: s for s in slots}
         exhausted = not slots and next_pos >= len(shard_list)
         after = Cursor(

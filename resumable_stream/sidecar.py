@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
 from typing import Any
 
 import numpy as np
@@ -26,18 +26,28 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .errors import SidecarError
+from .safe_io import FileRefused, read_regular_file
 
 FORMAT = "resumable-stream"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 STATE_DIR = "stream_state"
+ENTRY_STRIDE = 2**32   # mixtures: the entry of source i for partition p is p + (i + 1) * ENTRY_STRIDE
 CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
-_RANK_FILE = re.compile(r"^rank-(\d{5})\.safetensors$")
+_RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
+_INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+def rank_file_name(rank: int, generation: int = 0) -> str:
+    """``rank``'s sidecar in a stream_state directory; generations after the first save into the same
+    directory get their own names (see :func:`write_manifest`)."""
+    return f"rank-{rank:05d}.safetensors" if generation == 0 else f"rank-{rank:05d}.g{generation}.safetensors"
+
+
+def index_file_name(generation: int = 0) -> str:
+    """The dataset index saved with a generation of the state (rank 0 writes it before the manifest)."""
+    return INDEX if generation == 0 else f"index.g{generation}.json"
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -52,11 +62,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _create_temp(directory: str) -> tuple[int, str]:
+    """An exclusive new file next to the target, created with mode 0666 so the umask decides who may read it
+    (mkstemp forces 0600: a group could not resume a shared checkpoint)."""
+    while True:
+        tmp = os.path.join(directory, f".tmp-{secrets.token_hex(8)}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def atomic_write(path: str, data: bytes) -> None:
     """Temp file in the same directory, fsync, rename, fsync the directory."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = _create_temp(directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -114,10 +135,12 @@ def encode_state(state: dict[str, Any]) -> bytes:
     }
     if state.get("lane_turns") is not None:   # only when a DataLoader lane interleaves several partitions
         metadata["lane_turns"] = json.dumps(list(state["lane_turns"]))
-    return st_save(tensors, metadata=metadata)
+    metadata[SEAL_KEY] = _BLANK_SEAL
+    return _seal(st_save(tensors, metadata=metadata))
 
 
-def _read_header_metadata(data: bytes, path: str) -> dict[str, str]:
+def _read_header_metadata(data: bytes, path: str) -> tuple[dict[str, str], int]:
+    """(``__metadata__``, header length) of safetensors bytes, or a SidecarError naming the file."""
     if len(data) < 8:
         raise SidecarError(f"sidecar {path!r}: truncated ({len(data)} bytes)")
     n = int.from_bytes(data[:8], "little")
@@ -128,57 +151,180 @@ def _read_header_metadata(data: bytes, path: str) -> dict[str, str]:
     except ValueError:
         raise SidecarError(f"sidecar {path!r}: corrupt header (not JSON)") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SidecarError(f"sidecar {path!r}: no metadata; it was not written by resumable-stream")
-    return meta
+    return meta, n
 
 
-def decode_state(data: bytes, path: str = "<bytes>") -> dict[str, Any]:
-    meta = _read_header_metadata(data, path)
+# ------------------------------------------------------------------ self-digest
+# Every sidecar carries the blake2b of its own bytes (with this field's value zeroed) in its metadata, so a
+# bare file (--resume-from FILE, data.resume_state_path: FILE) is verified like one under a manifest.
+SEAL_KEY = "self_blake2b"
+_BLANK_SEAL = "0" * 32
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _seal_field(value: str) -> bytes:
+    return f'"{SEAL_KEY}":"{value}"'.encode()   # safetensors writes its metadata as compact JSON
+
+
+def _seal(data: bytes) -> bytes:
+    n = int.from_bytes(data[:8], "little")
+    i = data.index(_seal_field(_BLANK_SEAL), 8, 8 + n)
+    digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    return data[:i] + _seal_field(digest) + data[i + len(_seal_field(digest)):]
+
+
+def _check_seal(data: bytes, header_len: int, meta: dict[str, str], path: str) -> bool:
+    """True when the file carries a self-digest and it matches; False when it has none (an older file)."""
+    value = meta.get(SEAL_KEY)
+    if value is None:
+        return False
+    header = data[8:8 + header_len]
+    field = _seal_field(value)
+    if not _HEX32.match(value) or header.count(field) != 1:
+        raise SidecarError(f"sidecar {path!r}: corrupt (field {SEAL_KEY}: {value[:40]!r} is not its digest)")
+    blank = data[:8] + header.replace(field, _seal_field(_BLANK_SEAL)) + data[8 + header_len:]
+    if hashlib.blake2b(blank, digest_size=16).hexdigest() != value:
+        raise SidecarError(f"sidecar {path!r}: corrupt: its bytes do not match its own digest ({SEAL_KEY}); the "
+                           "file was damaged or modified after it was written")
+    return True
+
+
+# ------------------------------------------------------------------ field checks
+def _is_int(v: Any, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _is_hex(v: Any, length: int) -> bool:
+    return isinstance(v, str) and len(v) == length and all(c in "0123456789abcdef" for c in v)
+
+
+def _require(ok: bool, path: str, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise SidecarError(f"sidecar {path!r}: corrupt field {field}: got {shown}; allowed: {allowed}")
+
+
+def _json_field(meta: dict[str, str], key: str, path: str, default: str | None = None) -> Any:
+    text = meta.get(key, default)
+    if text is None:
+        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete: metadata field {key} missing")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise SidecarError(f"sidecar {path!r}: corrupt field {key}: not JSON") from None
+
+
+def _tensor(tensors: dict[str, np.ndarray], name: str, dtype: str, ndim: int, path: str) -> np.ndarray:
+    t = tensors.get(name)
+    if t is None:
+        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete: tensor {name} missing")
+    _require(t.dtype == np.dtype(dtype) and t.ndim == ndim, path, f"tensor {name}", f"{t.dtype} {t.shape}",
+             f"{dtype} with {ndim} dimension(s)")
+    return t
+
+
+def _check_topology(topology: Any, path: str) -> None:
+    _require(isinstance(topology, dict), path, "topology", topology, "a mapping")
+    for key, minimum in (("world_size", 1), ("num_workers", 0), ("num_partitions", 1)):
+        _require(_is_int(topology.get(key), minimum), path, f"topology.{key}", topology.get(key),
+                 f"an integer >= {minimum}")
+    rank = topology.get("rank")
+    _require(rank is None or (_is_int(rank) and rank < topology["world_size"]), path, "topology.rank", rank,
+             f"null or an integer in [0, {topology['world_size']})")
+
+
+def _partition_fields(i: int, p: int, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+                      tensors: dict[str, np.ndarray], path: str) -> dict[str, Any]:
+    """One partition's state from row ``i`` of the tensors and its metadata entries, every field checked."""
+    d = meta["digests"].get(str(p))
+    _require(isinstance(d, dict), path, f"digests[{p}]", d, "a mapping with next_sample, consumed, consumed_samples")
+    _require(_is_hex(d.get("next_sample"), 16) or d.get("next_sample") == "", path, f"digests[{p}].next_sample",
+             d.get("next_sample"), "16 hex digits ('' for a mixture's own entry)")
+    _require(_is_hex(d.get("consumed"), 32), path, f"digests[{p}].consumed", d.get("consumed"), "32 hex digits")
+    _require(_is_int(d.get("consumed_samples")), path, f"digests[{p}].consumed_samples", d.get("consumed_samples"),
+             "an integer >= 0")
+    ps: dict[str, Any] = {f: int(v) for f, v in zip(CURSOR_FIELDS, arrays["cursors"][i].tolist())}
+    for f in CURSOR_FIELDS:
+        _require(ps[f] >= 0, path, f"cursors[{p}].{f}", ps[f], "an integer >= 0")
+    _require(ps["consumed_before"] + ps["offset"] == d["consumed_samples"], path,
+             f"digests[{p}].consumed_samples", d["consumed_samples"],
+             f"consumed_before + offset = {ps['consumed_before'] + ps['offset']}")
+    slots = [(int(a), int(b)) for a, b in arrays["slots"][i].tolist()]
+    for a, b in slots:
+        _require((a >= 0 and b >= 0) or (a == b == -1), path, f"slots[{p}]", (a, b),
+                 "(position, row) pairs >= 0, or (-1, -1) for an unused slot")
+    ps["slots"] = [(a, b) for a, b in slots if a >= 0]
+    ps["chain"] = bytes(arrays["chains"][i].tolist()).hex()
+    ps["next_sample_digest"], ps["consumed_digest"], ps["consumed"] = \
+        d["next_sample"], d["consumed"], d["consumed_samples"]
+    pr = meta["progress"].get(str(p), {})
+    _require(isinstance(pr, dict), path, f"progress[{p}]", pr, "a mapping")
+    for key in ("epoch_start", "epoch_rows"):
+        _require(pr.get(key) is None or _is_int(pr.get(key)), path, f"progress[{p}].{key}", pr.get(key),
+                 "null or an integer >= 0")
+    ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
+    em = meta["extra"].get(str(p))
+    if em is not None:
+        ok = (isinstance(em, dict) and isinstance(em.get("meta"), dict) and isinstance(em.get("tensors"), list)
+              and all(isinstance(n, str) for n in em["tensors"]))
+        _require(ok, path, f"extra[{p}]", em, "a mapping with meta (a mapping) and tensors (a list of names)")
+        missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
+        if missing:
+            raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
+        ps["extra"] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
+    return ps
+
+
+def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> dict[str, Any]:
+    """The state in sidecar bytes, every field checked. The file's self-digest must match; a file without
+    one (written before it existed) is read only when ``verified`` (a manifest's digest covered it)."""
+    meta, header_len = _read_header_metadata(data, path)
     if meta.get("format") != FORMAT:
         raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
     version = meta.get("format_version")
     if version != str(FORMAT_VERSION):
         raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads version "
                            f"{FORMAT_VERSION} (upgrade resumable-stream or resume with the version that wrote it)")
+    if not _check_seal(data, header_len, meta, path) and not verified:
+        raise SidecarError(f"sidecar {path!r}: has no self-digest ({SEAL_KEY}), so it cannot be verified: it was "
+                           "written by an earlier version of resumable-stream, or that field was damaged. Load it through its "
+                           "stream_state or checkpoint directory (whose manifest.json verifies it)")
     try:
         tensors = st_load(data)
-        fields = json.loads(meta["cursor_fields"])
-        fingerprint = json.loads(meta["fingerprint"])
-        topology = json.loads(meta["topology"])
-        digests = json.loads(meta["digests"])
-        turn = int(meta.get("turn", "0"))
-        extra_meta = json.loads(meta.get("extra", "{}"))
-        progress = json.loads(meta.get("progress", "{}"))
-        lane_turns = json.loads(meta["lane_turns"]) if "lane_turns" in meta else None
-        parts, cursors = tensors["partition_ids"], tensors["cursors"]
-        slots, chains = tensors["slots"], tensors["chains"]
-    except (KeyError, ValueError, TypeError) as e:
-        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete ({type(e).__name__}: {e})") from None
     except Exception as e:  # safetensors' own parse errors
         raise SidecarError(f"sidecar {path!r}: corrupt or truncated ({e})") from None
-    if list(fields) != list(CURSOR_FIELDS) or cursors.shape != (len(parts), len(CURSOR_FIELDS)):
-        raise SidecarError(f"sidecar {path!r}: unexpected cursor layout {fields} {cursors.shape}")
-    partitions = {}
-    for i, p in enumerate(parts.tolist()):
-        d = digests.get(str(p))
-        if d is None:
-            raise SidecarError(f"sidecar {path!r}: no digests for partition {p}")
-        ps = {f: int(v) for f, v in zip(CURSOR_FIELDS, cursors[i].tolist())}
-        ps["slots"] = [(int(a), int(b)) for a, b in slots[i].tolist() if a >= 0]
-        ps["chain"] = bytes(chains[i].tolist()).hex()
-        ps["next_sample_digest"] = d["next_sample"]
-        ps["consumed_digest"] = d["consumed"]
-        ps["consumed"] = int(d["consumed_samples"])
-        pr = progress.get(str(p), {})
-        ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
-        if str(p) in extra_meta:
-            em = extra_meta[str(p)]
-            missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
-            if missing:
-                raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
-            ps["extra"] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
-        partitions[int(p)] = ps
+    fields = _json_field(meta, "cursor_fields", path)
+    _require(fields == list(CURSOR_FIELDS), path, "cursor_fields", fields, str(list(CURSOR_FIELDS)))
+    fingerprint = _json_field(meta, "fingerprint", path)
+    _require(isinstance(fingerprint, dict), path, "fingerprint", fingerprint, "a mapping")
+    topology = _json_field(meta, "topology", path)
+    _check_topology(topology, path)
+    turn = _json_field(meta, "turn", path, "0")
+    _require(_is_int(turn), path, "turn", turn, "an integer >= 0")
+    entries = {key: _json_field(meta, key, path, default) for key, default in
+               (("digests", None), ("extra", "{}"), ("progress", "{}"))}
+    for key, value in entries.items():
+        _require(isinstance(value, dict), path, key, value, "a mapping by partition")
+    lane_turns = _json_field(meta, "lane_turns", path) if "lane_turns" in meta else None
+    _require(lane_turns is None or (isinstance(lane_turns, list) and all(_is_int(t) for t in lane_turns)), path,
+             "lane_turns", lane_turns, "a list of integers >= 0")
+    parts = _tensor(tensors, "partition_ids", "int64", 1, path)
+    arrays = {"cursors": _tensor(tensors, "cursors", "int64", 2, path),
+              "slots": _tensor(tensors, "slots", "int64", 3, path),
+              "chains": _tensor(tensors, "chains", "uint8", 2, path)}
+    k = len(parts)
+    for name, shape in (("cursors", (k, len(CURSOR_FIELDS))), ("chains", (k, 16))):
+        _require(arrays[name].shape == shape, path, f"tensor {name}", arrays[name].shape, f"shape {shape}")
+    _require(arrays["slots"].shape[0] == k and arrays["slots"].shape[2] == 2, path, "tensor slots",
+             arrays["slots"].shape, f"shape ({k}, open shards, 2)")
+    ids, n = parts.tolist(), topology["num_partitions"]
+    # a mixture (data.sources) stores source i's entry of partition p as p + (i + 1) * 2**32
+    _require(len(set(ids)) == k and all(p >= 0 and p % ENTRY_STRIDE < n for p in ids), path,
+             "tensor partition_ids", ids, f"distinct partitions in [0, {n}) (plus multiples of 2**32 in a mixture)")
+    partitions = {p: _partition_fields(i, p, entries, arrays, tensors, path) for i, p in enumerate(ids)}
     state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions}
     if lane_turns is not None:
@@ -216,62 +362,143 @@ def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ files and directories
+MAX_SIDECAR_BYTES = 1 << 30    # far above any real state (cursors, digests, carried tokens)
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
+    try:
+        return read_regular_file(path, max_bytes)
+    except FileNotFoundError:
+        raise SidecarError(f"{what} {path!r}: not found") from None
+    except FileRefused as e:
+        raise SidecarError(f"{what} {path!r}: refused: {e}") from None
+    except OSError as e:
+        raise SidecarError(f"{what} {path!r}: cannot be read ({e})") from None
+
+
 def write_state_file(path: str, state: dict[str, Any]) -> str:
     atomic_write(path, encode_state(state))
     return path
 
 
 def read_state_file(path: str) -> dict[str, Any]:
+    """A sidecar file on its own, verified by its self-digest."""
+    return decode_state(_read_bytes(path, "sidecar", MAX_SIDECAR_BYTES), path)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# A save into a directory that holds a state writes the next generation's rank files next to the current
+# ones, then replaces manifest.json (one atomic rename) with one that names them, then removes the old
+# files: a reader finds either the complete old or the complete new state, whenever the writer is killed.
+def generation_of(state_dir: str) -> int:
+    """The generation of the state in ``state_dir`` (-1: none, or its manifest does not load)."""
+    if not os.path.exists(os.path.join(state_dir, MANIFEST)):
+        return -1
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise SidecarError(f"sidecar {path!r}: not found") from None
-    except OSError as e:
-        raise SidecarError(f"sidecar {path!r}: cannot be read ({e})") from None
-    return decode_state(data, path)
+        return read_manifest(state_dir).get("generation", 0)
+    except SidecarError:
+        return -1
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def write_rank_file(state_dir: str, rank: int, state: dict[str, Any]) -> str:
+    """This rank's sidecar for the next save into ``state_dir``; the save is complete once rank 0 wrote the
+    manifest (:func:`write_manifest`) after every rank wrote its file."""
+    return write_state_file(os.path.join(state_dir, rank_file_name(rank, generation_of(state_dir) + 1)), state)
 
 
 def write_manifest(state_dir: str, world_size: int) -> str:
-    """Rank 0, after every rank wrote its file: record them all. Missing files are an error."""
+    """Rank 0, after every rank wrote its file: record them all. Missing files are an error. Without any
+    file of a new save, the current generation's manifest is written again."""
+    generation = current = generation_of(state_dir)
+    if current < 0 or any(os.path.lexists(os.path.join(state_dir, rank_file_name(r, current + 1)))
+                          for r in range(world_size)):
+        generation = current + 1
     files = {}
     for r in range(world_size):
-        p = os.path.join(state_dir, rank_file_name(r))
+        name = rank_file_name(r, generation)
+        p = os.path.join(state_dir, name)
         if not os.path.isfile(p):
-            raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} missing; cannot write the manifest")
-        files[rank_file_name(r)] = {"bytes": os.path.getsize(p), "blake2b": _file_digest(p)}
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size, "files": files}
-    index = os.path.join(state_dir, INDEX)
-    if os.path.isfile(index):    # the dataset index saved with the state (job_source): verified before use
-        manifest["index"] = {"file": INDEX, "bytes": os.path.getsize(index), "blake2b": _file_digest(index)}
+            raise SidecarError(f"stream state {state_dir!r}: {name} missing; cannot write the manifest")
+        data = _read_bytes(p, "sidecar", MAX_SIDECAR_BYTES)
+        files[rank_file_name(r)] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size,
+                "generation": generation, "files": files}
+    index = os.path.join(state_dir, index_file_name(generation))
+    if os.path.isfile(index):    # the dataset index saved with this generation (job_source): verified before use
+        data = _read_bytes(index, "dataset index", MAX_MANIFEST_BYTES)
+        manifest["index"] = {"file": index_file_name(generation), "bytes": len(data), "blake2b": _digest(data)}
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    current = {e["file"] for e in files.values()} | {index_file_name(generation)}
+    for name in _listdir(state_dir):   # the previous generation (and files of a save that was cut short)
+        if (_RANK_FILE.match(name) or _INDEX_FILE.match(name)) and name not in current:
+            try:
+                os.unlink(os.path.join(state_dir, name))
+            except OSError:
+                pass
     return path
+
+
+def _check_manifest_entry(name: str, entry: Any, path: str) -> None:
+    ok = (isinstance(entry, dict) and _is_int(entry.get("bytes")) and _is_hex(entry.get("blake2b"), 32))
+    if not ok:
+        raise SidecarError(f"manifest {path!r}: corrupt field files[{name!r}]: got {entry!r:.80}; allowed: a mapping "
+                           "with bytes (an integer) and blake2b (32 hex digits)")
+    file = entry.get("file", name)
+    m = _RANK_FILE.match(file) if isinstance(file, str) else None
+    if m is None or m.group(1) != _RANK_FILE.match(name).group(1):   # confined to this directory
+        raise SidecarError(f"manifest {path!r}: corrupt field files[{name!r}].file: got {file!r:.80}; allowed: "
+                           f"a file name like {name} or {name[:10]}.gN.safetensors in the same directory")
 
 
 def read_manifest(state_dir: str) -> dict[str, Any]:
     path = os.path.join(state_dir, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise SidecarError(f"stream state {state_dir!r}: no {MANIFEST}; the checkpoint was not completely written "
                            "and is not resumed from")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        world_size = int(manifest["world_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SidecarError(f"manifest {path!r}: corrupt ({type(e).__name__}: {e})") from None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or len(files) != world_size:
-        raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest for {world_size} ranks")
+        manifest = json.loads(_read_bytes(path, "manifest", MAX_MANIFEST_BYTES))
+    except ValueError as e:
+        raise SidecarError(f"manifest {path!r}: corrupt (not JSON: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest")
+    world_size, files = manifest.get("world_size"), manifest.get("files")
+    if not _is_int(world_size, 1):
+        raise SidecarError(f"manifest {path!r}: corrupt field world_size: got {world_size!r:.80}; allowed: an "
+                           "integer >= 1")
+    if not _is_int(manifest.get("generation", 0)):
+        raise SidecarError(f"manifest {path!r}: corrupt field generation: got {manifest['generation']!r:.80}; "
+                           "allowed: an integer >= 0")
+    expected = {rank_file_name(r) for r in range(world_size)}
+    if not isinstance(files, dict) or set(files) != expected:
+        raise SidecarError(f"manifest {path!r}: corrupt field files: expected entries for "
+                           f"rank-00000 .. rank-{world_size - 1:05d} (world_size {world_size})")
+    for name, entry in files.items():
+        _check_manifest_entry(name, entry, path)
+    index = manifest.get("index")
+    if index is not None and not (isinstance(index, dict) and _is_int(index.get("bytes"))
+                                  and _is_hex(index.get("blake2b"), 32) and isinstance(index.get("file"), str)
+                                  and _INDEX_FILE.match(index["file"])):
+        raise SidecarError(f"manifest {path!r}: corrupt field index: got {index!r:.80}; allowed: a mapping with "
+                           "file (index.json or index.gN.json in the same directory), bytes and blake2b")
     return manifest
+
+
+def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
+    """The dataset index saved with the state in ``state_dir`` (None without one), checked against the
+    manifest's digest: an index the manifest does not list, or that differs from its entry, is never used."""
+    entry = read_manifest(state_dir).get("index")
+    if entry is None:
+        return None
+    file = os.path.join(state_dir, entry["file"])
+    data = _read_bytes(file, "dataset index", MAX_MANIFEST_BYTES)
+    if _digest(data) != entry["blake2b"]:
+        raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    return file, data
 
 
 def state_dir_of(path: str) -> str | None:
@@ -302,25 +529,26 @@ def find_state_dir(path: str) -> str:
     return state_dir
 
 
-def verified_rank_file(state_dir: str, manifest: dict[str, Any], rank: int) -> str:
-    """``rank``'s file of a stream_state directory, checked against its manifest entry."""
-    name = rank_file_name(rank)
-    entry = manifest["files"].get(name)
+def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int) -> tuple[dict[str, Any], str]:
+    """(state, file) of ``rank`` in a stream_state directory, checked against its manifest entry (read once,
+    so what is checked is what is decoded)."""
+    entry = manifest["files"].get(rank_file_name(rank))
     if entry is None:
         raise SidecarError(f"stream state {state_dir!r}: written by {manifest['world_size']} ranks, has no file for "
                            f"rank {rank}")
-    file = os.path.join(state_dir, name)
-    if not os.path.isfile(file):
+    file = os.path.join(state_dir, entry.get("file", rank_file_name(rank)))
+    if not os.path.lexists(file):
         raise SidecarError(f"sidecar {file!r}: listed in the manifest but missing")
-    if os.path.getsize(file) != entry["bytes"] or _file_digest(file) != entry["blake2b"]:
+    data = _read_bytes(file, "sidecar", MAX_SIDECAR_BYTES)
+    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
         raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
-    return file
+    return decode_state(data, file, verified=True), file
 
 
-def resolve_rank_file(path: str, rank: int) -> str:
-    """A sidecar file, a stream_state directory or a checkpoint directory -> this rank's verified file."""
+def resolve_rank_state(path: str, rank: int) -> tuple[dict[str, Any], str]:
+    """A sidecar file, a stream_state directory or a checkpoint directory -> (state, file) of this rank."""
     path = os.fspath(path)
     if os.path.isfile(path):
-        return path
+        return read_state_file(path), path
     state_dir = find_state_dir(path)
-    return verified_rank_file(state_dir, read_manifest(state_dir), rank)
+    return read_rank_state(state_dir, read_manifest(state_dir), rank)

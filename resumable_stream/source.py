@@ -549,16 +549,20 @@ class StreamingSource(Source):
             return
         one = self._ids.shard(num_shards=len(self.shards), index=shard, contiguous=True).with_format("arrow")
         seen = 0
-        # Reopening at a row re-reads the shard's prefix: bounded by one shard (a row group for parquet).
-        for table in one.iter(batch_size=READ_BATCH_ROWS):
-            n = table.num_rows
-            if seen + n <= start_row:
+        tables = one.iter(batch_size=READ_BATCH_ROWS)
+        try:
+            # Reopening at a row re-reads the shard's prefix: bounded by one shard (a row group for parquet).
+            for table in tables:
+                n = table.num_rows
+                if seen + n <= start_row:
+                    seen += n
+                    continue
+                if seen < start_row:
+                    table = table.slice(start_row - seen)
                 seen += n
-                continue
-            if seen < start_row:
-                table = table.slice(start_row - seen)
-            seen += n
-            yield table
+                yield table
+        finally:
+            tables.close()   # a shard left mid-way: end datasets' reader (and its pyarrow scan) now
 
     def _row_group_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
@@ -583,17 +587,20 @@ class StreamingSource(Source):
 
     def _guarded(self, tables: Iterator[pa.Table], shard: int) -> Iterator[pa.Table]:
         """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
-        while True:
-            try:
-                table = next(tables)
-            except StopIteration:
-                return
-            except Exception as e:
-                err = self._read_error(shard, e)
-                if err is e:
-                    raise
-                raise err from e
-            yield table
+        try:
+            while True:
+                try:
+                    table = next(tables)
+                except StopIteration:
+                    return
+                except Exception as e:
+                    err = self._read_error(shard, e)
+                    if err is e:
+                        raise
+                    raise err from e
+                yield table
+        finally:
+            tables.close()
 
 
 class MapStyleSource(Source):

@@ -34,9 +34,10 @@ from .sidecar import (
     find_state_dir,
     rank_file_name,
     read_manifest,
+    read_rank_state,
     read_state_file,
-    verified_rank_file,
     write_manifest,
+    write_rank_file,
     write_state_file,
 )
 from .source import Source
@@ -135,8 +136,7 @@ class SidecarMixin:
         state_dir = find_state_dir(path)
         manifest = read_manifest(state_dir)
         first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
-        first_file = verified_rank_file(state_dir, manifest, first_rank)
-        first = read_state_file(first_file)
+        first, first_file = read_rank_state(state_dir, manifest, first_rank)
         where = f"sidecar {first_file!r}"
         self._check_saved_fingerprint(first, where)
         if self._adopt_topology(first["topology"], where):
@@ -153,8 +153,7 @@ class SidecarMixin:
         for r in owners:
             if r == first_rank:
                 continue
-            file = verified_rank_file(state_dir, manifest, r)
-            state = read_state_file(file)
+            state, file = read_rank_state(state_dir, manifest, r)
             self._check_saved_fingerprint(state, f"sidecar {file!r}")
             topo = state["topology"]
             if any(topo[k] != first["topology"][k] for k in self._TOPOLOGY_KEYS):
@@ -176,7 +175,7 @@ class SidecarMixin:
         path = os.fspath(path)
         if path.endswith(".safetensors"):
             return write_state_file(path, state)
-        file = write_state_file(os.path.join(path, rank_file_name(self.rank)), state)
+        file = write_rank_file(path, self.rank, state)
         self.save_index(path)
         if self.world_size == 1:
             write_manifest(path, 1)
@@ -352,6 +351,12 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
         """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
         return self._readers[partition].epoch
 
+    def close(self) -> None:
+        """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
+        behind it) outlives its use. Iterating again reopens the shards where the cursors stand."""
+        for reader in self._readers.values():
+            reader.close()
+
     def partition_state(self, partition: int) -> dict[str, Any]:
         """One partition's position after the last sample it yielded, with the digest of the next one.
 
@@ -408,6 +413,7 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
                                       "checkpoint directory so they are gathered from every rank's file")
         for p in self.partitions:
             ps = saved_parts[p]
+            self._check_cursor_bounds(p, ps, where)
             cursor = Cursor(
                 **{f: int(ps[f]) for f in Cursor.FIELDS},
                 slots=tuple((int(a), int(b)) for a, b in ps["slots"]),
@@ -420,6 +426,33 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
         self._turn = int(state.get("turn", 0)) if same else 0
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded cursors
             self.set_epoch(self._epoch_limit)
+
+    def _check_cursor_bounds(self, p: int, ps: dict[str, Any], where: str) -> None:
+        """A saved cursor points inside partition ``p``'s data (its shards of its epoch, their rows, one
+        window): a corrupt or forged state is a SidecarError naming the field, not an IndexError later."""
+        lay = self.layout
+
+        def require(ok: bool, field: str, value: Any, allowed: str) -> None:
+            if not ok:
+                raise SidecarError(f"{where}: corrupt field partitions[{p}].{field}: got {value!r:.80}; allowed: "
+                                   f"{allowed}")
+
+        require(0 <= ps["epoch"] < 2**31, "epoch", ps["epoch"], "an integer in [0, 2**31)")
+        shards = lay.shards_for(ps["epoch"], p)
+        require(0 <= ps["next_pos"] <= len(shards), "next_pos", ps["next_pos"],
+                f"0 .. {len(shards)} (the partition's shards in epoch {ps['epoch']})")
+        slots = list(ps["slots"])
+        require(len(slots) <= lay.open_slots, "slots", slots, f"at most {lay.open_slots} open shards")
+        for pos, row in slots:
+            require(0 <= pos < ps["next_pos"] and [q for q, _ in slots].count(pos) == 1, "slots", slots,
+                    f"distinct shard positions below next_pos {ps['next_pos']}")
+            count = lay.row_counts[shards[pos]]
+            require(0 <= row and (count is None or row <= count), "slots", slots,
+                    f"rows within their shard ({count} rows in shard {shards[pos]})")
+        require(0 <= ps["rr"] < max(1, len(slots)), "rr", ps["rr"], f"0 .. {max(1, len(slots)) - 1}")
+        require(0 <= ps["rr_taken"] < lay.block, "rr_taken", ps["rr_taken"], f"0 .. {lay.block - 1}")
+        require(0 <= ps["offset"] <= lay.buffer_size, "offset", ps["offset"], f"0 .. {lay.buffer_size} (one window)")
+        require(0 <= ps["window"] and 0 <= ps["consumed_before"], "window", ps["window"], "an integer >= 0")
 
     def _check_saved_fingerprint(self, state: dict[str, Any], where: str) -> None:
         saved_fp = state["fingerprint"]

@@ -14,7 +14,7 @@ from resumable_stream.source import MapStyleSource, StreamingSource, open_source
 from resumable_stream.synthetic import write_parquet_dataset
 
 _MISSING = object()
-BASE = {"dataset_name_or_path": "parquet"}
+BASE = {"dataset_name_or_path": "parquet", "data_files": "data/*.parquet"}
 
 
 def _case(key, value, allowed, *, value_text=None, extra=None, id=None):
@@ -62,6 +62,10 @@ BAD_CONFIGS = [
     _case("data_files", {1: "a.parquet"}, "mapping split -> paths"),
     _case("data_files", "x.parquet", "backend 'hf'", extra={"backend": "local", "streaming": False},
           id="data_files+backend=local"),
+    # a builder name without data_files would read the working directory
+    *[_case("data_files", _MISSING, f"the {b} builder reads the files data_files names",
+            extra={"dataset_name_or_path": b}, value_text="missing", id=f"data_files missing for {b}")
+      for b in ("parquet", "json", "csv", "text", "arrow")],
     # split
     _case("split", "", "split name"),
     _case("split", "  ", "split name"),
@@ -151,13 +155,13 @@ def test_bad_config_from_yaml_gives_the_same_error(tmp_path, data, key, value_te
 
 def test_keyword_construction_validates_too():
     with pytest.raises(ConfigError, match=r"data\.buffer_size: got 0"):
-        StreamConfig(dataset_name_or_path="parquet", buffer_size=0)
+        StreamConfig(dataset_name_or_path="parquet", data_files="data/*.parquet", buffer_size=0)
     with pytest.raises(ConfigError, match=r"data\.shuffle_seed: got True"):
-        StreamConfig(dataset_name_or_path="parquet", shuffle_seed=True)
+        StreamConfig(dataset_name_or_path="parquet", data_files="data/*.parquet", shuffle_seed=True)
 
 
 def test_replace_revalidates():
-    cfg = StreamConfig(dataset_name_or_path="parquet")
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files="data/*.parquet")
     with pytest.raises(ConfigError, match=r"data\.buffer_size: got -1"):
         cfg.replace(buffer_size=-1)
     assert cfg.replace(buffer_size=7).buffer_size == 7
@@ -208,7 +212,7 @@ def test_config_error_is_a_value_error():
 
 # ---------------------------------------------------------------------------- defaults
 def test_defaults():
-    cfg = StreamConfig(dataset_name_or_path="parquet")
+    cfg = StreamConfig(dataset_name_or_path="org/name")
     assert cfg.backend == "hf"
     assert cfg.shuffle is False
     assert cfg.shuffle_seed == 42
@@ -217,7 +221,7 @@ def test_defaults():
     assert cfg.split == "train"
     assert cfg.data_files is None and cfg.name is None
     assert cfg.cache_dir is None and cfg.resume_state_path is None
-    assert StreamConfig.from_dict(dict(BASE)) == cfg
+    assert StreamConfig.from_dict({"dataset_name_or_path": "org/name"}) == cfg
 
 
 def test_streaming_default_depends_on_backend():
@@ -228,7 +232,7 @@ def test_streaming_default_depends_on_backend():
 
 def test_defaults_from_minimal_yaml(tmp_path):
     path = tmp_path / "data.yaml"
-    path.write_text("dataset_name_or_path: parquet\n")
+    path.write_text("dataset_name_or_path: org/name\n")
     cfg = StreamConfig.from_yaml(path)
     assert (cfg.shuffle, cfg.shuffle_seed, cfg.buffer_size, cfg.streaming) == (False, 42, 16384, True)
     assert cfg.source_file == str(path)
@@ -462,7 +466,7 @@ def test_non_streaming_unknown_split(data_500):
 def test_non_finite_cache_size_rejected():
     # Library gap: `v > 0` lets float('inf') through ('a number of gigabytes > 0' should be finite).
     with pytest.raises(ConfigError, match=r"data\.cache_size_limit_gb: got inf"):
-        StreamConfig(dataset_name_or_path="parquet", cache_size_limit_gb=float("inf"))
+        StreamConfig(dataset_name_or_path="parquet", data_files="data/*.parquet", cache_size_limit_gb=float("inf"))
 
 
 @pytest.mark.parametrize("key, value", [

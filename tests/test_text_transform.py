@@ -116,7 +116,8 @@ def test_config_defaults_and_own_keys_only():
     d = TransformConfig().to_dict()
     assert d == {"format": "text", "text_column": "text", "messages_column": "messages", "max_seq_len": 1024,
                  "packing": False, "overlong": "truncate", "empty": "skip", "add_eos": True, "id_column": None,
-                 "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error"}
+                 "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error",
+                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False}
     assert tuple(d) == TransformConfig.KEYS
     assert TransformConfig.from_dict(None) == TransformConfig()
     with pytest.raises(ConfigError, match=r"^data: got list"):

@@ -265,7 +265,7 @@ def test_image_sources_give_the_same_pixels(processor, tmp_path):
             "RGBA, opaque": rgba.getvalue(),
             "palette PNG": _palette_png(),
         }
-        proc = make(processor, image_dir=str(tmp_path / "imgs"))
+        proc = make(processor, image_dir=str(tmp_path / "imgs"), allow_absolute_image_paths=True)
         got = {name: encode(proc, {"messages": chat("<image>Colour?", "Green."), "images": [v]}, name)
                for name, v in values.items()}
     ref = got["struct bytes"]["vision"]["pixel_values"]
@@ -333,17 +333,17 @@ def test_local_io_failure_is_an_error_even_when_skipping(processor, tmp_path, mo
     machine, and skipping on them would make a resumed run skip other samples."""
     path = tmp_path / "a.png"
     path.write_bytes(png())
-    real_open = open
+    real_read = vl_module.read_regular_file
 
-    def failing_open(file, *args, **kwargs):
+    def failing_read(file, *args, **kwargs):
         if str(file) == str(path):
             raise OSError(code, os.strerror(code), str(file))
-        return real_open(file, *args, **kwargs)
+        return real_read(file, *args, **kwargs)
 
-    monkeypatch.setattr(vl_module, "open", failing_open, raising=False)
-    proc = make(processor, bad_sample="skip")
+    monkeypatch.setattr(vl_module, "read_regular_file", failing_read)
+    proc = make(processor, bad_sample="skip", image_dir=str(tmp_path))
     with pytest.raises(TransformError) as e:
-        proc.feed({"messages": chat("<image>?", "!"), "images": [str(path)]}, "row-9")
+        proc.feed({"messages": chat("<image>?", "!"), "images": ["a.png"]}, "row-9")
     msg = str(e.value)
     assert e.value.key == "row-9" and msg.startswith("sample 'row-9': image 0 file ")
     assert str(path) in msg and f"errno {code} {errno.errorcode[code]}" in msg and "not skipped" in msg
@@ -352,10 +352,62 @@ def test_local_io_failure_is_an_error_even_when_skipping(processor, tmp_path, mo
 
 def test_a_directory_in_the_path_is_a_bad_sample(processor, tmp_path):
     (tmp_path / "file.png").write_bytes(png())
-    proc = make(processor, bad_sample="skip")
-    for key, value in [("dir", str(tmp_path)), ("under-file", str(tmp_path / "file.png" / "x.png"))]:
+    proc = make(processor, bad_sample="skip", image_dir=str(tmp_path))
+    for key, value in [("dir", "."), ("under-file", "file.png/x.png")]:
         proc.feed({"messages": chat("<image>?", "!"), "images": [value]}, key)
     assert proc.stats()["skipped_image"] == 2 and proc.ready() == 0
+
+
+# ------------------------------------------------------------------------------------------ bounded image reads
+def test_image_reads_are_bounded_and_confined_to_image_dir(processor, tmp_path):
+    """/dev/zero, a FIFO nobody writes to, a directory, files and bytes over data.max_image_bytes, absolute
+    paths and ``..`` / symlink escapes out of data.image_dir: each a bad sample naming the reason, no hang."""
+    imgs, outside = tmp_path / "imgs", tmp_path / "outside"
+    imgs.mkdir()
+    outside.mkdir()
+    (imgs / "ok.png").write_bytes(GOOD)
+    (outside / "secret.png").write_bytes(GOOD)
+    os.mkfifo(imgs / "fifo.png")
+    (imgs / "link.png").symlink_to(outside / "secret.png")
+    (imgs / "zero.png").symlink_to("/dev/zero")
+    (imgs / "big.png").write_bytes(GOOD + bytes(2000))
+    limit = len(GOOD) + 1000
+    cases = {
+        "fifo": ("fifo.png", "not a regular file (a FIFO)"),
+        "dev-zero": (struct(None, "/dev/zero"), "is absolute"),
+        "dev-zero via link": ("zero.png", "leads out of data.image_dir"),
+        "absolute": (str(outside / "secret.png"), "is absolute"),
+        "dot-dot": ("../outside/secret.png", "leads out of data.image_dir"),
+        "symlink out": ("link.png", "leads out of data.image_dir"),
+        "directory": (".", "not a regular file (a directory)"),
+        "big file": ("big.png", f"over the limit of {limit}"),
+        "big bytes": (GOOD + bytes(2000), f"over data.max_image_bytes {limit}"),
+        "big struct bytes": (struct(GOOD + bytes(2000)), f"over data.max_image_bytes {limit}"),
+    }
+    for name, (value, reason) in cases.items():
+        proc = make(processor, image_dir=str(imgs), max_image_bytes=limit)
+        with pytest.raises(TransformError) as e:
+            proc.feed({"messages": chat("<image>?", "!"), "images": [value]}, name)
+        assert f"sample {name!r}" in str(e.value) and reason in str(e.value), (name, str(e.value))
+    skipping = make(processor, image_dir=str(imgs), max_image_bytes=limit, bad_sample="skip")
+    for name, (value, _) in cases.items():
+        skipping.feed({"messages": chat("<image>?", "!"), "images": [value]}, name)
+    skipping.feed({"messages": chat("<image>?", "!"), "images": ["ok.png"]}, "ok")
+    assert skipping.stats()["skipped_image"] == len(cases)
+    assert [skipping.take()["keys"] for _ in range(skipping.ready())] == [["ok"]]
+    # allowed on purpose: absolute paths and links out of image_dir are read (regular files only, still bounded)
+    free = make(processor, image_dir=str(imgs), max_image_bytes=limit, allow_absolute_image_paths=True,
+                bad_sample="skip")
+    for value in (str(outside / "secret.png"), "../outside/secret.png", "link.png", "zero.png", "fifo.png"):
+        free.feed({"messages": chat("<image>?", "!"), "images": [value]}, value)
+    assert free.ready() == 3 and free.stats()["skipped_image"] == 2
+
+
+def test_a_download_over_the_limit_is_a_bad_sample(processor, tmp_path):
+    (tmp_path / "big.png").write_bytes(GOOD + bytes(5000))
+    proc = make(processor, max_image_bytes=len(GOOD) + 100)
+    with FileServer(tmp_path) as srv, pytest.raises(TransformError, match="over data.max_image_bytes"):
+        proc.feed({"messages": chat("<image>?", "!"), "images": [srv.url("big.png")]}, "dl")
 
 
 # ------------------------------------------------------------------------------------------ bad samples
@@ -370,7 +422,7 @@ BAD_CASES = {
     # name: (messages, images, stats counter, words in the reason)
     "truncated": (chat("<image>?", "!"), [struct(GOOD[: len(GOOD) // 2])], "skipped_image", "truncated"),
     "garbage bytes": (chat("<image>?", "!"), [b"not an image at all"], "skipped_image", "cannot be decoded"),
-    "missing file": (chat("<image>?", "!"), [struct(None, "/nonexistent/x.png")], "skipped_image", "not found"),
+    "missing file": (chat("<image>?", "!"), [struct(None, "nonexistent/x.png")], "skipped_image", "not found"),
     "no bytes no path": (chat("<image>?", "!"), [struct(None, None)], "skipped_image", "neither bytes nor a path"),
     "null image": (chat("<image>?", "!"), [None], "skipped_image", "image 0 is null"),
     "16-bit mode": (chat("<image>?", "!"), [_mode_image("I;16", "PNG")], "skipped_image", "unsupported mode 'I;16'"),
@@ -497,6 +549,11 @@ def test_processor_loads_saves_and_pickles(processor, tmp_path):
     ({"format": "vl", "bad_sample": "ignore"}, "data.bad_sample: got 'ignore'; allowed: one of error, skip"),
     ({"format": "vl", "images_column": ""}, "data.images_column: got ''"),
     ({"format": "vl", "image_dir": 5}, "data.image_dir: got 5"),
+    ({"format": "vl", "max_image_bytes": 0}, "data.max_image_bytes: got 0; allowed: an integer from 1"),
+    ({"format": "vl", "max_image_bytes": "64MB"}, "data.max_image_bytes: got '64MB'"),
+    ({"format": "vl", "max_image_bytes": 2.5}, "data.max_image_bytes: got 2.5"),
+    ({"format": "vl", "allow_absolute_image_paths": "yes"}, "data.allow_absolute_image_paths: got 'yes'; allowed: "
+                                                            "true or false"),
     ({"format": "video"}, "data.format: got 'video'; allowed: one of text, messages, vl"),
 ])
 def test_bad_vl_config_values(section, message):

@@ -198,14 +198,14 @@ class WarmupResult:
 
 def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
     """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
-    from ..sidecar import find_state_dir, read_manifest, read_state_file, resolve_rank_file
+    from ..sidecar import find_state_dir, read_manifest, read_state_file, resolve_rank_state
 
     if os.path.isfile(state_path):
         topo = read_state_file(state_path)["topology"]
         return int(topo["world_size"]), int(topo["num_workers"]), [int(topo["rank"])]
     state_dir = find_state_dir(state_path)
     world = int(read_manifest(state_dir)["world_size"])
-    topo = read_state_file(resolve_rank_file(state_path, 0))["topology"]
+    topo = resolve_rank_state(state_path, 0)[0]["topology"]
     return world, int(topo["num_workers"]), list(range(world))
 
 

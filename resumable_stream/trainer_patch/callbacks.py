@@ -14,23 +14,34 @@ log = logging.getLogger(__name__)
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (a resumed run redoes the later ones); drop a cut last line."""
+    """Keep the lines of steps <= last_step (a resumed run redoes the later ones), by each line's own step:
+    a damaged line is kept (with a warning) and costs none of the lines after it; a cut last line is dropped."""
     if not os.path.isfile(path):
         return
-    keep = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    keep, damaged = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
-                break
-            try:
-                if json.loads(line)["step"] <= last_step:
-                    keep.append(line)
-            except (ValueError, KeyError):
-                break
+                break    # the write of the last line was cut short by the interruption
+            step = _step_of(line)
+            if step is None:
+                damaged += 1
+                log.warning("%s: line %d does not parse as a step record; kept as it is", path, number)
+                keep.append(line)
+            elif step <= last_step:
+                keep.append(line)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(keep)
     os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class ConsumedLogCallback(TrainerCallback):

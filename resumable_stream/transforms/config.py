@@ -19,6 +19,7 @@ EMPTY = ("skip", "error")
 BAD_SAMPLE = ("error", "skip")
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 1_000_000
+MAX_IMAGE_BYTES = 1 << 40
 
 
 def _is_int(v: Any) -> bool:
@@ -45,6 +46,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "images_column": (_name, "a non-empty column name"),
     "image_dir": (lambda v: v is None or _name(v), "null or a directory"),
     "bad_sample": (lambda v: v in BAD_SAMPLE, f"one of {', '.join(BAD_SAMPLE)}"),
+    "max_image_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_IMAGE_BYTES,
+                        f"an integer from 1 to {MAX_IMAGE_BYTES} (bytes per image file, download or bytes value)"),
+    "allow_absolute_image_paths": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -68,10 +72,14 @@ class TransformConfig:
       model's processor. ``bad_sample`` decides what an undecodable / missing / unsupported image, a
       placeholder count that differs from the image count, a processor failure or an over-length sample
       does: ``error`` (``TransformError`` naming the sample) or ``skip`` (counted and logged). VL samples
-      are never truncated (``overlong`` does not apply) and never packed.
+      are never truncated (``overlong`` does not apply) and never packed. Image reads are bounded: regular
+      files only (a FIFO or device is a bad sample, never a hang), at most ``max_image_bytes`` per file,
+      download or bytes value, and local paths confined to ``image_dir`` (the working directory when null:
+      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``.
     """
 
     KEYS: ClassVar[tuple[str, ...]] = tuple(_RULES)
+    DEFAULTS: ClassVar[dict[str, Any]]
 
     format: str = "text"
     text_column: str = "text"
@@ -86,6 +94,8 @@ class TransformConfig:
     images_column: str = "images"
     image_dir: str | None = None
     bad_sample: str = "error"
+    max_image_bytes: int = 64 << 20
+    allow_absolute_image_paths: bool = False
 
     def __post_init__(self) -> None:
         for key, (check, allowed) in _RULES.items():
@@ -115,6 +125,9 @@ class TransformConfig:
 
     def replace(self, **changes: Any) -> TransformConfig:
         return dataclasses.replace(self, **changes)
+
+
+TransformConfig.DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformConfig)}
 
 
 def _vl_overlong(value: Any) -> ConfigError:

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SidecarError
+from ..safe_io import FileRefused, read_regular_file
 from .config import TransformConfig
 from .errors import TransformError
 from .text import (
@@ -171,27 +172,29 @@ def processor_digest(processor: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- images
-def _read_bytes(value: Any, i: int, image_dir: str | None) -> bytes:
+def _read_bytes(value: Any, i: int, cfg: TransformConfig) -> bytes:
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
         if data:
-            return bytes(data)
+            return _bounded(bytes(data), i, "bytes", cfg)
         if not path:
             raise _Bad("skipped_image", f"image {i} has neither bytes nor a path")
         value = path
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
+        return _bounded(bytes(value), i, "bytes", cfg)
     if not isinstance(value, str):
         raise _Bad("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
     if value.startswith(("http://", "https://")):
-        return _fetch(value, i)
-    path = value if os.path.isabs(value) or not image_dir else os.path.join(image_dir, value)
+        return _fetch(value, i, cfg.max_image_bytes)
+    path = _local_path(value, i, cfg)
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular_file(path, cfg.max_image_bytes)   # never a FIFO, a device or more than the limit
     except FileNotFoundError:
         raise _Bad("skipped_image", f"image {i} file {path!r} not found") from None
+    except FileRefused as e:
+        raise _Bad("skipped_image", f"image {i} file {path!r} refused: {e} (data.max_image_bytes "
+                                    f"{cfg.max_image_bytes})") from None
     except (IsADirectoryError, NotADirectoryError) as e:
         raise _Bad("skipped_image", f"image {i} file {path!r} cannot be read ({e.strerror})") from None
     except OSError as e:
@@ -202,7 +205,31 @@ def _read_bytes(value: Any, i: int, image_dir: str | None) -> bytes:
                              "a local I/O failure is not skipped by data.bad_sample") from None
 
 
-def _fetch(url: str, i: int) -> bytes:
+def _bounded(data: bytes, i: int, what: str, cfg: TransformConfig) -> bytes:
+    if len(data) > cfg.max_image_bytes:
+        raise _Bad("skipped_image", f"image {i} {what}: {len(data)} bytes, over data.max_image_bytes "
+                                    f"{cfg.max_image_bytes}")
+    return data
+
+
+def _local_path(value: str, i: int, cfg: TransformConfig) -> str:
+    """A path named by a row, resolved against data.image_dir (the working directory when null) and confined
+    to it: no absolute path, no ``..`` or symlink out of it, unless data.allow_absolute_image_paths."""
+    base = os.path.realpath(cfg.image_dir or os.getcwd())
+    if cfg.allow_absolute_image_paths:
+        return value if os.path.isabs(value) else os.path.join(base, value)
+    where = f"data.image_dir {cfg.image_dir!r}" if cfg.image_dir else f"the working directory {base!r}"
+    if os.path.isabs(value):
+        raise _Bad("skipped_image", f"image {i} path {value!r} is absolute; paths are relative to {where} (set "
+                                    "data.allow_absolute_image_paths: true to allow any path)")
+    path = os.path.realpath(os.path.join(base, value))
+    if os.path.commonpath([path, base]) != base:
+        raise _Bad("skipped_image", f"image {i} path {value!r} leads out of {where} (through '..' or a symlink); "
+                                    "set data.allow_absolute_image_paths: true to allow any path")
+    return path
+
+
+def _fetch(url: str, i: int, max_bytes: int) -> bytes:
     """GET with a few retries. A status that describes the resource (404, 403, ...) makes the sample bad;
     a network failure that outlasts the retries is an error whatever the policy: skipping on it would
     make the skipped samples depend on the network, and a resumed run could differ."""
@@ -210,7 +237,7 @@ def _fetch(url: str, i: int) -> bytes:
     for attempt in range(URL_ATTEMPTS):
         try:
             with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
-                return r.read()
+                return _read_body(r, i, url, max_bytes)
         except urllib.error.HTTPError as e:
             if e.code < 500 and e.code not in (408, 425, 429):
                 raise _Bad("skipped_image", f"image {i} URL {url} answered HTTP {e.code}") from None
@@ -223,8 +250,22 @@ def _fetch(url: str, i: int) -> bytes:
                          "failure is not skipped by data.bad_sample")
 
 
-def decode_image(value: Any, i: int = 0, image_dir: str | None = None):
-    """One image value -> an RGB PIL image; raises ``_Bad`` with the reason when it cannot be used."""
+def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
+    """The body, never more than ``max_bytes`` of it whatever Content-Length says; a cut body is a fault."""
+    chunks, total = [], 0
+    while chunk := response.read(min(1 << 20, max_bytes + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            raise _Bad("skipped_image", f"image {i} URL {url}: over data.max_image_bytes {max_bytes}")
+    if response.length:     # bytes the server announced but never sent
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
+
+
+def decode_image(value: Any, i: int, cfg: TransformConfig):
+    """One image value -> an RGB PIL image; raises ``_Bad`` with the reason when it cannot be used. Local
+    paths and sizes are bounded by ``cfg`` (image_dir, max_image_bytes, allow_absolute_image_paths)."""
     from PIL import Image
 
     if value is None:
@@ -232,7 +273,7 @@ def decode_image(value: Any, i: int = 0, image_dir: str | None = None):
     if isinstance(value, Image.Image):
         img = value
     else:
-        data = _read_bytes(value, i, image_dir)
+        data = _read_bytes(value, i, cfg)
         try:
             img = Image.open(io.BytesIO(data))
             img.load()
@@ -285,6 +326,9 @@ class VLProcessor:
                              "max_seq_len": cfg.max_seq_len, "messages_column": cfg.messages_column,
                              "images_column": cfg.images_column, "image_dir": cfg.image_dir,
                              "id_column": cfg.id_column}
+        for key in ("max_image_bytes", "allow_absolute_image_paths"):   # they decide which images are bad;
+            if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:      # only when set, so that checkpoints of
+                self._fingerprint[key] = getattr(cfg, key)             # earlier versions still resume
         self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
         self._turn_start_id = self._find_turn_start()
@@ -482,7 +526,7 @@ class VLProcessor:
         if text_tokens > L:   # image tokens only add to this: over-length before any image is decoded
             raise _Bad("dropped_overlong", f"{text_tokens} tokens before image tokens, longer than "
                                            f"data.max_seq_len {L}")
-        images = [decode_image(v, i, self.cfg.image_dir) for i, v in enumerate(raw_images)]
+        images = [decode_image(v, i, self.cfg) for i, v in enumerate(raw_images)]
         try:
             out = self.processor(text=[full], images=images or None, return_tensors="np", add_special_tokens=False)
         except Exception as e:  # noqa: BLE001 - processors raise ValueError, TypeError, ... on a sample they refuse

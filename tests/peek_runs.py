@@ -1,0 +1,39 @@
+"""Helper of test_cli's exit test: ``python peek_runs.py N K OUT_DIR peek ARGS...`` runs the CLI N times, K at
+a time, each in a process forked from this one after the imports (a run then costs its own work, not the
+imports), each ending with the interpreter's normal teardown (atexit, finalization, native destructors).
+Run i writes its stdout to OUT_DIR/i.out and stderr to OUT_DIR/i.err. Prints ``{"exit_codes": [...]}``."""
+
+import json
+import os
+import sys
+
+import datasets  # noqa: F401  (imported once, before the forks)
+import pyarrow.parquet  # noqa: F401
+import torch  # noqa: F401
+
+from resumable_stream import cli
+
+
+def main() -> list[int] | None:
+    n, k, out_dir, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    codes: dict[int, int] = {}
+    running: dict[int, int] = {}
+    started = 0
+    while started < n or running:
+        while started < n and len(running) < k:
+            pid = os.fork()
+            if pid == 0:
+                for fd, suffix in ((1, "out"), (2, "err")):
+                    f = os.open(os.path.join(out_dir, f"{started}.{suffix}"), os.O_WRONLY | os.O_CREAT, 0o644)
+                    os.dup2(f, fd)
+                    os.close(f)
+                sys.exit(cli.main(argv))   # the child: a normal exit, as `resumable-stream peek` does
+            running[pid] = started
+            started += 1
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    print(json.dumps({"exit_codes": [codes[i] for i in range(n)]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Helper of test_sidecar_integrity: a save into one stream_state directory, SIGKILLed at random moments.
+
+``python save_killer.py STATES_DIR STATE_DIR KILLS SEED`` reads the states ``STATES_DIR/<k>.safetensors``
+(k = 0, 1, ...: one stream's state after k+1 samples). Each round forks a child that saves the states after
+the last one the directory holds, one by one, as ``save_sidecar`` does for one rank (the rank file, then
+the manifest); the parent SIGKILLs it after a seeded random delay, then loads the directory and records
+which state it holds (or the error). Prints one JSON line: ``{"loaded": [k or error, ...]}``.
+"""
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+from resumable_stream import sidecar as sc
+from resumable_stream.errors import SidecarError
+
+
+def save_from(states: list[dict], first: int, state_dir: str) -> None:
+    for state in states[first:]:
+        sc.write_rank_file(state_dir, 0, state)
+        sc.write_manifest(state_dir, 1)
+    os._exit(0)
+
+
+def loaded_index(state_dir: str, digests: list[tuple]) -> int | str:
+    try:
+        manifest = sc.read_manifest(state_dir)
+        state, _ = sc.read_rank_state(state_dir, manifest, 0)
+    except SidecarError as e:
+        return f"error: {e}"
+    ps = state["partitions"][0]
+    return digests.index((ps["consumed"], ps["next_sample_digest"], ps["consumed_digest"]))
+
+
+def main() -> None:
+    states_dir, state_dir, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    states = [sc.read_state_file(os.path.join(states_dir, f"{k}.safetensors"))
+              for k in range(len(os.listdir(states_dir)))]
+    digests = [(s["partitions"][0]["consumed"], s["partitions"][0]["next_sample_digest"],
+                s["partitions"][0]["consumed_digest"]) for s in states]
+    rng = random.Random(seed)
+    sc.write_rank_file(state_dir, 0, states[0])     # the first complete save: from here on there is an old state
+    sc.write_manifest(state_dir, 1)
+    loaded, last = [], 0
+    for _ in range(kills):
+        pid = os.fork()
+        if pid == 0:
+            save_from(states, last + 1, state_dir)
+        time.sleep(rng.uniform(0.0, 0.04))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        index = loaded_index(state_dir, digests)
+        loaded.append(index)
+        if isinstance(index, int):
+            last = index
+        if last + 1 >= len(states):
+            break
+    print(json.dumps({"loaded": loaded}))
+
+
+if __name__ == "__main__":
+    main()
