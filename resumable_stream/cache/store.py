@@ -288,6 +288,7 @@ class _ProcessState:
         self.pool = None                          # the writer thread
         self.slots = threading.BoundedSemaphore(WRITE_BEHIND_BLOCKS)
         self.pending: set = set()
+        self.dropped: set[str] = set()            # keys found corrupt here, until this process stores them again
         self.touched: list[str] = []
         self.touch_queued = False
 
@@ -429,6 +430,9 @@ class BlockStore:
             self._counters.add(unavailable=1)
             return None
         key = self.key(shard, block)
+        if key in st.dropped:                   # its deletion may still be queued: never read (nor warn) twice
+            self._counters.add(misses=1)
+            return None
         try:
             data = self._lookup(st, key)
             hit = None if data is None else decode_block(data, key)
@@ -465,6 +469,7 @@ class BlockStore:
         """Warn, and delete the entry on the writer thread (its file only if inside the directory)."""
         self._corrupt(shard, block, where, err)
         key = self.key(shard, block)
+        st.dropped.add(key)
 
         def delete():
             if self._may_write(st):
@@ -558,6 +563,7 @@ class BlockStore:
         def write():
             try:
                 self.put(shard, block, table, last, where)
+                st.dropped.discard(self.key(shard, block))
             except Exception as e:
                 self._error("writing a block", e)
             finally:
