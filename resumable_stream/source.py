@@ -503,6 +503,11 @@ class StreamingSource(Source):
             if prefetch_blocks > 0:
                 self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
 
+    @property
+    def prefetch_depth(self) -> int:
+        """Row groups fetched ahead per partition (0: no prefetch)."""
+        return self._prefetch.depth if self._prefetch is not None else 0
+
     def prefetch(self, partition: int, shards: list[int]) -> None:
         """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
         if self._prefetch is not None:

@@ -297,6 +297,40 @@ def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
         site.faults.clear()
 
 
+def test_prefetch_fills_the_block_cache_and_skips_what_it_holds(site, tmp_path):
+    """With ``cache_dir`` set, a cold read still fetches ahead (the first two GETs are in flight together)
+    and the cache fills from those fetches: a second stream over the same cache makes no request at all and
+    both give the rows of a cache-off read without prefetch."""
+    import threading
+
+    cfg = site.config(interleave_shards=2, timeout_s=30.0)
+    reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0)), ROWS + 100)
+    for depth, concurrent in ((0, False), (8, True)):
+        cached = cfg.replace(prefetch_blocks=depth, cache_dir=str(tmp_path / f"cache{depth}"))
+        src = open_source(cached)                       # the index: read before the barrier
+        together = threading.Barrier(2, timeout=3)
+        gets = itertools.count()
+
+        def meet(rec, together=together, gets=gets):
+            if rec.method == "GET" and next(gets) < 2:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    together.wait()
+
+        site.faults.append(meet)
+        try:
+            cold = ResumableStream(cached, source=src)
+            assert _ids(cold, ROWS + 100) == reference
+        finally:
+            site.faults.remove(meet)
+        assert together.broken is not concurrent
+        cold.source.flush()
+        warm = ResumableStream(cached, source=open_source(cached))
+        site.reset_stats()
+        assert _ids(warm, ROWS + 100) == reference
+        assert site.requests == [], _count(site)        # every row group came from the cache, none prefetched
+        assert warm.source.stats()["hits"] > 0
+
+
 def test_prefetch_threads_end_with_the_stream(site):
     import gc
     import threading

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import yaml
-from transformers import TrainerCallback
+from training_helpers import StopAt
 
 from resumable_stream import ConfigError
 from resumable_stream.trainer_patch.config import TrainerConfig
@@ -38,13 +38,6 @@ def _evals(out):
         return {r["step"]: r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r}
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 @pytest.mark.parametrize(("change", "needle"), [

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from training_helpers import StopAt
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -18,7 +19,6 @@ from transformers import (
     DataCollatorForSeq2Seq,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    TrainerCallback,
 )
 
 from resumable_stream import StreamConfig, open_stream
@@ -60,15 +60,6 @@ class LlamaFactoryLikeTrainer(Seq2SeqTrainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-class StopAt(TrainerCallback):
-    """Ends training after ``step`` (its checkpoint written): the run a kill would interrupt."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def make_trainer(output_dir, callbacks=()):

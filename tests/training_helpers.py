@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import psutil
 import yaml
+from transformers import TrainerCallback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
@@ -291,3 +292,14 @@ def assert_data_parallel(out: str, world_size: int, note: str = "") -> None:
     assert sums is not None, f"the last run writing {out} did not finish training {note}"
     assert len(sums) == world_size and max(sums) - min(sums) == 0, \
         f"the ranks ended with different parameters (sums {sums}): each trained its own copy {note}"
+
+
+class StopAt(TrainerCallback):
+    """Ends training after ``step`` (its checkpoint written): the run a kill would interrupt."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True

@@ -46,6 +46,8 @@ class CachedSource(Source):
         self.column_names = source.column_names
         self.index = getattr(source, "index", None)     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
+        self._missed = False                             # read anything from the source yet (this process)?
+        self._hints: dict[int, list[int]] = {}           # the plan's latest hints until then, per partition
         self.store = BlockStore(os.path.expanduser(directory), int(limit_gb * 2**30),
                                 namespace(source.fingerprint, self.block_rows), self.block_rows)
 
@@ -62,7 +64,36 @@ class CachedSource(Source):
     def _where(self, shard: int) -> str:
         return self.shards[shard].name
 
+    def _fully_cached(self, shard: int) -> bool:
+        n = self.num_blocks(shard)
+        return n is not None and all(self.store.contains(shard, b) for b in range(n))
+
     # ------------------------------------------------------------------ reading
+    def prefetch(self, partition: int, shards: list[int]) -> None:
+        """Pass the plan's next shards on to the source's prefetch, leaving out those the cache holds whole,
+        once this process has missed the cache (until then every read was a hit: a warm cache makes no
+        request, not even ahead). A cold cache fills from the very fetches made ahead: the reader takes a
+        prefetched row group in ``_read_through`` and stores its blocks as they pass."""
+        if getattr(self.inner, "prefetch_depth", 0) <= 0:
+            return
+        if not self._missed:
+            self._hints[partition] = shards
+            return
+        depth = self.inner.prefetch_depth
+        missing: list[int] = []
+        for shard in dict.fromkeys(shards):
+            if len(missing) == depth:
+                break
+            if not self._fully_cached(shard):
+                missing.append(shard)
+        self.inner.prefetch(partition, missing)
+
+    def _first_miss(self) -> None:
+        self._missed = True
+        hints, self._hints = self._hints, {}
+        for partition, shards in hints.items():
+            self.prefetch(partition, shards)
+
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         n = self.shards[shard].num_rows
         if n is not None and start_row >= n:
@@ -88,6 +119,8 @@ class CachedSource(Source):
     def _read_through(self, shard: int, block: int, skip: int, schema: pa.Schema | None) -> Iterator[pa.Table]:
         """Read the source from ``block`` on; store and yield whole blocks (the first one cut at ``skip``)."""
         R = self.block_rows
+        if not self._missed:
+            self._first_miss()
         tables = self.inner.read(shard, block * R)
         parts: list[pa.Table] = []
         have = 0
