@@ -9,6 +9,8 @@ reads the same number of rows:
 * ``ours``: ``ResumableStream`` shuffled (buffer 16384), cache off, default ``prefetch_blocks``;
 * ``hf_plain``: ``load_dataset("parquet", data_files=URLs, streaming=True)``;
 * ``hf_shuffled``: the same with ``.shuffle(buffer_size=16384)``;
+* ``ours_cold_cache``: ours with an empty block cache (prefetch on from the first miss, the cache filling
+  from the same fetches);
 * ``ours_warm``: ours from a block cache filled by a previous process (its requests: opening only).
 
 For each: rows/s (after the first sample), time to first sample (from process start of the reader,
@@ -36,7 +38,7 @@ sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
 
 BUFFER = 16384
 CONDITIONS = ((0.1, 100e6), (0.03, 20e6))      # (latency s, bandwidth bytes/s)
-READERS = ("ours", "hf_plain", "hf_shuffled", "ours_warm")
+READERS = ("ours", "hf_plain", "hf_shuffled", "ours_cold_cache", "ours_warm")
 
 
 # ------------------------------------------------------------------------------ one reader (child process)
@@ -147,7 +149,8 @@ def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...], readers: 
                     if reader == "ours_warm":
                         _fill_cache(urls, rows, cache, prefetch)
                     srv.reset_stats()
-                    res = _run_reader(reader, urls, rows, cache if reader == "ours_warm" else None, prefetch)
+                    cache_dir = {"ours_warm": cache, "ours_cold_cache": os.path.join(work, f"cold-{latency}")}.get(reader)
+                    res = _run_reader(reader, urls, rows, cache_dir, prefetch)
                     res["requests"] = srv.stats()["requests"]
                     cond["readers"][reader] = res
                     print(f"    {reader:12s} {res['rows_s']:12,.0f} rows/s  first sample {res['first_s']:6.2f} s  "

@@ -236,11 +236,11 @@ class StreamLoader:
             if saved is not None and len(saved) == len(lanes):
                 self._lane_turns = [int(t) % len(lane) for t, lane in zip(saved, lanes)]
 
-    def save_sidecar(self, path: str) -> str:
+    def save_sidecar(self, path: str, manifest: bool | None = None) -> str:
         """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
         or a directory (then ``rank-NNNNN.safetensors`` inside it, rank 0 adds the dataset index, plus the
-        manifest when world_size is 1)."""
-        return self.stream.write_sidecar(path, self.state_dict())
+        manifest when world_size is 1, or as ``manifest`` says)."""
+        return self.stream.write_sidecar(path, self.state_dict(), manifest)
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files

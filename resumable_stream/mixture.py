@@ -481,8 +481,10 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
-                num_workers: int = 0) -> ResumableStream | MixtureStream:
-    """A :class:`MixtureStream` for a config with ``sources``, else a :class:`ResumableStream`."""
+                num_workers: int = 0, index_from: str | None = None) -> ResumableStream | MixtureStream:
+    """A :class:`MixtureStream` for a config with ``sources``, else a :class:`ResumableStream`.
+    ``index_from``: a checkpoint to be resumed whose saved dataset index a single stream reuses."""
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers)
-    return ResumableStream(config, rank=rank, world_size=world_size, num_workers=num_workers)
+    return ResumableStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
+                           index_from=index_from)

@@ -170,15 +170,16 @@ class SidecarMixin:
         ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
         return self.write_sidecar(path, self.state_dict())
 
-    def write_sidecar(self, path: str | os.PathLike, state: dict) -> str:
-        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says."""
+    def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:
+        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says; ``manifest``:
+        write it now (default: when world_size is 1; a trainer writes it itself once the checkpoint is done)."""
         path = os.fspath(path)
         if path.endswith(".safetensors"):
             return write_state_file(path, state)
         file = write_rank_file(path, self.rank, state)
         self.save_index(path)
-        if self.world_size == 1:
-            write_manifest(path, 1)
+        if self.world_size == 1 if manifest is None else manifest:
+            write_manifest(path, self.world_size)
         return file
 
     def save_index(self, state_dir: str) -> None:
@@ -203,14 +204,15 @@ class ResumableStream(SidecarMixin, torch.utils.data.IterableDataset):
     """
 
     def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
-                 num_workers: int = 0, source: Source | None = None):
+                 num_workers: int = 0, source: Source | None = None, index_from: str | None = None):
         super().__init__()
         self._track_worker_reads()
         if not isinstance(config, StreamConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
         rank, world_size = resolve_topology(rank, world_size, num_workers)
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
-        self.source = source if source is not None else open_job_source(config, rank, world_size)
+        # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
+        self.source = source if source is not None else open_job_source(config, rank, world_size, index_from)
         if config.cache_dir and not getattr(self.source, "is_cached", False):
             from .cache import CachedSource  # local block cache around the source (never changes results)
 

@@ -368,3 +368,46 @@ def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "only parquet data is indexed" in err and "'json'" in err
     assert not (tmp_path / "i.json").exists()
+
+
+# ---------------------------------------------------------------------------- trainer restarts
+def test_trainer_restart_reuses_the_index_saved_with_its_checkpoint(tmp_path):
+    """``resumable-stream train`` opens its stream knowing the checkpoint it will resume: a restart reuses
+    that checkpoint's index (no resolving: zero requests with verify_files off, one HEAD per file on) and
+    the resumed run ends where an uninterrupted one does."""
+    import yaml
+
+    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
+    data = os.path.join(tiny, "data")
+    files = sorted(f for f in os.listdir(data) if f.endswith(".parquet"))
+    with FileServer(data) as srv:
+        def config(name, max_steps, **data_keys):
+            with open(os.path.join(tiny, "train_lm.yaml"), encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+            doc["data"].pop("consumed_log")
+            doc["data"].update(data_files=[srv.url(f) for f in files], **FAST, **data_keys)
+            doc["model"]["tokenizer"] = os.path.join(tiny, "tokenizer")
+            doc["train"].update(output_dir=str(tmp_path / name), max_steps=max_steps, save_steps=2, logging_steps=1,
+                                disable_tqdm=True)
+            p = tmp_path / f"{name}-{max_steps}.yaml"
+            p.write_text(yaml.safe_dump(doc))
+            return TrainerConfig.from_yaml(str(p))
+
+        def final_loss(trainer):
+            return [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
+
+        whole = build_trainer(config("whole", 4))
+        whole.train()
+        first = build_trainer(config("cut", 2, verify_files=False))
+        first.train()
+        srv.reset_stats()
+        restarted = build_trainer(config("cut", 4, verify_files=False))
+        assert srv.requests == []                     # the stream opened from checkpoint-2's index
+        restarted.train(resume_from_checkpoint=resolve_resume(config("cut", 4), restarted))
+        assert final_loss(restarted) == final_loss(whole)
+        srv.reset_stats()
+        build_trainer(config("cut", 4))               # verify_files (default): one identity request per file
+        assert _count(srv) == {("HEAD", "whole"): len(files)}

@@ -9,7 +9,7 @@ import shutil
 import time
 
 from ..errors import SidecarError
-from ..sidecar import MANIFEST, STATE_DIR, rank_file_name, read_manifest, write_manifest
+from ..sidecar import MANIFEST, STATE_DIR, read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -75,7 +75,7 @@ def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, b
     """Every rank writes its sidecar; after a barrier rank 0 writes the manifest that completes the checkpoint."""
     state_dir = os.path.join(checkpoint, STATE_DIR)
     os.makedirs(state_dir, exist_ok=True)
-    loader.save_sidecar(os.path.join(state_dir, rank_file_name(loader.stream.rank)))   # the manifest comes last
+    loader.save_sidecar(state_dir, manifest=False)   # rank file (+ the index on rank 0); the manifest comes last
     barrier()
     if is_main:
         delay = float(os.environ.get("RESUMABLE_STREAM_SAVE_DELAY_S", "0") or 0)

@@ -25,7 +25,7 @@ from .callbacks import (
     TrainLogCallback,
     transform_stats,
 )
-from .checkpoints import check_complete, resume_latest
+from .checkpoints import check_complete, latest_complete_checkpoint, resume_latest
 from .config import TrainerConfig
 from .patch import EvalStream, TrainingStream, _barrier, patch_trainer
 
@@ -166,9 +166,12 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
     model = _load_model(cfg, tokenizer, args.seed, processor)
 
-    # The loader restores the state (stream cursor + transform carry), not the bare stream.
+    # The loader restores the state (stream cursor + transform carry), not the bare stream; the stream only
+    # reuses the dataset index saved with the checkpoint this run will resume (no resolving on a restart).
+    resumed = (cfg.train.get("resume_from_checkpoint") or latest_complete_checkpoint(args.output_dir)
+               or cfg.stream.resume_state_path)
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
-                         world_size=args.world_size, num_workers=args.dataloader_num_workers)
+                         world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
     if vl:
         processor_factory = functools.partial(VLProcessor, processor, cfg.transform)
