@@ -364,6 +364,7 @@ def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------ files and directories
 MAX_SIDECAR_BYTES = 1 << 30    # far above any real state (cursors, digests, carried tokens)
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_INDEX_BYTES = 1 << 30      # a dataset index: ~2 KB per file (row groups with byte spans); far above any real one
 
 
 def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
@@ -429,7 +430,7 @@ def write_manifest(state_dir: str, world_size: int) -> str:
                 "generation": generation, "files": files}
     index = os.path.join(state_dir, index_file_name(generation))
     if os.path.isfile(index):    # the dataset index saved with this generation (job_source): verified before use
-        data = _read_bytes(index, "dataset index", MAX_MANIFEST_BYTES)
+        data = _read_bytes(index, "dataset index", MAX_INDEX_BYTES)
         manifest["index"] = {"file": index_file_name(generation), "bytes": len(data), "blake2b": _digest(data)}
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
@@ -495,7 +496,7 @@ def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
     if entry is None:
         return None
     file = os.path.join(state_dir, entry["file"])
-    data = _read_bytes(file, "dataset index", MAX_MANIFEST_BYTES)
+    data = _read_bytes(file, "dataset index", MAX_INDEX_BYTES)
     if _digest(data) != entry["blake2b"]:
         raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
     return file, data

@@ -42,6 +42,27 @@ def test_peek_fields_and_save_state_then_resume(parquet_small, tmp_path, capsys)
         ResumableStream(StreamConfig.from_yaml(cfg_path), rank=0, world_size=1), 40)
 
 
+def test_peek_one_rank_of_several_refuses_to_save_over_a_complete_state(parquet_small, tmp_path, capsys):
+    """A rank's new file next to a complete multi-rank state would leave the old manifest in charge (a later
+    --resume-from would silently take the old state): refused, and the state stays what it was."""
+    from resumable_stream import sidecar
+
+    cfg_path = _yaml(tmp_path, parquet_small)
+    st = str(tmp_path / "st")
+    for rank in range(2):
+        assert main(["peek", cfg_path, "--rank", str(rank), "--world-size", "2", "--num", "2",
+                     "--save-state", st]) == 0
+    sidecar.write_manifest(st, 2)
+    before = sorted(os.listdir(st))
+    capsys.readouterr()
+    assert main(["peek", cfg_path, "--rank", "1", "--world-size", "2", "--num", "6", "--save-state", st]) == 2
+    assert "--save-state" in capsys.readouterr().err and sorted(os.listdir(st)) == before
+    assert main(["peek", cfg_path, "--rank", "1", "--world-size", "2", "--num", "2", "--fields", "id",
+                 "--resume-from", st]) == 0
+    resumed = [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()]
+    assert resumed == take_ids(ResumableStream(StreamConfig.from_yaml(cfg_path), rank=1, world_size=2), 4)[2:]
+
+
 def test_inspect_file_and_directory(parquet_small, tmp_path, capsys):
     cfg_path = _yaml(tmp_path, parquet_small)
     assert main(["peek", cfg_path, "--num", "70", "--save-state", str(tmp_path / "ck" / "stream_state")]) == 0

@@ -209,3 +209,22 @@ def test_future_format_version_is_refused(cfg, source, tmp_path):
     open(path, "wb").write(data[:8] + header + data[8 + n:])
     with pytest.raises(SidecarError, match="format version '9'"):
         ResumableStream(cfg, rank=0, world_size=1, source=source).load_sidecar(path)
+
+
+def test_the_saved_dataset_index_has_its_own_size_limit(cfg, source, tmp_path, monkeypatch):
+    """The index saved with a state is bounded by its own limit, not the manifest's: an index larger than
+    the manifest limit (large datasets) still saves and resumes."""
+    s = ResumableStream(cfg, source=source)
+    take_ids(s, 5)
+    state = tmp_path / "st"
+    s.save_sidecar(str(state))
+    index, manifest = (state / "index.json").stat().st_size, (state / "manifest.json").stat().st_size
+    assert index > manifest
+    monkeypatch.setattr(sc, "MAX_MANIFEST_BYTES", (index + manifest) // 2)
+    take_ids(s, 7)
+    s.save_sidecar(str(state))                 # the next generation: its manifest names and digests the index
+    assert (state / "index.g1.json").is_file()
+    after = take_ids(s, 7)
+    resumed = ResumableStream(cfg.replace(resume_state_path=str(state)))    # opened from the saved index
+    assert resumed.source.index == source.index
+    assert take_ids(resumed, 7) == after

@@ -457,7 +457,8 @@ class BlockStore:
             con = self._reader(st)
             return con is not None and con.execute(_SELECT, (self.key(shard, block),)).fetchone() is not None
         except sqlite3.Error as e:
-            self._error("a lookup", e)
+            if "no such table" not in str(e):      # (cache.db being created: simply not there yet)
+                self._error("a lookup", e)
             return False
 
     def _corrupt(self, shard: int, block: int, where: str, err: Exception) -> None:

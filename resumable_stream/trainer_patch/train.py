@@ -168,7 +168,8 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
 
     # The loader restores the state (stream cursor + transform carry), not the bare stream; the stream only
     # reuses the dataset index saved with the checkpoint this run will resume (no resolving on a restart).
-    resumed = (cfg.train.get("resume_from_checkpoint") or latest_complete_checkpoint(args.output_dir)
+    explicit = cfg.train.get("resume_from_checkpoint")
+    resumed = ((explicit if isinstance(explicit, str) else None) or latest_complete_checkpoint(args.output_dir)
                or cfg.stream.resume_state_path)
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
