@@ -320,11 +320,16 @@ def test_dataloader_workers_and_two_processes_share_one_cache(parquet_60, tmp_pa
                                                       source=_source(cfg)), n)
         s = got["stats"]   # counted in the workers, seen by the main process
         assert s["misses"] > 0 and s["blocks_written"] > 0 and s["hits"] > 0
+    filled = cold
+    for _ in range(3):     # a write that waited too long for the lock is skipped by design (the reader never
+        if not any(o["stats"]["writes_skipped"] for o in filled):   # waits): a pass over the gaps fills them
+            break
+        filled = run_both()
     warm = run_both()
     for rank, got in enumerate(warm):
         assert got["ids"] == cold[rank]["ids"]
         s = got["stats"]
-        assert s["misses"] == 0 and s["rows_fetched"] == 0 and s["hits"] > 0, s
+        assert s["misses"] == 0 and s["rows_fetched"] == 0 and s["hits"] > 0, (s, [o["stats"] for o in filled])
 
 
 # ------------------------------------------------------------------------------ over HTTP
