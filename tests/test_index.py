@@ -265,12 +265,26 @@ def test_torchrun_four_ranks_open_48_remote_files_with_two_requests_per_file(tmp
 
 
 # ---------------------------------------------------------------------------- plan-driven prefetch
+def _first_two_gets_meet():
+    """A server fault under which the first two GETs wait for each other: the barrier is broken (after its
+    timeout) unless two GETs were in flight together."""
+    import threading
+
+    together, gets = threading.Barrier(2, timeout=3), itertools.count()
+
+    def meet(rec):
+        if rec.method == "GET" and next(gets) < 2:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait()
+
+    return together, meet
+
+
 def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
     """Row groups of the plan are fetched ahead on threads: the first two GETs of a stream are in flight
     together (each waits at a barrier for the other), responses arrive in random order (random latency per
     request), and the rows are exactly those read without prefetch."""
     import random
-    import threading
 
     cfg = site.config(interleave_shards=2, timeout_s=30.0)     # no client timeout while a GET waits
     src = open_source(cfg.replace(prefetch_blocks=0))
@@ -280,14 +294,7 @@ def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
     try:
         for depth, concurrent in ((0, False), (8, True)):
             src = open_source(cfg.replace(prefetch_blocks=depth))      # the index: read before the barrier
-            together = threading.Barrier(2, timeout=3)
-            gets = itertools.count()
-
-            def meet(rec, together=together, gets=gets):
-                if rec.method == "GET" and next(gets) < 2:
-                    with contextlib.suppress(threading.BrokenBarrierError):
-                        together.wait()
-
+            together, meet = _first_two_gets_meet()
             site.faults.insert(0, meet)
             stream = ResumableStream(cfg.replace(prefetch_blocks=depth), source=src)
             assert _ids(stream, ROWS + 100) == reference
@@ -301,21 +308,13 @@ def test_prefetch_fills_the_block_cache_and_skips_what_it_holds(site, tmp_path, 
     """With ``cache_dir`` set, a cold read still fetches ahead (the first two GETs are in flight together)
     and the cache fills from those fetches: a second stream over the same cache makes no request at all and
     both give the rows of a cache-off read without prefetch."""
-    import threading
 
     cfg = site.config(interleave_shards=2, timeout_s=30.0)
     reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0)), ROWS + 100)
     for depth, concurrent in ((0, False), (8, True)):
         cached = cfg.replace(prefetch_blocks=depth, cache_dir=str(tmp_path / f"cache{depth}"))
         src = open_source(cached)                       # the index: read before the barrier
-        together = threading.Barrier(2, timeout=3)
-        gets = itertools.count()
-
-        def meet(rec, together=together, gets=gets):
-            if rec.method == "GET" and next(gets) < 2:
-                with contextlib.suppress(threading.BrokenBarrierError):
-                    together.wait()
-
+        together, meet = _first_two_gets_meet()
         site.faults.append(meet)
         try:
             with caplog.at_level("WARNING", logger="resumable_stream.cache"):
