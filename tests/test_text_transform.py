@@ -115,7 +115,8 @@ def test_config_defaults_and_own_keys_only():
     assert (cfg.format, cfg.packing, cfg.max_seq_len, cfg.consumed_log) == ("messages", True, 8, "log.jsonl")
     d = TransformConfig().to_dict()
     assert d == {"format": "text", "text_column": "text", "messages_column": "messages", "max_seq_len": 1024,
-                 "packing": False, "overlong": "truncate", "empty": "skip", "add_eos": True, "id_column": None,
+                 "packing": False, "packing_mode": "concat", "overlong": "truncate", "empty": "skip",
+                 "add_eos": True, "id_column": None,
                  "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error",
                  "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False}
     assert tuple(d) == TransformConfig.KEYS

@@ -179,7 +179,9 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
         collate_fn = functools.partial(collate_vl, pad_token_id=tokenizer.pad_token_id)
     else:
         processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)
-        collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
+        # neat packing under flash attention: the varlen path needs the segments of a batch of several rows
+        flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
+        collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id, flash_attn_kwargs=flash)
     key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
                              resume_state_path=cfg.stream.resume_state_path)

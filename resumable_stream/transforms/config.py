@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from ..errors import ConfigError
 
 FORMATS = ("text", "messages", "vl")
+PACKING_MODES = ("concat", "neat")
 OVERLONG = ("truncate", "drop", "error")
 EMPTY = ("skip", "error")
 BAD_SAMPLE = ("error", "skip")
@@ -38,6 +39,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_seq_len": (lambda v: _is_int(v) and MIN_SEQ_LEN <= v <= MAX_SEQ_LEN,
                     f"an integer from {MIN_SEQ_LEN} to {MAX_SEQ_LEN} (tokens)"),
     "packing": (lambda v: isinstance(v, bool), "true or false"),
+    "packing_mode": (lambda v: v in PACKING_MODES, f"one of {', '.join(PACKING_MODES)}"),
     "overlong": (lambda v: v in OVERLONG, f"one of {', '.join(OVERLONG)}"),
     "empty": (lambda v: v in EMPTY, f"one of {', '.join(EMPTY)}"),
     "add_eos": (lambda v: isinstance(v, bool), "true or false"),
@@ -61,6 +63,9 @@ class TransformConfig:
     - ``max_seq_len``: tokens per example (packing: exactly this many per block).
     - ``packing``: concatenate consecutive examples and cut blocks of ``max_seq_len``; leftovers carry
       over (and are part of the saved state). ``overlong`` does not apply with packing.
+    - ``packing_mode``: ``concat`` (one token stream, attention and loss across documents) or ``neat``
+      (position ids restart at every document, no token attends to or is predicted from another document;
+      see docs/packing.md). Only with ``packing: true``.
     - ``overlong``: an example longer than ``max_seq_len`` is truncated (its head is kept), dropped, or an error.
     - ``empty``: empty/whitespace/missing text, or a conversation without an assistant turn: skip or error.
     - ``add_eos``: append the tokenizer's EOS to every ``text`` document (``messages`` end with the
@@ -86,6 +91,7 @@ class TransformConfig:
     messages_column: str = "messages"
     max_seq_len: int = 1024
     packing: bool = False
+    packing_mode: str = "concat"
     overlong: str = "truncate"
     empty: str = "skip"
     add_eos: bool = True
@@ -102,6 +108,9 @@ class TransformConfig:
             value = getattr(self, key)
             if not check(value):
                 raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+        if self.packing_mode != "concat" and not self.packing:
+            raise ConfigError(f"data.packing_mode: got {self.packing_mode!r} with data.packing false; allowed: "
+                              "set data.packing: true, or remove data.packing_mode")
         if self.format == "vl":
             if self.packing:
                 raise ConfigError("data.packing: got True with data.format 'vl'; allowed: false (image samples "

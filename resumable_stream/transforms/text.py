@@ -5,6 +5,7 @@
     proc.feed(sample, key)          # one raw row and its stream key
     while proc.ready():
         example = proc.take()       # {"input_ids", "labels", "keys"}, oldest first
+                                    # (+ "position_ids" with packing_mode neat)
 
 Its ``state()`` holds everything needed to continue exactly (tokens carried over by packing, finished
 examples not taken yet, counters); ``load_state`` on a fresh processor continues as if never stopped.
@@ -22,6 +23,13 @@ text is a prefix of the full rendering (true of ChatML, Llama-3 and Qwen3 templa
 searched from its end, so header text can never be mistaken for content; otherwise from the end of the
 previous message's content. The end-of-turn token is the first special token after the content
 (whitespace in between allowed) unless it is the token that opens a turn.
+
+Packing
+-------
+``concat``: the token stream of all documents is cut into blocks of ``max_seq_len``. ``neat``: the same
+cut, but each block remembers its segments (a document, or the part of one that falls in this block):
+``position_ids`` restart at 0 at every segment and the first token of every segment is labelled -100, so
+no token is predicted from another document. The carry's per-sample token counts are those segments.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class TextProcessor:
         self.cfg = cfg
         self._fingerprint = self._compute_fingerprint()
         self._eos = tokenizer.eos_token_id
+        self._neat = cfg.packing and cfg.packing_mode == "neat"
         if cfg.format == "text" and cfg.add_eos and self._eos is None:
             raise TransformError("data.add_eos: true but the tokenizer has no eos_token; set one or add_eos: false")
         if cfg.format == "messages" and not getattr(tokenizer, "chat_template", None):
@@ -90,7 +99,8 @@ class TextProcessor:
 
     # ------------------------------------------------------------------ state kept between feeds
     def _reset(self) -> None:
-        self._pending: deque[tuple[list[int], list[int], list[str]]] = deque()
+        # finished examples: (input_ids, labels, keys, segment lengths; None unless packing_mode is neat)
+        self._pending: deque[tuple[list[int], list[int], list[str], list[int] | None]] = deque()
         # packing carry: flat token/label lists from _cpos on, and [key, n_tokens] per contributing sample
         self._cids: list[int] = []
         self._clabels: list[int] = []
@@ -133,28 +143,32 @@ class TextProcessor:
                 self._stats["dropped_overlong"] += 1
                 return
             self._stats["truncated"] += 1
-        self._emit(ids, labels, [key])
+        self._emit(ids, labels, [(key, len(ids))])
 
     def ready(self) -> int:
         """Number of finished examples waiting to be taken."""
         return len(self._pending)
 
     def take(self) -> Example:
-        """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists)."""
+        """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists), plus
+        ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``."""
         if not self._pending:
             raise IndexError("TextProcessor.take: no finished example; feed more samples (check ready())")
-        ids, labels, keys = self._pending.popleft()
-        return {"input_ids": ids, "labels": labels, "keys": keys}
+        ids, labels, keys, segments = self._pending.popleft()
+        example = {"input_ids": ids, "labels": labels, "keys": keys}
+        if segments is not None:
+            example["position_ids"] = [p for n in segments for p in range(n)]
+        return example
 
     def flush(self) -> None:
         """Packing only: turn the carried tokens into one last, shorter example (end of a finite stream)."""
         if self.cfg.packing and len(self._cids) > self._cpos:
             ids = self._cids[self._cpos:]
             labels = self._clabels[self._cpos:]
-            keys = [k for k, _ in self._ckeys]
+            parts = [(k, n) for k, n in self._ckeys]
             self._cids, self._clabels, self._cpos = [], [], 0
             self._ckeys.clear()
-            self._emit(ids, labels, keys)
+            self._emit(ids, labels, parts)
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
@@ -172,17 +186,20 @@ class TextProcessor:
         tensors = {
             "carry_input_ids": _arr(carry_ids),
             "carry_labels": _arr(carry_labels),
-            "carry_key_tokens": _arr([n for _, n in self._ckeys]),
-            "pending_input_ids": _arr([t for ids, _, _ in pending for t in ids]),
-            "pending_labels": _arr([t for _, labels, _ in pending for t in labels]),
-            "pending_lengths": _arr([len(ids) for ids, _, _ in pending]),
-            "pending_key_counts": _arr([len(keys) for _, _, keys in pending]),
+            "carry_key_tokens": _arr([n for _, n in self._ckeys]),   # also the document boundaries
+            "pending_input_ids": _arr([t for ids, _, _, _ in pending for t in ids]),
+            "pending_labels": _arr([t for _, labels, _, _ in pending for t in labels]),
+            "pending_lengths": _arr([len(ids) for ids, _, _, _ in pending]),
+            "pending_key_counts": _arr([len(keys) for _, _, keys, _ in pending]),
         }
+        if self._neat:   # only then, so that concat states keep the layout they always had
+            tensors["pending_segment_lengths"] = _arr([n for *_, segs in pending for n in segs])
+            tensors["pending_segment_counts"] = _arr([len(segs) for *_, segs in pending])
         meta = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),
             "carry_keys": [k for k, _ in self._ckeys],
-            "pending_keys": [k for _, _, keys in pending for k in keys],
+            "pending_keys": [k for _, _, keys, _ in pending for k in keys],
             "stats": self.stats(),
         }
         return {"tensors": tensors, "meta": meta}
@@ -195,6 +212,8 @@ class TextProcessor:
             t = {k: np.asarray(tensors[k], dtype=np.int64).reshape(-1).tolist() for k in (
                 "carry_input_ids", "carry_labels", "carry_key_tokens",
                 "pending_input_ids", "pending_labels", "pending_lengths", "pending_key_counts")}
+            segments = {k: np.asarray(tensors[k], dtype=np.int64).reshape(-1).tolist() for k in (
+                "pending_segment_lengths", "pending_segment_counts")} if self._neat else None
             carry_keys = [str(k) for k in meta["carry_keys"]]
             pending_keys = [str(k) for k in meta["pending_keys"]]
             stats = {k: int(meta["stats"][k]) for k in STAT_KEYS}
@@ -208,13 +227,15 @@ class TextProcessor:
                 or len(t["pending_key_counts"]) != len(t["pending_lengths"])
                 or sum(t["pending_key_counts"]) != len(pending_keys)):
             raise SidecarError("transform state: inconsistent lengths (truncated or corrupt state)")
+        pending_segments = _split_segments(segments, t["pending_lengths"]) if segments is not None \
+            else [None] * len(t["pending_lengths"])
         self._reset()
         self._cids, self._clabels = t["carry_input_ids"], t["carry_labels"]
         self._ckeys = deque([k, n] for k, n in zip(carry_keys, t["carry_key_tokens"]))
         pos = kpos = 0
-        for n, nk in zip(t["pending_lengths"], t["pending_key_counts"]):
+        for n, nk, segs in zip(t["pending_lengths"], t["pending_key_counts"], pending_segments):
             self._pending.append((t["pending_input_ids"][pos:pos + n], t["pending_labels"][pos:pos + n],
-                                  pending_keys[kpos:kpos + nk]))
+                                  pending_keys[kpos:kpos + nk], segs))
             pos += n
             kpos += nk
         self._stats = stats
@@ -232,28 +253,39 @@ class TextProcessor:
             fp["messages_column"] = c.messages_column
         if not c.packing:
             fp["overlong"] = c.overlong
+        elif c.packing_mode != "concat":   # absent means concat: states saved before the key existed still load
+            fp["packing_mode"] = c.packing_mode
         return fp
 
-    def _emit(self, ids: list[int], labels: list[int], keys: list[str]) -> None:
-        self._pending.append((ids, labels, keys))
+    def _emit(self, ids: list[int], labels: list[int], parts: list[tuple[str, int]]) -> None:
+        """Queue one example; ``parts``: (sample key, tokens) of each contributing sample, in order."""
+        segments = None
+        if self._neat:
+            segments = [n for _, n in parts]
+            labels = list(labels)
+            start = 0
+            for n in segments:   # a segment's first token is never predicted from the segment before it
+                labels[start] = IGNORE_INDEX
+                start += n
+        self._pending.append((ids, labels, [k for k, _ in parts], segments))
         self._stats["examples"] += 1
 
     def _cut_blocks(self) -> None:
         L = self.cfg.max_seq_len
         while len(self._cids) - self._cpos >= L:
             start, end = self._cpos, self._cpos + L
-            keys: list[str] = []
+            parts: list[tuple[str, int]] = []
             need = L
             while need:
                 entry = self._ckeys[0]
                 n = min(need, entry[1])
-                keys.append(entry[0])
+                parts.append((entry[0], n))
                 need -= n
                 if n == entry[1]:
                     self._ckeys.popleft()
                 else:
                     entry[1] -= n
-            self._emit(self._cids[start:end], self._clabels[start:end], keys)
+            self._emit(self._cids[start:end], self._clabels[start:end], parts)
             self._cpos = end
         if self._cpos:
             del self._cids[:self._cpos]
@@ -468,23 +500,50 @@ def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]]
     return labels
 
 
+def _split_segments(segments: dict[str, list[int]], lengths: list[int]) -> list[list[int]]:
+    """Per pending example, its segment lengths; ``SidecarError`` unless they tile each example exactly."""
+    flat, counts = segments["pending_segment_lengths"], segments["pending_segment_counts"]
+    if len(counts) != len(lengths) or sum(counts) != len(flat) or any(n <= 0 for n in flat):
+        raise SidecarError("transform state: inconsistent segment lengths (truncated or corrupt state)")
+    out, pos = [], 0
+    for n_tokens, count in zip(lengths, counts):
+        segs = flat[pos:pos + count]
+        if count <= 0 or sum(segs) != n_tokens:
+            raise SidecarError("transform state: inconsistent segment lengths (truncated or corrupt state)")
+        out.append(segs)
+        pos += count
+    return out
+
+
 def _arr(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
-def collate(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
+def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool = False) -> dict[str, Any]:
     """Right-pad a batch: input_ids with ``pad_token_id``, labels with -100, attention_mask 1/0.
-    Returns int64 torch tensors ``input_ids``, ``labels``, ``attention_mask`` ("keys" are dropped)."""
+    Returns int64 torch tensors ``input_ids``, ``labels``, ``attention_mask`` ("keys" are dropped).
+
+    Examples with ``position_ids`` (``packing_mode: neat``) give ``position_ids`` instead of
+    ``attention_mask``: transformers builds the block-diagonal causal mask from the restarts of
+    ``position_ids`` when no attention_mask is passed (eager, sdpa, flex). The padded tail of a row gets
+    positions 0, 1, ... of its own, so it is a segment of its own that no real token attends to. The batch
+    also says ``use_cache: False`` (see below).
+    ``flash_attn_kwargs`` adds ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the segments of the flattened
+    batch), which flash-attention's varlen path needs when a batch has more than one row."""
     import torch
 
     if not examples:
         raise ValueError("collate: empty batch")
     if pad_token_id is None:
         raise ValueError("collate: pad_token_id is None; set tokenizer.pad_token (e.g. to the EOS token)")
+    neat = sum("position_ids" in ex for ex in examples)
+    if neat not in (0, len(examples)):
+        raise ValueError("collate: some examples have position_ids and some do not (mixed packing modes)")
     width = max(len(ex["input_ids"]) for ex in examples)
     ids = torch.full((len(examples), width), int(pad_token_id), dtype=torch.int64)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.int64)
     mask = torch.zeros((len(examples), width), dtype=torch.int64)
+    positions = torch.arange(width, dtype=torch.int64).repeat(len(examples), 1)
     for r, ex in enumerate(examples):
         n = len(ex["input_ids"])
         if len(ex["labels"]) != n:
@@ -492,4 +551,20 @@ def collate(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
         ids[r, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.int64)
         labels[r, :n] = torch.as_tensor(ex["labels"], dtype=torch.int64)
         mask[r, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if neat:
+            if len(ex["position_ids"]) != n:
+                raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['position_ids'])} position_ids")
+            positions[r, :n] = torch.as_tensor(ex["position_ids"], dtype=torch.int64)
+            positions[r, n:] = torch.arange(width - n)
+    if not neat:
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    # use_cache False: with a KV cache transformers' masking utils ignore the restarts of position_ids
+    # (and a model's config asks for a cache by default; Trainer >= 5 turns it off, older ones do not)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
+    if flash_attn_kwargs:
+        flat = positions.reshape(-1)
+        starts = (flat == 0).nonzero().reshape(-1)
+        cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+        longest = int(cu.diff().max())
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return batch
