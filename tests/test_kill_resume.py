@@ -52,6 +52,7 @@ SETUPS = {
     "single": (dict(packing=False, workers=0), 1),
     "packing": (dict(packing=True, workers=0), 1),
     "packing-workers2": (dict(packing=True, workers=2), 1),
+    "packing-neat": (dict(packing=True, workers=2, data={"packing_mode": "neat"}), 1),
     "ddp": (dict(packing=False, workers=0), 2),
     "ddp-packing": (dict(packing=True, workers=0), 2),
 }
@@ -273,8 +274,10 @@ def test_restarting_a_finished_run_trains_nothing_more(procs, refs, tmp_path):
 
 
 # ------------------------------------------------------------------ (d) packing, and packing with 2 DataLoader workers
-@pytest.mark.parametrize("name", ["packing", "packing-workers2"])
+@pytest.mark.parametrize("name", ["packing", "packing-workers2", "packing-neat"])
 def test_sigkill_resumes_exactly_with_packing_and_workers(procs, refs, tmp_path, name):
+    """packing-neat: data.packing_mode neat, whose carry holds document boundaries, and whose losses would
+    differ if the resumed blocks' position ids (documents) differed."""
     kill_and_resume(procs, refs, tmp_path, name)
 
 

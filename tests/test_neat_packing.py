@@ -364,3 +364,46 @@ def test_loader_resumes_neat_blocks_exactly_through_its_sidecar(tok, dataset_600
         spanning = [ex for examples, _ in tail for ex in examples if ex["input_ids"][:len(ids)] == ids]
         assert len(spanning) == 1 and len(spanning[0]["input_ids"]) > len(ids)
         assert spanning[0]["position_ids"][:len(ids) + 1] == [p for n in sizes for p in range(n)] + [0]
+
+
+# ---------------------------------------------------------------------------------------------- training
+@pytest.mark.parametrize("template", ["train_lm.yaml", "train_sft.yaml"])
+def test_cli_train_with_neat_packing_learns_from_each_document_alone(tmp_path, template):
+    """``resumable-stream train`` with neat packing: the loss it logs for step 1 is the token-weighted loss
+    of the documents of the first batch, each run alone through the initial model (concat packing gives
+    another one, see test_packed_block_equals_its_documents_run_alone)."""
+    import subprocess
+    import sys
+
+    from training_helpers import train_losses, write_config
+
+    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.trainer_patch.train import build_trainer
+
+    data = {"packing_mode": "neat", "max_seq_len": 64}
+    if template == "train_sft.yaml":
+        data.update(data_files=os.path.join(TINY, "data_sft", "*.parquet"), max_seq_len=128)
+    runs = {name: write_config(str(tmp_path), name, max_steps=2, save_steps=2, packing=True, data=data,
+                               template=template, per_device_train_batch_size=4) for name in ("cli", "in-process")}
+    config, out = runs["cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "resumable_stream", "train", config], capture_output=True,
+                       text=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    logged = train_losses(out)[1]
+
+    trainer = build_trainer(TrainerConfig.from_yaml(runs["in-process"][0]))   # the same model and data
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "position_ids" in batch and "attention_mask" not in batch
+    model = trainer.model.eval()
+    total, count = 0.0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        positions = batch["position_ids"][row].tolist()
+        real = int((batch["labels"][row] != IGNORE_INDEX).nonzero().max()) + 1   # past it: padding
+        for s, e in _segments(positions):
+            if s >= real:
+                break
+            _, loss_sum, n = _solo(model, batch["input_ids"][row, s:e].tolist(), batch["labels"][row, s:e].tolist())
+            total, count = total + loss_sum, count + n
+    assert len(_segments(batch["position_ids"][0].tolist())) >= 2, "a block of several documents"
+    assert logged == pytest.approx(float(total / count), rel=1e-5)
