@@ -407,3 +407,20 @@ def test_cli_train_with_neat_packing_learns_from_each_document_alone(tmp_path, t
             total, count = total + loss_sum, count + n
     assert len(_segments(batch["position_ids"][0].tolist())) >= 2, "a block of several documents"
     assert logged == pytest.approx(float(total / count), rel=1e-5)
+
+
+
+def test_a_sample_without_tokens_is_no_segment(tok, texts, monkeypatch):
+    """A sample that tokenizes to nothing (possible with add_eos false and a normalizer that drops its
+    characters) adds no empty segment, and the state with it still loads."""
+    cfg = TransformConfig(max_seq_len=16, add_eos=False, **NEAT)
+    p = TextProcessor(tok, cfg)
+    encode = p._encode_text
+    monkeypatch.setattr(p, "_encode_text", lambda sample, key: ([], []) if key == "nothing" else encode(sample, key))
+    for key in ("a", "nothing", "b"):
+        p.feed({"text": texts[0] + " " + texts[1]}, key)
+    TextProcessor(tok, cfg).load_state(_roundtrip(p.state()))
+    p.flush()
+    out = _drain(p)
+    with_nothing = [ex for ex in out if "nothing" in ex["keys"]]
+    assert with_nothing and all(len(_segments(ex["position_ids"])) == len(ex["keys"]) - 1 for ex in with_nothing)

@@ -261,7 +261,7 @@ class TextProcessor:
         """Queue one example; ``parts``: (sample key, tokens) of each contributing sample, in order."""
         segments = None
         if self._neat:
-            segments = [n for _, n in parts]
+            segments = [n for _, n in parts if n]   # a sample that tokenized to nothing is no segment
             labels = list(labels)
             start = 0
             for n in segments:   # a segment's first token is never predicted from the segment before it
@@ -527,7 +527,7 @@ def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool 
     ``attention_mask``: transformers builds the block-diagonal causal mask from the restarts of
     ``position_ids`` when no attention_mask is passed (eager, sdpa, flex). The padded tail of a row gets
     positions 0, 1, ... of its own, so it is a segment of its own that no real token attends to. The batch
-    also says ``use_cache: False`` (see below).
+    also holds ``use_cache: False``: with a KV cache, transformers ignores the restarts.
     ``flash_attn_kwargs`` adds ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the segments of the flattened
     batch), which flash-attention's varlen path needs when a batch has more than one row."""
     import torch
@@ -558,8 +558,8 @@ def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool 
             positions[r, n:] = torch.arange(width - n)
     if not neat:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    # use_cache False: with a KV cache transformers' masking utils ignore the restarts of position_ids
-    # (and a model's config asks for a cache by default; Trainer >= 5 turns it off, older ones do not)
+    # a model's config asks for a KV cache by default, and with one transformers' masking utils do not look
+    # for packed sequences (transformers 5's Trainer turns the cache off for training; a plain loop may not)
     batch = {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
     if flash_attn_kwargs:
         flat = positions.reshape(-1)
