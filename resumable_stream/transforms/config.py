@@ -188,8 +188,8 @@ class TransformConfig:
                 continue
             at = f"data.sources[{i}]"
             if base.format == "vl" or own.get("format") == "vl":
-                raise ConfigError(f"{at}: sets {', '.join(own)} with data.format 'vl' in the mixture; per-source "
-                                  "transform settings are for text, messages, alpaca and sharegpt sources")
+                raise ConfigError(f"{at}: sets {', '.join(own)}; per-source transform settings are for text, "
+                                  "messages, alpaca and sharegpt sources, not with format 'vl'")
             if "map" in own and "map_version" not in own:    # the data section's version is its own map's
                 own["map_version"] = None
             if "format" in own and own["format"] != base.format:
