@@ -237,3 +237,22 @@ def test_yaml_data_section_with_a_llamafactory_mapping(tmp_path):
     cfg = TrainerConfig.from_dict(doc)
     assert cfg.transform.format == "sharegpt" and cfg.transform.tags["user_tag"] == "human"
     assert cfg.stream.dataset_name_or_path == "json"
+
+
+def test_trainer_column_check_names_the_formats_column(tmp_path):
+    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.trainer_patch.train import _check_columns
+
+    def trainer_cfg(**data):
+        return TrainerConfig.from_dict({
+            "model": {"config": {"model_type": "qwen3"}, "tokenizer": TOK_DIR},
+            "data": {"dataset_name_or_path": "json", "data_files": os.path.join(DATA, "alpaca.jsonl"), **data},
+            "train": {"output_dir": str(tmp_path), "max_steps": 1}})
+
+    columns = ["id", "instruction", "input", "output"]
+    _check_columns(trainer_cfg(format="alpaca"), columns)
+    with pytest.raises(ConfigError, match=r"data.columns.prompt: got 'question'; the dataset's columns are: id, "):
+        _check_columns(trainer_cfg(format="alpaca", columns={"prompt": "question"}), columns)
+    with pytest.raises(ConfigError, match=r"data.columns.messages: got 'conversations'"):
+        _check_columns(trainer_cfg(format="sharegpt"), columns)
+    _check_columns(trainer_cfg(format="sharegpt", map="map_hooks:alpaca_from_text"), columns)   # map: not checked

@@ -123,3 +123,26 @@ def test_per_source_keys_are_accepted_by_the_stream_config_and_others_still_refu
     section = _section(max_seq_len=12)
     with pytest.raises(ConfigError, match=r"data.sources\[1\].max_seq_len: not a per-source key"):
         StreamConfig.from_dict(section)
+
+
+def test_the_docs_mixture_config_reads_as_documented(tmp_path, monkeypatch):
+    """docs/formats.md's per-source example (marker ``tested-config: formats-mixture``)."""
+    import re
+
+    import yaml
+
+    with open(os.path.join(ROOT, "docs", "formats.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"<!-- tested-config: formats-mixture -->\n```yaml\n(.*?)```", text, re.S).group(1)
+    section = yaml.safe_load(block)["data"]
+    package = tmp_path / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "data_hooks.py").write_text("def clean(row):\n    return row\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert StreamConfig.from_dict(section).labels == ("web", "chat")
+    cfg = TransformConfig.from_dict(section)
+    web, chat = cfg.for_source("web"), cfg.for_source("chat")
+    assert (web.format, web.map, web.text_column) == ("text", "my_project.data_hooks:clean", "text")
+    assert (chat.format, chat.map, chat.columns) == ("alpaca", None, {"system": "system", "history": "history"})
+    assert cfg.packing and chat.packing and cfg.max_seq_len == chat.max_seq_len == 1024

@@ -91,6 +91,12 @@ class TransformConfig:
       files only (a FIFO or device is a bad sample, never a hang), at most ``max_image_bytes`` per file,
       download or bytes value, and local paths confined to ``image_dir`` (the working directory when null:
       no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``.
+    - ``format: alpaca`` / ``sharegpt``: LLaMA-Factory's formats, read through ``columns`` (and ``tags`` for
+      sharegpt) with LLaMA-Factory's names and defaults, turned into ``messages`` (``transforms.formats``).
+      A row that does not fit follows ``bad_sample``.
+    - ``map``: "package.module:function" applied to every row first (``transforms.row_map``);
+      ``map_version`` replaces its source digest in the fingerprint.
+    - ``sources``: a mixture's per-source settings (``SOURCE_TRANSFORM_KEYS`` over this config), by label.
     """
 
     KEYS: ClassVar[tuple[str, ...]] = tuple(_RULES)
