@@ -30,3 +30,10 @@ def returns_a_number(row: dict):
 def alpaca_from_text(row: dict):
     """A text row as an alpaca one (for a mixture source that maps its rows into another format)."""
     return {"instruction": "Continue:", "input": row["text"][:20], "output": row["text"][20:] or "."}
+
+
+def twice_unless_marked(row: dict):
+    """Two copies of the row, none when it is marked ``drop``; raises on a row marked ``boom``."""
+    if row.get("boom"):
+        raise RuntimeError("boom")
+    return None if row.get("drop") else [row, dict(row)]

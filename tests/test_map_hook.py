@@ -201,3 +201,31 @@ def test_the_map_function_is_in_the_saved_stream_fingerprint(tok, tmp_path):
                              map="map_hooks:fails_on_seven", max_seq_len=64)))
     with pytest.raises(StreamMismatchError, match="map_hooks:fails_on_seven"):
         other.load_sidecar(path)
+
+
+def test_map_runs_before_the_vl_transform_too():
+    import io
+
+    from PIL import Image
+
+    from resumable_stream.transforms import VLProcessor
+    from resumable_stream.transforms.vl import load_processor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format="PNG")
+    row = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "Red."}],
+           "images": [{"bytes": buf.getvalue(), "path": None}]}
+    processor = load_processor(os.path.join(TINY, "vl"))
+    cfg = TransformConfig(format="vl", map="map_hooks:twice_unless_marked")
+    proc = VLProcessor(processor, cfg)
+    proc.feed(row, "a")
+    proc.feed({**row, "drop": True}, "b")
+    assert [proc.take()["keys"] for _ in range(proc.ready())] == [["a#0"], ["a#1"]]
+    assert proc.stats()["dropped_by_map"] == 1
+    assert proc.fingerprint()["map"]["function"] == "map_hooks:twice_unless_marked"
+    with pytest.raises(TransformError, match=r"^sample 'c': data.map function 'map_hooks:twice_unless_marked' "
+                                             r"raised RuntimeError: boom"):
+        proc.feed({**row, "boom": True}, "c")
+    skipping = VLProcessor(processor, cfg.replace(bad_sample="skip"))
+    skipping.feed({**row, "boom": True}, "c")
+    assert skipping.ready() == 0 and skipping.stats()["skipped_map"] == 1
