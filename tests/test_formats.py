@@ -201,6 +201,7 @@ def test_sharegpt_missing_column_names_it_and_the_sample(tok):
                                                           "'alpaca'; allowed only with format sharegpt"),
     ({"format": "sharegpt", "tags": {"speaker": "x"}}, "data.tags: got {'speaker': 'x'}; allowed: null or a mapping"),
     ({"format": "sharegpt", "tags": ["from"]}, "data.tags: got ['from']"),
+    ({"format": "sharegpt", "tags": {"assistant_tag": "human"}}, "user_tag, assistant_tag have the same value"),
     ({"format": "alpacca"}, "data.format: got 'alpacca'; allowed: one of text, messages, vl, alpaca, sharegpt"),
 ])
 def test_format_config_errors_name_the_key(section, needle):

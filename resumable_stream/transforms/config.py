@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from ..config import SOURCE_TRANSFORM_KEYS, _in_source
 from ..errors import ConfigError
-from .formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns
+from .formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .row_map import function_identity, load_function
 
 FORMATS = ("text", "messages", "vl", "alpaca", "sharegpt")
@@ -156,6 +156,10 @@ class TransformConfig:
         if self.tags is not None and self.format != "sharegpt":
             raise ConfigError(f"data.tags: got {self.tags!r} with data.format {self.format!r}; allowed only with "
                               "format sharegpt")
+        clash = same_role_tags(self.tags) if self.tags else []
+        if clash:
+            raise ConfigError(f"data.tags: got {self.tags!r}; {', '.join(clash)} have the same value (with the "
+                              "defaults); allowed: a different value for each role")
 
     @property
     def is_chat(self) -> bool:

@@ -45,6 +45,13 @@ def resolved_tags(tags: dict[str, str] | None) -> dict[str, str]:
     return {**SHAREGPT_TAGS, **(tags or {})}
 
 
+def same_role_tags(tags: dict[str, str] | None) -> list[str]:
+    """The role tags (user_tag, ...) that share their value with another one, after defaults."""
+    resolved = resolved_tags(tags)
+    values = [resolved[k] for k in _ROLES]
+    return [k for k in _ROLES if values.count(resolved[k]) > 1]
+
+
 def to_messages(fmt: str, row: Any, columns: dict[str, str | None], tags: dict[str, str],
                 explicit: frozenset[str]) -> list[dict[str, str]]:
     """The conversation of ``row`` in the ``messages`` form ({role, content} dicts).
@@ -108,6 +115,7 @@ def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) ->
                      f"{{{tags['role_tag']!r}: ..., {tags['content_tag']!r}: ...}}")
     by_tag = {tags[k]: k for k in _ROLES}
     out = []
+    said = 0      # user / observation / assistant / function turns so far: even -> a prompt is due
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise BadRow(f"column {column!r} (data.columns.messages) turn {i} is {turn!r}, expected a mapping with "
@@ -127,8 +135,8 @@ def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) ->
                              "first, and not with a system column")
         else:
             # LLaMA-Factory's rule: prompts and replies alternate, starting with a prompt
-            expected = _PROMPT_TAGS if (len(out) - (1 if out and out[0]["role"] == "system" else 0)) % 2 == 0 \
-                else _REPLY_TAGS
+            expected = _PROMPT_TAGS if said % 2 == 0 else _REPLY_TAGS
+            said += 1
             if kind not in expected:
                 raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tag!r} out of order; turns "
                              f"alternate {'/'.join(repr(tags[k]) for k in _PROMPT_TAGS)} then "
