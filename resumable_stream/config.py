@@ -242,8 +242,8 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
 STOPPING = ("first_exhausted", "all_exhausted", "never")
 MIXTURE_KEYS = ("sources", "stopping")
 # What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
-# label. Everything else (shuffle_seed, cache, num_partitions, elastic, the transform keys) is the data
-# section's and applies to every source.
+# label, and SOURCE_TRANSFORM_KEYS below. Everything else (shuffle_seed, cache, num_partitions, elastic, the
+# other transform keys) is the data section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
                "prefetch_blocks", "weight", "label")
