@@ -242,11 +242,14 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
 STOPPING = ("first_exhausted", "all_exhausted", "never")
 MIXTURE_KEYS = ("sources", "stopping")
 # What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
-# label. Everything else (shuffle_seed, cache, num_partitions, elastic, the transform keys) is the data
-# section's and applies to every source.
+# label, and SOURCE_TRANSFORM_KEYS below. Everything else (shuffle_seed, cache, num_partitions, elastic, the
+# other transform keys) is the data section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
                "prefetch_blocks", "weight", "label")
+# Transform keys a source may set for itself (over the data section's), so that e.g. a text corpus and a
+# chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
+SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -362,20 +365,23 @@ class MixtureConfig:
                 raise ConfigError(f"{at}: got {entry!r}; allowed: a mapping with dataset_name_or_path, data_files, "
                                   "split, weight, label, ...")
             for key in entry:
-                if key in SOURCE_KEYS:
+                if key in SOURCE_KEYS or key in SOURCE_TRANSFORM_KEYS:
                     continue
                 if key in StreamConfig.keys() or key in extra_keys or key in MIXTURE_KEYS:
                     raise ConfigError(f"{at}.{key}: not a per-source key; set it in the data: section, where it "
-                                      f"applies to every source. Per-source keys: {', '.join(SOURCE_KEYS)}")
-                close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1, cutoff=0.6)
+                                      f"applies to every source. Per-source keys: "
+                                      f"{', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
+                close = difflib.get_close_matches(str(key), SOURCE_KEYS + SOURCE_TRANSFORM_KEYS, n=1, cutoff=0.6)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{at}.{key}: unknown key{hint} Allowed keys: {', '.join(SOURCE_KEYS)}")
+                raise ConfigError(f"{at}.{key}: unknown key{hint} Allowed keys: "
+                                  f"{', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
             if "dataset_name_or_path" not in entry:
                 raise ConfigError(f"{at}.dataset_name_or_path: missing; every source needs one (a hub id, builder "
                                   "name or path)")
             weights.append(entry.get("weight", 1.0))
             labels.append(entry.get("label", f"source{i}"))
-            values = {**base, **{k: v for k, v in entry.items() if k not in ("weight", "label")}}
+            values = {**base, **{k: v for k, v in entry.items()
+                                 if k not in ("weight", "label") and k not in SOURCE_TRANSFORM_KEYS}}
             try:
                 sources.append(StreamConfig.from_dict(values, base_dir=base_dir, source_file=source_file,
                                                       extra_keys=()))

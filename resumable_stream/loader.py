@@ -86,6 +86,8 @@ class _BatchProducer(torch.utils.data.IterableDataset):
         keys: list[str] = []
         starved = 0
         epoch_of_last_example = self.stream.partition_epoch(partition)
+        # a mixture with per-source transform settings: the processor is told each sample's source
+        source_of = getattr(self.stream, "source_label", None) if getattr(proc, "takes_source", False) else None
         for sample, where in self.stream.iter_partition(partition):
             key = self.key_fn(sample, where)
             if proc is None:
@@ -95,7 +97,10 @@ class _BatchProducer(torch.utils.data.IterableDataset):
                     yield self._item(partition, examples, keys, None)
                     examples, keys = [], []
                 continue
-            proc.feed(sample, key)
+            if source_of is None:
+                proc.feed(sample, key)
+            else:
+                proc.feed(sample, key, source=source_of(where))
             if proc.ready():
                 starved = 0
             else:

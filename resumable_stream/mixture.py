@@ -279,6 +279,11 @@ class MixtureStream(SidecarMixin, torch.utils.data.IterableDataset):
         for i, sample, (shard, row) in self._draw(partition):
             yield sample, (f"{labels[i]}/{shard}", row)
 
+    @staticmethod
+    def source_label(where: tuple[str, int]) -> str:
+        """The label of the source a sample came from, given its ``where`` from :meth:`iter_partition`."""
+        return where[0].split("/", 1)[0]
+
     def _draw(self, p: int) -> Iterator[tuple[int, dict, tuple[int, int]]]:
         """(source, sample, (shard, row)) of partition p, draw after draw."""
         pos, views = self._pos[p], [v[p] for v in self._views]

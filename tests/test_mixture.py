@@ -373,7 +373,7 @@ def test_elastic_resume_continues_every_virtual_partition(dirs, tmp_path, before
     ({"sources": [{"dataset_name_or_path": "p", "weight": float("inf")}]}, "data.sources[0].weight: got inf"),
     ({"sources": [{"dataset_name_or_path": "p", "wieght": 1}]}, "data.sources[0].wieght: unknown key; did you mean 'weight'"),
     ({"sources": [{"dataset_name_or_path": "p", "shuffle_seed": 1}]}, "data.sources[0].shuffle_seed: not a per-source key"),
-    ({"sources": [{"dataset_name_or_path": "p", "text_column": "t"}]}, "data.sources[0].text_column: not a per-source"),
+    ({"sources": [{"dataset_name_or_path": "p", "max_seq_len": 8}]}, "data.sources[0].max_seq_len: not a per-source"),
     ({"sources": [{"dataset_name_or_path": "p", "label": "a/b"}]}, "data.sources[0].label: got 'a/b'"),
     ({"sources": [{"dataset_name_or_path": "p", "label": "x"}, {"dataset_name_or_path": "q", "label": "x"}]},
      "data.sources[1].label: got 'x', the label of data.sources[0] too"),

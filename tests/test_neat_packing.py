@@ -416,7 +416,7 @@ def test_a_sample_without_tokens_is_no_segment(tok, texts, monkeypatch):
     cfg = TransformConfig(max_seq_len=16, add_eos=False, **NEAT)
     p = TextProcessor(tok, cfg)
     encode = p._encode_text
-    monkeypatch.setattr(p, "_encode_text", lambda sample, key: ([], []) if key == "nothing" else encode(sample, key))
+    monkeypatch.setattr(p, "_encode_text", lambda sample, key, *rest: ([], []) if key == "nothing" else encode(sample, key, *rest))
     for key in ("a", "nothing", "b"):
         p.feed({"text": texts[0] + " " + texts[1]}, key)
     TextProcessor(tok, cfg).load_state(_roundtrip(p.state()))

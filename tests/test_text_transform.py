@@ -118,7 +118,8 @@ def test_config_defaults_and_own_keys_only():
                  "packing": False, "packing_mode": "concat", "overlong": "truncate", "empty": "skip",
                  "add_eos": True, "id_column": None,
                  "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error",
-                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False}
+                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False, "columns": None, "tags": None,
+                 "map": None, "map_version": None}
     assert tuple(d) == TransformConfig.KEYS
     assert TransformConfig.from_dict(None) == TransformConfig()
     with pytest.raises(ConfigError, match=r"^data: got list"):
@@ -135,7 +136,8 @@ def test_text_one_example_per_sample_with_eos(tok, texts):
     for i, ex in enumerate(out):
         want = _ids(tok, texts[i]) + [tok.eos_token_id]
         assert ex["input_ids"] == want and ex["labels"] == want and ex["keys"] == [f"k{i}"]
-    assert p.stats() == {"skipped_empty": 0, "dropped_overlong": 0, "truncated": 0, "samples": 20, "examples": 20}
+    assert p.stats() == {"skipped_empty": 0, "dropped_overlong": 0, "truncated": 0, "samples": 20, "examples": 20,
+                         "skipped_bad": 0, "dropped_by_map": 0}
     _, out2 = _run(tok, cfg.replace(add_eos=False), [("a", {"text": texts[0]})])
     assert out2[0]["input_ids"] == _ids(tok, texts[0])
 

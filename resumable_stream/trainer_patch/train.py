@@ -18,6 +18,8 @@ import sys
 from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
 from ..mixture import MixtureStream, open_stream
+from ..transforms.formats import REQUIRED as FORMAT_REQUIRED
+from ..transforms.formats import resolved_columns
 from .callbacks import (
     CacheStatsCallback,
     ConsumedLogCallback,
@@ -140,7 +142,15 @@ def _check_columns(cfg: TrainerConfig, columns: list[str] | None) -> None:
     if not columns:
         return   # unknown until read (some json / hub datasets); the loader catches an all-skipped epoch
     tc = cfg.transform
-    wanted = {"text_column": tc.text_column} if tc.format == "text" else {"messages_column": tc.messages_column}
+    if tc.map or tc.sources:
+        return   # data.map makes the rows the transform reads; per-source settings: each source has its own columns
+    if tc.format in FORMAT_REQUIRED:
+        columns_of = resolved_columns(tc.format, tc.columns)
+        wanted = {f"columns.{k}": columns_of[k] for k in FORMAT_REQUIRED[tc.format]}
+    elif tc.format == "text":
+        wanted = {"text_column": tc.text_column}
+    else:
+        wanted = {"messages_column": tc.messages_column}
     if tc.format == "vl":
         wanted["images_column"] = tc.images_column
     if tc.id_column:

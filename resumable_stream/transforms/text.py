@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections import deque
 from typing import Any
@@ -45,10 +46,16 @@ import numpy as np
 from ..errors import SidecarError, StreamMismatchError
 from .config import TransformConfig
 from .errors import TransformError
+from .formats import BadRow, resolved_columns, resolved_tags, to_messages
+from .row_map import BadMapResult, RowMap
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 STATE_VERSION = 1
-STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples")
+STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples", "skipped_bad",
+             "dropped_by_map")
+_LATER_STATS = ("skipped_bad", "dropped_by_map")    # absent from the states of earlier versions
 
 Example = dict[str, Any]
 
@@ -83,18 +90,26 @@ class TextProcessor:
             raise TypeError(f"cfg: expected a TransformConfig, got {type(cfg).__name__}")
         self.tokenizer = tokenizer
         self.cfg = cfg
+        # per source label (None: the data section's): its settings and its data.map function
+        self._settings = {None: (cfg, RowMap(cfg.map, cfg.map_version) if cfg.map else None)}
+        for i, (label, scfg) in enumerate(cfg.sources):
+            self._settings[label] = (scfg, RowMap(scfg.map, scfg.map_version, f"data.sources[{i}].map")
+                                     if scfg.map else None)
+        self.takes_source = bool(cfg.sources)   # the loader passes feed() the sample's source label
         self._fingerprint = self._compute_fingerprint()
         self._eos = tokenizer.eos_token_id
         self._neat = cfg.packing and cfg.packing_mode == "neat"
-        if cfg.format == "text" and cfg.add_eos and self._eos is None:
+        configs = cfg.all_configs()
+        if cfg.add_eos and self._eos is None and any(c.format == "text" for c in configs):
             raise TransformError("data.add_eos: true but the tokenizer has no eos_token; set one or add_eos: false")
-        if cfg.format == "messages" and not getattr(tokenizer, "chat_template", None):
-            raise TransformError("data.format: 'messages' but the tokenizer has no chat_template")
+        chat = [c.format for c in configs if c.is_chat]
+        if chat and not getattr(tokenizer, "chat_template", None):
+            raise TransformError(f"data.format: {chat[0]!r} but the tokenizer has no chat_template")
         self._special_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self._special_ids.update(int(i) for i in tokenizer.all_special_ids)
-        self._turn_start_id: int | None = self._find_turn_start() if cfg.format == "messages" else None
+        self._turn_start_id: int | None = self._find_turn_start() if chat else None
         self._assistant_header = find_assistant_header(self._render, lambda role, text: {"role": role, "content": text}) \
-            if cfg.format == "messages" else None
+            if chat else None
         self._reset()
 
     # ------------------------------------------------------------------ state kept between feeds
@@ -109,14 +124,31 @@ class TextProcessor:
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
     # ------------------------------------------------------------------ public API
-    def feed(self, sample: dict, key: str) -> None:
-        """Take one raw row. Finished examples become available through ``ready``/``take``."""
+    def feed(self, sample: dict, key: str, source: str | None = None) -> None:
+        """Take one raw row (of the mixture source labelled ``source``: its own settings apply). Finished
+        examples become available through ``ready``/``take``. ``data.map`` runs first; every row it
+        returns is encoded now, so what is not yet taken is in ``state()``."""
         key = str(key)
         self._stats["samples"] += 1
-        if self.cfg.format == "text":
-            encoded = self._encode_text(sample, key)
+        cfg, row_map = self._settings.get(source, self._settings[None])
+        if row_map is None:
+            self._feed_row(sample, key, cfg)
+            return
+        try:
+            rows = row_map.rows(sample, key)
+        except BadMapResult as e:
+            self._bad(key, str(e))
+            return
+        if not rows:
+            self._stats["dropped_by_map"] += 1
+        for row, row_key in rows:
+            self._feed_row(row, row_key, cfg)
+
+    def _feed_row(self, sample: dict, key: str, cfg: TransformConfig) -> None:
+        if cfg.format == "text":
+            encoded = self._encode_text(sample, key, cfg)
         else:
-            encoded = self._encode_messages(sample, key)
+            encoded = self._encode_messages(sample, key, cfg)
         if encoded is None:
             return
         ids, labels = encoded
@@ -216,7 +248,8 @@ class TextProcessor:
                 "pending_segment_lengths", "pending_segment_counts")} if self._neat else None
             carry_keys = [str(k) for k in meta["carry_keys"]]
             pending_keys = [str(k) for k in meta["pending_keys"]]
-            stats = {k: int(meta["stats"][k]) for k in STAT_KEYS}
+            stats = {k: int(meta["stats"][k] if k not in _LATER_STATS else meta["stats"].get(k, 0))
+                     for k in STAT_KEYS}
         except (KeyError, TypeError, ValueError) as e:
             raise SidecarError(f"transform state: missing or malformed field ({e})") from None
         n_carry = len(t["carry_input_ids"])
@@ -246,15 +279,30 @@ class TextProcessor:
         fp: dict[str, Any] = {"tokenizer": tokenizer_digest(self.tokenizer), "format": c.format,
                               "max_seq_len": c.max_seq_len, "packing": c.packing, "empty": c.empty,
                               "id_column": c.id_column}
+        fp.update(self._row_fingerprint(None))
         if c.format == "text":
-            fp["text_column"] = c.text_column
             fp["add_eos"] = c.add_eos
-        else:
-            fp["messages_column"] = c.messages_column
         if not c.packing:
             fp["overlong"] = c.overlong
         elif c.packing_mode != "concat":   # absent means concat: states saved before the key existed still load
             fp["packing_mode"] = c.packing_mode
+        if c.sources:
+            fp["sources"] = {label: {"format": sc.format, **self._row_fingerprint(label)} for label, sc in c.sources}
+        return fp
+
+    def _row_fingerprint(self, source: str | None) -> dict[str, Any]:
+        """What decides how a row of ``source`` becomes a conversation or a text: columns, tags, data.map."""
+        c, row_map = self._settings[source]
+        if c.format == "text":
+            fp: dict[str, Any] = {"text_column": c.text_column}
+        elif c.format == "messages":
+            fp = {"messages_column": c.messages_column}
+        else:
+            fp = {"columns": resolved_columns(c.format, c.columns)}
+            if c.format == "sharegpt":
+                fp["tags"] = resolved_tags(c.tags)
+        if row_map is not None:
+            fp["map"] = row_map.identity
         return fp
 
     def _emit(self, ids: list[int], labels: list[int], parts: list[tuple[str, int]]) -> None:
@@ -292,13 +340,21 @@ class TextProcessor:
             del self._clabels[:self._cpos]
             self._cpos = 0
 
+    def _bad(self, key: str, why: str) -> None:
+        """A row data.bad_sample decides about: an error naming it, or skipped, counted and logged."""
+        if self.cfg.bad_sample == "error":
+            raise TransformError(f"sample {key!r}: {why} (data.bad_sample is 'error'; 'skip' skips such samples)",
+                                 key)
+        self._stats["skipped_bad"] += 1
+        log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, why)
+
     def _empty(self, key: str, why: str) -> None:
         if self.cfg.empty == "error":
             raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)", key)
         self._stats["skipped_empty"] += 1
 
-    def _encode_text(self, sample: dict, key: str) -> tuple[list[int], list[int]] | None:
-        col = self.cfg.text_column
+    def _encode_text(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
+        col = cfg.text_column
         text = sample.get(col) if isinstance(sample, dict) else None
         if text is None or (isinstance(text, str) and not text.strip()):
             what = "missing" if text is None and (not isinstance(sample, dict) or col not in sample) else (
@@ -336,8 +392,7 @@ class TextProcessor:
         ids = self.tokenizer(header, add_special_tokens=False)["input_ids"] if header else []
         return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
 
-    def _check_messages(self, msgs: Any, key: str) -> list[dict]:
-        col = self.cfg.messages_column
+    def _check_messages(self, msgs: Any, key: str, col: str) -> list[dict]:
         if not isinstance(msgs, (list, tuple)):
             raise TransformError(
                 f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
@@ -356,15 +411,25 @@ class TextProcessor:
             out.append(dict(m))
         return out
 
-    def _encode_messages(self, sample: dict, key: str) -> tuple[list[int], list[int]] | None:
-        col = self.cfg.messages_column
-        msgs = sample.get(col) if isinstance(sample, dict) else None
-        if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
-            self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
-            return None
-        msgs = self._check_messages(msgs, key)
+    def _encode_messages(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
+        if cfg.format == "messages":
+            col = cfg.messages_column
+            what = f"column data.messages_column {col!r}"
+            msgs = sample.get(col) if isinstance(sample, dict) else None
+            if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
+                self._empty(key, f"{what} is {'missing' if msgs is None else 'empty'}")
+                return None
+            msgs = self._check_messages(msgs, key, col)
+        else:     # alpaca / sharegpt: LLaMA-Factory's columns and tags -> messages
+            what = f"the {cfg.format} conversation"
+            try:
+                msgs = to_messages(cfg.format, sample, resolved_columns(cfg.format, cfg.columns),
+                                   resolved_tags(cfg.tags), frozenset(cfg.columns or ()))
+            except BadRow as e:
+                self._bad(key, f"{e} (data.format {cfg.format!r})")
+                return None
         if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in msgs):
-            self._empty(key, f"column data.messages_column {col!r} has no assistant turn with content")
+            self._empty(key, f"{what} has no assistant turn with content")
             return None
         try:
             full = self._render(msgs, False)

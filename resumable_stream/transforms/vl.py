@@ -58,6 +58,7 @@ from ..errors import SidecarError
 from ..safe_io import FileRefused, read_regular_file
 from .config import TransformConfig
 from .errors import TransformError
+from .row_map import BadMapResult, RowMap
 from .text import (
     IGNORE_INDEX,
     checked_state,
@@ -73,7 +74,8 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = "<image>"
 STATE_VERSION = 1
 STAT_KEYS = ("samples", "examples", "images", "skipped_empty", "skipped_image", "skipped_mismatch",
-             "skipped_processor", "dropped_overlong")
+             "skipped_processor", "dropped_overlong", "skipped_map", "dropped_by_map")
+_LATER_STATS = ("skipped_map", "dropped_by_map")    # absent from the states of earlier versions
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
@@ -326,6 +328,9 @@ class VLProcessor:
                              "max_seq_len": cfg.max_seq_len, "messages_column": cfg.messages_column,
                              "images_column": cfg.images_column, "image_dir": cfg.image_dir,
                              "id_column": cfg.id_column}
+        self._row_map = RowMap(cfg.map, cfg.map_version) if cfg.map else None
+        if self._row_map is not None:
+            self._fingerprint["map"] = self._row_map.identity
         for key in ("max_image_bytes", "allow_absolute_image_paths"):   # they decide which images are bad;
             if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:      # only when set, so that checkpoints of
                 self._fingerprint[key] = getattr(cfg, key)             # earlier versions still resume
@@ -340,9 +345,28 @@ class VLProcessor:
 
     # ------------------------------------------------------------------ public API
     def feed(self, sample: dict, key: str) -> None:
-        """Take one raw row; a finished example becomes available through ``ready`` / ``take``."""
+        """Take one raw row; a finished example becomes available through ``ready`` / ``take``. ``data.map``
+        runs first; every row it returns is encoded now (so what is not yet taken is in ``state()``)."""
         key = str(key)
         self._stats["samples"] += 1
+        if self._row_map is None:
+            self._feed_row(sample, key)
+            return
+        try:
+            rows = self._row_map.rows(sample, key)
+        except BadMapResult as e:
+            if self.cfg.bad_sample == "error":
+                raise TransformError(f"sample {key!r}: {e} (data.bad_sample is 'error'; 'skip' skips such samples)",
+                                     key) from None
+            self._stats["skipped_map"] += 1
+            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, e)
+            return
+        if not rows:
+            self._stats["dropped_by_map"] += 1
+        for row, row_key in rows:
+            self._feed_row(row, row_key)
+
+    def _feed_row(self, sample: dict, key: str) -> None:
         try:
             example = self._encode(sample, key)
         except TransformError as e:
@@ -410,7 +434,8 @@ class VLProcessor:
                 if ex["labels"].shape != ex["input_ids"].shape:
                     raise ValueError(f"example {i}: labels and input_ids differ in length")
                 pending.append(ex)
-            stats = {k: int(meta["stats"][k]) for k in STAT_KEYS}
+            stats = {k: int(meta["stats"][k] if k not in _LATER_STATS else meta["stats"].get(k, 0))
+                     for k in STAT_KEYS}
         except (KeyError, TypeError, ValueError) as e:
             raise SidecarError(f"transform state: missing or malformed field ({e})") from None
         self._pending, self._stats = pending, stats

@@ -1,0 +1,149 @@
+"""LLaMA-Factory's dataset formats (``alpaca``, ``sharegpt``) turned into the ``messages`` form.
+
+The column names and role tags follow LLaMA-Factory's ``dataset_info.json`` (``columns``, ``tags``), with
+its defaults, so an entry there maps one to one onto ``data.format`` / ``data.columns`` / ``data.tags``:
+
+* ``alpaca``: optional ``system``; ``history`` (a list of [prompt, response] pairs) as earlier turns; then
+  one user turn, ``prompt`` and ``query`` joined by a newline (either may be empty), and the assistant turn
+  ``response``.
+* ``sharegpt``: ``messages`` is a list of {role_tag: ..., content_tag: ...}; an optional leading system turn
+  (or the ``system`` column), then user / observation turns alternating with assistant / function turns,
+  ending with an assistant / function turn. ``function`` turns (tool calls) are the model's output and are
+  trained like assistant turns; ``observation`` turns (tool results) become role ``tool``.
+
+A row that breaks these rules raises :class:`BadRow`; the processor applies ``data.bad_sample`` to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": None}
+SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+COLUMN_KEYS = ("prompt", "query", "response", "system", "history", "messages")
+# the column a format cannot do without; the others may be absent from a row (unless set explicitly)
+REQUIRED = {"alpaca": ("prompt", "response"), "sharegpt": ("messages",)}
+_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "tool", "function_tag": "assistant",
+          "system_tag": "system"}
+_PROMPT_TAGS = ("user_tag", "observation_tag")
+_REPLY_TAGS = ("assistant_tag", "function_tag")
+
+
+class BadRow(ValueError):
+    """A row that does not have the configured format; the message says what is wrong, naming the column."""
+
+
+def resolved_columns(fmt: str, columns: dict[str, str] | None) -> dict[str, str | None]:
+    """The format's columns: LLaMA-Factory's defaults overridden by ``data.columns``."""
+    defaults = ALPACA_COLUMNS if fmt == "alpaca" else SHAREGPT_COLUMNS
+    return {**defaults, **{k: v for k, v in (columns or {}).items() if k in defaults}}
+
+
+def resolved_tags(tags: dict[str, str] | None) -> dict[str, str]:
+    return {**SHAREGPT_TAGS, **(tags or {})}
+
+
+def same_role_tags(tags: dict[str, str] | None) -> list[str]:
+    """The role tags (user_tag, ...) that share their value with another one, after defaults."""
+    resolved = resolved_tags(tags)
+    values = [resolved[k] for k in _ROLES]
+    return [k for k in _ROLES if values.count(resolved[k]) > 1]
+
+
+def to_messages(fmt: str, row: Any, columns: dict[str, str | None], tags: dict[str, str],
+                explicit: frozenset[str]) -> list[dict[str, str]]:
+    """The conversation of ``row`` in the ``messages`` form ({role, content} dicts).
+
+    ``columns``/``tags``: from :func:`resolved_columns` / :func:`resolved_tags`; ``explicit``: the column
+    keys the user set (those must be present in every row, like the format's required ones)."""
+    if not isinstance(row, dict):
+        raise BadRow(f"the row is {type(row).__name__}, expected a mapping of columns")
+    for key, column in columns.items():
+        if column is not None and column not in row and (key in REQUIRED[fmt] or key in explicit):
+            raise BadRow(f"column {column!r} (data.columns.{key}) is missing; the row has "
+                         f"{', '.join(map(repr, sorted(row))) or 'no columns'}")
+    messages: list[dict[str, str]] = []
+    system = _text(row, columns.get("system"), "system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    if fmt == "alpaca":
+        messages += _alpaca(row, columns)
+    else:
+        messages += _sharegpt(row, columns["messages"], tags, has_system=bool(system))
+    return messages
+
+
+def _text(row: dict, column: str | None, key: str) -> str:
+    """A string column's value ('' when absent or null)."""
+    if column is None:
+        return ""
+    value = row.get(column)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise BadRow(f"column {column!r} (data.columns.{key}) holds {type(value).__name__}, expected a string")
+    return value
+
+
+def _alpaca(row: dict, columns: dict[str, str | None]) -> list[dict[str, str]]:
+    out = []
+    column = columns.get("history")
+    history = row.get(column) if column else None
+    if history is not None:
+        if not isinstance(history, (list, tuple)):
+            raise BadRow(f"column {column!r} (data.columns.history) holds {type(history).__name__}, expected a list "
+                         "of [prompt, response] pairs")
+        for i, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise BadRow(f"column {column!r} (data.columns.history) entry {i} is {pair!r}, expected a "
+                             "[prompt, response] pair of strings")
+            out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    query = [t for t in (_text(row, columns["prompt"], "prompt"), _text(row, columns.get("query"), "query")) if t]
+    out.append({"role": "user", "content": "\n".join(query)})
+    out.append({"role": "assistant", "content": _text(row, columns["response"], "response")})
+    return out
+
+
+def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) -> list[dict[str, str]]:
+    turns = row.get(column)
+    if turns is None:
+        return []      # no conversation: data.empty decides
+    if not isinstance(turns, (list, tuple)):
+        raise BadRow(f"column {column!r} (data.columns.messages) holds {type(turns).__name__}, expected a list of "
+                     f"{{{tags['role_tag']!r}: ..., {tags['content_tag']!r}: ...}}")
+    by_tag = {tags[k]: k for k in _ROLES}
+    out = []
+    said = 0      # user / observation / assistant / function turns so far: even -> a prompt is due
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow(f"column {column!r} (data.columns.messages) turn {i} is {turn!r}, expected a mapping with "
+                         f"{tags['role_tag']!r} and {tags['content_tag']!r}")
+        tag, content = turn.get(tags["role_tag"]), turn.get(tags["content_tag"])
+        kind = by_tag.get(tag)
+        if kind is None:
+            allowed = ", ".join(repr(tags[k]) for k in _ROLES)
+            raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tags['role_tag']!r} is {tag!r}; "
+                         f"allowed: {allowed} (data.tags)")
+        if not isinstance(content, str):
+            raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tags['content_tag']!r} holds "
+                         f"{type(content).__name__}, expected a string")
+        if kind == "system_tag":
+            if i != 0 or has_system:
+                raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: a system turn is allowed only "
+                             "first, and not with a system column")
+        else:
+            # LLaMA-Factory's rule: prompts and replies alternate, starting with a prompt
+            expected = _PROMPT_TAGS if said % 2 == 0 else _REPLY_TAGS
+            said += 1
+            if kind not in expected:
+                raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tag!r} out of order; turns "
+                             f"alternate {'/'.join(repr(tags[k]) for k in _PROMPT_TAGS)} then "
+                             f"{'/'.join(repr(tags[k]) for k in _REPLY_TAGS)}")
+        out.append({"role": _ROLES[kind], "content": content})
+    if out and out[-1]["role"] not in ("assistant",):
+        raise BadRow(f"column {column!r} (data.columns.messages): the conversation ends with a "
+                     f"{out[-1]['role']} turn; it must end with a {tags['assistant_tag']!r} or "
+                     f"{tags['function_tag']!r} turn")
+    return out
