@@ -54,3 +54,18 @@ def test_the_budget_names_the_costliest_tests():
     assert message is not None and "91.0 s" in message and "budget of 90 s" in message
     listed = [line.split()[-1] for line in message.splitlines()[1:]]
     assert listed == [f"tests/test_x.py::test_{i}" for i in range(13, 5, -1)]
+
+
+def test_no_test_module_imports_another():
+    """Shared code lives in helper modules (helpers.py, training_helpers.py, kill_resume_harness.py) and shared
+    fixtures in conftest.py: importing a test module would run its module-level setup and fixtures twice."""
+    import ast
+    import pathlib
+
+    offenders = []
+    for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders
