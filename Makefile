@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-floors bench clean
+.PHONY: demo stream-demo test test-fast test-floors bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ stream-demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check resumable_stream tests examples benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the fast lane: all but the slow tests (trainings in subprocesses, torchrun); see tests/lanes.py
+test-fast: $(VENV)/.installed
+	$(PY) -m ruff check resumable_stream tests examples benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider --fast
 
 # a second venv (.venv-floors) with the declared lower bounds of datasets / transformers / accelerate / torch
 test-floors:

@@ -1,5 +1,8 @@
+import json
 import os
+import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -9,6 +12,9 @@ os.environ.setdefault("HF_HOME", _CACHE)
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import lanes  # noqa: E402
+from helpers import TEST_SEED, seeded_rng  # noqa: E402
 
 from resumable_stream.synthetic import write_parquet_dataset  # noqa: E402
 
@@ -37,7 +43,6 @@ def parquet_two_shards(tmp_path_factory):
     return str(d)
 
 
-
 @pytest.fixture(scope="module")
 def hub_offline():
     """The Hub is unreachable: only local files and the loopback server may be used (also forced in
@@ -49,3 +54,129 @@ def hub_offline():
         mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield
+
+
+@pytest.fixture(scope="module")
+def cfg(parquet_small):
+    """The small dataset, shuffled through a 64-row window (modules may define their own ``cfg``)."""
+    from helpers import parquet_config
+
+    return parquet_config(parquet_small, shuffle=True, buffer_size=64)
+
+
+@pytest.fixture(scope="module")
+def source(cfg):
+    """``cfg``'s source, opened once per module."""
+    from resumable_stream.source import open_source
+
+    return open_source(cfg)
+
+
+@pytest.fixture
+def procs(request, tmp_path):
+    """Starts training processes (``TRAINING_SCRIPT`` of the test module, else examples/train_lm.py) and kills
+    whatever still runs when the test ends. A test using it is a training test: marked slow (see below)."""
+    from training_helpers import TRAIN_LM, Procs
+
+    p = Procs(str(tmp_path), script=getattr(request.module, "TRAINING_SCRIPT", TRAIN_LM))
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+# ------------------------------------------------------------------------------------------------ random seeds
+# Every random choice of the tests comes from TEST_SEED (helpers.py; RS_TEST_SEED=<seed> reruns one), and so do
+# Hypothesis' examples (one --hypothesis-seed for the session, no example database carried between runs).
+@pytest.fixture
+def rng(request):
+    """A random.Random seeded from TEST_SEED and the test's id; the seed is printed when the test fails."""
+    return seeded_rng(request.node.nodeid)
+
+
+def pytest_report_header(config):
+    return f"random seed: RS_TEST_SEED={TEST_SEED}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    from hypothesis import settings
+
+    settings.register_profile("resumable-stream", database=None)
+    settings.load_profile("resumable-stream")
+    if config.getoption("hypothesis_seed", None) is None:    # hypothesis' own plugin applies the option
+        config.option.hypothesis_seed = str(TEST_SEED)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        report.sections.append(("random seed", f"rerun with RS_TEST_SEED={TEST_SEED} (and --hypothesis-seed "
+                                               f"{item.config.getoption('hypothesis_seed', None)})"))
+
+
+# ------------------------------------------------------------------------------- the fast lane (make test-fast)
+# tests/lanes.py says what is slow and how the fast lane is kept fast.
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help="the fast lane: leave out tests marked slow (training "
+                     f"subprocesses, torchrun); fail over {lanes.FAST_LANE_CPU_BUDGET_S:.0f} s of test CPU time")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "procs" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("fast"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+@pytest.fixture(autouse=True)
+def _no_training_outside_slow_tests(request, monkeypatch):
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    real_init = subprocess.Popen.__init__
+
+    def guarded_init(self, args, *a, **kw):
+        line = lanes.training_command(args)
+        if line is not None:
+            pytest.fail(f"{request.node.nodeid} starts a training / torchrun ({line}) but is not marked slow: "
+                        "mark it @pytest.mark.slow (or use the procs fixture) so that make test-fast leaves it "
+                        "out", pytrace=False)
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_init)
+    yield
+
+
+_COSTS: dict[str, dict[str, float]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    cpu, wall = lanes.cpu_seconds(), time.perf_counter()
+    yield
+    _COSTS[item.nodeid] = {"cpu": lanes.cpu_seconds() - cpu, "wall": time.perf_counter() - wall}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if os.environ.get("RS_TEST_COSTS"):      # per-test CPU / wall seconds, to size the lanes
+        with open(os.environ["RS_TEST_COSTS"], "w", encoding="utf-8") as f:
+            json.dump(_COSTS, f, indent=0)
+    if config.getoption("fast"):
+        total = sum(c["cpu"] for c in _COSTS.values())
+        terminalreporter.write_line(f"fast lane: {total:.1f} s of test CPU time (budget "
+                                    f"{lanes.FAST_LANE_CPU_BUDGET_S:.0f} s); {lanes.cpu_seconds():.1f} s "
+                                    "with collection and imports")
+        over = lanes.over_budget(_COSTS)
+        if over:
+            terminalreporter.write_line(over, red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("fast") and lanes.over_budget(_COSTS):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import random
 
 from resumable_stream import ResumableStream, StreamConfig
 
@@ -25,3 +26,13 @@ def shared_source(cfg: StreamConfig):
     if key not in _SOURCES:
         _SOURCES[key] = open_source(cfg)
     return _SOURCES[key]
+
+
+# One seed for every random choice the tests make in a session: RS_TEST_SEED=<seed> reruns it (conftest.py
+# prints it in the header and with every failure).
+TEST_SEED = int(os.environ.get("RS_TEST_SEED") or random.SystemRandom().randrange(2**31))
+
+
+def seeded_rng(name: str) -> random.Random:
+    """A random.Random for one use (a test id, a run name), seeded from TEST_SEED."""
+    return random.Random(f"{TEST_SEED}:{name}")

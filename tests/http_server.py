@@ -496,6 +496,7 @@ class FileServer:
             "faults": faults,
             "faults_injected": sum(faults.values()),
             "max_in_flight": self._max_in_flight,     # most requests being served at the same moment
+            "in_flight": self._in_flight,             # requests being served now (e.g. still stalling)
         }
 
     def reset_stats(self) -> None:

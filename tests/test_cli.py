@@ -120,6 +120,7 @@ def test_console_script_is_installed():
     assert r.returncode == 0 and "peek" in r.stdout and "inspect" in r.stdout
 
 
+@pytest.mark.slow
 def test_quick_start_demo_kills_and_resumes_exactly(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "stream_demo.py"), "--steps", "160",
                         "--save-every", "30", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
@@ -128,6 +129,7 @@ def test_quick_start_demo_kills_and_resumes_exactly(tmp_path):
     assert r.stdout.count("identical to the uninterrupted run") == 2
 
 
+@pytest.mark.slow
 def test_quick_start_training_demo_resumes_exactly(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--steps", "40",
                         "--save-steps", "15", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)

@@ -18,7 +18,6 @@ from collections import Counter
 
 import pytest
 from training_helpers import (
-    Procs,
     assert_data_parallel,
     checkpoint_path,
     complete_checkpoints,
@@ -41,15 +40,6 @@ def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("elastic_data")
     write_parquet_dataset(str(d), rows=FILES * ROWS_PER_FILE, files=FILES, row_group_size=ROWS_PER_FILE)
     return str(d)
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(str(tmp_path))
-    try:
-        yield p
-    finally:
-        p.cleanup()
 
 
 def _steps_to_finish_epoch(before: int, after: int) -> int:

@@ -247,6 +247,7 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_four_ranks_open_48_remote_files_with_two_requests_per_file(tmp_path):
     files = 48

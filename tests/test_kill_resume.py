@@ -8,7 +8,7 @@ uninterrupted reference run. References are shared through a module fixture and 
 killed run they are compared with (one thread per process, so two processes fill the 2 cores).
 
 The kill step is random; the seed is printed in every assertion message. Reproduce a failure with
-``RS_KILL_SEED=<seed> pytest tests/test_kill_resume.py`` (the exact step reached when the kill lands
+``RS_TEST_SEED=<seed> pytest tests/test_kill_resume.py`` (the exact step reached when the kill lands
 still depends on timing, so the message also says where it landed and which checkpoint was used).
 """
 
@@ -16,22 +16,32 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 
 import pytest
+from helpers import seeded_rng
+from kill_resume_harness import (
+    MAX_STEPS,
+    SAVE_STEPS,
+    References,
+    assert_resumed_from,
+    assert_same_training,
+    kill_at_random_step,
+    seed_note,
+    train_log,
+)
 from training_helpers import (
     MANIFEST,
     STATE_DIR,
     TINY,
+    TRAIN_LM,
     Procs,
     assert_data_parallel,
     checkpoint_path,
     checkpoint_steps,
     complete_checkpoints,
     consumed,
-    count_lines,
     is_complete,
     printed_steps,
     train_losses,
@@ -40,12 +50,8 @@ from training_helpers import (
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 80
-SAVE_STEPS = 20
 BATCH = 8                    # per_device_train_batch_size of the tiny yaml
-LOSS_TOL = 1e-6
 SAVE_DELAY_S = 5             # RESUMABLE_STREAM_SAVE_DELAY_S for the kill-during-checkpoint run
-SEED = int(os.environ.get("RS_KILL_SEED") or random.SystemRandom().randrange(2**31))
 
 # name -> (write_config options, ranks)
 SETUPS = {
@@ -58,115 +64,19 @@ SETUPS = {
 }
 
 
-class References:
-    """Uninterrupted runs, started on first use (so they overlap the test's own runs), waited for on ``get``."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.procs = Procs(directory)
-        self.runs: dict[str, tuple] = {}
-
-    def start(self, name: str) -> None:
-        if name not in self.runs:
-            options, ranks = SETUPS[name]
-            config, out = write_config(self.directory, f"ref-{name}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
-                                       **options)
-            self.runs[name] = (self.procs.start(config, f"ref-{name}", nproc=ranks), out)
-
-    def get(self, name: str) -> str:
-        self.start(name)
-        run, out = self.runs[name]
-        run.wait_ok()
-        return out
-
-
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    r = References(str(tmp_path_factory.mktemp("references")))
+    r = References(str(tmp_path_factory.mktemp("references")), SETUPS, write_config, TRAIN_LM)
     try:
         yield r
     finally:
         r.procs.cleanup()
 
 
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(str(tmp_path))
-    try:
-        yield p
-    finally:
-        p.cleanup()
-
-
-def _seed_note(name: str, **facts) -> str:
-    extra = ", ".join(f"{k}={v}" for k, v in facts.items())
-    return f"[{name}: seed {SEED} (rerun with RS_KILL_SEED={SEED}){', ' + extra if extra else ''}]"
-
-
-def _train_log(out: str) -> str:
-    return os.path.join(out, "train_log.jsonl")
-
-
-def _first_difference(a: dict, b: dict) -> str:
-    for step in sorted(set(a) | set(b)):
-        if a.get(step) != b.get(step):
-            return f"first difference at step {step}: reference {a.get(step)!r}, resumed {b.get(step)!r}"
-    return "no difference"
-
-
-def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
-    """Every step's loss (within LOSS_TOL) and every rank's consumed samples equal the reference's."""
-    ref_losses, losses = train_losses(ref_out), train_losses(out)
-    assert sorted(ref_losses) == list(range(1, MAX_STEPS + 1)), f"reference train log incomplete {note}"
-    assert sorted(losses) == list(range(1, MAX_STEPS + 1)), \
-        f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{MAX_STEPS} {note}"
-    bad = [(s, ref_losses[s], losses[s]) for s in ref_losses if abs(ref_losses[s] - losses[s]) > LOSS_TOL]
-    assert not bad, f"{len(bad)} step losses differ (step, reference, resumed): {bad[:5]} {note}"
-    for rank in range(ranks):
-        ref_keys, keys = consumed(ref_out, rank), consumed(out, rank)
-        assert sorted(ref_keys) == list(range(1, MAX_STEPS + 1)), f"reference rank {rank} consumed log {note}"
-        assert all(ref_keys[s] for s in ref_keys), f"reference rank {rank} logged a step with no samples {note}"
-        assert keys == ref_keys, f"rank {rank} consumed other samples: {_first_difference(ref_keys, keys)} {note}"
-    if ranks > 1:
-        assert_data_parallel(ref_out, ranks, f"[reference] {note}")
-        assert_data_parallel(out, ranks, note)
-
-
-def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random):
-    """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
-
-    Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
-    target = rng.randint(SAVE_STEPS + 1, MAX_STEPS - 15)
-    run = procs.start(config, f"{name}-killed", nproc=ranks)
-    log = _train_log(out)
-    run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
-                   f"step {target} and a complete checkpoint {_seed_note(name)}")
-    run.kill()
-    logged = count_lines(log)
-    note = _seed_note(name, target_step=target, killed_after_step=logged)
-    assert run.proc.returncode == -signal.SIGKILL, \
-        f"the run was not killed mid-training (exit {run.proc.returncode}) {note}\n{run.describe()}"
-    assert logged < MAX_STEPS, f"the run got to the end before the kill landed {note}"
-    done = complete_checkpoints(out)
-    assert done, f"no complete checkpoint when killed {note}"
-    return target, logged, done[-1], _seed_note(name, target_step=target, killed_after_step=logged,
-                                                resumed_from=f"checkpoint-{done[-1]}")
-
-
-def assert_resumed_from(run, out: str, resume_step: int, note: str) -> None:
-    """The restart loaded ``checkpoint-<resume_step>`` and trained only the steps after it."""
-    expected = checkpoint_path(out, resume_step)
-    assert f"resuming from {expected}" in run.stderr, f"restart did not log 'resuming from {expected}' {note}\n" \
-                                                      f"{run.describe()}"
-    trained = printed_steps(run)
-    assert trained == MAX_STEPS - resume_step, \
-        f"restart trained {trained} steps, expected {MAX_STEPS - resume_step} (steps after the checkpoint) {note}"
-
-
 def kill_and_resume(procs: Procs, refs: References, tmp_path, name: str) -> None:
     options, ranks = SETUPS[name]
     refs.start(name)    # the reference trains alongside the run we kill
-    rng = random.Random(f"{SEED}:{name}")
+    rng = seeded_rng(name)
     config, out = write_config(str(tmp_path), name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
     _, _, resume_step, note = kill_at_random_step(procs, config, out, name, ranks, rng)
 
@@ -191,7 +101,7 @@ def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, ref
     name, (options, ranks) = "single", SETUPS["single"]
     refs.start(name)
     previous = cut - SAVE_STEPS
-    note = _seed_note("kill-during-checkpoint", checkpoint=cut)
+    note = seed_note("kill-during-checkpoint", checkpoint=cut)
     config, out = write_config(str(tmp_path), "midsave", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
                                save_total_limit=1, **options)
     state_dir = os.path.join(checkpoint_path(out, cut), STATE_DIR)
@@ -242,7 +152,7 @@ def test_explicit_resume_from_incomplete_checkpoint_is_refused(procs, refs, tmp_
         err = run.stderr
         assert rc not in (0, None), f"{label}: resuming from {checkpoint} was not refused\n{run.describe()}"
         assert checkpoint in err, f"{label}: the error does not name the checkpoint {checkpoint}\n{run.describe()}"
-        assert not os.path.exists(_train_log(out)) and not checkpoint_steps(out), f"{label}: it trained anyway"
+        assert not os.path.exists(train_log(out)) and not checkpoint_steps(out), f"{label}: it trained anyway"
         if label == "no-state":
             assert STATE_DIR in err, f"{label}: the error does not name {STATE_DIR}/\n{run.describe()}"
         else:

@@ -11,7 +11,6 @@ import collections
 import itertools
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -484,7 +483,7 @@ def test_peek_resumes_in_a_new_process_and_inspect_shows_per_source_progress(dir
 # ------------------------------------------------------------------------------------------------------ trainer
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_trainer_logs_source_counts_and_resumes_exactly_after_sigkill(tmp_path):
+def test_trainer_logs_source_counts_and_resumes_exactly_after_sigkill(tmp_path, rng):
     """examples/tiny/train_mix.yaml (2 sources): train_log.jsonl's source_samples equal the consumed log's keys
     per source at every step, and a run SIGKILLed after a checkpoint and restarted matches an uninterrupted one."""
     max_steps, save_steps = 40, 10
@@ -496,7 +495,7 @@ def test_trainer_logs_source_counts_and_resumes_exactly_after_sigkill(tmp_path):
                                    template="train_mix.yaml")
         ref = procs.start(ref_config, "ref")
         run = procs.start(config, "run")
-        target = random.Random().randint(save_steps + 1, max_steps - 8)
+        target = rng.randint(save_steps + 1, max_steps - 8)       # the seed is printed on failure
         log = os.path.join(out, "train_log.jsonl")
         run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
                        f"step {target} and a complete checkpoint")

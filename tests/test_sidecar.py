@@ -4,22 +4,11 @@ import json
 import os
 
 import pytest
-from helpers import parquet_config, take_ids
+from helpers import take_ids
 from safetensors import safe_open
 
 from resumable_stream import ResumableStream, SidecarError, StreamMismatchError
 from resumable_stream import sidecar as sc
-from resumable_stream.source import open_source
-
-
-@pytest.fixture(scope="module")
-def cfg(parquet_small):
-    return parquet_config(parquet_small, shuffle=True, buffer_size=64)
-
-
-@pytest.fixture(scope="module")
-def source(cfg):
-    return open_source(cfg)
 
 
 def _saved(cfg, source, tmp_path, n=150, world_size=1, rank=0, num_workers=0):

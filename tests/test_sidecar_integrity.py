@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import parquet_config, take_ids
+from helpers import take_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
@@ -16,17 +16,6 @@ from safetensors.numpy import save as st_save
 from resumable_stream import ResumableStream, SidecarError
 from resumable_stream import sidecar as sc
 from resumable_stream.cli import main
-from resumable_stream.source import open_source
-
-
-@pytest.fixture(scope="module")
-def cfg(parquet_small):
-    return parquet_config(parquet_small, shuffle=True, buffer_size=64)
-
-
-@pytest.fixture(scope="module")
-def source(cfg):
-    return open_source(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Kill real vision-language training processes with SIGKILL and restart them: the result must equal an
-uninterrupted run, exactly as for text (``test_kill_resume.py``, whose harness this reuses).
+uninterrupted run, exactly as for text (``test_kill_resume.py``; both use ``kill_resume_harness.py``).
 
 Each test trains the tiny Qwen3-VL-style model of ``examples/tiny/train_vl.yaml`` with
 ``examples/train_vl.py`` (one process, ``torch.distributed.run`` with 2 gloo ranks, or 2 DataLoader
@@ -8,7 +8,7 @@ It kills the run at a random step after the first checkpoint, restarts it, and c
 uninterrupted reference: every step's loss, every rank's consumed samples, and every step's transform
 counters (samples read, examples made, skips) in ``train_log.jsonl``. A broken sample never reaches a batch.
 
-Reproduce a failure with ``RS_KILL_SEED=<seed> pytest tests/test_vl_kill_resume.py``.
+Reproduce a failure with ``RS_TEST_SEED=<seed> pytest tests/test_vl_kill_resume.py``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,23 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 
 import pyarrow.parquet as pq
 import pytest
-import test_kill_resume as kr
-from training_helpers import TINY, TRAIN_VL, Procs, checkpoint_steps, consumed, is_complete, write_vl_config
+from helpers import seeded_rng
+from kill_resume_harness import (
+    MAX_STEPS,
+    SAVE_STEPS,
+    References,
+    assert_resumed_from,
+    assert_same_training,
+    first_difference,
+    kill_at_random_step,
+)
+from training_helpers import TINY, TRAIN_VL, checkpoint_steps, consumed, is_complete, write_vl_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+TRAINING_SCRIPT = TRAIN_VL     # what the procs fixture (conftest.py) runs
 
 BATCH = 4      # samples per step and rank (the yaml has 8): half the work, the same checks
 # name -> (write_vl_config options, ranks)
@@ -34,37 +43,13 @@ SETUPS = {
 }
 
 
-class VLReferences(kr.References):
-    """Uninterrupted VL runs, started on first use so they overlap the runs they are compared with."""
-
-    def __init__(self, directory: str):
-        super().__init__(directory)
-        self.procs = Procs(directory, script=TRAIN_VL)
-
-    def start(self, name: str) -> None:
-        if name not in self.runs:
-            options, ranks = SETUPS[name]
-            config, out = write_vl_config(self.directory, f"ref-{name}", max_steps=kr.MAX_STEPS,
-                                          save_steps=kr.SAVE_STEPS, **options)
-            self.runs[name] = (self.procs.start(config, f"ref-{name}", nproc=ranks), out)
-
-
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    r = VLReferences(str(tmp_path_factory.mktemp("vl-references")))
+    r = References(str(tmp_path_factory.mktemp("vl-references")), SETUPS, write_vl_config, TRAIN_VL)
     try:
         yield r
     finally:
         r.procs.cleanup()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(str(tmp_path), script=TRAIN_VL)
-    try:
-        yield p
-    finally:
-        p.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +85,20 @@ def _counters(out: str) -> dict[int, dict]:
 def vl_kill_and_resume(procs, refs, tmp_path, name: str, broken_ids: set[str]) -> None:
     options, ranks = SETUPS[name]
     refs.start(name)
-    rng = random.Random(f"{kr.SEED}:vl-{name}")
-    config, out = write_vl_config(str(tmp_path), name, max_steps=kr.MAX_STEPS, save_steps=kr.SAVE_STEPS, **options)
-    _, _, resume_step, note = kr.kill_at_random_step(procs, config, out, f"vl-{name}", ranks, rng)
+    rng = seeded_rng(f"vl-{name}")
+    config, out = write_vl_config(str(tmp_path), name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
+    _, _, resume_step, note = kill_at_random_step(procs, config, out, f"vl-{name}", ranks, rng)
 
     restart = procs.start(config, f"{name}-restart", nproc=ranks).wait_ok()
-    kr.assert_resumed_from(restart, out, resume_step, note)
+    assert_resumed_from(restart, out, resume_step, note)
     ref_out = refs.get(name)
-    kr.assert_same_training(ref_out, out, ranks, note)
+    assert_same_training(ref_out, out, ranks, note)
     assert all(is_complete(out, s) for s in checkpoint_steps(out)), f"incomplete checkpoint left behind {note}"
 
     ref_counters, counters = _counters(ref_out), _counters(out)
     assert counters == ref_counters, \
-        f"transform counters differ: {kr._first_difference(ref_counters, counters)} {note}"
-    last = ref_counters[kr.MAX_STEPS]
+        f"transform counters differ: {first_difference(ref_counters, counters)} {note}"
+    last = ref_counters[MAX_STEPS]
     skipped = last["data_skipped_image"] + last["data_skipped_mismatch"]
     assert skipped > 0, f"the reference skipped no broken sample ({last}); the test would prove nothing {note}"
     assert last["data_samples"] - last["data_examples"] == skipped + last["data_skipped_empty"] \

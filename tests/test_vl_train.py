@@ -67,6 +67,7 @@ def _broken_dataset(directory: str) -> str:
     return os.path.join(directory, "*.parquet")
 
 
+@pytest.mark.slow
 def test_bad_sample_error_stops_the_run_naming_the_sample(tmp_path):
     """The real entry point in its own process: one line on stderr, exit 2, nothing trained past the sample."""
     config, out = write_vl_config(str(tmp_path), "strict", max_steps=4, save_steps=100, per_device_train_batch_size=2)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import pytest
 import yaml
@@ -177,12 +176,9 @@ def test_warming_a_warm_cache_is_a_fast_noop(site, tmp_path, capsys):
     first = run_warmup(cfg, 300, world_size=2, source=src, progress=False)
     assert first.fetched_blocks == first.planned_blocks > 0
     srv.reset_stats()
-    t0 = time.perf_counter()
     again = run_warmup(cfg, 300, world_size=2, source=src, progress=False)
-    elapsed = time.perf_counter() - t0
     assert srv.stats()["requests"] == 0
     assert again.fetched_blocks == 0 and again.already_cached == again.planned_blocks == first.planned_blocks
-    assert elapsed < 5, elapsed
     # the CLI too: nothing fetched; it only opens the dataset (file metadata, parquet footers)
     srv.reset_stats()
     open_source(cfg)

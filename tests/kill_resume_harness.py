@@ -1,0 +1,118 @@
+"""The kill-and-resume harness shared by test_kill_resume.py (text) and test_vl_kill_resume.py (VL).
+
+A run of ``MAX_STEPS`` steps with a checkpoint every ``SAVE_STEPS`` is SIGKILLed at a random step (from
+the session seed, helpers.TEST_SEED) after its first checkpoint, restarted, and compared step by step with an
+uninterrupted reference run (``References``: started on first use, so it trains alongside the killed run).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Callable
+
+from helpers import TEST_SEED
+from training_helpers import (
+    Procs,
+    assert_data_parallel,
+    checkpoint_path,
+    complete_checkpoints,
+    consumed,
+    count_lines,
+    printed_steps,
+    train_losses,
+)
+
+MAX_STEPS = 80
+SAVE_STEPS = 20
+LOSS_TOL = 1e-6
+
+
+class References:
+    """Uninterrupted runs, started on first use (so they overlap the test's own runs), waited for on ``get``.
+
+    ``setups``: name -> (options, ranks); ``write``: (directory, name, max_steps=, save_steps=, **options) ->
+    (yaml path, output dir), e.g. training_helpers.write_config."""
+
+    def __init__(self, directory: str, setups: dict, write: Callable[..., tuple[str, str]], script: str):
+        self.directory, self.setups, self.write = directory, setups, write
+        self.procs = Procs(directory, script=script)
+        self.runs: dict[str, tuple] = {}
+
+    def start(self, name: str) -> None:
+        if name not in self.runs:
+            options, ranks = self.setups[name]
+            config, out = self.write(self.directory, f"ref-{name}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                                     **options)
+            self.runs[name] = (self.procs.start(config, f"ref-{name}", nproc=ranks), out)
+
+    def get(self, name: str) -> str:
+        self.start(name)
+        run, out = self.runs[name]
+        run.wait_ok()
+        return out
+
+
+def seed_note(name: str, **facts) -> str:
+    extra = ", ".join(f"{k}={v}" for k, v in facts.items())
+    return f"[{name}: seed {TEST_SEED} (rerun with RS_TEST_SEED={TEST_SEED}){', ' + extra if extra else ''}]"
+
+
+def train_log(out: str) -> str:
+    return f"{out}/train_log.jsonl"
+
+
+def first_difference(a: dict, b: dict) -> str:
+    for step in sorted(set(a) | set(b)):
+        if a.get(step) != b.get(step):
+            return f"first difference at step {step}: reference {a.get(step)!r}, resumed {b.get(step)!r}"
+    return "no difference"
+
+
+def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
+    """Every step's loss (within LOSS_TOL) and every rank's consumed samples equal the reference's."""
+    ref_losses, losses = train_losses(ref_out), train_losses(out)
+    assert sorted(ref_losses) == list(range(1, MAX_STEPS + 1)), f"reference train log incomplete {note}"
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1)), \
+        f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{MAX_STEPS} {note}"
+    bad = [(s, ref_losses[s], losses[s]) for s in ref_losses if abs(ref_losses[s] - losses[s]) > LOSS_TOL]
+    assert not bad, f"{len(bad)} step losses differ (step, reference, resumed): {bad[:5]} {note}"
+    for rank in range(ranks):
+        ref_keys, keys = consumed(ref_out, rank), consumed(out, rank)
+        assert sorted(ref_keys) == list(range(1, MAX_STEPS + 1)), f"reference rank {rank} consumed log {note}"
+        assert all(ref_keys[s] for s in ref_keys), f"reference rank {rank} logged a step with no samples {note}"
+        assert keys == ref_keys, f"rank {rank} consumed other samples: {first_difference(ref_keys, keys)} {note}"
+    if ranks > 1:
+        assert_data_parallel(ref_out, ranks, f"[reference] {note}")
+        assert_data_parallel(out, ranks, note)
+
+
+def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random):
+    """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
+
+    Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
+    target = rng.randint(SAVE_STEPS + 1, MAX_STEPS - 15)
+    run = procs.start(config, f"{name}-killed", nproc=ranks)
+    log = train_log(out)
+    run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
+                   f"step {target} and a complete checkpoint {seed_note(name)}")
+    run.kill()
+    logged = count_lines(log)
+    note = seed_note(name, target_step=target, killed_after_step=logged)
+    assert run.proc.returncode == -signal.SIGKILL, \
+        f"the run was not killed mid-training (exit {run.proc.returncode}) {note}\n{run.describe()}"
+    assert logged < MAX_STEPS, f"the run got to the end before the kill landed {note}"
+    done = complete_checkpoints(out)
+    assert done, f"no complete checkpoint when killed {note}"
+    return target, logged, done[-1], seed_note(name, target_step=target, killed_after_step=logged,
+                                               resumed_from=f"checkpoint-{done[-1]}")
+
+
+def assert_resumed_from(run, out: str, resume_step: int, note: str) -> None:
+    """The restart loaded ``checkpoint-<resume_step>`` and trained only the steps after it."""
+    expected = checkpoint_path(out, resume_step)
+    assert f"resuming from {expected}" in run.stderr, f"restart did not log 'resuming from {expected}' {note}\n" \
+                                                      f"{run.describe()}"
+    trained = printed_steps(run)
+    assert trained == MAX_STEPS - resume_step, \
+        f"restart trained {trained} steps, expected {MAX_STEPS - resume_step} (steps after the checkpoint) {note}"

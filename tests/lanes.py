@@ -1,0 +1,54 @@
+"""The two test lanes: what keeps slow tests out of the fast one (used by conftest.py).
+
+``make test-fast`` (``pytest --fast``) leaves out the slow tests: those that train a model in a subprocess,
+run torchrun or otherwise take long. Slow = marked ``pytest.mark.slow``, or using the ``procs`` fixture (it
+starts training runs). Two guards keep a slow test from landing in the fast lane unnoticed:
+
+- any test not marked slow fails when it starts a training subprocess or torchrun (in either lane);
+- the fast lane fails when the summed CPU time of its tests exceeds ``FAST_LANE_CPU_BUDGET_S``.
+
+CPU time (the pytest process and the children it waited for), not wall time: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shlex
+
+# Measured: the fast lane sums ~FAST s of test CPU time on the 2-core dev machine (see the README).
+FAST_LANE_CPU_BUDGET_S = 90.0
+
+_TRAINING_SCRIPT = re.compile(r"(^|/)(train_lm|train_vl|data_parallel_train|demo|stream_demo)\.py$")
+_TORCHRUN = re.compile(r"^torch\.distributed\.run$|(^|/)torchrun$")
+_CLI_TRAIN = re.compile(r"(^|\s)(-m resumable_stream(\.cli)?|\S*resumable-stream) train(\s|$)")
+
+
+def training_command(args) -> str | None:
+    """The command line if ``args`` (as given to subprocess.Popen) starts a training or torchrun, else None."""
+    if isinstance(args, (str, bytes, os.PathLike)):       # a shell line, or one program
+        words = shlex.split(os.fsdecode(args))
+    else:
+        words = [os.fsdecode(a) for a in args]
+    line = " ".join(words)
+    if any(_TRAINING_SCRIPT.search(w) or _TORCHRUN.search(w) for w in words) or _CLI_TRAIN.search(line):
+        return line
+    return None
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of every child it has waited for (trainings, torchrun ranks, workers)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def over_budget(costs: dict[str, dict[str, float]], budget_s: float = FAST_LANE_CPU_BUDGET_S) -> str | None:
+    """Why a lane whose tests cost ``costs`` (nodeid -> {"cpu": s, ...}) is over ``budget_s``, or None."""
+    total = sum(c["cpu"] for c in costs.values())
+    if total <= budget_s:
+        return None
+    top = sorted(costs.items(), key=lambda kv: -kv[1]["cpu"])[:8]
+    listed = "\n".join(f"  {c['cpu']:6.1f} s  {nodeid}" for nodeid, c in top)
+    return (f"the fast lane used {total:.1f} s of test CPU time, over its budget of {budget_s:.0f} s "
+            f"(FAST_LANE_CPU_BUDGET_S, tests/lanes.py); mark the slow ones @pytest.mark.slow:\n{listed}")
