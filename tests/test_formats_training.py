@@ -12,7 +12,6 @@ import signal
 import pytest
 from training_helpers import (
     TINY,
-    Procs,
     checkpoint_path,
     complete_checkpoints,
     consumed,
@@ -50,15 +49,6 @@ def _split_across(steps: dict[int, list[str]]) -> list[int]:
             if "#" in key:
                 seen.setdefault(key.rsplit("#", 1)[0], []).append(step)
     return sorted({t for ss in seen.values() for t in range(min(ss), max(ss))})
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(str(tmp_path))
-    try:
-        yield p
-    finally:
-        p.cleanup()
 
 
 def test_sigkill_resumes_a_mapped_and_mixed_format_run_exactly(procs, tmp_path):

@@ -367,6 +367,7 @@ def test_loader_resumes_neat_blocks_exactly_through_its_sidecar(tok, dataset_600
 
 
 # ---------------------------------------------------------------------------------------------- training
+@pytest.mark.slow
 @pytest.mark.parametrize("template", ["train_lm.yaml", "train_sft.yaml"])
 def test_cli_train_with_neat_packing_learns_from_each_document_alone(tmp_path, template):
     """``resumable-stream train`` with neat packing: the loss it logs for step 1 is the token-weighted loss
