@@ -17,8 +17,10 @@ import re
 import resource
 import shlex
 
-# Measured: the fast lane sums ~FAST s of test CPU time on the 2-core dev machine (see the README).
-FAST_LANE_CPU_BUDGET_S = 90.0
+# The fast lane must run in under 2 minutes on 2 cores. Its 742 tests sum ~90 s of CPU time (measured with
+# RS_TEST_COSTS=costs.json on a loaded machine, where CPU times run high), plus ~12 s to collect; the budget
+# leaves room for that noise, not for another slow test.
+FAST_LANE_CPU_BUDGET_S = 100.0
 
 _TRAINING_SCRIPT = re.compile(r"(^|/)(train_lm|train_vl|data_parallel_train|demo|stream_demo)\.py$")
 _TORCHRUN = re.compile(r"^torch\.distributed\.run$|(^|/)torchrun$")

@@ -3,13 +3,15 @@
 ``python save_killer.py STATES_DIR STATE_DIR KILLS SEED`` reads the states ``STATES_DIR/<k>.safetensors``
 (k = 0, 1, ...: one stream's state after k+1 samples). Each round forks a child that saves the states after
 the last one the directory holds, one by one, as ``save_sidecar`` does for one rank (the rank file, then
-the manifest); the parent SIGKILLs it after a seeded random delay, then loads the directory and records
-which state it holds (or the error). Prints one JSON line: ``{"loaded": [k or error, ...]}``.
+the manifest); the parent SIGKILLs it a seeded random delay after its first complete save of the round (so
+every round makes progress however loaded the machine is), then loads the directory and records which state
+it holds (or the error). Prints one JSON line: ``{"loaded": [k or error, ...]}``.
 """
 
 import json
 import os
 import random
+import select
 import signal
 import sys
 import time
@@ -18,10 +20,11 @@ from resumable_stream import sidecar as sc
 from resumable_stream.errors import SidecarError
 
 
-def save_from(states: list[dict], first: int, state_dir: str) -> None:
+def save_from(states: list[dict], first: int, state_dir: str, saved_fd: int) -> None:
     for state in states[first:]:
         sc.write_rank_file(state_dir, 0, state)
         sc.write_manifest(state_dir, 1)
+        os.write(saved_fd, b".")            # one complete save more
     os._exit(0)
 
 
@@ -46,12 +49,18 @@ def main() -> None:
     sc.write_manifest(state_dir, 1)
     loaded, last = [], 0
     for _ in range(kills):
+        saved_r, saved_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            save_from(states, last + 1, state_dir)
-        time.sleep(rng.uniform(0.0, 0.04))
+            os.close(saved_r)
+            save_from(states, last + 1, state_dir, saved_w)
+        os.close(saved_w)
+        if not select.select([saved_r], [], [], 120)[0]:
+            raise SystemExit("the saving child made no save in 120 s")
+        time.sleep(rng.uniform(0.0, 0.04))       # then the kill lands anywhere in the saves that follow
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(saved_r)
         index = loaded_index(state_dir, digests)
         loaded.append(index)
         if isinstance(index, int):

@@ -295,6 +295,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_dataloader_workers_and_two_processes_share_one_cache(parquet_60, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
@@ -371,6 +372,7 @@ def test_http_cold_warm_identical_and_warm_reads_make_no_requests(site, tmp_path
 
 
 # ------------------------------------------------------------------------------ training
+@pytest.mark.slow
 def test_training_logs_cache_stats(tmp_path):
     import yaml
 
@@ -400,6 +402,7 @@ def test_training_logs_cache_stats(tmp_path):
     assert lines[-1]["cache_bytes_written"] > 0
 
 
+@pytest.mark.slow
 def test_spawned_dataloader_workers_share_the_counters(parquet_small, tmp_path):
     import torch.utils.data
 

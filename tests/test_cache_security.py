@@ -303,6 +303,7 @@ def _child(mode: str, cache_dir: str, shards) -> tuple[dict, str]:
     return out, p.stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_serves_its_blocks(tmp_path):
     d = tempfile.mkdtemp(prefix="rs-readonly-")     # not under tmp_path: its parents are private to root
     try:
@@ -319,6 +320,7 @@ def test_a_read_only_cache_serves_its_blocks(tmp_path):
         shutil.rmtree(d)
 
 
+@pytest.mark.slow
 def test_a_full_cache_leaves_no_partial_files_and_keeps_serving(tmp_path):
     """The cache's files may not grow past 2 MB (RLIMIT_FSIZE: writes fail half way, as on a full disk)."""
     d = str(tmp_path / "c")
@@ -332,6 +334,7 @@ def test_a_full_cache_leaves_no_partial_files_and_keeps_serving(tmp_path):
     assert s["hits"] == 4 and s["misses"] == 3 and s["blocks_written"] == 12 and s["writes_skipped"] == 0
 
 
+@pytest.mark.slow
 def test_a_full_filesystem_leaves_no_partial_files_and_keeps_serving(tmp_path):
     """The same on a real 3 MB filesystem (a tmpfs; mounting one needs CAP_SYS_ADMIN)."""
     mnt = tmp_path / "mnt"

@@ -88,6 +88,7 @@ def test_inspect_file_and_directory(parquet_small, tmp_path, capsys):
         (["inspect", "{tmp}/bad.safetensors"], "corrupt or truncated"),
     ],
 )
+@pytest.mark.slow
 def test_errors_are_one_line_without_traceback(parquet_small, tmp_path, argv, needle):
     cfg_path = _yaml(tmp_path, parquet_small)
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
@@ -98,12 +99,14 @@ def test_errors_are_one_line_without_traceback(parquet_small, tmp_path, argv, ne
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(parquet_small, tmp_path):
     argv = ["--debug", "peek", _yaml(tmp_path, parquet_small), "--fields", "nope"]
     r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
 
 
+@pytest.mark.slow
 def test_mismatch_lists_every_difference_on_its_own_line(parquet_small, tmp_path):
     cfg_path = _yaml(tmp_path, parquet_small)
     assert main(["peek", cfg_path, "--num", "5", "--save-state", str(tmp_path / "s.safetensors")]) == 0
@@ -114,6 +117,7 @@ def test_mismatch_lists_every_difference_on_its_own_line(parquet_small, tmp_path
     assert "data.shuffle_seed: saved 42, now 5" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "resumable-stream")
     r = subprocess.run([exe, "--help"], capture_output=True, text=True)
@@ -138,6 +142,7 @@ def test_quick_start_training_demo_resumes_exactly(tmp_path):
     assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
 
 
+@pytest.mark.slow
 def test_version_and_python_m_run_the_command_line(tmp_path):
     """``resumable-stream --version`` prints the package version (the one pyproject.toml declares), and
     ``python -m resumable_stream`` is the same command line (here: an error on a missing config, exit 2)."""

@@ -32,6 +32,7 @@ def test_npu_hccl_when_torch_npu_is_installed(monkeypatch):
     assert devices.detect_device() == devices.Device("cpu", "gloo")
 
 
+@pytest.mark.slow
 def test_import_does_not_touch_torch_npu():
     code = ("import sys, resumable_stream, resumable_stream.trainer_patch, resumable_stream.devices; "
             "print('torch_npu' in sys.modules)")

@@ -373,6 +373,7 @@ def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- trainer restarts
+@pytest.mark.slow
 def test_trainer_restart_reuses_the_index_saved_with_its_checkpoint(tmp_path):
     """``resumable-stream train`` opens its stream knowing the checkpoint it will resume: a restart reuses
     that checkpoint's index (no resolving: zero requests with verify_files off, one HEAD per file on) and

@@ -199,6 +199,7 @@ def test_stream_loader_save_sidecar_writes_the_manifest_of_one_rank(setup, tmp_p
     assert [_ids(b) for b in itertools.islice(resumed, 4)] == expected
 
 
+@pytest.mark.slow
 def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
     """examples/torch_loop.py (shown verbatim in the README): 5 steps, then 7 in a new process, equal the
     first 12 steps of one run; the prefetching workers never make the second run skip or repeat a batch."""

@@ -452,6 +452,7 @@ def _done(proc: subprocess.Popen) -> str:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_peek_resumes_in_a_new_process_and_inspect_shows_per_source_progress(dirs, tmp_path):
     config = tmp_path / "mix.yaml"
     config.write_text(yaml.safe_dump({"data": {"shuffle": True, "buffer_size": 64, "stopping": "all_exhausted",

@@ -147,6 +147,7 @@ def _cli(*args, cwd=None):
                           env=env, cwd=cwd, timeout=300)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_via_cli(parquet_60, tmp_path):
     yaml_path = tmp_path / "train.yaml"
     yaml_path.write_text(

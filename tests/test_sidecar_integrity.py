@@ -294,6 +294,7 @@ def test_sidecars_and_manifests_follow_the_umask(cfg, source, tmp_path, umask, m
 
 
 # ------------------------------------------------------------------ atomic saves into an existing directory
+@pytest.mark.slow
 def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_state(cfg, source, tmp_path):
     """A real process saving into one directory over and over is SIGKILLed 40 times at seeded random moments
     (tests/save_killer.py): after every kill the directory loads, as the last complete save or the one being

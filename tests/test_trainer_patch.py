@@ -32,6 +32,7 @@ def _config(tmp_path, **train):
     return TrainerConfig.from_yaml(str(p))
 
 
+@pytest.mark.slow          # trains a tiny model in-process
 def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path, monkeypatch):
     cfg = _config(tmp_path, save_total_limit=1)
     trainer = build_trainer(cfg)
@@ -56,6 +57,7 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
     assert ck.is_complete(os.path.join(out, "checkpoint-12"))
 
 
+@pytest.mark.slow          # trains a tiny model in-process
 def test_resume_replays_no_batches(tmp_path, monkeypatch):
     cfg = _config(tmp_path)
     build_trainer(cfg).train()
@@ -78,6 +80,7 @@ def test_resume_replays_no_batches(tmp_path, monkeypatch):
     np.testing.assert_equal(trainer._rs_loader.state_dict(), whole._rs_loader.state_dict())
 
 
+@pytest.mark.slow          # trains a tiny model in-process
 def test_incomplete_checkpoint_is_refused(tmp_path):
     cfg = _config(tmp_path, save_total_limit=10)
     build_trainer(cfg).train()
@@ -115,6 +118,7 @@ def test_unpatched_datasets_keep_the_trainer_path(tmp_path):
     assert len(loader) == 2
 
 
+@pytest.mark.slow          # trains a tiny model in-process
 def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
     import json
 
@@ -137,6 +141,7 @@ def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
     assert [s["samples"] for s in steps_b] == [s["samples"] for s in steps_a[4:12]]
 
 
+@pytest.mark.slow          # trains a tiny model in-process
 def test_checkpoint_wins_over_data_resume_state_path(tmp_path):
     """A crash-restart of a run seeded with data.resume_state_path continues from its own checkpoint."""
     import json

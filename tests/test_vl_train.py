@@ -37,6 +37,7 @@ def _edit(path: str, **data) -> None:
         yaml.safe_dump(doc, f)
 
 
+@pytest.mark.slow          # trains a tiny model
 def test_cli_train_picks_vl_from_the_config(tmp_path, capsys):
     config, out = write_vl_config(str(tmp_path), "run", max_steps=6, save_steps=3, per_device_train_batch_size=4)
     assert main(["train", config]) == 0, capsys.readouterr().err
@@ -80,6 +81,7 @@ def test_bad_sample_error_stops_the_run_naming_the_sample(tmp_path):
     assert line in run.stderr.splitlines() and "Traceback" not in run.stderr, run.stderr[-3000:]
 
 
+@pytest.mark.slow          # trains a tiny model
 def test_a_run_stopped_by_a_bad_sample_resumes_with_skip(tmp_path):
     """bad_sample: error stops at row 3 after checkpoint-2; switched to skip, the restart resumes from the
     checkpoint, skips row 3 and goes on: rows 0, 1 | 2, (3 skipped), 4, 5, then the next epoch."""
