@@ -232,3 +232,54 @@ def test_the_s3_config_of_the_docs_runs_against_the_server(bucket, tmp_path):
     data.pop("cache_dir", None)
     cfg = StreamConfig.from_dict(data)
     assert sorted(_take(ResumableStream(cfg), ROWS)) == list(range(ROWS))
+
+
+# ------------------------------------------------------------------------------ relocated data (docs/relocating-data.md)
+def _local_config(paths: list[str], **kw) -> StreamConfig:
+    return StreamConfig(dataset_name_or_path="parquet", data_files=sorted(paths), shuffle=True, buffer_size=BUFFER,
+                        **kw)
+
+
+def test_a_local_checkpoint_resumes_on_an_s3_copy(bucket, tmp_path):
+    ref, k = _reference(bucket), 150
+    first = ResumableStream(_local_config(bucket.local))
+    assert _take(first, k) == ref[:k]
+    first.save_sidecar(tmp_path)
+    bucket.upload("local-copy")
+    resumed = ResumableStream(bucket.config("local-copy", resume_state_path=str(tmp_path)))
+    assert _take(resumed, 96) == ref[k:k + 96]
+
+
+def test_an_s3_checkpoint_resumes_on_a_local_copy_and_on_another_prefix(bucket, tmp_path):
+    ref, k = _reference(bucket), 150
+    urls = bucket.upload("to-local")
+    first = ResumableStream(bucket.config("to-local"))
+    assert _take(first, k) == ref[:k]
+    first.save_sidecar(tmp_path / "state")
+    s3 = bucket.srv.admin()
+    local = []
+    for url in urls:                        # s3 -> local (new mtimes, of course)
+        local.append(str(tmp_path / "copy" / os.path.basename(url)))
+        os.makedirs(os.path.dirname(local[-1]), exist_ok=True)
+        s3.download_file("data", url.split("/", 3)[3], local[-1])
+        s3.copy_object(Bucket="data", Key="copied/" + os.path.basename(url),    # s3 -> s3: the ETag is compared
+                       CopySource={"Bucket": "data", "Key": url.split("/", 3)[3]})
+    resumed = ResumableStream(_local_config(local, resume_state_path=str(tmp_path / "state")))
+    assert _take(resumed, 96) == ref[k:k + 96]
+    again = ResumableStream(bucket.config("copied", resume_state_path=str(tmp_path / "state")))
+    assert _take(again, 96) == ref[k:k + 96]
+
+
+def test_an_s3_copy_with_an_edited_object_is_a_mismatch_naming_it(bucket, tmp_path):
+    first = ResumableStream(_local_config(bucket.local))
+    _take(first, 50)
+    first.save_sidecar(tmp_path / "state")
+    urls = bucket.upload("edited-copy")
+    table = pq.read_table(bucket.local[2])
+    pq.write_table(table.set_column(1, table.column_names[1], table.column(1).take(
+        list(reversed(range(table.num_rows))))), tmp_path / "x.parquet", row_group_size=ROW_GROUP)
+    bucket.srv.admin().upload_file(str(tmp_path / "x.parquet"), "data", urls[2].split("/", 3)[3])
+    with pytest.raises(StreamMismatchError) as err:
+        ResumableStream(bucket.config("edited-copy", resume_state_path=str(tmp_path / "state")))
+    assert f"file modified: {urls[2]} (footer; was {sorted(bucket.local)[2]})" in str(err.value)
+    assert urls[0] not in str(err.value) and urls[1] not in str(err.value)
