@@ -207,6 +207,8 @@ HTTP_REQUEST_RETRIES = 2
 _MAX_BACKOFF_S = 60.0
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# Object stores whose URLs start with a bucket (listing one costs a request, not a crawl).
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 @contextlib.contextmanager
@@ -790,7 +792,7 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
     import fsspec
 
     buckets = {p.split("://", 1)[0] + "://" + p.split("://", 1)[1].split("/", 1)[0]
-               for p in patterns if _is_remote(p) and p.split("://", 1)[0] not in ("http", "https")}
+               for p in patterns if _is_remote(p) and p.split("://", 1)[0] in _BUCKET_PROTOCOLS}
     for bucket in sorted(buckets):
         try:
             fs, path = fsspec.core.url_to_fs(bucket, **_protocol_options(storage_options, bucket))

@@ -130,6 +130,20 @@ def test_rewritten_s3_object_is_a_mismatch_naming_it(bucket, tmp_path):
     assert urls[1] in str(err.value) and "etag" in str(err.value)
 
 
+def test_two_ranks_with_forked_dataloader_workers_read_every_row_once(bucket):
+    """Forked DataLoader workers open their own s3fs filesystem (aiobotocore after fork)."""
+    import torch.utils.data
+
+    seen = []
+    for rank in range(2):
+        stream = ResumableStream(bucket.config(), rank=rank, world_size=2, num_workers=2)
+        stream.set_epoch(0)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2, timeout=60)
+        seen.append([int(row["id"]) for row in loader])
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(ROWS))
+
+
 # ------------------------------------------------------------------------------ exact resume across processes
 @pytest.mark.parametrize("k", [37, 2 * BUFFER, ROWS])
 def test_shuffled_resume_across_processes_is_exact(bucket, tmp_path, k):
