@@ -113,6 +113,14 @@ def test_s3_pattern_resolves_every_row_once_with_etag_identity(bucket):
     assert _take(ResumableStream(bucket.config()), ROWS + 96) == _reference(bucket)
 
 
+def test_a_single_s3_file_as_dataset_name_or_path(bucket):
+    url = f"s3://data/ds/{os.path.basename(sorted(bucket.local)[1])}"
+    cfg = StreamConfig(dataset_name_or_path=url, storage_options={"endpoint_url": bucket.srv.endpoint})
+    stream = ResumableStream(cfg)
+    assert [f["path"] for f in stream.source.fingerprint["files"]] == [url]
+    assert _take(stream, ROWS // FILES) == pq.read_table(sorted(bucket.local)[1]).column("id").to_pylist()
+
+
 def test_rewritten_s3_object_is_a_mismatch_naming_it(bucket, tmp_path):
     urls = bucket.upload("rewrite")
     cfg = bucket.config("rewrite")
