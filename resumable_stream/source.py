@@ -98,8 +98,9 @@ def _file_identity(path: str, retry: _Retry | None = None) -> dict:
 
     def fetch() -> dict:
         fs, fs_path = fsspec.core.url_to_fs(path, **_protocol_options(retry.storage_options if retry else {}, path))
-        # the store's answer now, not a listing an earlier open in this process cached (s3fs keeps them)
-        fs.invalidate_cache(fs_path)
+        if path.split("://", 1)[0] in _BUCKET_PROTOCOLS:
+            # the store's answer now (one HEAD), not a listing an earlier open in this process cached
+            fs.invalidate_cache(fs_path)
         return fs.info(fs_path)
 
     try:
