@@ -113,6 +113,19 @@ def test_s3_pattern_resolves_every_row_once_with_etag_identity(bucket):
     assert _take(ResumableStream(bucket.config()), ROWS + 96) == _reference(bucket)
 
 
+def test_requests_to_open_and_read_are_one_listing_plus_two_per_object_then_one_per_row_group(bucket):
+    srv = bucket.srv
+    before = len(srv.requests)
+    stream = ResumableStream(bucket.config(prefetch_blocks=0))
+    opened = srv.requests[before:]
+    objects = [f"/data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
+    assert sorted(opened) == sorted([("GET", "/data")] + [(m, o) for o in objects for m in ("HEAD", "GET")])
+    before = len(srv.requests)
+    assert sorted(_take(stream, ROWS)) == list(range(ROWS))
+    # a ranged GET per row group, and each object's footer once in this process (checked against the index)
+    assert sorted(srv.requests[before:]) == sorted([("GET", o) for o in objects] * (1 + ROWS // FILES // ROW_GROUP))
+
+
 def test_a_single_s3_file_as_dataset_name_or_path(bucket):
     url = f"s3://data/ds/{os.path.basename(sorted(bucket.local)[1])}"
     cfg = StreamConfig(dataset_name_or_path=url, storage_options={"endpoint_url": bucket.srv.endpoint})
