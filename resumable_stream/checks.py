@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import StreamMismatchError
+from .relocation import is_relocation, relocated_files_diff, warn_relocated
 
 # Fingerprint entries that map to config keys users can change, shown under those names.
 _ORDER_KEYS = {"seed": "shuffle_seed", "buffer_size": "buffer_size", "shuffle": "shuffle",
@@ -30,15 +31,24 @@ def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]
     return out
 
 
-def fingerprint_diff(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+def fingerprint_diff(saved: dict, now: dict, prefix: str = "",
+                     moves: list[tuple[list, list]] | None = None) -> list[tuple[str, Any, Any]]:
+    """Every difference, named. Files under another root with the same relative paths are compared by
+    content identity (see relocation.py) and appended to ``moves`` when given."""
     out: list[tuple[str, Any, Any]] = []
+    files_a, files_b = saved.get("files"), now.get("files")
+    moved = isinstance(files_a, list) and isinstance(files_b, list) and is_relocation(files_a, files_b)
+    if moved and moves is not None:
+        moves.append((files_a, files_b))
     for key in sorted(set(saved) | set(now), key=str):
         a, b = saved.get(key), now.get(key)
         name = f"{prefix}{key}"
         if key == "files" and isinstance(a, list) and isinstance(b, list):
-            out.extend(_files_diff(a, b))
+            out.extend(relocated_files_diff(a, b) if moved else _files_diff(a, b))
+        elif key == "dataset" and moved and isinstance(a, str) and isinstance(b, str):
+            continue          # dataset_name_or_path names the old / new location of the same files
         elif isinstance(a, dict) and isinstance(b, dict):
-            out.extend(fingerprint_diff(a, b, prefix=f"{name}."))
+            out.extend(fingerprint_diff(a, b, prefix=f"{name}.", moves=moves))
         elif a != b:
             out.append((name, a, b))
     return out
@@ -57,7 +67,11 @@ def _describe(diffs: list[tuple[str, Any, Any]]) -> str:
 
 
 def check_fingerprint(saved: dict, now: dict, where: str) -> None:
-    diffs = fingerprint_diff(saved, now)
+    moves: list[tuple[list, list]] = []
+    diffs = fingerprint_diff(saved, now, moves=moves)
+    if not diffs:
+        for old, new in moves:
+            warn_relocated(old, new)
     if diffs:
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for different data or settings; resuming would "

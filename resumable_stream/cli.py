@@ -14,6 +14,7 @@ from typing import Any
 from . import __version__
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
+from .relocation import describe_files
 from .sidecar import MANIFEST, partition_progress, progress_summary, rank_file_name
 
 
@@ -91,7 +92,7 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
         "format_version": state["format_version"],
         "topology": state["topology"],
         "dataset": {k: v for k, v in ds.items() if k != "files"},
-        "files": ds.get("files") if full else len(ds.get("files", [])),
+        "files": describe_files(ds.get("files", []), full),
         "order": fp.get("order"),
         "partitions": {},
     }

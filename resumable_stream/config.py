@@ -76,6 +76,9 @@ _RULES: dict[str, tuple[Any, str]] = {
                    "null or the path of a dataset index file (written by `resumable-stream index`)"),
     "verify_files": (lambda v: isinstance(v, bool), "true or false"),
     "prefetch_blocks": (lambda v: _is_int(v) and 0 <= v <= 256, "an integer from 0 (off) to 256 (row groups)"),
+    "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
+                        "null or a mapping of fsspec filesystem options (e.g. endpoint_url for s3://), flat or "
+                        "keyed by protocol"),
 }
 
 
@@ -105,6 +108,7 @@ class StreamConfig:
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
     verify_files: bool = True           # re-check each file's identity against a saved / given index
     prefetch_blocks: int = 8            # parquet row groups fetched ahead per partition (0: off)
+    storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
     source_file: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -246,7 +250,7 @@ MIXTURE_KEYS = ("sources", "stopping")
 # other transform keys) is the data section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
-               "prefetch_blocks", "weight", "label")
+               "prefetch_blocks", "storage_options", "weight", "label")
 # Transform keys a source may set for itself (over the data section's), so that e.g. a text corpus and a
 # chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
 SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")

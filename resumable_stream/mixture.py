@@ -47,6 +47,7 @@ from .checks import check_fingerprint, check_topology
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .plan import check_consumers, counter_hashes, derive_seed, partition_lanes
+from .relocation import describe_files
 from .sidecar import (
     CURSOR_FIELDS,
     ENTRY_STRIDE,
@@ -457,7 +458,7 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                         "next_sample_digest": part["sources"][i]["next_sample_digest"]}
                for p, part in sorted(parts.items())}
         sources[label] = {"weight": sfp["weight"], "dataset": {k: v for k, v in ds.items() if k != "files"},
-                          "files": ds.get("files") if full else len(ds.get("files", [])), "order": sfp.get("order"),
+                          "files": describe_files(ds.get("files", []), full), "order": sfp.get("order"),
                           "consumed_samples": sum(part["sources"][i]["consumed"] for part in parts.values()),
                           "progress": progress_summary([partition_progress(part["sources"][i])
                                                         for part in parts.values()]),

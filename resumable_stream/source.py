@@ -98,6 +98,9 @@ def _file_identity(path: str, retry: _Retry | None = None) -> dict:
 
     def fetch() -> dict:
         fs, fs_path = fsspec.core.url_to_fs(path, **_protocol_options(retry.storage_options if retry else {}, path))
+        if path.split("://", 1)[0] in _BUCKET_PROTOCOLS:
+            # the store's answer now (one HEAD), not a listing an earlier open in this process cached
+            fs.invalidate_cache(fs_path)
         return fs.info(fs_path)
 
     try:
@@ -110,7 +113,8 @@ def _file_identity(path: str, retry: _Retry | None = None) -> dict:
     except FileNotFoundError:
         raise SourceError(f"data file {path!r}: not found") from None
     except Exception as e:  # network and permission errors
-        raise SourceError(f"data file {path!r}: cannot read its metadata ({type(e).__name__}: {e})") from None
+        answer = remote_answer(e) or f"{type(e).__name__}: {e}"
+        raise SourceError(f"data file {path!r}: cannot read its metadata ({answer})") from None
     ident = {"path": path, "size": info.get("size")}
     for key in ("mtime", "ETag", "Last-Modified", "blob_id"):
         if info.get(key) is not None:
@@ -204,6 +208,8 @@ HTTP_REQUEST_RETRIES = 2
 _MAX_BACKOFF_S = 60.0
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# Object stores whose URLs start with a bucket (listing one costs a request, not a crawl).
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 @contextlib.contextmanager
@@ -323,6 +329,28 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     return {protocol: {"client_kwargs": dict(client_kwargs)} for protocol in ("http", "https")}
 
 
+def _data_protocols(cfg: StreamConfig) -> list[str]:
+    """The protocols of the config's remote paths (s3, gs, hf, http, ...), in order of appearance."""
+    paths = [cfg.dataset_name_or_path, *_flat_files(cfg.data_files)]
+    return list(dict.fromkeys(p.split("://", 1)[0] for p in paths if _is_remote(p)))
+
+
+def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
+    """``ours`` ({protocol: kwargs}) plus ``data.storage_options``: keyed by protocol (as datasets accepts
+    them) or flat, then for every protocol of the data. The user's ``client_kwargs`` go over ours."""
+    import fsspec
+
+    keyed = all(k in fsspec.available_protocols() and isinstance(v, dict) for k, v in user.items())
+    per_protocol = user if keyed else {p: user for p in protocols}
+    out = {k: dict(v) for k, v in ours.items()}
+    for protocol, options in per_protocol.items():
+        merged = {**out.get(protocol, {}), **options}
+        if isinstance(options.get("client_kwargs"), dict) and "client_kwargs" in out.get(protocol, {}):
+            merged["client_kwargs"] = {**out[protocol]["client_kwargs"], **options["client_kwargs"]}
+        out[protocol] = merged
+    return out
+
+
 def _protocol_options(storage_options: dict, path: str) -> dict:
     """The flat fsspec kwargs for ``path``'s protocol out of datasets-style ``{protocol: kwargs}``."""
     protocol = path.split("://", 1)[0] if "://" in path else "file"
@@ -344,6 +372,10 @@ def _status_of(e: BaseException) -> int | None:
     status = getattr(e, "status", None)
     if isinstance(status, int) and 100 <= status < 600:
         return status
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):     # botocore's ClientError (s3fs): the status is in the parsed answer
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code if isinstance(code, int) else None
     code = getattr(getattr(e, "response", None), "status_code", None)
     return code if isinstance(code, int) else None
 
@@ -379,9 +411,25 @@ def _classify(e: BaseException) -> str:
         # A fault can look like this too: fsspec's HTTP info() turns any failure into FileNotFoundError,
         # and datasets' file listing then tries the URL as a directory with its scheme cut off.
         return "missing"
+    if any(isinstance(x, PermissionError) for x in chain):
+        return "permanent"      # an object store's 403 (s3fs): an answer, not a fault
     if any(isinstance(x, _network_error_types()) for x in chain):
         return "transient"
     return "permanent"
+
+
+def remote_answer(e: BaseException) -> str | None:
+    """What an object store answered, from botocore's ClientError in ``e``'s chain: "HTTP 403 AccessDenied:
+    Access Denied (ListObjectsV2)"; None when ``e`` carries no such answer."""
+    for x in _chain(e):
+        response = getattr(x, "response", None)
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            err = response["Error"]
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            operation = getattr(x, "operation_name", None)
+            return (f"HTTP {status} {err.get('Code', '?')}: {err.get('Message', '')}"
+                    + (f" ({operation})" if operation else ""))
+    return None
 
 
 def _error_text(e: BaseException) -> str:
@@ -420,6 +468,9 @@ class _Retry:
         self.remote = remote
         self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
                                                  self.backoff_s) if remote else {})
+        if remote and cfg.storage_options:
+            self.storage_options = with_user_options(self.storage_options, cfg.storage_options,
+                                                     _data_protocols(cfg))
 
     def applies(self, path: str) -> bool:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
@@ -711,6 +762,9 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
     except (ConfigError, SourceError):
         raise
     except Exception as e:
+        answer = remote_answer(e)
+        if answer is not None:
+            raise SourceError(f"{_data_key(cfg)}: the object store refused ({answer})") from None
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
                           f"({type(e).__name__}: {e})") from None
 
@@ -720,9 +774,33 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
         raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
     files = [str(f) for f in resolved[cfg.split]] if resolved else []
     if resolved and not files:
+        why = _why_nothing_listed(_flat_files(data_files), retry.storage_options)
         raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
-                          f"split {cfg.split!r}")
+                          f"split {cfg.split!r}" + (f" ({why})" if why else ""))
     return builder, files
+
+
+def _data_key(cfg: StreamConfig) -> str:
+    """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
+    if cfg.data_files is not None:
+        return f"data.data_files {cfg.data_files!r}"
+    return f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+
+
+def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | None:
+    """Why an object-store pattern lists nothing, when the store says so: globbing hides a missing bucket
+    (s3fs lists it as empty), asking for the bucket itself does not. One request per bucket."""
+    import fsspec
+
+    buckets = {p.split("://", 1)[0] + "://" + p.split("://", 1)[1].split("/", 1)[0]
+               for p in patterns if _is_remote(p) and p.split("://", 1)[0] in _BUCKET_PROTOCOLS}
+    for bucket in sorted(buckets):
+        try:
+            fs, path = fsspec.core.url_to_fs(bucket, **_protocol_options(storage_options, bucket))
+            fs.ls(path, detail=False)
+        except Exception as e:
+            return f"{bucket}: {remote_answer(e) or f'{type(e).__name__}: {e}'}"
+    return None
 
 
 def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: list[str],

@@ -74,7 +74,7 @@ def test_inspect_file_and_directory(parquet_small, tmp_path, capsys):
     assert out["world_size"] == 1
     assert main(["inspect", str(tmp_path / "ck" / "stream_state" / "rank-00000.safetensors"), "--full"]) == 0
     one = json.loads(capsys.readouterr().out)
-    assert len(one["files"]) == 4 and one["order"]["buffer_size"] == 64
+    assert one["files"]["count"] == 4 and len(one["files"]["files"]) == 4 and one["order"]["buffer_size"] == 64
 
 
 @pytest.mark.parametrize(

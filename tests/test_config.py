@@ -253,7 +253,26 @@ FULL_DATA = {
     "block_rows": 64, "resume_state_path": None, "cache_dir": None, "cache_size_limit_gb": 1.5,
     "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0, "num_partitions": 12, "elastic": True,
     "index_path": "/abs/x/index.json", "verify_files": False, "prefetch_blocks": 3,
+    "storage_options": {"endpoint_url": "http://127.0.0.1:9000", "client_kwargs": {"region_name": "eu-west-1"}},
 }
+
+
+@pytest.mark.parametrize("value", [["endpoint_url"], "endpoint_url=x", {"": 1}, {1: "x"}])
+def test_bad_storage_options_name_the_key(value):
+    with pytest.raises(ConfigError, match=r"data\.storage_options: got .*allowed: null or a mapping"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="s3://b/*.parquet", storage_options=value)
+
+
+def test_storage_options_flat_or_keyed_by_protocol_join_ours():
+    from resumable_stream.source import with_user_options
+
+    ours = {"http": {"client_kwargs": {"timeout": 5}}}
+    flat = with_user_options(ours, {"endpoint_url": "http://e", "client_kwargs": {"region_name": "r"}}, ["s3"])
+    assert flat == {"http": {"client_kwargs": {"timeout": 5}},
+                    "s3": {"endpoint_url": "http://e", "client_kwargs": {"region_name": "r"}}}
+    keyed = with_user_options(ours, {"http": {"client_kwargs": {"trust_env": True}}, "s3": {"anon": True}}, ["s3"])
+    assert keyed == {"http": {"client_kwargs": {"timeout": 5, "trust_env": True}}, "s3": {"anon": True}}
+    assert ours == {"http": {"client_kwargs": {"timeout": 5}}}        # not modified
 
 
 def test_from_yaml_whole_trainer_yaml_uses_only_data(tmp_path):

@@ -1,0 +1,124 @@
+"""Relocated data: the same files under another root (directory, bucket, store) resume as the same data.
+
+A data file is identified by its path relative to the dataset root (the deepest directory holding every
+file), its size and a content identity that costs no extra read: the parquet footer digest of the dataset
+index, an LFS sha256, or an S3 ETag that is the MD5 of the content. Where the files still are where they
+were saved, every identity field is compared as before (mtime, ETag, Last-Modified, blob id included).
+When the root moved, only what means the same thing in both places is compared: markers of a store or
+a copy (mtime, Last-Modified, an http ETag, a multipart S3 ETag, a blob id) are not, since a copy made
+with ``cp``, ``rsync`` without ``-t`` or an upload changes them while the content stays the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A single-part S3 upload's ETag: the MD5 of the content ('"<32 hex>"'); a multipart one ends in "-<parts>".
+_MD5_ETAG = re.compile(r'^"?[0-9a-f]{32}"?$')
+
+
+def _protocol(path: str) -> str:
+    return path.split("://", 1)[0] if "://" in path else "file"
+
+
+def dataset_root(paths: list[str]) -> str:
+    """The deepest directory (or URL prefix) that holds every path: what the relative paths are relative to."""
+    dirs = [p.rstrip("/").split("/")[:-1] for p in paths]
+    if not dirs:
+        return ""
+    common = dirs[0]
+    for d in dirs[1:]:
+        n = 0
+        while n < min(len(common), len(d)) and common[n] == d[n]:
+            n += 1
+        common = common[:n]
+    return "/".join(common)
+
+
+def relative_paths(paths: list[str]) -> list[str]:
+    root = dataset_root(paths)
+    return [p[len(root):].lstrip("/") if root else p for p in paths]
+
+
+def content_identity(entry: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a file identity that hold wherever the same bytes are stored."""
+    out = {"size": entry.get("size")}
+    if entry.get("footer") is not None:
+        out["footer"] = entry["footer"]
+    if entry.get("sha256") is not None:
+        out["sha256"] = entry["sha256"]
+    etag = entry.get("etag")
+    if _protocol(entry.get("path", "")) == "s3" and isinstance(etag, str) and _MD5_ETAG.match(etag):
+        out["md5"] = etag.strip('"')
+    return out
+
+
+def identity_kind(entry: dict[str, Any]) -> str:
+    """What vouches for a file's content beyond its size (shown by ``resumable-stream inspect``)."""
+    content = content_identity(entry)
+    kinds = [name for key, name in (("footer", "parquet footer digest"), ("sha256", "LFS sha256"),
+                                    ("md5", "S3 ETag (MD5)")) if key in content]
+    if kinds:
+        return " + ".join(kinds)
+    markers = [k for k in ("etag", "mtime", "last-modified", "blob_id") if entry.get(k) is not None]
+    return ("size + " + " + ".join(markers) + " (not comparable after a move)") if markers else "size only"
+
+
+def is_relocation(saved: list[dict], now: list[dict]) -> bool:
+    """The same relative paths, in the same order, under another root."""
+    old, new = [f.get("path", "") for f in saved], [f.get("path", "") for f in now]
+    return (len(old) == len(new) > 0 and old != new and dataset_root(old) != dataset_root(new)
+            and relative_paths(old) == relative_paths(new))
+
+
+def relocated_files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]]:
+    """Differences between the files of a relocated dataset: per file (named by its new path), every field
+    of its content identity that both places know and that differs."""
+    out = []
+    for a, b in zip(saved, now):
+        ca, cb = content_identity(a), content_identity(b)
+        for key in sorted(set(ca) & set(cb)):
+            if ca[key] != cb[key]:
+                what = "resized" if key == "size" else "modified"
+                out.append((f"file {what}: {b['path']} ({key}; was {a['path']})", ca[key], cb[key]))
+    return out
+
+
+def describe_files(files: list[dict], full: bool) -> dict[str, Any]:
+    """The identities of a fingerprint's files, for ``inspect``: the root, how many files each kind of
+    content identity covers, and with ``full`` every file (relative path, size, identity, its fields)."""
+    paths = [f.get("path", "") for f in files]
+    kinds: dict[str, int] = {}
+    for f in files:
+        kinds[identity_kind(f)] = kinds.get(identity_kind(f), 0) + 1
+    out: dict[str, Any] = {"root": dataset_root(paths), "count": len(files), "identity": kinds}
+    if full:
+        out["files"] = [{"relative_path": rel, "size": f.get("size"), "identity": identity_kind(f),
+                         **{k: v for k, v in f.items() if k not in ("path", "size")}}
+                        for rel, f in zip(relative_paths(paths), files)]
+    return out
+
+
+_announced: set[tuple[str, str]] = set()
+
+
+def warn_relocated(saved: list[dict], now: list[dict]) -> None:
+    """Log the move (once per process), and which files only their size vouches for."""
+    old_root = dataset_root([f["path"] for f in saved])
+    new_root = dataset_root([f["path"] for f in now])
+    if (old_root, new_root) in _announced:
+        return
+    _announced.add((old_root, new_root))
+    weak = [b["path"] for a, b in zip(saved, now) if set(content_identity(a)) & set(content_identity(b)) == {"size"}]
+    log.info("data relocated: %s -> %s (%d files, compared by relative path, size and content identity)",
+             old_root, new_root, len(now))
+    if weak:
+        shown = ", ".join(weak[:3]) + (f" and {len(weak) - 3} more" if len(weak) > 3 else "")
+        log.warning("data relocated from %s to %s: %d file(s) have no content identity comparable across "
+                    "the move (no parquet footer digest, LFS sha256 or S3 MD5 ETag): only their size is "
+                    "checked, a same-size edit is caught only if it changes the next sample: %s",
+                    old_root, new_root, len(weak), shown)
