@@ -82,7 +82,13 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
     else:
         protocol = path.split("://", 1)[0]
         fs = _filesystem(protocol, storage_options)
-        data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
+        if protocol == "hf":
+            # HfFileSystem's default read-ahead would fetch up to 5 MB past ``end``: ask for the span only
+            with fs.open(fs._strip_protocol(path), "rb", cache_type="none") as f:
+                f.seek(start)
+                data = f.read(end - start)
+        else:
+            data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
     if len(data) != end - start:
         raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
     return data

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SourceError
+from .hub import commit_sha, hub_commits, pin_commits
 from .index import (
     FOOTER_TAIL_BYTES,
     features_of,
@@ -247,7 +248,7 @@ def _flat_files(data_files: object) -> list[str]:
 def _remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *_flat_files(data_files)] if _is_remote(p)]
-    if targets or data_files is not None:
+    if targets:
         return targets
     import datasets.config
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
@@ -687,6 +688,7 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> Streamin
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": index["builder"], "files": [identity_of(f) for f in files],
         "num_shards": len(shards), "shard_rows": _digest([s.num_rows for s in shards]),
+        **_hub_fingerprint([f["path"] for f in files]),
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
                            parquet=ParquetFiles(index, retry.storage_options), index=index,
@@ -702,6 +704,8 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
         where += f" ({_describe(targets)})"
     # a copy: datasets adds to the dict it is given
     options = {"storage_options": {k: dict(v) for k, v in retry.storage_options.items()}} if retry.remote else {}
+    if cfg.revision is not None:
+        options["revision"] = cfg.revision
     try:
         builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
                              f"{where}: resolving the dataset", targets)
@@ -722,7 +726,16 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
     if resolved and not files:
         raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
                           f"split {cfg.split!r}")
+    # hf:// files on a branch: read the commit it points to now, the same for every rank and restart
+    files = pin_commits(files, lambda repo, rev: retry.call(
+        lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
+
+
+def _hub_fingerprint(files: list[str]) -> dict:
+    """The Hub commits the files come from (a new commit on the repo is then a mismatch naming it)."""
+    commits = hub_commits(files)
+    return {"hub_commits": commits} if commits else {}
 
 
 def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: list[str],
@@ -734,7 +747,7 @@ def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: l
     identities = map_files(lambda f: _file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
-        "streaming": cfg.streaming, "builder": builder.name, "files": identities,
+        "streaming": cfg.streaming, "builder": builder.name, "files": identities, **_hub_fingerprint(files),
     }
 
     if not cfg.streaming:

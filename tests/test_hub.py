@@ -1,0 +1,135 @@
+"""Streaming from the Hugging Face Hub, for real, offline: a loopback Hub (tests/hub_server.py) serves dataset
+repos with commits; ``datasets`` / ``huggingface_hub`` resolve and read them through their own code paths
+(repo info, tree listing, ``resolve`` with Range), exactly as against huggingface.co."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from helpers import take_ids
+from hub_server import HubServer, use_hub
+
+from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
+from resumable_stream.synthetic import write_parquet_dataset
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = "org/data"
+FILES, ROWS, GROUP = 4, 800, 50
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A loopback Hub with ``org/data`` (4 parquet files of 4 row groups in data/, and a README), this
+    process and its children pointed at it."""
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=GROUP)
+    (src / "README.md").write_text("# org/data\n")
+    with HubServer(tmp_path / "hub-store") as srv:
+        srv.create_repo(REPO)
+        srv.first_commit = srv.commit(REPO, directory=src, message="initial")
+        srv.local = src
+        with use_hub(srv, tmp_path / "hf-home") as env:
+            srv.env = env
+            yield srv
+
+
+def hub_config(**kw) -> StreamConfig:
+    base = dict(dataset_name_or_path=REPO, data_files="data/*.parquet", shuffle=True, shuffle_seed=3,
+                buffer_size=120, prefetch_blocks=0)
+    return StreamConfig(**{**base, **kw})
+
+
+def local_rows(directory) -> list[dict]:
+    return sorted((r for f in sorted(directory.glob("data/*.parquet")) for r in pq.read_table(f).to_pylist()),
+                  key=lambda r: r["id"])
+
+
+def run_cli(hub, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {**os.environ, **hub.env,
+           "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}
+    return subprocess.run([sys.executable, "-m", "resumable_stream", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_yaml(path, **data) -> str:
+    path.write_text(yaml.safe_dump({"data": data}))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- resolution
+def test_hub_id_streams_the_repo_at_its_commit(hub):
+    stream = ResumableStream(hub_config(shuffle=False))
+    rows = [dict(r) for r in itertools.islice(stream, ROWS)]
+    assert sorted(rows, key=lambda r: r["id"]) == local_rows(hub.local)
+    files = [f["path"] for f in stream.source.fingerprint["files"]]
+    assert files == [f"hf://datasets/{REPO}@{hub.first_commit}/data/part-{i:05d}.parquet" for i in range(FILES)]
+    assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
+    assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
+    # ranged reads of the row groups only (HfFileSystem's 5 MB read-ahead is off): each row group once,
+    # after the footer reads (one to index each file, one to check it before its first row group)
+    data = [r for r in hub.data_requests() if r.method == "GET" and r.path.endswith(".parquet")]
+    assert all(r.status == 206 for r in data) and len(data) == 2 * FILES + len(stream.source.shards)
+
+
+def test_hf_path_on_a_branch_is_pinned_to_its_commit_and_reads_like_the_hub_id(hub):
+    by_id = take_ids(ResumableStream(hub_config()), 300)
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=f"hf://datasets/{REPO}@main/data/*.parquet",
+                       shuffle=True, shuffle_seed=3, buffer_size=120, prefetch_blocks=0)
+    stream = ResumableStream(cfg)
+    assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
+    assert take_ids(stream, 300) == by_id
+    # a repo without data_files: datasets finds data/*.parquet by itself
+    assert take_ids(ResumableStream(hub_config(data_files=None)), 300) == by_id
+
+
+# ---------------------------------------------------------------------------- resume
+def test_shuffled_resume_in_a_new_process_continues_exactly(hub, tmp_path):
+    config = write_yaml(tmp_path / "hub.yaml", dataset_name_or_path=REPO, data_files="data/*.parquet",
+                        shuffle=True, shuffle_seed=5, buffer_size=150)
+    whole = run_cli(hub, "peek", config, "--num", "500", "--fields", "id")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_cli(hub, "peek", config, "--num", "170", "--fields", "id", "--save-state", str(tmp_path / "st"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = run_cli(hub, "peek", config, "--num", "330", "--fields", "id", "--resume-from", str(tmp_path / "st"))
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in whole.stdout.splitlines()]
+    assert [json.loads(line)["id"] for line in first.stdout.splitlines() + rest.stdout.splitlines()] == ids
+    assert ids != sorted(ids)                                                 # really shuffled
+
+
+def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_path):
+    reference = take_ids(ResumableStream(hub_config()), 400)
+    first = ResumableStream(hub_config())
+    assert take_ids(first, 150) == reference[:150]
+    first.save_sidecar(str(tmp_path / "ckpt" / "stream_state"))
+
+    more = tmp_path / "more.parquet"
+    write_parquet_dataset(str(tmp_path / "more"), rows=100, files=1, row_group_size=GROUP)
+    os.replace(tmp_path / "more" / "part-00000.parquet", more)
+    new = hub.commit(REPO, files={"data/part-00009.parquet": str(more)}, message="more rows")
+
+    with pytest.raises(StreamMismatchError) as info:
+        ResumableStream(hub_config(resume_state_path=str(tmp_path / "ckpt")))
+    msg = str(info.value)
+    assert "data.revision" in msg and hub.first_commit in msg and new in msg and REPO in msg
+
+    pinned = ResumableStream(hub_config(revision=hub.first_commit, resume_state_path=str(tmp_path / "ckpt")))
+    assert pinned.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
+    assert take_ids(pinned, 250) == reference[150:400]
+    # the new commit is what an unpinned fresh run reads
+    assert ResumableStream(hub_config()).source.fingerprint["hub_commits"] == {REPO: new}
+
+
+def test_branch_revision_is_read_at_its_commit(hub, tmp_path):
+    hub.commit(REPO, delete=("data/part-00003.parquet",), message="fewer files", branch="small")
+    stream = ResumableStream(hub_config(revision="small", shuffle=False))
+    assert len(stream.source.fingerprint["files"]) == FILES - 1
+    assert stream.source.fingerprint["hub_commits"] == {REPO: hub.head(REPO, "small")}
