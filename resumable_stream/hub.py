@@ -59,3 +59,51 @@ def commit_sha(repo: str, revision: str | None) -> str:
     from huggingface_hub import HfApi
 
     return HfApi().dataset_info(repo, revision=revision).sha
+
+
+def hub_answer(chain: list[BaseException], where: str, revision: str | None) -> str | None:
+    """One line for a Hub HTTP error in an exception ``chain`` (None: no Hub answer in it): the key at
+    fault (``where`` names the dataset key and value; ``data.revision`` when the revision is missing) and
+    what the Hub answered."""
+    try:
+        from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+    except ImportError:
+        return None
+    for e in chain:
+        response = getattr(e, "response", None)
+        if not isinstance(e, HfHubHTTPError) or response is None:
+            continue
+        status = response.status_code
+        code = response.headers.get("X-Error-Code") or ""
+        message = response.headers.get("X-Error-Message") or ""
+        answer = f"the Hub answered HTTP {status}" + (f" {code}" if code else "") + (f" ({message})" if message else "")
+        if isinstance(e, RevisionNotFoundError) or code == "RevisionNotFound":
+            key = f"data.revision {revision!r}" if revision is not None else where
+            return f"{key}: no such revision in the repo; {answer}; allowed: a branch, tag or commit sha of the repo"
+        if status == 401 and "credentials" in message.lower():
+            return f"{where}: the Hub refused the token; {answer}; check HF_TOKEN (or `hf auth login`)"
+        if status in (401, 403, 404) or code in ("RepoNotFound", "GatedRepo"):
+            return (f"{where}: no such dataset repo, or it is private / gated and no token with access was sent; "
+                    f"{answer}; set HF_TOKEN (or `hf auth login`) for a private repo")
+        return f"{where}: {answer}"
+    return None
+
+
+def probe_answer(repo: str, revision: str | None, where: str) -> str | None:
+    """:func:`hub_answer` for one repo-info request of ``repo`` (``datasets`` drops the Hub's answer from the
+    error it raises for a missing or private repo); None when the repo answers or the Hub is unreachable."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().dataset_info(repo, revision=revision)
+    except Exception as e:
+        return hub_answer([e], where, revision)
+    return None
+
+
+def hub_repo_of(path: str) -> str | None:
+    """The dataset repo an ``hf://datasets/...`` path or a hub id names (None for anything else)."""
+    parts = _parts(path)
+    if parts is not None:
+        return parts[0]
+    return path if re.match(r"^[\w.-]+/[\w.-]+$", path) else None

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SourceError
-from .hub import commit_sha, hub_commits, pin_commits
+from .hub import commit_sha, hub_answer, hub_commits, hub_repo_of, pin_commits, probe_answer
 from .index import (
     FOOTER_TAIL_BYTES,
     features_of,
@@ -709,12 +709,18 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
     try:
         builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
                              f"{where}: resolving the dataset", targets)
-    except FileNotFoundError as e:
-        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
-                          f"{cfg.data_files!r}: {e}") from None
     except (ConfigError, SourceError):
         raise
     except Exception as e:
+        answer = hub_answer(_chain(e), where, cfg.revision)      # the repo / revision / token, named
+        repo = hub_repo_of(path) if targets else None
+        if answer is None and repo is not None and "doesn't exist on the Hub" in str(e):
+            answer = probe_answer(repo, cfg.revision, where)
+        if answer is not None:
+            raise SourceError(answer) from None
+        if isinstance(e, FileNotFoundError):
+            raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
+                              f"{cfg.data_files!r}: {e}") from None
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
                           f"({type(e).__name__}: {e})") from None
 

@@ -86,6 +86,7 @@ class RequestRecord:
     status: int = 0            # 0: no status line was sent (reset / stall before headers)
     bytes_sent: int = 0        # body bytes written
     fault: str | None = None   # the fault injected into this request, as applied
+    error_code: str | None = None  # the X-Error-Code of an error answer (the loopback Hub's)
 
 
 @dataclass

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from http_server import FileServer, RequestRecord, _Handler
 
 # Files stored as LFS objects on the Hub (the others are plain git blobs), as ``.gitattributes`` of a new
@@ -290,6 +289,7 @@ class _HubHandler(_Handler):
         headers = {"X-Error-Message": message}
         if code:
             headers["X-Error-Code"] = code
+            rec.error_code = code
         self._json(rec, {"error": message}, status, headers)
 
     def _json(self, rec: RequestRecord, obj: Any, status: int = 200, headers: dict[str, str] | None = None,

@@ -52,8 +52,8 @@ def local_rows(directory) -> list[dict]:
                   key=lambda r: r["id"])
 
 
-def run_cli(hub, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {**os.environ, **hub.env,
+def run_cli(hub, *args: str, timeout: float = 150, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **hub.env, **(env or {}),
            "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}
     return subprocess.run([sys.executable, "-m", "resumable_stream", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -133,3 +133,39 @@ def test_branch_revision_is_read_at_its_commit(hub, tmp_path):
     stream = ResumableStream(hub_config(revision="small", shuffle=False))
     assert len(stream.source.fingerprint["files"]) == FILES - 1
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.head(REPO, "small")}
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("data", "key", "status", "code"), [
+    (dict(dataset_name_or_path="org/nope"), "data.dataset_name_or_path", "404", "RepoNotFound"),
+    (dict(dataset_name_or_path=REPO, revision="no-such-branch"), "data.revision", "404", "RevisionNotFound"),
+    (dict(dataset_name_or_path="org/private"), "data.dataset_name_or_path", "401", "RepoNotFound"),
+])
+def test_missing_repo_revision_or_token_is_one_line_exit_2_without_retries(hub, tmp_path, data, key, status,
+                                                                         code):
+    hub.create_repo("org/private", private=True)
+    hub.commit("org/private", directory=hub.local)
+    config = write_yaml(tmp_path / "bad.yaml", **data, data_files="data/*.parquet", retries=3,
+                        retry_backoff_s=0.01)
+    hub.reset_stats()
+    proc = run_cli(hub, "peek", config, "--num", "1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and key in error[0] and status in error[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    # an answer, not a fault: never retried (datasets' request, and at most one of ours to read the status)
+    answered = [r for r in hub.requests if r.error_code == code]
+    assert 1 <= len(answered) <= 2, [(r.method, r.path, r.status) for r in hub.requests]
+    assert all(str(r.status) == status for r in answered)
+
+
+def test_private_repo_streams_with_a_token_and_a_wrong_token_is_refused(hub, tmp_path):
+    hub.create_repo("org/private", private=True)
+    hub.commit("org/private", directory=hub.local)
+    hub.tokens.add("hf_good")
+    config = write_yaml(tmp_path / "p.yaml", dataset_name_or_path="org/private", data_files="data/*.parquet")
+    ok = run_cli(hub, "peek", config, "--num", "3", "--fields", "id", env={"HF_TOKEN": "hf_good", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "0"})
+    assert ok.returncode == 0 and len(ok.stdout.splitlines()) == 3, ok.stderr[-3000:]
+    assert all(r.status != 401 for r in hub.requests)
+    bad = run_cli(hub, "peek", config, "--num", "3", env={"HF_TOKEN": "hf_wrong", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "0"})
+    assert bad.returncode == 2 and "401" in bad.stderr and "token" in bad.stderr, bad.stderr[-3000:]
