@@ -9,11 +9,13 @@ and yield Arrow tables from there. Everything above it (plan, stream, cache) onl
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import hashlib
 import inspect
 import json
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -203,6 +205,13 @@ _MISSING_STATUSES = frozenset({404, 410})
 HTTP_REQUEST_RETRIES = 2
 # The longest wait between two tries (unless retry_backoff_s itself is longer).
 _MAX_BACKOFF_S = 60.0
+# A server's Retry-After (429 / 503) is waited, up to this long (then retried, and it answers again).
+_MAX_RETRY_AFTER_S = 300.0
+# Each wait is stretched by up to this share, at random, so that ranks and workers hit by the same fault
+# (a rate limit, a restarting server) do not all retry in the same instant. Only waits are random: which
+# rows come out never depends on them.
+_JITTER = 0.25
+_jitter_rng = random.Random()
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -296,6 +305,7 @@ class _HttpRetry:
                     return resp
                 if attempt >= self.retries:
                     return resp                      # the caller raises for the status, naming it
+                retry_after = retry_after_s(resp.headers)
                 resp.release()
                 error = f"HTTP {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -303,11 +313,38 @@ class _HttpRetry:
                 if attempt >= self.retries or _is_invalid_url(e) or isinstance(e, aiohttp.ClientConnectorError):
                     raise
                 error = f"{type(e).__name__}: {e}"
-            wait = min(self.backoff_s * 2.0 ** attempt, max(_MAX_BACKOFF_S, self.backoff_s))
+                retry_after = None
+            wait = backoff_wait(self.backoff_s, attempt, retry_after)
             attempt += 1
             log.warning("%s %s: %s; request retry %d of %d in %.2f s",
                         req.method, req.url, error, attempt, self.retries, wait)
             await asyncio.sleep(wait)
+
+
+def retry_after_s(headers) -> float | None:
+    """Seconds a ``Retry-After`` header (delay-seconds or an HTTP date) asks to wait; None: none / unreadable."""
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    value = str(value).strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def backoff_wait(backoff_s: float, attempt: int, retry_after: float | None = None) -> float:
+    """The wait before try ``attempt + 2``: exponential backoff, at least the server's Retry-After (capped at
+    _MAX_RETRY_AFTER_S), stretched by a random jitter of up to _JITTER."""
+    wait = min(backoff_s * 2.0 ** min(attempt, 60), max(_MAX_BACKOFF_S, backoff_s))
+    if retry_after is not None:
+        wait = max(wait, min(retry_after, _MAX_RETRY_AFTER_S))
+    return wait * (1.0 + _JITTER * _jitter_rng.random())
 
 
 def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
@@ -426,9 +463,16 @@ class _Retry:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
         return self.remote and (path == "" or _is_remote(path))
 
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...)."""
-        return min(self.backoff_s * 2.0 ** min(attempt, 60), max(_MAX_BACKOFF_S, self.backoff_s))
+    def delay(self, attempt: int, e: BaseException | None = None) -> float:
+        """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...; at least
+        the Retry-After of the answer that ``e`` carries), with jitter."""
+        retry_after = None
+        for x in _chain(e) if e is not None else []:
+            response = getattr(x, "response", None)
+            retry_after = retry_after_s(getattr(x, "headers", None) or getattr(response, "headers", None))
+            if retry_after is not None:
+                break
+        return backoff_wait(self.backoff_s, attempt, retry_after)
 
     def failed(self, e: BaseException, attempt: int, label: str, probe: list[str]) -> bool:
         """After ``e`` ended try ``attempt + 1``: sleep and return True when another try is due; False
@@ -446,7 +490,7 @@ class _Retry:
         if attempt >= self.retries:
             raise SourceError(f"{label} failed after {attempt + 1} attempt(s) (data.retries: {self.retries}); "
                               f"last error: {_error_text(e)}") from e
-        wait = self.delay(attempt)
+        wait = self.delay(attempt, e)
         log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(e), attempt + 1, self.retries, wait)
         time.sleep(wait)
         return True

@@ -169,3 +169,55 @@ def test_private_repo_streams_with_a_token_and_a_wrong_token_is_refused(hub, tmp
     assert all(r.status != 401 for r in hub.requests)
     bad = run_cli(hub, "peek", config, "--num", "3", env={"HF_TOKEN": "hf_wrong", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "0"})
     assert bad.returncode == 2 and "401" in bad.stderr and "token" in bad.stderr, bad.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- rate limits
+def test_rate_limits_and_server_errors_leave_the_sequence_unchanged(hub):
+    reference = take_ids(ResumableStream(hub_config(prefetch_blocks=2)), 500)
+    hub.retry_after_s = 0
+    hub.set_faults(rate=0.3, kinds=("429", "500", "503", "reset"), seed=7, paths=("*.parquet",),
+                   methods=("GET",), first=40)
+    faulted = ResumableStream(hub_config(prefetch_blocks=2, retries=6, retry_backoff_s=0.01))
+    assert take_ids(faulted, 500) == reference
+    assert hub.stats()["faults"]["429"] > 0 and hub.stats()["faults_injected"] >= 5
+
+
+def test_retry_after_is_waited_with_jitter(monkeypatch):
+    import httpx2
+    from huggingface_hub.utils import hf_raise_for_status
+
+    from resumable_stream import source
+
+    request = httpx2.Request("GET", "http://127.0.0.1:1/datasets/org/data/resolve/main/a.parquet")
+    limited = httpx2.Response(429, headers={"Retry-After": "3"}, request=request)
+    with pytest.raises(Exception) as info:
+        hf_raise_for_status(limited)
+    retry = source._Retry(hub_config(retry_backoff_s=0.5), remote=True)
+    waits = [retry.delay(0, info.value) for _ in range(200)]
+    assert all(3.0 <= w <= 3.0 * (1 + source._JITTER) for w in waits)     # at least Retry-After
+    assert len(set(waits)) > 100                                          # jittered: ranks do not retry together
+    plain = [retry.delay(2) for _ in range(200)]                          # ordinary backoff: 0.5 * 2**2, jittered
+    assert all(2.0 <= w <= 2.0 * (1 + source._JITTER) for w in plain) and len(set(plain)) > 100
+    huge = httpx2.Response(429, headers={"Retry-After": "86400"}, request=request)
+    with pytest.raises(Exception) as info:
+        hf_raise_for_status(huge)
+    assert retry.delay(0, info.value) <= source._MAX_RETRY_AFTER_S * (1 + source._JITTER)   # capped
+    assert source.retry_after_s({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0  # a date in the past
+
+
+def test_http_request_retry_honours_retry_after(tmp_path, caplog):
+    from http_server import FileServer
+
+    write_parquet_dataset(str(tmp_path / "d"), rows=200, files=1, row_group_size=100)
+    with FileServer(tmp_path / "d") as srv:
+        srv.retry_after_s = 1
+        seen = []
+        srv.faults.append(lambda rec: 429 if rec.range and len(seen) < 1 and not seen.append(rec) else None)
+        cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url("part-00000.parquet")],
+                           retries=2, retry_backoff_s=0.01, prefetch_blocks=0)
+        with caplog.at_level("WARNING", logger="resumable_stream.source"):
+            ids = take_ids(ResumableStream(cfg), 200)
+        assert sorted(ids) == list(range(200))
+        waits = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records
+                 if "HTTP 429" in r.getMessage()]
+        assert waits and all(w >= 1.0 for w in waits), caplog.text     # Retry-After: 1, not the 0.01 s backoff
