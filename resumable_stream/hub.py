@@ -107,3 +107,47 @@ def hub_repo_of(path: str) -> str | None:
     if parts is not None:
         return parts[0]
     return path if re.match(r"^[\w.-]+/[\w.-]+$", path) else None
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an ``hf://datasets/{repo}@{rev}/{file}``: one ranged GET of its ``resolve``
+    URL (HfFileSystem would first ask for the repo info and list the directory, in every process, and read
+    up to 5 MB ahead). huggingface_hub's own backoff retries 429 (after its Retry-After) and 5xx."""
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+
+    parts = _parts(path)
+    if parts is None or not parts[2]:
+        raise ValueError(f"not an hf://datasets/ file path: {path!r}")
+    repo, rev, rest = parts
+    url = hf_hub_url(repo, rest.lstrip("/"), repo_type="dataset", revision=rev)
+    headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"}
+    response = http_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    hf_raise_for_status(response)
+    return response.content
+
+
+def file_identities(files: list[str]) -> dict[str, dict]:
+    """Identities (size, git blob id, LFS sha256) of the ``hf://datasets/`` files among ``files``, as
+    HfFileSystem.info gives them, asked in batches (one paths-info request per 100 files of a repo commit)
+    rather than file by file."""
+    from huggingface_hub import HfApi
+
+    groups: dict[tuple[str, str | None], dict[str, str]] = {}
+    for f in files:
+        parts = _parts(f)
+        if parts is not None and parts[2]:
+            groups.setdefault((parts[0], parts[1]), {})[parts[2].lstrip("/")] = f
+    out: dict[str, dict] = {}
+    api = HfApi()
+    for (repo, rev), by_path in groups.items():
+        paths = list(by_path)
+        for lo in range(0, len(paths), 100):
+            for info in api.get_paths_info(repo, paths[lo:lo + 100], repo_type="dataset", revision=rev):
+                if info.path not in by_path or not hasattr(info, "size"):
+                    continue       # a folder
+                ident = {"path": by_path[info.path], "size": info.size, "blob_id": info.blob_id}
+                if info.lfs is not None and info.lfs.get("sha256"):
+                    ident["sha256"] = info.lfs["sha256"]
+                out[by_path[info.path]] = ident
+    return out

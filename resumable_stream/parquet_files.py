@@ -81,13 +81,12 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
             data = f.read(end - start)
     else:
         protocol = path.split("://", 1)[0]
-        fs = _filesystem(protocol, storage_options)
-        if protocol == "hf":
-            # HfFileSystem's default read-ahead would fetch up to 5 MB past ``end``: ask for the span only
-            with fs.open(fs._strip_protocol(path), "rb", cache_type="none") as f:
-                f.seek(start)
-                data = f.read(end - start)
+        if protocol == "hf" and path.startswith("hf://datasets/"):
+            from .hub import read_range as hub_read_range
+
+            data = hub_read_range(path, start, end)      # one request (HfFileSystem: up to three, and 5 MB more)
         else:
+            fs = _filesystem(protocol, storage_options)
             data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
     if len(data) != end - start:
         raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")

@@ -29,7 +29,15 @@ import pyarrow as pa
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SourceError
-from .hub import commit_sha, hub_answer, hub_commits, hub_repo_of, pin_commits, probe_answer
+from .hub import (
+    commit_sha,
+    file_identities,
+    hub_answer,
+    hub_commits,
+    hub_repo_of,
+    pin_commits,
+    probe_answer,
+)
 from .index import (
     FOOTER_TAIL_BYTES,
     features_of,
@@ -146,9 +154,10 @@ def _parquet_footer(path: str, size: int, retry: _Retry | None = None) -> bytes:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def _index_file(path: str, retry: _Retry | None) -> tuple[dict, bytes]:
-    """One file's index entry (its identity: one metadata request; its layout: one footer read) and footer."""
-    ident = _file_identity(path, retry)
+def _index_file(path: str, retry: _Retry | None, ident: dict | None = None) -> tuple[dict, bytes]:
+    """One file's index entry (its identity: ``ident`` or one metadata request; its layout: one footer read)
+    and footer."""
+    ident = ident or _file_identity(path, retry)
     if not isinstance(ident.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
     footer = _parquet_footer(path, ident["size"], retry)
@@ -159,10 +168,22 @@ def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _R
                         progress: Callable[[], None] | None = None) -> dict:
     """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
     first file's schema, as ``datasets`` does)."""
-    done = map_files(lambda f: _index_file(f, retry), files, progress)
+    known = _hub_identities(files, retry)
+    done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
     if features is None:
         features = features_of(done[0][1], files[0])
     return make_index(cfg, "parquet", features, [entry for entry, _ in done])
+
+
+def _hub_identities(files: list[str], retry: _Retry | None) -> dict[str, dict]:
+    """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
+    hub_files = [f for f in files if f.startswith("hf://datasets/")]
+    if not hub_files:
+        return {}
+    label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
+    if retry is not None and retry.applies(hub_files[0]):
+        return retry.call(lambda: file_identities(hub_files), label, hub_files)
+    return file_identities(hub_files)
 
 
 def _digest(obj) -> str:

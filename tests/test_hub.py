@@ -221,3 +221,23 @@ def test_http_request_retry_honours_retry_after(tmp_path, caplog):
         waits = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records
                  if "HTTP 429" in r.getMessage()]
         assert waits and all(w >= 1.0 for w in waits), caplog.text     # Retry-After: 1, not the 0.01 s backoff
+
+
+@pytest.mark.timeout(600)
+def test_a_job_asks_the_hub_api_once_whatever_its_ranks(hub, tmp_path):
+    """torchrun jobs of 1 and 3 ranks: rank 0 resolves the repo and indexes its files (file identities in one
+    batched paths-info request), the other ranks get the index over torch.distributed and read their row
+    groups with one ranged GET each: the API requests do not grow with the ranks, nor with the files."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from hub_requests import REPO as BENCH_REPO
+    from hub_requests import job_requests
+
+    hub.commit(BENCH_REPO, directory=hub.local)
+    one = job_requests(hub, str(tmp_path / "home1"), "ours", 1, 150, str(tmp_path))
+    three = job_requests(hub, str(tmp_path / "home3"), "ours", 3, 150, str(tmp_path))
+    assert one["api"] == three["api"] <= 6, (one, three)
+    # each rank reads its own row groups (and the footers of the files they are in): files, not more
+    assert three["files"] <= 3 * one["files"], (one, three)
+    # the listings are datasets' (data/*.parquet), none per file: the identities come in one batch
+    assert sum("/tree/" in r.path for r in hub.requests) <= 2
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
