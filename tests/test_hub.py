@@ -241,3 +241,31 @@ def test_a_job_asks_the_hub_api_once_whatever_its_ranks(hub, tmp_path):
     # the listings are datasets' (data/*.parquet), none per file: the identities come in one batch
     assert sum("/tree/" in r.path for r in hub.requests) <= 2
     assert sum("/paths-info/" in r.path for r in hub.requests) == 1
+
+
+# ---------------------------------------------------------------------------- index, block cache, warmup
+def _row_group_reads(hub) -> int:
+    """Ranged reads of row groups (not footers: those end at the file's last byte)."""
+    sizes = {b.oid: b.size for c in hub.repos[REPO].commits.values() for b in c.files.values()}
+    ends = {str(s - 1) for s in sizes.values()}
+    return sum(1 for r in hub.data_requests() if r.range and r.range.rsplit("-", 1)[1] not in ends)
+
+
+def test_warmup_fills_the_cache_and_a_second_run_reads_no_row_group(hub, tmp_path):
+    cfg = hub_config(cache_dir=str(tmp_path / "cache"), index_path=str(tmp_path / "index.json"))
+    reference = take_ids(ResumableStream(hub_config()), 400)
+    config = write_yaml(tmp_path / "warm.yaml", **{k: v for k, v in cfg.to_dict().items() if v is not None})
+    hub.reset_stats()
+    warm = run_cli(hub, "warmup", config, "--samples", "400", "--no-progress")
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    assert _row_group_reads(hub) > 0
+
+    hub.reset_stats()
+    stream = ResumableStream(cfg)                                      # also writes the dataset index
+    assert take_ids(stream, 400) == reference
+    assert _row_group_reads(hub) == 0                                  # every row group from the cache
+    assert (tmp_path / "index.json").is_file()
+    # trusting the saved index (verify_files: false): not a single request to the Hub
+    hub.reset_stats()
+    assert take_ids(ResumableStream(cfg.replace(verify_files=False)), 400) == reference
+    assert hub.requests == []
