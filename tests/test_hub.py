@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -269,3 +270,18 @@ def test_warmup_fills_the_cache_and_a_second_run_reads_no_row_group(hub, tmp_pat
     hub.reset_stats()
     assert take_ids(ResumableStream(cfg.replace(verify_files=False)), 400) == reference
     assert hub.requests == []
+
+
+# ---------------------------------------------------------------------------- docs
+def test_docs_hub_config_runs(hub, tmp_path):
+    """The config of docs/hub.md (marker ``tested-config: hub``) streams from the loopback Hub as it is, with
+    its cache directory moved under tmp_path."""
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "hub.md").read_text()
+    block = page.split("<!-- tested-config: hub -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    doc = yaml.safe_load(block)
+    doc["data"]["cache_dir"] = str(tmp_path / "cache")
+    cfg = StreamConfig.from_dict(doc["data"])
+    assert (cfg.dataset_name_or_path, cfg.data_files, cfg.revision) == (REPO, "data/*.parquet", "main")
+    stream = ResumableStream(cfg)
+    assert sorted(take_ids(stream, ROWS)) == [r["id"] for r in local_rows(hub.local)]
+    assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
