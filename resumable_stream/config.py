@@ -131,6 +131,14 @@ class StreamConfig:
                 f"{self.dataset_name_or_path} builder reads the files data_files names (a path or glob, a list of "
                 "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
             )
+        path = self.dataset_name_or_path
+        if self.revision is not None and (path in FILE_BUILDERS or self.backend == "local" or os.path.exists(path)
+                                          or ("://" in path and not path.startswith("hf://"))):
+            raise ConfigError(
+                f"data.revision: got {self.revision!r} with data.dataset_name_or_path {path!r}; a revision "
+                "applies to a Hub repo id (org/name); for hf:// files write it into the path "
+                "(hf://datasets/org/name@revision/...)"
+            )
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(
                 f"data.data_files: got {self.data_files!r} with data.backend 'local'; "

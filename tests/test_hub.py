@@ -285,3 +285,13 @@ def test_docs_hub_config_runs(hub, tmp_path):
     stream = ResumableStream(cfg)
     assert sorted(take_ids(stream, ROWS)) == [r["id"] for r in local_rows(hub.local)]
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
+
+
+@pytest.mark.parametrize("path", ["parquet", "https://example.com/a.parquet", "."])
+def test_revision_without_a_hub_repo_is_a_config_error(path):
+    from resumable_stream import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.revision: got 'v1'.*a Hub repo id"):
+        StreamConfig(dataset_name_or_path=path, data_files="x.parquet" if path == "parquet" else None,
+                     revision="v1")
+    assert StreamConfig(dataset_name_or_path="hf://org/data", revision="v1").revision == "v1"
