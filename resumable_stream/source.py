@@ -165,11 +165,13 @@ def _index_file(path: str, retry: _Retry | None, ident: dict | None = None) -> t
 
 
 def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _Retry | None,
-                        progress: Callable[[], None] | None = None) -> dict:
+                        progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
-    first file's schema, as ``datasets`` does)."""
+    first file's schema, as ``datasets`` does). ``footers``: filled with each file's footer bytes."""
     known = _hub_identities(files, retry)
     done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
+    if footers is not None:
+        footers.update((f, footer) for f, (_, footer) in zip(files, done))
     if features is None:
         features = features_of(done[0][1], files[0])
     return make_index(cfg, "parquet", features, [entry for entry, _ in done])
@@ -697,27 +699,30 @@ class MapStyleSource(Source):
             pos = end
 
 
-def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None) -> Source:
+def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None,
+                footers: dict[str, bytes] | None = None) -> Source:
     """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason.
 
     Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
     own) with ``data.timeout_s`` on every HTTP connection and read. A parquet dataset is read from its
     dataset index: ``index`` when given (checked against the config; nothing is resolved then),
-    otherwise built here (``progress()`` after each file)."""
+    otherwise built here (``progress()`` after each file). ``footers``: the parquet footers of the index's
+    files already read elsewhere (path -> bytes, checked against the index; the source's ``footers()``)."""
     if cfg.backend == "local":
         return _open_local(cfg)
     path, data_files = _builder_args(cfg)
     targets = _remote_targets(path, data_files)
     retry = _Retry(cfg, remote=bool(targets))
     if index is not None and cfg.streaming:
-        return source_from_index(cfg, index, retry)
+        return source_from_index(cfg, index, retry, footers)
+    footers = {}
     files = _explicit_urls(cfg, path, data_files) if cfg.streaming else None
     if files is not None:
-        return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress), retry)
+        return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = _resolve(cfg, path, data_files, targets, retry)
     if cfg.streaming and _indexable(builder, files):
-        index = build_parquet_index(cfg, files, builder.info.features, retry, progress)
-        return source_from_index(cfg, index, retry)
+        index = build_parquet_index(cfg, files, builder.info.features, retry, progress, footers)
+        return source_from_index(cfg, index, retry, footers)
     return _open_with_datasets(cfg, builder, files, targets, retry)
 
 
@@ -744,7 +749,8 @@ def _indexable(builder, files: list[str]) -> bool:
             and getattr(builder.config, "filters", None) is None)
 
 
-def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> StreamingSource:
+def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry,
+                      footers: dict[str, bytes] | None = None) -> StreamingSource:
     """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
     files = index["files"]
     shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
@@ -756,7 +762,7 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> Streamin
         **_hub_fingerprint([f["path"] for f in files]),
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
-                           parquet=ParquetFiles(index, retry.storage_options), index=index,
+                           parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
                            prefetch_blocks=cfg.prefetch_blocks)
 
 
