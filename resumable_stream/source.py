@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 # Rows per shard when a dataset is loaded normally (streaming: false or backend: local).
 MAP_STYLE_SHARD_ROWS = 8192
+# Footers read to build an index are kept (and broadcast to the other ranks) up to this many bytes in all;
+# beyond, each process reads the footers of the files it reads, as they come.
+KEPT_FOOTERS_MAX_BYTES = 64 << 20
 # Rows per Arrow table handed to the stream while reading a shard.
 READ_BATCH_ROWS = 8192
 
@@ -170,7 +173,7 @@ def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _R
     first file's schema, as ``datasets`` does). ``footers``: filled with each file's footer bytes."""
     known = _hub_identities(files, retry)
     done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
-    if footers is not None:
+    if footers is not None and sum(len(footer) for _, footer in done) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, footer) for f, (_, footer) in zip(files, done))
     if features is None:
         features = features_of(done[0][1], files[0])

@@ -74,6 +74,11 @@ def test_hub_id_streams_the_repo_at_its_commit(hub):
     assert files == [f"hf://datasets/{REPO}@{hub.first_commit}/data/part-{i:05d}.parquet" for i in range(FILES)]
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
     assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
+    # identities asked in one batch equal those verify_files asks file by file (else every resume re-indexes)
+    from resumable_stream.hub import file_identities
+    from resumable_stream.source import _file_identity
+    indexed = {k: v for k, v in stream.source.fingerprint["files"][1].items() if k != "footer"}
+    assert file_identities(files)[files[1]] == _file_identity(files[1]) == indexed
     # ranged reads only (no 5 MB read-ahead): each file's footer once (read to index it, kept to decode its
     # row groups), then each row group once
     data = [r for r in hub.data_requests() if r.method == "GET" and r.path.endswith(".parquet")]
