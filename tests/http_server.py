@@ -46,6 +46,10 @@ Two ways to inject them, consulted in this order before a request is served:
   decoded URL path), ``first=N`` (only the first N eligible requests after the call).
   ``srv.clear_faults()`` removes the policy (and empties ``srv.faults``).
 
+Other servers reuse all of this (records, latency, faults, ranged bodies): ``tests/hub_server.py``
+subclasses ``FileServer`` (``_handler_class``) and its handler (``_answer``, answering through
+``_send_content``).
+
 ``srv.stats()`` counts requests, statuses, bytes and faults (``faults`` per kind,
 ``faults_injected`` in all). ``stop()`` is bounded: it wakes stalled / throttled / delayed
 handlers, shuts every open connection down and joins the handler threads.
