@@ -35,6 +35,7 @@ from .source import (
     _builder_args,
     _explicit_urls,
     _file_identity,
+    _hub_identities,
     _is_remote,
     _parquet_footer,
     _remote_targets,
@@ -119,9 +120,14 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
                 f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
                 diffs or [("file order", listed, files)])
 
+    try:
+        known = _hub_identities(listed, retry)       # Hub files: one batched request, not one per file
+    except SourceError:
+        known = {}                                   # asked file by file below, each error named
+
     def now(entry: dict) -> dict:
         try:
-            ident = _file_identity(entry["path"], retry)
+            ident = known.get(entry["path"]) or _file_identity(entry["path"], retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
         if not _is_remote(entry["path"]) and isinstance(ident.get("size"), int):

@@ -116,6 +116,12 @@ def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_pat
     first = ResumableStream(hub_config())
     assert take_ids(first, 150) == reference[:150]
     first.save_sidecar(str(tmp_path / "ckpt" / "stream_state"))
+    hub.reset_stats()
+    same = ResumableStream(hub_config(resume_state_path=str(tmp_path / "ckpt")))
+    assert take_ids(same, 50) == reference[150:200]
+    # the checkpoint's index is reused (no footer read to index), its files verified in one batched request
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
+    assert not any(r.range and r.range.startswith("bytes=0-") for r in hub.data_requests())
 
     more = tmp_path / "more.parquet"
     write_parquet_dataset(str(tmp_path / "more"), rows=100, files=1, row_group_size=GROUP)
@@ -127,8 +133,11 @@ def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_pat
     msg = str(info.value)
     assert "data.revision" in msg and hub.first_commit in msg and new in msg and REPO in msg
 
+    hub.reset_stats()
     pinned = ResumableStream(hub_config(revision=hub.first_commit, resume_state_path=str(tmp_path / "ckpt")))
     assert pinned.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
+    # (a new resolution: the config names another revision; its file identities in one batched request)
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
     assert take_ids(pinned, 250) == reference[150:400]
     # the new commit is what an unpinned fresh run reads
     assert ResumableStream(hub_config()).source.fingerprint["hub_commits"] == {REPO: new}
