@@ -66,6 +66,13 @@ def _describe(diffs: list[tuple[str, Any, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _revision_hint(diffs: list[tuple[str, Any, Any]]) -> str:
+    """What to do when a Hub repo moved to another commit since the state was saved."""
+    moved = [(what.split("hub_commits.", 1)[1], a, b) for what, a, b in diffs if "hub_commits." in what]
+    return "".join(f" The Hub repo {repo!r} is at commit {b!r} now, the run started on {a!r}: set data.revision: "
+                   f"{a} to resume on the data it started with." for repo, a, b in moved if a and b)
+
+
 def check_fingerprint(saved: dict, now: dict, where: str) -> None:
     moves: list[tuple[list, list]] = []
     diffs = fingerprint_diff(saved, now, moves=moves)
@@ -75,7 +82,8 @@ def check_fingerprint(saved: dict, now: dict, where: str) -> None:
     if diffs:
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for different data or settings; resuming would "
-            f"read other samples than the interrupted run. Differences:\n{_describe(diffs)}",
+            f"read other samples than the interrupted run.{_revision_hint(diffs)} "
+            f"Differences:\n{_describe(diffs)}",
             diffs,
         )
 

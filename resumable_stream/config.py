@@ -53,6 +53,8 @@ _RULES: dict[str, tuple[Any, str]] = {
                              "with data_files, a local directory or file, or an http(s):// / hf:// path"),
     "name": (lambda v: v is None or (isinstance(v, str) and v), "null or a dataset config (subset) name"),
     "data_files": (_check_data_files, "null, a path or glob, a non-empty list of them, or a mapping split -> paths"),
+    "revision": (lambda v: v is None or (isinstance(v, str) and v.strip() != "" and not v.startswith("/")),
+                 "null (the repo's main branch) or a Hub revision: a branch, a tag or a commit sha"),
     "split": (lambda v: isinstance(v, str) and v.strip() != "", "a split name such as train"),
     "shuffle": (lambda v: isinstance(v, bool), "true or false"),
     "shuffle_seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
@@ -91,6 +93,7 @@ class StreamConfig:
     streaming: bool | None = None  # None: true for backend hf, false for local
     name: str | None = None
     data_files: str | list[str] | dict[str, Any] | None = None
+    revision: str | None = None         # Hub repo revision (branch, tag, commit sha); None: main
     split: str = "train"
     shuffle: bool = False
     shuffle_seed: int = 42
@@ -131,6 +134,14 @@ class StreamConfig:
                 f"data.data_files: missing with data.dataset_name_or_path {self.dataset_name_or_path!r}; the "
                 f"{self.dataset_name_or_path} builder reads the files data_files names (a path or glob, a list of "
                 "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
+            )
+        path = self.dataset_name_or_path
+        if self.revision is not None and (path in FILE_BUILDERS or self.backend == "local" or os.path.exists(path)
+                                          or ("://" in path and not path.startswith("hf://"))):
+            raise ConfigError(
+                f"data.revision: got {self.revision!r} with data.dataset_name_or_path {path!r}; a revision "
+                "applies to a Hub repo id (org/name); for hf:// files write it into the path "
+                "(hf://datasets/org/name@revision/...)"
             )
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(

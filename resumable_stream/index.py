@@ -31,8 +31,11 @@ _MAGIC = b"PAR1"
 
 def resolution_key(cfg) -> dict[str, Any]:
     """The config keys that decide which files an index lists: an index is only used for these."""
-    return {"dataset_name_or_path": cfg.dataset_name_or_path, "name": cfg.name,
-            "data_files": cfg.data_files, "split": cfg.split}
+    key = {"dataset_name_or_path": cfg.dataset_name_or_path, "name": cfg.name,
+           "data_files": cfg.data_files, "split": cfg.split}
+    if getattr(cfg, "revision", None) is not None:    # only when set: indexes saved before the key still match
+        key["revision"] = cfg.revision
+    return key
 
 
 def footer_digest(footer: bytes) -> str:

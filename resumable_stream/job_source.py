@@ -11,6 +11,7 @@ which then make no request at all to open the stream.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from .source import (
     _builder_args,
     _explicit_urls,
     _file_identity,
+    _hub_identities,
     _is_remote,
     _parquet_footer,
     _remote_targets,
@@ -59,7 +61,8 @@ def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state
             cls = _ERRORS.get(message["error"]["type"], SourceError)
             raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
         index = message["index"]
-        return open_source(cfg, index=index) if index is not None else open_source(cfg)
+        footers = {p: base64.b64decode(f) for p, f in message.get("footers", {}).items()}
+        return open_source(cfg, index=index, footers=footers) if index is not None else open_source(cfg)
     try:
         src = _open_first(cfg, rank, state_path or cfg.resume_state_path)
     except Exception as e:
@@ -67,7 +70,10 @@ def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state
             _broadcast(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
         raise
     if shared:
-        _broadcast(json.dumps({"index": getattr(src, "index", None)}).encode())
+        # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
+        parquet = getattr(src, "_parquet", None)
+        footers = {p: base64.b64encode(f).decode() for p, f in (parquet.footers if parquet else {}).items()}
+        _broadcast(json.dumps({"index": getattr(src, "index", None), "footers": footers}).encode())
     return src
 
 
@@ -114,9 +120,14 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
                 f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
                 diffs or [("file order", listed, files)])
 
+    try:
+        known = _hub_identities(listed, retry)       # Hub files: one batched request, not one per file
+    except SourceError:
+        known = {}                                   # asked file by file below, each error named
+
     def now(entry: dict) -> dict:
         try:
-            ident = _file_identity(entry["path"], retry)
+            ident = known.get(entry["path"]) or _file_identity(entry["path"], retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
         if not _is_remote(entry["path"]) and isinstance(ident.get("size"), int):

@@ -81,8 +81,13 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
             data = f.read(end - start)
     else:
         protocol = path.split("://", 1)[0]
-        fs = _filesystem(protocol, storage_options)
-        data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
+        if protocol == "hf" and path.startswith("hf://datasets/"):
+            from .hub import read_range as hub_read_range
+
+            data = hub_read_range(path, start, end)      # one request (HfFileSystem: up to three, and 5 MB more)
+        else:
+            fs = _filesystem(protocol, storage_options)
+            data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
     if len(data) != end - start:
         raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
     return data
@@ -91,10 +96,13 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
 class ParquetFiles:
     """The row groups of the files of a dataset index (picklable: DataLoader workers get a copy)."""
 
-    def __init__(self, index: dict[str, Any], storage_options: dict):
+    def __init__(self, index: dict[str, Any], storage_options: dict, footers: dict[str, bytes] | None = None):
         import datasets
 
         self._files = index["files"]
+        # footers already read by whoever built the index (path -> bytes; still checked against its digest):
+        # a rank or DataLoader worker given them reads no footer itself
+        self.footers: dict[str, bytes] = dict(footers or {})
         self._storage_options = storage_options
         self.features = datasets.Features.from_dict(index["features"])
         self._schema = self.features.arrow_schema
@@ -149,7 +157,9 @@ class ParquetFiles:
     def _read_footer(self, file: int) -> pq.FileMetaData:
         entry = self._files[file]
         size, length = entry["size"], entry["footer_bytes"]
-        footer = read_range(entry["path"], size - length, size, self._storage_options)
+        footer = self.footers.get(entry["path"])
+        if footer is None:
+            footer = read_range(entry["path"], size - length, size, self._storage_options)
         digest = footer_digest(footer)
         if digest != entry["footer"]:
             raise StreamMismatchError(

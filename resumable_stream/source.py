@@ -9,11 +9,13 @@ and yield Arrow tables from there. Everything above it (plan, stream, cache) onl
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import hashlib
 import inspect
 import json
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -27,6 +29,15 @@ import pyarrow as pa
 
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SourceError
+from .hub import (
+    commit_sha,
+    file_identities,
+    hub_answer,
+    hub_commits,
+    hub_repo_of,
+    pin_commits,
+    probe_answer,
+)
 from .index import (
     FOOTER_TAIL_BYTES,
     features_of,
@@ -43,6 +54,9 @@ log = logging.getLogger(__name__)
 
 # Rows per shard when a dataset is loaded normally (streaming: false or backend: local).
 MAP_STYLE_SHARD_ROWS = 8192
+# Footers read to build an index are kept (and broadcast to the other ranks) up to this many bytes in all;
+# beyond, each process reads the footers of the files it reads, as they come.
+KEPT_FOOTERS_MAX_BYTES = 64 << 20
 # Rows per Arrow table handed to the stream while reading a shard.
 READ_BATCH_ROWS = 8192
 
@@ -147,9 +161,10 @@ def _parquet_footer(path: str, size: int, retry: _Retry | None = None) -> bytes:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def _index_file(path: str, retry: _Retry | None) -> tuple[dict, bytes]:
-    """One file's index entry (its identity: one metadata request; its layout: one footer read) and footer."""
-    ident = _file_identity(path, retry)
+def _index_file(path: str, retry: _Retry | None, ident: dict | None = None) -> tuple[dict, bytes]:
+    """One file's index entry (its identity: ``ident`` or one metadata request; its layout: one footer read)
+    and footer."""
+    ident = ident or _file_identity(path, retry)
     if not isinstance(ident.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
     footer = _parquet_footer(path, ident["size"], retry)
@@ -157,13 +172,27 @@ def _index_file(path: str, retry: _Retry | None) -> tuple[dict, bytes]:
 
 
 def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _Retry | None,
-                        progress: Callable[[], None] | None = None) -> dict:
+                        progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
-    first file's schema, as ``datasets`` does)."""
-    done = map_files(lambda f: _index_file(f, retry), files, progress)
+    first file's schema, as ``datasets`` does). ``footers``: filled with each file's footer bytes."""
+    known = _hub_identities(files, retry)
+    done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
+    if footers is not None and sum(len(footer) for _, footer in done) <= KEPT_FOOTERS_MAX_BYTES:
+        footers.update((f, footer) for f, (_, footer) in zip(files, done))
     if features is None:
         features = features_of(done[0][1], files[0])
     return make_index(cfg, "parquet", features, [entry for entry, _ in done])
+
+
+def _hub_identities(files: list[str], retry: _Retry | None) -> dict[str, dict]:
+    """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
+    hub_files = [f for f in files if f.startswith("hf://datasets/")]
+    if not hub_files:
+        return {}
+    label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
+    if retry is not None and retry.applies(hub_files[0]):
+        return retry.call(lambda: file_identities(hub_files), label, hub_files)
+    return file_identities(hub_files)
 
 
 def _digest(obj) -> str:
@@ -206,6 +235,13 @@ _MISSING_STATUSES = frozenset({404, 410})
 HTTP_REQUEST_RETRIES = 2
 # The longest wait between two tries (unless retry_backoff_s itself is longer).
 _MAX_BACKOFF_S = 60.0
+# A server's Retry-After (429 / 503) is waited, up to this long (then retried, and it answers again).
+_MAX_RETRY_AFTER_S = 300.0
+# Each wait is stretched by up to this share, at random, so that ranks and workers hit by the same fault
+# (a rate limit, a restarting server) do not all retry in the same instant. Only waits are random: which
+# rows come out never depends on them.
+_JITTER = 0.25
+_jitter_rng = random.Random()
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 # Object stores whose URLs start with a bucket (listing one costs a request, not a crawl).
@@ -253,7 +289,7 @@ def _flat_files(data_files: object) -> list[str]:
 def _remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *_flat_files(data_files)] if _is_remote(p)]
-    if targets or data_files is not None:
+    if targets:
         return targets
     import datasets.config
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
@@ -301,6 +337,7 @@ class _HttpRetry:
                     return resp
                 if attempt >= self.retries:
                     return resp                      # the caller raises for the status, naming it
+                retry_after = retry_after_s(resp.headers)
                 resp.release()
                 error = f"HTTP {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -308,11 +345,38 @@ class _HttpRetry:
                 if attempt >= self.retries or _is_invalid_url(e) or isinstance(e, aiohttp.ClientConnectorError):
                     raise
                 error = f"{type(e).__name__}: {e}"
-            wait = min(self.backoff_s * 2.0 ** attempt, max(_MAX_BACKOFF_S, self.backoff_s))
+                retry_after = None
+            wait = backoff_wait(self.backoff_s, attempt, retry_after)
             attempt += 1
             log.warning("%s %s: %s; request retry %d of %d in %.2f s",
                         req.method, req.url, error, attempt, self.retries, wait)
             await asyncio.sleep(wait)
+
+
+def retry_after_s(headers) -> float | None:
+    """Seconds a ``Retry-After`` header (delay-seconds or an HTTP date) asks to wait; None: none / unreadable."""
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    value = str(value).strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def backoff_wait(backoff_s: float, attempt: int, retry_after: float | None = None) -> float:
+    """The wait before try ``attempt + 2``: exponential backoff, at least the server's Retry-After (capped at
+    _MAX_RETRY_AFTER_S), stretched by a random jitter of up to _JITTER."""
+    wait = min(backoff_s * 2.0 ** min(attempt, 60), max(_MAX_BACKOFF_S, backoff_s))
+    if retry_after is not None:
+        wait = max(wait, min(retry_after, _MAX_RETRY_AFTER_S))
+    return wait * (1.0 + _JITTER * _jitter_rng.random())
 
 
 def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
@@ -476,9 +540,16 @@ class _Retry:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
         return self.remote and (path == "" or _is_remote(path))
 
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...)."""
-        return min(self.backoff_s * 2.0 ** min(attempt, 60), max(_MAX_BACKOFF_S, self.backoff_s))
+    def delay(self, attempt: int, e: BaseException | None = None) -> float:
+        """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...; at least
+        the Retry-After of the answer that ``e`` carries), with jitter."""
+        retry_after = None
+        for x in _chain(e) if e is not None else []:
+            response = getattr(x, "response", None)
+            retry_after = retry_after_s(getattr(x, "headers", None) or getattr(response, "headers", None))
+            if retry_after is not None:
+                break
+        return backoff_wait(self.backoff_s, attempt, retry_after)
 
     def failed(self, e: BaseException, attempt: int, label: str, probe: list[str]) -> bool:
         """After ``e`` ended try ``attempt + 1``: sleep and return True when another try is due; False
@@ -496,7 +567,7 @@ class _Retry:
         if attempt >= self.retries:
             raise SourceError(f"{label} failed after {attempt + 1} attempt(s) (data.retries: {self.retries}); "
                               f"last error: {_error_text(e)}") from e
-        wait = self.delay(attempt)
+        wait = self.delay(attempt, e)
         log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(e), attempt + 1, self.retries, wait)
         time.sleep(wait)
         return True
@@ -682,27 +753,30 @@ class MapStyleSource(Source):
             pos = end
 
 
-def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None) -> Source:
+def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None,
+                footers: dict[str, bytes] | None = None) -> Source:
     """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason.
 
     Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
     own) with ``data.timeout_s`` on every HTTP connection and read. A parquet dataset is read from its
     dataset index: ``index`` when given (checked against the config; nothing is resolved then),
-    otherwise built here (``progress()`` after each file)."""
+    otherwise built here (``progress()`` after each file). ``footers``: the parquet footers of the index's
+    files already read elsewhere (path -> bytes, checked against the index; the source's ``footers()``)."""
     if cfg.backend == "local":
         return _open_local(cfg)
     path, data_files = _builder_args(cfg)
     targets = _remote_targets(path, data_files)
     retry = _Retry(cfg, remote=bool(targets))
     if index is not None and cfg.streaming:
-        return source_from_index(cfg, index, retry)
+        return source_from_index(cfg, index, retry, footers)
+    footers = {}
     files = _explicit_urls(cfg, path, data_files) if cfg.streaming else None
     if files is not None:
-        return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress), retry)
+        return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = _resolve(cfg, path, data_files, targets, retry)
     if cfg.streaming and _indexable(builder, files):
-        index = build_parquet_index(cfg, files, builder.info.features, retry, progress)
-        return source_from_index(cfg, index, retry)
+        index = build_parquet_index(cfg, files, builder.info.features, retry, progress, footers)
+        return source_from_index(cfg, index, retry, footers)
     return _open_with_datasets(cfg, builder, files, targets, retry)
 
 
@@ -729,7 +803,8 @@ def _indexable(builder, files: list[str]) -> bool:
             and getattr(builder.config, "filters", None) is None)
 
 
-def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> StreamingSource:
+def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry,
+                      footers: dict[str, bytes] | None = None) -> StreamingSource:
     """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
     files = index["files"]
     shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
@@ -738,9 +813,10 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry) -> Streamin
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": index["builder"], "files": [identity_of(f) for f in files],
         "num_shards": len(shards), "shard_rows": _digest([s.num_rows for s in shards]),
+        **_hub_fingerprint([f["path"] for f in files]),
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
-                           parquet=ParquetFiles(index, retry.storage_options), index=index,
+                           parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
                            prefetch_blocks=cfg.prefetch_blocks)
 
 
@@ -753,18 +829,26 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
         where += f" ({_describe(targets)})"
     # a copy: datasets adds to the dict it is given
     options = {"storage_options": {k: dict(v) for k, v in retry.storage_options.items()}} if retry.remote else {}
+    if cfg.revision is not None:
+        options["revision"] = cfg.revision
     try:
         builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
                              f"{where}: resolving the dataset", targets)
-    except FileNotFoundError as e:
-        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
-                          f"{cfg.data_files!r}: {e}") from None
     except (ConfigError, SourceError):
         raise
     except Exception as e:
+        answer = hub_answer(_chain(e), where, cfg.revision)      # the repo / revision / token, named
+        repo = hub_repo_of(path) if targets else None
+        if answer is None and repo is not None and "doesn't exist on the Hub" in str(e):
+            answer = probe_answer(repo, cfg.revision, where)
+        if answer is not None:
+            raise SourceError(answer) from None
         answer = remote_answer(e)
         if answer is not None:
             raise SourceError(f"{_data_key(cfg)}: the object store refused ({answer})") from None
+        if isinstance(e, FileNotFoundError):
+            raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
+                              f"{cfg.data_files!r}: {e}") from None
         raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
                           f"({type(e).__name__}: {e})") from None
 
@@ -777,7 +861,16 @@ def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry
         why = _why_nothing_listed(_flat_files(data_files), retry.storage_options)
         raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
                           f"split {cfg.split!r}" + (f" ({why})" if why else ""))
+    # hf:// files on a branch: read the commit it points to now, the same for every rank and restart
+    files = pin_commits(files, lambda repo, rev: retry.call(
+        lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
+
+
+def _hub_fingerprint(files: list[str]) -> dict:
+    """The Hub commits the files come from (a new commit on the repo is then a mismatch naming it)."""
+    commits = hub_commits(files)
+    return {"hub_commits": commits} if commits else {}
 
 
 def _data_key(cfg: StreamConfig) -> str:
@@ -812,7 +905,7 @@ def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: l
     identities = map_files(lambda f: _file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
-        "streaming": cfg.streaming, "builder": builder.name, "files": identities,
+        "streaming": cfg.streaming, "builder": builder.name, "files": identities, **_hub_fingerprint(files),
     }
 
     if not cfg.streaming:

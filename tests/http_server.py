@@ -27,6 +27,7 @@ Faults. A fault is one of :data:`FAULT_KINDS`:
 * ``"reset"``: the connection is reset (RST) without any response;
 * ``"reset_body"``: headers and part of the body, then a reset (HEAD: like ``"reset"``);
 * ``"500"`` / ``"503"``: that status with a short body (503 with ``Retry-After: 0``);
+* ``"429"`` (not among the default kinds): a rate limit, with ``Retry-After: srv.retry_after_s``;
 * ``"truncate"``: headers with the full ``Content-Length``, about half the body, then a
   clean close (HEAD / empty body: like ``"reset"``);
 * ``"stall"``: headers, then no body for ``stall_s`` seconds, then a reset (HEAD: nothing
@@ -44,6 +45,10 @@ Two ways to inject them, consulted in this order before a request is served:
   narrowed: ``methods=("GET",)``, ``paths=("*.parquet",)`` (``fnmatch`` patterns on the
   decoded URL path), ``first=N`` (only the first N eligible requests after the call).
   ``srv.clear_faults()`` removes the policy (and empties ``srv.faults``).
+
+Other servers reuse all of this (records, latency, faults, ranged bodies): ``tests/hub_server.py``
+subclasses ``FileServer`` (``_handler_class``) and its handler (``_answer``, answering through
+``_send_content``).
 
 ``srv.stats()`` counts requests, statuses, bytes and faults (``faults`` per kind,
 ``faults_injected`` in all). ``stop()`` is bounded: it wakes stalled / throttled / delayed
@@ -73,6 +78,8 @@ from typing import Any, BinaryIO
 _RANGE_RE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
 
 FAULT_KINDS = ("reset", "reset_body", "500", "503", "truncate", "stall")
+# Also allowed in ``set_faults(kinds=...)``, though not a default kind: a rate limit answer.
+RATE_LIMIT_KIND = "429"
 
 
 @dataclass
@@ -83,6 +90,7 @@ class RequestRecord:
     status: int = 0            # 0: no status line was sent (reset / stall before headers)
     bytes_sent: int = 0        # body bytes written
     fault: str | None = None   # the fault injected into this request, as applied
+    error_code: str | None = None  # the X-Error-Code of an error answer (the loopback Hub's)
 
 
 @dataclass
@@ -102,9 +110,10 @@ class FaultPolicy:
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"rate: got {self.rate!r}; allowed: 0.0 .. 1.0")
-        unknown = [k for k in self.kinds if k not in FAULT_KINDS]
+        unknown = [k for k in self.kinds if k not in (*FAULT_KINDS, RATE_LIMIT_KIND)]
         if not self.kinds or unknown:
-            raise ValueError(f"kinds: got {self.kinds!r}; allowed: a non-empty subset of {FAULT_KINDS}")
+            raise ValueError(f"kinds: got {self.kinds!r}; allowed: a non-empty subset of "
+                             f"{(*FAULT_KINDS, RATE_LIMIT_KIND)}")
         if self.first is not None and self.first < 0:
             raise ValueError(f"first: got {self.first!r}; allowed: None or >= 0")
         if self.stall_s < 0:
@@ -204,6 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- the request -----------------------------------------------------------------------
     def _serve(self, head: bool) -> None:
+        """Record the request, apply latency and the fault chosen for it, then :meth:`_answer` it."""
         srv = self.server.owner
         rec = RequestRecord(self.command, self.path, self.headers.get("Range"))
         srv._record(rec)                   # counted at once: a stalled request shows before it ends
@@ -214,7 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
             kind, stall_s = srv._choose_fault(rec)
             if kind is not None and kind.isdigit():
                 rec.fault = kind
-                self._reply_empty(rec, int(kind), {"Retry-After": "0"} if kind == "503" else None)
+                self._reply_empty(rec, int(kind), srv._status_fault_headers(int(kind)))
                 return
             if kind in ("reset", "reset_body", "truncate") and head:
                 kind = "reset"             # nothing to cut short in a HEAD answer
@@ -225,65 +235,73 @@ class _Handler(BaseHTTPRequestHandler):
                 rec.fault = kind
                 srv._sleep(stall_s)
                 self._reset()
-            path = srv.local_path(self.path)
-            if path is None:
-                self._reply_empty(rec, 404)
-                return
-            try:
-                f = open(path, "rb")
-            except OSError:
-                self._reply_empty(rec, 404)
-                return
-            with f:
-                st = os.fstat(f.fileno())
-                size = st.st_size
-                headers = {
-                    "Accept-Ranges": "bytes",
-                    "ETag": file_etag(st),
-                    "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
-                }
-                rng = parse_range(rec.range, size) if rec.range else None
-                if rng == "unsatisfiable":
-                    self._reply_empty(rec, 416, {**headers, "Content-Range": f"bytes */{size}"})
-                    return
-                if rng is None:
-                    status, first, length = 200, 0, size
-                else:
-                    first, last = rng
-                    status, length = 206, last - first + 1
-                    headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-                if kind in ("reset_body", "truncate") and length == 0:
-                    kind = "reset"         # an empty body cannot be cut short
-                    rec.fault = kind
-                    self._reset()
-                rec.status = status
-                rec.fault = kind
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(length))
-                self.end_headers()
-                if head:
-                    return
-                if kind == "stall":
-                    self.wfile.flush()
-                    srv._sleep(stall_s)
-                    self._reset()
-                f.seek(first)
-                if kind in ("reset_body", "truncate"):
-                    srv._send_body(self.wfile, f, length // 2, rec)
-                    if kind == "reset_body":
-                        self._reset()
-                    self.close_connection = True   # truncate: a clean close short of Content-Length
-                    return
-                srv._send_body(self.wfile, f, length, rec)
+            self._answer(rec, head, kind, stall_s)
         except _Abort:
             self.close_connection = True
         except OSError:                    # the client went away mid-response, or stop()
             self.close_connection = True
         finally:
             srv._leave()
+
+    def _answer(self, rec: RequestRecord, head: bool, kind: str | None, stall_s: float) -> None:
+        """Serve the file the URL path names (a subclass routes other ways)."""
+        path = self.server.owner.local_path(self.path)
+        if path is None:
+            self._reply_empty(rec, 404)
+            return
+        try:
+            f = open(path, "rb")
+        except OSError:
+            self._reply_empty(rec, 404)
+            return
+        with f:
+            st = os.fstat(f.fileno())
+            headers = {"ETag": file_etag(st), "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True)}
+            self._send_content(rec, f, st.st_size, head, kind, stall_s, headers)
+
+    def _send_content(self, rec: RequestRecord, f: BinaryIO, size: int, head: bool, kind: str | None,
+                      stall_s: float, headers: dict[str, str], status: int = 200,
+                      content_type: str = "application/octet-stream") -> None:
+        """Answer with ``size`` bytes of ``f`` (a Range honoured when ``status`` is 200), applying a body
+        fault ``kind`` (reset_body, truncate, stall)."""
+        srv = self.server.owner
+        headers = {"Accept-Ranges": "bytes", **headers} if status == 200 else dict(headers)
+        rng = parse_range(rec.range, size) if rec.range and status == 200 else None
+        if rng == "unsatisfiable":
+            self._reply_empty(rec, 416, {**headers, "Content-Range": f"bytes */{size}"})
+            return
+        if rng is None:
+            first, length = 0, size
+        else:
+            first, last = rng
+            status, length = 206, last - first + 1
+            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+        if kind in ("reset_body", "truncate") and length == 0:
+            kind = "reset"         # an empty body cannot be cut short
+            rec.fault = kind
+            self._reset()
+        rec.status = status
+        rec.fault = kind
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        if head:
+            return
+        if kind == "stall":
+            self.wfile.flush()
+            srv._sleep(stall_s)
+            self._reset()
+        f.seek(first)
+        if kind in ("reset_body", "truncate"):
+            srv._send_body(self.wfile, f, length // 2, rec)
+            if kind == "reset_body":
+                self._reset()
+            self.close_connection = True   # truncate: a clean close short of Content-Length
+            return
+        srv._send_body(self.wfile, f, length, rec)
 
 
 class _Server(ThreadingHTTPServer):
@@ -332,6 +350,7 @@ class FileServer:
         self.stall_s = 5.0                 # stall length for kinds returned by ``faults`` callables
         self.latency_s = 0.0
         self.bandwidth_bps: float | None = None
+        self.retry_after_s = 1             # the Retry-After of a 429 answer (seconds, or an HTTP date)
         self.requests: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._in_flight = self._max_in_flight = 0
@@ -339,12 +358,16 @@ class FileServer:
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
+    def _handler_class(self) -> type[_Handler]:
+        """The request handler (a subclass of ``_Handler`` that overrides ``_answer`` serves other routes)."""
+        return _Handler
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> FileServer:
         if self._httpd is not None:
             return self
         self._stopping = threading.Event()
-        httpd = _Server((self.host, 0), _Handler)
+        httpd = _Server((self.host, 0), self._handler_class())
         httpd.owner = self
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -440,6 +463,11 @@ class FileServer:
             if policy is None:
                 return None, 0.0
             return policy.choose(rec), policy.stall_s
+
+    def _status_fault_headers(self, status: int) -> dict[str, str]:
+        if status == 429:
+            return {"Retry-After": str(self.retry_after_s)}
+        return {"Retry-After": "0"} if status == 503 else {}
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, but wake up at once when the server stops."""

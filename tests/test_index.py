@@ -86,13 +86,17 @@ def test_rows_are_those_of_datasets_streaming_without_reshard(tmp_path, monkeypa
 
 
 def test_steady_state_reads_one_request_per_row_group(site):
-    """Opening costs one HEAD and one footer read per file; reading, one ranged GET per row group plus
-    one footer read per file and process."""
+    """Opening costs one HEAD and one footer read per file; reading, one ranged GET per row group (the
+    footers read to build the index are kept); a source opened from a given index reads each footer once."""
     cfg = site.config(shuffle=False)
     src = open_source(cfg)
     assert _count(site) == {("HEAD", "whole"): FILES, ("GET", "ranged"): FILES}
     site.reset_stats()
     assert sorted(_ids(ResumableStream(cfg, source=src), ROWS)) == list(range(ROWS))
+    assert _count(site) == {("GET", "ranged"): len(src.shards)}
+    site.reset_stats()
+    given = open_source(cfg, index=src.index)
+    assert sorted(_ids(ResumableStream(cfg, source=given), ROWS)) == list(range(ROWS))
     assert _count(site) == {("GET", "ranged"): len(src.shards) + FILES}
 
 
