@@ -238,6 +238,7 @@ def test_http_request_retry_honours_retry_after(tmp_path, caplog):
         assert waits and all(w >= 1.0 for w in waits), caplog.text     # Retry-After: 1, not the 0.01 s backoff
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_job_asks_the_hub_api_once_whatever_its_ranks(hub, tmp_path):
     """torchrun jobs of 1 and 3 ranks: rank 0 resolves the repo and indexes its files (file identities in one
