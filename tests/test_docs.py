@@ -15,7 +15,6 @@ import io
 import os
 import re
 import shlex
-import tomllib
 
 import pytest
 import yaml
@@ -181,8 +180,8 @@ def _make_targets() -> set[str]:
 
 
 def _extras() -> set[str]:
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return set(tomllib.load(f)["project"]["optional-dependencies"])
+    section = _read("pyproject.toml").split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+)\s*=", section, re.M))    # tomllib is Python 3.11+
 
 
 def _parse_cli(argv: list[str]) -> None:
