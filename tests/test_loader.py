@@ -211,8 +211,8 @@ def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
     script = os.path.join(root, "examples", "torch_loop.py")
     with open(script, encoding="utf-8") as f:
         code = f.read()
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
-        assert code.split('"""', 2)[2].strip() in f.read(), "the README shows examples/torch_loop.py verbatim"
+    with open(os.path.join(root, "docs", "python-api.md"), encoding="utf-8") as f:
+        assert code.split('"""', 2)[2].strip() in f.read(), "docs/python-api.md shows examples/torch_loop.py verbatim"
 
     def run(out, steps):
         r = subprocess.run([sys.executable, script, str(out), str(steps)], capture_output=True, text=True,

@@ -1,0 +1,344 @@
+"""The README and every page of docs/ say only what the code accepts.
+
+Each fenced block is checked against the real thing: yaml against the config validator (merged over a
+shipped example config when it is a fragment), shell commands against the CLI parser, the Makefile, the
+files they name and the package extras, Python blocks compiled with their ``resumable_stream`` imports
+resolved; the CLI reference against the parser's options; every relative link and anchor against the files.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import importlib
+import io
+import os
+import re
+import shlex
+
+import pytest
+import yaml
+
+from resumable_stream.cli import build_parser
+from resumable_stream.config import StreamConfig
+from resumable_stream.errors import ConfigError
+from resumable_stream.trainer_patch.config import TrainerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(DOCS) if f.endswith(".md"))
+README_LIMIT_BYTES = 12 * 1024
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+EXAMPLES = {"text": "examples/tiny/train_lm.yaml", "messages": "examples/tiny/train_sft.yaml",
+            "vl": "examples/tiny/train_vl.yaml"}
+
+
+def _read(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def _blocks(page: str, lang: str) -> list[tuple[int, str]]:
+    """(line number, body) of every fenced block of ``lang`` in ``page``."""
+    text = _read(page)
+    return [(text[:m.start()].count("\n") + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == lang]
+
+
+def _all_blocks(lang: str) -> list[tuple[str, int, str]]:
+    return [(page, line, body) for page in PAGES for line, body in _blocks(page, lang)]
+
+
+def _ids(blocks):
+    return [f"{page}:{line}" for page, line, *_ in blocks]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: str) -> set[str]:
+    text = FENCE.sub("", _read(page))
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+# ------------------------------------------------------------------------------ structure and links
+
+def test_readme_is_short_and_links_every_docs_page():
+    size = len(_read("README.md").encode())
+    assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes; the limit is {README_LIMIT_BYTES}"
+    linked = {os.path.normpath(t) for t in LINK.findall(_read("README.md"))}
+    missing = [p for p in PAGES[1:] if os.path.normpath(p) not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def test_readme_quick_start_is_exactly_two_commands():
+    text = _read("README.md")
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    first_block = _blocks("README.md", "bash")[0][1]
+    assert first_block in section
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.split("#")[0].strip()]
+    assert commands == ["make demo", "make test"], commands
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_and_anchor_resolves(page):
+    problems = []
+    for target in LINK.findall(FENCE.sub("", _read(page))):
+        if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(os.path.join(ROOT, resolved)):
+            problems.append(f"{target}: no file {resolved}")
+        elif anchor and resolved.endswith(".md") and anchor not in _anchors(resolved):
+            problems.append(f"{target}: no heading #{anchor} in {resolved}")
+    assert not problems, f"{page}: {problems}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_page_points_at_files_outside_the_repository(page):
+    text = _read(page)
+    for name in ("DESIGN.md", "the RFC"):
+        assert name not in text, f"{page} refers to {name!r}, which is not in the repository"
+    for path in re.findall(r"`((?:examples|benchmarks|tests|resumable_stream|docs)/[\w./-]+)`", text):
+        if not any(c in path for c in "*{<"):
+            assert os.path.exists(os.path.join(ROOT, path.split("::")[0])), f"{page} names {path}, which does not exist"
+
+
+# ------------------------------------------------------------------------------ yaml
+
+def _merged(block: dict) -> dict:
+    """``block`` over the shipped example config of its format: a fragment (only some keys of data: /
+    train:) is checked as part of a whole config."""
+    if not ({"model", "data", "train"} & set(block)):
+        block = {"data": block}     # a yaml that is only data keys
+    data = block.get("data") or {}
+    with open(os.path.join(ROOT, EXAMPLES.get(data.get("format", "text"), EXAMPLES["text"])),
+              encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    if "sources" in data:
+        for key in ("dataset_name_or_path", "name", "data_files"):
+            doc["data"].pop(key, None)
+    if "dataset_name_or_path" in data:
+        doc["data"].pop("data_files", None)
+    for section, values in block.items():
+        if section == "model":
+            doc["model"] = copy.deepcopy(values)    # a model section replaces the example's whole
+        else:
+            doc[section].update(copy.deepcopy(values))
+    return doc
+
+
+YAML_BLOCKS = _all_blocks("yaml")
+
+
+def test_there_are_yaml_examples_to_check():
+    assert len(YAML_BLOCKS) >= 6
+
+
+def _write_file_blocks(root) -> list[str]:
+    """Python blocks that open with ``# some/path.py`` are files the docs ask the user to write (e.g. the
+    module a ``data.map`` names): write them under ``root``, so the yaml naming them is checked for real."""
+    written = []
+    for _, _, body in _all_blocks("python"):
+        m = re.match(r"^# ([\w/]+\.py)\n", body)
+        if m:
+            path = os.path.join(root, m.group(1))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(body)
+            written.append(m.group(1))
+    return written
+
+
+@pytest.mark.parametrize("page,line,body", YAML_BLOCKS, ids=_ids(YAML_BLOCKS))
+def test_yaml_examples_pass_the_config_validator(page, line, body, tmp_path, monkeypatch):
+    _write_file_blocks(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    block = yaml.safe_load(body)
+    assert isinstance(block, dict), f"{page}:{line}: not a mapping"
+    try:
+        TrainerConfig.from_dict(_merged(block), base_dir=os.path.join(ROOT, "examples", "tiny"))
+    except ConfigError as e:
+        pytest.fail(f"{page}:{line}: the config validator refuses this example: {e}")
+
+
+def test_the_yaml_check_catches_a_wrong_key():
+    """The check above is not vacuous: a misspelt key in a fragment is refused."""
+    with pytest.raises(ConfigError, match="data.bufer_size"):
+        TrainerConfig.from_dict(_merged({"data": {"bufer_size": 10}}), base_dir=os.path.join(ROOT, "examples", "tiny"))
+
+
+# ------------------------------------------------------------------------------ shell commands
+
+def _commands() -> list[tuple[str, int, list[str]]]:
+    out = []
+    for page, line, body in _all_blocks("bash"):
+        for i, text in enumerate(body.splitlines()):
+            text = re.split(r"\s#\s|^#", text, maxsplit=1)[0].strip()
+            if not text:
+                continue
+            argv = shlex.split(text)
+            while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):   # VAR=value prefixes
+                argv.pop(0)
+            out.append((page, line + 1 + i, argv))
+    return out
+
+
+COMMANDS = _commands()
+
+
+def _make_targets() -> set[str]:
+    return set(re.findall(r"^([\w.-]+):", _read("Makefile"), re.M))
+
+
+def _extras() -> set[str]:
+    section = _read("pyproject.toml").split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+)\s*=", section, re.M))    # tomllib is Python 3.11+
+
+
+def _parse_cli(argv: list[str]) -> None:
+    """The real parser, with abbreviations off: the docs spell options out in full."""
+    parser = build_parser()
+    for p in [parser, *next(a for a in parser._actions if a.dest == "command").choices.values()]:
+        p.allow_abbrev = False
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(argv)
+    except SystemExit as e:
+        if e.code != 0:
+            raise AssertionError(f"the CLI parser refuses {argv}: {err.getvalue().strip()}") from None
+
+
+def _check_config_file(path: str) -> None:
+    """A shipped config a command names must pass the validator."""
+    full = os.path.join(ROOT, path)
+    if path.startswith("examples/") and path.endswith(".yaml"):
+        assert os.path.isfile(full), f"{path} does not exist"
+        with open(full, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        if "train" in doc:
+            TrainerConfig.from_yaml(full)
+        else:
+            StreamConfig.from_yaml(full)
+
+
+def check_command(argv: list[str]) -> None:
+    """Raises AssertionError (or ConfigError) when a documented command would not work."""
+    prog, args = argv[0], argv[1:]
+    if prog == "make":
+        assert set(args) <= _make_targets(), f"no Makefile target {sorted(set(args) - _make_targets())}"
+    elif prog == "resumable-stream" or argv[:3] == ["python", "-m", "resumable_stream"]:
+        args = args[2:] if prog == "python" else args
+        _parse_cli(args)
+        for a in args:
+            _check_config_file(a)
+    elif prog in ("python", "torchrun"):
+        scripts = [a for a in args if a.endswith(".py")]
+        assert scripts, f"no script in {argv}"
+        assert os.path.isfile(os.path.join(ROOT, scripts[0])), f"{scripts[0]} does not exist"
+        for a in args[args.index(scripts[0]) + 1:]:
+            _check_config_file(a)
+    elif prog == "pip":
+        for a in args:
+            m = re.match(r"^\.\[([\w,]+)\]$", a)
+            if m:
+                unknown = set(m.group(1).split(",")) - _extras()
+                assert not unknown, f"no extra {sorted(unknown)} in pyproject.toml"
+
+
+def test_there_are_commands_to_check():
+    progs = {argv[0] for _, _, argv in COMMANDS}
+    assert {"make", "resumable-stream", "pip"} <= progs, progs
+
+
+@pytest.mark.parametrize("page,line,argv", COMMANDS, ids=_ids(COMMANDS))
+def test_documented_commands_are_accepted(page, line, argv):
+    try:
+        check_command(argv)
+    except (AssertionError, ConfigError) as e:
+        pytest.fail(f"{page}:{line}: {' '.join(argv)}: {e}")
+
+
+@pytest.mark.parametrize("argv", [["resumable-stream", "warmup", "x.yaml", "--sample", "3"],
+                                  ["resumable-stream", "inspect"],
+                                  ["make", "no-such-target"],
+                                  ["pip", "install", ".[nosuchextra]"],
+                                  ["python", "examples/no_such_script.py"]])
+def test_the_command_check_catches_a_wrong_command(argv):
+    with pytest.raises(AssertionError):
+        check_command(argv)
+
+
+def _cli_options() -> dict[str, list[set[str]]]:
+    """Per subcommand, the option strings of each of its options (e.g. {"-o", "--output"})."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return {name: [set(a.option_strings) for a in p._actions if a.option_strings and a.dest != "help"]
+            for name, p in sub.choices.items()}
+
+
+def _cli_synopses(text: str) -> dict[str, set[str]]:
+    """The options named in each ``resumable-stream CMD ...`` synopsis of docs/cli.md (the command line and
+    its deeply indented continuation lines, not the prose under it)."""
+    documented: dict[str, set[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"^resumable-stream (\w+)", line)
+        if m:
+            current = m.group(1)
+            documented.setdefault(current, set())
+        elif not line.startswith(" " * 8):
+            current = None
+        if current:
+            documented[current] |= set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", line[len("resumable-stream"):]))
+    return documented
+
+
+def test_cli_reference_documents_every_command_and_option_and_nothing_else():
+    documented = _cli_synopses(_read("docs/cli.md"))
+    options = _cli_options()
+    assert set(documented) == set(options), f"documented {sorted(documented)}, parser has {sorted(options)}"
+    for name, opts in options.items():
+        missing = [sorted(o) for o in opts if not o & documented[name]]
+        assert not missing, f"docs/cli.md: resumable-stream {name}: options not documented: {missing}"
+        known = set().union(*opts) if opts else set()
+        assert documented[name] <= known, f"resumable-stream {name}: documented options it does not have: " \
+                                          f"{sorted(documented[name] - known)}"
+
+
+def test_cli_reference_documents_the_global_options():
+    text = _read("docs/cli.md")
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert any(f"resumable-stream {o}" in text for o in action.option_strings), action.option_strings
+
+
+def test_the_cli_reference_check_catches_a_missing_and_a_stray_option():
+    documented = _cli_synopses("resumable-stream index CONFIG --output PATH --bogus\n")
+    assert documented == {"index": {"--output", "--bogus"}}
+
+
+# ------------------------------------------------------------------------------ python
+
+PY_BLOCKS = _all_blocks("python")
+
+
+@pytest.mark.parametrize("page,line,body", PY_BLOCKS, ids=_ids(PY_BLOCKS))
+def test_python_examples_compile_and_their_imports_exist(page, line, body):
+    tree = ast.parse(body, filename=f"{page}:{line}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("resumable_stream"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{page}:{line}: {node.module} has no {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("resumable_stream"):
+                    importlib.import_module(alias.name)
