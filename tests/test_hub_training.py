@@ -10,7 +10,7 @@ import signal
 
 import pytest
 from hub_server import HubServer, use_hub
-from test_kill_resume import assert_resumed_from, assert_same_training
+from kill_resume_harness import assert_resumed_from, assert_same_training
 from training_helpers import TINY, Procs, complete_checkpoints, count_lines, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
