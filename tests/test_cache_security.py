@@ -229,6 +229,7 @@ _HOLD_LOCK = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("journal", ["wal", "delete"])
+@pytest.mark.slow
 def test_a_held_lock_never_stalls_reading(cfg, reference, tmp_path, journal):
     """Another process holds an exclusive lock on cache.db for the whole read. In WAL mode (diskcache's)
     lookups still read their snapshot and hit; in rollback-journal mode they give up and read the source.

@@ -238,6 +238,7 @@ def test_server_stop_is_bounded_with_stalled_and_idle_connections(tmp_path):
 
 
 # ---------------------------------------------------------------------------- faults under a stream
+@pytest.mark.slow
 def test_every_fault_kind_same_sequence_and_resume(site, tmp_path):
     """~20% of all requests faulted, every kind, from opening the dataset on: the rows are exactly
     those of a fault-free run, and so are they after a save / resume made under faults."""
@@ -296,6 +297,7 @@ def test_resolution_survives_faults_on_every_request_type(sites, fmt):
         site.healthy()
 
 
+@pytest.mark.slow
 def test_stalled_responses_time_out_and_are_retried(sites):
     site = sites["parquet"]
     site.healthy()

@@ -97,6 +97,7 @@ def test_hf_path_on_a_branch_is_pinned_to_its_commit_and_reads_like_the_hub_id(h
 
 
 # ---------------------------------------------------------------------------- resume
+@pytest.mark.slow
 def test_shuffled_resume_in_a_new_process_continues_exactly(hub, tmp_path):
     config = write_yaml(tmp_path / "hub.yaml", dataset_name_or_path=REPO, data_files="data/*.parquet",
                         shuffle=True, shuffle_seed=5, buffer_size=150)
@@ -111,6 +112,7 @@ def test_shuffled_resume_in_a_new_process_continues_exactly(hub, tmp_path):
     assert ids != sorted(ids)                                                 # really shuffled
 
 
+@pytest.mark.slow
 def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_path):
     reference = take_ids(ResumableStream(hub_config()), 400)
     first = ResumableStream(hub_config())
@@ -156,6 +158,7 @@ def test_branch_revision_is_read_at_its_commit(hub, tmp_path):
     (dict(dataset_name_or_path=REPO, revision="no-such-branch"), "data.revision", "404", "RevisionNotFound"),
     (dict(dataset_name_or_path="org/private"), "data.dataset_name_or_path", "401", "RepoNotFound"),
 ])
+@pytest.mark.slow
 def test_missing_repo_revision_or_token_is_one_line_exit_2_without_retries(hub, tmp_path, data, key, status,
                                                                          code):
     hub.create_repo("org/private", private=True)
@@ -174,6 +177,7 @@ def test_missing_repo_revision_or_token_is_one_line_exit_2_without_retries(hub, 
     assert all(str(r.status) == status for r in answered)
 
 
+@pytest.mark.slow
 def test_private_repo_streams_with_a_token_and_a_wrong_token_is_refused(hub, tmp_path):
     hub.create_repo("org/private", private=True)
     hub.commit("org/private", directory=hub.local)
@@ -187,6 +191,7 @@ def test_private_repo_streams_with_a_token_and_a_wrong_token_is_refused(hub, tmp
 
 
 # ---------------------------------------------------------------------------- rate limits
+@pytest.mark.slow
 def test_rate_limits_and_server_errors_leave_the_sequence_unchanged(hub):
     reference = take_ids(ResumableStream(hub_config(prefetch_blocks=2)), 500)
     hub.retry_after_s = 0
@@ -274,6 +279,7 @@ def _row_group_reads(hub) -> int:
     return sum(1 for r in hub.data_requests() if r.range and r.range.rsplit("-", 1)[1] not in ends)
 
 
+@pytest.mark.slow
 def test_warmup_fills_the_cache_and_a_second_run_reads_no_row_group(hub, tmp_path):
     cfg = hub_config(cache_dir=str(tmp_path / "cache"), index_path=str(tmp_path / "index.json"))
     reference = take_ids(ResumableStream(hub_config()), 400)

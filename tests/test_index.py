@@ -285,6 +285,7 @@ def _first_two_gets_meet():
     return together, meet
 
 
+@pytest.mark.slow
 def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
     """Row groups of the plan are fetched ahead on threads: the first two GETs of a stream are in flight
     together (each waits at a barrier for the other), responses arrive in random order (random latency per
@@ -309,6 +310,7 @@ def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
         site.faults.clear()
 
 
+@pytest.mark.slow
 def test_prefetch_fills_the_block_cache_and_skips_what_it_holds(site, tmp_path, caplog):
     """With ``cache_dir`` set, a cold read still fetches ahead (the first two GETs are in flight together)
     and the cache fills from those fetches: a second stream over the same cache makes no request at all and

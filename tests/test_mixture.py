@@ -260,6 +260,7 @@ def test_a_source_without_rows_for_a_partition_is_an_error(dirs, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ proportions
 @pytest.mark.parametrize("stopping", ["never", "first_exhausted"])
+@pytest.mark.slow
 def test_proportions_over_100k_samples_match_the_weights(dirs, stopping):
     weights = (0.5, 0.3, 0.2)
     cfg = mix(dirs, weights=weights, labels=("a", "b", "c"), stopping=stopping, shuffle=True, buffer_size=256)

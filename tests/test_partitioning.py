@@ -86,6 +86,7 @@ def test_dataloader_with_other_worker_count_is_refused(parquet_small):
         next(iter(loader))
 
 
+@pytest.mark.slow
 def test_endless_stream_resets_epochs_in_a_new_reproducible_order(parquet_small):
     cfg = parquet_config(parquet_small, shuffle=True, buffer_size=100)
     source = open_source(cfg)

@@ -99,6 +99,7 @@ def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------------------ resolution and identity
+@pytest.mark.slow
 def test_s3_pattern_resolves_every_row_once_with_etag_identity(bucket):
     stream = ResumableStream(bucket.config())
     fp_files = stream.source.fingerprint["files"]
@@ -167,6 +168,7 @@ def test_two_ranks_with_forked_dataloader_workers_read_every_row_once(bucket):
 
 # ------------------------------------------------------------------------------ exact resume across processes
 @pytest.mark.parametrize("k", [37, 2 * BUFFER, ROWS])
+@pytest.mark.slow
 def test_shuffled_resume_across_processes_is_exact(bucket, tmp_path, k):
     ref = _reference(bucket)
     cfg_path = bucket.yaml_file(tmp_path, bucket.config())
@@ -193,6 +195,7 @@ def test_warmup_fills_the_cache_then_reading_makes_no_s3_request(bucket, tmp_pat
 
 
 # ------------------------------------------------------------------------------ faults
+@pytest.mark.slow
 def test_resets_and_5xx_from_s3_are_retried_and_the_sequence_is_identical(bucket):
     kinds = itertools.cycle(["reset", "503", "500"])
     injected = []
@@ -228,6 +231,7 @@ def _one_line_error(r: subprocess.CompletedProcess) -> str:
     ("s3://missing/ds/*.parquet", "HTTP 404 NoSuchBucket"),
     ("s3://private/ds/*.parquet", "HTTP 403 AccessDenied"),
 ])
+@pytest.mark.slow
 def test_missing_or_forbidden_bucket_is_one_line_exit_2_without_retries(bucket, tmp_path, data_files, answer):
     cfg = bucket.config().replace(data_files=data_files, retry_backoff_s=5.0)
     bucket_path = "/" + data_files.split("/")[2]
@@ -240,6 +244,7 @@ def test_missing_or_forbidden_bucket_is_one_line_exit_2_without_retries(bucket, 
     assert bucket.srv.count(prefix=bucket_path) - before <= 6
 
 
+@pytest.mark.slow
 def test_wrong_credentials_are_one_line_exit_2(bucket, tmp_path):
     cfg_path = bucket.yaml_file(tmp_path, bucket.config(retry_backoff_s=5.0))
     r = _cli("peek", cfg_path, "--num", "1", env={"AWS_ACCESS_KEY_ID": "AKIAWRONGKEY00000000"})

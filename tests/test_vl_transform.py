@@ -623,6 +623,7 @@ def test_skips_resume_exactly_through_the_loader(processor):
 
 
 # ------------------------------------------------------------------------------------------ bundled assets
+@pytest.mark.slow
 def test_bundled_assets_are_reproducible_and_small():
     r = subprocess.run([sys.executable, os.path.join(TINY, "make_vl_assets.py"), "--check"], capture_output=True,
                        text=True, timeout=120)
