@@ -1,0 +1,61 @@
+"""Sidecars written by earlier format versions still load and continue exactly as that version continued
+them (tests/data/legacy_v1: written by format version 1, see tests/legacy_states.py)."""
+
+import json
+import os
+
+import pytest
+from legacy_states import (
+    LEGACY_V1,
+    SAVED_WORLD,
+    batch_ids,
+    copy_data,
+    loader,
+    mixture_config,
+    sample_ids,
+    stream_config,
+)
+
+from resumable_stream.mixture import open_stream
+
+with open(os.path.join(LEGACY_V1, "expected.json")) as f:
+    EXPECTED = json.load(f)
+CONFIGS = {"stream": stream_config, "mixture": mixture_config}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return copy_data(str(tmp_path_factory.mktemp("legacy")))
+
+
+@pytest.mark.parametrize("kind", ["stream", "mixture"])
+def test_a_version_1_checkpoint_continues_every_rank_as_that_version_did(kind, data):
+    for rank in range(SAVED_WORLD):
+        ld = loader(CONFIGS[kind](data), rank, SAVED_WORLD)
+        ld.load_sidecar(os.path.join(LEGACY_V1, kind))
+        assert batch_ids(iter(ld), 6) == EXPECTED[kind][f"rank{rank}"]
+
+
+@pytest.mark.parametrize("kind", ["stream", "mixture"])
+def test_a_version_1_checkpoint_resumes_on_one_rank_with_elastic(kind, data):
+    ld = loader(CONFIGS[kind](data, elastic=True), 0, 1)
+    ld.load_sidecar(os.path.join(LEGACY_V1, kind))
+    assert batch_ids(iter(ld), 6) == EXPECTED[kind]["elastic_one_rank"]
+
+
+@pytest.mark.parametrize("kind", ["stream", "mixture"])
+def test_a_version_1_sidecar_file_continues_the_bare_stream(kind, data):
+    stream = open_stream(CONFIGS[kind](data), rank=0, world_size=1)
+    stream.load_sidecar(os.path.join(LEGACY_V1, f"{kind}.safetensors"))
+    assert sample_ids(stream, 10) == EXPECTED[f"{kind}_file"]
+
+
+@pytest.mark.parametrize("kind", ["stream", "mixture"])
+def test_a_version_1_checkpoint_saved_again_continues_the_same(kind, data, tmp_path):
+    """Loaded, written in the current format, loaded again: the same continuation."""
+    ld = loader(CONFIGS[kind](data), 1, SAVED_WORLD)
+    ld.load_sidecar(os.path.join(LEGACY_V1, kind))
+    ld.save_sidecar(str(tmp_path / "rank1.safetensors"))
+    again = loader(CONFIGS[kind](data), 1, SAVED_WORLD)
+    again.load_sidecar(str(tmp_path / "rank1.safetensors"))
+    assert batch_ids(iter(again), 6) == EXPECTED[kind]["rank1"]
