@@ -4,6 +4,7 @@ from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError, SourceError, StreamMismatchError
 from .mixture import MixtureStream, open_stream
 from .stream import ResumableStream
+from .stream_base import Stream
 
 __all__ = [
     "StreamConfig",
@@ -11,6 +12,7 @@ __all__ = [
     "MixtureConfig",
     "MixtureStream",
     "open_stream",
+    "Stream",
     "ConfigError",
     "StreamMismatchError",
     "SidecarError",

@@ -83,7 +83,7 @@ def cmd_peek(args: argparse.Namespace) -> int:
 
 def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
     fp = state["fingerprint"]
-    if "mixture" in fp:   # data.sources: per-partition and per-source progress
+    if state["kind"] == "mixture":   # data.sources: per-partition and per-source progress
         from .mixture import describe_state
 
         return describe_state(state, full)
@@ -100,7 +100,7 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
         summary["partitions"][str(p)] = {
             "epoch": ps["epoch"], "window": ps["window"], "offset_in_window": ps["offset"],
             "consumed_samples": ps["consumed"], "open_shards": [list(s) for s in ps["slots"]],
-            "next_shard_position": ps["next_pos"],
+            "next_shard_position": ps["next_shard"],
             "next_sample_digest": ps["next_sample_digest"], "consumed_digest": ps["consumed_digest"],
             **partition_progress(ps),
         }
@@ -109,7 +109,7 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
 
 def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
-    if any("mixture" in st["fingerprint"] for st in states):   # data.sources: per source
+    if any(st["kind"] == "mixture" for st in states):   # data.sources: per source
         from .mixture import mixture_progress
 
         return mixture_progress(states)

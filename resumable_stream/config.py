@@ -270,7 +270,7 @@ _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partiti
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def _in_source(message: str, at: str, entry: dict) -> str:
+def in_source(message: str, at: str, entry: dict) -> str:
     """A StreamConfig error about a key the source entry set, renamed ``data.key`` -> ``data.sources[i].key``."""
     return re.sub(r"\bdata\.(\w+)", lambda m: f"{at}.{m.group(1)}" if m.group(1) in entry else m.group(0), message)
 
@@ -401,7 +401,7 @@ class MixtureConfig:
                 sources.append(StreamConfig.from_dict(values, base_dir=base_dir, source_file=source_file,
                                                       extra_keys=()))
             except ConfigError as e:
-                raise ConfigError(_in_source(str(e), at, entry)) from None
+                raise ConfigError(in_source(str(e), at, entry)) from None
         resume = shared.get("resume_state_path")
         if base_dir is not None and isinstance(resume, str) and resume:
             resume = _resolve_one(resume, base_dir)

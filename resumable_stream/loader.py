@@ -25,7 +25,7 @@ import torch.utils.data
 
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .stream import ResumableStream
+from .stream_base import Stream, round_robin
 from .transforms.errors import TransformError
 
 
@@ -34,13 +34,14 @@ def _identity(item):
 
 
 def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
+    """The default sample key: "shard:row" ("label/shard:row" in a mixture)."""
     return f"{where[0]}:{where[1]}"
 
 
 class _BatchProducer(torch.utils.data.IterableDataset):
     """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
-    def __init__(self, stream: ResumableStream, batch_size: int, collate_fn: Callable,
+    def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
                  processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
                  lane_turns: list[int]):
         super().__init__()
@@ -66,17 +67,8 @@ class _BatchProducer(torch.utils.data.IterableDataset):
             yield from self._batches(lane[0])
             return
         # several partitions: one batch from each in turn, starting where the saved rotation stood
-        live = {p: self._batches(p) for p in lane}
         turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
-        while live:
-            p = lane[turn % len(lane)]
-            turn += 1
-            if p not in live:
-                continue
-            try:
-                yield next(live[p])
-            except StopIteration:
-                del live[p]
+        yield from round_robin({p: self._batches(p) for p in lane}, lane, turn)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = self.processor_factory() if self.processor_factory is not None else None
@@ -87,7 +79,7 @@ class _BatchProducer(torch.utils.data.IterableDataset):
         starved = 0
         epoch_of_last_example = self.stream.partition_epoch(partition)
         # a mixture with per-source transform settings: the processor is told each sample's source
-        source_of = getattr(self.stream, "source_label", None) if getattr(proc, "takes_source", False) else None
+        source_of = self.stream.source_label if getattr(proc, "takes_source", False) else None
         for sample, where in self.stream.iter_partition(partition):
             key = self.key_fn(sample, where)
             if proc is None:
@@ -139,14 +131,15 @@ class _BatchProducer(torch.utils.data.IterableDataset):
 
 
 class StreamLoader:
-    """Iterable of training batches from a ResumableStream, resumable at every batch handed out.
+    """Iterable of training batches from a stream (ResumableStream, MixtureStream), resumable at every batch
+    handed out.
 
     ``processor_factory`` builds a fresh stateful transform per worker (``feed`` / ``ready`` /
     ``take`` / ``state`` / ``load_state`` / ``fingerprint``); without one, batches are lists of raw
     samples passed to ``collate_fn``.
     """
 
-    def __init__(self, stream: ResumableStream, batch_size: int, collate_fn: Callable | None = None,
+    def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
                  processor_factory: Callable | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
                  timeout: float = 0):
@@ -208,6 +201,16 @@ class StreamLoader:
         return keys
 
     # ------------------------------------------------------------------ state
+    def transform_states(self) -> dict[int, dict]:
+        """Per partition of this rank, the transform's state (``meta``, ``tensors``) as of the last batch the
+        training loop consumed (the loaded one before that; partitions without one are left out)."""
+        out = {}
+        for p in self.stream.partitions:
+            extra = (self._consumed.get(p) or {}).get("extra") or self._carries.get(p)
+            if extra:
+                out[p] = extra
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         parts = {}
         for p in self.stream.partitions:

@@ -32,15 +32,15 @@ class Cursor:
     epoch: int = 0
     window: int = 0
     offset: int = 0              # rows of the current window already consumed
-    next_pos: int = 0            # position in this epoch's shard list of the next shard to open
-    rr: int = 0                  # open slot the next block is taken from
-    rr_taken: int = 0            # rows of that block already taken
+    next_shard: int = 0          # position in this epoch's shard list of the next shard to open
+    block_slot: int = 0          # open slot the next block is taken from (blocks rotate over open shards)
+    block_taken: int = 0         # rows of that block already taken
     consumed_before: int = 0     # samples consumed before the current window (all epochs)
     slots: tuple[tuple[int, int], ...] = ()   # open shards: (position in shard list, next raw row)
     chain: bytes = field(default=_EMPTY_CHAIN)  # digest of the keys of every sample consumed before the window
     epoch_start: int | None = 0  # samples consumed before this epoch began (progress only; None: unknown)
 
-    FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
+    FIELDS = ("epoch", "window", "offset", "next_shard", "block_slot", "block_taken", "consumed_before")
 
     @property
     def consumed(self) -> int:
@@ -225,7 +225,7 @@ class PartitionReader:
                 self._window = win
                 return win
             s = self._start
-            if s.window == 0 and s.next_pos == 0 and not s.slots:
+            if s.window == 0 and s.next_shard == 0 and not s.slots:
                 # this partition's shards of this epoch were all empty (e.g. an empty file): move on,
                 # but a partition that never gets a row is an error, not an endless loop
                 empty_epochs += 1
@@ -255,27 +255,27 @@ class PartitionReader:
         prefetch = getattr(self.source, "prefetch", None)
         if prefetch is not None:   # the shards this window (re)opens, then the next ones of the plan
             prefetch(self.partition, [shard_list[pos] for pos, row in start.slots if not continues(pos, row)]
-                     + list(shard_list[start.next_pos:start.next_pos + PREFETCH_HINT]))
+                     + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]))
         slots = [
             live[pos] if continues(pos, row)
             else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)
             for pos, row in start.slots
         ]
-        next_pos, rr, rr_taken = start.next_pos, start.rr, start.rr_taken
+        next_shard, block_slot, block_taken = start.next_shard, start.block_slot, start.block_taken
         want_total, block = lay.buffer_size, lay.block
         tables: list[pa.Table] = []
         shard_ids: list[np.ndarray] = []
         row_ids: list[np.ndarray] = []
         have = 0
         while have < want_total:
-            while len(slots) < lay.open_slots and next_pos < len(shard_list):
-                slots.append(_OpenShard(self.source, shard_list[next_pos], next_pos, 0, step, phase, start.epoch))
-                next_pos += 1
+            while len(slots) < lay.open_slots and next_shard < len(shard_list):
+                slots.append(_OpenShard(self.source, shard_list[next_shard], next_shard, 0, step, phase, start.epoch))
+                next_shard += 1
             if not slots:
                 break
-            rr %= len(slots)
-            slot = slots[rr]
-            want = min(block - rr_taken, want_total - have)
+            block_slot %= len(slots)
+            slot = slots[block_slot]
+            want = min(block - block_taken, want_total - have)
             got_tables, got_rows = slot.take(want)
             got = len(got_rows)
             if got:
@@ -284,12 +284,12 @@ class PartitionReader:
                 row_ids.append(got_rows)
                 have += got
             if got < want:                  # shard ended: drop it, the next one opens in its place
-                slots.pop(rr)
-                rr_taken = 0
-            elif rr_taken + got >= block:
-                rr, rr_taken = rr + 1, 0
+                slots.pop(block_slot)
+                block_taken = 0
+            elif block_taken + got >= block:
+                block_slot, block_taken = block_slot + 1, 0
             else:
-                rr_taken += got
+                block_taken += got
         if have == 0:
             return None
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
@@ -305,10 +305,10 @@ class PartitionReader:
             if all(shard is not s for s in slots):
                 shard.close()
         self._open = {s.pos: s for s in slots}
-        exhausted = not slots and next_pos >= len(shard_list)
+        exhausted = not slots and next_shard >= len(shard_list)
         after = Cursor(
-            epoch=start.epoch, window=start.window + 1, offset=0, next_pos=next_pos,
-            rr=rr % len(slots) if slots else 0, rr_taken=rr_taken, consumed_before=start.consumed_before + have,
+            epoch=start.epoch, window=start.window + 1, offset=0, next_shard=next_shard,
+            block_slot=block_slot % len(slots) if slots else 0, block_taken=block_taken, consumed_before=start.consumed_before + have,
             slots=tuple((s.pos, s.next_row) for s in slots), chain=_chain(start.chain, sids, rids),
             epoch_start=start.epoch_start,
         )

@@ -7,9 +7,22 @@ Layout of a checkpoint's stream state::
     checkpoint-N/stream_state/manifest.json   (written last, by rank 0: without it the state is incomplete)
 
 Tensors hold the integer cursors and digest chains; ``__metadata__`` holds JSON strings
-(format version, fingerprint, topology with ``num_partitions``, per-partition sample digests and
+(format version, kind, fingerprint, topology with ``num_partitions``, per-partition sample digests and
 epoch progress for ``inspect``). No pickle anywhere. After a change of ranks or workers
 (``data.elastic``) a rank reads the files of the ranks that held its virtual partitions.
+
+Format version 2 has one schema per kind of stream (metadata ``kind``), rows aligned with the tensor
+``partition_ids``:
+
+* ``stream``: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
+  shards), ``chains`` (digest of the keys consumed), metadata ``digests`` and ``progress`` per partition;
+* ``mixture``: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
+  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source), plus source i's cursors
+  under ``sources/<i>/`` with the same tensors and metadata as a stream's.
+
+Both: a transform's carry per partition under ``extra/<partition>/<name>`` (metadata ``extra``), the
+main process's ``turn`` and, when a DataLoader lane interleaves partitions, ``lane_turns``. Version 1
+files (a mixture squeezed into stream cursors) are read by :mod:`resumable_stream.sidecar_v1`.
 """
 
 from __future__ import annotations
@@ -26,15 +39,17 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .errors import SidecarError
+from .partition import Cursor
 from .safe_io import FileRefused, read_regular_file
+from .sidecar_v1 import V1_CURSOR_FIELDS, check_v1_partition_ids, mixture_from_v1
 
 FORMAT = "resumable-stream"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+KINDS = ("stream", "mixture")
+MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 STATE_DIR = "stream_state"
-ENTRY_STRIDE = 2**32   # mixtures: the entry of source i for partition p is p + (i + 1) * ENTRY_STRIDE
-CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 _RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
 _INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
 
@@ -91,54 +106,69 @@ def atomic_write(path: str, data: bytes) -> None:
     _fsync_dir(directory)
 
 
-# ------------------------------------------------------------------ encode / decode
-def encode_state(state: dict[str, Any]) -> bytes:
-    parts = sorted(state["partitions"])
+# ------------------------------------------------------------------ encode
+def _encode_cursors(parts: list[int], cursors_of: list[dict], prefix: str, tensors: dict, meta: dict) -> None:
+    """Cursor states (one per partition in ``parts``) as the tensors and metadata under ``prefix``."""
     k = len(parts)
-    max_slots = max([len(state["partitions"][p]["slots"]) for p in parts] + [1])
-    cursors = np.zeros((k, len(CURSOR_FIELDS)), dtype=np.int64)
+    max_slots = max([len(ps["slots"]) for ps in cursors_of] + [1])
+    cursors = np.zeros((k, len(Cursor.FIELDS)), dtype=np.int64)
     slots = np.full((k, max_slots, 2), -1, dtype=np.int64)
     chains = np.zeros((k, 16), dtype=np.uint8)
     digests, progress = {}, {}
-    for i, p in enumerate(parts):
-        ps = state["partitions"][p]
-        cursors[i] = [ps[f] for f in CURSOR_FIELDS]
+    for i, (p, ps) in enumerate(zip(parts, cursors_of)):
+        cursors[i] = [ps[f] for f in Cursor.FIELDS]
         for j, (pos, row) in enumerate(ps["slots"]):
             slots[i, j] = (pos, row)
         chains[i] = np.frombuffer(bytes.fromhex(ps["chain"]), dtype=np.uint8)
         digests[str(p)] = {"next_sample": ps["next_sample_digest"], "consumed": ps["consumed_digest"],
                            "consumed_samples": ps["consumed"]}
         progress[str(p)] = {"epoch_start": ps.get("epoch_start"), "epoch_rows": ps.get("epoch_rows")}
-    tensors = {
-        "partition_ids": np.asarray(parts, dtype=np.int64),
-        "cursors": cursors,
-        "slots": slots,
-        "chains": chains,
+    tensors.update({f"{prefix}cursors": cursors, f"{prefix}slots": slots, f"{prefix}chains": chains})
+    meta[f"{prefix}digests"] = json.dumps(digests, sort_keys=True)
+    meta[f"{prefix}progress"] = json.dumps(progress, sort_keys=True)
+
+
+def encode_state(state: dict[str, Any]) -> bytes:
+    kind = state.get("kind", "stream")
+    parts = sorted(state["partitions"])
+    states = [state["partitions"][p] for p in parts]
+    tensors: dict[str, np.ndarray] = {"partition_ids": np.asarray(parts, dtype=np.int64)}
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "kind": kind,
+        "cursor_fields": json.dumps(list(Cursor.FIELDS)),
+        "fingerprint": json.dumps(state["fingerprint"], sort_keys=True),
+        "topology": json.dumps(state["topology"], sort_keys=True),
+        "turn": str(state.get("turn", 0)),
     }
+    if kind == "stream":
+        _encode_cursors(parts, states, "", tensors, metadata)
+    else:
+        n = len(state["fingerprint"]["mixture"]["labels"])
+        tensors["mixture/positions"] = np.asarray([[ps["mixture"][f] for f in MIXTURE_POSITION] for ps in states],
+                                                  dtype=np.int64).reshape(len(parts), len(MIXTURE_POSITION))
+        tensors["mixture/source_epochs"] = np.asarray([ps["mixture"]["source_epochs"] for ps in states],
+                                                      dtype=np.int64).reshape(len(parts), n)
+        tensors["mixture/ended"] = np.asarray([ps["mixture"]["ended"] for ps in states],
+                                              dtype=np.uint8).reshape(len(parts), n)
+        for i in range(n):
+            _encode_cursors(parts, [ps["sources"][i] for ps in states], f"sources/{i}/", tensors, metadata)
     extra_meta = {}
-    for p in parts:   # what a transform carries over (e.g. packed tokens), per partition
-        extra = state["partitions"][p].get("extra")
+    for p, ps in zip(parts, states):   # what a transform carries over (e.g. packed tokens), per partition
+        extra = ps.get("extra")
         if extra is not None:
             for name, arr in extra.get("tensors", {}).items():
                 tensors[f"extra/{p}/{name}"] = np.ascontiguousarray(arr)
             extra_meta[str(p)] = {"meta": extra.get("meta", {}), "tensors": sorted(extra.get("tensors", {}))}
-    metadata = {
-        "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "cursor_fields": json.dumps(list(CURSOR_FIELDS)),
-        "fingerprint": json.dumps(state["fingerprint"], sort_keys=True),
-        "topology": json.dumps(state["topology"], sort_keys=True),
-        "turn": str(state.get("turn", 0)),
-        "digests": json.dumps(digests, sort_keys=True),
-        "extra": json.dumps(extra_meta, sort_keys=True),
-        "progress": json.dumps(progress, sort_keys=True),
-    }
+    metadata["extra"] = json.dumps(extra_meta, sort_keys=True)
     if state.get("lane_turns") is not None:   # only when a DataLoader lane interleaves several partitions
         metadata["lane_turns"] = json.dumps(list(state["lane_turns"]))
     metadata[SEAL_KEY] = _BLANK_SEAL
     return _seal(st_save(tensors, metadata=metadata))
 
 
+# ------------------------------------------------------------------ decode
 def _read_header_metadata(data: bytes, path: str) -> tuple[dict[str, str], int]:
     """(``__metadata__``, header length) of safetensors bytes, or a SidecarError naming the file."""
     if len(data) < 8:
@@ -236,96 +266,160 @@ def _check_topology(topology: Any, path: str) -> None:
              f"null or an integer in [0, {topology['world_size']})")
 
 
-def _partition_fields(i: int, p: int, meta: dict[str, Any], arrays: dict[str, np.ndarray],
-                      tensors: dict[str, np.ndarray], path: str) -> dict[str, Any]:
-    """One partition's state from row ``i`` of the tensors and its metadata entries, every field checked."""
-    d = meta["digests"].get(str(p))
-    _require(isinstance(d, dict), path, f"digests[{p}]", d, "a mapping with next_sample, consumed, consumed_samples")
-    _require(_is_hex(d.get("next_sample"), 16) or d.get("next_sample") == "", path, f"digests[{p}].next_sample",
-             d.get("next_sample"), "16 hex digits ('' for a mixture's own entry)")
-    _require(_is_hex(d.get("consumed"), 32), path, f"digests[{p}].consumed", d.get("consumed"), "32 hex digits")
-    _require(_is_int(d.get("consumed_samples")), path, f"digests[{p}].consumed_samples", d.get("consumed_samples"),
-             "an integer >= 0")
-    ps: dict[str, Any] = {f: int(v) for f, v in zip(CURSOR_FIELDS, arrays["cursors"][i].tolist())}
-    for f in CURSOR_FIELDS:
-        _require(ps[f] >= 0, path, f"cursors[{p}].{f}", ps[f], "an integer >= 0")
-    _require(ps["consumed_before"] + ps["offset"] == d["consumed_samples"], path,
-             f"digests[{p}].consumed_samples", d["consumed_samples"],
-             f"consumed_before + offset = {ps['consumed_before'] + ps['offset']}")
-    slots = [(int(a), int(b)) for a, b in arrays["slots"][i].tolist()]
-    for a, b in slots:
-        _require((a >= 0 and b >= 0) or (a == b == -1), path, f"slots[{p}]", (a, b),
-                 "(position, row) pairs >= 0, or (-1, -1) for an unused slot")
-    ps["slots"] = [(a, b) for a, b in slots if a >= 0]
-    ps["chain"] = bytes(arrays["chains"][i].tolist()).hex()
-    ps["next_sample_digest"], ps["consumed_digest"], ps["consumed"] = \
-        d["next_sample"], d["consumed"], d["consumed_samples"]
-    pr = meta["progress"].get(str(p), {})
-    _require(isinstance(pr, dict), path, f"progress[{p}]", pr, "a mapping")
-    for key in ("epoch_start", "epoch_rows"):
-        _require(pr.get(key) is None or _is_int(pr.get(key)), path, f"progress[{p}].{key}", pr.get(key),
-                 "null or an integer >= 0")
-    ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
-    em = meta["extra"].get(str(p))
-    if em is not None:
+def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
+                    prefix: str = "", blank_digest_ok: bool = False) -> dict[int, dict[str, Any]]:
+    """The cursor states under ``prefix`` (rows aligned with ``ids``), every field checked. Columns are
+    taken by position (``Cursor.FIELDS``; version 1 named some differently, in the same order)."""
+    k = len(ids)
+    cursors = _tensor(tensors, f"{prefix}cursors", "int64", 2, path)
+    slots_t = _tensor(tensors, f"{prefix}slots", "int64", 3, path)
+    chains = _tensor(tensors, f"{prefix}chains", "uint8", 2, path)
+    for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))), (f"{prefix}chains", chains, (k, 16))):
+        _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape}")
+    _require(slots_t.shape[0] == k and slots_t.shape[2] == 2, path, f"tensor {prefix}slots", slots_t.shape,
+             f"shape ({k}, open shards, 2)")
+    digests = _json_field(meta, f"{prefix}digests", path)
+    progress = _json_field(meta, f"{prefix}progress", path, "{}")
+    for key, value in ((f"{prefix}digests", digests), (f"{prefix}progress", progress)):
+        _require(isinstance(value, dict), path, key, value, "a mapping by partition")
+    out = {}
+    for i, p in enumerate(ids):
+        where = f"{prefix}digests[{p}]"
+        d = digests.get(str(p))
+        _require(isinstance(d, dict), path, where, d, "a mapping with next_sample, consumed, consumed_samples")
+        _require(_is_hex(d.get("next_sample"), 16) or (blank_digest_ok and d.get("next_sample") == ""), path,
+                 f"{where}.next_sample", d.get("next_sample"), "16 hex digits")
+        _require(_is_hex(d.get("consumed"), 32), path, f"{where}.consumed", d.get("consumed"), "32 hex digits")
+        _require(_is_int(d.get("consumed_samples")), path, f"{where}.consumed_samples", d.get("consumed_samples"),
+                 "an integer >= 0")
+        ps: dict[str, Any] = {f: int(v) for f, v in zip(Cursor.FIELDS, cursors[i].tolist())}
+        for f in Cursor.FIELDS:
+            _require(ps[f] >= 0, path, f"{prefix}cursors[{p}].{f}", ps[f], "an integer >= 0")
+        _require(ps["consumed_before"] + ps["offset"] == d["consumed_samples"], path, f"{where}.consumed_samples",
+                 d["consumed_samples"], f"consumed_before + offset = {ps['consumed_before'] + ps['offset']}")
+        slots = [(int(a), int(b)) for a, b in slots_t[i].tolist()]
+        for a, b in slots:
+            _require((a >= 0 and b >= 0) or (a == b == -1), path, f"{prefix}slots[{p}]", (a, b),
+                     "(position, row) pairs >= 0, or (-1, -1) for an unused slot")
+        ps["slots"] = [(a, b) for a, b in slots if a >= 0]
+        ps["chain"] = bytes(chains[i].tolist()).hex()
+        ps["next_sample_digest"], ps["consumed_digest"], ps["consumed"] = \
+            d["next_sample"], d["consumed"], d["consumed_samples"]
+        pr = progress.get(str(p), {})
+        _require(isinstance(pr, dict), path, f"{prefix}progress[{p}]", pr, "a mapping")
+        for key in ("epoch_start", "epoch_rows"):
+            _require(pr.get(key) is None or _is_int(pr.get(key)), path, f"{prefix}progress[{p}].{key}", pr.get(key),
+                     "null or an integer >= 0")
+        ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
+        out[p] = ps
+    return out
+
+
+def _decode_extra(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str) -> dict[int, dict]:
+    """The transform's carry per partition (only partitions that have one)."""
+    extra_meta = _json_field(meta, "extra", path, "{}")
+    _require(isinstance(extra_meta, dict), path, "extra", extra_meta, "a mapping by partition")
+    out = {}
+    for p in ids:
+        em = extra_meta.get(str(p))
+        if em is None:
+            continue
         ok = (isinstance(em, dict) and isinstance(em.get("meta"), dict) and isinstance(em.get("tensors"), list)
               and all(isinstance(n, str) for n in em["tensors"]))
         _require(ok, path, f"extra[{p}]", em, "a mapping with meta (a mapping) and tensors (a list of names)")
         missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
         if missing:
             raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
-        ps["extra"] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
-    return ps
+        out[p] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
+    return out
+
+
+def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
+    mixture = fingerprint.get("mixture")
+    labels = mixture.get("labels") if isinstance(mixture, dict) else None
+    _require(isinstance(labels, list) and len(labels) >= 1 and all(isinstance(x, str) for x in labels), path,
+             "fingerprint.mixture.labels", labels, "a list of source labels")
+    return labels
+
+
+def _decode_mixture(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], fingerprint: dict,
+                    path: str) -> dict[int, dict[str, Any]]:
+    """A mixture's partitions: its own positions and each source's cursors (format version 2)."""
+    k, n = len(ids), len(_mixture_labels(fingerprint, path))
+    positions = _tensor(tensors, "mixture/positions", "int64", 2, path)
+    source_epochs = _tensor(tensors, "mixture/source_epochs", "int64", 2, path)
+    ended = _tensor(tensors, "mixture/ended", "uint8", 2, path)
+    for name, t, shape in (("mixture/positions", positions, (k, len(MIXTURE_POSITION))),
+                           ("mixture/source_epochs", source_epochs, (k, n)), ("mixture/ended", ended, (k, n))):
+        _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape} (partitions, "
+                 f"{'fields' if name == 'mixture/positions' else 'sources'})")
+    sources = [_decode_cursors(ids, tensors, meta, path, prefix=f"sources/{i}/") for i in range(n)]
+    out = {}
+    for row, p in enumerate(ids):
+        position = dict(zip(MIXTURE_POSITION, (int(v) for v in positions[row].tolist())))
+        _require(all(v >= 0 for v in position.values()) and position["draws"] <= position["consumed"], path,
+                 f"mixture/positions[{p}]", position, "integers >= 0 with draws <= consumed")
+        epochs = [int(v) for v in source_epochs[row].tolist()]
+        _require(all(e >= 0 for e in epochs), path, f"mixture/source_epochs[{p}]", epochs, "integers >= 0")
+        flags = ended[row].tolist()
+        _require(all(f in (0, 1) for f in flags), path, f"mixture/ended[{p}]", flags, "0 or 1 per source")
+        out[p] = {"mixture": {**position, "source_epochs": epochs, "ended": [bool(f) for f in flags]},
+                  "sources": [sources[i][p] for i in range(n)]}
+    return out
 
 
 def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> dict[str, Any]:
     """The state in sidecar bytes, every field checked. The file's self-digest must match; a file without
-    one (written before it existed) is read only when ``verified`` (a manifest's digest covered it)."""
+    one (written before it existed) is read only when ``verified`` (a manifest's digest covered it).
+    A version 1 file is returned in the current form."""
     meta, header_len = _read_header_metadata(data, path)
     if meta.get("format") != FORMAT:
         raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
     version = meta.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads version "
+    if version not in ("1", str(FORMAT_VERSION)):
+        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads versions 1 to "
                            f"{FORMAT_VERSION} (upgrade resumable-stream or resume with the version that wrote it)")
     if not _check_seal(data, header_len, meta, path) and not verified:
         raise SidecarError(f"sidecar {path!r}: has no self-digest ({SEAL_KEY}), so it cannot be verified: it was "
-                           "written by an earlier version of resumable-stream, or that field was damaged. Load it through its "
-                           "stream_state or checkpoint directory (whose manifest.json verifies it)")
+                           "written by an earlier version of resumable-stream, or that field was damaged. Load it "
+                           "through its stream_state or checkpoint directory (whose manifest.json verifies it)")
     try:
         tensors = st_load(data)
     except Exception as e:  # safetensors' own parse errors
         raise SidecarError(f"sidecar {path!r}: corrupt or truncated ({e})") from None
     fields = _json_field(meta, "cursor_fields", path)
-    _require(fields == list(CURSOR_FIELDS), path, "cursor_fields", fields, str(list(CURSOR_FIELDS)))
+    expected_fields = list(V1_CURSOR_FIELDS if version == "1" else Cursor.FIELDS)
+    _require(fields == expected_fields, path, "cursor_fields", fields, str(expected_fields))
     fingerprint = _json_field(meta, "fingerprint", path)
     _require(isinstance(fingerprint, dict), path, "fingerprint", fingerprint, "a mapping")
+    kind = ("mixture" if "mixture" in fingerprint else "stream") if version == "1" else meta.get("kind")
+    _require(kind in KINDS, path, "kind", kind, " or ".join(KINDS))
     topology = _json_field(meta, "topology", path)
     _check_topology(topology, path)
     turn = _json_field(meta, "turn", path, "0")
     _require(_is_int(turn), path, "turn", turn, "an integer >= 0")
-    entries = {key: _json_field(meta, key, path, default) for key, default in
-               (("digests", None), ("extra", "{}"), ("progress", "{}"))}
-    for key, value in entries.items():
-        _require(isinstance(value, dict), path, key, value, "a mapping by partition")
     lane_turns = _json_field(meta, "lane_turns", path) if "lane_turns" in meta else None
     _require(lane_turns is None or (isinstance(lane_turns, list) and all(_is_int(t) for t in lane_turns)), path,
              "lane_turns", lane_turns, "a list of integers >= 0")
-    parts = _tensor(tensors, "partition_ids", "int64", 1, path)
-    arrays = {"cursors": _tensor(tensors, "cursors", "int64", 2, path),
-              "slots": _tensor(tensors, "slots", "int64", 3, path),
-              "chains": _tensor(tensors, "chains", "uint8", 2, path)}
-    k = len(parts)
-    for name, shape in (("cursors", (k, len(CURSOR_FIELDS))), ("chains", (k, 16))):
-        _require(arrays[name].shape == shape, path, f"tensor {name}", arrays[name].shape, f"shape {shape}")
-    _require(arrays["slots"].shape[0] == k and arrays["slots"].shape[2] == 2, path, "tensor slots",
-             arrays["slots"].shape, f"shape ({k}, open shards, 2)")
-    ids, n = parts.tolist(), topology["num_partitions"]
-    # a mixture (data.sources) stores source i's entry of partition p as p + (i + 1) * 2**32
-    _require(len(set(ids)) == k and all(p >= 0 and p % ENTRY_STRIDE < n for p in ids), path,
-             "tensor partition_ids", ids, f"distinct partitions in [0, {n}) (plus multiples of 2**32 in a mixture)")
-    partitions = {p: _partition_fields(i, p, entries, arrays, tensors, path) for i, p in enumerate(ids)}
-    state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "topology": topology,
+    ids = _tensor(tensors, "partition_ids", "int64", 1, path).tolist()
+    n = topology["num_partitions"]
+    if version == "1":
+        check_v1_partition_ids(ids, n, path)
+        partitions = _decode_cursors(ids, tensors, meta, path, blank_digest_ok=kind == "mixture")
+        for p, extra in _decode_extra(ids, tensors, meta, path).items():
+            partitions[p]["extra"] = extra
+        if kind == "mixture":
+            partitions = mixture_from_v1(partitions, len(_mixture_labels(fingerprint, path)), path)
+    else:
+        _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
+                 f"distinct partitions in [0, {n})")
+        if kind == "stream":
+            partitions = _decode_cursors(ids, tensors, meta, path)
+        else:
+            partitions = _decode_mixture(ids, tensors, meta, fingerprint, path)
+        for p, extra in _decode_extra(ids, tensors, meta, path).items():
+            partitions[p]["extra"] = extra
+    state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions}
     if lane_turns is not None:
         state["lane_turns"] = lane_turns

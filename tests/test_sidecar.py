@@ -25,7 +25,7 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
         meta = f.metadata()
         assert set(f.keys()) == {"partition_ids", "cursors", "slots", "chains"}
         cursors = f.get_tensor("cursors")
-    assert meta["format"] == "resumable-stream" and meta["format_version"] == "1"
+    assert (meta["format"], meta["format_version"], meta["kind"]) == ("resumable-stream", "2", "stream")
     fields = json.loads(meta["cursor_fields"])
     row = dict(zip(fields, cursors[0].tolist()))
     assert row["offset"] + row["consumed_before"] == 150
@@ -193,7 +193,7 @@ def test_future_format_version_is_refused(cfg, source, tmp_path):
     _, path = _saved(cfg, source, tmp_path)
     data = open(path, "rb").read()
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].replace(b'"format_version":"1"', b'"format_version":"9"')
+    header = data[8:8 + n].replace(b'"format_version":"2"', b'"format_version":"9"')
     assert len(header) == n
     open(path, "wb").write(data[:8] + header + data[8 + n:])
     with pytest.raises(SidecarError, match="format version '9'"):

@@ -16,6 +16,7 @@ from safetensors.numpy import save as st_save
 from resumable_stream import ResumableStream, SidecarError
 from resumable_stream import sidecar as sc
 from resumable_stream.cli import main
+from resumable_stream.partition import Cursor
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def _set_meta(key, value):
 
 def _set_cursor(field, value):
     def edit(tensors, meta):
-        tensors["cursors"][0, sc.CURSOR_FIELDS.index(field)] = value
+        tensors["cursors"][0, Cursor.FIELDS.index(field)] = value
     return edit
 
 
@@ -190,7 +191,7 @@ def test_a_malformed_state_is_a_sidecar_error_naming_the_file_and_field(cfg, sou
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("next_pos", 10**12), ("epoch", 2**40), ("rr", 50), ("rr_taken", 10**9), ("offset", 10**6),
+    ("next_shard", 10**12), ("epoch", 2**40), ("block_slot", 50), ("block_taken", 10**9), ("offset", 10**6),
     ("slots", [0, 10**9]), ("slots", [10**6, 0]),
 ])
 def test_cursors_outside_the_data_are_refused_when_loaded(cfg, source, saved, tmp_path, field, value):

@@ -10,6 +10,7 @@ import yaml
 from resumable_stream import SidecarError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.trainer_patch import checkpoints as ck
+from resumable_stream.trainer_patch import stream_loader
 from resumable_stream.trainer_patch.config import TrainerConfig
 from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
 
@@ -48,7 +49,7 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
 
     monkeypatch.setattr(ck, "write_manifest", checking_manifest)
     trainer.train()
-    assert isinstance(trainer._rs_loader, StreamLoader), "the train dataloader is ours, not accelerate's"
+    assert isinstance(stream_loader(trainer), StreamLoader), "the train dataloader is ours, not accelerate's"
     assert seen == [(4, True), (8, True), (12, True)]
     out = cfg.train["output_dir"]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-12"]
@@ -77,7 +78,7 @@ def test_resume_replays_no_batches(tmp_path, monkeypatch):
     whole = build_trainer(TrainerConfig(cfg.model, cfg.stream, cfg.transform,
                                         dict(cfg.train, max_steps=16, output_dir=str(tmp_path / "whole")), cfg.path))
     whole.train()
-    np.testing.assert_equal(trainer._rs_loader.state_dict(), whole._rs_loader.state_dict())
+    np.testing.assert_equal(stream_loader(trainer).state_dict(), stream_loader(whole).state_dict())
 
 
 @pytest.mark.slow          # trains a tiny model in-process

@@ -26,6 +26,13 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)   # zero-copy: chunks stay chunks
 
 
+def with_block_cache(source: Source, config: StreamConfig) -> Source:
+    """``source`` behind the local block cache when ``config.cache_dir`` is set (it never changes results)."""
+    if not config.cache_dir or getattr(source, "is_cached", False):
+        return source
+    return CachedSource(source, config)
+
+
 class CachedSource(Source):
     """Read-through local block cache; ``config.cache_dir`` / ``config.cache_size_limit_gb``."""
 

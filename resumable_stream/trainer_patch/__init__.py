@@ -1,8 +1,8 @@
 """Integration with ``transformers.Trainer``: no batch replay, stream sidecars in every checkpoint."""
 
-from .patch import EvalStream, TrainingStream, patch_trainer
+from .patch import EvalStream, TrainingStream, patch_trainer, stream_loader
 
-__all__ = ["EvalStream", "TrainingStream", "patch_trainer", "run_training"]
+__all__ = ["EvalStream", "TrainingStream", "patch_trainer", "run_training", "stream_loader"]
 
 
 def run_training(config_path: str, **argument_overrides):

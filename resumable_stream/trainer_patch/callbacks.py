@@ -75,8 +75,7 @@ def transform_stats(loader) -> dict:
     totals: dict[str, int] = {}
     if loader is None:
         return totals
-    for p in loader.stream.partitions:
-        extra = (loader._consumed.get(p) or {}).get("extra") or loader._carries.get(p) or {}
+    for extra in loader.transform_states().values():
         for name, value in ((extra.get("meta") or {}).get("stats") or {}).items():
             totals[f"data_{name}"] = totals.get(f"data_{name}", 0) + int(value)
     return totals

@@ -35,7 +35,7 @@ import torch.utils.data
 
 from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
-from ..stream import ResumableStream
+from ..stream_base import Stream
 from .checkpoints import check_complete, resume_latest, save_stream_state
 from .config import check_data_arguments
 
@@ -43,10 +43,15 @@ _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
 
 
+def stream_loader(trainer) -> StreamLoader | None:
+    """The :class:`StreamLoader` a patched trainer trains from (None until it built its train dataloader)."""
+    return getattr(trainer, "_rs_loader", None)
+
+
 class TrainingStream(torch.utils.data.IterableDataset):
     """What to hand the Trainer as ``train_dataset``: a stream plus how to turn rows into batches."""
 
-    def __init__(self, stream: ResumableStream, collate_fn: Callable, processor_factory: Callable | None = None,
+    def __init__(self, stream: Stream, collate_fn: Callable, processor_factory: Callable | None = None,
                  key_fn: Callable = shard_row_key, resume_state_path: str | None = None):
         super().__init__()
         self.stream, self.collate_fn = stream, collate_fn
@@ -63,7 +68,7 @@ class EvalStream(torch.utils.data.IterableDataset):
     training examples (packed blocks with packing) of ``stream``, over all ranks, the same at every
     evaluation and after a resume (each pass restarts from the stream's position at creation)."""
 
-    def __init__(self, stream: ResumableStream, collate_fn: Callable, processor_factory: Callable | None = None,
+    def __init__(self, stream: Stream, collate_fn: Callable, processor_factory: Callable | None = None,
                  num_samples: int = 0, key_fn: Callable = shard_row_key, key: str = "data.eval.num_samples"):
         super().__init__()
         if stream.num_workers:
@@ -103,7 +108,8 @@ class _EvalPass:
         return itertools.islice(iter(loader), self.num_batches)
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Wait for every rank (a no-op without torch.distributed)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -182,7 +188,7 @@ def _train(original):
             return original(self, resume_from_checkpoint, *args, **kwargs)
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
             # as `resumable-stream train` does: the newest complete checkpoint, the cut-short ones removed
-            resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, _barrier)
+            resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, barrier)
         elif resume_from_checkpoint:
             check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
         self._rs_resume_checkpoint = resume_from_checkpoint or None
@@ -229,13 +235,14 @@ def _rotation_deferred(trainer):
 def _save_checkpoint(original):
     @functools.wraps(original)
     def _save_checkpoint(self, model, trial):
-        if not _uses_stream(self) or getattr(self, "_rs_loader", None) is None:
+        loader = stream_loader(self)
+        if not _uses_stream(self) or loader is None:
             return original(self, model, trial)
         with _rotation_deferred(self):
             original(self, model, trial)
             checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            save_stream_state(self._rs_loader, checkpoint, self.args.world_size, self.args.process_index == 0,
-                              _barrier)
+            save_stream_state(loader, checkpoint, self.args.world_size, self.args.process_index == 0,
+                              barrier)
     return _save_checkpoint
 
 

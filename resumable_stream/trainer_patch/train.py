@@ -29,7 +29,7 @@ from .callbacks import (
 )
 from .checkpoints import check_complete, latest_complete_checkpoint, resume_latest
 from .config import TrainerConfig
-from .patch import EvalStream, TrainingStream, _barrier, patch_trainer
+from .patch import EvalStream, TrainingStream, barrier, patch_trainer, stream_loader
 
 log = logging.getLogger(__name__)
 
@@ -206,20 +206,20 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                       processing_class=processor or tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    extras = [lambda: transform_stats(getattr(trainer, "_rs_loader", None))]   # skips, drops: data_* fields
+    extras = [lambda: transform_stats(stream_loader(trainer))]   # skips, drops: data_* fields
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
         cache_stats = CacheStatsCallback(stream.source.stats, args.process_index, every_s=60.0)
         trainer.add_callback(cache_stats)
         extras.append(cache_stats.fields)
     if isinstance(stream, MixtureStream):   # samples per source: source_samples in train_log.jsonl
-        source_samples = SourceCountsCallback(lambda: trainer._rs_loader)
+        source_samples = SourceCountsCallback(lambda: stream_loader(trainer))
         trainer.add_callback(source_samples)
         extras.append(source_samples.fields)
     trainer.add_callback(TrainLogCallback(args.output_dir, per_step,
                                           extra_of=lambda: {k: v for f in extras for k, v in f().items()}))
     if cfg.transform.consumed_log:
         trainer.add_callback(ConsumedLogCallback(cfg.transform.consumed_log, args.process_index,
-                                                 lambda: trainer._rs_loader))
+                                                 lambda: stream_loader(trainer)))
     return trainer
 
 
@@ -229,7 +229,7 @@ def resolve_resume(cfg: TrainerConfig, trainer) -> str | None:
     if explicit:
         check_complete(explicit)
         return explicit
-    return resume_latest(trainer.args.output_dir, trainer.args.process_index == 0, _barrier)
+    return resume_latest(trainer.args.output_dir, trainer.args.process_index == 0, barrier)
 
 
 def _die_with_launcher() -> None:

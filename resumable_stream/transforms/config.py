@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..config import SOURCE_TRANSFORM_KEYS, _in_source
+from ..config import SOURCE_TRANSFORM_KEYS, in_source
 from ..errors import ConfigError
 from .formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .row_map import function_identity, load_function
@@ -217,7 +217,7 @@ class TransformConfig:
             try:
                 cfg = dataclasses.replace(base, **own)
             except ConfigError as e:
-                raise ConfigError(_in_source(str(e), at, own)) from None
+                raise ConfigError(in_source(str(e), at, own)) from None
             label = entry.get("label", f"source{i}")
             sources.append((label, cfg))
         return dataclasses.replace(base, sources=tuple(sources)) if sources else base
