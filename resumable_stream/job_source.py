@@ -31,17 +31,17 @@ from .index import (
     save_index,
 )
 from .source import (
+    RetryPolicy,
     Source,
-    _builder_args,
-    _explicit_urls,
-    _file_identity,
-    _hub_identities,
-    _is_remote,
-    _parquet_footer,
-    _remote_targets,
-    _resolve,
-    _Retry,
+    builder_args,
+    explicit_urls,
+    file_identity,
+    hub_identities,
+    is_remote,
     open_source,
+    parquet_footer,
+    remote_targets,
+    resolve_files,
 )
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state
         raise
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
-        parquet = getattr(src, "_parquet", None)
-        footers = {p: base64.b64encode(f).decode() for p, f in (parquet.footers if parquet else {}).items()}
+        footers = {p: base64.b64encode(f).decode() for p, f in src.footers.items()}
         _broadcast(json.dumps({"index": getattr(src, "index", None), "footers": footers}).encode())
     return src
 
@@ -104,12 +103,12 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
     by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
     given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
     dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
-    path, data_files = _builder_args(cfg)
-    targets = _remote_targets(path, data_files)
-    retry = _Retry(cfg, remote=bool(targets))
+    path, data_files = builder_args(cfg)
+    targets = remote_targets(path, data_files)
+    retry = RetryPolicy(cfg, remote=bool(targets))
     listed = [f["path"] for f in index["files"]]
-    if _explicit_urls(cfg, path, data_files) is None:
-        files = _resolve(cfg, path, data_files, targets, retry)[1]
+    if explicit_urls(cfg, path, data_files) is None:
+        files = resolve_files(cfg, path, data_files, targets, retry)[1]
         if files != listed:
             if not given:
                 return None
@@ -121,19 +120,19 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
                 diffs or [("file order", listed, files)])
 
     try:
-        known = _hub_identities(listed, retry)       # Hub files: one batched request, not one per file
+        known = hub_identities(listed, retry)       # Hub files: one batched request, not one per file
     except SourceError:
         known = {}                                   # asked file by file below, each error named
 
     def now(entry: dict) -> dict:
         try:
-            ident = known.get(entry["path"]) or _file_identity(entry["path"], retry)
+            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
-        if not _is_remote(entry["path"]) and isinstance(ident.get("size"), int):
+        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
             # a local footer read costs no request: it catches a same-size, same-mtime rewrite
             try:
-                ident["footer"] = footer_digest(_parquet_footer(entry["path"], ident["size"], retry))
+                ident["footer"] = footer_digest(parquet_footer(entry["path"], ident["size"], retry))
             except SourceError as e:
                 ident["footer"] = str(e)
         return ident

@@ -269,7 +269,8 @@ class PartitionReader:
         have = 0
         while have < want_total:
             while len(slots) < lay.open_slots and next_shard < len(shard_list):
-                slots.append(_OpenShard(self.source, shard_list[next_shard], next_shard, 0, step, phase, start.epoch))
+                slots.append(_OpenShard(self.source, shard_list[next_shard], next_shard, 0, step, phase,
+                                        start.epoch))
                 next_shard += 1
             if not slots:
                 break
@@ -308,7 +309,8 @@ class PartitionReader:
         exhausted = not slots and next_shard >= len(shard_list)
         after = Cursor(
             epoch=start.epoch, window=start.window + 1, offset=0, next_shard=next_shard,
-            block_slot=block_slot % len(slots) if slots else 0, block_taken=block_taken, consumed_before=start.consumed_before + have,
+            block_slot=block_slot % len(slots) if slots else 0, block_taken=block_taken,
+            consumed_before=start.consumed_before + have,
             slots=tuple((s.pos, s.next_row) for s in slots), chain=_chain(start.chain, sids, rids),
             epoch_start=start.epoch_start,
         )

@@ -274,7 +274,8 @@ def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
     cursors = _tensor(tensors, f"{prefix}cursors", "int64", 2, path)
     slots_t = _tensor(tensors, f"{prefix}slots", "int64", 3, path)
     chains = _tensor(tensors, f"{prefix}chains", "uint8", 2, path)
-    for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))), (f"{prefix}chains", chains, (k, 16))):
+    for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))),
+                           (f"{prefix}chains", chains, (k, 16))):
         _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape}")
     _require(slots_t.shape[0] == k and slots_t.shape[2] == 2, path, f"tensor {prefix}slots", slots_t.shape,
              f"shape ({k}, open shards, 2)")

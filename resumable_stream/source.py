@@ -88,7 +88,7 @@ def builder_for_path(path: str) -> str | None:
     return None
 
 
-def _builder_args(cfg: StreamConfig) -> tuple[str, object]:
+def builder_args(cfg: StreamConfig) -> tuple[str, object]:
     """Map ``dataset_name_or_path`` (+ ``data_files``) to load_dataset's (path, data_files)."""
     path, data_files = cfg.dataset_name_or_path, cfg.data_files
     if path.startswith("hf://") and builder_for_path(path) is None:
@@ -106,7 +106,7 @@ def _builder_args(cfg: StreamConfig) -> tuple[str, object]:
     return path, data_files
 
 
-def _file_identity(path: str, retry: _Retry | None = None) -> dict:
+def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
     """Size plus whatever version marker the filesystem gives (mtime, ETag, Last-Modified, blob id)."""
     import fsspec
 
@@ -139,7 +139,7 @@ def _file_identity(path: str, retry: _Retry | None = None) -> dict:
     return ident
 
 
-def _parquet_footer(path: str, size: int, retry: _Retry | None = None) -> bytes:
+def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None) -> bytes:
     """The footer of a parquet file of ``size`` bytes: one ranged read of its tail (two when the footer is
     bigger than FOOTER_TAIL_BYTES)."""
     options = retry.storage_options if retry else {}
@@ -161,21 +161,21 @@ def _parquet_footer(path: str, size: int, retry: _Retry | None = None) -> bytes:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def _index_file(path: str, retry: _Retry | None, ident: dict | None = None) -> tuple[dict, bytes]:
+def _index_file(path: str, retry: RetryPolicy | None, ident: dict | None = None) -> tuple[dict, bytes]:
     """One file's index entry (its identity: ``ident`` or one metadata request; its layout: one footer read)
     and footer."""
-    ident = ident or _file_identity(path, retry)
+    ident = ident or file_identity(path, retry)
     if not isinstance(ident.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
-    footer = _parquet_footer(path, ident["size"], retry)
+    footer = parquet_footer(path, ident["size"], retry)
     return file_entry(ident, footer), footer
 
 
-def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _Retry | None,
+def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: RetryPolicy | None,
                         progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
     first file's schema, as ``datasets`` does). ``footers``: filled with each file's footer bytes."""
-    known = _hub_identities(files, retry)
+    known = hub_identities(files, retry)
     done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
     if footers is not None and sum(len(footer) for _, footer in done) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, footer) for f, (_, footer) in zip(files, done))
@@ -184,7 +184,7 @@ def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: _R
     return make_index(cfg, "parquet", features, [entry for entry, _ in done])
 
 
-def _hub_identities(files: list[str], retry: _Retry | None) -> dict[str, dict]:
+def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
     """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
     hub_files = [f for f in files if f.startswith("hf://datasets/")]
     if not hub_files:
@@ -272,7 +272,7 @@ def _datasets_retries_off() -> Iterator[None]:
                     setattr(dc, key, value)
 
 
-def _is_remote(path: str) -> bool:
+def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
@@ -286,9 +286,9 @@ def _flat_files(data_files: object) -> list[str]:
     return []
 
 
-def _remote_targets(path: str, data_files: object) -> list[str]:
+def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
-    targets = [p for p in [path, *_flat_files(data_files)] if _is_remote(p)]
+    targets = [p for p in [path, *_flat_files(data_files)] if is_remote(p)]
     if targets:
         return targets
     import datasets.config
@@ -396,7 +396,7 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
 def _data_protocols(cfg: StreamConfig) -> list[str]:
     """The protocols of the config's remote paths (s3, gs, hf, http, ...), in order of appearance."""
     paths = [cfg.dataset_name_or_path, *_flat_files(cfg.data_files)]
-    return list(dict.fromkeys(p.split("://", 1)[0] for p in paths if _is_remote(p)))
+    return list(dict.fromkeys(p.split("://", 1)[0] for p in paths if is_remote(p)))
 
 
 def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
@@ -522,7 +522,7 @@ def _probe_missing(urls: list[str], timeout_s: float) -> tuple[str, int] | None:
     return next((hit for hit in map_files(one, probe) if hit is not None), None)
 
 
-class _Retry:
+class RetryPolicy:
     """The retry policy of one source: which paths are remote, backoff, timeouts (picklable)."""
 
     def __init__(self, cfg: StreamConfig, remote: bool):
@@ -538,7 +538,7 @@ class _Retry:
 
     def applies(self, path: str) -> bool:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
-        return self.remote and (path == "" or _is_remote(path))
+        return self.remote and (path == "" or is_remote(path))
 
     def delay(self, attempt: int, e: BaseException | None = None) -> float:
         """Seconds to wait before try ``attempt + 2`` (attempt 0 failed: backoff, then 2x, 4x, ...; at least
@@ -602,6 +602,11 @@ class Source:
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         raise NotImplementedError
 
+    @property
+    def footers(self) -> dict[str, bytes]:
+        """The parquet footers this source read (path -> bytes), to share with other ranks; {} if none."""
+        return {}
+
 
 class StreamingSource(Source):
     """``load_dataset(..., streaming=True)`` read one shard per file; or, with a dataset index (parquet),
@@ -610,7 +615,7 @@ class StreamingSource(Source):
     With a remote dataset, a read that fails midway (reset, 5xx, truncated body, timeout) reopens the
     shard at the next row not yet yielded, under ``data.retries``: the rows come out as without it."""
 
-    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: _Retry | None = None,
+    def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None = None,
                  parquet: ParquetFiles | None = None, index: dict | None = None, prefetch_blocks: int = 0):
         self._ids = ids
         self._parquet = parquet
@@ -624,6 +629,10 @@ class StreamingSource(Source):
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
             if prefetch_blocks > 0:
                 self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
+
+    @property
+    def footers(self) -> dict[str, bytes]:
+        return self._parquet.footers if self._parquet is not None else {}
 
     @property
     def prefetch_depth(self) -> int:
@@ -764,23 +773,23 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
     files already read elsewhere (path -> bytes, checked against the index; the source's ``footers()``)."""
     if cfg.backend == "local":
         return _open_local(cfg)
-    path, data_files = _builder_args(cfg)
-    targets = _remote_targets(path, data_files)
-    retry = _Retry(cfg, remote=bool(targets))
+    path, data_files = builder_args(cfg)
+    targets = remote_targets(path, data_files)
+    retry = RetryPolicy(cfg, remote=bool(targets))
     if index is not None and cfg.streaming:
         return source_from_index(cfg, index, retry, footers)
     footers = {}
-    files = _explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
     if files is not None:
         return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
-    builder, files = _resolve(cfg, path, data_files, targets, retry)
+    builder, files = resolve_files(cfg, path, data_files, targets, retry)
     if cfg.streaming and _indexable(builder, files):
         index = build_parquet_index(cfg, files, builder.info.features, retry, progress, footers)
         return source_from_index(cfg, index, retry, footers)
     return _open_with_datasets(cfg, builder, files, targets, retry)
 
 
-def _explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
+def explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
     """The split's files when the config lists parquet files by plain http(s) URL: then there is nothing
     to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
     otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
@@ -803,7 +812,7 @@ def _indexable(builder, files: list[str]) -> bool:
             and getattr(builder.config, "filters", None) is None)
 
 
-def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry,
+def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
                       footers: dict[str, bytes] | None = None) -> StreamingSource:
     """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
     files = index["files"]
@@ -820,7 +829,8 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: _Retry,
                            prefetch_blocks=cfg.prefetch_blocks)
 
 
-def _resolve(cfg: StreamConfig, path: str, data_files, targets: list[str], retry: _Retry) -> tuple[Any, list[str]]:
+def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
+                  retry: RetryPolicy) -> tuple[Any, list[str]]:
     """``datasets``' builder for the config and the resolved files of its split."""
     import datasets
 
@@ -886,7 +896,7 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
     import fsspec
 
     buckets = {p.split("://", 1)[0] + "://" + p.split("://", 1)[1].split("/", 1)[0]
-               for p in patterns if _is_remote(p) and p.split("://", 1)[0] in _BUCKET_PROTOCOLS}
+               for p in patterns if is_remote(p) and p.split("://", 1)[0] in _BUCKET_PROTOCOLS}
     for bucket in sorted(buckets):
         try:
             fs, path = fsspec.core.url_to_fs(bucket, **_protocol_options(storage_options, bucket))
@@ -897,12 +907,12 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
 
 
 def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: list[str],
-                        retry: _Retry) -> Source:
+                        retry: RetryPolicy) -> Source:
     """Everything but indexed parquet: ``datasets`` reads it (one shard per file when streaming)."""
     where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
     if targets and targets != [cfg.dataset_name_or_path]:
         where += f" ({_describe(targets)})"
-    identities = map_files(lambda f: _file_identity(f, retry), files)
+    identities = map_files(lambda f: file_identity(f, retry), files)
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": builder.name, "files": identities, **_hub_fingerprint(files),
@@ -969,6 +979,6 @@ def _open_local(cfg: StreamConfig) -> Source:
     )
     fingerprint = {
         "dataset": path, "name": None, "split": cfg.split, "backend": "local", "streaming": False,
-        "files": [_file_identity(f) for f in files],
+        "files": [file_identity(f) for f in files],
     }
     return _finish_map_style(ds, fingerprint)

@@ -76,9 +76,9 @@ def test_hub_id_streams_the_repo_at_its_commit(hub):
     assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
     # identities asked in one batch equal those verify_files asks file by file (else every resume re-indexes)
     from resumable_stream.hub import file_identities
-    from resumable_stream.source import _file_identity
+    from resumable_stream.source import file_identity
     indexed = {k: v for k, v in stream.source.fingerprint["files"][1].items() if k != "footer"}
-    assert file_identities(files)[files[1]] == _file_identity(files[1]) == indexed
+    assert file_identities(files)[files[1]] == file_identity(files[1]) == indexed
     # ranged reads only (no 5 MB read-ahead): each file's footer once (read to index it, kept to decode its
     # row groups), then each row group once
     data = [r for r in hub.data_requests() if r.method == "GET" and r.path.endswith(".parquet")]
@@ -212,7 +212,7 @@ def test_retry_after_is_waited_with_jitter(monkeypatch):
     limited = httpx2.Response(429, headers={"Retry-After": "3"}, request=request)
     with pytest.raises(Exception) as info:
         hf_raise_for_status(limited)
-    retry = source._Retry(hub_config(retry_backoff_s=0.5), remote=True)
+    retry = source.RetryPolicy(hub_config(retry_backoff_s=0.5), remote=True)
     waits = [retry.delay(0, info.value) for _ in range(200)]
     assert all(3.0 <= w <= 3.0 * (1 + source._JITTER) for w in waits)     # at least Retry-After
     assert len(set(waits)) > 100                                          # jittered: ranks do not retry together
