@@ -36,3 +36,21 @@ TEST_SEED = int(os.environ.get("RS_TEST_SEED") or random.SystemRandom().randrang
 def seeded_rng(name: str) -> random.Random:
     """A random.Random for one use (a test id, a run name), seeded from TEST_SEED."""
     return random.Random(f"{TEST_SEED}:{name}")
+
+
+def resealed(data: bytes, edit) -> bytes:
+    """The sidecar ``data`` with ``edit(tensors, metadata)`` applied and a valid self-digest: a malformed state
+    that only the field checks can catch."""
+    import json
+
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save as st_save
+
+    from resumable_stream import sidecar as sc
+
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n])["__metadata__"]
+    tensors = st_load(data)
+    edit(tensors, meta)
+    meta[sc.SEAL_KEY] = "0" * 32
+    return sc._seal(st_save(tensors, metadata=meta))

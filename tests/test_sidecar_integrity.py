@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import take_ids
+from helpers import resealed, take_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
@@ -34,17 +34,6 @@ def saved(cfg, source, tmp_path_factory):
 
 def _stream(cfg, source):
     return ResumableStream(cfg, rank=0, world_size=1, source=source)
-
-
-def _resealed(data: bytes, edit) -> bytes:
-    """The sidecar ``data`` with ``edit(tensors, metadata)`` applied and a valid self-digest: a malformed state
-    that only the field checks can catch."""
-    n = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8:8 + n])["__metadata__"]
-    tensors = st_load(data)
-    edit(tensors, meta)
-    meta[sc.SEAL_KEY] = "0" * 32
-    return sc._seal(st_save(tensors, metadata=meta))
 
 
 def _header_span(data: bytes) -> range:
@@ -182,7 +171,7 @@ def test_a_malformed_state_is_a_sidecar_error_naming_the_file_and_field(cfg, sou
                                                                         edit, field):
     path, _, yaml = saved
     file = str(tmp_path / "bad.safetensors")
-    open(file, "wb").write(_resealed(open(path, "rb").read(), edit))
+    open(file, "wb").write(resealed(open(path, "rb").read(), edit))
     with pytest.raises(SidecarError) as e:
         _stream(cfg, source).load_sidecar(file)
     assert file in str(e.value) and field in str(e.value)
@@ -198,9 +187,9 @@ def test_cursors_outside_the_data_are_refused_when_loaded(cfg, source, saved, tm
     path, _, _ = saved
     edit = _slots(value) if field == "slots" else _set_cursor(field, value)
     file = str(tmp_path / "far.safetensors")
-    data = _resealed(open(path, "rb").read(), edit)
+    data = resealed(open(path, "rb").read(), edit)
     if field == "offset":      # keep consumed_samples consistent: only the bound on the window is wrong
-        data = _resealed(data, _digests(lambda d: d.update(consumed_samples=d["consumed_samples"] - 22 + 10**6)))
+        data = resealed(data, _digests(lambda d: d.update(consumed_samples=d["consumed_samples"] - 22 + 10**6)))
     open(file, "wb").write(data)
     with pytest.raises(SidecarError) as e:
         _stream(cfg, source).load_sidecar(file)
@@ -373,7 +362,7 @@ def test_any_well_sealed_state_loads_or_is_a_named_error(cfg, source, saved, dat
         flat = tensors[name].reshape(-1)
         flat[data.draw(st.integers(0, len(flat) - 1))] = data.draw(st.integers(-2**62, 2**62))
 
-    bad = _resealed(original, edit)
+    bad = resealed(original, edit)
     try:
         s = _stream(cfg, source)
         s.load_state_dict(sc.decode_state(bad, "fuzzed.safetensors"), where="sidecar 'fuzzed.safetensors'")

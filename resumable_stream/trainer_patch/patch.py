@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import weakref
 from collections.abc import Callable
 
 import torch.utils.data
@@ -43,9 +44,12 @@ _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
 
 
+_LOADERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # trainer -> the StreamLoader it reads
+
+
 def stream_loader(trainer) -> StreamLoader | None:
     """The :class:`StreamLoader` a patched trainer trains from (None until it built its train dataloader)."""
-    return getattr(trainer, "_rs_loader", None)
+    return _LOADERS.get(trainer)
 
 
 class TrainingStream(torch.utils.data.IterableDataset):
@@ -155,7 +159,7 @@ def _get_train_dataloader(original):
         source = getattr(self, "_rs_resume_checkpoint", None) or ts.resume_state_path
         if source:
             loader.load_sidecar(source)
-        self._rs_loader = loader
+        _LOADERS[self] = loader
         return loader
     return get_train_dataloader
 
