@@ -89,7 +89,7 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
         return describe_state(state, full)
     ds = fp.get("dataset", {})
     summary = {
-        "format_version": state["format_version"],
+        "format_version": state.get("file_format_version", state["format_version"]),
         "topology": state["topology"],
         "dataset": {k: v for k, v in ds.items() if k != "files"},
         "files": describe_files(ds.get("files", []), full),

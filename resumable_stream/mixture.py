@@ -304,7 +304,7 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                           "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
-    return {"format_version": state["format_version"], "topology": state["topology"],
+    return {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
             "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
             "partitions": partitions, "sources": sources}
 

@@ -421,7 +421,7 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
         for p, extra in _decode_extra(ids, tensors, meta, path).items():
             partitions[p]["extra"] = extra
     state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
-             "turn": turn, "partitions": partitions}
+             "turn": turn, "partitions": partitions, "file_format_version": int(version)}   # the last for inspect
     if lane_turns is not None:
         state["lane_turns"] = lane_turns
     return state

@@ -59,3 +59,19 @@ def test_a_version_1_checkpoint_saved_again_continues_the_same(kind, data, tmp_p
     again = loader(CONFIGS[kind](data), 1, SAVED_WORLD)
     again.load_sidecar(str(tmp_path / "rank1.safetensors"))
     assert batch_ids(iter(again), 6) == EXPECTED[kind]["rank1"]
+
+
+@pytest.mark.parametrize("kind", ["stream", "mixture"])
+def test_inspect_reads_a_version_1_checkpoint(kind, capsys):
+    """7 batches of 3 examples of 3 samples each were consumed per rank before the save."""
+    from resumable_stream.cli import main
+
+    assert main(["inspect", os.path.join(LEGACY_V1, kind)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_rank = EXPECTED["saved_after_batches"] * 3 * 3
+    for rank in range(SAVED_WORLD):
+        summary = out["ranks"][f"rank-{rank:05d}.safetensors"]
+        assert summary["format_version"] == 1
+        assert sum(p["consumed_samples"] for p in summary["partitions"].values()) == per_rank
+        if kind == "mixture":
+            assert sum(s["consumed_samples"] for s in summary["sources"].values()) == per_rank
