@@ -13,8 +13,10 @@ class ConfigError(ResumableStreamError, ValueError):
     def in_source(self, at: str, keys) -> "ConfigError":
         """This error about keys a mixture's source entry set (``keys``), renamed ``data.key`` ->
         ``{at}.key`` (e.g. ``data.sources[1].split``); other keys keep their name."""
-        return ConfigError(re.sub(r"\bdata\.(\w+)",
-                                  lambda m: f"{at}.{m.group(1)}" if m.group(1) in keys else m.group(0), str(self)))
+        def rename(m: re.Match) -> str:
+            return f"{at}.{m.group(1)}" if m.group(1) in keys else m.group(0)
+
+        return ConfigError(re.sub(r"\bdata\.(\w+)", rename, str(self)))
 
 
 class SourceError(ResumableStreamError):

@@ -136,8 +136,8 @@ def test_cycles_lists_each_circle_once():
 
 def test_graph_of_the_package_sees_the_lazy_imports():
     graph = import_graph()
-    assert f"{PACKAGE}.cache.warmup" in graph[f"{PACKAGE}.cache"]          # __getattr__'s `from . import warmup`
-    assert f"{PACKAGE}.trainer_patch.train" in graph[f"{PACKAGE}.trainer_patch"]   # inside a function
+    assert f"{PACKAGE}.cache.warmup" in graph[f"{PACKAGE}.cache"]          # `from . import warmup`
+    assert f"{PACKAGE}.trainer_patch.train" in graph[f"{PACKAGE}.trainer_patch"]     # in a function
     assert f"{PACKAGE}.cache" not in graph[f"{PACKAGE}.cache.warmup"]      # its parent package: no edge
 
 
@@ -153,7 +153,8 @@ _IMPORT_ALONE = "import sys; sys.modules.update(dict.fromkeys({extras!r})); impo
 
 
 def _import_alone(module: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     code = _IMPORT_ALONE.format(extras=OPTIONAL_EXTRAS, module=module)   # a None entry: ImportError on import
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
 

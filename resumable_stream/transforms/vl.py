@@ -1,7 +1,7 @@
 """Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
 
 ``VLProcessor`` has the same driving interface as ``TextProcessor`` (``feed`` / ``ready`` / ``take`` /
-``state`` / ``load_state`` / ``fingerprint`` / ``stats`` / ``flush``) and ``collate_vl`` batches its
+``state`` / ``load_state`` / ``fingerprint`` / ``stats``) and ``collate_vl`` batches its
 examples, so the loader, sidecars and Trainer patch carry VL training unchanged.
 
 A row
@@ -389,9 +389,6 @@ class VLProcessor:
         if not self._pending:
             raise IndexError("VLProcessor.take: no finished example; feed more samples (check ready())")
         return self._pending.popleft()
-
-    def flush(self) -> None:
-        """Nothing is carried between samples (no packing)."""
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
