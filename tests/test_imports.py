@@ -7,6 +7,7 @@ circle closed at call time breaks as soon as someone imports the modules in anot
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -67,6 +68,12 @@ def import_graph(package_dir: Path = PACKAGE_DIR, package: str = PACKAGE) -> dic
                 edges |= _imported(module, path.name == "__init__.py", node, known)
         graph[module] = edges - {module}
     return graph
+
+
+@functools.cache
+def package_graph() -> dict[str, set[str]]:
+    """The package's graph, read once per session (do not modify it)."""
+    return import_graph()
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -135,7 +142,7 @@ def test_cycles_lists_each_circle_once():
 
 
 def test_graph_of_the_package_sees_the_lazy_imports():
-    graph = import_graph()
+    graph = package_graph()
     assert f"{PACKAGE}.cache.warmup" in graph[f"{PACKAGE}.cache"]          # `from . import warmup`
     assert f"{PACKAGE}.trainer_patch.train" in graph[f"{PACKAGE}.trainer_patch"]     # in a function
     assert f"{PACKAGE}.cache" not in graph[f"{PACKAGE}.cache.warmup"]      # its parent package: no edge
@@ -143,7 +150,7 @@ def test_graph_of_the_package_sees_the_lazy_imports():
 
 # ------------------------------------------------------------------------------------------------ the package
 def test_no_import_circle():
-    found = cycles(import_graph())
+    found = cycles(package_graph())
     assert not found, "import circles in the package:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
 
