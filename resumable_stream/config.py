@@ -257,22 +257,15 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
 STOPPING = ("first_exhausted", "all_exhausted", "never")
 MIXTURE_KEYS = ("sources", "stopping")
 # What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
-# label, and SOURCE_TRANSFORM_KEYS below. Everything else (shuffle_seed, cache, num_partitions, elastic, the
-# other transform keys) is the data section's and applies to every source.
+# label, and the transform keys a source may set for itself (transforms.config.SOURCE_TRANSFORM_KEYS).
+# Everything else (shuffle_seed, cache, num_partitions, elastic, the other transform keys) is the data
+# section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
                "prefetch_blocks", "storage_options", "weight", "label")
-# Transform keys a source may set for itself (over the data section's), so that e.g. a text corpus and a
-# chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
-SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-def in_source(message: str, at: str, entry: dict) -> str:
-    """A StreamConfig error about a key the source entry set, renamed ``data.key`` -> ``data.sources[i].key``."""
-    return re.sub(r"\bdata\.(\w+)", lambda m: f"{at}.{m.group(1)}" if m.group(1) in entry else m.group(0), message)
 
 
 @dataclass(frozen=True)
@@ -361,6 +354,8 @@ class MixtureConfig:
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
                   extra_keys: tuple[str, ...] = ()) -> MixtureConfig:
+        from .transforms.config import SOURCE_TRANSFORM_KEYS  # not at the top: the transforms import torch
+
         raw = data["sources"]
         if not (isinstance(raw, list) and raw):
             raise ConfigError(f"data.sources: got {raw!r}; allowed: a non-empty list of mappings, each with "
@@ -401,7 +396,7 @@ class MixtureConfig:
                 sources.append(StreamConfig.from_dict(values, base_dir=base_dir, source_file=source_file,
                                                       extra_keys=()))
             except ConfigError as e:
-                raise ConfigError(in_source(str(e), at, entry)) from None
+                raise e.in_source(at, entry) from None
         resume = shared.get("resume_state_path")
         if base_dir is not None and isinstance(resume, str) and resume:
             resume = _resolve_one(resume, base_dir)

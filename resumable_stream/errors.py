@@ -1,5 +1,7 @@
 """The exceptions a user can meet. Each message names what is wrong and what is allowed."""
 
+import re
+
 
 class ResumableStreamError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -7,6 +9,14 @@ class ResumableStreamError(Exception):
 
 class ConfigError(ResumableStreamError, ValueError):
     """A configuration key has a wrong type or value, or is unknown."""
+
+    def in_source(self, at: str, keys) -> "ConfigError":
+        """This error about keys a mixture's source entry set (``keys``), renamed ``data.key`` ->
+        ``{at}.key`` (e.g. ``data.sources[1].split``); other keys keep their name."""
+        def rename(m: re.Match) -> str:
+            return f"{at}.{m.group(1)}" if m.group(1) in keys else m.group(0)
+
+        return ConfigError(re.sub(r"\bdata\.(\w+)", rename, str(self)))
 
 
 class SourceError(ResumableStreamError):

@@ -87,7 +87,7 @@ def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
             data = hub_read_range(path, start, end)      # one request (HfFileSystem: up to three, and 5 MB more)
         else:
             fs = _filesystem(protocol, storage_options)
-            data = fs.cat_file(fs._strip_protocol(path), start=start, end=end)
+            data = fs.cat_file(path, start=start, end=end)   # the whole URL: each fs strips what it must
     if len(data) != end - start:
         raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
     return data

@@ -33,6 +33,7 @@ from kill_resume_harness import (
 )
 from training_helpers import (
     MANIFEST,
+    SLOW_MANIFEST_TRAIN,
     STATE_DIR,
     TINY,
     TRAIN_LM,
@@ -51,7 +52,6 @@ from training_helpers import (
 pytestmark = pytest.mark.slow
 
 BATCH = 8                    # per_device_train_batch_size of the tiny yaml
-SAVE_DELAY_S = 5             # RESUMABLE_STREAM_SAVE_DELAY_S for the kill-during-checkpoint run
 
 # name -> (write_config options, ranks)
 SETUPS = {
@@ -94,7 +94,7 @@ def test_sigkill_at_random_step_resumes_exactly(procs, refs, tmp_path):
 # ------------------------------------------------------------------------ (c) SIGKILL while a checkpoint is written
 @pytest.mark.parametrize("cut", [2 * SAVE_STEPS, SAVE_STEPS], ids=["second-checkpoint", "first-checkpoint"])
 def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, refs, tmp_path, cut):
-    """Rank 0 sleeps between the sidecars and the manifest; the kill lands there. The restart removes the
+    """Rank 0 sleeps between the sidecars and the manifest (tests/slow_manifest_train.py); the kill lands there. The restart removes the
     incomplete checkpoint and resumes from the one before it (or, killed in the first one, starts over).
     ``save_total_limit: 1`` also checks that the previous checkpoint is not rotated away before the new
     one is complete."""
@@ -105,13 +105,13 @@ def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, ref
     config, out = write_config(str(tmp_path), "midsave", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
                                save_total_limit=1, **options)
     state_dir = os.path.join(checkpoint_path(out, cut), STATE_DIR)
-    run = procs.start(config, "midsave-killed", env={"RESUMABLE_STREAM_SAVE_DELAY_S": str(SAVE_DELAY_S)})
+    run = procs.start(config, "midsave-killed", script=SLOW_MANIFEST_TRAIN)
     run.wait_until(lambda: os.path.isfile(os.path.join(state_dir, "rank-00000.safetensors")),
                    f"checkpoint-{cut}/{STATE_DIR}/rank-00000.safetensors {note}")
     run.kill()
     assert run.proc.returncode == -signal.SIGKILL, f"not killed (exit {run.proc.returncode}) {note}"
     assert not os.path.exists(os.path.join(state_dir, MANIFEST)), \
-        f"the manifest was written before the kill; RESUMABLE_STREAM_SAVE_DELAY_S had no effect {note}"
+        f"the manifest was written before the kill; slow_manifest_train.py did not delay it {note}"
     assert os.path.isfile(os.path.join(checkpoint_path(out, cut), "trainer_state.json")), note
     assert complete_checkpoints(out) == ([previous] if previous else []), \
         f"expected complete checkpoints {[previous] if previous else []} (the previous one kept until the new " \

@@ -29,6 +29,7 @@ TINY = os.path.join(ROOT, "examples", "tiny")
 TRAIN_LM = os.path.join(ROOT, "examples", "train_lm.py")
 TRAIN_VL = os.path.join(ROOT, "examples", "train_vl.py")
 DATA_PARALLEL_TRAIN = os.path.join(ROOT, "tests", "data_parallel_train.py")
+SLOW_MANIFEST_TRAIN = os.path.join(ROOT, "tests", "slow_manifest_train.py")   # train_lm.py, manifests late
 MANIFEST = "manifest.json"
 STATE_DIR = "stream_state"
 
@@ -198,8 +199,10 @@ class Procs:
         self.directory, self.script = directory, script
         self.runs: list[Run] = []
 
-    def start(self, config: str, label: str, nproc: int = 1, env: dict | None = None) -> Run:
-        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env, script=self.script)
+    def start(self, config: str, label: str, nproc: int = 1, env: dict | None = None,
+              script: str | None = None) -> Run:
+        """``script``: another training script than this Procs' own (for this run only)."""
+        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env, script=script or self.script)
         self.runs.append(run)
         return run
 

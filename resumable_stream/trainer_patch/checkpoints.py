@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import shutil
-import time
 
 from ..errors import SidecarError
 from ..sidecar import MANIFEST, STATE_DIR, read_manifest, write_manifest
@@ -78,8 +77,5 @@ def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, b
     loader.save_sidecar(state_dir, manifest=False)   # rank file (+ the index on rank 0); the manifest comes last
     barrier()
     if is_main:
-        delay = float(os.environ.get("RESUMABLE_STREAM_SAVE_DELAY_S", "0") or 0)
-        if delay > 0:   # fault-injection hook for the kill-during-checkpoint test
-            time.sleep(delay)
         write_manifest(state_dir, world_size)
     barrier()

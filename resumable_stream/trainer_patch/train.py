@@ -17,6 +17,7 @@ import sys
 
 from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
+from ..loader import shard_row_key
 from ..mixture import MixtureStream, open_stream
 from ..transforms.formats import REQUIRED as FORMAT_REQUIRED
 from ..transforms.formats import resolved_columns
@@ -44,10 +45,6 @@ class ColumnKey:
         if isinstance(where[0], str):   # a mixture's ("label/shard", row): ids of two sources may coincide
             return f"{where[0].partition('/')[0]}/{sample[self.column]}"
         return str(sample[self.column])
-
-
-def shard_row(sample: dict, where: tuple[int, int]) -> str:
-    return f"{where[0]}:{where[1]}"
 
 
 def _load_tokenizer(cfg: TrainerConfig):
@@ -192,7 +189,7 @@ def build_trainer(cfg: TrainerConfig, **argument_overrides):
         # neat packing under flash attention: the varlen path needs the segments of a batch of several rows
         flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
         collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id, flash_attn_kwargs=flash)
-    key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row
+    key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row_key
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
                              resume_state_path=cfg.stream.resume_state_path)
 

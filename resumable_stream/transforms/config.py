@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..config import SOURCE_TRANSFORM_KEYS, in_source
 from ..errors import ConfigError
 from .formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .row_map import function_identity, load_function
@@ -25,6 +24,9 @@ BAD_SAMPLE = ("error", "skip")
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 1_000_000
 MAX_IMAGE_BYTES = 1 << 40
+# Transform keys a source of a mixture may set for itself (over the data section's), so that e.g. a text corpus
+# and a chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
+SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
 
 
 def _is_int(v: Any) -> bool:
@@ -217,7 +219,7 @@ class TransformConfig:
             try:
                 cfg = dataclasses.replace(base, **own)
             except ConfigError as e:
-                raise ConfigError(in_source(str(e), at, own)) from None
+                raise e.in_source(at, own) from None
             label = entry.get("label", f"source{i}")
             sources.append((label, cfg))
         return dataclasses.replace(base, sources=tuple(sources)) if sources else base

@@ -116,11 +116,11 @@ class TextProcessor:
     def _reset(self) -> None:
         # finished examples: (input_ids, labels, keys, segment lengths; None unless packing_mode is neat)
         self._pending: deque[tuple[list[int], list[int], list[str], list[int] | None]] = deque()
-        # packing carry: flat token/label lists from _cpos on, and [key, n_tokens] per contributing sample
-        self._cids: list[int] = []
-        self._clabels: list[int] = []
-        self._cpos = 0
-        self._ckeys: deque[list[Any]] = deque()
+        # packing carry: flat token/label lists from _carry_start on, [key, n_tokens] per contributing sample
+        self._carry_ids: list[int] = []
+        self._carry_labels: list[int] = []
+        self._carry_start = 0
+        self._carry_keys: deque[list[Any]] = deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
     # ------------------------------------------------------------------ public API
@@ -153,9 +153,9 @@ class TextProcessor:
             return
         ids, labels = encoded
         if self.cfg.packing:
-            self._cids += ids
-            self._clabels += labels
-            self._ckeys.append([key, len(ids)])
+            self._carry_ids += ids
+            self._carry_labels += labels
+            self._carry_keys.append([key, len(ids)])
             self._cut_blocks()
             return
         L = self.cfg.max_seq_len
@@ -194,12 +194,12 @@ class TextProcessor:
 
     def flush(self) -> None:
         """Packing only: turn the carried tokens into one last, shorter example (end of a finite stream)."""
-        if self.cfg.packing and len(self._cids) > self._cpos:
-            ids = self._cids[self._cpos:]
-            labels = self._clabels[self._cpos:]
-            parts = [(k, n) for k, n in self._ckeys]
-            self._cids, self._clabels, self._cpos = [], [], 0
-            self._ckeys.clear()
+        if self.cfg.packing and len(self._carry_ids) > self._carry_start:
+            ids = self._carry_ids[self._carry_start:]
+            labels = self._carry_labels[self._carry_start:]
+            parts = [(k, n) for k, n in self._carry_keys]
+            self._carry_ids, self._carry_labels, self._carry_start = [], [], 0
+            self._carry_keys.clear()
             self._emit(ids, labels, parts)
 
     def stats(self) -> dict[str, int]:
@@ -212,13 +212,13 @@ class TextProcessor:
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         """``{"tensors": {name: int64 ndarray}, "meta": JSON-able dict}``; see ``load_state``."""
-        carry_ids = self._cids[self._cpos:]
-        carry_labels = self._clabels[self._cpos:]
+        carry_ids = self._carry_ids[self._carry_start:]
+        carry_labels = self._carry_labels[self._carry_start:]
         pending = list(self._pending)
         tensors = {
             "carry_input_ids": _arr(carry_ids),
             "carry_labels": _arr(carry_labels),
-            "carry_key_tokens": _arr([n for _, n in self._ckeys]),   # also the document boundaries
+            "carry_key_tokens": _arr([n for _, n in self._carry_keys]),   # also the document boundaries
             "pending_input_ids": _arr([t for ids, _, _, _ in pending for t in ids]),
             "pending_labels": _arr([t for _, labels, _, _ in pending for t in labels]),
             "pending_lengths": _arr([len(ids) for ids, _, _, _ in pending]),
@@ -230,7 +230,7 @@ class TextProcessor:
         meta = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),
-            "carry_keys": [k for k, _ in self._ckeys],
+            "carry_keys": [k for k, _ in self._carry_keys],
             "pending_keys": [k for _, _, keys, _ in pending for k in keys],
             "stats": self.stats(),
         }
@@ -263,8 +263,8 @@ class TextProcessor:
         pending_segments = _split_segments(segments, t["pending_lengths"]) if segments is not None \
             else [None] * len(t["pending_lengths"])
         self._reset()
-        self._cids, self._clabels = t["carry_input_ids"], t["carry_labels"]
-        self._ckeys = deque([k, n] for k, n in zip(carry_keys, t["carry_key_tokens"]))
+        self._carry_ids, self._carry_labels = t["carry_input_ids"], t["carry_labels"]
+        self._carry_keys = deque([k, n] for k, n in zip(carry_keys, t["carry_key_tokens"]))
         pos = kpos = 0
         for n, nk, segs in zip(t["pending_lengths"], t["pending_key_counts"], pending_segments):
             self._pending.append((t["pending_input_ids"][pos:pos + n], t["pending_labels"][pos:pos + n],
@@ -320,25 +320,25 @@ class TextProcessor:
 
     def _cut_blocks(self) -> None:
         L = self.cfg.max_seq_len
-        while len(self._cids) - self._cpos >= L:
-            start, end = self._cpos, self._cpos + L
+        while len(self._carry_ids) - self._carry_start >= L:
+            start, end = self._carry_start, self._carry_start + L
             parts: list[tuple[str, int]] = []
             need = L
             while need:
-                entry = self._ckeys[0]
+                entry = self._carry_keys[0]
                 n = min(need, entry[1])
                 parts.append((entry[0], n))
                 need -= n
                 if n == entry[1]:
-                    self._ckeys.popleft()
+                    self._carry_keys.popleft()
                 else:
                     entry[1] -= n
-            self._emit(self._cids[start:end], self._clabels[start:end], parts)
-            self._cpos = end
-        if self._cpos:
-            del self._cids[:self._cpos]
-            del self._clabels[:self._cpos]
-            self._cpos = 0
+            self._emit(self._carry_ids[start:end], self._carry_labels[start:end], parts)
+            self._carry_start = end
+        if self._carry_start:
+            del self._carry_ids[:self._carry_start]
+            del self._carry_labels[:self._carry_start]
+            self._carry_start = 0
 
     def _bad(self, key: str, why: str) -> None:
         """A row data.bad_sample decides about: an error naming it, or skipped, counted and logged."""

@@ -1,7 +1,7 @@
 """Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
 
 ``VLProcessor`` has the same driving interface as ``TextProcessor`` (``feed`` / ``ready`` / ``take`` /
-``state`` / ``load_state`` / ``fingerprint`` / ``stats`` / ``flush``) and ``collate_vl`` batches its
+``state`` / ``load_state`` / ``fingerprint`` / ``stats``) and ``collate_vl`` batches its
 examples, so the loader, sidecars and Trainer patch carry VL training unchanged.
 
 A row
@@ -107,10 +107,8 @@ def load_processor(name: str, trust_remote_code: bool = False):
         # the video processor needs torchvision, or its config is missing (a processor saved by this fallback)
         if not any(w in str(e).lower() for w in ("torchvision", "video processor", "video_preprocessor")):
             raise
-    cls = _processor_class(name, trust_remote_code)
-    processor = _image_only(cls).from_pretrained(name, trust_remote_code=trust_remote_code)
-    processor._rs_origin = (name, trust_remote_code)
-    return processor
+    cls = _image_only(_processor_class(name, trust_remote_code), name, trust_remote_code)
+    return cls.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def _processor_class(name: str, trust_remote_code: bool):
@@ -135,19 +133,17 @@ def _processor_class(name: str, trust_remote_code: bool):
     return getattr(transformers, cls_name)
 
 
-def _reload(name: str, trust_remote_code: bool):
-    return load_processor(name, trust_remote_code)
-
-
 @functools.cache
-def _image_only(cls):
-    """``cls`` without its video processor attribute (saved and reported under ``cls``'s own name)."""
+def _image_only(cls, name: str, trust_remote_code: bool):
+    """``cls`` without its video processor attribute (saved and reported under ``cls``'s own name), for the
+    processor at ``name``: a class made at run time cannot be pickled by name, so its instances pickle as
+    ``load_processor(name, trust_remote_code)`` (the origin lives in this class, not on the processor)."""
 
     def get_attributes(klass):
         return [a for a in cls.get_attributes() if "video" not in a]
 
-    def __reduce__(self):   # a class made at run time pickles by reloading the processor
-        return _reload, self._rs_origin
+    def __reduce__(self):
+        return load_processor, (name, trust_remote_code)
 
     members = {"get_attributes": classmethod(get_attributes), "__reduce__": __reduce__,
                "__module__": cls.__module__, "__doc__": cls.__doc__}
@@ -393,9 +389,6 @@ class VLProcessor:
         if not self._pending:
             raise IndexError("VLProcessor.take: no finished example; feed more samples (check ready())")
         return self._pending.popleft()
-
-    def flush(self) -> None:
-        """Nothing is carried between samples (no packing)."""
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)

@@ -1,0 +1,176 @@
+"""The package has no import circle, and each of its modules imports alone in a fresh interpreter.
+
+The graph is read from the source (AST), not from ``sys.modules``: imports inside functions count too, since a
+circle closed at call time breaks as soon as someone imports the modules in another order.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import subprocess
+import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import resumable_stream
+
+PACKAGE = "resumable_stream"
+PACKAGE_DIR = Path(resumable_stream.__file__).parent
+REPO_ROOT = PACKAGE_DIR.parent
+
+
+def module_files(package_dir: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (a package is its ``__init__.py``)."""
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = [package, *path.relative_to(package_dir).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The modules of ``known`` that one import statement of ``module`` loads itself (not the parent
+    packages Python imports on the way: every submodule import does that, it is no edge)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in known}
+    if node.level:                                  # relative: from the module's package, up level - 1
+        base = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            base = base.rpartition(".")[0]
+        base = f"{base}.{node.module}" if node.module else base
+    else:
+        base = node.module or ""
+    if base not in known:
+        if base == PACKAGE or base.startswith(PACKAGE + ".") or node.level:
+            raise AssertionError(f"{module}: line {node.lineno} imports {base!r}, which is not a module here")
+        return set()                                # third-party
+    # `from pkg import sub` loads pkg.sub; `from pkg import name` (or `*`) loads pkg itself
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+
+
+def import_graph(package_dir: Path = PACKAGE_DIR, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in its code (module level or in functions)."""
+    files = module_files(package_dir, package)
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _imported(module, path.name == "__init__.py", node, known)
+        graph[module] = edges - {module}
+    return graph
+
+
+@functools.cache
+def package_graph() -> dict[str, set[str]]:
+    """The package's graph, read once per session (do not modify it)."""
+    return import_graph()
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: for every module on one, the shortest circle through it (each circle once, starting
+    at its smallest name, e.g. ``[a, b, c, a]``)."""
+    found = set()
+    for start in graph:
+        parent: dict[str, str] = {}
+        queue = deque([start])
+        while queue:                                # breadth first: the first way back is a shortest one
+            node = queue.popleft()
+            if start in graph[node]:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                ring = path[::-1]                   # start ... node (then back to start)
+                i = ring.index(min(ring))
+                found.add(tuple(ring[i:] + ring[:i]))
+                break
+            for nxt in sorted(graph[node]):
+                if nxt not in parent and nxt != start:
+                    parent[nxt] = node
+                    queue.append(nxt)
+    return [[*ring, ring[0]] for ring in sorted(found)]
+
+
+# ------------------------------------------------------------------------------------------ the graph reader
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_graph_reads_every_import_form(tmp_path):
+    pkg = _write(tmp_path / PACKAGE, {
+        "__init__.py": "from .a import f\n__version__ = '1'\n",
+        "a.py": "import os\nfrom . import __version__\n\ndef f():\n    from .sub import helper\n",
+        "b.py": f"import {PACKAGE}.sub.c\nfrom .sub import c as c2\n",
+        "sub/__init__.py": "def helper():\n    from . import c\n",
+        "sub/c.py": "from ..b import x\nfrom .. import a\nfrom .d import *\n",
+        "sub/d.py": "import json\n",
+    })
+    p = PACKAGE
+    assert import_graph(pkg) == {
+        p: {f"{p}.a"},
+        f"{p}.a": {p, f"{p}.sub"},                  # `from . import __version__`: the package's __init__
+        f"{p}.b": {f"{p}.sub.c"},                   # not the parent packages imported on the way
+        f"{p}.sub": {f"{p}.sub.c"},                 # `from . import c` in a function: the submodule
+        f"{p}.sub.c": {f"{p}.b", f"{p}.a", f"{p}.sub.d"},
+        f"{p}.sub.d": set(),
+    }
+
+
+def test_graph_rejects_an_import_of_a_missing_module(tmp_path):
+    pkg = _write(tmp_path / PACKAGE, {"__init__.py": "", "a.py": "from .gone import x\n"})
+    with pytest.raises(AssertionError, match=r"resumable_stream.a: line 1 imports 'resumable_stream.gone'"):
+        import_graph(pkg)
+
+
+def test_cycles_lists_each_circle_once():
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": {"d2"}, "d2": {"b"}, "e": {"a"}, "f": set()}
+    assert cycles(graph) == [["a", "b", "c", "a"], ["b", "d", "d2", "b"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_graph_of_the_package_sees_the_lazy_imports():
+    graph = package_graph()
+    assert f"{PACKAGE}.cache.warmup" in graph[f"{PACKAGE}.cache"]          # `from . import warmup`
+    assert f"{PACKAGE}.trainer_patch.train" in graph[f"{PACKAGE}.trainer_patch"]     # in a function
+    assert f"{PACKAGE}.cache" not in graph[f"{PACKAGE}.cache.warmup"]      # its parent package: no edge
+
+
+# ------------------------------------------------------------------------------------------------ the package
+def test_no_import_circle():
+    found = cycles(package_graph())
+    assert not found, "import circles in the package:\n" + "\n".join("  " + " -> ".join(c) for c in found)
+
+
+# Optional extras: an import of the package must not need them (blocked in the subprocess below).
+OPTIONAL_EXTRAS = ("torch_npu", "s3fs", "PIL", "moto", "torchdata")
+_IMPORT_ALONE = "import sys; sys.modules.update(dict.fromkeys({extras!r})); import {module}"
+
+
+def _import_alone(module: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    code = _IMPORT_ALONE.format(extras=OPTIONAL_EXTRAS, module=module)   # a None entry: ImportError on import
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_each_module_imports_alone_in_a_fresh_interpreter():
+    modules = sorted(module_files(PACKAGE_DIR, PACKAGE))
+    with ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+        results = dict(zip(modules, pool.map(_import_alone, modules)))
+    failed = {m: r for m, r in results.items() if r.returncode != 0}
+    assert not failed, "\n\n".join(f"python -c 'import {m}' exited {r.returncode}:\n{r.stderr}"
+                                   for m, r in failed.items())
