@@ -68,6 +68,7 @@ def test_row_striding_when_fewer_shards_than_partitions(parquet_two_shards, worl
         assert any("keeps every" in r.getMessage() for r in caplog.records), "striding must warn"
 
 
+@pytest.mark.slow   # DataLoader worker processes: ~2.5 s CPU each
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_dataloader_workers_cover_epoch_exactly_once(parquet_60, world_size):
     cfg = parquet_config(parquet_60, shuffle=True, buffer_size=128)

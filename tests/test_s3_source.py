@@ -152,6 +152,7 @@ def test_rewritten_s3_object_is_a_mismatch_naming_it(bucket, tmp_path):
     assert urls[1] in str(err.value) and "etag" in str(err.value)
 
 
+@pytest.mark.slow   # forked DataLoader workers over the S3 server
 def test_two_ranks_with_forked_dataloader_workers_read_every_row_once(bucket):
     """Forked DataLoader workers open their own s3fs filesystem (aiobotocore after fork)."""
     import torch.utils.data

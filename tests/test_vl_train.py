@@ -119,6 +119,7 @@ def test_shipped_vl_yamls_are_valid():
     assert real.train["bf16"] and real.stream.name == "en"
 
 
+@pytest.mark.slow   # builds and saves a model
 def test_vl_with_a_text_only_checkpoint_is_a_config_error(tmp_path):
     """format vl loads the model with AutoModelForImageTextToText: a text-only checkpoint (or a directory
     that holds no model) is a ConfigError naming model.name_or_path, not an unexpected ValueError."""
