@@ -82,9 +82,12 @@ def test_dataloader_workers_cover_epoch_exactly_once(parquet_60, world_size):
 def test_dataloader_with_other_worker_count_is_refused(parquet_small):
     cfg = parquet_config(parquet_small, shuffle=True, buffer_size=16)
     s = ResumableStream(cfg, rank=0, world_size=1, num_workers=1)
-    loader = torch.utils.data.DataLoader(s, batch_size=None, num_workers=2)
-    with pytest.raises(ConfigError, match="num_workers"):
-        next(iter(loader))
+    batches = iter(torch.utils.data.DataLoader(s, batch_size=None, num_workers=2))
+    try:
+        with pytest.raises(ConfigError, match="num_workers"):
+            next(batches)
+    finally:
+        batches._shutdown_workers()   # now: left to the garbage collector, the workers' shutdown waits 10 s
 
 
 @pytest.mark.slow
