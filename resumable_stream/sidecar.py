@@ -47,6 +47,7 @@ FORMAT = "resumable-stream"
 FORMAT_VERSION = 2
 KINDS = ("stream", "mixture")
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
+MAX_EPOCH = 2**31          # as a stream cursor's epoch (stream.py): a forged state cannot jump to any epoch
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 STATE_DIR = "stream_state"
@@ -358,10 +359,12 @@ def _decode_mixture(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
     out = {}
     for row, p in enumerate(ids):
         position = dict(zip(MIXTURE_POSITION, (int(v) for v in positions[row].tolist())))
-        _require(all(v >= 0 for v in position.values()) and position["draws"] <= position["consumed"], path,
-                 f"mixture/positions[{p}]", position, "integers >= 0 with draws <= consumed")
+        _require(all(v >= 0 for v in position.values()) and position["draws"] <= position["consumed"]
+                 and position["epoch"] < MAX_EPOCH, path, f"mixture/positions[{p}]", position,
+                 "integers >= 0 with draws <= consumed and epoch < 2**31")
         epochs = [int(v) for v in source_epochs[row].tolist()]
-        _require(all(e >= 0 for e in epochs), path, f"mixture/source_epochs[{p}]", epochs, "integers >= 0")
+        _require(all(0 <= e < MAX_EPOCH for e in epochs), path, f"mixture/source_epochs[{p}]", epochs,
+                 "integers in [0, 2**31)")
         flags = ended[row].tolist()
         _require(all(f in (0, 1) for f in flags), path, f"mixture/ended[{p}]", flags, "0 or 1 per source")
         out[p] = {"mixture": {**position, "source_epochs": epochs, "ended": [bool(f) for f in flags]},

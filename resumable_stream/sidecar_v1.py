@@ -40,7 +40,8 @@ def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: 
     for p, part in grouped.items():
         own = part["own"]
         if own is None or any(s is None for s in part["sources"]) or len(own["slots"]) != num_sources \
-                or any(ended not in (0, 1) for _, ended in own["slots"]):
+                or any(ended not in (0, 1) or epoch >= 2**31 for epoch, ended in own["slots"]) \
+                or own["epoch"] >= 2**31:
             raise SidecarError(f"sidecar {path!r}: partition {p} is not a complete mixture state for {num_sources} "
                                "sources")
         out[p] = {"mixture": {"epoch": own["epoch"], "draws": own["offset"], "consumed": own["consumed"],

@@ -102,6 +102,8 @@ def _meta(key, value):
     (_set("mixture/positions", 1, [0, -1, 3]), "mixture/positions[1]"),
     (_set("mixture/positions", 2, [0, 9, 3]), "mixture/positions[2]"),          # more draws than samples
     (_set("mixture/source_epochs", 3, [-1, 0]), "mixture/source_epochs[3]"),
+    (_set("mixture/source_epochs", 0, [2**62, 0]), "mixture/source_epochs[0]"),   # no jump to any epoch
+    (_set("mixture/positions", 0, [2**40, 0, 3]), "mixture/positions[0]"),
     (_replace("mixture/source_epochs", lambda t: t[:, :1].copy()), "tensor mixture/source_epochs"),
     (_replace("mixture/ended", lambda t: t.astype(np.int64)), "tensor mixture/ended"),
     (_drop("sources/1/cursors"), "sources/1/cursors"),
