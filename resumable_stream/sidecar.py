@@ -410,8 +410,6 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
     if version == "1":
         check_v1_partition_ids(ids, n, path)
         partitions = _decode_cursors(ids, tensors, meta, path, blank_digest_ok=kind == "mixture")
-        for p, extra in _decode_extra(ids, tensors, meta, path).items():
-            partitions[p]["extra"] = extra
         if kind == "mixture":
             partitions = mixture_from_v1(partitions, len(_mixture_labels(fingerprint, path)), path)
     else:
@@ -421,7 +419,8 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
             partitions = _decode_cursors(ids, tensors, meta, path)
         else:
             partitions = _decode_mixture(ids, tensors, meta, fingerprint, path)
-        for p, extra in _decode_extra(ids, tensors, meta, path).items():
+    for p, extra in _decode_extra(ids, tensors, meta, path).items():
+        if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries
             partitions[p]["extra"] = extra
     state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions, "file_format_version": int(version)}   # the last for inspect

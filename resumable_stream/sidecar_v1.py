@@ -24,7 +24,8 @@ def check_v1_partition_ids(ids: list[int], num_partitions: int, path: str) -> No
 
 
 def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: str) -> dict[int, dict[str, Any]]:
-    """A version 1 mixture's flat entries -> ``{p: {"mixture": position, "sources": [...], "extra": carry}}``."""
+    """A version 1 mixture's flat entries -> ``{p: {"mixture": position, "sources": [...]}}`` (the caller adds
+    each partition's transform carry)."""
     grouped: dict[int, dict[str, Any]] = {}
     for entry_id, ps in entries.items():
         p, slot = entry_id % V1_SOURCE_STRIDE, entry_id // V1_SOURCE_STRIDE
@@ -48,6 +49,4 @@ def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: 
                               "source_epochs": [epoch for epoch, _ in own["slots"]],
                               "ended": [bool(ended) for _, ended in own["slots"]]},
                   "sources": part["sources"]}
-        if "extra" in own:
-            out[p]["extra"] = own["extra"]
     return out

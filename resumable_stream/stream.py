@@ -206,9 +206,3 @@ class ResumableStream(StreamBase):
         require(0 <= ps["block_taken"] < lay.block, "block_taken", ps["block_taken"], f"0 .. {lay.block - 1}")
         require(0 <= ps["offset"] <= lay.buffer_size, "offset", ps["offset"], f"0 .. {lay.buffer_size} (one window)")
         require(0 <= ps["window"] and 0 <= ps["consumed_before"], "window", ps["window"], "an integer >= 0")
-
-    def sample_key(self, partition: int) -> tuple[int, int]:
-        """(shard, row) of the sample ``partition`` yielded last."""
-        reader = self._readers[partition]
-        return reader.sample_key(reader.offset - 1)
-
