@@ -2,24 +2,51 @@
 
 The dataset index gives every row group's byte span, so reading row group *g* of a file is one
 ranged read of that span plus, once per file and process, one read of the footer (checked against
-the index's footer digest: a file rewritten since the index was built is a StreamMismatchError
-naming it, never decoded against a stale layout). Tables are cast to the index's features exactly
-as ``datasets``' parquet builder casts them, so rows come out as ``datasets`` would give them.
+the index's footer digest and row-group layout: a file rewritten since the index was built is a
+StreamMismatchError naming it, never decoded against a stale layout). Every read is checked against the
+file's recorded identity (:mod:`.ranged`) and every decoded row group against its footer
+(:mod:`.row_group_check`) before it is handed on: an answer that fails a check is read once more from
+the source, and a second failure is an error naming the file and row group, never a row. Tables are cast
+to the index's features exactly as ``datasets``' parquet builder casts them, so rows come out as
+``datasets`` would give them.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import StreamMismatchError
-from .index import footer_digest, parse_footer
+from . import row_group_check
+from .errors import SourceError, StreamMismatchError
+from .index import footer_digest, parse_footer, row_group_layout
+from .ranged import ObjectChanged, WrongBytes, read_range
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def read_checked(what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, once more when its answer failed a check (a proxy's hiccup, a torn read); a second failure
+    is a SourceError naming ``what`` (a StreamMismatchError when the object itself changed)."""
+    try:
+        return fn()
+    except (WrongBytes, ObjectChanged) as e:
+        log.warning("%s: %s; reading it once more from the source", what, e)
+    try:
+        return fn()
+    except ObjectChanged:
+        raise
+    except WrongBytes as e:
+        raise SourceError(f"{what}: {e} (on two reads in a row: the server, or a cache or proxy in between, "
+                          "answers with other bytes than the file's; nothing of it was used)") from None
 
 
 class _Span(io.RawIOBase):
@@ -51,46 +78,6 @@ class _Span(io.RawIOBase):
         buffer[:n] = self._data[start:start + n]
         self._pos += n
         return n
-
-
-_FILESYSTEMS: dict[tuple, Any] = {}
-
-
-def _filesystem(protocol: str, storage_options: dict):
-    """This process's fsspec filesystem for ``protocol`` (a fresh one after a fork: with some fsspec versions
-    a filesystem made before the fork hangs in a forked DataLoader worker)."""
-    import fsspec
-
-    options = dict(storage_options.get(protocol, {}))
-    key = (os.getpid(), protocol, repr(sorted(options.items())))
-    fs = _FILESYSTEMS.get(key)
-    if fs is None:
-        if any(k[0] != key[0] for k in _FILESYSTEMS):
-            _FILESYSTEMS.clear()         # the parent's, unusable here
-            fsspec.asyn.reset_lock()
-        fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-    return fs
-
-
-def read_range(path: str, start: int, end: int, storage_options: dict) -> bytes:
-    """Bytes ``[start, end)`` of a local file or a URL (one ranged request); a short answer is an OSError
-    (a network fault: retried by the caller)."""
-    if "://" not in path or path.startswith("file://"):
-        with open(path[len("file://"):] if path.startswith("file://") else path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-    else:
-        protocol = path.split("://", 1)[0]
-        if protocol == "hf" and path.startswith("hf://datasets/"):
-            from .hub import read_range as hub_read_range
-
-            data = hub_read_range(path, start, end)      # one request (HfFileSystem: up to three, and 5 MB more)
-        else:
-            fs = _filesystem(protocol, storage_options)
-            data = fs.cat_file(path, start=start, end=end)   # the whole URL: each fs strips what it must
-    if len(data) != end - start:
-        raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
-    return data
 
 
 class ParquetFiles:
@@ -159,22 +146,40 @@ class ParquetFiles:
         size, length = entry["size"], entry["footer_bytes"]
         footer = self.footers.get(entry["path"])
         if footer is None:
-            footer = read_range(entry["path"], size - length, size, self._storage_options)
+            footer = read_checked(f"data file {entry['path']!r} (its footer)", lambda: read_range(
+                entry["path"], size - length, size, self._storage_options, entry))
         digest = footer_digest(footer)
         if digest != entry["footer"]:
             raise StreamMismatchError(
                 f"data file {entry['path']!r} was modified: its parquet footer no longer matches the dataset index "
                 f"(footer digest: index {entry['footer']!r}, now {digest!r}); the data changed since the index or "
                 "checkpoint was made", [(f"file modified: {entry['path']} (footer)", entry["footer"], digest)])
-        return parse_footer(footer, entry["path"])
+        md = parse_footer(footer, entry["path"])
+        if row_group_layout(md) != entry["row_groups"]:    # a forged index would have us read other spans
+            raise SourceError(f"dataset index: the row groups it lists for data file {entry['path']!r} are not the "
+                              "ones its footer describes (the index was edited or damaged); rebuild it")
+        return md
 
     def row_group(self, file: int, group: int) -> pa.Table:
-        """Row group ``group`` of file ``file`` as one table, cast to the index's features."""
+        """Row group ``group`` of file ``file`` as one table, cast to the index's features, once its bytes
+        passed every check."""
         from datasets.table import table_cast
 
         entry = self._files[file]
         md = self.metadata(file)
-        _, start, end = entry["row_groups"][group]
-        data = read_range(entry["path"], start, end, self._storage_options)
-        table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md).read_row_group(group)
+        table = read_checked(f"data file {entry['path']!r} (row group {group})",
+                             lambda: self._decoded(entry, md, group))
         return table_cast(table, self._schema)
+
+    def _decoded(self, entry: dict, md: pq.FileMetaData, group: int) -> pa.Table:
+        _, start, end = entry["row_groups"][group]
+        data = read_range(entry["path"], start, end, self._storage_options, entry)
+        try:
+            table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md,
+                                   page_checksum_verification=True).read_row_group(group)
+        except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not this row group's
+            raise WrongBytes(f"its bytes do not decode ({type(e).__name__}: {e})") from None
+        problem = row_group_check.problem(table, md, group)
+        if problem is not None:
+            raise WrongBytes(f"its decoded rows contradict the file's footer: {problem}")
+        return table

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from .config import StreamConfig
-from .errors import ConfigError, ResumableStreamError, SourceError
+from .errors import ConfigError, ResumableStreamError, SourceError, StreamMismatchError
 from .hub import (
     commit_sha,
     file_identities,
@@ -47,8 +47,9 @@ from .index import (
     map_files,
     split_footer,
 )
-from .parquet_files import ParquetFiles, read_range
+from .parquet_files import ParquetFiles, read_checked
 from .prefetch import Prefetcher
+from .ranged import read_range
 
 log = logging.getLogger(__name__)
 
@@ -139,23 +140,26 @@ def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
     return ident
 
 
-def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None) -> bytes:
-    """The footer of a parquet file of ``size`` bytes: one ranged read of its tail (two when the footer is
-    bigger than FOOTER_TAIL_BYTES)."""
+def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None, identity: dict | None = None) -> bytes:
+    """The footer of a parquet file of ``size`` bytes (and ``identity``, checked on every answer): one ranged
+    read of its tail (two when the footer is bigger than FOOTER_TAIL_BYTES)."""
     options = retry.storage_options if retry else {}
 
     def fetch() -> bytes:
-        tail = read_range(path, max(0, size - FOOTER_TAIL_BYTES), size, options)
+        tail = read_range(path, max(0, size - FOOTER_TAIL_BYTES), size, options, identity)
         length = split_footer(tail, size, path)
         if length > len(tail):
-            tail = read_range(path, size - length, size - len(tail), options) + tail
+            tail = read_range(path, size - length, size - len(tail), options, identity) + tail
         return tail[len(tail) - length:]
+
+    def checked() -> bytes:
+        return read_checked(f"data file {path!r} (its footer)", fetch)
 
     try:
         if retry is not None and retry.applies(path):
-            return retry.call(fetch, f"data file {path!r}: reading its parquet footer", [path])
-        return fetch()
-    except SourceError:
+            return retry.call(checked, f"data file {path!r}: reading its parquet footer", [path])
+        return checked()
+    except (SourceError, StreamMismatchError):
         raise
     except Exception as e:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
@@ -167,7 +171,7 @@ def _index_file(path: str, retry: RetryPolicy | None, ident: dict | None = None)
     ident = ident or file_identity(path, retry)
     if not isinstance(ident.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
-    footer = parquet_footer(path, ident["size"], retry)
+    footer = parquet_footer(path, ident["size"], retry, ident)
     return file_entry(ident, footer), footer
 
 
@@ -705,8 +709,12 @@ class StreamingSource(Source):
         table = None
         ahead = self._prefetch.take(shard) if self._prefetch is not None else None
         if ahead is not None:
-            with contextlib.suppress(Exception):   # a failed fetch ahead: read it here, under the retries
+            try:
                 table = ahead.result()
+            except ResumableStreamError:           # its bytes failed the checks twice: a third read is not due
+                raise
+            except Exception:                      # a network fault ahead: read it here, under the retries
+                pass
         if table is None:
             table = self._fetch_row_group(shard)
         for lo in range(0, table.num_rows, READ_BATCH_ROWS):
@@ -715,8 +723,8 @@ class StreamingSource(Source):
                 yield table.slice(max(lo, start_row), hi - max(lo, start_row))
 
     def _read_error(self, shard: int, e: Exception) -> ResumableStreamError:
-        if isinstance(e, ResumableStreamError) and not isinstance(e, SourceError):
-            return e                 # a StreamMismatchError (a file changed under the index) stays one
+        if isinstance(e, ResumableStreamError):
+            return e                 # ours already names the file (a StreamMismatchError stays one)
         info = self.shards[shard]
         return SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
                            f"({type(e).__name__}: {e})")

@@ -22,6 +22,12 @@ Network conditions, all switchable at runtime (plain attributes, read per reques
 * ``srv.bandwidth_bps``: body throughput limit in **bytes** per second, per response
   (``None``: unlimited).
 
+Validators: a GET with ``If-Match`` other than the file's ETag is answered 412, as nginx and object
+stores do (``srv.honour_if_match = False``: ignored, as ``python -m http.server`` does).
+
+A lying cache or proxy: ``srv.ranges_from = {"a.parquet": "b.parquet"}`` answers every ranged GET of
+``a.parquet`` with ``b.parquet``'s bytes at that range, under ``a.parquet``'s own headers (size, ETag).
+
 Faults. A fault is one of :data:`FAULT_KINDS`:
 
 * ``"reset"``: the connection is reset (RST) without any response;
@@ -256,7 +262,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with f:
             st = os.fstat(f.fileno())
-            headers = {"ETag": file_etag(st), "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True)}
+            etag = file_etag(st)
+            headers = {"ETag": etag, "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True)}
+            wanted = self.headers.get("If-Match")
+            if wanted is not None and self.server.owner.honour_if_match and wanted.strip() not in ("*", etag):
+                self._reply_empty(rec, 412, headers)
+                return
+            other = self.server.owner.ranges_from.get(os.path.basename(path)) if rec.range else None
+            if other is not None:          # a broken cache / proxy: another file's bytes under this one's headers
+                with open(os.path.join(os.path.dirname(path), other), "rb") as g:
+                    self._send_content(rec, g, st.st_size, head, kind, stall_s, headers)
+                return
             self._send_content(rec, f, st.st_size, head, kind, stall_s, headers)
 
     def _send_content(self, rec: RequestRecord, f: BinaryIO, size: int, head: bool, kind: str | None,
@@ -351,6 +367,9 @@ class FileServer:
         self.latency_s = 0.0
         self.bandwidth_bps: float | None = None
         self.retry_after_s = 1             # the Retry-After of a 429 answer (seconds, or an HTTP date)
+        self.honour_if_match = True        # a GET whose If-Match is not the file's ETag gets a 412 (False: ignored)
+        # file name -> another file (same directory) whose bytes answer ranged GETs of it, under its own headers
+        self.ranges_from: dict[str, str] = {}
         self.requests: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._in_flight = self._max_in_flight = 0

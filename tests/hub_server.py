@@ -190,7 +190,7 @@ def use_hub(hub: HubServer, home: str | os.PathLike, token: str | None = None) -
     import huggingface_hub.constants as hc
     from huggingface_hub import HfFileSystem
 
-    from resumable_stream import parquet_files
+    from resumable_stream import ranged
 
     env = hub_env(hub, home, token)
     patches = [
@@ -207,7 +207,7 @@ def use_hub(hub: HubServer, home: str | os.PathLike, token: str | None = None) -
 
     def forget_filesystems() -> None:
         HfFileSystem.clear_instance_cache()
-        parquet_files._FILESYSTEMS.clear()
+        ranged._FILESYSTEMS.clear()
 
     with pytest.MonkeyPatch.context() as mp:
         for key in ("HF_OIDC_RESOURCE", "HUGGING_FACE_HUB_TOKEN"):

@@ -67,7 +67,7 @@ SLOT_WAIT_S = 5.0
 RETRY_AFTER_S = 30.0
 # Value files no row refers to are removed once this old (a file is written before its row commits).
 ORPHAN_AGE_S = 600.0
-FORMAT = "rs-block-v2"     # v2: the header names its key; v1 entries sit in another namespace and miss
+FORMAT = "rs-block-v3"     # v3: blocks of verified row groups only (v2: the header names its key); older entries miss
 
 _MAGIC = b"RSB2"
 # magic, flags, rows, payload bytes, digest of the key, crc32 of (flags, rows, payload bytes, key digest, payload)

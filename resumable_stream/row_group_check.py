@@ -1,0 +1,108 @@
+"""Does a decoded parquet row group agree with what its file's footer says about it?
+
+Bytes of the right length can still be the wrong bytes (a proxy answering with another file's range,
+an object rewritten between two reads). Before a row group becomes rows (or cache blocks) it is
+checked against the footer the index vouches for: its row count, and per column chunk the statistics
+the writer stored (null count, min, max). Pages' CRCs are checked while decoding, where the writer
+stored them (``page_checksum_verification``).
+
+Statistics are compared exactly where they are known to be exact (every value of a numeric, boolean or
+temporal column; byte arrays written by Arrow, which never truncates them), and as bounds elsewhere
+(other writers may truncate a long string's min / max). A column whose statistics cannot be compared
+with its decoded values (an Arrow type stored under another physical type, such as a duration) is
+left to the row count and the CRCs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+# created_by of the writers whose byte-array statistics are the exact min / max (parquet-cpp never truncates)
+_EXACT_WRITERS = ("parquet-cpp",)
+
+
+def leaves(table: pa.Table) -> list[tuple[pa.Array, bool]]:
+    """(values, nested) per parquet leaf column, in the footer's column order; ``nested``: under a list or
+    map (its null count counts levels, not values, so only min / max compare)."""
+    out: list[tuple[pa.Array, bool]] = []
+    for column in table.columns:
+        _walk(column.chunk(0) if column.num_chunks == 1 else column.combine_chunks(), False, out)
+    return out
+
+
+def _walk(arr: pa.Array, nested: bool, out: list) -> None:
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr = arr.dictionary_decode()
+        t = arr.type
+    if pa.types.is_struct(t):
+        for child in arr.flatten():        # the struct's own nulls merged into its fields
+            _walk(child, nested, out)
+    elif pa.types.is_map(t):
+        _walk(arr.keys, True, out)
+        _walk(arr.items, True, out)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        _walk(arr.flatten(), True, out)
+    else:
+        out.append((arr, nested))
+
+
+def _comparable(a: Any, b: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool)
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        return True
+    # datetimes: both naive or both aware (Python cannot order one against the other)
+    return type(a) is type(b) and (getattr(a, "tzinfo", None) is None) == (getattr(b, "tzinfo", None) is None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def problem(table: pa.Table, metadata: pq.FileMetaData, group: int) -> str | None:
+    """What in the decoded ``table`` of row group ``group`` contradicts the footer ``metadata`` (None: nothing)."""
+    rg = metadata.row_group(group)
+    if table.num_rows != rg.num_rows:
+        return f"{table.num_rows} rows decoded, the footer says {rg.num_rows}"
+    columns = leaves(table)
+    if len(columns) != rg.num_columns:
+        return None          # an Arrow type parquet stores in another shape: rows and CRCs vouch for it
+    exact_bytes = (metadata.created_by or "").startswith(_EXACT_WRITERS)
+    for j, (values, nested) in enumerate(columns):
+        stats = rg.column(j).statistics
+        if stats is None:
+            continue
+        name = rg.column(j).path_in_schema
+        if stats.has_null_count and not nested and values.null_count != stats.null_count:
+            return f"column {name!r}: {values.null_count} nulls decoded, the footer says {stats.null_count}"
+        if not stats.has_min_max or len(values) == values.null_count:
+            continue
+        try:
+            low, high = (x.as_py() for x in pc.min_max(values).values())
+            saved_low, saved_high = stats.min, stats.max
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            continue         # no min / max for this type in Arrow, or stored in a form we do not read back
+        if not (_comparable(low, saved_low) and _comparable(high, saved_high)):
+            continue
+        exact = exact_bytes or not isinstance(low, (str, bytes, float))
+        if exact and not (_same(low, saved_low) and _same(high, saved_high)):
+            return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, the footer says "
+                    f"{_short(saved_low)} .. {_short(saved_high)}")
+        if not exact and not (saved_low <= low and high <= saved_high):
+            return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, outside the footer's "
+                    f"{_short(saved_low)} .. {_short(saved_high)}")
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
