@@ -164,6 +164,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                         progress=not args.no_progress)
     print(f"warmup: {result.summary()}; cache {cfg.cache_dir}: {result.stats.get('cache_bytes') or 0:,} bytes",
           file=sys.stderr)
+    if result.not_cached:
+        print(f"resumable-stream: error: warmup incomplete: {result.not_cached} of {result.planned_blocks} planned "
+              f"blocks are not in the cache ({result.why or 'unknown reason'})", file=sys.stderr)
+        return 1
     return 0
 
 

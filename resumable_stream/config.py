@@ -70,6 +70,8 @@ _RULES: dict[str, tuple[Any, str]] = {
                         "a number of seconds from 0 to 600"),
     "timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 3600,
                   "a number of seconds > 0 and <= 3600"),
+    "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
+                       "a number of seconds > 0 and <= 86400"),
     "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= 1_000_000),
                        "null (ranks x DataLoader workers of the first run) or an integer from 1 to 1000000, "
                        "at least ranks x workers"),
@@ -105,7 +107,8 @@ class StreamConfig:
     cache_size_limit_gb: float = 50
     retries: int = 5
     retry_backoff_s: float = 1.0
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0             # the deadline of one request: connect, headers and body
+    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see source.py)
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
@@ -262,7 +265,7 @@ MIXTURE_KEYS = ("sources", "stopping")
 # section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
-               "prefetch_blocks", "storage_options", "weight", "label")
+               "retry_budget_s", "prefetch_blocks", "storage_options", "weight", "label")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

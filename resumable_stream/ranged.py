@@ -59,6 +59,8 @@ def filesystem(protocol: str, storage_options: dict):
             _FILESYSTEMS.clear()         # the parent's, unusable here
             fsspec.asyn.reset_lock()
         fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+        if protocol in _BUCKET_STORES:
+            fs.retries = 1       # s3fs would retry a timed-out call 5 times inside one of our tries
     return fs
 
 

@@ -211,10 +211,17 @@ def _digest(obj) -> str:
 # and a shard read that fails midway is reopened at the next row not yet yielded, so the rows come out
 # exactly as without the fault. Local files are never retried: a missing local file fails at once.
 #
-# ``data.timeout_s`` reaches aiohttp (fsspec's HTTP filesystem) as a ClientTimeout in the
-# ``client_kwargs`` of the storage options handed to ``load_dataset_builder``: a connection or a read
-# that stalls for that long raises instead of hanging. While our retries govern, datasets' own
-# read/open retries (up to 20 tries, 5-60 s sleeps each, see datasets.config.STREAMING_*) are off.
+# Waiting is bounded. ``data.timeout_s`` is the deadline of one request: aiohttp (fsspec's HTTP filesystem)
+# gets it as ClientTimeout(total=...) in the ``client_kwargs`` of the storage options handed to
+# ``load_dataset_builder`` and to our ranged reads, covering connect, headers, body and the request retries
+# of :class:`_HttpRetry`; s3fs gets it as botocore's connect / read timeouts, with one attempt per call
+# (our tries are the retries; s3fs's own retries of a timed-out call are off in our reads, not in the
+# listing datasets does while resolving). ``data.retry_budget_s`` bounds one step (a read, a file's metadata, ...):
+# no try starts once its first try is that long ago, and no wait runs past it. A step of one request
+# (a row group, a footer) therefore fails within retry_budget_s + timeout_s, one of at most two (a file's
+# metadata: HEAD, then GET when the HEAD says too little) within retry_budget_s + 2 x timeout_s: 300 s
+# with the defaults. While our retries govern, datasets' own read/open retries (up to 20 tries, 5-60 s
+# sleeps each, see datasets.config.STREAMING_*) are off.
 
 T = TypeVar("T")
 
@@ -391,10 +398,16 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     except ImportError:  # no fsspec HTTP filesystem without aiohttp anyway
         return {}
     client_kwargs: dict[str, Any] = {
-        "timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)}
+        "timeout": aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s, sock_read=timeout_s)}
     if retries > 0 and "middlewares" in inspect.signature(aiohttp.ClientSession.__init__).parameters:
         client_kwargs["middlewares"] = (_HttpRetry(retries, backoff_s),)   # aiohttp >= 3.12
-    return {protocol: {"client_kwargs": dict(client_kwargs)} for protocol in ("http", "https")}
+    options: dict[str, Any] = {protocol: {"client_kwargs": dict(client_kwargs)} for protocol in ("http", "https")}
+    # s3fs: botocore's timeouts, one attempt per call (ours are the retries; our reads' filesystems also turn
+    # s3fs's own retries of a timeout off, see ranged.filesystem)
+    s3 = {"config_kwargs": {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                            "retries": {"max_attempts": 1, "mode": "standard"}}}
+    options.update({protocol: dict(s3) for protocol in ("s3", "s3a")})
+    return options
 
 
 def _data_protocols(cfg: StreamConfig) -> list[str]:
@@ -405,7 +418,8 @@ def _data_protocols(cfg: StreamConfig) -> list[str]:
 
 def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
     """``ours`` ({protocol: kwargs}) plus ``data.storage_options``: keyed by protocol (as datasets accepts
-    them) or flat, then for every protocol of the data. The user's ``client_kwargs`` go over ours."""
+    them) or flat, then for every protocol of the data. The user's ``client_kwargs`` (aiohttp) and
+    ``config_kwargs`` (botocore) go over ours key by key."""
     import fsspec
 
     keyed = all(k in fsspec.available_protocols() and isinstance(v, dict) for k, v in user.items())
@@ -413,8 +427,9 @@ def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
     out = {k: dict(v) for k, v in ours.items()}
     for protocol, options in per_protocol.items():
         merged = {**out.get(protocol, {}), **options}
-        if isinstance(options.get("client_kwargs"), dict) and "client_kwargs" in out.get(protocol, {}):
-            merged["client_kwargs"] = {**out[protocol]["client_kwargs"], **options["client_kwargs"]}
+        for nested in ("client_kwargs", "config_kwargs"):
+            if isinstance(options.get(nested), dict) and nested in out.get(protocol, {}):
+                merged[nested] = {**out[protocol][nested], **options[nested]}
         out[protocol] = merged
     return out
 
@@ -533,6 +548,7 @@ class RetryPolicy:
         self.retries = cfg.retries
         self.backoff_s = float(cfg.retry_backoff_s)
         self.timeout_s = float(cfg.timeout_s)
+        self.budget_s = float(cfg.retry_budget_s)
         self.remote = remote
         self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
                                                  self.backoff_s) if remote else {})
@@ -555,10 +571,11 @@ class RetryPolicy:
                 break
         return backoff_wait(self.backoff_s, attempt, retry_after)
 
-    def failed(self, e: BaseException, attempt: int, label: str, probe: list[str]) -> bool:
-        """After ``e`` ended try ``attempt + 1``: sleep and return True when another try is due; False
-        when ``e`` is no network fault (the caller reports it). Raises SourceError when a probe shows
-        the file is gone, or when the retries are spent."""
+    def failed(self, e: BaseException, attempt: int, label: str, probe: list[str], started: float) -> bool:
+        """After ``e`` ended try ``attempt + 1`` of a step whose first try began at ``started`` (monotonic):
+        sleep and return True when another try is due; False when ``e`` is no network fault (the caller
+        reports it). Raises SourceError when a probe shows the file is gone, or when the retries or the
+        step's time (data.retry_budget_s) are spent."""
         kind = _classify(e)
         if kind == "permanent":
             return False
@@ -572,6 +589,11 @@ class RetryPolicy:
             raise SourceError(f"{label} failed after {attempt + 1} attempt(s) (data.retries: {self.retries}); "
                               f"last error: {_error_text(e)}") from e
         wait = self.delay(attempt, e)
+        elapsed = time.monotonic() - started
+        if elapsed + wait >= self.budget_s:
+            raise SourceError(f"{label} failed: gave up after {attempt + 1} attempt(s) in {elapsed:.0f} s "
+                              f"(data.retry_budget_s: {self.budget_s:g}, data.timeout_s: {self.timeout_s:g} per "
+                              f"request); last error: {_error_text(e)}") from e
         log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(e), attempt + 1, self.retries, wait)
         time.sleep(wait)
         return True
@@ -580,13 +602,13 @@ class RetryPolicy:
         """``fn()`` with retries when remote; its own exceptions pass through when they are no fault."""
         if not self.remote:
             return fn()
-        attempt = 0
+        attempt, started = 0, time.monotonic()
         while True:
             try:
                 with _datasets_retries_off():
                     return fn()
             except Exception as e:
-                if not self.failed(e, attempt, label, probe):
+                if not self.failed(e, attempt, label, probe, started):
                     raise
             attempt += 1
 
@@ -658,7 +680,7 @@ class StreamingSource(Source):
         if retry is None or not retry.applies(info.file):
             yield from self._guarded(self._tables_from(shard, start_row), shard)
             return
-        row, attempt = start_row, 0
+        row, attempt, started = start_row, 0, time.monotonic()
         while True:
             tables = self._tables_from(shard, row)
             try:
@@ -670,14 +692,15 @@ class StreamingSource(Source):
                         return
                     except Exception as e:
                         label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {row}"
-                        if not retry.failed(e, attempt, label, [info.file] if info.file else []):
+                        if not retry.failed(e, attempt, label, [info.file] if info.file else [], started):
                             err = self._read_error(shard, e)
                             if err is e:
                                 raise
                             raise err from e
                         attempt += 1
                         break        # reopen the shard at ``row``, the first row not yet yielded
-                    attempt = 0      # progress: a later fault gets the full number of retries again
+                    # progress: a later fault gets the full number of retries and time again
+                    attempt, started = 0, time.monotonic()
                     row += table.num_rows
                     yield table
             finally:

@@ -68,7 +68,7 @@ def _rows(cache_dir) -> dict:
 
 def _value_files(cache_dir) -> set[str]:
     return {os.path.relpath(os.path.join(d, f), cache_dir) for d, _, fs in os.walk(cache_dir) for f in fs
-            if f.endswith(".val")}
+            if f.endswith(".rsb")}
 
 
 class _Marker:
@@ -368,7 +368,7 @@ def test_value_files_of_a_deleted_database_are_removed(cfg, reference, tmp_path)
     for name in old_files:
         os.utime(d / name, (long_ago, long_ago))
     (d / "aa" / "bb").mkdir(parents=True)
-    fresh = os.path.join("aa", "bb", "2" * 28 + ".val")        # maybe a write in flight: kept
+    fresh = os.path.join("aa", "bb", "2" * 28 + ".rsb")        # maybe a write in flight: kept
     (d / fresh).write_bytes(b"x")
     (d / "notes.txt").write_text("not the cache's")
     again = _cached(cfg, d)

@@ -26,9 +26,10 @@ log = logging.getLogger(__name__)
 
 DBNAME = diskcache.core.DBNAME
 MODE_RAW, MODE_BINARY = diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY
-# value files diskcache names: two levels of two hex digits, then 28 hex digits + ".val"
+# value files: two levels of two hex digits, then 28 hex digits + ".rsb" (diskcache's own names end in ".val":
+# a sweep never takes a file this code did not write)
 _VALUE_DIR = re.compile(r"[0-9a-f]{2}\Z")
-_VALUE_FILE = re.compile(r"[0-9a-f]{28}\.val\Z")
+_VALUE_FILE = re.compile(r"[0-9a-f]{28}\.rsb\Z")
 
 
 class UnsafeEntry(ValueError):
@@ -79,6 +80,11 @@ class SafeDisk(diskcache.Disk):
     def __init__(self, directory, **_settings):
         super().__init__(directory, min_file_size=2**15, pickle_protocol=0)
         self._last = threading.local()
+
+    def filename(self, key=diskcache.core.UNKNOWN, value=diskcache.core.UNKNOWN):
+        name, full_path = super().filename(key, value)
+        name = name[: -len(".val")] + ".rsb"
+        return name, os.path.join(self._directory, name)
 
     def put(self, key):
         if type(key) is not str:
@@ -141,7 +147,7 @@ class SafeDisk(diskcache.Disk):
 def sweep_orphans(directory: str, referenced: set[str], min_age_s: float) -> int:
     """Remove value files no row refers to (left by a deleted ``cache.db`` or a killed write).
 
-    Only diskcache's own ``xx/yy/<28 hex>.val`` names are considered, and only files older than
+    Only the ``xx/yy/<28 hex>.rsb`` names :class:`SafeDisk` gives are considered, and only files older than
     ``min_age_s`` (a file is written before its row is committed). Returns the files removed.
     """
     removed, now = 0, time.time()

@@ -49,6 +49,7 @@ import diskcache
 import pyarrow as pa
 
 from .disk import DBNAME, SafeDisk, UnsafeEntry, read_value, sweep_orphans
+from .ownership import claim
 
 log = logging.getLogger(__name__)
 
@@ -298,9 +299,11 @@ class BlockStore:
 
     def __init__(self, directory: str, size_limit_bytes: int, ns: str, block_rows: int = DEFAULT_BLOCK_ROWS):
         self.directory = os.path.abspath(os.fspath(directory))
+        claim(self.directory)           # a directory of ours, or a ConfigError: the cache deletes files here
         self.size_limit_bytes = int(size_limit_bytes)
         self.ns, self.block_rows = ns, block_rows
         self._counters = _Counters()
+        self.last_failure: str | None = None    # why the latest write (or lookup) failed, for warmup's report
         self._state = None
         self._state_lock, self._lock_pid = threading.Lock(), os.getpid()
         self._warned_errors = 0
@@ -400,6 +403,7 @@ class BlockStore:
     def _error(self, what: str, err: Exception) -> None:
         """The cache is an optimisation: its failures (disk full, locked database...) never stop reading."""
         self._warned_errors += 1
+        self.last_failure = f"{what}: {type(err).__name__}: {err}"
         if self._warned_errors <= 5:
             log.warning("block cache %s: %s failed (%s: %s); reading from the source instead%s", self.directory,
                         what, type(err).__name__, err, "" if self._warned_errors < 5 else " (further errors not shown)")
@@ -486,6 +490,7 @@ class BlockStore:
 
     def _write_failed(self, st: _ProcessState, what: str, err: Exception) -> None:
         if _is_read_only(err):
+            self.last_failure = f"the cache is read-only ({type(err).__name__}: {err})"
             if st.writes_off is None:
                 st.writes_off = f"{type(err).__name__}: {err}"
                 log.warning("block cache %s is read-only (%s): serving the blocks it holds, caching no new ones",

@@ -187,13 +187,17 @@ class WarmupResult:
     plan_seconds: float
     fetch_seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    not_cached: int = 0             # planned blocks not in the cache after the warmup
+    why: str | None = None          # the cache's last failure, when some are missing
 
     def summary(self) -> str:
+        missing = (f"; {self.not_cached} of {self.planned_blocks} blocks could NOT be cached"
+                   + (f" ({self.why})" if self.why else "") if self.not_cached else "")
         return (f"{self.planned_blocks} blocks needed, {self.already_cached} already cached, "
                 f"{self.fetched_blocks} fetched ({self.fetched_bytes / 1e6:.1f} MB) in {self.fetch_seconds:.1f} s "
                 f"(planning {self.plan_seconds:.1f} s"
                 + (f", {self.read_through_blocks} blocks of unknown-length shards read while planning"
-                   if self.read_through_blocks else "") + ")")
+                   if self.read_through_blocks else "") + ")" + missing)
 
 
 def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
@@ -324,6 +328,12 @@ def run_warmup(config: StreamConfig, samples: int, *, world_size: int | None = N
     plan = plan_warmup(config, samples, world_size=world_size, ranks=ranks, num_workers=num_workers,
                        state_path=state_path, source=source, block_rows=block_rows)
     written, nbytes, secs = fetch(plan, jobs=jobs, progress=progress)
+    store = plan.cached.store
+    not_cached = sum(not store.contains(*b) for b in plan.blocks)   # written, and still there (not evicted)
+    why = store.last_failure
+    if not_cached and why is None and nbytes > store.size_limit_bytes:
+        why = f"evicted: the plan is larger than data.cache_size_limit_gb ({store.size_limit_bytes / 2**30:g} GB)"
     return WarmupResult(planned_blocks=len(plan.blocks), already_cached=len(plan.blocks) - len(plan.missing),
                         fetched_blocks=written, fetched_bytes=nbytes, read_through_blocks=plan.read_through_blocks,
-                        plan_seconds=plan.seconds, fetch_seconds=secs, stats=plan.cached.stats())
+                        plan_seconds=plan.seconds, fetch_seconds=secs, stats=plan.cached.stats(),
+                        not_cached=not_cached, why=why if not_cached else None)

@@ -1,0 +1,80 @@
+"""Which directory is a block cache of ours: the only kind of directory the cache deletes files in.
+
+The cache evicts blocks and sweeps value files no entry refers to, so pointed at the wrong directory
+(another diskcache, a dataset, a home directory) it would delete what is not its own. It marks a
+directory as a cache when it makes it (or finds it empty), with :data:`MARKER`, and refuses any other
+non-empty directory with a ConfigError naming it. A cache made by a version that wrote no marker yet is
+recognised by its contents (``cache.db`` whose every entry is a raw block key of ours, next to diskcache's
+value folders only) and marked then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import urllib.parse
+from contextlib import closing
+
+from ..errors import ConfigError
+from ..safe_io import FileRefused, read_regular_file
+from .disk import DBNAME
+
+MARKER = "resumable-stream-cache.json"
+_MARK = {"format": "resumable-stream block cache", "version": 1}
+_OURS = re.compile(r"(cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2})\Z")
+# a block key: 32 hex digits (the namespace) / shard / block
+_FOREIGN_KEY = ("SELECT 1 FROM Cache WHERE raw != 1 OR typeof(key) != 'text' OR length(key) < 36 "
+                "OR substr(key, 33, 1) != '/' OR substr(key, 1, 32) GLOB '*[^0-9a-f]*' "
+                "OR substr(key, 34) NOT GLOB '[0-9]*/[0-9]*' LIMIT 1")
+
+
+def claim(directory: str) -> None:
+    """Make sure ``directory`` is a block cache of ours (creating and marking it when missing or empty).
+    ConfigError when it is a file, or a non-empty directory the cache did not make. A directory that cannot
+    be created or marked (read-only) is left as it is: the cache then only reads what it holds."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"data.cache_dir: {directory!r} is a file, not a directory; allowed: a directory "
+                          "(made if missing) that only the block cache uses")
+    if os.path.isdir(directory) and _is_marked(directory):
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        names = os.listdir(directory)
+    except OSError:
+        return
+    if names and not _legacy_cache(directory, names):
+        shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConfigError(
+            f"data.cache_dir: {directory!r} is not empty ({shown}) and is not a resumable-stream block cache (it has "
+            f"no {MARKER}); the cache evicts and deletes files in its directory, so it only uses a new or empty "
+            "directory, or one it made: point data.cache_dir at one")
+    try:
+        with open(os.path.join(directory, MARKER), "x", encoding="utf-8") as f:
+            json.dump(_MARK, f)
+    except FileExistsError:
+        pass                     # another rank or worker marked it first
+    except OSError:
+        pass                     # read-only: nothing will be written (nor deleted) here anyway
+
+
+def _is_marked(directory: str) -> bool:
+    try:
+        mark = json.loads(read_regular_file(os.path.join(directory, MARKER), 4096))
+    except (OSError, FileRefused, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("format") == _MARK["format"]
+
+
+def _legacy_cache(directory: str, names: list[str]) -> bool:
+    """A cache an earlier version made (no marker): only diskcache's files, every entry a block key of ours."""
+    if DBNAME not in names or not all(_OURS.match(n) for n in names):
+        return False
+    # immutable: reading writes nothing next to it (no -shm / -wal in a directory that may not be ours)
+    uri = "file:" + urllib.parse.quote(os.path.join(directory, DBNAME)) + "?mode=ro&immutable=1"
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=1.0)) as con:
+            return con.execute(_FOREIGN_KEY).fetchone() is None
+    except sqlite3.Error:
+        return False
