@@ -117,6 +117,7 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .job_source import saved_index_file
     from .sidecar import read_manifest, read_rank_state, read_state_file, state_dir_of
 
     path = args.path
@@ -129,7 +130,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for r in range(manifest["world_size"]):   # each file confined to state_dir and checked against its digest
             states.append(read_rank_state(state_dir, manifest, r)[0])
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
-        result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks,
+        saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
+        index = None if saved is None else {
+            "file": manifest["index"]["file"], "files": len(saved["files"]),
+            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+        result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
     elif os.path.lexists(path):
         state = read_state_file(path)   # verified by its own digest; a FIFO or device is refused unread

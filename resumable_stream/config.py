@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
 
 BACKENDS = ("hf", "local")
 
@@ -59,7 +60,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "shuffle": (lambda v: isinstance(v, bool), "true or false"),
     "shuffle_seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
     "buffer_size": (lambda v: _is_int(v) and 1 <= v <= 10_000_000, "an integer from 1 to 10000000 (rows)"),
-    "interleave_shards": (lambda v: _is_int(v) and 1 <= v <= 64, "an integer from 1 to 64"),
+    "interleave_shards": (lambda v: _is_int(v) and 1 <= v <= MAX_OPEN_SHARDS, f"an integer from 1 to {MAX_OPEN_SHARDS}"),
     "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
     "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
     "cache_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null (off) or a directory"),
@@ -72,8 +73,8 @@ _RULES: dict[str, tuple[Any, str]] = {
                   "a number of seconds > 0 and <= 3600"),
     "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
                        "a number of seconds > 0 and <= 86400"),
-    "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= 1_000_000),
-                       "null (ranks x DataLoader workers of the first run) or an integer from 1 to 1000000, "
+    "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_PARTITIONS),
+                       f"null (ranks x DataLoader workers of the first run) or an integer from 1 to {MAX_PARTITIONS}, "
                        "at least ranks x workers"),
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
     "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),

@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import SourceError, StreamMismatchError
+from .limits import MAX_INDEX_BYTES, is_int
+from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
 
 INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1
@@ -113,9 +115,9 @@ def encode_index(index: dict) -> bytes:
 def decode_index(data: bytes, where: str) -> dict[str, Any]:
     """Parse and check the shape of an index; a malformed one is a SourceError naming ``where``."""
     try:
-        index = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"dataset index {where}: not JSON ({e})") from None
+        index = parse_json(data)
+    except JSONRefused as e:
+        raise SourceError(f"dataset index {where}: {e}") from None
     problem = _shape_problem(index)
     if problem:
         raise SourceError(f"dataset index {where}: {problem}")
@@ -125,18 +127,20 @@ def decode_index(data: bytes, where: str) -> dict[str, Any]:
 def _shape_problem(index: Any) -> str | None:
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         return f"not a {INDEX_FORMAT} file"
-    if index.get("version") != INDEX_VERSION:
-        return f"version {index.get('version')!r}; this library reads version {INDEX_VERSION}"
+    version = index.get("version")
+    if type(version) is not int or version != INDEX_VERSION:   # True and 1.0 are no version
+        return f"version {version!r:.40}; this library reads version {INDEX_VERSION}"
     if not isinstance(index.get("resolution"), dict) or not isinstance(index.get("features"), dict):
         return "missing 'resolution' or 'features'"
     files = index.get("files")
     if not isinstance(files, list) or not files:
         return "'files' is not a non-empty list"
     for i, f in enumerate(files):
-        ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
-              and isinstance(f.get("footer"), str) and isinstance(f.get("footer_bytes"), int)
+        # every number at most an int64 (is_int), a footer and the row groups inside the file
+        ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
+              and isinstance(f.get("footer"), str) and is_int(f.get("footer_bytes"), 0, f["size"])
               and isinstance(f.get("row_groups"), list)
-              and all(isinstance(rg, list) and len(rg) == 3 and all(isinstance(x, int) and x >= 0 for x in rg)
+              and all(isinstance(rg, list) and len(rg) == 3 and all(is_int(x) for x in rg)
                       and rg[1] <= rg[2] <= f["size"] for rg in f["row_groups"]))
         if not ok:
             return f"files[{i}] is malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
@@ -156,8 +160,9 @@ def save_index(path: str, index: dict) -> str:
 
 def load_index(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular_file(path, MAX_INDEX_BYTES)   # a FIFO or device is refused unread
+    except FileRefused as e:
+        raise SourceError(f"dataset index {path!r}: refused: {e}") from None
     except OSError as e:
         raise SourceError(f"dataset index {path!r}: cannot be read ({type(e).__name__}: {e})") from None
     return decode_index(data, repr(path))

@@ -149,7 +149,7 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
 
 def saved_index_file(state_path: str) -> dict[str, Any] | None:
     """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
-    checked against the manifest's digest of it: an index that is not listed there is never used."""
+    checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too)."""
     from .sidecar import MANIFEST, read_state_index, state_dir_of
 
     state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)

@@ -144,11 +144,16 @@ def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
 
 # ------------------------------------------------------------------ who reads which partition
 def check_consumers(num_partitions: int, world_size: int, slots: int, key: str = "data.num_partitions") -> None:
-    """Every consumer (rank, DataLoader worker) needs at least one virtual partition."""
-    consumers = world_size * slots
-    if num_partitions < consumers:
-        from .errors import ConfigError
+    """Every consumer (rank, DataLoader worker) needs at least one virtual partition, and a state describes at
+    most MAX_PARTITIONS of them."""
+    from .errors import ConfigError
+    from .limits import MAX_PARTITIONS
 
+    consumers = world_size * slots
+    if num_partitions > MAX_PARTITIONS:
+        raise ConfigError(f"{key}: got {num_partitions} virtual partitions ({world_size} ranks x {slots} DataLoader "
+                          f"worker(s)); allowed: at most {MAX_PARTITIONS} (by default ranks x workers)")
+    if num_partitions < consumers:
         raise ConfigError(
             f"{key}: got {num_partitions} virtual partitions for {consumers} consumers ({world_size} ranks x "
             f"{slots} DataLoader worker(s)); allowed: at least ranks x workers = {consumers}. A run can only grow "

@@ -39,18 +39,33 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .errors import SidecarError
+from .limits import (
+    MAX_EPOCH,
+    MAX_GENERATION,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_OPEN_SHARDS,
+    MAX_PARTITIONS,
+    MAX_SIDECAR_BYTES,
+    MAX_WORLD_SIZE,
+    is_int,
+)
 from .partition import Cursor
-from .safe_io import FileRefused, read_regular_file
+from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
 from .sidecar_v1 import V1_CURSOR_FIELDS, check_v1_partition_ids, mixture_from_v1
 
 FORMAT = "resumable-stream"
 FORMAT_VERSION = 2
+# The format versions this release reads: every one ever written. A sidecar's metadata holds it as a string,
+# a manifest as an integer (each exactly so: another type is not a version).
+READ_VERSIONS = (1, 2)
 KINDS = ("stream", "mixture")
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
-MAX_EPOCH = 2**31          # as a stream cursor's epoch (stream.py): a forged state cannot jump to any epoch
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 STATE_DIR = "stream_state"
+# generations up to MAX_GENERATION (9 digits), ranks below MAX_WORLD_SIZE (5 digits)
 _RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
 _INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
 
@@ -177,10 +192,12 @@ def _read_header_metadata(data: bytes, path: str) -> tuple[dict[str, str], int]:
     n = int.from_bytes(data[:8], "little")
     if n <= 0 or 8 + n > len(data):
         raise SidecarError(f"sidecar {path!r}: corrupt or truncated (header of {n} bytes, file of {len(data)})")
+    if n > MAX_HEADER_BYTES:
+        raise SidecarError(f"sidecar {path!r}: corrupt: header of {n} bytes; allowed: at most {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(data[8:8 + n])
-    except ValueError:
-        raise SidecarError(f"sidecar {path!r}: corrupt header (not JSON)") from None
+        header = parse_json(data[8:8 + n])
+    except JSONRefused as e:
+        raise SidecarError(f"sidecar {path!r}: corrupt header ({e})") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SidecarError(f"sidecar {path!r}: no metadata; it was not written by resumable-stream")
@@ -223,10 +240,6 @@ def _check_seal(data: bytes, header_len: int, meta: dict[str, str], path: str) -
 
 
 # ------------------------------------------------------------------ field checks
-def _is_int(v: Any, minimum: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
-
 def _is_hex(v: Any, length: int) -> bool:
     return isinstance(v, str) and len(v) == length and all(c in "0123456789abcdef" for c in v)
 
@@ -243,9 +256,9 @@ def _json_field(meta: dict[str, str], key: str, path: str, default: str | None =
     if text is None:
         raise SidecarError(f"sidecar {path!r}: corrupt or incomplete: metadata field {key} missing")
     try:
-        return json.loads(text)
-    except ValueError:
-        raise SidecarError(f"sidecar {path!r}: corrupt field {key}: not JSON") from None
+        return parse_json(text)
+    except JSONRefused as e:
+        raise SidecarError(f"sidecar {path!r}: corrupt field {key}: {e}") from None
 
 
 def _tensor(tensors: dict[str, np.ndarray], name: str, dtype: str, ndim: int, path: str) -> np.ndarray:
@@ -259,18 +272,24 @@ def _tensor(tensors: dict[str, np.ndarray], name: str, dtype: str, ndim: int, pa
 
 def _check_topology(topology: Any, path: str) -> None:
     _require(isinstance(topology, dict), path, "topology", topology, "a mapping")
-    for key, minimum in (("world_size", 1), ("num_workers", 0), ("num_partitions", 1)):
-        _require(_is_int(topology.get(key), minimum), path, f"topology.{key}", topology.get(key),
-                 f"an integer >= {minimum}")
+    w, n = topology.get("world_size"), topology.get("num_partitions")
+    _require(is_int(w, 1, MAX_WORLD_SIZE), path, "topology.world_size", w, f"an integer from 1 to {MAX_WORLD_SIZE}")
+    # as when it was written (plan.check_consumers): every rank and DataLoader worker reads a partition
+    _require(is_int(n, w, MAX_PARTITIONS), path, "topology.num_partitions", n,
+             f"an integer from {w} to {MAX_PARTITIONS} (at least world_size)")
+    _require(is_int(topology.get("num_workers"), 0, n // w), path, "topology.num_workers", topology.get("num_workers"),
+             f"an integer from 0 to {n // w} (ranks x workers must not exceed num_partitions {n})")
     rank = topology.get("rank")
-    _require(rank is None or (_is_int(rank) and rank < topology["world_size"]), path, "topology.rank", rank,
+    _require(rank is None or (is_int(rank) and rank < topology["world_size"]), path, "topology.rank", rank,
              f"null or an integer in [0, {topology['world_size']})")
 
 
 def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
-                    prefix: str = "", blank_digest_ok: bool = False) -> dict[int, dict[str, Any]]:
+                    prefix: str = "", blank_digest_ok: bool = False,
+                    max_slots: int = MAX_OPEN_SHARDS) -> dict[int, dict[str, Any]]:
     """The cursor states under ``prefix`` (rows aligned with ``ids``), every field checked. Columns are
-    taken by position (``Cursor.FIELDS``; version 1 named some differently, in the same order)."""
+    taken by position (``Cursor.FIELDS``; version 1 named some differently, in the same order). ``max_slots``:
+    open shards a cursor may have (a version 1 mixture kept a slot per source in its own entries)."""
     k = len(ids)
     cursors = _tensor(tensors, f"{prefix}cursors", "int64", 2, path)
     slots_t = _tensor(tensors, f"{prefix}slots", "int64", 3, path)
@@ -278,8 +297,8 @@ def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
     for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))),
                            (f"{prefix}chains", chains, (k, 16))):
         _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape}")
-    _require(slots_t.shape[0] == k and slots_t.shape[2] == 2, path, f"tensor {prefix}slots", slots_t.shape,
-             f"shape ({k}, open shards, 2)")
+    _require(slots_t.shape[0] == k and slots_t.shape[1] <= max_slots and slots_t.shape[2] == 2, path,
+             f"tensor {prefix}slots", slots_t.shape, f"shape ({k}, open shards, 2) with at most {max_slots} open shards")
     digests = _json_field(meta, f"{prefix}digests", path)
     progress = _json_field(meta, f"{prefix}progress", path, "{}")
     for key, value in ((f"{prefix}digests", digests), (f"{prefix}progress", progress)):
@@ -292,7 +311,7 @@ def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
         _require(_is_hex(d.get("next_sample"), 16) or (blank_digest_ok and d.get("next_sample") == ""), path,
                  f"{where}.next_sample", d.get("next_sample"), "16 hex digits")
         _require(_is_hex(d.get("consumed"), 32), path, f"{where}.consumed", d.get("consumed"), "32 hex digits")
-        _require(_is_int(d.get("consumed_samples")), path, f"{where}.consumed_samples", d.get("consumed_samples"),
+        _require(is_int(d.get("consumed_samples")), path, f"{where}.consumed_samples", d.get("consumed_samples"),
                  "an integer >= 0")
         ps: dict[str, Any] = {f: int(v) for f, v in zip(Cursor.FIELDS, cursors[i].tolist())}
         for f in Cursor.FIELDS:
@@ -310,7 +329,7 @@ def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
         pr = progress.get(str(p), {})
         _require(isinstance(pr, dict), path, f"{prefix}progress[{p}]", pr, "a mapping")
         for key in ("epoch_start", "epoch_rows"):
-            _require(pr.get(key) is None or _is_int(pr.get(key)), path, f"{prefix}progress[{p}].{key}", pr.get(key),
+            _require(pr.get(key) is None or is_int(pr.get(key)), path, f"{prefix}progress[{p}].{key}", pr.get(key),
                      "null or an integer >= 0")
         ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
         out[p] = ps
@@ -372,6 +391,18 @@ def _decode_mixture(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
     return out
 
 
+def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> None:
+    """A rank's file holds that rank's partitions: num_partitions / world_size of them, rounded down or up
+    (plan.partition_lanes), so a forged num_partitions cannot size what a load plans."""
+    if topology.get("rank") is None:
+        return
+    n, w = topology["num_partitions"], topology["world_size"]
+    low, high = n // w, -(-n // w)
+    _require(count in (low, high), path, "tensor partition_ids", f"{count} partitions",
+             f"the {low if low == high else f'{low} or {high}'} partitions of rank {topology['rank']} of {w} "
+             f"over num_partitions {n}")
+
+
 def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> dict[str, Any]:
     """The state in sidecar bytes, every field checked. The file's self-digest must match; a file without
     one (written before it existed) is read only when ``verified`` (a manifest's digest covered it).
@@ -380,9 +411,10 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
     if meta.get("format") != FORMAT:
         raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
     version = meta.get("format_version")
-    if version not in ("1", str(FORMAT_VERSION)):
-        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads versions 1 to "
-                           f"{FORMAT_VERSION} (upgrade resumable-stream or resume with the version that wrote it)")
+    if version not in [str(v) for v in READ_VERSIONS]:
+        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads versions "
+                           f"{', '.join(repr(str(v)) for v in READ_VERSIONS)} (upgrade resumable-stream or resume "
+                           "with the version that wrote it)")
     if not _check_seal(data, header_len, meta, path) and not verified:
         raise SidecarError(f"sidecar {path!r}: has no self-digest ({SEAL_KEY}), so it cannot be verified: it was "
                            "written by an earlier version of resumable-stream, or that field was damaged. Load it "
@@ -400,18 +432,27 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
     _require(kind in KINDS, path, "kind", kind, " or ".join(KINDS))
     topology = _json_field(meta, "topology", path)
     _check_topology(topology, path)
+    n, lanes = topology["num_partitions"], max(1, topology["num_workers"])
+    # the rotations: over this rank's partitions, or its DataLoader lanes (each of at most n partitions)
     turn = _json_field(meta, "turn", path, "0")
-    _require(_is_int(turn), path, "turn", turn, "an integer >= 0")
+    _require(is_int(turn, 0, n - 1), path, "turn", turn, f"an integer in [0, {n})")
     lane_turns = _json_field(meta, "lane_turns", path) if "lane_turns" in meta else None
-    _require(lane_turns is None or (isinstance(lane_turns, list) and all(_is_int(t) for t in lane_turns)), path,
-             "lane_turns", lane_turns, "a list of integers >= 0")
-    ids = _tensor(tensors, "partition_ids", "int64", 1, path).tolist()
-    n = topology["num_partitions"]
+    _require(lane_turns is None or (isinstance(lane_turns, list) and len(lane_turns) <= lanes), path,
+             "lane_turns", lane_turns, f"a list of at most {lanes} (one per DataLoader lane)")
+    _require(lane_turns is None or all(is_int(t, 0, n - 1) for t in lane_turns), path, "lane_turns", lane_turns,
+             f"integers in [0, {n})")
+    sources = len(_mixture_labels(fingerprint, path)) if version == "1" and kind == "mixture" else 0
+    ids_t = _tensor(tensors, "partition_ids", "int64", 1, path)
+    # before the ids become a list: at most an entry per partition (and per source of one, version 1)
+    _require(len(ids_t) <= n * (1 + sources), path, "tensor partition_ids", f"{len(ids_t)} entries",
+             f"at most {n * (1 + sources)}")
+    ids = ids_t.tolist()
     if version == "1":
         check_v1_partition_ids(ids, n, path)
-        partitions = _decode_cursors(ids, tensors, meta, path, blank_digest_ok=kind == "mixture")
+        partitions = _decode_cursors(ids, tensors, meta, path, blank_digest_ok=kind == "mixture",
+                                     max_slots=max(MAX_OPEN_SHARDS, sources))
         if kind == "mixture":
-            partitions = mixture_from_v1(partitions, len(_mixture_labels(fingerprint, path)), path)
+            partitions = mixture_from_v1(partitions, sources, path)
     else:
         _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
                  f"distinct partitions in [0, {n})")
@@ -419,6 +460,7 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
             partitions = _decode_cursors(ids, tensors, meta, path)
         else:
             partitions = _decode_mixture(ids, tensors, meta, fingerprint, path)
+    _check_rank_partitions(topology, len(partitions), path)
     for p, extra in _decode_extra(ids, tensors, meta, path).items():
         if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries
             partitions[p]["extra"] = extra
@@ -459,11 +501,6 @@ def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ files and directories
-MAX_SIDECAR_BYTES = 1 << 30    # far above any real state (cursors, digests, carried tokens)
-MAX_MANIFEST_BYTES = 64 << 20
-MAX_INDEX_BYTES = 1 << 30      # a dataset index: ~2 KB per file (row groups with byte spans); far above any real one
-
-
 def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
     try:
         return read_regular_file(path, max_bytes)
@@ -542,10 +579,11 @@ def write_manifest(state_dir: str, world_size: int) -> str:
 
 
 def _check_manifest_entry(name: str, entry: Any, path: str) -> None:
-    ok = (isinstance(entry, dict) and _is_int(entry.get("bytes")) and _is_hex(entry.get("blake2b"), 32))
+    ok = (isinstance(entry, dict) and is_int(entry.get("bytes"), 0, MAX_SIDECAR_BYTES)
+          and _is_hex(entry.get("blake2b"), 32))
     if not ok:
         raise SidecarError(f"manifest {path!r}: corrupt field files[{name!r}]: got {entry!r:.80}; allowed: a mapping "
-                           "with bytes (an integer) and blake2b (32 hex digits)")
+                           f"with bytes (an integer from 0 to {MAX_SIDECAR_BYTES}) and blake2b (32 hex digits)")
     file = entry.get("file", name)
     m = _RANK_FILE.match(file) if isinstance(file, str) else None
     if m is None or m.group(1) != _RANK_FILE.match(name).group(1):   # confined to this directory
@@ -559,42 +597,49 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
         raise SidecarError(f"stream state {state_dir!r}: no {MANIFEST}; the checkpoint was not completely written "
                            "and is not resumed from")
     try:
-        manifest = json.loads(_read_bytes(path, "manifest", MAX_MANIFEST_BYTES))
-    except ValueError as e:
-        raise SidecarError(f"manifest {path!r}: corrupt (not JSON: {e})") from None
+        manifest = parse_json(_read_bytes(path, "manifest", MAX_MANIFEST_BYTES))
+    except JSONRefused as e:
+        raise SidecarError(f"manifest {path!r}: corrupt ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest")
+    version = manifest.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:   # True and 2.0 are no version
+        raise SidecarError(f"manifest {path!r}: format version {version!r:.40}; this library reads versions "
+                           f"{', '.join(map(str, READ_VERSIONS))} (upgrade resumable-stream or resume with the "
+                           "version that wrote it)")
     world_size, files = manifest.get("world_size"), manifest.get("files")
-    if not _is_int(world_size, 1):
+    if not is_int(world_size, 1, MAX_WORLD_SIZE):
         raise SidecarError(f"manifest {path!r}: corrupt field world_size: got {world_size!r:.80}; allowed: an "
-                           "integer >= 1")
-    if not _is_int(manifest.get("generation", 0)):
+                           f"integer from 1 to {MAX_WORLD_SIZE}")
+    if not is_int(manifest.get("generation", 0), 0, MAX_GENERATION):
         raise SidecarError(f"manifest {path!r}: corrupt field generation: got {manifest['generation']!r:.80}; "
-                           "allowed: an integer >= 0")
-    expected = {rank_file_name(r) for r in range(world_size)}
-    if not isinstance(files, dict) or set(files) != expected:
+                           f"allowed: an integer from 0 to {MAX_GENERATION}")
+    # the entries are counted before the names of world_size ranks are made
+    if not isinstance(files, dict) or len(files) != world_size \
+            or set(files) != {rank_file_name(r) for r in range(world_size)}:
         raise SidecarError(f"manifest {path!r}: corrupt field files: expected entries for "
                            f"rank-00000 .. rank-{world_size - 1:05d} (world_size {world_size})")
     for name, entry in files.items():
         _check_manifest_entry(name, entry, path)
     index = manifest.get("index")
-    if index is not None and not (isinstance(index, dict) and _is_int(index.get("bytes"))
+    if index is not None and not (isinstance(index, dict) and is_int(index.get("bytes"), 0, MAX_INDEX_BYTES)
                                   and _is_hex(index.get("blake2b"), 32) and isinstance(index.get("file"), str)
                                   and _INDEX_FILE.match(index["file"])):
         raise SidecarError(f"manifest {path!r}: corrupt field index: got {index!r:.80}; allowed: a mapping with "
-                           "file (index.json or index.gN.json in the same directory), bytes and blake2b")
+                           "file (index.json or index.gN.json in the same directory), bytes (an integer from 0 to "
+                           f"{MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
     return manifest
 
 
 def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
     """The dataset index saved with the state in ``state_dir`` (None without one), checked against the
-    manifest's digest: an index the manifest does not list, or that differs from its entry, is never used."""
+    manifest's entry: an index the manifest does not list, or that differs from its entry, is never used."""
     entry = read_manifest(state_dir).get("index")
     if entry is None:
         return None
     file = os.path.join(state_dir, entry["file"])
     data = _read_bytes(file, "dataset index", MAX_INDEX_BYTES)
-    if _digest(data) != entry["blake2b"]:
+    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
         raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
     return file, data
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import SidecarError
+from .limits import MAX_EPOCH
 
 V1_CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 V1_SOURCE_STRIDE = 2**32     # entry of source i of mixture partition p: p + (i + 1) * V1_SOURCE_STRIDE
@@ -41,8 +42,8 @@ def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: 
     for p, part in grouped.items():
         own = part["own"]
         if own is None or any(s is None for s in part["sources"]) or len(own["slots"]) != num_sources \
-                or any(ended not in (0, 1) or epoch >= 2**31 for epoch, ended in own["slots"]) \
-                or own["epoch"] >= 2**31:
+                or any(ended not in (0, 1) or epoch >= MAX_EPOCH for epoch, ended in own["slots"]) \
+                or own["epoch"] >= MAX_EPOCH:
             raise SidecarError(f"sidecar {path!r}: partition {p} is not a complete mixture state for {num_sources} "
                                "sources")
         out[p] = {"mixture": {"epoch": own["epoch"], "draws": own["offset"], "consumed": own["consumed"],

@@ -15,6 +15,7 @@ from .cache.cached_source import with_block_cache
 from .config import StreamConfig
 from .errors import ConfigError, SidecarError, StreamMismatchError
 from .job_source import open_job_source
+from .limits import MAX_EPOCH
 from .partition import Cursor, PartitionReader, sample_digest
 from .plan import Layout
 from .source import Source
@@ -189,7 +190,7 @@ class ResumableStream(StreamBase):
                 raise SidecarError(f"{where}: corrupt field partitions[{p}].{field}: got {value!r:.80}; allowed: "
                                    f"{allowed}")
 
-        require(0 <= ps["epoch"] < 2**31, "epoch", ps["epoch"], "an integer in [0, 2**31)")
+        require(0 <= ps["epoch"] < MAX_EPOCH, "epoch", ps["epoch"], "an integer in [0, 2**31)")
         shards = lay.shards_for(ps["epoch"], p)
         require(0 <= ps["next_shard"] <= len(shards), "next_shard", ps["next_shard"],
                 f"0 .. {len(shards)} (the partition's shards in epoch {ps['epoch']})")

@@ -21,6 +21,7 @@ import torch.utils.data
 from .checks import check_fingerprint, check_topology
 from .errors import ConfigError, SidecarError, StreamMismatchError
 from .job_source import write_state_index
+from .limits import MAX_WORLD_SIZE
 from .plan import check_consumers, partition_lanes, partition_owner
 from .sidecar import (
     FORMAT_VERSION,
@@ -99,8 +100,8 @@ def resolve_topology(rank: int | None, world_size: int | None, num_workers: int)
     d_rank, d_world = _default_topology()
     rank = d_rank if rank is None else rank
     world_size = d_world if world_size is None else world_size
-    if not (isinstance(world_size, int) and world_size >= 1):
-        raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer >= 1")
+    if not (isinstance(world_size, int) and 1 <= world_size <= MAX_WORLD_SIZE):   # what a state can describe
+        raise ConfigError(f"world_size: got {world_size!r}; allowed: an integer from 1 to {MAX_WORLD_SIZE}")
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ConfigError(f"rank: got {rank!r}; allowed: an integer in [0, {world_size})")
     if not (isinstance(num_workers, int) and num_workers >= 0):

@@ -54,3 +54,59 @@ def resealed(data: bytes, edit) -> bytes:
     edit(tensors, meta)
     meta[sc.SEAL_KEY] = "0" * 32
     return sc._seal(st_save(tensors, metadata=meta))
+
+
+def run_forked(fn, memory_mb: int = 512, timeout_s: float = 60.0):
+    """``fn()`` in a child forked from this process (its imports already done), its address space capped at
+    what it maps now plus ``memory_mb``: ``(result, stderr, seconds)``, ``result`` being what ``fn`` returned
+    (picklable), or the repr of what it raised (a MemoryError: it needed more than ``memory_mb``); ``seconds``:
+    how long ``fn`` ran. A child still running after ``timeout_s`` is killed: result ``"timeout"``."""
+    import io
+    import pickle
+    import resource
+    import select
+    import signal
+    import sys
+    import time
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: never returns into the test session
+        os.close(read_end)
+        out = ("not run", "", 0.0)
+        try:
+            mapped = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            resource.setrlimit(resource.RLIMIT_AS, (mapped + (memory_mb << 20), hard))
+            sys.stderr = io.StringIO()
+            start = time.monotonic()
+            try:
+                result = fn()
+            except BaseException as e:
+                result = repr(e)
+            out = (result, sys.stderr.getvalue(), time.monotonic() - start)
+        finally:
+            os.write(write_end, pickle.dumps(out))
+            os._exit(0)
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            return "timeout", "", timeout_s
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    return pickle.loads(b"".join(chunks))
+
+
+def run_cli_forked(argv: list[str], memory_mb: int = 512, timeout_s: float = 60.0):
+    """``resumable-stream ARGV`` (``cli.main``) under :func:`run_forked`: ``(exit code, stderr, seconds)``."""
+    from resumable_stream.cli import main
+
+    return run_forked(lambda: main(argv), memory_mb, timeout_s)
