@@ -84,7 +84,7 @@ def test_rss_stays_flat_over_a_million_batches(tiny_rows):
     end = proc.memory_info().rss
     seconds = time.perf_counter() - t0
     print(f"RSS after 50k batches {after_50k / MiB:.1f} MiB, after 1M {end / MiB:.1f} MiB "
-          f"(+{(end - after_50k) / MiB:.1f} MiB), {seconds:.1f} s, {seconds:.0f} us a batch")
+          f"({(end - after_50k) / MiB:+.1f} MiB), {seconds:.1f} s, {seconds:.0f} us a batch")
     assert loader.batches_consumed == 1_000_000
     assert end - after_50k < 30 * MiB, (f"RSS grew {(end - after_50k) / MiB:.1f} MiB from 50k to 1M batches "
                                         f"({after_50k / MiB:.1f} -> {end / MiB:.1f} MiB)")
