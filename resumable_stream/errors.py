@@ -27,6 +27,10 @@ class SidecarError(ResumableStreamError):
     """A stream-state sidecar is missing, corrupt, truncated or incomplete."""
 
 
+class OutputDirLockedError(ResumableStreamError):
+    """Another training job (or another thread of this process) holds the output directory's lock."""
+
+
 class StreamMismatchError(ResumableStreamError):
     """The saved stream state does not belong to the stream it is loaded into.
 

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from .collectives import broadcast_bytes, shared_over_dist
 from .config import StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .index import (
@@ -54,9 +55,9 @@ def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state
     used (default ``cfg.resume_state_path``)."""
     if cfg.backend != "hf" or not cfg.streaming:
         return open_source(cfg)
-    shared = _shared_over_dist(rank, world_size)
+    shared = shared_over_dist(rank, world_size)
     if shared and rank != 0:
-        message = json.loads(_broadcast(None))
+        message = json.loads(broadcast_bytes(None))
         if "error" in message:
             cls = _ERRORS.get(message["error"]["type"], SourceError)
             raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
@@ -67,12 +68,12 @@ def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state
         src = _open_first(cfg, rank, state_path or cfg.resume_state_path)
     except Exception as e:
         if shared:
-            _broadcast(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
+            broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
         raise
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
         footers = {p: base64.b64encode(f).decode() for p, f in src.footers.items()}
-        _broadcast(json.dumps({"index": getattr(src, "index", None), "footers": footers}).encode())
+        broadcast_bytes(json.dumps({"index": getattr(src, "index", None), "footers": footers}).encode())
     return src
 
 
@@ -166,32 +167,3 @@ def write_state_index(state_dir: str, index: dict | None) -> None:
 
     if index is not None:
         save_index(os.path.join(state_dir, index_file_name(generation_of(state_dir) + 1)), index)
-
-
-# ------------------------------------------------------------------------------ torch.distributed
-def _shared_over_dist(rank: int, world_size: int) -> bool:
-    """The ranks of this stream are those of an initialized process group: share the index over it."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return (world_size > 1 and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() == world_size and dist.get_rank() == rank)
-
-
-def _broadcast(data: bytes | None) -> bytes:
-    """Rank 0's ``data`` on every rank (its length, then its bytes as a uint8 tensor)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if data is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, 0)
-    return bytes(buf.cpu().numpy().tobytes())

@@ -137,12 +137,16 @@ class StreamLoader:
     ``processor_factory`` builds a fresh stateful transform per worker (``feed`` / ``ready`` /
     ``take`` / ``state`` / ``load_state`` / ``fingerprint``); without one, batches are lists of raw
     samples passed to ``collate_fn``.
+
+    ``keep_keys``: keep the sample keys of the batches handed out for :meth:`pop_consumed_keys` (a consumed
+    log); set it (or the attribute) before iterating. Off, the loader keeps nothing per batch, only the
+    last snapshot of each partition, so its memory does not grow with the batches consumed.
     """
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
                  processor_factory: Callable | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
-                 timeout: float = 0):
+                 timeout: float = 0, keep_keys: bool = False):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ConfigError(f"batch_size: got {batch_size!r}; allowed: an integer >= 1")
         num_workers = stream.num_workers if num_workers is None else num_workers
@@ -160,7 +164,8 @@ class StreamLoader:
         self._carries: dict[int, dict] = {}        # loaded transform state, per partition
         self._turn = 0                              # lane the next batch comes from
         self._lane_turns: list[int] = []           # per lane: partition (index in the lane) of its next batch
-        self._pending_keys: list[list[str]] = []
+        self.keep_keys = keep_keys
+        self._pending_keys: list[list[str]] = []   # only with keep_keys: emptied by pop_consumed_keys
         self.batches_consumed = 0
         self._iterated = False
 
@@ -187,7 +192,8 @@ class StreamLoader:
             self._consumed[p] = item["snapshot"]
             self._turn = (j + 1) % len(lanes)
             self._lane_turns[j] = (i + 1) % len(lanes[j])
-            self._pending_keys.append(item["keys"])
+            if self.keep_keys:
+                self._pending_keys.append(item["keys"])
             self.batches_consumed += 1
             yield item["batch"]
 
@@ -195,7 +201,11 @@ class StreamLoader:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
 
     def pop_consumed_keys(self) -> list[str]:
-        """Keys of the samples in the batches handed out since the last call."""
+        """Keys of the samples in the batches handed out since the last call (needs ``keep_keys``)."""
+        if not self.keep_keys:
+            raise ConfigError("pop_consumed_keys: this StreamLoader does not keep the keys of the samples it hands "
+                              "out (they would pile up with every batch); create it with keep_keys=True, or set "
+                              "loader.keep_keys = True before iterating")
         keys = [k for batch in self._pending_keys for k in batch]
         self._pending_keys = []
         return keys

@@ -70,6 +70,7 @@ class ResumableStream(StreamBase):
                         -(-num_partitions // consumers), num_partitions // consumers)
         self._readers = {p: PartitionReader(self.source, self.layout, p) for p in self.partitions}
         self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
+        self._rows_of: dict[int, tuple[int, int | None]] = {}   # partition -> (epoch, its rows in that epoch)
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
@@ -164,8 +165,16 @@ class ResumableStream(StreamBase):
             "consumed_digest": reader.consumed_digest(),
             "next_sample_digest": sample_digest(win.sample(c.offset)),
             "epoch_start": c.epoch_start,
-            "epoch_rows": self.layout.partition_rows(c.epoch, partition),
+            "epoch_rows": self._epoch_rows(c.epoch, partition),
         }
+
+    def _epoch_rows(self, epoch: int, partition: int) -> int | None:
+        """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch
+        snapshot asks for it."""
+        known = self._rows_of.get(partition)
+        if known is None or known[0] != epoch:
+            known = self._rows_of[partition] = (epoch, self.layout.partition_rows(epoch, partition))
+        return known[1]
 
     def _restore_partition(self, p: int, ps: dict[str, Any], where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p`` from its saved cursor (checked to point inside its data first)."""

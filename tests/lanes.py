@@ -22,7 +22,7 @@ import shlex
 # leaves room for that noise, not for another slow test.
 FAST_LANE_CPU_BUDGET_S = 100.0
 
-_TRAINING_SCRIPT = re.compile(r"(^|/)(train_lm|train_vl|data_parallel_train|slow_manifest_train|demo|stream_demo)\.py$")
+_TRAINING_SCRIPT = re.compile(r"(^|/)(train_lm|train_vl|data_parallel_train|slow_manifest_train|paused_train|demo|stream_demo)\.py$")
 _TORCHRUN = re.compile(r"^torch\.distributed\.run$|(^|/)torchrun$")
 _CLI_TRAIN = re.compile(r"(^|\s)(-m resumable_stream(\.cli)?|\S*resumable-stream) train(\s|$)")
 

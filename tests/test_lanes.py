@@ -6,18 +6,19 @@ import sys
 
 import lanes
 import pytest
-from training_helpers import DATA_PARALLEL_TRAIN, SLOW_MANIFEST_TRAIN, TRAIN_LM, TRAIN_VL
+from training_helpers import DATA_PARALLEL_TRAIN, PAUSED_TRAIN, SLOW_MANIFEST_TRAIN, TRAIN_LM, TRAIN_VL
 
 
 @pytest.mark.parametrize("argv", [
     [sys.executable, TRAIN_LM, "run.yaml"],
     [sys.executable, TRAIN_VL, "run.yaml"],
     [sys.executable, SLOW_MANIFEST_TRAIN, "run.yaml"],
+    [sys.executable, PAUSED_TRAIN, "run.yaml"],
     [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", DATA_PARALLEL_TRAIN, TRAIN_LM, "x"],
     ["torchrun", "--nproc_per_node=2", "x.py"],
     [sys.executable, "-m", "resumable_stream.cli", "train", "run.yaml"],
     f"{sys.executable} examples/demo.py --steps 40",
-], ids=["train_lm", "train_vl", "slow_manifest_train", "torch.distributed.run", "torchrun", "cli-train", "shell-demo"])
+], ids=["train_lm", "train_vl", "slow_manifest_train", "paused_train", "torch.distributed.run", "torchrun", "cli-train", "shell-demo"])
 def test_a_test_not_marked_slow_cannot_start_a_training(argv):
     with pytest.raises(pytest.fail.Exception, match="not marked slow"):
         subprocess.run(argv, capture_output=True, timeout=60)

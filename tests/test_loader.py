@@ -16,9 +16,10 @@ def _ids(batch):
     return [row["id"] for row in batch]
 
 
-def _make(cfg, source, num_workers, world_size=1, rank=0, batch_size=8):
+def _make(cfg, source, num_workers, world_size=1, rank=0, batch_size=8, keep_keys=False):
     stream = ResumableStream(cfg, rank=rank, world_size=world_size, num_workers=num_workers, source=source)
-    return StreamLoader(stream, batch_size=batch_size, num_workers=num_workers, prefetch_factor=4 if num_workers else None)
+    return StreamLoader(stream, batch_size=batch_size, num_workers=num_workers, prefetch_factor=4 if num_workers else None,
+                        keep_keys=keep_keys)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_state_counts_consumed_not_prefetched_batches(setup, num_workers, consum
 
 def test_keys_of_consumed_batches(setup):
     cfg, source = setup
-    loader = _make(cfg, source, 2, batch_size=4)
+    loader = _make(cfg, source, 2, batch_size=4, keep_keys=True)
     it = iter(loader)
     batches = [next(it) for _ in range(3)]
     keys = loader.pop_consumed_keys()

@@ -157,7 +157,8 @@ def _loader(tok, workers: int) -> StreamLoader:
                        shuffle=True, buffer_size=64, num_partitions=2)
     stream = ResumableStream(cfg, num_workers=workers)
     factory = functools.partial(TextProcessor, tok, TransformConfig(map=HOOK, max_seq_len=64))
-    return StreamLoader(stream, batch_size=5, collate_fn=_input_ids, processor_factory=factory, num_workers=workers)
+    return StreamLoader(stream, batch_size=5, collate_fn=_input_ids, processor_factory=factory, num_workers=workers,
+                        keep_keys=True)
 
 
 def _take(loader: StreamLoader, n: int) -> list[tuple[list, list]]:

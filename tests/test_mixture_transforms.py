@@ -43,7 +43,7 @@ def _examples(batch):
 def _loader(tok, section: dict) -> StreamLoader:
     stream = open_stream(StreamConfig.from_dict(section))
     factory = functools.partial(TextProcessor, tok, TransformConfig.from_dict(section))
-    return StreamLoader(stream, batch_size=4, collate_fn=_examples, processor_factory=factory)
+    return StreamLoader(stream, batch_size=4, collate_fn=_examples, processor_factory=factory, keep_keys=True)
 
 
 def _batches(loader: StreamLoader, n: int) -> list:

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from lock_probe import REFUSED, try_lock
 from training_helpers import StopAt
 from transformers import (
     AutoConfig,
@@ -19,6 +20,7 @@ from transformers import (
     DataCollatorForSeq2Seq,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
+    TrainerCallback,
 )
 
 from resumable_stream import StreamConfig, open_stream
@@ -116,3 +118,19 @@ def test_llamafactory_trainer_restart_skips_and_removes_checkpoints_cut_short(tm
         assert not (out / f"checkpoint-{step}" / "cut-short.bin").exists(), f"checkpoint-{step} was not removed"
     assert (out / "checkpoint-4" / "stream_state" / "manifest.json").is_file()
     assert (out / "checkpoint-6" / "stream_state" / "manifest.json").is_file()
+
+
+def test_llamafactory_trainer_holds_its_output_dir_while_it_trains(tmp_path):
+    """The patched train() of a user's own Trainer subclass takes the output_dir lock: another job trying it
+    meanwhile is refused naming this process; once train() returns it is free again."""
+    out = str(tmp_path / "run")
+    tries = []
+
+    class TryLock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            tries.append(try_lock(out))
+
+    make_trainer(out, [TryLock(), StopAt(2)]).train()
+    assert [t.returncode for t in tries] == [REFUSED, REFUSED], [t.stderr for t in tries]
+    assert f"output_dir {out!r} is in use by another training job: pid {os.getpid()} on host" in tries[0].stderr
+    assert try_lock(out).returncode == 0, "still held after train() returned"

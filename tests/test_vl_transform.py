@@ -586,7 +586,7 @@ def _loader(processor, state=None, workers=0):
     factory = functools.partial(VLProcessor, processor, TransformConfig(format="vl", bad_sample="skip"))
     loader = StreamLoader(stream, batch_size=8, processor_factory=factory, num_workers=workers,
                           collate_fn=functools.partial(collate_vl, pad_token_id=processor.tokenizer.pad_token_id),
-                          key_fn=lambda sample, where: str(sample["id"]))
+                          key_fn=lambda sample, where: str(sample["id"]), keep_keys=True)
     if state is not None:
         loader.load_state_dict(state)
     return loader

@@ -30,6 +30,7 @@ TRAIN_LM = os.path.join(ROOT, "examples", "train_lm.py")
 TRAIN_VL = os.path.join(ROOT, "examples", "train_vl.py")
 DATA_PARALLEL_TRAIN = os.path.join(ROOT, "tests", "data_parallel_train.py")
 SLOW_MANIFEST_TRAIN = os.path.join(ROOT, "tests", "slow_manifest_train.py")   # train_lm.py, manifests late
+PAUSED_TRAIN = os.path.join(ROOT, "tests", "paused_train.py")                 # train_lm.py, waits at a step
 MANIFEST = "manifest.json"
 STATE_DIR = "stream_state"
 

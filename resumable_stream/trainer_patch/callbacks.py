@@ -53,6 +53,9 @@ class ConsumedLogCallback(TrainerCallback):
         self._file = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # the loader exists (built before this event) and is not iterated yet: ask it for the keys, which it
+        # keeps only for a consumer like this one
+        self.loader_of().keep_keys = True
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         _truncate_jsonl(self.path, state.global_step)
         self._file = open(self.path, "a", encoding="utf-8")

@@ -14,7 +14,9 @@ When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
   each rank gathers its virtual partitions from the files that hold them), and a checkpoint without
   complete sidecars is refused;
 * writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
-  then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint).
+  then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint);
+* holds ``output_dir`` for the job while ``train()`` runs (:mod:`resumable_stream.output_lock`): a second
+  job on the same directory is refused with an ``OutputDirLockedError`` naming the holder.
 
 An :class:`EvalStream` as ``eval_dataset`` is evaluated over the same fixed samples every time.
 
@@ -36,6 +38,7 @@ import torch.utils.data
 
 from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
+from ..output_lock import output_dir_lock
 from ..stream_base import Stream
 from .checkpoints import check_complete, resume_latest, save_stream_state
 from .config import check_data_arguments
@@ -190,22 +193,24 @@ def _train(original):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if not _uses_stream(self):
             return original(self, resume_from_checkpoint, *args, **kwargs)
-        if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            # as `resumable-stream train` does: the newest complete checkpoint, the cut-short ones removed
-            resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, barrier)
-        elif resume_from_checkpoint:
-            check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
-        self._rs_resume_checkpoint = resume_from_checkpoint or None
-        self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
-        done = _finished_step(resume_from_checkpoint, self.args.max_steps)
-        if done is not None:
-            # Without a dataset length the Trainer would run one more step past max_steps.
-            from transformers.trainer_utils import TrainOutput
+        # one job per output_dir, held from before the checkpoints are looked at until training returns
+        with output_dir_lock(self.args.output_dir, self.args.process_index, self.args.world_size):
+            if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+                # as `resumable-stream train` does: the newest complete checkpoint, the cut-short ones removed
+                resume_from_checkpoint = resume_latest(self.args.output_dir, self.args.process_index == 0, barrier)
+            elif resume_from_checkpoint:
+                check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
+            self._rs_resume_checkpoint = resume_from_checkpoint or None
+            self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
+            done = _finished_step(resume_from_checkpoint, self.args.max_steps)
+            if done is not None:
+                # Without a dataset length the Trainer would run one more step past max_steps.
+                from transformers.trainer_utils import TrainOutput
 
-            logger.warning("checkpoint %s is already at step %d >= max_steps %d: nothing left to train",
-                           resume_from_checkpoint, done, self.args.max_steps)
-            return TrainOutput(done, 0.0, {})
-        return original(self, resume_from_checkpoint or None, *args, **kwargs)
+                logger.warning("checkpoint %s is already at step %d >= max_steps %d: nothing left to train",
+                               resume_from_checkpoint, done, self.args.max_steps)
+                return TrainOutput(done, 0.0, {})
+            return original(self, resume_from_checkpoint or None, *args, **kwargs)
     return train
 
 

@@ -19,6 +19,7 @@ from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
 from ..loader import shard_row_key
 from ..mixture import MixtureStream, open_stream
+from ..output_lock import output_dir_lock
 from ..transforms.formats import REQUIRED as FORMAT_REQUIRED
 from ..transforms.formats import resolved_columns
 from .callbacks import (
@@ -157,17 +158,24 @@ def _check_columns(cfg: TrainerConfig, columns: list[str] | None) -> None:
             raise ConfigError(f"data.{key}: got {column!r}; the dataset's columns are: {', '.join(columns)}")
 
 
-def build_trainer(cfg: TrainerConfig, **argument_overrides):
-    """Everything but ``train()``: arguments, tokenizer, model, stream, patched Trainer."""
+def training_arguments(cfg: TrainerConfig, **argument_overrides):
+    """The TrainingArguments of ``train:`` with the data parallelism of the device found (under torchrun
+    creating them sets up torch.distributed)."""
+    requested = {**cfg.train, **argument_overrides}
+    kind = "cpu" if requested.get("use_cpu") else detect_device().kind
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return cfg.training_arguments(**data_parallel_arguments(kind, world_size, requested), **argument_overrides)
+
+
+def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
+    """Everything but ``train()``: arguments (``args``: made by :func:`training_arguments` already), tokenizer,
+    model, stream, patched Trainer."""
     from transformers import Trainer
 
     from ..transforms.text import TextProcessor, collate
     from ..transforms.vl import VLProcessor, collate_vl
 
-    requested = {**cfg.train, **argument_overrides}
-    kind = "cpu" if requested.get("use_cpu") else detect_device().kind
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args = cfg.training_arguments(**data_parallel_arguments(kind, world_size, requested), **argument_overrides)
+    args = args if args is not None else training_arguments(cfg, **argument_overrides)
     vl = cfg.transform.format == "vl"
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
@@ -246,8 +254,12 @@ def _die_with_launcher() -> None:
 def run_training(config_path: str, **argument_overrides):
     _die_with_launcher()
     cfg = TrainerConfig.from_yaml(config_path)
-    trainer = build_trainer(cfg, **argument_overrides)
-    checkpoint = resolve_resume(cfg, trainer)
-    if checkpoint:
-        log.warning("resuming from %s", checkpoint)
-    return trainer.train(resume_from_checkpoint=checkpoint)
+    args = training_arguments(cfg, **argument_overrides)
+    # one job per output_dir, taken before the model is built and the checkpoints are read or cleaned (a
+    # second job fails in seconds); the trainer's train() holds it again inside, nested
+    with output_dir_lock(args.output_dir, args.process_index, args.world_size):
+        trainer = build_trainer(cfg, args, **argument_overrides)
+        checkpoint = resolve_resume(cfg, trainer)
+        if checkpoint:
+            log.warning("resuming from %s", checkpoint)
+        return trainer.train(resume_from_checkpoint=checkpoint)

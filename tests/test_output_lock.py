@@ -1,0 +1,101 @@
+"""The output_dir lock on its own: one holder at a time across processes, named to whoever is refused; a
+killed holder's lock is free at once; re-entrant in the holding thread only."""
+
+import json
+import os
+import signal
+import socket
+import threading
+
+import pytest
+from lock_probe import REFUSED, start_holder, try_lock
+
+from resumable_stream.errors import ConfigError, OutputDirLockedError
+from resumable_stream.output_lock import LOCK_FILE, output_dir_lock
+from resumable_stream.trainer_patch.checkpoints import checkpoint_dirs
+
+
+def _kill(proc) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_a_second_process_is_refused_with_the_holder_and_takes_over_once_it_is_killed(tmp_path):
+    out = str(tmp_path / "out")
+    holder, _ = start_holder(out)
+    try:
+        refused = try_lock(out)
+        assert refused.returncode == REFUSED, refused.stderr
+        message = refused.stderr
+        assert repr(out) in message and f"pid {holder.pid} on host {socket.gethostname()}" in message
+        assert "started 20" in message and LOCK_FILE in message
+        with pytest.raises(OutputDirLockedError, match=f"pid {holder.pid} "):   # this process too
+            with output_dir_lock(out):
+                pass
+    finally:
+        _kill(holder)
+    assert holder.returncode == -signal.SIGKILL
+    # the killed holder's details are still in the file, but the lock went with the process
+    assert json.loads((tmp_path / "out" / LOCK_FILE).read_text())["pid"] == holder.pid
+    with output_dir_lock(out):
+        assert json.loads((tmp_path / "out" / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert try_lock(out).returncode == REFUSED
+    assert try_lock(out).returncode == 0, "not released when the block ended"
+    assert checkpoint_dirs(out) == [], "the lock file is not a checkpoint"
+
+
+def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path):
+    """DataLoader workers are forked from the holder; one outliving a SIGKILLed holder must not hold the
+    lock (the restart would be refused naming a dead process)."""
+    out = str(tmp_path / "out")
+    holder, child = start_holder(out, fork=True)
+    try:
+        _kill(holder)
+        os.kill(child, 0)                       # the child still runs, with its copy of the descriptor
+        assert try_lock(out).returncode == 0, "the forked child kept the lock of its killed parent"
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_nested_in_the_holding_thread_and_refused_to_another_thread(tmp_path):
+    out = str(tmp_path / "out")
+    errors = []
+
+    def other_thread():
+        try:
+            with output_dir_lock(out):
+                pass
+        except OutputDirLockedError as e:
+            errors.append(str(e))
+
+    with output_dir_lock(out):
+        with output_dir_lock(out):           # e.g. run_training holds it around the patched train()
+            pass
+        assert try_lock(out).returncode == REFUSED, "the inner block released the outer one's lock"
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert errors and f"pid {os.getpid()} " in errors[0] and "another thread" in errors[0]
+    with output_dir_lock(out):               # a following run in the same process
+        pass
+
+
+def test_an_output_dir_that_cannot_hold_the_lock_file_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    out = str(tmp_path / "file" / "out")
+    with pytest.raises(ConfigError, match=f"output_dir {out!r}: cannot create the lock file"):
+        with output_dir_lock(out):
+            pass
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_output_dir_is_a_config_error(tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        with pytest.raises(ConfigError, match="Permission denied"):
+            with output_dir_lock(str(out)):
+                pass
+    finally:
+        out.chmod(0o755)
