@@ -109,16 +109,14 @@ def hub_repo_of(path: str) -> str | None:
     return path if re.match(r"^[\w.-]+/[\w.-]+$", path) else None
 
 
-def read_range(path: str, start: int, end: int, identity: dict | None = None) -> bytes:
-    """Bytes ``[start, end)`` of an ``hf://datasets/{repo}@{rev}/{file}``: one ranged GET of its ``resolve``
-    URL (HfFileSystem would first ask for the repo info and list the directory, in every process, and read
-    up to 5 MB ahead). huggingface_hub's own backoff retries 429 (after its Retry-After) and 5xx. The answer
-    must be a 206 for the range asked, of an object of the recorded size (a file at a pinned commit cannot
-    change, so no ETag is asked for)."""
+def get_range(path: str, start: int, end: int):
+    """The answer (a ``requests``-like response) to a ranged GET of bytes ``[start, end)`` of an
+    ``hf://datasets/{repo}@{rev}/{file}``: one request to its ``resolve`` URL (HfFileSystem would first ask for
+    the repo info and list the directory, in every process, and read up to 5 MB ahead). huggingface_hub's own
+    backoff retries 429 (after its Retry-After) and 5xx; :func:`resumable_stream.ranged.read_range` checks
+    the answer."""
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
-
-    from .ranged import RangeNotSupported, check_answer
 
     parts = _parts(path)
     if parts is None or not parts[2]:
@@ -128,12 +126,7 @@ def read_range(path: str, start: int, end: int, identity: dict | None = None) ->
     headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"}
     response = http_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
     hf_raise_for_status(response)
-    if response.status_code == 200:
-        raise RangeNotSupported(f"data file {path!r}: the Hub answered a request for bytes {start}-{end - 1} with "
-                                "the whole file (HTTP 200, not 206): HF_ENDPOINT must support HTTP Range requests")
-    size = (identity or {}).get("size")
-    check_answer(path, start, end, {"size": size}, response.headers.get("Content-Range"), None, None)
-    return response.content
+    return response
 
 
 def file_identities(files: list[str]) -> dict[str, dict]:

@@ -21,6 +21,7 @@ An answer of another object than the recorded one is :class:`ObjectChanged` (a
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
@@ -51,7 +52,7 @@ def filesystem(protocol: str, storage_options: dict):
     a filesystem made before the fork hangs in a forked DataLoader worker)."""
     import fsspec
 
-    options = dict(storage_options.get(protocol, {}))
+    options = copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
     key = (os.getpid(), protocol, repr(sorted(options.items())))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
@@ -73,9 +74,7 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
     else:
         protocol = path.split("://", 1)[0]
         if protocol == "hf" and path.startswith("hf://datasets/"):
-            from .hub import read_range as hub_read_range
-
-            data = hub_read_range(path, start, end, identity)
+            data = _read_hub(path, start, end, identity)
         elif protocol in ("http", "https"):
             data = _read_http(filesystem(protocol, storage_options), path, start, end, identity)
         elif protocol in _BUCKET_STORES:
@@ -168,6 +167,19 @@ def _read_http(fs, url: str, start: int, end: int, identity: dict | None) -> byt
             return data
 
     return sync(fs.loop, get)
+
+
+def _read_hub(path: str, start: int, end: int, identity: dict | None) -> bytes:
+    """A file at a pinned commit cannot change: the range and the size are checked, no ETag is asked for."""
+    from .hub import get_range
+
+    response = get_range(path, start, end)
+    if response.status_code == 200:
+        raise RangeNotSupported(f"data file {path!r}: the Hub answered a request for bytes {start}-{end - 1} with "
+                                "the whole file (HTTP 200, not 206): HF_ENDPOINT must support HTTP Range requests")
+    check_answer(path, start, end, {"size": (identity or {}).get("size")}, response.headers.get("Content-Range"),
+                 None, None)
+    return response.content
 
 
 def _read_s3(fs, path: str, start: int, end: int, identity: dict | None) -> bytes:

@@ -9,6 +9,7 @@ and yield Arrow tables from there. Everything above it (plan, stream, cache) onl
 from __future__ import annotations
 
 import contextlib
+import copy
 import email.utils
 import hashlib
 import inspect
@@ -405,7 +406,7 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     # s3fs: botocore's timeouts, one attempt per call (ours are the retries; our reads' filesystems also turn
     # s3fs's own retries of a timeout off, see ranged.filesystem)
     s3 = {"config_kwargs": {"connect_timeout": timeout_s, "read_timeout": timeout_s,
-                            "retries": {"max_attempts": 1, "mode": "standard"}}}
+                            "retries": {"total_max_attempts": 1, "mode": "standard"}}}
     options.update({protocol: dict(s3) for protocol in ("s3", "s3a")})
     return options
 
@@ -437,7 +438,7 @@ def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
 def _protocol_options(storage_options: dict, path: str) -> dict:
     """The flat fsspec kwargs for ``path``'s protocol out of datasets-style ``{protocol: kwargs}``."""
     protocol = path.split("://", 1)[0] if "://" in path else "file"
-    return dict(storage_options.get(protocol, {}))
+    return copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -869,7 +870,7 @@ def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
     if targets and targets != [cfg.dataset_name_or_path]:
         where += f" ({_describe(targets)})"
     # a copy: datasets adds to the dict it is given
-    options = {"storage_options": {k: dict(v) for k, v in retry.storage_options.items()}} if retry.remote else {}
+    options = {"storage_options": copy.deepcopy(retry.storage_options)} if retry.remote else {}
     if cfg.revision is not None:
         options["revision"] = cfg.revision
     try:

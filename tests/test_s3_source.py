@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -150,6 +151,24 @@ def test_rewritten_s3_object_is_a_mismatch_naming_it(bucket, tmp_path):
     with pytest.raises(StreamMismatchError) as err:
         ResumableStream(cfg.replace(resume_state_path=str(tmp_path)))
     assert urls[1] in str(err.value) and "etag" in str(err.value)
+
+
+def test_an_s3_object_rewritten_mid_epoch_is_refused_by_if_match(bucket, tmp_path):
+    """The ranged GETs say If-Match: <ETag from the index>: the store refuses the new object's bytes (412)."""
+    urls = bucket.upload("midepoch")
+    cfg = bucket.config("midepoch", shuffle=False, prefetch_blocks=0, interleave_shards=1)
+    it = iter(ResumableStream(cfg))
+    first = [next(it)["id"] for _ in range(ROW_GROUP)]
+    table = pq.read_table(bucket.local[0])
+    other = tmp_path / "other.parquet"
+    pq.write_table(table.set_column(0, "id", pa.array([i + 10**6 for i in table.column("id").to_pylist()])),
+                   other, row_group_size=ROW_GROUP)
+    bucket.srv.admin().upload_file(str(other), "data", urls[0].split("/", 3)[3])
+    with pytest.raises(StreamMismatchError) as err:
+        for row in it:
+            assert row["id"] < 10**6                  # never a row of the new object
+    assert urls[0] in str(err.value) and "If-Match refused: HTTP 412" in str(err.value)
+    assert first == pq.read_table(bucket.local[0]).column("id").to_pylist()[:ROW_GROUP]
 
 
 @pytest.mark.slow   # forked DataLoader workers over the S3 server
