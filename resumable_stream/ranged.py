@@ -193,19 +193,17 @@ def _read_s3(fs, path: str, start: int, end: int, identity: dict | None) -> byte
     if isinstance(etag, str) and etag:
         kwargs["IfMatch"] = etag
 
-    async def get() -> tuple[dict, bytes]:
-        try:
-            resp = await fs._call_s3("get_object", **kwargs)
-        except Exception as e:
-            if _precondition_failed(e):
-                raise object_changed(path, [("etag (S3 If-Match refused: HTTP 412)", etag, None)]) from None
-            raise
-        try:
-            return resp, await resp["Body"].read()
-        finally:
-            resp["Body"].close()
-
-    resp, data = sync(fs.loop, get)
+    try:
+        resp = fs.call_s3("get_object", **kwargs)       # s3fs's public (sync) call: s3fs's error handling
+    except Exception as e:
+        if _precondition_failed(e):
+            raise object_changed(path, [("etag (S3 If-Match refused: HTTP 412)", etag, None)]) from None
+        raise
+    body = resp["Body"]
+    try:
+        data = sync(fs.loop, body.read)                 # the body streams on s3fs's event loop
+    finally:
+        body.close()
     check_answer(path, start, end, identity, resp.get("ContentRange"), resp.get("ETag"), None)
     return data
 
