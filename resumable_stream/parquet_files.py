@@ -175,7 +175,9 @@ class ParquetFiles:
         _, start, end = entry["row_groups"][group]
         data = read_range(entry["path"], start, end, self._storage_options, entry)
         try:
-            table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md,
+            # pre_buffer off: the bytes are in memory already, and a pre-buffering task on Arrow's IO threads
+            # would hold this Python file past the read (released by a C++ thread, maybe at interpreter exit)
+            table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md, pre_buffer=False,
                                    page_checksum_verification=True).read_row_group(group)
         except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not this row group's
             raise WrongBytes(f"its bytes do not decode ({type(e).__name__}: {e})") from None

@@ -92,8 +92,10 @@ class Prefetcher:
             self._pending.clear()
 
     def close(self) -> None:
+        """Cancel what has not started and wait for the fetches running (each bounded by data.timeout_s), so
+        that no thread of ours is still reading or decoding when the interpreter shuts down."""
         self.drop()
         with self._lock:
-            if self._pool is not None and self._pid == os.getpid():
-                _shutdown(self._pool)
-            self._pool = None
+            pool, self._pool = (self._pool if self._pid == os.getpid() else None), None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -634,6 +634,9 @@ class Source:
         """The parquet footers this source read (path -> bytes), to share with other ranks; {} if none."""
         return {}
 
+    def close(self) -> None:
+        """Stop background work (fetches ahead) and wait for it; reading again starts it afresh."""
+
 
 class StreamingSource(Source):
     """``load_dataset(..., streaming=True)`` read one shard per file; or, with a dataset index (parquet),
@@ -660,6 +663,10 @@ class StreamingSource(Source):
     @property
     def footers(self) -> dict[str, bytes]:
         return self._parquet.footers if self._parquet is not None else {}
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
 
     @property
     def prefetch_depth(self) -> int:

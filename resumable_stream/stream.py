@@ -145,9 +145,11 @@ class ResumableStream(StreamBase):
 
     def close(self) -> None:
         """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
-        behind it) outlives its use. Iterating again reopens the shards where the cursors stand."""
+        behind it) outlives its use, and wait for the source's fetches ahead. Iterating again reopens the
+        shards where the cursors stand."""
         for reader in self._readers.values():
             reader.close()
+        self.source.close()
 
     def partition_state(self, partition: int) -> dict[str, Any]:
         """One partition's position after the last sample it yielded, with the digest of the next one.

@@ -1,7 +1,8 @@
-"""Helper of test_cli's exit test: ``python peek_runs.py N K OUT_DIR peek ARGS...`` runs the CLI N times, K at
+"""Helper of test_cli's exit tests: ``python peek_runs.py N K OUT_DIR peek ARGS...`` runs the CLI N times, K at
 a time, each in a process forked from this one after the imports (a run then costs its own work, not the
 imports), each ending with the interpreter's normal teardown (atexit, finalization, native destructors).
-Run i writes its stdout to OUT_DIR/i.out and stderr to OUT_DIR/i.err. Prints ``{"exit_codes": [...]}``."""
+Run i writes its stdout to OUT_DIR/i.out and stderr to OUT_DIR/i.err. Prints ``{"exit_codes": [...]}``.
+``... OUT_DIR plain CONFIG NUM`` reads NUM samples of a ResumableStream instead and leaves it unclosed."""
 
 import json
 import os
@@ -12,6 +13,16 @@ import pyarrow.parquet  # noqa: F401
 import torch  # noqa: F401
 
 from resumable_stream import cli
+
+
+def plain(config: str, num: int) -> int:
+    import itertools
+
+    from resumable_stream import ResumableStream, StreamConfig
+
+    for row in itertools.islice(ResumableStream(StreamConfig.from_yaml(config)), num):
+        print(json.dumps({"id": row["id"]}))
+    return 0
 
 
 def main() -> list[int] | None:
@@ -27,6 +38,8 @@ def main() -> list[int] | None:
                     f = os.open(os.path.join(out_dir, f"{started}.{suffix}"), os.O_WRONLY | os.O_CREAT, 0o644)
                     os.dup2(f, fd)
                     os.close(f)
+                if argv[0] == "plain":     # plain Python use: a stream read in part, never closed
+                    sys.exit(plain(argv[1], int(argv[2])))
                 sys.exit(cli.main(argv))   # the child: a normal exit, as `resumable-stream peek` does
             running[pid] = started
             started += 1

@@ -179,3 +179,42 @@ def test_peek_resume_from_exits_cleanly_200_times(parquet_small, tmp_path):
     assert len(codes) == 200 and not failed, failed
     for i in range(200):
         assert [json.loads(x)["id"] for x in (out / f"{i}.out").read_text().splitlines()] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_remote_peek_with_prefetch_in_flight_exits_cleanly_40_times(tmp_path, hub_offline):
+    """`peek` over HTTP (12 files, 30 ms per request) stops after 5 samples while the prefetch is still
+    fetching and decoding row groups ahead: 40 runs (forked after the imports by tests/peek_runs.py) all exit 0
+    with the right samples, none aborts at interpreter teardown (`terminate called ...`); so do 20 runs of
+    plain Python that read 5 samples and leave the stream unclosed."""
+    import yaml
+    from http_server import FileServer
+
+    from resumable_stream.synthetic import write_parquet_dataset
+
+    www = tmp_path / "www"
+    write_parquet_dataset(str(www), rows=12 * 4000, files=12, row_group_size=1000, words=20)
+    with FileServer(www) as srv:
+        srv.latency_s = 0.03
+        cfg_path = tmp_path / "remote.yaml"
+        cfg_path.write_text(yaml.safe_dump({"data": {
+            "dataset_name_or_path": "parquet", "data_files": [srv.url(n) for n in sorted(os.listdir(www))],
+            "shuffle": True, "buffer_size": 256, "prefetch_blocks": 8}}))
+        expected = take_ids(ResumableStream(StreamConfig.from_yaml(str(cfg_path))), 5)
+        for how, n, argv in (("peek", 40, ["peek", str(cfg_path), "--num", "5", "--fields", "id"]),
+                             ("plain", 20, ["plain", str(cfg_path), "5"])):   # a stream left unclosed
+            out = tmp_path / how
+            out.mkdir()
+            before = len(srv.requests)
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "peek_runs.py"), str(n), "2", str(out),
+                                *argv], capture_output=True, text=True, timeout=800)
+            assert r.returncode == 0, r.stderr
+            codes = json.loads(r.stdout)["exit_codes"]
+            errors = {i: (out / f"{i}.err").read_text() for i in range(n)}
+            failed = {i: (c, errors[i][-300:]) for i, c in enumerate(codes) if c != 0 or "terminate" in errors[i]}
+            assert len(codes) == n and not failed, (how, failed)
+            for i in range(n):
+                assert [json.loads(x)["id"] for x in (out / f"{i}.out").read_text().splitlines()] == expected
+            ranged = [rec for rec in srv.requests[before:] if rec.method == "GET" and rec.range]
+            assert len(ranged) > n * 3             # each run had fetches ahead going when it stopped

@@ -223,4 +223,6 @@ class CachedSource(Source):
         self.store.flush()
 
     def close(self) -> None:
+        """Stop the source's fetches ahead, then finish the blocks being written (see Source.close)."""
+        self.inner.close()
         self.store.close()
