@@ -211,6 +211,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_llamafactory(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from .llamafactory.run import check_command, train
+
+    check_command(args.lf_command)
+    if importlib.util.find_spec("llamafactory") is None:
+        raise ConfigError("resumable-stream llamafactory needs LLaMA-Factory: pip install "
+                          "'resumable-stream[llamafactory]' (see docs/llamafactory.md)")
+    return train(args.config, args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
                                 description="Exactly resumable HuggingFace streaming datasets for training.")
@@ -234,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
                                          "with data.format vl); torchrun-compatible")
     train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
     train.set_defaults(func=cmd_train)
+
+    lf = sub.add_parser("llamafactory", help="train with LLaMA-Factory (its yaml, template, callbacks and saves) "
+                                             "from a resumable stream: llamafactory train CONFIG [key=value ...]")
+    lf.add_argument("lf_command", metavar="train", help="train (as llamafactory-cli train)")
+    lf.add_argument("config", help="the yaml llamafactory-cli train takes, plus an optional resumable_stream: "
+                                   "section")
+    lf.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
+                    help="overrides, as llamafactory-cli takes them (OmegaConf dotlist)")
+    lf.set_defaults(func=cmd_llamafactory)
 
     warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
     warm.add_argument("config", help="yaml file with a data: section that sets cache_dir")

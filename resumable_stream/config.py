@@ -56,6 +56,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "data_files": (_check_data_files, "null, a path or glob, a non-empty list of them, or a mapping split -> paths"),
     "revision": (lambda v: v is None or (isinstance(v, str) and v.strip() != "" and not v.startswith("/")),
                  "null (the repo's main branch) or a Hub revision: a branch, a tag or a commit sha"),
+    "data_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                 "null or a folder of the dataset (datasets' load_dataset data_dir)"),
     "split": (lambda v: isinstance(v, str) and v.strip() != "", "a split name such as train"),
     "shuffle": (lambda v: isinstance(v, bool), "true or false"),
     "shuffle_seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
@@ -97,6 +99,7 @@ class StreamConfig:
     name: str | None = None
     data_files: str | list[str] | dict[str, Any] | None = None
     revision: str | None = None         # Hub repo revision (branch, tag, commit sha); None: main
+    data_dir: str | None = None         # a folder of the dataset (load_dataset's data_dir)
     split: str = "train"
     shuffle: bool = False
     shuffle_seed: int = 42
@@ -264,10 +267,10 @@ MIXTURE_KEYS = ("sources", "stopping")
 # label, and the transform keys a source may set for itself (transforms.config.SOURCE_TRANSFORM_KEYS).
 # Everything else (shuffle_seed, cache, num_partitions, elastic, the other transform keys) is the data
 # section's and applies to every source.
-SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "split", "backend", "streaming", "shuffle",
+SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
                "retry_budget_s", "prefetch_blocks", "storage_options", "weight", "label")
-_IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files")
+_IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

@@ -35,8 +35,9 @@ def resolution_key(cfg) -> dict[str, Any]:
     """The config keys that decide which files an index lists: an index is only used for these."""
     key = {"dataset_name_or_path": cfg.dataset_name_or_path, "name": cfg.name,
            "data_files": cfg.data_files, "split": cfg.split}
-    if getattr(cfg, "revision", None) is not None:    # only when set: indexes saved before the key still match
-        key["revision"] = cfg.revision
+    for name in ("revision", "data_dir"):     # only when set: indexes saved before the keys still match
+        if getattr(cfg, name, None) is not None:
+            key[name] = getattr(cfg, name)
     return key
 
 

@@ -832,7 +832,7 @@ def explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
     """The split's files when the config lists parquet files by plain http(s) URL: then there is nothing
     to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
     otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
-    if path != "parquet" or cfg.name is not None or data_files is None:
+    if path != "parquet" or cfg.name is not None or cfg.data_dir is not None or data_files is None:
         return None
     splits = data_files if isinstance(data_files, dict) else {"train": data_files}
     splits = {str(k): [v] if isinstance(v, str) else v for k, v in splits.items()}
@@ -861,7 +861,7 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": index["builder"], "files": [identity_of(f) for f in files],
         "num_shards": len(shards), "shard_rows": _digest([s.num_rows for s in shards]),
-        **_hub_fingerprint([f["path"] for f in files]),
+        **_hub_fingerprint([f["path"] for f in files]), **_data_dir(cfg),
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
                            parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
@@ -880,6 +880,8 @@ def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
     options = {"storage_options": copy.deepcopy(retry.storage_options)} if retry.remote else {}
     if cfg.revision is not None:
         options["revision"] = cfg.revision
+    if cfg.data_dir is not None:
+        options["data_dir"] = cfg.data_dir
     try:
         builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
                              f"{where}: resolving the dataset", targets)
@@ -914,6 +916,11 @@ def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
     files = pin_commits(files, lambda repo, rev: retry.call(
         lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
+
+
+def _data_dir(cfg: StreamConfig) -> dict:
+    """``data_dir`` in the fingerprint when set (fingerprints saved before the key still match)."""
+    return {"data_dir": cfg.data_dir} if cfg.data_dir is not None else {}
 
 
 def _hub_fingerprint(files: list[str]) -> dict:
@@ -955,6 +962,7 @@ def _open_with_datasets(cfg: StreamConfig, builder, files: list[str], targets: l
     fingerprint = {
         "dataset": cfg.dataset_name_or_path, "name": cfg.name, "split": cfg.split, "backend": cfg.backend,
         "streaming": cfg.streaming, "builder": builder.name, "files": identities, **_hub_fingerprint(files),
+        **_data_dir(cfg),
     }
 
     if not cfg.streaming:

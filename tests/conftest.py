@@ -13,10 +13,16 @@ os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.util  # noqa: E402
+
 import lanes  # noqa: E402
 from helpers import TEST_SEED, seeded_rng  # noqa: E402
 
 from resumable_stream.synthetic import write_parquet_dataset  # noqa: E402
+
+# tests/llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds (with
+# LLaMA-Factory's own pins); the main venv does not install it
+collect_ignore_glob = [] if importlib.util.find_spec("llamafactory") else ["llamafactory/*"]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ line's own step: a damaged line costs none of the others."""
 import json
 import logging
 
-from resumable_stream.trainer_patch.callbacks import _truncate_jsonl
+from resumable_stream.trainer_patch.callbacks import truncate_jsonl
 
 
 def _lines(steps):
@@ -18,7 +18,7 @@ def test_a_damaged_line_is_kept_with_a_warning_and_later_lines_survive(tmp_path,
     not_a_record = '["step", 5]\n'
     path.write_text("".join(good[:3] + [damaged] + good[3:5] + [not_a_record] + good[5:]) + '{"step": 9, "sam')
     with caplog.at_level(logging.WARNING):
-        _truncate_jsonl(str(path), last_step=6)
+        truncate_jsonl(str(path), last_step=6)
     kept = path.read_text().splitlines(keepends=True)
     # steps 1..6 kept in order, both damaged lines kept where they were, steps 7, 8 and the cut line dropped
     assert kept == good[:3] + [damaged] + good[3:5] + [not_a_record] + [good[5]]
@@ -29,5 +29,5 @@ def test_a_damaged_line_is_kept_with_a_warning_and_later_lines_survive(tmp_path,
 def test_lines_after_the_resumed_step_are_dropped_even_after_a_damaged_line(tmp_path):
     path = tmp_path / "train_log.jsonl"
     path.write_text("".join(_lines([1, 2]) + ["garbage\n"] + _lines([3, 4, 5])))
-    _truncate_jsonl(str(path), last_step=3)
+    truncate_jsonl(str(path), last_step=3)
     assert path.read_text() == "".join(_lines([1, 2]) + ["garbage\n"] + _lines([3]))

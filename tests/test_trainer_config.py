@@ -115,9 +115,18 @@ def test_float_train_values_written_as_strings(tmp_path):
         TrainerConfig.from_yaml(_write(tmp_path, doc))
 
 
+def test_dispatch_batches_false_is_what_the_stream_does_and_accepted(tmp_path):
+    """LLaMA-Factory users set dispatch_batches: false for streaming on several ranks: every rank reading its
+    own batches is what the StreamLoader does anyway."""
+    doc = _doc()
+    doc["train"]["accelerator_config"] = {"dispatch_batches": False}
+    args = TrainerConfig.from_yaml(_write(tmp_path, doc)).training_arguments()
+    assert args.accelerator_config.dispatch_batches is False
+
+
 @pytest.mark.parametrize(("key", "value"), [
     ("accelerator_config.split_batches", True), ("accelerator_config.dispatch_batches", True),
-    ("accelerator_config.dispatch_batches", False), ("accelerator_config.even_batches", False),
+    ("accelerator_config.even_batches", False),
     ("accelerator_config.use_seedable_sampler", False), ("accelerator_config.non_blocking", True),
     ("data_seed", 7), ("dataloader_drop_last", True), ("dataloader_persistent_workers", True),
     ("train_sampling_strategy", "sequential"),

@@ -96,10 +96,14 @@ def free_port() -> int:
 class Run:
     """One training process (or one torchrun with its ranks), output in ``log_base.{out,err}``."""
 
-    def __init__(self, config: str, log_base: str, nproc: int = 1, env: dict | None = None, script: str = TRAIN_LM):
+    def __init__(self, config: str, log_base: str, nproc: int = 1, env: dict | None = None, script: str = TRAIN_LM,
+                 command: list[str] | None = None):
+        """``command``: run it as it is (e.g. ``llamafactory-cli train CONFIG``) instead of ``script``."""
         self.config, self.nproc = config, nproc
         self.stdout_path, self.stderr_path = log_base + ".out", log_base + ".err"
-        if nproc == 1:
+        if command is not None:
+            cmd = list(command)
+        elif nproc == 1:
             cmd = [sys.executable, script, config]
         else:   # the script runs under data_parallel_train.py, which records what assert_data_parallel checks
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -201,9 +205,11 @@ class Procs:
         self.runs: list[Run] = []
 
     def start(self, config: str, label: str, nproc: int = 1, env: dict | None = None,
-              script: str | None = None) -> Run:
-        """``script``: another training script than this Procs' own (for this run only)."""
-        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env, script=script or self.script)
+              script: str | None = None, command: list[str] | None = None) -> Run:
+        """``script``: another training script than this Procs' own (for this run only); ``command``: a whole
+        command line instead."""
+        run = Run(config, os.path.join(self.directory, label), nproc=nproc, env=env, script=script or self.script,
+                  command=command)
         self.runs.append(run)
         return run
 

@@ -13,9 +13,10 @@ from transformers import TrainerCallback
 log = logging.getLogger(__name__)
 
 
-def _truncate_jsonl(path: str, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (a resumed run redoes the later ones), by each line's own step:
-    a damaged line is kept (with a warning) and costs none of the lines after it; a cut last line is dropped."""
+def truncate_jsonl(path: str, last_step: int, step_key: str = "step") -> None:
+    """Keep the lines of steps <= last_step (a resumed run redoes the later ones), by each line's own step
+    (its ``step_key`` field): a damaged line is kept (with a warning) and costs none of the lines after it; a
+    cut last line is dropped."""
     if not os.path.isfile(path):
         return
     keep, damaged = [], 0
@@ -23,7 +24,7 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
         for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 break    # the write of the last line was cut short by the interruption
-            step = _step_of(line)
+            step = _step_of(line, step_key)
             if step is None:
                 damaged += 1
                 log.warning("%s: line %d does not parse as a step record; kept as it is", path, number)
@@ -36,9 +37,9 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def _step_of(line: str) -> int | None:
+def _step_of(line: str, step_key: str) -> int | None:
     try:
-        step = json.loads(line)["step"]
+        step = json.loads(line)[step_key]
     except (ValueError, KeyError, TypeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
@@ -57,7 +58,7 @@ class ConsumedLogCallback(TrainerCallback):
         # keeps only for a consumer like this one
         self.loader_of().keep_keys = True
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        _truncate_jsonl(self.path, state.global_step)
+        truncate_jsonl(self.path, state.global_step)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -127,7 +128,7 @@ class TrainLogCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            _truncate_jsonl(self.path, state.global_step)
+            truncate_jsonl(self.path, state.global_step)
         self._last = (time.perf_counter(), state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):

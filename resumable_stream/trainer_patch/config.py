@@ -223,8 +223,8 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
 # slices; split_batches: a batch is cut across the ranks; even_batches / use_seedable_sampler: samplers).
 _NO_EFFECT = {
     "accelerator_config.split_batches": (False, "the stream deals whole batches to every rank"),
-    "accelerator_config.dispatch_batches": (None, "every rank reads its own partitions; nothing is dispatched "
-                                                  "from rank 0"),
+    "accelerator_config.dispatch_batches": ((None, False), "every rank reads its own partitions; nothing is "
+                                                           "dispatched from rank 0"),
     "accelerator_config.even_batches": (True, "the ranks' partitions are balanced by the plan, not by "
                                               "repeating samples"),
     "accelerator_config.use_seedable_sampler": (True, "there is no sampler; the order comes from "
@@ -245,6 +245,7 @@ def check_data_arguments(args, section: str = "train") -> None:
         if holder is None or not hasattr(holder, name):   # fields of other transformers versions
             continue
         value = getattr(holder, name)
-        if value != default:
+        allowed = default if isinstance(default, tuple) else (default,)
+        if value not in allowed:
             raise ConfigError(f"{section}.{key}: got {value!r}; not supported with a resumable stream ({why}); "
-                              f"leave it at {default!r}")
+                              f"leave it at {allowed[0]!r}")

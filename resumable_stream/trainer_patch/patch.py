@@ -56,9 +56,10 @@ def stream_loader(trainer) -> StreamLoader | None:
 
 
 class TrainingStream(torch.utils.data.IterableDataset):
-    """What to hand the Trainer as ``train_dataset``: a stream plus how to turn rows into batches."""
+    """What to hand the Trainer as ``train_dataset``: a stream plus how to turn rows into batches
+    (``collate_fn`` None: the Trainer's ``data_collator``)."""
 
-    def __init__(self, stream: Stream, collate_fn: Callable, processor_factory: Callable | None = None,
+    def __init__(self, stream: Stream, collate_fn: Callable | None, processor_factory: Callable | None = None,
                  key_fn: Callable = shard_row_key, resume_state_path: str | None = None):
         super().__init__()
         self.stream, self.collate_fn = stream, collate_fn
@@ -153,7 +154,7 @@ def _get_train_dataloader(original):
             raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
                               f"created for {ts.stream.num_workers} workers; they must match")
         loader = StreamLoader(
-            ts.stream, batch_size=self._train_batch_size, collate_fn=ts.collate_fn,
+            ts.stream, batch_size=self._train_batch_size, collate_fn=ts.collate_fn or self.data_collator,
             processor_factory=ts.processor_factory, key_fn=ts.key_fn, num_workers=args.dataloader_num_workers,
             prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
             pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),

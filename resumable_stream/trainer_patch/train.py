@@ -237,7 +237,7 @@ def resolve_resume(cfg: TrainerConfig, trainer) -> str | None:
     return resume_latest(trainer.args.output_dir, trainer.args.process_index == 0, barrier)
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
     """Under torchrun each rank runs in its own session; if the launcher is killed, take the rank down
     too instead of leaving it training (and writing checkpoints) on its own."""
     if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -252,7 +252,7 @@ def _die_with_launcher() -> None:
 
 
 def run_training(config_path: str, **argument_overrides):
-    _die_with_launcher()
+    die_with_launcher()
     cfg = TrainerConfig.from_yaml(config_path)
     args = training_arguments(cfg, **argument_overrides)
     # one job per output_dir, taken before the model is built and the checkpoints are read or cleaned (a

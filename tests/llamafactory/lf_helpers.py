@@ -1,0 +1,129 @@
+"""What the LLaMA-Factory tests share: a tiny Qwen3 model made from a config with the bundled tokenizer (which
+has the qwen template's <|im_start|> / <|im_end|>), generated datasets registered in a dataset_info.json, yaml
+files as llamafactory-cli takes them, and the two commands: ``llamafactory-cli train`` and ours.
+
+No network: the model is random-init from a config, the data is generated, HF_HUB_OFFLINE is set."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TOKENIZER = os.path.join(ROOT, "examples", "tiny", "tokenizer")
+_WORDS = ("stream resume shard window cursor epoch rank worker sample token batch model data order seed buffer "
+          "block parquet arrow train loss step answer question").split()
+ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "DISABLE_VERSION_CHECK": "1"}
+
+
+def _words(i: int, n: int) -> str:
+    return " ".join(_WORDS[(i * 7 + j * 13) % len(_WORDS)] for j in range(n))
+
+
+def make_model(directory: str) -> str:
+    """A random-init Qwen3 (33k parameters) and the bundled tokenizer, saved as a model directory."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def _jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def make_data(directory: str) -> str:
+    """dataset_dir with dataset_info.json: alpaca (300 rows), a second alpaca (80), sharegpt (150, some
+    multi-turn, some with a system message), pt text (300)."""
+    os.makedirs(directory, exist_ok=True)
+    _jsonl(os.path.join(directory, "alpaca.jsonl"), [
+        {"instruction": f"Task {i}: {_words(i, 5)}", "input": _words(i + 1, 3) if i % 3 else "",
+         "output": f"Answer {i}: {_words(i + 2, 4 + i % 5)}"} for i in range(300)])
+    _jsonl(os.path.join(directory, "other.jsonl"), [
+        {"instruction": f"Other {i}: {_words(i + 9, 4)}", "input": "", "output": f"Reply {i}: {_words(i, 3)}"}
+        for i in range(80)])
+    convs = []
+    for i in range(150):
+        turns = [{"from": "human", "value": f"Question {i}: {_words(i, 4)}"},
+                 {"from": "gpt", "value": f"Reply {i}: {_words(i + 3, 5)}"}]
+        if i % 2:
+            turns += [{"from": "human", "value": f"And {i}? {_words(i + 5, 3)}"},
+                      {"from": "gpt", "value": f"Then {_words(i + 7, 4)}"}]
+        if i % 5 == 0:
+            turns.insert(0, {"from": "system", "value": f"Be brief {i}."})
+        convs.append({"conversations": turns, "id": i})
+    _jsonl(os.path.join(directory, "sharegpt.jsonl"), convs)
+    _jsonl(os.path.join(directory, "pt.jsonl"), [{"text": f"Doc {i}. {_words(i, 10 + i % 20)}."}
+                                                  for i in range(300)])
+    info = {"alpaca": {"file_name": "alpaca.jsonl"}, "other": {"file_name": "other.jsonl"},
+            "sharegpt": {"file_name": "sharegpt.jsonl", "formatting": "sharegpt",
+                         "columns": {"messages": "conversations"}},
+            "pt": {"file_name": "pt.jsonl", "columns": {"prompt": "text"}}}
+    with open(os.path.join(directory, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+    return directory
+
+
+BASE = {
+    "stage": "sft", "do_train": True, "finetuning_type": "full", "dataset": "alpaca", "template": "qwen",
+    "cutoff_len": 96, "buffer_size": 1, "preprocessing_batch_size": 16, "logging_steps": 1, "save_steps": 10,
+    "plot_loss": False, "overwrite_output_dir": False, "report_to": "none", "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 1, "learning_rate": 1.0e-3, "max_steps": 20, "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.0, "seed": 42, "dataloader_num_workers": 1, "disable_tqdm": True,
+}
+
+
+def write_yaml(directory: str, name: str, model: str, data: str, **keys) -> tuple[str, str]:
+    """(yaml path, output_dir) of a llamafactory-cli training yaml; ``keys`` override :data:`BASE`."""
+    doc = copy.deepcopy(BASE)
+    out = os.path.join(directory, name)
+    doc.update(model_name_or_path=model, dataset_dir=data, output_dir=out)
+    doc.update(keys)
+    doc = {k: v for k, v in doc.items() if v is not None}
+    path = os.path.join(directory, f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(doc, f)
+    return path, out
+
+
+def ours(config: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "resumable_stream", "llamafactory", "train", config, *overrides]
+
+
+def llamafactory_cli(config: str, *overrides: str) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "llamafactory-cli"), "train", config, *overrides]
+
+
+def losses(out: str) -> dict[int, float]:
+    """step -> logged loss, from trainer_state.json's log_history (full float precision)."""
+    with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
+        history = json.load(f)["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def consumed(out: str, rank: int = 0) -> dict[int, list[str]]:
+    path = os.path.join(out, "consumed", f"rank-{rank:05d}.jsonl")
+    with open(path, encoding="utf-8") as f:
+        return {r["step"]: r["samples"] for r in map(json.loads, f)}
+
+
+def assert_losses_equal(a: dict[int, float], b: dict[int, float], tol: float, note: str = "") -> None:
+    assert sorted(a) == sorted(b), f"different steps logged: {sorted(a)} vs {sorted(b)} {note}"
+    worst = max(abs(a[s] - b[s]) for s in a)
+    first = next((s for s in sorted(a) if abs(a[s] - b[s]) > tol), None)
+    assert first is None, f"step {first}: loss {a[first]} vs {b[first]} (max difference {worst}) {note}"

@@ -1,0 +1,134 @@
+"""`resumable-stream llamafactory train` against the real llamafactory 0.9.5 (issue 21): the yaml of
+llamafactory-cli, LLaMA-Factory's own formatting (per-step losses equal to llamafactory-cli's), exact resume
+after SIGKILL (after a checkpoint and in the middle of a save), a finished run left intact, refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import pytest
+from lf_helpers import ENV, assert_losses_equal, consumed, llamafactory_cli, losses, ours, write_yaml
+from training_helpers import complete_checkpoints, count_lines
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# llamafactory-cli and ours on the same yaml, shuffling off on both sides (buffer_size 1, one DataLoader
+# worker: llamafactory-cli then reads its one shard in file order)
+SAME_AS_CLI = {
+    "sft-alpaca-full": {},
+    "sft-sharegpt-lora-system-mask_history": {"dataset": "sharegpt", "finetuning_type": "lora", "lora_rank": 4,
+                                              "lora_target": "all", "default_system": "You are terse.",
+                                              "mask_history": True},
+    "sft-alpaca-packing-train_on_prompt": {"packing": True, "train_on_prompt": True, "cutoff_len": 128},
+    "sft-sharegpt-neat_packing": {"dataset": "sharegpt", "neat_packing": True, "cutoff_len": 128},
+    "pt": {"stage": "pt", "dataset": "pt", "cutoff_len": 64},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_AS_CLI))
+def test_per_step_losses_equal_those_of_llamafactory_cli(assets, procs, tmp_path, case):
+    model, data = assets
+    keys = SAME_AS_CLI[case]
+    cli_yaml, cli_out = write_yaml(str(tmp_path), "cli", model, data, streaming=True, **keys)
+    our_yaml, our_out = write_yaml(str(tmp_path), "ours", model, data, **keys)   # streaming implied
+    procs.start(cli_yaml, "cli", env=ENV, command=llamafactory_cli(cli_yaml)).wait_ok(600)
+    procs.start(our_yaml, "ours", env=ENV, command=ours(our_yaml)).wait_ok(600)
+    reference, ours_losses = losses(cli_out), losses(our_out)
+    assert len(reference) == 20
+    assert_losses_equal(reference, ours_losses, 1e-6, f"[{case}]")
+    # LLaMA-Factory's own workflow ran: its callbacks' log, the final save, its metrics
+    assert count_lines(os.path.join(our_out, "trainer_log.jsonl")) >= 20
+    saved = "adapter_model.safetensors" if keys.get("finetuning_type") == "lora" else "model.safetensors"
+    assert os.path.isfile(os.path.join(our_out, saved)) and os.path.isfile(os.path.join(our_out, "all_results.json"))
+    assert os.path.isdir(os.path.join(our_out, "checkpoint-20", "stream_state"))
+
+
+def _tree_digest(out: str) -> dict[str, str]:
+    return {os.path.relpath(os.path.join(d, f), out): hashlib.blake2b(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, fs in os.walk(out) for f in fs}
+
+
+def test_a_finished_run_started_again_trains_nothing_and_changes_nothing(assets, procs, tmp_path):
+    model, data = assets
+    config, out = write_yaml(str(tmp_path), "run", model, data, max_steps=12, save_steps=6)
+    procs.start(config, "first", env=ENV, command=ours(config)).wait_ok(600)
+    before = _tree_digest(out)
+    again = procs.start(config, "again", env=ENV, command=ours(config)).wait_ok(600)
+    assert "already finished at step 12" in again.stderr
+    assert _tree_digest(out) == before
+
+
+@pytest.mark.parametrize("where", ["after-a-checkpoint", "in-the-middle-of-a-save"])
+def test_a_sigkilled_run_started_again_continues_exactly(assets, procs, tmp_path, where):
+    model, data = assets
+    keys = {"max_steps": 40, "save_steps": 10, "buffer_size": 64, "dataset": "alpaca,sharegpt",
+            "mix_strategy": "interleave_under", "interleave_probs": "0.7,0.3"}
+    ref_yaml, ref_out = write_yaml(str(tmp_path), "reference", model, data, **keys)
+    _with_consumed_log(ref_yaml, ref_out)
+    procs.start(ref_yaml, "reference", env=ENV, command=ours(ref_yaml)).wait_ok(600)
+    config, out = write_yaml(str(tmp_path), "killed", model, data, **keys)
+    _with_consumed_log(config, out)
+    log = os.path.join(out, "trainer_log.jsonl")
+    if where == "after-a-checkpoint":
+        run = procs.start(config, "killed", env=ENV, command=ours(config))
+        run.wait_until(lambda: 20 in complete_checkpoints(out) and count_lines(log) >= 24, "checkpoint-20 + 4 steps")
+        expected_resume = 20
+    else:   # rank 0 waits before the manifest that completes a checkpoint: the kill lands in the save
+        run = procs.start(config, "killed", env=ENV, command=[sys.executable, os.path.join(HERE, "slow_save.py"),
+                                                              config])
+        state = os.path.join(out, "checkpoint-20", "stream_state")
+        run.wait_until(lambda: os.path.isfile(os.path.join(state, "rank-00000.safetensors")), "checkpoint-20's save")
+        expected_resume = 10
+    run.kill()
+    assert count_lines(log) < 41
+    restart = procs.start(config, "restart", env=ENV, command=ours(config)).wait_ok(600)
+    assert f"Resuming training from {os.path.join(out, f'checkpoint-{expected_resume}')}" in restart.stderr
+    assert "Will skip the first" not in restart.stderr            # no batch is replayed
+    assert not os.path.exists(os.path.join(out, "checkpoint-20")) or 20 in complete_checkpoints(out)
+    assert_losses_equal(losses(ref_out), losses(out), 0.0, f"[killed {where}]")
+    assert consumed(ref_out) == consumed(out)
+    steps = [int(line.split('"current_steps": ')[1].split(",")[0]) for line in open(log, encoding="utf-8")
+             if '"loss"' in line]
+    assert steps == list(range(1, 41))                            # trainer_log.jsonl: every step once
+
+
+def _with_consumed_log(config: str, out: str) -> None:
+    import yaml
+
+    with open(config, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    doc["resumable_stream"] = {"consumed_log": os.path.join(out, "consumed")}
+    with open(config, "w", encoding="utf-8") as f:
+        yaml.safe_dump(doc, f)
+
+
+def test_another_template_on_resume_is_a_mismatch(assets, procs, tmp_path):
+    model, data = assets
+    config, out = write_yaml(str(tmp_path), "run", model, data, max_steps=10, save_steps=10)
+    procs.start(config, "first", env=ENV, command=ours(config)).wait_ok(600)
+    other = procs.start(config, "other", env=ENV, command=ours(config, "max_steps=20", "default_system=Other."))
+    assert other.wait(600) == 2, other.describe()
+    assert "StreamMismatchError" in other.stderr or "different transform settings" in other.stderr
+    assert "template" in other.stderr
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"stage": "dpo"}, "stage: got 'dpo'"),
+    ({"max_samples": 100}, "max_samples: got 100"),
+    ({"streaming": False}, "streaming: got False"),
+    ({"max_steps": None}, "max_steps: got None"),
+    ({"val_size": 10}, "val_size: got 10"),
+    ({"dataset": "alpaca,other", "mix_strategy": "interleave_once"}, "mix_strategy: got 'interleave_once'"),
+    ({"dataset": "alpaca,sharegpt"}, "mix_strategy: got 'concat'"),
+    ({"resumable_stream": {"bogus": 1}}, "resumable_stream.bogus: unknown key"),
+    ({"resumable_stream": {"buffer_size": 0}}, "resumable_stream.buffer_size: got 0"),
+])
+def test_what_cannot_be_honoured_exactly_is_refused_naming_the_key(assets, procs, tmp_path, keys, message):
+    model, data = assets
+    config, _ = write_yaml(str(tmp_path), "refused", model, data, **keys)
+    run = procs.start(config, "refused", env=ENV, command=ours(config))
+    assert run.wait(300) == 2, run.describe()
+    assert message in run.stderr, run.describe()
