@@ -76,6 +76,7 @@ THIRD_PARTY_PRIVATES = {
     ("trainer_patch/patch.py", "_save_checkpoint"),      # transformers.Trainer: where checkpoints are written
     ("trainer_patch/patch.py", "_rotate_checkpoints"),   # transformers 4.x: rotation, deferred until complete
     ("trainer_patch/patch.py", "_get_output_dir"),       # transformers.Trainer: where the checkpoint went
+    ("trainer_patch/patch.py", "_load_optimizer_and_scheduler"),   # transformers.Trainer: optimizer to cpu
     ("devices.py", "_prepare_backend"),                  # accelerate.PartialState: the gloo backend on CPU
     ("trainer_patch/train.py", "_exit"),                 # os._exit when the launcher is gone
     ("trainer_patch/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use

@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.utils.data
 
@@ -256,6 +256,37 @@ def _save_checkpoint(original):
     return _save_checkpoint
 
 
+@contextlib.contextmanager
+def _cpu_map_location() -> Iterator[None]:
+    """``torch.load`` with a CPU device of an index (``cpu:0``) as map_location loads to plain ``cpu``."""
+    load = torch.load
+
+    def load_to_cpu(*args, map_location=None, **kwargs):
+        if isinstance(map_location, torch.device) and map_location.type == "cpu":
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    torch.load = load_to_cpu
+    try:
+        yield
+    finally:
+        torch.load = load
+
+
+def _load_optimizer_and_scheduler(original):
+    # accelerate <= 1.11 (LLaMA-Factory 0.9.5's pin) puts the ranks of a multi-process CPU job on "cpu:N"; the
+    # Trainer maps the optimizer state it resumes to args.device, and torch cannot restore a storage to "cpu:N"
+    # ("don't know how to restore data location ... (tagged with cpu:0)")
+    @functools.wraps(original)
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        device = self.args.device
+        if not (_uses_stream(self) and device.type == "cpu" and device.index is not None):
+            return original(self, checkpoint)
+        with _cpu_map_location():
+            return original(self, checkpoint)
+    return _load_optimizer_and_scheduler
+
+
 def patch_trainer(trainer_cls=None):
     """Patch ``trainer_cls`` (default ``transformers.Trainer``, which covers subclasses that do not
     override these methods). Idempotent. Returns the class."""
@@ -267,5 +298,8 @@ def patch_trainer(trainer_cls=None):
     trainer_cls.get_eval_dataloader = _get_eval_dataloader(trainer_cls.get_eval_dataloader)
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
+    if hasattr(trainer_cls, "_load_optimizer_and_scheduler"):
+        trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler(
+            trainer_cls._load_optimizer_and_scheduler)
     setattr(trainer_cls, _PATCHED, True)
     return trainer_cls

@@ -1,0 +1,30 @@
+"""One rank of ``python -m resumable_stream.llamafactory train CONFIG`` (what torchrun runs) that also writes
+its parameters' sum at the end of training to ``output_dir/parameters-rank{r}.json``: data parallelism means
+every rank ends with the same model. The library has no such hook; this adds a callback to the run.
+
+    torchrun --nproc_per_node 2 tests/llamafactory/dp_probe.py CONFIG
+"""
+
+import json
+import os
+import sys
+
+import torch
+from transformers import TrainerCallback
+
+from resumable_stream.cli import main
+from resumable_stream.llamafactory import run
+
+
+class ParameterSum(TrainerCallback):
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            total = sum(float(p.double().sum()) for p in model.parameters())
+        with open(os.path.join(args.output_dir, f"parameters-rank{args.process_index}.json"), "w") as f:
+            json.dump(total, f)
+
+
+if __name__ == "__main__":
+    callbacks = run._callbacks
+    run._callbacks = lambda ours: [*callbacks(ours), ParameterSum()]
+    sys.exit(main(["llamafactory", "train", sys.argv[1]]))
