@@ -83,11 +83,26 @@ def _import(kind: str) -> None:
     import pyarrow.parquet  # noqa: F401
 
 
+def _checks_off() -> None:
+    """The byte checks of the read path off (the decoded row group is not compared with its footer, the answer
+    not with the index's identity): to measure what they cost. The generated files store no page CRCs."""
+    from resumable_stream import parquet_files, row_group_check
+
+    row_group_check.problem = lambda *a, **k: None
+    read_range = parquet_files.read_range
+    parquet_files.read_range = lambda path, start, end, options, identity=None: read_range(path, start, end, options)
+
+
 def child(kind: str, path: str, rows: int) -> dict:
+    if kind.endswith("_unchecked"):
+        _checks_off()
+        kind_open = kind[: -len("_unchecked")]
+    else:
+        kind_open = kind
     _import(kind)
     base_rss = _common.current_rss_mib()
     t0 = time.perf_counter()
-    it = _open(kind, path)
+    it = _open(kind_open, path)
     t1 = time.perf_counter()
     n = total = 0
     for row in itertools.islice(it, rows):
@@ -126,6 +141,27 @@ def profile(path: str, rows: int, shuffle: bool) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def check_cost(path: str, rows: int, expect_sum: int) -> int:
+    """ours (plain and shuffled) with and without the byte checks, alternating, best of 3 rounds each."""
+    best: dict[str, float] = {}
+    for _ in range(3):
+        for kind in ("ours_plain", "ours_plain_unchecked", "ours_shuffled", "ours_shuffled_unchecked"):
+            r = run_child(kind, path, rows)
+            assert r["rows"] == rows and r["id_sum"] == expect_sum, r
+            best[kind] = max(best.get(kind, 0.0), r["rows_per_s"])
+    print("\ncost of the byte checks (identity of every read, rows / nulls / min / max of every row group), "
+          "best of 3:")
+    worst = 0.0
+    for kind in ("ours_plain", "ours_shuffled"):
+        on, off = best[kind], best[kind + "_unchecked"]
+        slower = (1 - on / off) * 100
+        worst = max(worst, slower)
+        print(f"  {LABELS[kind]:<38} checked {on:>11,.0f} rows/s, unchecked {off:>11,.0f} rows/s: "
+              f"{slower:+.1f}% slower")
+    print(f"  target: at most 5% slower: {'PASS' if worst <= 5 else 'MISS'}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -136,6 +172,8 @@ def main() -> int:
     ap.add_argument("--skip-rss", action="store_true", help="skip the 1M vs 4M peak-RSS comparison")
     ap.add_argument("--profile", action="store_true", help="also cProfile ours (shuffled and plain)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--checks", action="store_true", help="only the cost of the byte checks: ours with and without "
+                                                          "them, best of 3 rounds (target: at most 5%% slower)")
     ap.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -155,6 +193,8 @@ def main() -> int:
     big_path = None if args.skip_rss else _common.dataset_dir(args.data_dir, big_rows, big_files)
 
     expect_sum = rows * (rows - 1) // 2
+    if args.checks:
+        return check_cost(path, rows, expect_sum)
     results: dict[str, dict] = {}
     print(f"\nthroughput over {rows:,} rows ({files} files, row groups of {_common.ROW_GROUP_SIZE}), "
           "each in a fresh process:")

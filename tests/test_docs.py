@@ -12,6 +12,7 @@ import contextlib
 import copy
 import importlib
 import io
+import json
 import os
 import re
 import shlex
@@ -155,12 +156,32 @@ def _write_file_blocks(root) -> list[str]:
     return written
 
 
+def _is_llamafactory_yaml(doc: dict) -> bool:
+    """A llamafactory-cli yaml (docs/llamafactory.md, examples/llamafactory/): its own top-level keys."""
+    return "stage" in doc or "model_name_or_path" in doc
+
+
+def _check_llamafactory_yaml(doc: dict) -> None:
+    """What `resumable-stream llamafactory train` checks before LLaMA-Factory runs: our section, the keys we
+    refuse (LLaMA-Factory's own parser is not installed here; tests/llamafactory runs it)."""
+    from resumable_stream.llamafactory import settings
+
+    args, _ = settings.split(doc)
+    settings.refuse_unsupported(args)
+
+
 @pytest.mark.parametrize("page,line,body", YAML_BLOCKS, ids=_ids(YAML_BLOCKS))
 def test_yaml_examples_pass_the_config_validator(page, line, body, tmp_path, monkeypatch):
     _write_file_blocks(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     block = yaml.safe_load(body)
     assert isinstance(block, dict), f"{page}:{line}: not a mapping"
+    if _is_llamafactory_yaml(block):
+        try:
+            _check_llamafactory_yaml(block)
+        except ConfigError as e:
+            pytest.fail(f"{page}:{line}: resumable-stream llamafactory refuses this example: {e}")
+        return
     try:
         TrainerConfig.from_dict(_merged(block), base_dir=os.path.join(ROOT, "examples", "tiny"))
     except ConfigError as e:
@@ -222,7 +243,12 @@ def _check_config_file(path: str) -> None:
         assert os.path.isfile(full), f"{path} does not exist"
         with open(full, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
-        if "train" in doc:
+        if _is_llamafactory_yaml(doc):
+            _check_llamafactory_yaml(doc)
+            info = os.path.join(ROOT, doc["dataset_dir"], "dataset_info.json")
+            with open(info, encoding="utf-8") as f:
+                assert set(doc["dataset"].split(",")) <= set(json.load(f)), f"{path}: dataset not in {info}"
+        elif "train" in doc:
             TrainerConfig.from_yaml(full)
         else:
             StreamConfig.from_yaml(full)
@@ -237,6 +263,12 @@ def check_command(argv: list[str]) -> None:
         args = args[2:] if prog == "python" else args
         _parse_cli(args)
         for a in args:
+            _check_config_file(a)
+    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.llamafactory ARGS
+        module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2:]
+        assert module == "resumable_stream.llamafactory", f"unknown module {module}"
+        _parse_cli(["llamafactory", *rest])
+        for a in rest:
             _check_config_file(a)
     elif prog in ("python", "torchrun"):
         scripts = [a for a in args if a.endswith(".py")]

@@ -124,8 +124,9 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     return run + ["-m", "resumable_stream.llamafactory", "train", config, *overrides], env
 
 
-def train(config: str, overrides: list[str]) -> int:
-    """Run (or launch) the training; the exit code."""
+def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:
+    """Run (or launch) the training; the exit code. ``callbacks``: more TrainerCallbacks for LLaMA-Factory's
+    trainer (in this process only: torchrun's ranks run the command afresh)."""
     args, ours = settings.read(config, overrides)
     settings.refuse_unsupported(args)
     args["streaming"] = True
@@ -144,7 +145,7 @@ def train(config: str, overrides: list[str]) -> int:
 
     die_with_launcher()
     with patched(ours):
-        run_exp(args=args, callbacks=_callbacks(ours))
+        run_exp(args=args, callbacks=[*_callbacks(ours), *callbacks])
     return 0
 
 

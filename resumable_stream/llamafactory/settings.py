@@ -38,6 +38,12 @@ def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, A
         raise ConfigError(f"config file {config!r} with overrides {overrides!r}: {type(e).__name__}: {e}") from None
     if not isinstance(args, dict):
         raise ConfigError(f"config file {config!r}: got {type(args).__name__}; allowed: a mapping of arguments")
+    return split(args)
+
+
+def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(LLaMA-Factory's arguments, our section, checked) of a yaml's mapping."""
+    args = dict(args)
     ours = args.pop(SECTION, None) or {}
     if not isinstance(ours, dict):
         raise ConfigError(f"{SECTION}: got {ours!r}; allowed: a mapping of resumable-stream keys")

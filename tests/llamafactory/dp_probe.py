@@ -1,6 +1,6 @@
 """One rank of ``python -m resumable_stream.llamafactory train CONFIG`` (what torchrun runs) that also writes
 its parameters' sum at the end of training to ``output_dir/parameters-rank{r}.json``: data parallelism means
-every rank ends with the same model. The library has no such hook; this adds a callback to the run.
+every rank ends with the same model (a callback given to ``run.train``).
 
     torchrun --nproc_per_node 2 tests/llamafactory/dp_probe.py CONFIG
 """
@@ -12,7 +12,6 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-from resumable_stream.cli import main
 from resumable_stream.llamafactory import run
 
 
@@ -25,6 +24,4 @@ class ParameterSum(TrainerCallback):
 
 
 if __name__ == "__main__":
-    callbacks = run._callbacks
-    run._callbacks = lambda ours: [*callbacks(ours), ParameterSum()]
-    sys.exit(main(["llamafactory", "train", sys.argv[1]]))
+    sys.exit(run.train(sys.argv[1], [], callbacks=(ParameterSum(),)))
