@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-fast test-floors bench clean
+.PHONY: demo stream-demo test test-fast test-floors test-llamafactory bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,14 @@ test-fast: $(VENV)/.installed
 test-floors:
 	PYTHON=$(PYTHON) .ci/floors
 
+# a third venv (.venv-llamafactory) beside llamafactory==0.9.5 and its pins (datasets 4.0.0, s3fs 2025.3.0, ...)
+test-llamafactory:
+	PYTHON=$(PYTHON) .ci/llamafactory
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
 	$(PY) benchmarks/resume.py
 
 clean:
-	rm -rf $(VENV) .venv-floors .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .venv-llamafactory .bench .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import StreamMismatchError
+from .index import unreported_validator
 from .relocation import is_relocation, relocated_files_diff, warn_relocated
 
 # Fingerprint entries that map to config keys users can change, shown under those names.
@@ -23,7 +24,7 @@ def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]
     for path in sorted(set(old) & set(new)):
         a, b = old[path], new[path]
         for key in sorted(set(a) | set(b)):
-            if key != "path" and a.get(key) != b.get(key):
+            if key != "path" and a.get(key) != b.get(key) and not unreported_validator(key, a, b):
                 what = "resized" if key == "size" else "modified"
                 out.append((f"file {what}: {path} ({key})", a.get(key), b.get(key)))
     if not out and [f["path"] for f in saved] != [f["path"] for f in now]:

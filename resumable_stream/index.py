@@ -184,6 +184,15 @@ def check_resolution(index: dict, cfg, where: str) -> None:
                                   f"`resumable-stream index` or drop it. Differences:\n{lines}", diffs)
 
 
+def unreported_validator(key: str, saved: dict, now: dict) -> bool:
+    """Is ``key`` a validator only one side's fsspec reports, with the ETag compared on both sides? fsspec's
+    HTTP info() gives Last-Modified in newer releases only (filesystem_spec#1909): fsspec 2025.3.0, the
+    one beside LLaMA-Factory 0.9.5 (datasets 4.0.0 caps it), gives size and ETag. A state or index saved
+    on the other side of such an upgrade / downgrade is not a different file for that alone."""
+    return (key == "last-modified" and (saved.get(key) is None) != (now.get(key) is None)
+            and saved.get("etag") is not None and now.get("etag") is not None)
+
+
 def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, Any, Any]]:
     """``(path, key, index value, now)`` for every identity field that differs from the index."""
     out = []
@@ -192,6 +201,8 @@ def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, A
         for key in sorted(set(saved) | set(now)):
             if key == "footer" and key not in now:
                 continue          # not re-read (remote file, no extra request): the ETag / size vouch for it
+            if unreported_validator(key, saved, now):
+                continue
             if saved.get(key) != now.get(key):
                 out.append((entry["path"], key, saved.get(key), now.get(key)))
     return out

@@ -466,7 +466,8 @@ def _status_of(e: BaseException) -> int | None:
 
 def _network_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [OSError, TimeoutError]   # ConnectionError, requests' errors, ...
-    for module, name in (("aiohttp", "ClientError"), ("httpx", "TransportError")):
+    # huggingface_hub 2.x sends its requests with httpx2, 1.x (beside LLaMA-Factory 0.9.5) with httpx
+    for module, name in (("aiohttp", "ClientError"), ("httpx", "TransportError"), ("httpx2", "TransportError")):
         try:
             types.append(getattr(__import__(module), name))
         except (ImportError, AttributeError):
@@ -868,6 +869,14 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
                            prefetch_blocks=cfg.prefetch_blocks)
 
 
+def _hub_not_found(e: BaseException) -> bool:
+    """``datasets``' error for a missing (or private) repo or revision, raised without the Hub's answer:
+    "Dataset 'x' doesn't exist on the Hub ...", and with datasets 4.0.0 (LLaMA-Factory 0.9.5's pin) also
+    "Revision 'r' doesn't exist for dataset 'x' on the Hub." (later releases keep that one's cause)."""
+    text = str(e)
+    return "doesn't exist on the Hub" in text or ("doesn't exist for dataset" in text and "on the Hub" in text)
+
+
 def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
                   retry: RetryPolicy) -> tuple[Any, list[str]]:
     """``datasets``' builder for the config and the resolved files of its split."""
@@ -890,7 +899,7 @@ def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
     except Exception as e:
         answer = hub_answer(_chain(e), where, cfg.revision)      # the repo / revision / token, named
         repo = hub_repo_of(path) if targets else None
-        if answer is None and repo is not None and "doesn't exist on the Hub" in str(e):
+        if answer is None and repo is not None and _hub_not_found(e):
             answer = probe_answer(repo, cfg.revision, where)
         if answer is not None:
             raise SourceError(answer) from None

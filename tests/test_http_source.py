@@ -266,15 +266,27 @@ def test_resume_over_http_is_exact(request, tmp_path, fmt, k):
 
 
 # ---------------------------------------------------------------------------- identity and mismatch
+def _fsspec_reports_last_modified(url: str) -> bool:
+    """Does fsspec's HTTP info() give Last-Modified (filesystem_spec#1909, 2025)? fsspec 2025.3.0, the one
+    beside LLaMA-Factory 0.9.5 (datasets 4.0.0 caps it), gives size and ETag only: so does the identity."""
+    import fsspec
+
+    return "Last-Modified" in fsspec.filesystem("http", skip_instance_cache=True).info(url)
+
+
 def test_fingerprint_has_http_size_etag_and_last_modified(parquet_site):
     site = parquet_site
     files = ResumableStream(site.config(), source=_shared_source(site)).fingerprint()["dataset"]["files"]
     assert [f["path"] for f in files] == site.urls
+    last_modified = _fsspec_reports_last_modified(site.urls[0])
     for f, path in zip(files, site.paths):
         st = os.stat(path)
         assert f["size"] == st.st_size
         assert f["etag"] == file_etag(st)
-        assert f["last-modified"] == email.utils.formatdate(st.st_mtime, usegmt=True)
+        if last_modified:
+            assert f["last-modified"] == email.utils.formatdate(st.st_mtime, usegmt=True)
+        else:
+            assert "last-modified" not in f
 
 
 def _save_after(site: Site, directory, k: int = 50) -> None:
@@ -319,8 +331,31 @@ def test_same_size_new_etag_on_resume_raises(fresh_site, tmp_path):
     with pytest.raises(StreamMismatchError) as info:
         ResumableStream(site.config(resume_state_path=str(tmp_path / "state")), rank=0, world_size=1)
     assert site.urls[2] in str(info.value)
+    validators = ("etag", "last-modified") if _fsspec_reports_last_modified(site.urls[2]) else ("etag",)
     assert {what for what, _, _ in info.value.differences} == {
-        f"file modified: {site.urls[2]} (etag)", f"file modified: {site.urls[2]} (last-modified)"}
+        f"file modified: {site.urls[2]} ({v})" for v in validators}
+
+
+def test_last_modified_reported_on_one_side_only_is_no_change_when_the_etags_agree():
+    """A state / index saved with an fsspec that reports Last-Modified (newer) resumed with one that does not
+    (2025.3.0, beside LLaMA-Factory 0.9.5), or the other way round: the ETag and size still decide."""
+    from resumable_stream.checks import fingerprint_diff
+    from resumable_stream.index import changed_files
+
+    url = "http://127.0.0.1:1/part-00000.parquet"
+    newer = {"path": url, "size": 10, "etag": '"a"', "last-modified": "Wed, 21 Oct 2015 07:28:00 GMT"}
+    older = {"path": url, "size": 10, "etag": '"a"'}
+    for saved, now in ((newer, older), (older, newer)):
+        assert fingerprint_diff({"files": [saved]}, {"files": [now]}) == []
+        assert changed_files({"files": [saved]}, [now]) == []
+    rewritten = {**older, "etag": '"b"'}
+    assert [w for w, _, _ in fingerprint_diff({"files": [newer]}, {"files": [rewritten]})] == [
+        f"file modified: {url} (etag)"]
+    no_etag = {"path": url, "size": 10}     # no ETag on one side: Last-Modified is all there is to compare
+    assert [w for w, _, _ in fingerprint_diff({"files": [newer]}, {"files": [{**no_etag, "etag": None}]})] == [
+        f"file modified: {url} (etag)", f"file modified: {url} (last-modified)"]
+    assert changed_files({"files": [{**no_etag, "last-modified": "x"}]}, [no_etag]) == [
+        (url, "last-modified", "x", None)]
 
 
 def test_same_size_same_validators_caught_by_next_sample_digest(fresh_site, tmp_path):
