@@ -88,6 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", default="500,2000")
     p.add_argument("--json")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
     p.add_argument("--child", nargs=4, metavar=("TOOL", "CONFIG", "RESULT", "SPAWNED"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -135,7 +136,10 @@ def main() -> None:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump({f"{t}@{n}": r for (t, n), r in results.items()}, f, indent=1)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

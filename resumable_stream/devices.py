@@ -44,7 +44,8 @@ def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
 
     accelerate (``PartialState._prepare_backend``) picks MULTI_GPU / MULTI_NPU by itself under torchrun
     (``LOCAL_RANK`` set, accelerator present), but on CPU it reports ``DistributedType.NO`` unless
-    ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy.
+    ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy. With ``deepspeed``
+    DeepSpeed's engine does the data parallelism (also on CPU).
     """
     from .errors import ConfigError
 
@@ -53,7 +54,8 @@ def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
     if backend is not None and world_size > 1 and backend not in allowed:
         raise ConfigError(f"train.ddp_backend: got {backend!r}; allowed on {kind}: {', '.join(allowed)}")
     values = {}
-    if kind == "cpu" and not train.get("use_cpu"):
+    # DeepSpeed sets CPU ranks up itself (its CPU accelerator); use_cpu would keep accelerate off its path
+    if kind == "cpu" and not train.get("use_cpu") and not train.get("deepspeed"):
         values["use_cpu"] = True
     if world_size > 1 and backend is None:
         values["ddp_backend"] = allowed[0]
