@@ -9,7 +9,8 @@ random-init Qwen3 and yaml (template qwen, streaming, buffer_size 1, one DataLoa
 process, timed from the process start and from the call of ``trainer.train()`` to the end of step N + 1.
 Run it in the venv of .ci/llamafactory:
 
-    .venv-llamafactory/bin/python benchmarks/llamafactory_resume.py [--steps 500,2000] [--json out.json]
+    .venv-llamafactory/bin/python benchmarks/llamafactory_resume.py [--steps 500,2000] [--format jsonl|parquet]
+        [--json out.json] [--keep]
 """
 
 from __future__ import annotations
@@ -33,15 +34,24 @@ ROWS, WORDS, BATCH = 8000, 400, 4
 _WORDS = "stream resume shard window cursor epoch rank worker sample token batch model data order".split()
 
 
-def _data(directory: str) -> str:
+def _data(directory: str, fmt: str = "jsonl") -> str:
+    """The alpaca rows as one jsonl file, or one parquet file of row groups of 1,000 rows."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "alpaca.jsonl"), "w", encoding="utf-8") as f:
-        for i in range(ROWS):
-            words = " ".join(_WORDS[(i * 7 + j * 5) % len(_WORDS)] for j in range(WORDS + i % 7))
-            f.write(json.dumps({"instruction": f"Task {i}: {words}", "input": "", "output": f"Done {i}. {words}"})
-                    + "\n")
+    rows = []
+    for i in range(ROWS):
+        words = " ".join(_WORDS[(i * 7 + j * 5) % len(_WORDS)] for j in range(WORDS + i % 7))
+        rows.append({"instruction": f"Task {i}: {words}", "input": "", "output": f"Done {i}. {words}"})
+    name = f"alpaca.{fmt}"
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), os.path.join(directory, name), row_group_size=1000)
+    else:
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(os.path.join(directory, "dataset_info.json"), "w", encoding="utf-8") as f:
-        json.dump({"alpaca": {"file_name": "alpaca.jsonl"}}, f)
+        json.dump({"alpaca": {"file_name": name}}, f)
     return directory
 
 
@@ -87,6 +97,7 @@ def _run(cmd: list[str], log: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", default="500,2000")
+    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl", help="the data file's format")
     p.add_argument("--json")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
     p.add_argument("--child", nargs=4, metavar=("TOOL", "CONFIG", "RESULT", "SPAWNED"), help=argparse.SUPPRESS)
@@ -97,7 +108,7 @@ def main() -> None:
     steps = sorted(int(s) for s in a.steps.split(","))
     work = tempfile.mkdtemp(prefix="rs-lf-bench-")
     try:
-        model, data = make_model(os.path.join(work, "model")), _data(os.path.join(work, "data"))
+        model, data = make_model(os.path.join(work, "model")), _data(os.path.join(work, "data"), a.format)
         keys = {"cutoff_len": 64, "max_steps": steps[-1], "save_steps": steps[0], "logging_steps": 100,
                 "save_total_limit": None, "per_device_train_batch_size": BATCH}
         results = {}
@@ -123,7 +134,7 @@ def main() -> None:
                 results[(tool, n)] = {"from_process_start_s": m["first_step"] - m["spawned"],
                                       "from_train_s": m["first_step"] - m["train_called"]}
         print(f"\nrestart to the first step after checkpoint-N (tiny Qwen3, CPU, batch {BATCH}, {ROWS} alpaca rows of "
-              f"~{WORDS} words)\n")
+              f"~{WORDS} words, {a.format})\n")
         print(f"  {'N':>5}  {'tool':18} {'from process start':>19} {'from train()':>13}")
         for n in steps:
             for tool in ("llamafactory-cli", "resumable-stream"):

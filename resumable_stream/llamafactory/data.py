@@ -69,8 +69,9 @@ def _source(attr, data_args) -> dict[str, Any]:
     raise _refused(name, f"loaded from {attr.load_from} (allowed: file_name, hf_hub_url)")
 
 
-def _label(i: int, attr) -> str:
-    label = _LABEL.sub("_", str(attr.dataset_name))[-64:]
+def _label(i: int, name: str) -> str:
+    """The source label of the ``dataset:`` entry ``name`` (sample keys, logs): the entry's name."""
+    label = _LABEL.sub("_", str(name))[-64:]
     return label or f"source{i}"
 
 
@@ -88,7 +89,7 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
     if not attrs:
         raise ConfigError("dataset: missing; allowed: the names of dataset_info.json entries, comma-separated")
     sources = [_source(a, data_args) for a in attrs]
-    labels = [_label(i, a) for i, a in enumerate(attrs)]
+    labels = [_label(i, name) for i, name in enumerate(data_args.dataset)]
     if len(set(labels)) != len(labels):
         labels = [f"source{i}" for i in range(len(attrs))]
     order = {"shuffle": data_args.buffer_size > 1, "buffer_size": data_args.buffer_size,

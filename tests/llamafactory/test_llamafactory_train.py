@@ -133,3 +133,54 @@ def test_what_cannot_be_honoured_exactly_is_refused_naming_the_key(assets, procs
     run = procs.start(config, "refused", env=ENV, command=ours(config))
     assert run.wait(300) == 2, run.describe()
     assert message in run.stderr, run.describe()
+
+
+def test_hub_and_directory_datasets_of_dataset_info_are_streamed_and_resume_exactly(assets, procs, tmp_path):
+    """An ``hf_hub_url`` entry (a dataset repo on the loopback Hub, its ``folder`` as data_dir) and a
+    ``file_name`` directory of jsonl files, mixed; sharegpt with its own ``tags``. Killed after a checkpoint and
+    started again, the run continues exactly."""
+    import json
+    import shutil
+
+    from hub_server import HubServer, hub_env
+
+    model, data = assets
+    repo = tmp_path / "repo"
+    (repo / "train").mkdir(parents=True)
+    shutil.copy(os.path.join(data, "alpaca.jsonl"), repo / "train" / "part-0.jsonl")
+    (repo / "README.md").write_text("tiny\n")
+    local = tmp_path / "data"
+    (local / "chats").mkdir(parents=True)
+    with open(os.path.join(data, "sharegpt.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    for part in range(3):     # renamed roles and keys: the entry's tags say which is which
+        with open(local / "chats" / f"chats-{part}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows[part::3]:
+                turns = [{"speaker": {"human": "user", "gpt": "bot", "system": "sys"}[t["from"]], "text": t["value"]}
+                         for t in row["conversations"]]
+                f.write(json.dumps({"dialog": turns}) + "\n")
+    (local / "dataset_info.json").write_text(json.dumps({
+        "hub_alpaca": {"hf_hub_url": "org/tiny-alpaca", "folder": "train"},
+        "chats": {"file_name": "chats", "formatting": "sharegpt", "columns": {"messages": "dialog"},
+                  "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "user",
+                           "assistant_tag": "bot", "system_tag": "sys"}}}))
+    keys = {"dataset": "hub_alpaca,chats", "mix_strategy": "interleave_over", "interleave_probs": "0.6,0.4",
+            "max_steps": 24, "save_steps": 10, "buffer_size": 16}
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.commit("org/tiny-alpaca", directory=repo, message="data")
+        env = {**ENV, **hub_env(hub, tmp_path / "hf-home")}
+        ref, ref_out = write_yaml(str(tmp_path), "reference", model, str(local), **keys)
+        _with_consumed_log(ref, ref_out)
+        procs.start(ref, "reference", env=env, command=ours(ref)).wait_ok(600)
+        config, out = write_yaml(str(tmp_path), "killed", model, str(local), **keys)
+        _with_consumed_log(config, out)
+        run = procs.start(config, "killed", env=env, command=ours(config))
+        log = os.path.join(out, "trainer_log.jsonl")
+        run.wait_until(lambda: 10 in complete_checkpoints(out) and count_lines(log) >= 13, "checkpoint-10")
+        run.kill()
+        procs.start(config, "restart", env=env, command=ours(config)).wait_ok(600)
+        assert any("/resolve/" in r.path for r in hub.requests)          # the rows did come from the Hub
+    assert_losses_equal(losses(ref_out), losses(out), 0.0, "[hub + directory datasets]")
+    samples = [k for step in consumed(out).values() for k in step]
+    assert samples == [k for step in consumed(ref_out).values() for k in step]
+    assert {k.split("/", 1)[0] for k in samples} == {"hub_alpaca", "chats"}
