@@ -249,7 +249,7 @@ def test_to_dict_round_trips():
 # ---------------------------------------------------------------------------- from_yaml
 FULL_DATA = {
     "backend": "hf", "streaming": True, "dataset_name_or_path": "parquet", "name": None, "data_files": ["/abs/x/*.parquet"],
-    "revision": None,
+    "revision": None, "data_dir": None,
     "split": "train", "shuffle": True, "shuffle_seed": 1234, "buffer_size": 256, "interleave_shards": 2,
     "block_rows": 64, "resume_state_path": None, "cache_dir": None, "cache_size_limit_gb": 1.5,
     "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0, "retry_budget_s": 90.0, "num_partitions": 12, "elastic": True,

@@ -505,3 +505,25 @@ def test_local_backend_errors_name_the_directory(tmp_path):
     _save_local(dd, "validation")
     err = _error_for(dataset_name_or_path=dd, backend="local", split="train")
     assert isinstance(err, ConfigError) and "data.split" in str(err) and "validation" in str(err)
+
+
+def test_data_dir_narrows_a_dataset_to_one_folder(tmp_path):
+    """data.data_dir is load_dataset's data_dir (LLaMA-Factory's dataset_info ``folder``): only that folder's
+    files are read, and it is part of what a saved state or index was made for."""
+    import itertools
+
+    from resumable_stream import ResumableStream, StreamConfig
+    from resumable_stream.index import resolution_key
+    from resumable_stream.synthetic import write_parquet_dataset
+
+    root = tmp_path / "ds"
+    write_parquet_dataset(str(root / "big"), rows=300, files=2, row_group_size=50)
+    write_parquet_dataset(str(root / "small"), rows=40, files=1, row_group_size=20)
+    cfg = StreamConfig(dataset_name_or_path=str(root), data_dir="small")
+    stream = ResumableStream(cfg)
+    stream.set_epoch(0)
+    rows = list(itertools.islice(stream, 1000))
+    assert len(rows) == 40
+    assert all("/small/" in f["path"] for f in stream.source.fingerprint["files"])
+    assert stream.source.fingerprint["data_dir"] == "small" and resolution_key(cfg)["data_dir"] == "small"
+    assert "data_dir" not in resolution_key(cfg.replace(data_dir=None))   # unset: keys saved before it still match
