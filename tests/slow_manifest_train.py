@@ -16,14 +16,15 @@ from resumable_stream.trainer_patch import checkpoints
 MANIFEST_DELAY_S = 5
 
 
-def _slow(write_manifest):
+def slow(write_manifest, delay_s: float = MANIFEST_DELAY_S):
+    """``write_manifest`` after a sleep of ``delay_s`` (also used by tests/llamafactory/slow_save.py)."""
     def write_manifest_later(*args, **kwargs):
-        time.sleep(MANIFEST_DELAY_S)
+        time.sleep(delay_s)
         return write_manifest(*args, **kwargs)
 
     return write_manifest_later
 
 
 if __name__ == "__main__":
-    checkpoints.write_manifest = _slow(checkpoints.write_manifest)   # the name save_stream_state calls
+    checkpoints.write_manifest = slow(checkpoints.write_manifest)   # the name save_stream_state calls
     sys.exit(main(["train", sys.argv[1]]))

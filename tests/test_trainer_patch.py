@@ -197,3 +197,21 @@ def test_patched_trainer_refuses_ranks_that_would_each_train_their_own_model(tmp
     with pytest.raises(ConfigError, match="2 processes were launched .* each rank would train its own copy. On "
                                           "CPU set use_cpu=True"):
         trainer.get_train_dataloader()
+
+
+@pytest.mark.slow          # trains a tiny model in-process
+def test_train_of_a_finished_run_trains_nothing_and_keeps_its_trainer_state(tmp_path):
+    """A workflow that calls save_state() after train() (LLaMA-Factory's does) must not write a state of step
+    0 with an empty log over the finished run's."""
+    import json
+
+    cfg = _config(tmp_path)
+    build_trainer(cfg).train()
+    again = build_trainer(cfg)
+    out = again.train(resume_from_checkpoint=resolve_resume(cfg, again))
+    assert out.global_step == 12 and again.state.global_step == 12
+    again.save_state()
+    with open(os.path.join(cfg.train["output_dir"], "trainer_state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    assert state["global_step"] == 12 and [h["step"] for h in state["log_history"] if "loss" in h] == \
+        list(range(1, 13))

@@ -205,11 +205,15 @@ def _train(original):
             self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
             done = _finished_step(resume_from_checkpoint, self.args.max_steps)
             if done is not None:
-                # Without a dataset length the Trainer would run one more step past max_steps.
+                # Without a dataset length the Trainer would run one more step past max_steps. The trainer's
+                # state is the checkpoint's, so that a save_state() after this train() (LLaMA-Factory's
+                # workflow does one) writes it, not a state of step 0 with an empty log.
+                from transformers.trainer_callback import TrainerState
                 from transformers.trainer_utils import TrainOutput
 
                 logger.warning("checkpoint %s is already at step %d >= max_steps %d: nothing left to train",
                                resume_from_checkpoint, done, self.args.max_steps)
+                self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, "trainer_state.json"))
                 return TrainOutput(done, 0.0, {})
             return original(self, resume_from_checkpoint or None, *args, **kwargs)
     return train

@@ -88,12 +88,16 @@ BASE = {
 }
 
 
-def write_yaml(directory: str, name: str, model: str, data: str, **keys) -> tuple[str, str]:
-    """(yaml path, output_dir) of a llamafactory-cli training yaml; ``keys`` override :data:`BASE`."""
+def write_yaml(directory: str, name: str, model: str, data: str, consumed_log: bool = False,
+               **keys) -> tuple[str, str]:
+    """(yaml path, output_dir) of a llamafactory-cli training yaml; ``keys`` override :data:`BASE`;
+    ``consumed_log``: our section logs the consumed samples to ``output_dir/consumed``."""
     doc = copy.deepcopy(BASE)
     out = os.path.join(directory, name)
     doc.update(model_name_or_path=model, dataset_dir=data, output_dir=out)
     doc.update(keys)
+    if consumed_log:
+        doc["resumable_stream"] = {"consumed_log": os.path.join(out, "consumed")}
     doc = {k: v for k, v in doc.items() if v is not None}
     path = os.path.join(directory, f"{name}.yaml")
     with open(path, "w", encoding="utf-8") as f:

@@ -1,26 +1,19 @@
 """``python -m resumable_stream llamafactory train`` with a pause before each checkpoint's manifest, for the
-kill-in-the-middle-of-a-save test (as tests/slow_manifest_train.py does for ``resumable-stream train``).
+kill-in-the-middle-of-a-save test (tests/slow_manifest_train.py does the same for ``resumable-stream train``).
 
     python tests/llamafactory/slow_save.py CONFIG
 """
 
+import os
 import sys
-import time
 
-from resumable_stream.cli import main
-from resumable_stream.trainer_patch import checkpoints
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
 
-MANIFEST_DELAY_S = 30
+from slow_manifest_train import slow  # noqa: E402
 
-
-def _slow(write_manifest):
-    def write_manifest_later(*args, **kwargs):
-        time.sleep(MANIFEST_DELAY_S)
-        return write_manifest(*args, **kwargs)
-
-    return write_manifest_later
-
+from resumable_stream.cli import main  # noqa: E402
+from resumable_stream.trainer_patch import checkpoints  # noqa: E402
 
 if __name__ == "__main__":
-    checkpoints.write_manifest = _slow(checkpoints.write_manifest)   # the name save_stream_state calls
+    checkpoints.write_manifest = slow(checkpoints.write_manifest, 30)   # the name save_stream_state calls
     sys.exit(main(["llamafactory", "train", sys.argv[1]]))

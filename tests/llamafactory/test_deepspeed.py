@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-import yaml
 from lf_helpers import ENV, assert_losses_equal, consumed, losses, ours, write_yaml
 from training_helpers import Procs, complete_checkpoints, count_lines, free_port, write_config
 
@@ -44,16 +43,8 @@ def test_llamafactory_deepspeed_zero_resumes_exactly(assets, procs, tmp_path, st
     model, data = assets
     ds = _ds_config(str(tmp_path / f"ds_z{stage}.json"), stage)
     keys = {"max_steps": 24, "save_steps": 10, "buffer_size": 32, "deepspeed": ds, "ddp_backend": "gloo"}
-    configs = {}
-    for name in ("reference", "killed"):
-        config, out = write_yaml(str(tmp_path), name, model, data, **keys)
-        with open(config, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-        doc["resumable_stream"] = {"consumed_log": os.path.join(out, "consumed")}
-        with open(config, "w", encoding="utf-8") as f:
-            yaml.safe_dump(doc, f)
-        configs[name] = (config, out)
-    (ref, ref_out), (config, out) = configs["reference"], configs["killed"]
+    ref, ref_out = write_yaml(str(tmp_path), "reference", model, data, consumed_log=True, **keys)
+    config, out = write_yaml(str(tmp_path), "killed", model, data, consumed_log=True, **keys)
     procs.start(ref, "reference", env=FORCE, command=ours(ref)).wait_ok(900)
     _kill_after_checkpoint_and_restart(procs, config, out, ours, FORCE, "trainer_log.jsonl")
     assert_losses_equal(losses(ref_out), losses(out), 0.0, f"[ZeRO-{stage}]")

@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-import yaml
 from lf_helpers import ENV, assert_losses_equal, consumed, losses, ours, write_yaml
 from training_helpers import complete_checkpoints, count_lines, free_port
 
@@ -22,13 +21,7 @@ FORCE = {**ENV, "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
 
 
 def _config(tmp_path, name: str, model: str, data: str) -> tuple[str, str]:
-    config, out = write_yaml(str(tmp_path), name, model, data, **KEYS)
-    with open(config, encoding="utf-8") as f:
-        doc = yaml.safe_load(f)
-    doc["resumable_stream"] = {"consumed_log": os.path.join(out, "consumed")}
-    with open(config, "w", encoding="utf-8") as f:
-        yaml.safe_dump(doc, f)
-    return config, out
+    return write_yaml(str(tmp_path), name, model, data, consumed_log=True, **KEYS)
 
 
 def _torchrun(*args: str) -> list[str]:

@@ -66,11 +66,9 @@ def test_a_sigkilled_run_started_again_continues_exactly(assets, procs, tmp_path
     model, data = assets
     keys = {"max_steps": 40, "save_steps": 10, "buffer_size": 64, "dataset": "alpaca,sharegpt",
             "mix_strategy": "interleave_under", "interleave_probs": "0.7,0.3"}
-    ref_yaml, ref_out = write_yaml(str(tmp_path), "reference", model, data, **keys)
-    _with_consumed_log(ref_yaml, ref_out)
+    ref_yaml, ref_out = write_yaml(str(tmp_path), "reference", model, data, consumed_log=True, **keys)
     procs.start(ref_yaml, "reference", env=ENV, command=ours(ref_yaml)).wait_ok(600)
-    config, out = write_yaml(str(tmp_path), "killed", model, data, **keys)
-    _with_consumed_log(config, out)
+    config, out = write_yaml(str(tmp_path), "killed", model, data, consumed_log=True, **keys)
     log = os.path.join(out, "trainer_log.jsonl")
     if where == "after-a-checkpoint":
         run = procs.start(config, "killed", env=ENV, command=ours(config))
@@ -94,16 +92,6 @@ def test_a_sigkilled_run_started_again_continues_exactly(assets, procs, tmp_path
     steps = [int(line.split('"current_steps": ')[1].split(",")[0]) for line in open(log, encoding="utf-8")
              if '"loss"' in line]
     assert steps == list(range(1, 41))                            # trainer_log.jsonl: every step once
-
-
-def _with_consumed_log(config: str, out: str) -> None:
-    import yaml
-
-    with open(config, encoding="utf-8") as f:
-        doc = yaml.safe_load(f)
-    doc["resumable_stream"] = {"consumed_log": os.path.join(out, "consumed")}
-    with open(config, "w", encoding="utf-8") as f:
-        yaml.safe_dump(doc, f)
 
 
 def test_another_template_on_resume_is_a_mismatch(assets, procs, tmp_path):
@@ -169,11 +157,9 @@ def test_hub_and_directory_datasets_of_dataset_info_are_streamed_and_resume_exac
     with HubServer(tmp_path / "hub-store") as hub:
         hub.commit("org/tiny-alpaca", directory=repo, message="data")
         env = {**ENV, **hub_env(hub, tmp_path / "hf-home")}
-        ref, ref_out = write_yaml(str(tmp_path), "reference", model, str(local), **keys)
-        _with_consumed_log(ref, ref_out)
+        ref, ref_out = write_yaml(str(tmp_path), "reference", model, str(local), consumed_log=True, **keys)
         procs.start(ref, "reference", env=env, command=ours(ref)).wait_ok(600)
-        config, out = write_yaml(str(tmp_path), "killed", model, str(local), **keys)
-        _with_consumed_log(config, out)
+        config, out = write_yaml(str(tmp_path), "killed", model, str(local), consumed_log=True, **keys)
         run = procs.start(config, "killed", env=env, command=ours(config))
         log = os.path.join(out, "trainer_log.jsonl")
         run.wait_until(lambda: 10 in complete_checkpoints(out) and count_lines(log) >= 13, "checkpoint-10")
