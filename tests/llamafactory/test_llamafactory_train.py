@@ -170,3 +170,27 @@ def test_hub_and_directory_datasets_of_dataset_info_are_streamed_and_resume_exac
     samples = [k for step in consumed(out).values() for k in step]
     assert samples == [k for step in consumed(ref_out).values() for k in step]
     assert {k.split("/", 1)[0] for k in samples} == {"hub_alpaca", "chats"}
+
+
+def test_eval_dataset_is_evaluated_by_llamafactory_during_and_after_training(assets, procs, tmp_path):
+    """``eval_dataset`` stays LLaMA-Factory's own dataset: evaluated every eval_steps and at the end (do_eval),
+    with the same losses as llamafactory-cli (training data and evaluation data both equal)."""
+    import json
+
+    model, data = assets
+    keys = {"eval_dataset": "other", "do_eval": True, "eval_strategy": "steps", "eval_steps": 10,
+            "per_device_eval_batch_size": 4}
+    cli_yaml, cli_out = write_yaml(str(tmp_path), "cli", model, data, streaming=True, **keys)
+    our_yaml, our_out = write_yaml(str(tmp_path), "ours", model, data, **keys)
+    procs.start(cli_yaml, "cli", env=ENV, command=llamafactory_cli(cli_yaml)).wait_ok(600)
+    procs.start(our_yaml, "ours", env=ENV, command=ours(our_yaml)).wait_ok(600)
+
+    def evals(out):
+        with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
+            return {h["step"]: h["eval_loss"] for h in json.load(f)["log_history"] if "eval_loss" in h}
+
+    assert sorted(evals(our_out)) == [10, 20]
+    assert_losses_equal(evals(cli_out), evals(our_out), 1e-6, "[eval_loss]")
+    assert_losses_equal(losses(cli_out), losses(our_out), 1e-6, "[train loss with evaluation]")
+    with open(os.path.join(our_out, "all_results.json"), encoding="utf-8") as f:
+        assert "eval_loss" in json.load(f)
