@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests", "llamafactory"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "against_llamafactory"))
 
 from lf_helpers import ENV, make_model, write_yaml  # noqa: E402
 

@@ -13,16 +13,21 @@ os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_CACHE, "datasets"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import importlib.util  # noqa: E402
+import importlib.metadata  # noqa: E402
 
 import lanes  # noqa: E402
 from helpers import TEST_SEED, seeded_rng  # noqa: E402
 
 from resumable_stream.synthetic import write_parquet_dataset  # noqa: E402
 
-# tests/llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds (with
-# LLaMA-Factory's own pins); the main venv does not install it
-collect_ignore_glob = [] if importlib.util.find_spec("llamafactory") else ["llamafactory/*"]
+# tests/against_llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds
+# (with LLaMA-Factory's own pins); the main venv does not install it. The installed distribution decides (a
+# directory named like the package on sys.path would pass for it as a namespace package).
+try:
+    importlib.metadata.distribution("llamafactory")
+    collect_ignore_glob = []
+except importlib.metadata.PackageNotFoundError:
+    collect_ignore_glob = ["against_llamafactory/*"]
 
 
 @pytest.fixture(scope="session")

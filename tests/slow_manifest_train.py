@@ -17,7 +17,7 @@ MANIFEST_DELAY_S = 5
 
 
 def slow(write_manifest, delay_s: float = MANIFEST_DELAY_S):
-    """``write_manifest`` after a sleep of ``delay_s`` (also used by tests/llamafactory/slow_save.py)."""
+    """``write_manifest`` after a sleep of ``delay_s`` (also used by tests/against_llamafactory/slow_save.py)."""
     def write_manifest_later(*args, **kwargs):
         time.sleep(delay_s)
         return write_manifest(*args, **kwargs)

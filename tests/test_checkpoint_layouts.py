@@ -1,6 +1,6 @@
 """Checkpoints as DeepSpeed and FSDP lay them out: the stream state beside the engine's own files is what makes
 one complete, whatever those files are. (DeepSpeed ZeRO-2 / ZeRO-3 train for real on CPU in
-tests/llamafactory/test_deepspeed.py; FSDP does not run on CPU ranks with accelerate, so its sharded layout is
+tests/against_llamafactory/test_deepspeed.py; FSDP does not run on CPU ranks with accelerate, so its sharded layout is
 built here as transformers writes it.)"""
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def _is_llamafactory_yaml(doc: dict) -> bool:
 
 def _check_llamafactory_yaml(doc: dict) -> None:
     """What `resumable-stream llamafactory train` checks before LLaMA-Factory runs: our section, the keys we
-    refuse (LLaMA-Factory's own parser is not installed here; tests/llamafactory runs it)."""
+    refuse (LLaMA-Factory's own parser is not installed here; tests/against_llamafactory runs it)."""
     from resumable_stream.llamafactory import settings
 
     args, _ = settings.split(doc)

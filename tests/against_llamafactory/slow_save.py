@@ -1,7 +1,7 @@
 """``python -m resumable_stream llamafactory train`` with a pause before each checkpoint's manifest, for the
 kill-in-the-middle-of-a-save test (tests/slow_manifest_train.py does the same for ``resumable-stream train``).
 
-    python tests/llamafactory/slow_save.py CONFIG
+    python tests/against_llamafactory/slow_save.py CONFIG
 """
 
 import os

@@ -2,7 +2,7 @@
 its parameters' sum at the end of training to ``output_dir/parameters-rank{r}.json``: data parallelism means
 every rank ends with the same model (a callback given to ``run.train``).
 
-    torchrun --nproc_per_node 2 tests/llamafactory/dp_probe.py CONFIG
+    torchrun --nproc_per_node 2 tests/against_llamafactory/dp_probe.py CONFIG
 """
 
 import json
