@@ -51,10 +51,13 @@ class Cursor:
                       epoch_start=self.consumed)
 
 
-def _chain(prev: bytes, shard_ids: np.ndarray, row_ids: np.ndarray) -> bytes:
+def _chain(prev: bytes, keys: np.ndarray) -> bytes:
+    """The digest chain after the samples ``keys`` ((shard, row) pairs, in order) followed ``prev``.
+
+    The pairs are hashed interleaved, so a prefix of a window extends a running hash: the consumed
+    digest of a snapshot costs the rows consumed since the last one, not the window's prefix."""
     h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
-    h.update(shard_ids.astype("<i8").tobytes())
-    h.update(row_ids.astype("<i8").tobytes())
+    h.update(keys)
     return h.digest()
 
 
@@ -80,8 +83,7 @@ def sample_digest(sample: dict) -> str:
 class Window:
     names: list[str]
     rows: list[tuple]            # permuted rows as tuples in column order
-    shard_ids: np.ndarray        # global shard index of each permuted row
-    row_ids: np.ndarray          # raw row inside that shard
+    keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
 
     def __len__(self) -> int:
@@ -168,6 +170,7 @@ class PartitionReader:
         self.source, self.layout, self.partition = source, layout, partition
         self._window: Window | None = None
         self._open: dict[int, _OpenShard] = {}   # shards left open by the last window, by position
+        self._hashed: tuple[Window, int, Any] | None = None   # (window, rows hashed, running hash of them)
         self.cursor = cursor or Cursor()
 
     # ------------------------------------------------------------------ state
@@ -194,10 +197,19 @@ class PartitionReader:
         self._open = {}
 
     def consumed_digest(self) -> str:
-        c, w = self._start, self._window
-        if self.offset == 0 or w is None:
+        """The digest chain of every sample consumed: O(rows consumed since the last call), so the loader's
+        snapshot after each batch does not grow with the window."""
+        c, w, k = self._start, self._window, self.offset
+        if k == 0 or w is None:
             return c.chain.hex()
-        return _chain(c.chain, w.shard_ids[: self.offset], w.row_ids[: self.offset]).hex()
+        known = self._hashed
+        if known is None or known[0] is not w or known[1] > k:
+            known = (w, 0, hashlib.blake2b(c.chain, digest_size=DIGEST_BYTES))
+        h = known[2]
+        if known[1] < k:
+            h.update(w.keys[known[1]:k])
+        self._hashed = (w, k, h)
+        return h.copy().hexdigest()
 
     @property
     def epoch(self) -> int:
@@ -205,7 +217,8 @@ class PartitionReader:
 
     def sample_key(self, i: int) -> tuple[int, int]:
         """(shard, raw row) of row i of the current window."""
-        return int(self._window.shard_ids[i]), int(self._window.row_ids[i])
+        shard, row = self._window.keys[i].tolist()
+        return shard, row
 
     # ---------------------------------------------------------------- windows
     def window(self, rollover: bool = True) -> Window | None:
@@ -294,11 +307,12 @@ class PartitionReader:
         if have == 0:
             return None
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        sids, rids = np.concatenate(shard_ids), np.concatenate(row_ids)
+        keys = np.empty((have, 2), dtype="<i8")
+        keys[:, 0], keys[:, 1] = np.concatenate(shard_ids), np.concatenate(row_ids)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
             table = table.take(pa.array(perm))
-            sids, rids = sids[perm], rids[perm]
+            keys = keys[perm]       # fancy indexing: a new C-contiguous array
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
         rows = list(zip(*columns)) if columns else [()] * have
@@ -311,9 +325,9 @@ class PartitionReader:
             epoch=start.epoch, window=start.window + 1, offset=0, next_shard=next_shard,
             block_slot=block_slot % len(slots) if slots else 0, block_taken=block_taken,
             consumed_before=start.consumed_before + have,
-            slots=tuple((s.pos, s.next_row) for s in slots), chain=_chain(start.chain, sids, rids),
+            slots=tuple((s.pos, s.next_row) for s in slots), chain=_chain(start.chain, keys),
             epoch_start=start.epoch_start,
         )
         if exhausted:
             after = replace(after, offset=0).next_epoch()
-        return Window(names, rows, sids, rids, after)
+        return Window(names, rows, keys, after)

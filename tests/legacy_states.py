@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 
 LEGACY_V1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "legacy_v1")
+LEGACY_V2 = os.path.join(os.path.dirname(LEGACY_V1), "legacy_v2")   # format version 2, over legacy_v1/data
 BATCH_SIZE = 3
 SAVED_WORLD = 2
 NUM_PARTITIONS = 4

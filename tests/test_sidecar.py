@@ -52,6 +52,58 @@ def test_consumed_digest_identifies_what_was_consumed(cfg, source, tmp_path):
     assert c.state_dict()["partitions"][0]["consumed_digest"] != a.state_dict()["partitions"][0]["consumed_digest"]
 
 
+def test_consumed_digest_is_kept_up_as_samples_are_consumed(cfg, source, monkeypatch):
+    """The digest after k samples of a window equals one hash of the window's first k keys after the chain of
+    the windows before, whatever the snapshots in between; each snapshot hashes only the keys consumed since
+    the previous one (the loader takes one per batch, so its cost must not grow with buffer_size)."""
+    import hashlib
+
+    from resumable_stream import partition
+
+    hashed = []
+    blake2b = hashlib.blake2b
+
+    class Counting:
+        def __init__(self, *a, **kw):
+            self._h = blake2b(*a, **kw)
+
+        def update(self, data):
+            hashed.append(memoryview(data).nbytes)
+            self._h.update(data)
+
+        def copy(self):
+            c = Counting.__new__(Counting)
+            c._h = self._h.copy()
+            return c
+
+        def digest(self):
+            return self._h.digest()
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(s, 70)                            # into the second 64-row window
+    reader = s._readers[0]
+    win = reader.window()
+    chain = reader.cursor.chain
+    monkeypatch.setattr(partition.hashlib, "blake2b", Counting)
+    before = 0
+    for k in (1, 2, 5, 5, 17, 30):
+        reader.offset = k
+        hashed.clear()
+        got = reader.consumed_digest()
+        assert got == blake2b(chain + win.keys[:k].tobytes(), digest_size=16).hexdigest()
+        assert sum(hashed) == 16 * (k - before)    # only the keys since the previous snapshot (16 bytes each)
+        before = k
+    reader.offset = 9                          # backwards (a reload): hashed afresh, still right
+    assert reader.consumed_digest() == blake2b(chain + win.keys[:9].tobytes(), digest_size=16).hexdigest()
+    hashed.clear()
+    reader.offset = 12
+    reader.consumed_digest()
+    assert sum(hashed) == 16 * 3
+
+
 def test_atomic_write_keeps_the_old_file_when_interrupted(cfg, source, tmp_path, monkeypatch):
     s, path = _saved(cfg, source, tmp_path)
     before = open(path, "rb").read()
