@@ -118,7 +118,7 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .job_source import saved_index_file
-    from .sidecar import read_manifest, read_rank_state, read_state_file, state_dir_of
+    from .sidecar import read_manifest, read_rank_state, read_state_file, read_state_fingerprint, state_dir_of
 
     path = args.path
     if os.path.isdir(path):
@@ -127,8 +127,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             raise SidecarError(f"stream state {path!r}: no sidecar files or stream_state/ directory here")
         manifest = read_manifest(state_dir)
         ranks, states = {}, []
+        fingerprint = read_state_fingerprint(state_dir, manifest)    # once for every rank file
         for r in range(manifest["world_size"]):   # each file confined to state_dir and checked against its digest
-            states.append(read_rank_state(state_dir, manifest, r)[0])
+            states.append(read_rank_state(state_dir, manifest, r, fingerprint)[0])
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
         index = None if saved is None else {

@@ -158,12 +158,3 @@ def saved_index_file(state_path: str) -> dict[str, Any] | None:
         return None
     saved = read_state_index(state_dir)
     return None if saved is None else decode_index(saved[1], repr(saved[0]))
-
-
-def write_state_index(state_dir: str, index: dict | None) -> None:
-    """Rank 0, before the manifest: save the source's index with the next generation of the state (the
-    current one keeps its own until the new manifest replaces it)."""
-    from .sidecar import generation_of, index_file_name
-
-    if index is not None:
-        save_index(os.path.join(state_dir, index_file_name(generation_of(state_dir) + 1)), index)

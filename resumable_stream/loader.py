@@ -17,12 +17,12 @@ every partition continues from its cursor and the rotations start afresh.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.utils.data
 
+from . import checkpoint
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
 from .stream_base import Stream, round_robin
@@ -258,10 +258,10 @@ class StreamLoader:
         """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
         or a directory (then ``rank-NNNNN.safetensors`` inside it, rank 0 adds the dataset index, plus the
         manifest when world_size is 1, or as ``manifest`` says)."""
-        return self.stream.write_sidecar(path, self.state_dict(), manifest)
+        return checkpoint.save(self.stream, path, self.state_dict(), manifest)
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files
         after an elastic change of ranks or workers; see ``ResumableStream.read_sidecar``)."""
-        state, where = self.stream.read_sidecar(os.fspath(path))
+        state, where = checkpoint.read(self.stream, path)
         self.load_state_dict(state, where=where)

@@ -56,18 +56,22 @@ from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
 from .sidecar_v1 import V1_CURSOR_FIELDS, check_v1_partition_ids, mixture_from_v1
 
 FORMAT = "resumable-stream"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # The format versions this release reads: every one ever written. A sidecar's metadata holds it as a string,
 # a manifest as an integer (each exactly so: another type is not a version).
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 KINDS = ("stream", "mixture")
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
+FINGERPRINT = "fingerprint.json"   # the dataset fingerprint of every rank file, written once by rank 0
 STATE_DIR = "stream_state"
 # generations up to MAX_GENERATION (9 digits), ranks below MAX_WORLD_SIZE (5 digits)
 _RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
 _INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
+_FINGERPRINT_FILE = re.compile(r"^fingerprint(?:\.g[1-9]\d{0,8})?\.json$")
+# what a manifest may list beside the rank files: one file of each, confined to the state directory
+SHARED_FILES = {"index": (INDEX, _INDEX_FILE), "fingerprint": (FINGERPRINT, _FINGERPRINT_FILE)}
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
@@ -78,7 +82,19 @@ def rank_file_name(rank: int, generation: int = 0) -> str:
 
 def index_file_name(generation: int = 0) -> str:
     """The dataset index saved with a generation of the state (rank 0 writes it before the manifest)."""
-    return INDEX if generation == 0 else f"index.g{generation}.json"
+    return shared_file_name("index", generation)
+
+
+def shared_file_name(what: str, generation: int = 0) -> str:
+    """``index`` or ``fingerprint``: the file of a generation of the state that describes the dataset once for
+    every rank (rank 0 writes it before the manifest)."""
+    base = SHARED_FILES[what][0]
+    return base if generation == 0 else f"{base[:-5]}.g{generation}.json"
+
+
+def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
+    """The canonical bytes of a fingerprint: what ``fingerprint.json`` holds and its digest is taken of."""
+    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -144,20 +160,26 @@ def _encode_cursors(parts: list[int], cursors_of: list[dict], prefix: str, tenso
     meta[f"{prefix}progress"] = json.dumps(progress, sort_keys=True)
 
 
-def encode_state(state: dict[str, Any]) -> bytes:
+def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -> bytes:
+    """A state as sidecar bytes. With ``fingerprint_digest`` (a rank file of a stream_state directory, whose
+    ``fingerprint.json`` holds the fingerprint once for every rank) only that digest is written, so the
+    file is O(its partitions) however many files the dataset has; else the whole fingerprint."""
     kind = state.get("kind", "stream")
     parts = sorted(state["partitions"])
     states = [state["partitions"][p] for p in parts]
     tensors: dict[str, np.ndarray] = {"partition_ids": np.asarray(parts, dtype=np.int64)}
-    metadata = {
+    metadata: dict[str, str] = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "kind": kind,
         "cursor_fields": json.dumps(list(Cursor.FIELDS)),
-        "fingerprint": json.dumps(state["fingerprint"], sort_keys=True),
         "topology": json.dumps(state["topology"], sort_keys=True),
         "turn": str(state.get("turn", 0)),
     }
+    if fingerprint_digest is None:
+        metadata["fingerprint"] = fingerprint_bytes(state["fingerprint"]).decode()
+    else:
+        metadata["fingerprint_digest"] = fingerprint_digest
     if kind == "stream":
         _encode_cursors(parts, states, "", tensors, metadata)
     else:
@@ -391,6 +413,27 @@ def _decode_mixture(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[s
     return out
 
 
+def _fingerprint_of(meta: dict[str, str], version: str, shared: tuple[dict[str, Any], str] | None,
+                    path: str) -> dict[str, Any]:
+    """A sidecar's dataset fingerprint: its own, or (a version 3 rank file) the one of its directory, which
+    must have the digest the file recorded."""
+    if "fingerprint_digest" not in meta:
+        fingerprint = _json_field(meta, "fingerprint", path)
+        _require(isinstance(fingerprint, dict), path, "fingerprint", fingerprint, "a mapping")
+        return fingerprint
+    digest = meta["fingerprint_digest"]
+    _require(version not in ("1", "2") and _is_hex(digest, 32) and "fingerprint" not in meta, path,
+             "fingerprint_digest", digest, "32 hex digits, in a version 3 file without a fingerprint of its own")
+    if shared is None:
+        raise SidecarError(f"sidecar {path!r}: a rank file of a stream_state directory: the dataset fingerprint it "
+                           f"was saved with is in that directory's {FINGERPRINT} (listed in its {MANIFEST}), which "
+                           "is not beside it; load the directory it was saved in, not the file alone")
+    if shared[1] != digest:
+        raise SidecarError(f"sidecar {path!r}: was saved with dataset fingerprint {digest}, its stream_state "
+                           f"directory's {FINGERPRINT} is {shared[1]}: not one save's files")
+    return shared[0]
+
+
 def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> None:
     """A rank's file holds that rank's partitions: num_partitions / world_size of them, rounded down or up
     (plan.partition_lanes), so a forged num_partitions cannot size what a load plans."""
@@ -403,10 +446,12 @@ def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> N
              f"over num_partitions {n}")
 
 
-def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> dict[str, Any]:
+def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
+                 fingerprint: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
     """The state in sidecar bytes, every field checked. The file's self-digest must match; a file without
     one (written before it existed) is read only when ``verified`` (a manifest's digest covered it).
-    A version 1 file is returned in the current form."""
+    ``fingerprint``: (fingerprint, digest) of the stream_state directory the file is in, for a rank file
+    that holds only the digest. A version 1 or 2 file is returned in the current form."""
     meta, header_len = _read_header_metadata(data, path)
     if meta.get("format") != FORMAT:
         raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -426,9 +471,12 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
     fields = _json_field(meta, "cursor_fields", path)
     expected_fields = list(V1_CURSOR_FIELDS if version == "1" else Cursor.FIELDS)
     _require(fields == expected_fields, path, "cursor_fields", fields, str(expected_fields))
-    fingerprint = _json_field(meta, "fingerprint", path)
-    _require(isinstance(fingerprint, dict), path, "fingerprint", fingerprint, "a mapping")
-    kind = ("mixture" if "mixture" in fingerprint else "stream") if version == "1" else meta.get("kind")
+    shared = fingerprint
+    if version == "1":     # its kind is told by its fingerprint (always its own)
+        fingerprint = _fingerprint_of(meta, version, shared, path)
+        kind = "mixture" if "mixture" in fingerprint else "stream"
+    else:
+        kind = meta.get("kind")
     _require(kind in KINDS, path, "kind", kind, " or ".join(KINDS))
     topology = _json_field(meta, "topology", path)
     _check_topology(topology, path)
@@ -441,6 +489,8 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False) -> 
              "lane_turns", lane_turns, f"a list of at most {lanes} (one per DataLoader lane)")
     _require(lane_turns is None or all(is_int(t, 0, n - 1) for t in lane_turns), path, "lane_turns", lane_turns,
              f"integers in [0, {n})")
+    if version != "1":
+        fingerprint = _fingerprint_of(meta, version, shared, path)
     sources = len(_mixture_labels(fingerprint, path)) if version == "1" and kind == "mixture" else 0
     ids_t = _tensor(tensors, "partition_ids", "int64", 1, path)
     # before the ids become a list: at most an entry per partition (and per source of one, version 1)
@@ -518,8 +568,24 @@ def write_state_file(path: str, state: dict[str, Any]) -> str:
 
 
 def read_state_file(path: str) -> dict[str, Any]:
-    """A sidecar file on its own, verified by its self-digest."""
-    return decode_state(_read_bytes(path, "sidecar", MAX_SIDECAR_BYTES), path)
+    """A sidecar file, verified by its self-digest. A rank file that holds only the digest of its dataset
+    fingerprint takes the fingerprint from its stream_state directory (checked against the manifest there)."""
+    data = _read_bytes(path, "sidecar", MAX_SIDECAR_BYTES)
+    meta, _ = _read_header_metadata(data, path)
+    shared = fingerprint_beside(path) if "fingerprint_digest" in meta else None
+    return decode_state(data, path, fingerprint=shared)
+
+
+def fingerprint_beside(path: str) -> tuple[dict[str, Any], str] | None:
+    """The fingerprint of the stream_state directory a rank file is in, if the manifest there lists it."""
+    state_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(os.path.join(state_dir, MANIFEST)):
+        return None
+    manifest = read_manifest(state_dir)
+    if os.path.basename(path) not in {e.get("file", name) for name, e in manifest["files"].items()}:
+        raise SidecarError(f"sidecar {path!r}: is not a file of the save its directory's {MANIFEST} describes (an "
+                           "older or unfinished save); load the directory")
+    return read_state_fingerprint(state_dir, manifest)
 
 
 def _digest(data: bytes) -> str:
@@ -539,10 +605,13 @@ def generation_of(state_dir: str) -> int:
         return -1
 
 
-def write_rank_file(state_dir: str, rank: int, state: dict[str, Any]) -> str:
+def write_rank_file(state_dir: str, rank: int, state: dict[str, Any], fingerprint_digest: str | None = None) -> str:
     """This rank's sidecar for the next save into ``state_dir``; the save is complete once rank 0 wrote the
-    manifest (:func:`write_manifest`) after every rank wrote its file."""
-    return write_state_file(os.path.join(state_dir, rank_file_name(rank, generation_of(state_dir) + 1)), state)
+    manifest (:func:`write_manifest`) after every rank wrote its file. With ``fingerprint_digest`` the file
+    holds only that digest: rank 0 writes the fingerprint once, as the generation's ``fingerprint.json``."""
+    path = os.path.join(state_dir, rank_file_name(rank, generation_of(state_dir) + 1))
+    atomic_write(path, encode_state(state, fingerprint_digest))
+    return path
 
 
 def write_manifest(state_dir: str, world_size: int) -> str:
@@ -562,15 +631,18 @@ def write_manifest(state_dir: str, world_size: int) -> str:
         files[rank_file_name(r)] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size,
                 "generation": generation, "files": files}
-    index = os.path.join(state_dir, index_file_name(generation))
-    if os.path.isfile(index):    # the dataset index saved with this generation (job_source): verified before use
-        data = _read_bytes(index, "dataset index", MAX_INDEX_BYTES)
-        manifest["index"] = {"file": index_file_name(generation), "bytes": len(data), "blake2b": _digest(data)}
+    for what in SHARED_FILES:   # the dataset's index and fingerprint saved with this generation: verified before use
+        name = shared_file_name(what, generation)
+        shared = os.path.join(state_dir, name)
+        if os.path.isfile(shared):
+            data = _read_bytes(shared, f"dataset {what}", MAX_INDEX_BYTES)
+            manifest[what] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    current = {e["file"] for e in files.values()} | {index_file_name(generation)}
+    current = {e["file"] for e in files.values()} | {shared_file_name(w, generation) for w in SHARED_FILES}
     for name in _listdir(state_dir):   # the previous generation (and files of a save that was cut short)
-        if (_RANK_FILE.match(name) or _INDEX_FILE.match(name)) and name not in current:
+        if (_RANK_FILE.match(name) or any(rx.match(name) for _, rx in SHARED_FILES.values())) \
+                and name not in current:
             try:
                 os.unlink(os.path.join(state_dir, name))
             except OSError:
@@ -621,27 +693,52 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
                            f"rank-00000 .. rank-{world_size - 1:05d} (world_size {world_size})")
     for name, entry in files.items():
         _check_manifest_entry(name, entry, path)
-    index = manifest.get("index")
-    if index is not None and not (isinstance(index, dict) and is_int(index.get("bytes"), 0, MAX_INDEX_BYTES)
-                                  and _is_hex(index.get("blake2b"), 32) and isinstance(index.get("file"), str)
-                                  and _INDEX_FILE.match(index["file"])):
-        raise SidecarError(f"manifest {path!r}: corrupt field index: got {index!r:.80}; allowed: a mapping with "
-                           "file (index.json or index.gN.json in the same directory), bytes (an integer from 0 to "
-                           f"{MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
+    for what, (base, pattern) in SHARED_FILES.items():
+        entry = manifest.get(what)
+        if entry is not None and not (isinstance(entry, dict) and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
+                                      and _is_hex(entry.get("blake2b"), 32) and isinstance(entry.get("file"), str)
+                                      and pattern.match(entry["file"])):
+            raise SidecarError(f"manifest {path!r}: corrupt field {what}: got {entry!r:.80}; allowed: a mapping with "
+                               f"file ({base} or {base[:-5]}.gN.json in the same directory), bytes (an integer from "
+                               f"0 to {MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
     return manifest
+
+
+def read_shared_file(state_dir: str, manifest: dict[str, Any], what: str) -> tuple[str, bytes] | None:
+    """(path, bytes) of the dataset ``index`` or ``fingerprint`` saved with the state in ``state_dir`` (None
+    without one), checked against the manifest's entry: a file the manifest does not list, or that differs
+    from its entry, is never used."""
+    entry = manifest.get(what)
+    if entry is None:
+        return None
+    file = os.path.join(state_dir, entry["file"])
+    data = _read_bytes(file, f"dataset {what}", MAX_INDEX_BYTES)
+    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
+        raise SidecarError(f"dataset {what} {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    return file, data
+
+
+def read_state_fingerprint(state_dir: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """(fingerprint, digest) saved once for every rank file of ``state_dir`` (None: the files carry their own,
+    format versions 1 and 2)."""
+    saved = read_shared_file(state_dir, manifest, "fingerprint")
+    if saved is None:
+        return None
+    file, data = saved
+    try:
+        fingerprint = parse_json(data)
+    except JSONRefused as e:
+        raise SidecarError(f"dataset fingerprint {file!r}: corrupt ({e})") from None
+    if not isinstance(fingerprint, dict):
+        raise SidecarError(f"dataset fingerprint {file!r}: corrupt: got {type(fingerprint).__name__}; allowed: "
+                           "a mapping")
+    return fingerprint, _digest(data)
 
 
 def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
     """The dataset index saved with the state in ``state_dir`` (None without one), checked against the
-    manifest's entry: an index the manifest does not list, or that differs from its entry, is never used."""
-    entry = read_manifest(state_dir).get("index")
-    if entry is None:
-        return None
-    file = os.path.join(state_dir, entry["file"])
-    data = _read_bytes(file, "dataset index", MAX_INDEX_BYTES)
-    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
-        raise SidecarError(f"dataset index {file!r}: does not match its manifest entry (corrupt or overwritten)")
-    return file, data
+    manifest's entry (:func:`read_shared_file`)."""
+    return read_shared_file(state_dir, read_manifest(state_dir), "index")
 
 
 def state_dir_of(path: str) -> str | None:
@@ -672,9 +769,11 @@ def find_state_dir(path: str) -> str:
     return state_dir
 
 
-def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int) -> tuple[dict[str, Any], str]:
+def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int,
+                    fingerprint: tuple[dict[str, Any], str] | None = None) -> tuple[dict[str, Any], str]:
     """(state, file) of ``rank`` in a stream_state directory, checked against its manifest entry (read once,
-    so what is checked is what is decoded)."""
+    so what is checked is what is decoded). ``fingerprint``: the directory's (:func:`read_state_fingerprint`,
+    read once by a caller that reads several ranks), read here when not given."""
     entry = manifest["files"].get(rank_file_name(rank))
     if entry is None:
         raise SidecarError(f"stream state {state_dir!r}: written by {manifest['world_size']} ranks, has no file for "
@@ -685,7 +784,9 @@ def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int) -> tupl
     data = _read_bytes(file, "sidecar", MAX_SIDECAR_BYTES)
     if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
         raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
-    return decode_state(data, file, verified=True), file
+    if fingerprint is None:
+        fingerprint = read_state_fingerprint(state_dir, manifest)
+    return decode_state(data, file, verified=True, fingerprint=fingerprint), file
 
 
 def resolve_rank_state(path: str, rank: int) -> tuple[dict[str, Any], str]:

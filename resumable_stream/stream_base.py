@@ -1,12 +1,12 @@
 """The stream core: the :class:`Stream` protocol and what a single stream and a mixture share.
 
-``Stream`` is what the loader, the sidecar code and the trainer patch use of a stream.
+``Stream`` is what the loader, the checkpoint module and the trainer patch use of a stream.
 :class:`StreamBase` implements the parts that do not depend on what a partition reads: the topology
 (ranks, DataLoader workers, virtual partitions and their lanes), iteration with the saved turn, the
 refusal of a state read by DataLoader workers, the state envelope (format version, kind, fingerprint,
-topology, turn, per-partition states), loading with its checks, and the sidecar files (elastic
-gathering included). A subclass builds its partition readers, yields one partition's samples, and
-saves / restores one partition's state.
+topology, turn, per-partition states) and loading it with its checks. Files and directories are
+:mod:`resumable_stream.checkpoint`'s (``save_sidecar`` / ``load_sidecar`` call it). A subclass builds
+its partition readers, yields one partition's samples, and saves / restores one partition's state.
 """
 
 from __future__ import annotations
@@ -18,29 +18,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.utils.data
 
+from . import checkpoint
 from .checks import check_fingerprint, check_topology
-from .errors import ConfigError, SidecarError, StreamMismatchError
-from .job_source import write_state_index
+from .errors import ConfigError, StreamMismatchError
 from .limits import MAX_WORLD_SIZE
-from .plan import check_consumers, partition_lanes, partition_owner
-from .sidecar import (
-    FORMAT_VERSION,
-    find_state_dir,
-    rank_file_name,
-    read_manifest,
-    read_rank_state,
-    read_state_file,
-    write_manifest,
-    write_rank_file,
-    write_state_file,
-)
-
-TOPOLOGY_KEYS = ("world_size", "num_workers", "num_partitions")
+from .plan import check_consumers, partition_lanes
+from .sidecar import FORMAT_VERSION
 
 
 @runtime_checkable
 class Stream(Protocol):
-    """What readers of a stream (the loader, the sidecar code, the trainer patch) rely on.
+    """What readers of a stream (the loader, the checkpoint module, the trainer patch) rely on.
 
     ``partitions``: the virtual partitions this rank reads (sorted); ``lanes[w]``: those DataLoader
     worker w reads (one lane without workers). A partition's state is a JSON-able dict (plus numpy
@@ -75,9 +63,11 @@ class Stream(Protocol):
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None: ...
 
-    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]: ...
+    def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
+        """A saved state is of this kind of stream and of the same data, order and transform (else raises)."""
 
-    def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str: ...
+    def adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
+        """Check a saved topology (taking its num_partitions when unset); True when unchanged."""
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -224,8 +214,8 @@ class StreamBase(torch.utils.data.IterableDataset):
             raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
                                       f"{FORMAT_VERSION}")
         self._read_by_workers.value = 0   # the position is the loaded one again
-        self._check_saved_identity(state, where)
-        same = self._adopt_topology(state["topology"], where)
+        self.check_saved_identity(state, where)
+        same = self.adopt_topology(state["topology"], where)
         saved = {int(p): ps for p, ps in state["partitions"].items()}
         if same and sorted(saved) != self.partitions:
             raise StreamMismatchError(f"{where}: holds partitions {sorted(saved)}, this rank owns {self.partitions}")
@@ -239,7 +229,7 @@ class StreamBase(torch.utils.data.IterableDataset):
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded state
             self.set_epoch(self._epoch_limit)
 
-    def _check_saved_identity(self, state: dict[str, Any], where: str) -> None:
+    def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
         """The saved state is of this kind of stream and of the same data, order and transform."""
         kind = state.get("kind", "stream")
         if kind != self.kind:
@@ -256,7 +246,7 @@ class StreamBase(torch.utils.data.IterableDataset):
             saved_fp = {k: v for k, v in saved_fp.items() if k != "transform"}
         check_fingerprint(saved_fp, self.fingerprint(), where)
 
-    def _adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
+    def adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
         """Check a saved topology against this stream's; take its num_partitions when data.num_partitions
         is null. True when ranks and workers are unchanged (the state continues exactly as saved)."""
         configured = self.config.num_partitions is not None
@@ -268,68 +258,26 @@ class StreamBase(torch.utils.data.IterableDataset):
                                               "data.num_partitions is null)")
         return same
 
-    # ------------------------------------------------------------------ sidecar files
+    # ------------------------------------------------------------------ sidecar files (resumable_stream.checkpoint)
     def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         """(state, description) of this rank's partitions from a sidecar file, a stream_state directory or
-        a checkpoint directory. Same topology: this rank's file. After a change of ranks or workers
-        (``data.elastic``): the partitions this rank reads now, gathered from the files of the ranks
-        that read them, every file checked against the manifest and this stream's fingerprint. Takes
-        the saved num_partitions when data.num_partitions is null."""
-        path = os.fspath(path)
-        if os.path.isfile(path):
-            return read_state_file(path), f"sidecar {path!r}"
-        state_dir = find_state_dir(path)
-        manifest = read_manifest(state_dir)
-        first_rank = self.rank if rank_file_name(self.rank) in manifest["files"] else 0
-        first, first_file = read_rank_state(state_dir, manifest, first_rank)
-        where = f"sidecar {first_file!r}"
-        self._check_saved_identity(first, where)
-        if self._adopt_topology(first["topology"], where):
-            return first, where
-        # elastic: gather this rank's partitions from the ranks that read them before
-        mine = set(self.partitions)
-        saved_world = int(manifest["world_size"])
-        owners = sorted({partition_owner(p, self.num_partitions, saved_world) for p in self.partitions})
-        merged = {p: ps for p, ps in first["partitions"].items() if p in mine}
-        for r in owners:
-            if r == first_rank:
-                continue
-            state, file = read_rank_state(state_dir, manifest, r)
-            self._check_saved_identity(state, f"sidecar {file!r}")
-            topo = state["topology"]
-            if any(topo[k] != first["topology"][k] for k in TOPOLOGY_KEYS):
-                raise SidecarError(f"stream state {state_dir!r}: {rank_file_name(r)} has topology {topo}, "
-                                   f"{rank_file_name(first_rank)} {first['topology']}: not one run's checkpoint")
-            merged.update({p: ps for p, ps in state["partitions"].items() if p in mine})
-        topology = {k: first["topology"][k] for k in TOPOLOGY_KEYS}
-        where = f"stream state {state_dir!r} (ranks {owners} of {saved_world})"
-        return {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
-                "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}, where
+        a checkpoint directory (gathered from several ranks' files after an elastic change): see
+        :func:`resumable_stream.checkpoint.read`."""
+        return checkpoint.read(self, path)
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
         """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
-        state, where = self.read_sidecar(path)
-        self.load_state_dict(state, where=where)
+        checkpoint.load(self, path)
 
     def save_sidecar(self, path: str | os.PathLike) -> str:
         """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
         ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
-        return self.write_sidecar(path, self.state_dict())
+        return checkpoint.save(self, path, self.state_dict())
 
     def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:
-        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says; ``manifest``:
-        write it now (default: when world_size is 1; a trainer writes it itself once the checkpoint is done).
-        Rank 0 also writes the dataset index next to the rank files, so that a resume from this state opens
-        the stream without resolving the dataset again."""
-        path = os.fspath(path)
-        if path.endswith(".safetensors"):
-            return write_state_file(path, state)
-        file = write_rank_file(path, self.rank, state)
-        if self.rank == 0:
-            write_state_index(path, getattr(self.source, "index", None))
-        if self.world_size == 1 if manifest is None else manifest:
-            write_manifest(path, self.world_size)
-        return file
+        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says: see
+        :func:`resumable_stream.checkpoint.save`."""
+        return checkpoint.save(self, path, state, manifest)
 
     # ------------------------------------------------------------------ what a subclass provides
     def _build_readers(self) -> None:

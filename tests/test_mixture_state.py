@@ -38,7 +38,7 @@ def test_the_sidecar_names_the_mixture_and_its_sources_state_separately(saved):
     with safe_open(path, framework="numpy") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    assert (meta["format_version"], meta["kind"]) == ("2", "mixture")
+    assert (meta["format_version"], meta["kind"]) == ("3", "mixture")
     per_source = {"cursors", "slots", "chains"}
     assert set(tensors) == {"partition_ids", "mixture/positions", "mixture/source_epochs", "mixture/ended"} | {
         f"sources/{i}/{t}" for i in (0, 1) for t in per_source}

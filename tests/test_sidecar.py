@@ -1,7 +1,9 @@
 """Sidecars: safetensors layout, atomic writes, manifests, corrupt input, topology mismatches."""
 
+import hashlib
 import json
 import os
+import shutil
 
 import pytest
 from helpers import take_ids
@@ -25,18 +27,66 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
         meta = f.metadata()
         assert set(f.keys()) == {"partition_ids", "cursors", "slots", "chains"}
         cursors = f.get_tensor("cursors")
-    assert (meta["format"], meta["format_version"], meta["kind"]) == ("resumable-stream", "2", "stream")
+    assert (meta["format"], meta["format_version"], meta["kind"]) == ("resumable-stream", "3", "stream")
     fields = json.loads(meta["cursor_fields"])
     row = dict(zip(fields, cursors[0].tolist()))
     assert row["offset"] + row["consumed_before"] == 150
-    fp = json.loads(meta["fingerprint"])
+    # the dataset's fingerprint is the directory's, once: the rank file holds its digest
+    assert "fingerprint" not in meta
+    fp_bytes = (tmp_path / "state" / "fingerprint.json").read_bytes()
+    assert meta["fingerprint_digest"] == hashlib.blake2b(fp_bytes, digest_size=16).hexdigest()
+    fp = json.loads(fp_bytes)
     assert fp["order"]["seed"] == 42 and fp["order"]["buffer_size"] == 64
     assert len(fp["dataset"]["files"]) == 4
     assert json.loads(meta["topology"]) == {"rank": 0, "world_size": 1, "num_workers": 0, "num_partitions": 1}
     digests = json.loads(meta["digests"])["0"]
     assert digests["consumed_samples"] == 150 and len(digests["next_sample"]) == 16
+    manifest = json.loads((tmp_path / "state" / "manifest.json").read_text())
+    assert manifest["format_version"] == 3 and manifest["fingerprint"]["file"] == "fingerprint.json"
     # no temp files left behind
-    assert sorted(os.listdir(tmp_path / "state")) == ["index.json", "manifest.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(tmp_path / "state")) == ["fingerprint.json", "index.json", "manifest.json",
+                                                     "rank-00000.safetensors"]
+
+
+def test_a_sidecar_file_alone_holds_the_whole_fingerprint(cfg, source, tmp_path):
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(s, 10)
+    path = s.save_sidecar(tmp_path / "alone.safetensors")
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata()
+    assert "fingerprint_digest" not in meta and json.loads(meta["fingerprint"]) == s.fingerprint()
+
+
+def test_a_rank_file_taken_out_of_its_directory_is_refused_with_the_reason(cfg, source, tmp_path):
+    s, path = _saved(cfg, source, tmp_path)
+    alone = tmp_path / "elsewhere.safetensors"
+    alone.write_bytes(open(path, "rb").read())
+    with pytest.raises(SidecarError, match="fingerprint.json.*not beside it; load the directory"):
+        ResumableStream(cfg, rank=0, world_size=1, source=source).load_sidecar(alone)
+
+
+def test_a_rank_file_of_another_save_is_refused(cfg, source, tmp_path):
+    """Rank files from two saves of different data in one directory: the fingerprint digest tells them apart."""
+    _saved(cfg, source, tmp_path)
+    other = ResumableStream(cfg.replace(shuffle_seed=7), rank=0, world_size=1, source=source)
+    take_ids(other, 5)
+    other.save_sidecar(tmp_path / "other")
+    state = tmp_path / "state"
+    (state / "fingerprint.json").write_bytes((tmp_path / "other" / "fingerprint.json").read_bytes())
+    manifest = json.loads((state / "manifest.json").read_text())
+    data = (state / "fingerprint.json").read_bytes()
+    manifest["fingerprint"].update(bytes=len(data), blake2b=hashlib.blake2b(data, digest_size=16).hexdigest())
+    (state / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SidecarError, match="saved with dataset fingerprint .* not one save's files"):
+        ResumableStream(cfg, rank=0, world_size=1, source=source).load_sidecar(state)
+
+
+def test_the_fingerprint_is_checked_against_the_manifest(cfg, source, tmp_path):
+    _saved(cfg, source, tmp_path)
+    fp = tmp_path / "state" / "fingerprint.json"
+    fp.write_bytes(fp.read_bytes().replace(b'"seed":42', b'"seed":43'))
+    with pytest.raises(SidecarError, match="fingerprint.json.*does not match its manifest entry"):
+        ResumableStream(cfg, rank=0, world_size=1, source=source).load_sidecar(tmp_path / "state")
 
 
 def test_consumed_digest_identifies_what_was_consumed(cfg, source, tmp_path):
@@ -245,7 +295,7 @@ def test_future_format_version_is_refused(cfg, source, tmp_path):
     _, path = _saved(cfg, source, tmp_path)
     data = open(path, "rb").read()
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].replace(b'"format_version":"2"', b'"format_version":"9"')
+    header = data[8:8 + n].replace(b'"format_version":"3"', b'"format_version":"9"')
     assert len(header) == n
     open(path, "wb").write(data[:8] + header + data[8 + n:])
     with pytest.raises(SidecarError, match="format version '9'"):
@@ -269,3 +319,29 @@ def test_the_saved_dataset_index_has_its_own_size_limit(cfg, source, tmp_path, m
     resumed = ResumableStream(cfg.replace(resume_state_path=str(state)))    # opened from the saved index
     assert resumed.source.index == source.index
     assert take_ids(resumed, 7) == after
+
+
+def test_what_describes_the_dataset_is_written_once_per_job(cfg, source, tmp_path):
+    """Saves of one process into new checkpoint directories link the unchanged fingerprint and index (one
+    inode, nothing written again); a changed file, or one touched since, is written anew."""
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(s, 5)
+    s.save_sidecar(tmp_path / "ck1")
+    take_ids(s, 5)
+    s.save_sidecar(tmp_path / "ck2")
+    for name in ("fingerprint.json", "index.json"):
+        a, b = os.stat(tmp_path / "ck1" / name), os.stat(tmp_path / "ck2" / name)
+        assert a.st_ino == b.st_ino and b.st_nlink >= 2, name
+    os.utime(tmp_path / "ck2" / "index.json", ns=(1, 1))            # touched: not trusted to be the one written
+    s.save_sidecar(tmp_path / "ck3")
+    assert os.stat(tmp_path / "ck3" / "index.json").st_ino != os.stat(tmp_path / "ck2" / "index.json").st_ino
+    assert os.stat(tmp_path / "ck3" / "fingerprint.json").st_ino == os.stat(tmp_path / "ck1" / "fingerprint.json").st_ino
+    other = ResumableStream(cfg.replace(shuffle_seed=5), rank=0, world_size=1, source=source)
+    take_ids(other, 5)
+    other.save_sidecar(tmp_path / "ck4")                            # another fingerprint: its own file
+    assert json.loads((tmp_path / "ck4" / "fingerprint.json").read_text())["order"]["seed"] == 5
+    shutil.rmtree(tmp_path / "ck1")                                 # (save_total_limit): the others keep theirs
+    for ck, seed, consumed in (("ck2", 42, 10), ("ck3", 42, 10), ("ck4", 5, 5)):
+        fresh = ResumableStream(cfg.replace(shuffle_seed=seed), rank=0, world_size=1, source=source)
+        fresh.load_sidecar(tmp_path / ck)
+        assert fresh.state_dict()["partitions"][0]["consumed"] == consumed

@@ -38,8 +38,8 @@ class ProtocolOnly:
 
 
 def test_both_streams_implement_the_protocol(data):
-    assert {"iter_partition", "partition_state", "state_dict", "load_state_dict", "read_sidecar", "write_sidecar",
-            "lanes", "partitions", "source_label"} <= PROTOCOL_MEMBERS
+    assert {"iter_partition", "partition_state", "state_dict", "load_state_dict", "check_saved_identity",
+            "adopt_topology", "lanes", "partitions", "source_label"} <= PROTOCOL_MEMBERS
     assert isinstance(ResumableStream(stream_config(data), rank=0, world_size=1), Stream)
     assert isinstance(MixtureStream(mixture_config(data), rank=0, world_size=1), Stream)
 

@@ -7,8 +7,9 @@ import os
 import re
 import shutil
 
+from ..checkpoint import finish as finish_save
 from ..errors import SidecarError
-from ..sidecar import MANIFEST, STATE_DIR, read_manifest, write_manifest
+from ..sidecar import MANIFEST, STATE_DIR, read_manifest
 
 log = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -74,8 +75,8 @@ def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, b
     """Every rank writes its sidecar; after a barrier rank 0 writes the manifest that completes the checkpoint."""
     state_dir = os.path.join(checkpoint, STATE_DIR)
     os.makedirs(state_dir, exist_ok=True)
-    loader.save_sidecar(state_dir, manifest=False)   # rank file (+ the index on rank 0); the manifest comes last
+    loader.save_sidecar(state_dir, manifest=False)   # rank file (+ fingerprint and index on rank 0); the manifest last
     barrier()
     if is_main:
-        write_manifest(state_dir, world_size)
+        finish_save(state_dir, world_size)
     barrier()
