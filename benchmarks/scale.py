@@ -31,21 +31,26 @@ import _common  # (sets HF_DATASETS_CACHE before datasets is imported)
 
 RANKS = (8, 64, 512, 1024)
 FILES = (16, 2048, 10000)
-ROWS_PER_FILE = 8
+
+
+def rows_per_file(files: int) -> int:
+    """Few files: enough rows that 1,024 partitions striding over them each get some; many: a handful."""
+    return 2048 if files < 1024 else 8
 BATCH = 32
 
 
 def tiny_files(data_dir: str, files: int) -> str:
-    """``files`` parquet files of ROWS_PER_FILE rows each, generated once under ``data_dir``."""
+    """``files`` small parquet files, generated once under ``data_dir``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = os.path.join(data_dir, f"tiny-{files}f-{ROWS_PER_FILE}r")
+    rows = rows_per_file(files)
+    path = os.path.join(data_dir, f"tiny-{files}f-{rows}r")
     if os.path.exists(os.path.join(path, "COMPLETE")):
         return path
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=data_dir)
     for f in range(files):
-        ids = list(range(f * ROWS_PER_FILE, (f + 1) * ROWS_PER_FILE))
+        ids = list(range(f * rows, (f + 1) * rows))
         pq.write_table(pa.table({"id": ids, "text": [f"row {i}" for i in ids]}),
                        os.path.join(tmp, f"part-{f:05d}.parquet"))
     open(os.path.join(tmp, "COMPLETE"), "w").close()

@@ -43,10 +43,10 @@ class _BatchProducer(torch.utils.data.IterableDataset):
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
                  processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
-                 lane_turns: list[int]):
+                 lane_turns: list[int], keep_keys: bool = True):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
-        self.processor_factory, self.key_fn = processor_factory, key_fn
+        self.processor_factory, self.key_fn, self.keep_keys = processor_factory, key_fn, keep_keys
         self.carries, self.turn, self.lane_turns = carries, turn, lane_turns
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -80,6 +80,15 @@ class _BatchProducer(torch.utils.data.IterableDataset):
         epoch_of_last_example = self.stream.partition_epoch(partition)
         # a mixture with per-source transform settings: the processor is told each sample's source
         source_of = self.stream.source_label if getattr(proc, "takes_source", False) else None
+        if proc is None and not self.keep_keys:    # raw samples, nobody asks for their keys: the lean loop
+            for sample, _ in self.stream.iter_partition(partition):
+                examples.append(sample)
+                if len(examples) == self.batch_size:
+                    yield self._item(partition, examples, [], None)
+                    examples = []
+            if examples:
+                yield self._item(partition, examples, [], None)
+            return
         for sample, where in self.stream.iter_partition(partition):
             key = self.key_fn(sample, where)
             if proc is None:
@@ -126,7 +135,7 @@ class _BatchProducer(torch.utils.data.IterableDataset):
     def _item(self, partition: int, batch: list, keys: list[str], proc) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
         if proc is not None:
-            snapshot["extra"] = proc.state()
+            snapshot.extra = proc.state()
         return {"batch": self.collate_fn(batch), "partition": partition, "snapshot": snapshot, "keys": keys}
 
 
@@ -180,13 +189,17 @@ class StreamLoader:
         if len(self._lane_turns) != len(lanes):
             self._lane_turns = [0] * len(lanes)
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
-                                  self.key_fn, dict(self._carries), self._turn, list(self._lane_turns))
+                                  self.key_fn, dict(self._carries), self._turn, list(self._lane_turns),
+                                  self.keep_keys)
         kwargs: dict[str, Any] = {"batch_size": None, "collate_fn": _identity, "num_workers": self.num_workers,
                                   "pin_memory": self.pin_memory, "timeout": self.timeout}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
         place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
-        for item in torch.utils.data.DataLoader(producer, **kwargs):
+        # in the main process a DataLoader would only add its per-item cost (~17 us) to every batch
+        items = iter(producer) if self.num_workers == 0 and not self.pin_memory else \
+            torch.utils.data.DataLoader(producer, **kwargs)
+        for item in items:
             p = item["partition"]
             j, i = place[p]
             self._consumed[p] = item["snapshot"]
@@ -216,7 +229,8 @@ class StreamLoader:
         training loop consumed (the loaded one before that; partitions without one are left out)."""
         out = {}
         for p in self.stream.partitions:
-            extra = (self._consumed.get(p) or {}).get("extra") or self._carries.get(p)
+            snap = self._consumed.get(p)
+            extra = (snap.extra if snap is not None else None) or self._carries.get(p)
             if extra:
                 out[p] = extra
         return out
@@ -228,7 +242,7 @@ class StreamLoader:
             if snap is None:       # nothing consumed from it since start / resume: its starting state
                 snap = self.stream.partition_state(p)
                 if p in self._carries:
-                    snap["extra"] = self._carries[p]
+                    snap.extra = self._carries[p]
             parts[p] = snap
         state = self.stream.state_dict(parts)
         state["turn"] = self._turn
@@ -241,10 +255,10 @@ class StreamLoader:
         """Restore cursors and transform carries; same ranks and workers also restore the batch rotation."""
         self.stream.load_state_dict(state, where)
         mine = {int(p): ps for p, ps in state["partitions"].items() if int(p) in self.stream.partitions}
-        if self.processor_factory is None and any(ps.get("extra") for ps in mine.values()):
+        if self.processor_factory is None and any(ps.extra for ps in mine.values()):
             raise StreamMismatchError(f"{where}: carries transform state (e.g. packed tokens) but this loader has "
                                       "no transform")
-        self._carries = {p: ps["extra"] for p, ps in mine.items() if ps.get("extra")}
+        self._carries = {p: ps.extra for p, ps in mine.items() if ps.extra}
         self._consumed = {}
         lanes = self.stream.lanes
         self._turn, self._lane_turns = 0, [0] * len(lanes)

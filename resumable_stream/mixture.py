@@ -23,11 +23,11 @@ Without ``set_epoch`` a mixture is endless in every mode (mixture epoch e+1 foll
 draw picks source i with probability weight_i. ``set_epoch(e)`` yields mixture epoch e only (not
 with ``never``). Sample keys name the source: ``("label/shard", row)``.
 
-A mixture's state (``kind: "mixture"`` in the sidecar, see :mod:`resumable_stream.sidecar`) holds per
-partition ``{"mixture": position, "sources": [source i's cursor state], "extra": the transform's carry}``,
-where the position is ``epoch`` (mixture epoch), ``draws`` (draws made in it), ``consumed`` (samples it
-yielded), and per source ``source_epochs`` (the epoch being read) and ``ended`` (it ended during this
-mixture epoch); a source's cursor state is that of :meth:`ResumableStream.partition_state`.
+A mixture's state (``kind: "mixture"`` in the sidecar) holds per partition a
+:class:`~resumable_stream.mixture_state.MixturePartitionState`: ``epoch`` (mixture epoch), ``draws`` (draws
+made in it), ``consumed`` (samples it yielded), per source ``source_epochs`` (the epoch being read) and
+``ended`` (it ended during this mixture epoch), each source's state (that of
+:meth:`ResumableStream.partition_state`) and the transform's carry.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ import numpy as np
 
 from .cache.cached_source import with_block_cache
 from .config import MixtureConfig, StreamConfig
-from .errors import ConfigError, SourceError
+from .errors import ConfigError, SidecarError, SourceError
+from .mixture_state import MixturePartitionState
 from .partition import MAX_EMPTY_EPOCHS
 from .plan import counter_hashes, derive_seed
+from .progress import partition_progress, progress_summary
 from .relocation import describe_files
-from .sidecar import partition_progress, progress_summary
 from .source import Source, open_source
 from .stream import ResumableStream
 from .stream_base import StreamBase
@@ -74,10 +75,6 @@ class _Position:
     draws: int = 0                    # draws made (= samples yielded) in this mixture epoch
     consumed: int = 0                 # samples yielded, all epochs
     iters: list = field(default_factory=list, repr=False)   # live source iterators (not state)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
-                "source_epochs": list(self.source_epochs), "ended": list(self.ended)}
 
 
 class MixtureSources:
@@ -118,7 +115,7 @@ class MixtureSources:
 def source_counts(state: dict[str, Any]) -> dict[str, int]:
     """Samples each source contributed, summed over the partitions of a mixture state."""
     labels = state["fingerprint"]["mixture"]["labels"]
-    return {label: sum(int(ps["sources"][i]["consumed"]) for ps in state["partitions"].values())
+    return {label: sum(ps.sources[i].consumed for ps in state["partitions"].values())
             for i, label in enumerate(labels)}
 
 
@@ -252,7 +249,7 @@ class MixtureStream(StreamBase):
             yield i, sample, where
 
     # ------------------------------------------------------------------ state
-    def partition_state(self, partition: int) -> dict[str, Any]:
+    def partition_state(self, partition: int) -> MixturePartitionState:
         """One partition's position after the last sample it yielded: its own and every source's."""
         sources = []
         for i, views in enumerate(self._views):
@@ -260,20 +257,24 @@ class MixtureStream(StreamBase):
                 sources.append(views[partition].partition_state(partition))
             except SourceError as e:      # e.g. a source with no rows: say which one
                 raise SourceError(f"data.sources[{i}] ({self.config.labels[i]!r}): {e}") from e
-        return {"mixture": self._pos[partition].to_dict(), "sources": sources}
+        pos = self._pos[partition]
+        return MixturePartitionState(pos.epoch, pos.draws, pos.consumed, list(pos.source_epochs), list(pos.ended),
+                                     sources)
 
-    def _restore_partition(self, p: int, ps: dict[str, Any], where: str, verify_next_sample: bool) -> None:
+    def _restore_partition(self, p: int, ps: MixturePartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p``: each source's view from its cursor, the draws from the saved position."""
         labels = self.config.labels
+        if not (isinstance(ps, MixturePartitionState) and len(ps.sources) == len(labels)):
+            raise SidecarError(f"{where}: partition {p}: got {type(ps).__name__}; allowed: a MixturePartitionState "
+                               f"of {len(labels)} sources (what state_dict() and the sidecar readers give)")
         for i, label in enumerate(labels):
             view = self._views[i][p]
             view.set_endless()       # the source epoch to read is set again when the view is next iterated
-            state = {**view.state_dict({p: ps["sources"][i]}), "turn": 0}
+            state = {**view.state_dict({p: ps.sources[i]}), "turn": 0}
             view.load_state_dict(state, where=f"{where}, source {label!r}", verify_next_sample=verify_next_sample)
-        m, pos = ps["mixture"], self._pos[p]
-        pos.epoch, pos.draws, pos.consumed = int(m["epoch"]), int(m["draws"]), int(m["consumed"])
-        pos.source_epochs = [int(e) for e in m["source_epochs"]]
-        pos.ended = [bool(b) for b in m["ended"]]
+        pos = self._pos[p]
+        pos.epoch, pos.draws, pos.consumed = ps.epoch, ps.draws, ps.consumed
+        pos.source_epochs, pos.ended = list(ps.source_epochs), list(ps.ended)
         pos.iters = [None] * len(labels)
 
 
@@ -286,22 +287,21 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
     parts = sorted(state["partitions"].items())
     partitions = {}
     for p, ps in parts:
-        m = ps["mixture"]
-        partitions[str(p)] = {"mixture_epoch": m["epoch"], "draws_in_epoch": m["draws"],
-                              "consumed_samples": m["consumed"],
-                              "source_epochs": dict(zip(labels, m["source_epochs"])),
-                              "ended_this_epoch": [label for label, b in zip(labels, m["ended"]) if b]}
+        partitions[str(p)] = {"mixture_epoch": ps.epoch, "draws_in_epoch": ps.draws,
+                              "consumed_samples": ps.consumed,
+                              "source_epochs": dict(zip(labels, ps.source_epochs)),
+                              "ended_this_epoch": [label for label, b in zip(labels, ps.ended) if b]}
     sources = {}
     for i, label in enumerate(labels):
         sfp = fp["sources"][label]
         ds = sfp.get("dataset", {})
-        cursors = [(p, ps["sources"][i]) for p, ps in parts]
-        per = {str(p): {**partition_progress(c), "consumed_samples": c["consumed"], "window": c["window"],
-                        "offset_in_window": c["offset"], "next_sample_digest": c["next_sample_digest"]}
+        cursors = [(p, ps.sources[i]) for p, ps in parts]
+        per = {str(p): {**partition_progress(c), "consumed_samples": c.consumed, "window": c.start.window,
+                        "offset_in_window": c.offset, "next_sample_digest": c.next_sample_digest}
                for p, c in cursors}
         sources[label] = {"weight": sfp["weight"], "dataset": {k: v for k, v in ds.items() if k != "files"},
                           "files": describe_files(ds.get("files", []), full), "order": sfp.get("order"),
-                          "consumed_samples": sum(c["consumed"] for _, c in cursors),
+                          "consumed_samples": sum(c.consumed for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
     return {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
@@ -314,11 +314,11 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
     through its epochs (min / max / mean over partitions), for ``inspect``."""
     labels = states[0]["fingerprint"]["mixture"]["labels"]
     parts = [ps for st in states for ps in st["partitions"].values()]
-    mixture_epochs = [ps["mixture"]["epoch"] for ps in parts]
+    mixture_epochs = [ps.epoch for ps in parts]
     return {"partitions": len(parts),
             "mixture_epoch": {"min": min(mixture_epochs), "max": max(mixture_epochs)} if parts else None,
-            "sources": {label: {"consumed_samples": sum(ps["sources"][i]["consumed"] for ps in parts),
-                                **progress_summary([partition_progress(ps["sources"][i]) for ps in parts])}
+            "sources": {label: {"consumed_samples": sum(ps.sources[i].consumed for ps in parts),
+                                **progress_summary([partition_progress(ps.sources[i]) for ps in parts])}
                         for i, label in enumerate(labels)}}
 
 

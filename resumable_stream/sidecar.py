@@ -40,7 +40,6 @@ from safetensors.numpy import save as st_save
 
 from .errors import SidecarError
 from .limits import (
-    MAX_EPOCH,
     MAX_GENERATION,
     MAX_HEADER_BYTES,
     MAX_INDEX_BYTES,
@@ -51,9 +50,14 @@ from .limits import (
     MAX_WORLD_SIZE,
     is_int,
 )
-from .partition import Cursor
+from .mixture_state import MixturePartitionState
+from .partition import Cursor, PartitionState
 from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
 from .sidecar_v1 import V1_CURSOR_FIELDS, check_v1_partition_ids, mixture_from_v1
+from .state_fields import is_hex as _is_hex
+from .state_fields import json_field as _json_field
+from .state_fields import require as _require
+from .state_fields import tensor as _tensor
 
 FORMAT = "resumable-stream"
 FORMAT_VERSION = 3
@@ -61,7 +65,7 @@ FORMAT_VERSION = 3
 # a manifest as an integer (each exactly so: another type is not a version).
 READ_VERSIONS = (1, 2, 3)
 KINDS = ("stream", "mixture")
-MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
+STATE_TYPES = {"stream": PartitionState, "mixture": MixturePartitionState}   # a partition's state, by kind
 MANIFEST = "manifest.json"
 INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
 FINGERPRINT = "fingerprint.json"   # the dataset fingerprint of every rank file, written once by rank 0
@@ -139,27 +143,6 @@ def atomic_write(path: str, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------ encode
-def _encode_cursors(parts: list[int], cursors_of: list[dict], prefix: str, tensors: dict, meta: dict) -> None:
-    """Cursor states (one per partition in ``parts``) as the tensors and metadata under ``prefix``."""
-    k = len(parts)
-    max_slots = max([len(ps["slots"]) for ps in cursors_of] + [1])
-    cursors = np.zeros((k, len(Cursor.FIELDS)), dtype=np.int64)
-    slots = np.full((k, max_slots, 2), -1, dtype=np.int64)
-    chains = np.zeros((k, 16), dtype=np.uint8)
-    digests, progress = {}, {}
-    for i, (p, ps) in enumerate(zip(parts, cursors_of)):
-        cursors[i] = [ps[f] for f in Cursor.FIELDS]
-        for j, (pos, row) in enumerate(ps["slots"]):
-            slots[i, j] = (pos, row)
-        chains[i] = np.frombuffer(bytes.fromhex(ps["chain"]), dtype=np.uint8)
-        digests[str(p)] = {"next_sample": ps["next_sample_digest"], "consumed": ps["consumed_digest"],
-                           "consumed_samples": ps["consumed"]}
-        progress[str(p)] = {"epoch_start": ps.get("epoch_start"), "epoch_rows": ps.get("epoch_rows")}
-    tensors.update({f"{prefix}cursors": cursors, f"{prefix}slots": slots, f"{prefix}chains": chains})
-    meta[f"{prefix}digests"] = json.dumps(digests, sort_keys=True)
-    meta[f"{prefix}progress"] = json.dumps(progress, sort_keys=True)
-
-
 def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -> bytes:
     """A state as sidecar bytes. With ``fingerprint_digest`` (a rank file of a stream_state directory, whose
     ``fingerprint.json`` holds the fingerprint once for every rank) only that digest is written, so the
@@ -180,21 +163,15 @@ def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -
         metadata["fingerprint"] = fingerprint_bytes(state["fingerprint"]).decode()
     else:
         metadata["fingerprint_digest"] = fingerprint_digest
-    if kind == "stream":
-        _encode_cursors(parts, states, "", tensors, metadata)
-    else:
-        n = len(state["fingerprint"]["mixture"]["labels"])
-        tensors["mixture/positions"] = np.asarray([[ps["mixture"][f] for f in MIXTURE_POSITION] for ps in states],
-                                                  dtype=np.int64).reshape(len(parts), len(MIXTURE_POSITION))
-        tensors["mixture/source_epochs"] = np.asarray([ps["mixture"]["source_epochs"] for ps in states],
-                                                      dtype=np.int64).reshape(len(parts), n)
-        tensors["mixture/ended"] = np.asarray([ps["mixture"]["ended"] for ps in states],
-                                              dtype=np.uint8).reshape(len(parts), n)
-        for i in range(n):
-            _encode_cursors(parts, [ps["sources"][i] for ps in states], f"sources/{i}/", tensors, metadata)
+    state_type = STATE_TYPES[kind]
+    for p, ps in zip(parts, states):
+        if not isinstance(ps, state_type):
+            raise SidecarError(f"state of partition {p}: got {type(ps).__name__}; allowed: a {state_type.__name__} "
+                               f"(a {kind}'s partition_state)")
+    state_type.to_arrays(parts, states, "", tensors, metadata)
     extra_meta = {}
     for p, ps in zip(parts, states):   # what a transform carries over (e.g. packed tokens), per partition
-        extra = ps.get("extra")
+        extra = ps.extra
         if extra is not None:
             for name, arr in extra.get("tensors", {}).items():
                 tensors[f"extra/{p}/{name}"] = np.ascontiguousarray(arr)
@@ -262,36 +239,6 @@ def _check_seal(data: bytes, header_len: int, meta: dict[str, str], path: str) -
 
 
 # ------------------------------------------------------------------ field checks
-def _is_hex(v: Any, length: int) -> bool:
-    return isinstance(v, str) and len(v) == length and all(c in "0123456789abcdef" for c in v)
-
-
-def _require(ok: bool, path: str, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise SidecarError(f"sidecar {path!r}: corrupt field {field}: got {shown}; allowed: {allowed}")
-
-
-def _json_field(meta: dict[str, str], key: str, path: str, default: str | None = None) -> Any:
-    text = meta.get(key, default)
-    if text is None:
-        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete: metadata field {key} missing")
-    try:
-        return parse_json(text)
-    except JSONRefused as e:
-        raise SidecarError(f"sidecar {path!r}: corrupt field {key}: {e}") from None
-
-
-def _tensor(tensors: dict[str, np.ndarray], name: str, dtype: str, ndim: int, path: str) -> np.ndarray:
-    t = tensors.get(name)
-    if t is None:
-        raise SidecarError(f"sidecar {path!r}: corrupt or incomplete: tensor {name} missing")
-    _require(t.dtype == np.dtype(dtype) and t.ndim == ndim, path, f"tensor {name}", f"{t.dtype} {t.shape}",
-             f"{dtype} with {ndim} dimension(s)")
-    return t
-
-
 def _check_topology(topology: Any, path: str) -> None:
     _require(isinstance(topology, dict), path, "topology", topology, "a mapping")
     w, n = topology.get("world_size"), topology.get("num_partitions")
@@ -304,58 +251,6 @@ def _check_topology(topology: Any, path: str) -> None:
     rank = topology.get("rank")
     _require(rank is None or (is_int(rank) and rank < topology["world_size"]), path, "topology.rank", rank,
              f"null or an integer in [0, {topology['world_size']})")
-
-
-def _decode_cursors(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
-                    prefix: str = "", blank_digest_ok: bool = False,
-                    max_slots: int = MAX_OPEN_SHARDS) -> dict[int, dict[str, Any]]:
-    """The cursor states under ``prefix`` (rows aligned with ``ids``), every field checked. Columns are
-    taken by position (``Cursor.FIELDS``; version 1 named some differently, in the same order). ``max_slots``:
-    open shards a cursor may have (a version 1 mixture kept a slot per source in its own entries)."""
-    k = len(ids)
-    cursors = _tensor(tensors, f"{prefix}cursors", "int64", 2, path)
-    slots_t = _tensor(tensors, f"{prefix}slots", "int64", 3, path)
-    chains = _tensor(tensors, f"{prefix}chains", "uint8", 2, path)
-    for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))),
-                           (f"{prefix}chains", chains, (k, 16))):
-        _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape}")
-    _require(slots_t.shape[0] == k and slots_t.shape[1] <= max_slots and slots_t.shape[2] == 2, path,
-             f"tensor {prefix}slots", slots_t.shape, f"shape ({k}, open shards, 2) with at most {max_slots} open shards")
-    digests = _json_field(meta, f"{prefix}digests", path)
-    progress = _json_field(meta, f"{prefix}progress", path, "{}")
-    for key, value in ((f"{prefix}digests", digests), (f"{prefix}progress", progress)):
-        _require(isinstance(value, dict), path, key, value, "a mapping by partition")
-    out = {}
-    for i, p in enumerate(ids):
-        where = f"{prefix}digests[{p}]"
-        d = digests.get(str(p))
-        _require(isinstance(d, dict), path, where, d, "a mapping with next_sample, consumed, consumed_samples")
-        _require(_is_hex(d.get("next_sample"), 16) or (blank_digest_ok and d.get("next_sample") == ""), path,
-                 f"{where}.next_sample", d.get("next_sample"), "16 hex digits")
-        _require(_is_hex(d.get("consumed"), 32), path, f"{where}.consumed", d.get("consumed"), "32 hex digits")
-        _require(is_int(d.get("consumed_samples")), path, f"{where}.consumed_samples", d.get("consumed_samples"),
-                 "an integer >= 0")
-        ps: dict[str, Any] = {f: int(v) for f, v in zip(Cursor.FIELDS, cursors[i].tolist())}
-        for f in Cursor.FIELDS:
-            _require(ps[f] >= 0, path, f"{prefix}cursors[{p}].{f}", ps[f], "an integer >= 0")
-        _require(ps["consumed_before"] + ps["offset"] == d["consumed_samples"], path, f"{where}.consumed_samples",
-                 d["consumed_samples"], f"consumed_before + offset = {ps['consumed_before'] + ps['offset']}")
-        slots = [(int(a), int(b)) for a, b in slots_t[i].tolist()]
-        for a, b in slots:
-            _require((a >= 0 and b >= 0) or (a == b == -1), path, f"{prefix}slots[{p}]", (a, b),
-                     "(position, row) pairs >= 0, or (-1, -1) for an unused slot")
-        ps["slots"] = [(a, b) for a, b in slots if a >= 0]
-        ps["chain"] = bytes(chains[i].tolist()).hex()
-        ps["next_sample_digest"], ps["consumed_digest"], ps["consumed"] = \
-            d["next_sample"], d["consumed"], d["consumed_samples"]
-        pr = progress.get(str(p), {})
-        _require(isinstance(pr, dict), path, f"{prefix}progress[{p}]", pr, "a mapping")
-        for key in ("epoch_start", "epoch_rows"):
-            _require(pr.get(key) is None or is_int(pr.get(key)), path, f"{prefix}progress[{p}].{key}", pr.get(key),
-                     "null or an integer >= 0")
-        ps["epoch_start"], ps["epoch_rows"] = pr.get("epoch_start"), pr.get("epoch_rows")
-        out[p] = ps
-    return out
 
 
 def _decode_extra(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str) -> dict[int, dict]:
@@ -383,34 +278,6 @@ def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
     _require(isinstance(labels, list) and len(labels) >= 1 and all(isinstance(x, str) for x in labels), path,
              "fingerprint.mixture.labels", labels, "a list of source labels")
     return labels
-
-
-def _decode_mixture(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], fingerprint: dict,
-                    path: str) -> dict[int, dict[str, Any]]:
-    """A mixture's partitions: its own positions and each source's cursors (format version 2)."""
-    k, n = len(ids), len(_mixture_labels(fingerprint, path))
-    positions = _tensor(tensors, "mixture/positions", "int64", 2, path)
-    source_epochs = _tensor(tensors, "mixture/source_epochs", "int64", 2, path)
-    ended = _tensor(tensors, "mixture/ended", "uint8", 2, path)
-    for name, t, shape in (("mixture/positions", positions, (k, len(MIXTURE_POSITION))),
-                           ("mixture/source_epochs", source_epochs, (k, n)), ("mixture/ended", ended, (k, n))):
-        _require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape} (partitions, "
-                 f"{'fields' if name == 'mixture/positions' else 'sources'})")
-    sources = [_decode_cursors(ids, tensors, meta, path, prefix=f"sources/{i}/") for i in range(n)]
-    out = {}
-    for row, p in enumerate(ids):
-        position = dict(zip(MIXTURE_POSITION, (int(v) for v in positions[row].tolist())))
-        _require(all(v >= 0 for v in position.values()) and position["draws"] <= position["consumed"]
-                 and position["epoch"] < MAX_EPOCH, path, f"mixture/positions[{p}]", position,
-                 "integers >= 0 with draws <= consumed and epoch < 2**31")
-        epochs = [int(v) for v in source_epochs[row].tolist()]
-        _require(all(0 <= e < MAX_EPOCH for e in epochs), path, f"mixture/source_epochs[{p}]", epochs,
-                 "integers in [0, 2**31)")
-        flags = ended[row].tolist()
-        _require(all(f in (0, 1) for f in flags), path, f"mixture/ended[{p}]", flags, "0 or 1 per source")
-        out[p] = {"mixture": {**position, "source_epochs": epochs, "ended": [bool(f) for f in flags]},
-                  "sources": [sources[i][p] for i in range(n)]}
-    return out
 
 
 def _fingerprint_of(meta: dict[str, str], version: str, shared: tuple[dict[str, Any], str] | None,
@@ -499,55 +366,27 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
     ids = ids_t.tolist()
     if version == "1":
         check_v1_partition_ids(ids, n, path)
-        partitions = _decode_cursors(ids, tensors, meta, path, blank_digest_ok=kind == "mixture",
-                                     max_slots=max(MAX_OPEN_SHARDS, sources))
+        partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=kind == "mixture",
+                                                max_slots=max(MAX_OPEN_SHARDS, sources))
         if kind == "mixture":
             partitions = mixture_from_v1(partitions, sources, path)
     else:
         _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
                  f"distinct partitions in [0, {n})")
         if kind == "stream":
-            partitions = _decode_cursors(ids, tensors, meta, path)
+            partitions = PartitionState.from_arrays(ids, tensors, meta, path)
         else:
-            partitions = _decode_mixture(ids, tensors, meta, fingerprint, path)
+            partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path,
+                                                           len(_mixture_labels(fingerprint, path)))
     _check_rank_partitions(topology, len(partitions), path)
     for p, extra in _decode_extra(ids, tensors, meta, path).items():
         if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries
-            partitions[p]["extra"] = extra
+            partitions[p].extra = extra
     state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions, "file_format_version": int(version)}   # the last for inspect
     if lane_turns is not None:
         state["lane_turns"] = lane_turns
     return state
-
-
-# ------------------------------------------------------------------ progress (for inspect)
-def partition_progress(ps: dict[str, Any]) -> dict[str, Any]:
-    """Where one partition stands in its data: its epoch, rows of that epoch consumed, and the fraction
-    (None when the epoch's row count or start is unknown, e.g. json shards or an older sidecar)."""
-    start, rows = ps.get("epoch_start"), ps.get("epoch_rows")
-    done = ps["consumed"] - start if start is not None else None
-    fraction = done / rows if done is not None and rows else None
-    return {"epoch": ps["epoch"], "epoch_consumed": done, "epoch_rows": rows,
-            "epoch_fraction": None if fraction is None else round(fraction, 6)}
-
-
-def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
-    """min / max / mean over partitions of the epoch, the fraction of the current epoch consumed, and
-    epochs completed (epoch + fraction: comparable across partitions in different epochs)."""
-    def stats(values: list[float]) -> dict[str, float] | None:
-        if not values:
-            return None
-        return {"min": round(min(values), 6), "max": round(max(values), 6),
-                "mean": round(sum(values) / len(values), 6)}
-
-    known = [p for p in progress if p["epoch_fraction"] is not None]
-    return {"partitions": len(progress),
-            "epoch": {"min": min(p["epoch"] for p in progress), "max": max(p["epoch"] for p in progress)}
-            if progress else None,
-            "epoch_fraction": stats([p["epoch_fraction"] for p in known]),
-            "epochs_completed": stats([p["epoch"] + p["epoch_fraction"] for p in known]),
-            "unknown_fraction": len(progress) - len(known)}
 
 
 # ------------------------------------------------------------------ files and directories

@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import SidecarError
 from .limits import MAX_EPOCH
+from .mixture_state import MixturePartitionState
+from .partition import PartitionState
 
 V1_CURSOR_FIELDS = ("epoch", "window", "offset", "next_pos", "rr", "rr_taken", "consumed_before")
 V1_SOURCE_STRIDE = 2**32     # entry of source i of mixture partition p: p + (i + 1) * V1_SOURCE_STRIDE
@@ -24,9 +26,10 @@ def check_v1_partition_ids(ids: list[int], num_partitions: int, path: str) -> No
                            f"partitions in [0, {num_partitions}) (plus multiples of 2**32 in a mixture)")
 
 
-def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: str) -> dict[int, dict[str, Any]]:
-    """A version 1 mixture's flat entries -> ``{p: {"mixture": position, "sources": [...]}}`` (the caller adds
-    each partition's transform carry)."""
+def mixture_from_v1(entries: dict[int, PartitionState], num_sources: int,
+                    path: str) -> dict[int, MixturePartitionState]:
+    """A version 1 mixture's flat entries -> a MixturePartitionState per partition (the caller adds each
+    partition's transform carry)."""
     grouped: dict[int, dict[str, Any]] = {}
     for entry_id, ps in entries.items():
         p, slot = entry_id % V1_SOURCE_STRIDE, entry_id // V1_SOURCE_STRIDE
@@ -41,13 +44,12 @@ def mixture_from_v1(entries: dict[int, dict[str, Any]], num_sources: int, path: 
     out = {}
     for p, part in grouped.items():
         own = part["own"]
-        if own is None or any(s is None for s in part["sources"]) or len(own["slots"]) != num_sources \
-                or any(ended not in (0, 1) or epoch >= MAX_EPOCH for epoch, ended in own["slots"]) \
-                or own["epoch"] >= MAX_EPOCH:
+        slots = own.start.slots if own is not None else ()
+        if own is None or any(s is None for s in part["sources"]) or len(slots) != num_sources \
+                or any(ended not in (0, 1) or epoch >= MAX_EPOCH for epoch, ended in slots) \
+                or own.epoch >= MAX_EPOCH:
             raise SidecarError(f"sidecar {path!r}: partition {p} is not a complete mixture state for {num_sources} "
                                "sources")
-        out[p] = {"mixture": {"epoch": own["epoch"], "draws": own["offset"], "consumed": own["consumed"],
-                              "source_epochs": [epoch for epoch, _ in own["slots"]],
-                              "ended": [bool(ended) for _, ended in own["slots"]]},
-                  "sources": part["sources"]}
+        out[p] = MixturePartitionState(own.epoch, own.offset, own.consumed, [epoch for epoch, _ in slots],
+                                       [bool(ended) for _, ended in slots], part["sources"])
     return out

@@ -15,8 +15,7 @@ from .cache.cached_source import with_block_cache
 from .config import StreamConfig
 from .errors import ConfigError, SidecarError, StreamMismatchError
 from .job_source import open_job_source
-from .limits import MAX_EPOCH
-from .partition import Cursor, PartitionReader, sample_digest
+from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
 from .source import Source
 from .stream_base import StreamBase
@@ -103,12 +102,11 @@ class ResumableStream(StreamBase):
 
     def iter_partition(self, partition: int) -> Iterator[tuple[dict, tuple[int, int]]]:
         """(sample, (shard, row)) pairs of one partition: what the loader's workers read."""
-        reader = self._readers[partition]
-        for sample in self._samples(partition):
-            yield sample, reader.sample_key(reader.offset - 1)
+        return self._samples(partition, with_keys=True)
 
-    def _samples(self, partition: int) -> Iterator[dict]:
-        """The samples of one partition from its cursor (to the end of the epoch after ``set_epoch``)."""
+    def _samples(self, partition: int, with_keys: bool = False) -> Iterator:
+        """The samples of one partition from its cursor (to the end of the epoch after ``set_epoch``);
+        ``with_keys``: (sample, (shard, row)) pairs."""
         reader = self._readers[partition]
         finite = self._epoch_limit is not None
         while True:
@@ -122,11 +120,19 @@ class ResumableStream(StreamBase):
             if expected is not None:
                 self._verify_first(reader, win.sample(i), expected)
             names, rows = win.names, win.rows
+            if not with_keys:
+                while i < n:
+                    sample = dict(zip(names, rows[i]))
+                    i += 1
+                    reader.offset = i      # consumed once handed out: a save now resumes after it
+                    yield sample
+                continue
+            keys = win.key_tuples()
             while i < n:
                 sample = dict(zip(names, rows[i]))
                 i += 1
-                reader.offset = i      # consumed once handed out: a save now resumes after it
-                yield sample
+                reader.offset = i
+                yield sample, keys[i - 1]
 
     def _verify_first(self, reader: PartitionReader, sample: dict, expected: str) -> None:
         got = sample_digest(sample)
@@ -151,24 +157,12 @@ class ResumableStream(StreamBase):
             reader.close()
         self.source.close()
 
-    def partition_state(self, partition: int) -> dict[str, Any]:
-        """One partition's position after the last sample it yielded, with the digest of the next one.
-
-        ``epoch_start`` (samples consumed before the current epoch) and ``epoch_rows`` (rows of the
-        current epoch, None if unknown) are for progress reports only."""
+    def partition_state(self, partition: int) -> PartitionState:
+        """One partition's position after the last sample it yielded, with the digest of the next one (O(1):
+        the loader takes one after every batch)."""
         reader = self._readers[partition]
         win = reader.window(rollover=True)   # the next sample is needed for its digest
-        c = reader.cursor
-        return {
-            **{f: getattr(c, f) for f in Cursor.FIELDS},
-            "slots": [list(s) for s in c.slots],
-            "chain": c.chain.hex(),
-            "consumed": c.consumed,
-            "consumed_digest": reader.consumed_digest(),
-            "next_sample_digest": sample_digest(win.sample(c.offset)),
-            "epoch_start": c.epoch_start,
-            "epoch_rows": self._epoch_rows(c.epoch, partition),
-        }
+        return reader.state(sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
 
     def _epoch_rows(self, epoch: int, partition: int) -> int | None:
         """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch
@@ -178,43 +172,12 @@ class ResumableStream(StreamBase):
             known = self._rows_of[partition] = (epoch, self.layout.partition_rows(epoch, partition))
         return known[1]
 
-    def _restore_partition(self, p: int, ps: dict[str, Any], where: str, verify_next_sample: bool) -> None:
-        """Continue partition ``p`` from its saved cursor (checked to point inside its data first)."""
-        self._check_cursor_bounds(p, ps, where)
-        cursor = Cursor(
-            **{f: int(ps[f]) for f in Cursor.FIELDS},
-            slots=tuple((int(a), int(b)) for a, b in ps["slots"]),
-            chain=bytes.fromhex(ps["chain"]),
-            epoch_start=ps.get("epoch_start"),
-        )
-        self._readers[p].set_cursor(cursor)
+    def _restore_partition(self, p: int, ps: PartitionState, where: str, verify_next_sample: bool) -> None:
+        """Continue partition ``p`` from its saved state (checked to point inside its data first)."""
+        if not isinstance(ps, PartitionState):
+            raise SidecarError(f"{where}: partition {p}: got {type(ps).__name__}; allowed: a PartitionState "
+                               "(what state_dict() and the sidecar readers give)")
+        ps.validate(self.layout, p, where)
+        self._readers[p].set_state(ps)
         if verify_next_sample:
-            self._expect[p] = ps["next_sample_digest"]
-
-    def _check_cursor_bounds(self, p: int, ps: dict[str, Any], where: str) -> None:
-        """A saved cursor points inside partition ``p``'s data (its shards of its epoch, their rows, one
-        window): a corrupt or forged state is a SidecarError naming the field, not an IndexError later."""
-        lay = self.layout
-
-        def require(ok: bool, field: str, value: Any, allowed: str) -> None:
-            if not ok:
-                raise SidecarError(f"{where}: corrupt field partitions[{p}].{field}: got {value!r:.80}; allowed: "
-                                   f"{allowed}")
-
-        require(0 <= ps["epoch"] < MAX_EPOCH, "epoch", ps["epoch"], "an integer in [0, 2**31)")
-        shards = lay.shards_for(ps["epoch"], p)
-        require(0 <= ps["next_shard"] <= len(shards), "next_shard", ps["next_shard"],
-                f"0 .. {len(shards)} (the partition's shards in epoch {ps['epoch']})")
-        slots = list(ps["slots"])
-        require(len(slots) <= lay.open_slots, "slots", slots, f"at most {lay.open_slots} open shards")
-        for pos, row in slots:
-            require(0 <= pos < ps["next_shard"] and [q for q, _ in slots].count(pos) == 1, "slots", slots,
-                    f"distinct shard positions below next_shard {ps['next_shard']}")
-            count = lay.row_counts[shards[pos]]
-            require(0 <= row and (count is None or row <= count), "slots", slots,
-                    f"rows within their shard ({count} rows in shard {shards[pos]})")
-        require(0 <= ps["block_slot"] < max(1, len(slots)), "block_slot", ps["block_slot"],
-                f"0 .. {max(1, len(slots)) - 1}")
-        require(0 <= ps["block_taken"] < lay.block, "block_taken", ps["block_taken"], f"0 .. {lay.block - 1}")
-        require(0 <= ps["offset"] <= lay.buffer_size, "offset", ps["offset"], f"0 .. {lay.buffer_size} (one window)")
-        require(0 <= ps["window"] and 0 <= ps["consumed_before"], "window", ps["window"], "an integer >= 0")
+            self._expect[p] = ps.next_sample_digest

@@ -1,0 +1,35 @@
+"""How far partitions are through their data, for ``inspect`` and the training logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .partition import PartitionState
+
+
+def partition_progress(ps: PartitionState) -> dict[str, Any]:
+    """Where one partition stands in its data: its epoch, rows of that epoch consumed, and the fraction
+    (None when the epoch's row count or start is unknown, e.g. json shards or an older sidecar)."""
+    start, rows = ps.epoch_start, ps.epoch_rows
+    done = ps.consumed - start if start is not None else None
+    fraction = done / rows if done is not None and rows else None
+    return {"epoch": ps.epoch, "epoch_consumed": done, "epoch_rows": rows,
+            "epoch_fraction": None if fraction is None else round(fraction, 6)}
+
+
+def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
+    """min / max / mean over partitions of the epoch, the fraction of the current epoch consumed, and
+    epochs completed (epoch + fraction: comparable across partitions in different epochs)."""
+    def stats(values: list[float]) -> dict[str, float] | None:
+        if not values:
+            return None
+        return {"min": round(min(values), 6), "max": round(max(values), 6),
+                "mean": round(sum(values) / len(values), 6)}
+
+    known = [p for p in progress if p["epoch_fraction"] is not None]
+    return {"partitions": len(progress),
+            "epoch": {"min": min(p["epoch"] for p in progress), "max": max(p["epoch"] for p in progress)}
+            if progress else None,
+            "epoch_fraction": stats([p["epoch_fraction"] for p in known]),
+            "epochs_completed": stats([p["epoch"] + p["epoch_fraction"] for p in known]),
+            "unknown_fraction": len(progress) - len(known)}
