@@ -62,8 +62,8 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         return write_state_file(path, state)
-    fp = fingerprint_bytes(state["fingerprint"])
-    file = write_rank_file(path, stream.rank, state, _digest(fp))
+    fp, digest = _encoded_fingerprint(state["fingerprint"])
+    file = write_rank_file(path, stream.rank, state, digest)
     if stream.rank == 0:
         write_shared(path, "fingerprint", fp)
         index = getattr(stream.source, "index", None)
@@ -72,6 +72,19 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     if stream.world_size == 1 if manifest is None else manifest:
         finish(path, stream.world_size)
     return file
+
+
+_last_fingerprint: tuple[dict, bytes, str] | None = None   # (fingerprint object, its bytes, their digest)
+
+
+def _encoded_fingerprint(fingerprint: dict[str, Any]) -> tuple[bytes, str]:
+    """The bytes and digest of a fingerprint, encoded once for the object every state of a stream carries
+    (``StreamBase.state_fingerprint``): a save costs O(its partitions), not O(the dataset's files)."""
+    global _last_fingerprint
+    if _last_fingerprint is None or _last_fingerprint[0] is not fingerprint:
+        data = fingerprint_bytes(fingerprint)
+        _last_fingerprint = (fingerprint, data, _digest(data))
+    return _last_fingerprint[1], _last_fingerprint[2]
 
 
 def finish(state_dir: str, world_size: int) -> str:

@@ -98,12 +98,11 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
         "partitions": {},
     }
     for p, ps in sorted(state["partitions"].items()):
-        c = ps.start
         summary["partitions"][str(p)] = {
-            "epoch": ps.epoch, "window": c.window, "offset_in_window": ps.offset,
-            "consumed_samples": ps.consumed, "open_shards": [list(s) for s in c.slots],
-            "next_shard_position": c.next_shard,
-            "next_sample_digest": ps.next_sample_digest, "consumed_digest": ps.consumed_digest,
+            "epoch": ps["epoch"], "window": ps["window"], "offset_in_window": ps["offset"],
+            "consumed_samples": ps["consumed"], "open_shards": [list(s) for s in ps["slots"]],
+            "next_shard_position": ps["next_shard"],
+            "next_sample_digest": ps["next_sample_digest"], "consumed_digest": ps["consumed_digest"],
             **partition_progress(ps),
         }
     return summary

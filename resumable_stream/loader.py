@@ -255,10 +255,10 @@ class StreamLoader:
         """Restore cursors and transform carries; same ranks and workers also restore the batch rotation."""
         self.stream.load_state_dict(state, where)
         mine = {int(p): ps for p, ps in state["partitions"].items() if int(p) in self.stream.partitions}
-        if self.processor_factory is None and any(ps.extra for ps in mine.values()):
+        if self.processor_factory is None and any(ps.get("extra") for ps in mine.values()):
             raise StreamMismatchError(f"{where}: carries transform state (e.g. packed tokens) but this loader has "
                                       "no transform")
-        self._carries = {p: ps.extra for p, ps in mine.items() if ps.extra}
+        self._carries = {p: ps["extra"] for p, ps in mine.items() if ps.get("extra")}
         self._consumed = {}
         lanes = self.stream.lanes
         self._turn, self._lane_turns = 0, [0] * len(lanes)

@@ -115,7 +115,7 @@ class MixtureSources:
 def source_counts(state: dict[str, Any]) -> dict[str, int]:
     """Samples each source contributed, summed over the partitions of a mixture state."""
     labels = state["fingerprint"]["mixture"]["labels"]
-    return {label: sum(ps.sources[i].consumed for ps in state["partitions"].values())
+    return {label: sum(int(ps["sources"][i]["consumed"]) for ps in state["partitions"].values())
             for i, label in enumerate(labels)}
 
 
@@ -126,6 +126,7 @@ class MixtureStream(StreamBase):
     """
 
     kind = "mixture"
+    state_type = MixturePartitionState
 
     def __init__(self, config: MixtureConfig, rank: int | None = None, world_size: int | None = None,
                  num_workers: int = 0, sources: list[Source] | None = None):
@@ -264,9 +265,9 @@ class MixtureStream(StreamBase):
     def _restore_partition(self, p: int, ps: MixturePartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p``: each source's view from its cursor, the draws from the saved position."""
         labels = self.config.labels
-        if not (isinstance(ps, MixturePartitionState) and len(ps.sources) == len(labels)):
-            raise SidecarError(f"{where}: partition {p}: got {type(ps).__name__}; allowed: a MixturePartitionState "
-                               f"of {len(labels)} sources (what state_dict() and the sidecar readers give)")
+        if len(ps.sources) != len(labels):
+            raise SidecarError(f"{where}: partition {p}: the state of {len(ps.sources)} sources; this mixture has "
+                               f"{len(labels)} ({', '.join(labels)})")
         for i, label in enumerate(labels):
             view = self._views[i][p]
             view.set_endless()       # the source epoch to read is set again when the view is next iterated
@@ -287,21 +288,22 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
     parts = sorted(state["partitions"].items())
     partitions = {}
     for p, ps in parts:
-        partitions[str(p)] = {"mixture_epoch": ps.epoch, "draws_in_epoch": ps.draws,
-                              "consumed_samples": ps.consumed,
-                              "source_epochs": dict(zip(labels, ps.source_epochs)),
-                              "ended_this_epoch": [label for label, b in zip(labels, ps.ended) if b]}
+        m = ps["mixture"]
+        partitions[str(p)] = {"mixture_epoch": m["epoch"], "draws_in_epoch": m["draws"],
+                              "consumed_samples": m["consumed"],
+                              "source_epochs": dict(zip(labels, m["source_epochs"])),
+                              "ended_this_epoch": [label for label, b in zip(labels, m["ended"]) if b]}
     sources = {}
     for i, label in enumerate(labels):
         sfp = fp["sources"][label]
         ds = sfp.get("dataset", {})
-        cursors = [(p, ps.sources[i]) for p, ps in parts]
-        per = {str(p): {**partition_progress(c), "consumed_samples": c.consumed, "window": c.start.window,
-                        "offset_in_window": c.offset, "next_sample_digest": c.next_sample_digest}
+        cursors = [(p, ps["sources"][i]) for p, ps in parts]
+        per = {str(p): {**partition_progress(c), "consumed_samples": c["consumed"], "window": c["window"],
+                        "offset_in_window": c["offset"], "next_sample_digest": c["next_sample_digest"]}
                for p, c in cursors}
         sources[label] = {"weight": sfp["weight"], "dataset": {k: v for k, v in ds.items() if k != "files"},
                           "files": describe_files(ds.get("files", []), full), "order": sfp.get("order"),
-                          "consumed_samples": sum(c.consumed for _, c in cursors),
+                          "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
     return {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
@@ -314,11 +316,11 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
     through its epochs (min / max / mean over partitions), for ``inspect``."""
     labels = states[0]["fingerprint"]["mixture"]["labels"]
     parts = [ps for st in states for ps in st["partitions"].values()]
-    mixture_epochs = [ps.epoch for ps in parts]
+    mixture_epochs = [ps["mixture"]["epoch"] for ps in parts]
     return {"partitions": len(parts),
             "mixture_epoch": {"min": min(mixture_epochs), "max": max(mixture_epochs)} if parts else None,
-            "sources": {label: {"consumed_samples": sum(ps.sources[i].consumed for ps in parts),
-                                **progress_summary([partition_progress(ps.sources[i]) for ps in parts])}
+            "sources": {label: {"consumed_samples": sum(ps["sources"][i]["consumed"] for ps in parts),
+                                **progress_summary([partition_progress(ps["sources"][i]) for ps in parts])}
                         for i, label in enumerate(labels)}}
 
 

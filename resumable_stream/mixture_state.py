@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .limits import MAX_EPOCH
+from .errors import SidecarError
+from .limits import MAX_EPOCH, is_int
 from .partition import PartitionState, merge_partitions
 from .plan import Layout
 from .state_fields import require, tensor
@@ -34,9 +35,35 @@ class MixturePartitionState:
     sources: list[PartitionState] = field(default_factory=list)
     extra: dict | None = None
 
-    def position(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
-                "source_epochs": list(self.source_epochs), "ended": list(self.ended)}
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: ``{"mixture": position, "sources": [each source's PartitionState.to_dict()],
+        "extra": the transform's carry}`` (what ``state_dict()`` holds)."""
+        out: dict[str, Any] = {"mixture": {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
+                                           "source_epochs": list(self.source_epochs), "ended": list(self.ended)},
+                               "sources": [ps.to_dict() for ps in self.sources]}
+        if self.extra is not None:
+            out["extra"] = self.extra
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> MixturePartitionState:
+        """The state in ``to_dict``'s form (or a MixturePartitionState itself), every field checked."""
+        if isinstance(d, cls):
+            return d
+        m = d.get("mixture") if isinstance(d, dict) else None
+        sources = d.get("sources") if isinstance(d, dict) else None
+        ok = (isinstance(m, dict) and isinstance(sources, list)
+              and all(is_int(m.get(k)) for k in MIXTURE_POSITION) and m["epoch"] < MAX_EPOCH
+              and isinstance(m.get("source_epochs"), list) and isinstance(m.get("ended"), list)
+              and len(m["source_epochs"]) == len(m["ended"]) == len(sources)
+              and all(is_int(e, 0, MAX_EPOCH - 1) for e in m["source_epochs"])
+              and all(isinstance(b, bool) for b in m["ended"]))
+        if not ok:
+            raise SidecarError(f"{where}: corrupt mixture partition state: got {d!r:.80}; allowed: a mapping with "
+                               "mixture (epoch, draws, consumed, source_epochs, ended) and a state per source")
+        states = [PartitionState.from_dict(ps, f"{where}, source {i}") for i, ps in enumerate(sources)]
+        return cls(m["epoch"], m["draws"], m["consumed"], list(m["source_epochs"]), list(m["ended"]), states,
+                   d.get("extra"))
 
     # ---------------------------------------------------------------- sidecar arrays
     @staticmethod

@@ -377,6 +377,49 @@ class PartitionState:
     def epoch_start(self) -> int | None:
         return self.start.epoch_start
 
+    # ---------------------------------------------------------------- the public form (state_dict)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (ints, strings, lists; numpy arrays in ``extra``): what ``state_dict()`` holds, safe to
+        store with ``torch.save`` and load with ``weights_only=True``."""
+        c = self.start
+        out = {f: self.offset if f == "offset" else getattr(c, f) for f in Cursor.FIELDS}
+        out.update(slots=[list(s) for s in c.slots], chain=c.chain.hex(), consumed=self.consumed,
+                   consumed_digest=self.consumed_digest, next_sample_digest=self.next_sample_digest,
+                   epoch_start=c.epoch_start, epoch_rows=self.epoch_rows)
+        if self.extra is not None:
+            out["extra"] = self.extra
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> PartitionState:
+        """The state in ``to_dict``'s form (or a PartitionState itself); a malformed one is a SidecarError
+        naming the field."""
+        if isinstance(d, cls):
+            return d
+
+        def field_of(name: str, ok, allowed: str) -> Any:
+            value = d.get(name) if isinstance(d, dict) else None
+            if not ok(value):
+                raise SidecarError(f"{where}: corrupt field {name}: got {value!r:.80}; allowed: {allowed}")
+            return value
+
+        if not isinstance(d, dict):
+            raise SidecarError(f"{where}: got {type(d).__name__}; allowed: a partition state (a mapping)")
+        fields = {f: field_of(f, is_int, "an integer >= 0") for f in Cursor.FIELDS}
+        slots = field_of("slots", lambda v: isinstance(v, (list, tuple)) and all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and all(is_int(i) for i in x) for x in v),
+            "a list of (position, row) pairs of integers >= 0")
+        chain = field_of("chain", lambda v: is_hex(v, 2 * DIGEST_BYTES), f"{2 * DIGEST_BYTES} hex digits")
+        consumed_digest = field_of("consumed_digest", lambda v: is_hex(v, 2 * DIGEST_BYTES),
+                                   f"{2 * DIGEST_BYTES} hex digits")
+        next_digest = field_of("next_sample_digest", lambda v: isinstance(v, str), "16 hex digits")
+        epoch_start = field_of("epoch_start", lambda v: v is None or is_int(v), "null or an integer >= 0")
+        epoch_rows = field_of("epoch_rows", lambda v: v is None or is_int(v), "null or an integer >= 0")
+        offset = fields.pop("offset")
+        start = Cursor(**fields, slots=tuple((int(a), int(b)) for a, b in slots), chain=bytes.fromhex(chain),
+                       epoch_start=epoch_start)
+        return cls(start, offset, consumed_digest, next_digest, epoch_rows, d.get("extra"))
+
     # ---------------------------------------------------------------- sidecar arrays
     @staticmethod
     def to_arrays(parts: list[int], states: list[PartitionState], prefix: str, tensors: dict, meta: dict) -> None:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .partition import PartitionState
 
-
-def partition_progress(ps: PartitionState) -> dict[str, Any]:
-    """Where one partition stands in its data: its epoch, rows of that epoch consumed, and the fraction
-    (None when the epoch's row count or start is unknown, e.g. json shards or an older sidecar)."""
-    start, rows = ps.epoch_start, ps.epoch_rows
-    done = ps.consumed - start if start is not None else None
+def partition_progress(ps: dict[str, Any]) -> dict[str, Any]:
+    """Where one partition stands in its data (a ``PartitionState.to_dict()``): its epoch, rows of that epoch
+    consumed, and the fraction (None when the epoch's row count or start is unknown, e.g. json shards or an
+    older sidecar)."""
+    start, rows = ps.get("epoch_start"), ps.get("epoch_rows")
+    done = ps["consumed"] - start if start is not None else None
     fraction = done / rows if done is not None and rows else None
-    return {"epoch": ps.epoch, "epoch_consumed": done, "epoch_rows": rows,
+    return {"epoch": ps["epoch"], "epoch_consumed": done, "epoch_rows": rows,
             "epoch_fraction": None if fraction is None else round(fraction, 6)}
 
 

@@ -164,10 +164,7 @@ def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -
     else:
         metadata["fingerprint_digest"] = fingerprint_digest
     state_type = STATE_TYPES[kind]
-    for p, ps in zip(parts, states):
-        if not isinstance(ps, state_type):
-            raise SidecarError(f"state of partition {p}: got {type(ps).__name__}; allowed: a {state_type.__name__} "
-                               f"(a {kind}'s partition_state)")
+    states = [state_type.from_dict(ps, f"state of partition {p}") for p, ps in zip(parts, states)]
     state_type.to_arrays(parts, states, "", tensors, metadata)
     extra_meta = {}
     for p, ps in zip(parts, states):   # what a transform carries over (e.g. packed tokens), per partition
@@ -382,6 +379,7 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
     for p, extra in _decode_extra(ids, tensors, meta, path).items():
         if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries
             partitions[p].extra = extra
+    partitions = {p: ps.to_dict() for p, ps in partitions.items()}   # the public form, as state_dict() gives
     state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
              "turn": turn, "partitions": partitions, "file_format_version": int(version)}   # the last for inspect
     if lane_turns is not None:

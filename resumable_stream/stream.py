@@ -13,7 +13,7 @@ from typing import Any
 
 from .cache.cached_source import with_block_cache
 from .config import StreamConfig
-from .errors import ConfigError, SidecarError, StreamMismatchError
+from .errors import ConfigError, StreamMismatchError
 from .job_source import open_job_source
 from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
@@ -34,6 +34,7 @@ class ResumableStream(StreamBase):
     """
 
     kind = "stream"
+    state_type = PartitionState
 
     def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
                  num_workers: int = 0, source: Source | None = None, index_from: str | None = None):
@@ -174,9 +175,6 @@ class ResumableStream(StreamBase):
 
     def _restore_partition(self, p: int, ps: PartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p`` from its saved state (checked to point inside its data first)."""
-        if not isinstance(ps, PartitionState):
-            raise SidecarError(f"{where}: partition {p}: got {type(ps).__name__}; allowed: a PartitionState "
-                               "(what state_dict() and the sidecar readers give)")
         ps.validate(self.layout, p, where)
         self._readers[p].set_state(ps)
         if verify_next_sample:

@@ -11,6 +11,7 @@ its partition readers, yields one partition's samples, and saves / restores one 
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
@@ -51,11 +52,15 @@ class Stream(Protocol):
     def source_label(self, where: Any) -> str | None:
         """The label of the mixture source a sample came from (None for a single dataset)."""
 
-    def partition_state(self, partition: int) -> dict[str, Any]: ...
+    def partition_state(self, partition: int) -> Any:
+        """The typed state of one partition (``state_type``: a PartitionState or a MixturePartitionState);
+        ``state_dict()`` holds its ``to_dict()``."""
 
     def partition_epoch(self, partition: int) -> int: ...
 
     def fingerprint(self) -> dict[str, Any]: ...
+
+    def state_fingerprint(self) -> dict[str, Any]: ...
 
     def topology(self) -> dict[str, int]: ...
 
@@ -126,6 +131,7 @@ class StreamBase(torch.utils.data.IterableDataset):
     ``set_epoch(e)`` and ``close()``."""
 
     kind = "stream"
+    state_type: Any = None      # the class of a partition's state (to_dict / from_dict / validate)
 
     def __init__(self, config: Any, rank: int | None, world_size: int | None, num_workers: int):
         super().__init__()
@@ -136,6 +142,7 @@ class StreamBase(torch.utils.data.IterableDataset):
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
         self.transform_fingerprint: dict | None = None   # set by the loader when a transform follows
         self._epoch_limit: int | None = None               # set_epoch: the one epoch to iterate
+        self._fingerprint: tuple[str, dict] | None = None   # (transform fingerprint, state_fingerprint())
 
     def _start(self) -> None:
         """Build the partitions (after the subclass opened its sources) and load ``data.resume_state_path``."""
@@ -152,6 +159,15 @@ class StreamBase(torch.utils.data.IterableDataset):
         self.partitions = sorted(p for lane in self.lanes for p in lane)
         self._turn = 0    # the partition the main process reads next (part of the saved state)
         self._build_readers()
+
+    def state_fingerprint(self) -> dict[str, Any]:
+        """``fingerprint()``, made once while the transform's fingerprint stays the same: every state of this
+        stream then carries the same object, which a checkpoint encodes (and digests) once, however many files
+        the dataset lists."""
+        key = json.dumps(self.transform_fingerprint, sort_keys=True, default=repr)
+        if self._fingerprint is None or self._fingerprint[0] != key:
+            self._fingerprint = (key, self.fingerprint())
+        return self._fingerprint[1]
 
     def topology(self) -> dict[str, int]:
         return {"rank": self.rank, "world_size": self.world_size, "num_workers": self.num_workers,
@@ -197,8 +213,10 @@ class StreamBase(torch.utils.data.IterableDataset):
                 "read copies of it: this object does not know what they consumed (and they prefetch ahead). "
                 "Read it through resumable_stream.loader.StreamLoader(stream, batch_size, num_workers=...) and "
                 "take the state from the StreamLoader (state_dict / save_sidecar), or read it without workers")
-        parts = {p: (partitions or {}).get(p) or self.partition_state(p) for p in self.partitions}
-        return {"format_version": FORMAT_VERSION, "kind": self.kind, "fingerprint": self.fingerprint(),
+        given = partitions or {}
+        parts = {p: self.state_type.from_dict(given[p], f"partition {p}").to_dict() if p in given
+                 else self.partition_state(p).to_dict() for p in self.partitions}
+        return {"format_version": FORMAT_VERSION, "kind": self.kind, "fingerprint": self.state_fingerprint(),
                 "topology": self.topology(), "turn": self._turn, "partitions": parts}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
@@ -224,7 +242,8 @@ class StreamBase(torch.utils.data.IterableDataset):
                                       "after the topology change; load a stream_state or checkpoint directory so "
                                       "they are gathered from every rank's file")
         for p in self.partitions:
-            self._restore_partition(p, saved[p], where, verify_next_sample)
+            self._restore_partition(p, self.state_type.from_dict(saved[p], f"{where}: partition {p}"), where,
+                                    verify_next_sample)
         self._turn = int(state.get("turn", 0)) if same else 0
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded state
             self.set_epoch(self._epoch_limit)
@@ -244,7 +263,7 @@ class StreamBase(torch.utils.data.IterableDataset):
             # a bare stream (e.g. peek) reading a training checkpoint: it shows raw samples from the
             # cursor; the transform's state is the loader's to check
             saved_fp = {k: v for k, v in saved_fp.items() if k != "transform"}
-        check_fingerprint(saved_fp, self.fingerprint(), where)
+        check_fingerprint(saved_fp, self.state_fingerprint(), where)
 
     def adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
         """Check a saved topology against this stream's; take its num_partitions when data.num_partitions

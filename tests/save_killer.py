@@ -35,15 +35,15 @@ def loaded_index(state_dir: str, digests: list[tuple]) -> int | str:
     except SidecarError as e:
         return f"error: {e}"
     ps = state["partitions"][0]
-    return digests.index((ps.consumed, ps.next_sample_digest, ps.consumed_digest))
+    return digests.index((ps["consumed"], ps["next_sample_digest"], ps["consumed_digest"]))
 
 
 def main() -> None:
     states_dir, state_dir, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     states = [sc.read_state_file(os.path.join(states_dir, f"{k}.safetensors"))
               for k in range(len(os.listdir(states_dir)))]
-    digests = [(s["partitions"][0].consumed, s["partitions"][0].next_sample_digest,
-                s["partitions"][0].consumed_digest) for s in states]
+    digests = [(s["partitions"][0]["consumed"], s["partitions"][0]["next_sample_digest"],
+                s["partitions"][0]["consumed_digest"]) for s in states]
     rng = random.Random(seed)
     sc.write_rank_file(state_dir, 0, states[0])     # the first complete save: from here on there is an old state
     sc.write_manifest(state_dir, 1)

@@ -37,10 +37,10 @@ def test_state_counts_consumed_not_prefetched_batches(setup, num_workers, consum
     head = [_ids(next(it)) for _ in range(consumed)]
     state = loader.state_dict()
     # workers have prefetched ahead; the state must only count what was handed out
-    total = sum(ps.consumed for ps in state["partitions"].values())
+    total = sum(ps["consumed"] for ps in state["partitions"].values())
     assert total == consumed * 8
     if num_workers == 2:
-        counts = sorted(ps.consumed for ps in state["partitions"].values())
+        counts = sorted(ps["consumed"] for ps in state["partitions"].values())
         assert counts == sorted([((consumed + 1) // 2) * 8, (consumed // 2) * 8])
     # an uninterrupted run continues with exactly what a run resumed from this state yields
     more = [_ids(next(it)) for _ in range(12)]
@@ -162,7 +162,7 @@ def test_plain_dataloader_with_workers_refuses_to_report_a_state(setup, tmp_path
     cfg, source = setup
     stream = ResumableStream(cfg, rank=0, world_size=1, num_workers=2, source=source)
     fresh = stream.state_dict()        # nothing read yet: the start is the true position
-    assert sum(ps.consumed for ps in fresh["partitions"].values()) == 0
+    assert sum(ps["consumed"] for ps in fresh["partitions"].values()) == 0
     loader = torch.utils.data.DataLoader(stream, batch_size=4, num_workers=2, collate_fn=list)
     batches = list(itertools.islice(loader, 5))
     assert len(batches) == 5
@@ -175,7 +175,7 @@ def test_plain_dataloader_with_workers_refuses_to_report_a_state(setup, tmp_path
     plain = ResumableStream(cfg, rank=0, world_size=1, source=source)
     head = [row["id"] for b in itertools.islice(torch.utils.data.DataLoader(plain, batch_size=4, collate_fn=list), 3)
             for row in b]
-    assert sum(ps.consumed for ps in plain.state_dict()["partitions"].values()) == len(head) == 12
+    assert sum(ps["consumed"] for ps in plain.state_dict()["partitions"].values()) == len(head) == 12
 
 
 def test_stream_loader_save_sidecar_writes_the_manifest_of_one_rank(setup, tmp_path):

@@ -94,12 +94,12 @@ def test_consumed_digest_identifies_what_was_consumed(cfg, source, tmp_path):
     b = ResumableStream(cfg, rank=0, world_size=1, source=source)
     take_ids(a, 100)
     take_ids(b, 100)
-    assert a.state_dict()["partitions"][0].consumed_digest == b.state_dict()["partitions"][0].consumed_digest
+    assert a.state_dict()["partitions"][0]["consumed_digest"] == b.state_dict()["partitions"][0]["consumed_digest"]
     take_ids(b, 1)
-    assert a.state_dict()["partitions"][0].consumed_digest != b.state_dict()["partitions"][0].consumed_digest
+    assert a.state_dict()["partitions"][0]["consumed_digest"] != b.state_dict()["partitions"][0]["consumed_digest"]
     c = ResumableStream(cfg.replace(shuffle_seed=1), rank=0, world_size=1, source=source)
     take_ids(c, 100)
-    assert c.state_dict()["partitions"][0].consumed_digest != a.state_dict()["partitions"][0].consumed_digest
+    assert c.state_dict()["partitions"][0]["consumed_digest"] != a.state_dict()["partitions"][0]["consumed_digest"]
 
 
 def test_consumed_digest_is_kept_up_as_samples_are_consumed(cfg, source, monkeypatch):
@@ -344,4 +344,4 @@ def test_what_describes_the_dataset_is_written_once_per_job(cfg, source, tmp_pat
     for ck, seed, consumed in (("ck2", 42, 10), ("ck3", 42, 10), ("ck4", 5, 5)):
         fresh = ResumableStream(cfg.replace(shuffle_seed=seed), rank=0, world_size=1, source=source)
         fresh.load_sidecar(tmp_path / ck)
-        assert fresh.state_dict()["partitions"][0].consumed == consumed
+        assert fresh.state_dict()["partitions"][0]["consumed"] == consumed
