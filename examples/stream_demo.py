@@ -29,7 +29,7 @@ DEFAULT_CONFIG = os.path.join(HERE, "tiny", "stream.yaml")
 def run_child(args: argparse.Namespace) -> None:
     """One 'training' process: every rank takes a batch per step; checkpoints every N steps."""
     from resumable_stream import ResumableStream, StreamConfig
-    from resumable_stream.sidecar import write_manifest
+    from resumable_stream.checkpoint import finish
 
     cfg = StreamConfig.from_yaml(args.config)
     start_step = 0
@@ -50,7 +50,7 @@ def run_child(args: argparse.Namespace) -> None:
             state_dir = os.path.join(args.out, "checkpoints", f"checkpoint-{step}", "stream_state")
             for s in streams:              # every rank writes its own sidecar ...
                 s.save_sidecar(state_dir)
-            write_manifest(state_dir, args.world_size)   # ... then rank 0 completes the checkpoint
+            finish(state_dir, args.world_size)   # ... then rank 0 completes the checkpoint (the manifest)
         print(f"step {step}", flush=True)
         time.sleep(args.step_sleep)
 

@@ -111,7 +111,7 @@ def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
                 f"{where}: the saved stream state is rank {saved.get('rank')}'s, this is rank {now.get('rank')}; "
                 f"load the matching rank's file (or the stream_state / checkpoint directory). accelerate's "
                 f"register_for_checkpointing saves the main process's state only: save every rank's with "
-                f"save_sidecar(dir) (rank 0 adds sidecar.write_manifest) and load it with load_sidecar(dir). "
+                f"save_sidecar(dir) (rank 0 adds checkpoint.finish) and load it with load_sidecar(dir). "
                 f"Differences:\n{_describe(diffs)}", diffs)
         return True
     if not elastic:

@@ -57,7 +57,7 @@ def cmd_peek(args: argparse.Namespace) -> int:
             and os.path.exists(os.path.join(args.save_state, MANIFEST))):
         # one rank's new file next to a complete state would leave the old manifest naming the old files
         raise ConfigError(f"--save-state: got {args.save_state!r}, which already holds a complete state; allowed "
-                          "with --world-size > 1: a new directory (then sidecar.write_manifest once every rank "
+                          "with --world-size > 1: a new directory (then checkpoint.finish once every rank "
                           "saved) or a .safetensors file")
     stream = open_stream(cfg, rank=args.rank, world_size=args.world_size, num_workers=args.num_workers)
     fields = None

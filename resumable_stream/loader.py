@@ -18,6 +18,7 @@ every partition continues from its cursor and the rotations start afresh.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch.utils.data
@@ -134,8 +135,8 @@ class _BatchProducer(torch.utils.data.IterableDataset):
 
     def _item(self, partition: int, batch: list, keys: list[str], proc) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
-        if proc is not None:
-            snapshot.extra = proc.state()
+        if proc is not None:     # a state of its own (the stream's may be handed out again while unmoved)
+            snapshot = replace(snapshot, extra=proc.state())
         return {"batch": self.collate_fn(batch), "partition": partition, "snapshot": snapshot, "keys": keys}
 
 
@@ -242,7 +243,7 @@ class StreamLoader:
             if snap is None:       # nothing consumed from it since start / resume: its starting state
                 snap = self.stream.partition_state(p)
                 if p in self._carries:
-                    snap.extra = self._carries[p]
+                    snap = replace(snap, extra=self._carries[p])
             parts[p] = snap
         state = self.stream.state_dict(parts)
         state["turn"] = self._turn

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -180,6 +181,7 @@ class PartitionReader:
         self._window: Window | None = None
         self._open: dict[int, _OpenShard] = {}   # shards left open by the last window, by position
         self._hashed: tuple[Window, int, Any] | None = None   # (window, rows hashed, running hash of them)
+        self._last_state: PartitionState | None = None          # the last state made (see state())
         self.cursor = cursor or Cursor()
 
     # ------------------------------------------------------------------ state
@@ -224,9 +226,15 @@ class PartitionReader:
     def epoch(self) -> int:
         return self._start.epoch
 
-    def state(self, next_sample_digest: str, epoch_rows: int | None) -> PartitionState:
-        """Where this partition stands (O(1): the window's start cursor is shared, not copied)."""
-        return PartitionState(self._start, self.offset, self.consumed_digest(), next_sample_digest, epoch_rows)
+    def state(self, next_sample_digest: Callable[[], str], epoch_rows: int | None) -> PartitionState:
+        """Where this partition stands: O(1) (the window's start cursor is shared, not copied), and the same
+        object again while the partition has not moved, so a state_dict over many partitions costs what the
+        ones that moved cost. Treat it as read-only (``dataclasses.replace`` to change it)."""
+        known = self._last_state
+        if known is None or known.start is not self._start or known.offset != self.offset:
+            known = self._last_state = PartitionState(self._start, self.offset, self.consumed_digest(),
+                                                      next_sample_digest(), epoch_rows)
+        return known
 
     def set_state(self, state: PartitionState) -> None:
         """Continue from ``state`` (validated by the caller)."""

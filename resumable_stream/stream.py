@@ -163,7 +163,7 @@ class ResumableStream(StreamBase):
         the loader takes one after every batch)."""
         reader = self._readers[partition]
         win = reader.window(rollover=True)   # the next sample is needed for its digest
-        return reader.state(sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
+        return reader.state(lambda: sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
 
     def _epoch_rows(self, epoch: int, partition: int) -> int | None:
         """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch

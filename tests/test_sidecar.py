@@ -345,3 +345,47 @@ def test_what_describes_the_dataset_is_written_once_per_job(cfg, source, tmp_pat
         fresh = ResumableStream(cfg.replace(shuffle_seed=seed), rank=0, world_size=1, source=source)
         fresh.load_sidecar(tmp_path / ck)
         assert fresh.state_dict()["partitions"][0]["consumed"] == consumed
+
+
+def test_an_unmoved_partition_gives_the_same_state_and_a_moved_one_a_new_one(cfg, source):
+    """state_dict over many partitions costs what the partitions that moved cost; the loader's carries never
+    end up in the stream's own states."""
+    from resumable_stream.loader import StreamLoader
+
+    s = ResumableStream(cfg.replace(num_partitions=4), rank=0, world_size=1, source=source)
+    take_ids(s, 10)
+    before = {p: s.partition_state(p) for p in s.partitions}
+    assert all(s.partition_state(p) is before[p] for p in s.partitions)
+    take_ids(s, 1)                                      # the main process moved exactly one partition
+    moved = [p for p in s.partitions if s.partition_state(p) is not before[p]]
+    assert len(moved) == 1 and s.partition_state(moved[0]).consumed == before[moved[0]].consumed + 1
+
+    class Carry:                                        # a transform whose state is a count
+        def __init__(self):
+            self.n, self.out = 0, []
+
+        def feed(self, sample, key, source=None):
+            self.n += 1
+            self.out.append({"id": sample["id"], "keys": [key]})
+
+        def ready(self):
+            return len(self.out)
+
+        def take(self):
+            return self.out.pop(0)
+
+        def state(self):
+            return {"meta": {"n": self.n}, "tensors": {}}
+
+        def load_state(self, st):
+            self.n = st["meta"]["n"]
+
+        def fingerprint(self):
+            return {"carry": 1}
+
+    one = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    loader = StreamLoader(one, batch_size=4, processor_factory=Carry)
+    it = iter(loader)
+    next(it)
+    assert loader.state_dict()["partitions"][0]["extra"]["meta"]["n"] >= 4
+    assert one.partition_state(0).extra is None
