@@ -167,3 +167,18 @@ def test_resume_in_a_new_process_via_cli(parquet_60, tmp_path):
     assert tail.returncode == 0, tail.stderr
     got = [json.loads(line)["id"] for line in head.stdout.splitlines() + tail.stdout.splitlines()]
     assert len(reference) == 1500 and got == reference
+
+
+def test_a_state_dict_is_plain_values_that_torch_loads_with_weights_only(parquet_small, tmp_path):
+    """state_dict() holds ints, strings and lists (the typed states' to_dict()), so a user's torch.save of it
+    loads with torch.load(weights_only=True), the default since torch 2.6, and resumes exactly."""
+    import torch
+
+    cfg = parquet_config(parquet_small, shuffle=True, buffer_size=64, num_partitions=3)
+    source = _source(cfg)
+    first = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    take_ids(first, 77)
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert take_ids(resumed, 50) == take_ids(first, 50)
