@@ -91,6 +91,13 @@ class Window:
         return dict(zip(self.names, self.rows[i]))
 
 
+def _indices(positions: np.ndarray) -> pa.Array:
+    """``positions`` as an Arrow int64 array, made from its buffer: ``pa.array(numpy)`` would import pandas
+    (~0.3 s) the first time it runs."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(positions), [None, pa.py_buffer(positions)])
+
+
 _LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -136,7 +143,7 @@ class _OpenShard:
                 keep = np.nonzero(raw % self._step == self._phase)[0]
                 if len(keep) == 0:
                     continue
-                table, raw = table.take(pa.array(keep)), raw[keep]
+                table, raw = table.take(_indices(keep)), raw[keep]
             if n:
                 self._buf, self._buf_rows = table, raw
                 return True
@@ -297,7 +304,7 @@ class PartitionReader:
         sids, rids = np.concatenate(shard_ids), np.concatenate(row_ids)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            table = table.take(pa.array(perm))
+            table = table.take(_indices(perm))
             sids, rids = sids[perm], rids[perm]
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
