@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from . import row_group_check
 from .errors import SourceError, StreamMismatchError
 from .index import footer_digest, parse_footer, row_group_layout
+from .local_parquet import cast_like_datasets, simple_schema
 from .ranged import ObjectChanged, WrongBytes, read_range
 
 log = logging.getLogger(__name__)
@@ -84,15 +85,18 @@ class ParquetFiles:
     """The row groups of the files of a dataset index (picklable: DataLoader workers get a copy)."""
 
     def __init__(self, index: dict[str, Any], storage_options: dict, footers: dict[str, bytes] | None = None):
-        import datasets
-
         self._files = index["files"]
         # footers already read by whoever built the index (path -> bytes; still checked against its digest):
         # a rank or DataLoader worker given them reads no footer itself
         self.footers: dict[str, bytes] = dict(footers or {})
         self._storage_options = storage_options
-        self.features = datasets.Features.from_dict(index["features"])
-        self._schema = self.features.arrow_schema
+        self._features = index["features"]
+        # plain columns: the schema datasets would cast to, made without importing it (local_parquet.py)
+        self._schema = simple_schema(self._features)
+        if self._schema is None:
+            import datasets
+
+            self._schema = datasets.Features.from_dict(self._features).arrow_schema
         self._forget()
 
     def _forget(self) -> None:
@@ -112,8 +116,15 @@ class ParquetFiles:
         self._forget()
 
     @property
+    def features(self):
+        """The index's features as ``datasets.Features`` (imports datasets)."""
+        import datasets
+
+        return datasets.Features.from_dict(self._features)
+
+    @property
     def column_names(self) -> list[str]:
-        return list(self.features)
+        return list(self._features)
 
     def metadata(self, file: int) -> pq.FileMetaData:
         """The footer of file ``file``, checked against the index: read once per process; threads that ask
@@ -163,13 +174,16 @@ class ParquetFiles:
     def row_group(self, file: int, group: int) -> pa.Table:
         """Row group ``group`` of file ``file`` as one table, cast to the index's features, once its bytes
         passed every check."""
-        from datasets.table import table_cast
-
         entry = self._files[file]
         md = self.metadata(file)
         table = read_checked(f"data file {entry['path']!r} (row group {group})",
                              lambda: self._decoded(entry, md, group))
-        return table_cast(table, self._schema)
+        cast = cast_like_datasets(table, self._schema)     # no value to cast: datasets' result, without it
+        if cast is None:
+            from datasets.table import table_cast
+
+            cast = table_cast(table, self._schema)
+        return cast
 
     def _decoded(self, entry: dict, md: pq.FileMetaData, group: int) -> pa.Table:
         _, start, end = entry["row_groups"][group]

@@ -48,6 +48,7 @@ from .index import (
     map_files,
     split_footer,
 )
+from .local_parquet import resolve_local_parquet
 from .parquet_files import ParquetFiles, read_checked
 from .prefetch import Prefetcher
 from .ranged import read_range
@@ -301,7 +302,7 @@ def _flat_files(data_files: object) -> list[str]:
 def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *_flat_files(data_files)] if is_remote(p)]
-    if targets:
+    if targets or path == "parquet":     # datasets' packaged parquet builder, never a hub id
         return targets
     import datasets.config
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
@@ -820,6 +821,9 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
         return source_from_index(cfg, index, retry, footers)
     footers = {}
     files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    if files is None and not targets:
+        # local parquet: resolved as datasets resolves it, without datasets (None: datasets resolves it)
+        files = resolve_local_parquet(cfg, path, data_files)
     if files is not None:
         return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = resolve_files(cfg, path, data_files, targets, retry)
