@@ -660,7 +660,10 @@ class StreamingSource(Source):
         if parquet is not None:
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
             if prefetch_blocks > 0:
-                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
+                # local files: decoding is the work, so no more threads than cores (more only slow the row
+                # groups needed first); remote ones: the prefetcher's own count, for concurrent requests
+                threads = None if retry is not None else max(1, min(prefetch_blocks, os.cpu_count() or 1))
+                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, threads)
 
     @property
     def footers(self) -> dict[str, bytes]:
