@@ -13,6 +13,7 @@ to the index's features exactly as ``datasets``' parquet builder casts them, so 
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import row_group_check
+from .arrow_pool import rows_pool
 from .errors import SourceError, StreamMismatchError
 from .index import footer_digest, parse_footer, row_group_layout
 from .local_parquet import cast_like_datasets, simple_schema
@@ -48,6 +50,30 @@ def read_checked(what: str, fn: Callable[[], T]) -> T:
     except WrongBytes as e:
         raise SourceError(f"{what}: {e} (on two reads in a row: the server, or a cache or proxy in between, "
                           "answers with other bytes than the file's; nothing of it was used)") from None
+
+
+# what pq.ParquetFile(source, metadata=..., pre_buffer=False, page_checksum_verification=True) opens its reader
+# with, less the metadata (ParquetFile enables Arrow extension types where its reader does not by default)
+_OPEN_OPTIONS: dict[str, Any] = {"pre_buffer": False, "page_checksum_verification": True}
+_extensions = inspect.signature(pq.ParquetFile.__init__).parameters.get("arrow_extensions_enabled")
+if _extensions is not None:
+    _OPEN_OPTIONS["arrow_extensions_enabled"] = _extensions.default
+
+
+def read_row_group(source, metadata: pq.FileMetaData, group: int) -> pa.Table:
+    """``pq.ParquetFile(source, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
+    .read_row_group(group)``, allocated from :func:`rows_pool`. Pre-buffering is off: the bytes are in memory
+    already, and a pre-buffering task on Arrow's IO threads would hold this Python file past the read
+    (released by a C++ thread, maybe at interpreter exit)."""
+    pool = rows_pool()
+    if pool is not None:
+        from pyarrow._parquet import ParquetReader
+
+        reader = ParquetReader(memory_pool=pool)
+        reader.open(source, metadata=metadata, **_OPEN_OPTIONS)
+        return reader.read_row_group(group, column_indices=None, use_threads=True)
+    return pq.ParquetFile(source, metadata=metadata, pre_buffer=False,
+                          page_checksum_verification=True).read_row_group(group)
 
 
 class _Span(io.RawIOBase):
@@ -189,10 +215,7 @@ class ParquetFiles:
         _, start, end = entry["row_groups"][group]
         data = read_range(entry["path"], start, end, self._storage_options, entry)
         try:
-            # pre_buffer off: the bytes are in memory already, and a pre-buffering task on Arrow's IO threads
-            # would hold this Python file past the read (released by a C++ thread, maybe at interpreter exit)
-            table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md, pre_buffer=False,
-                                   page_checksum_verification=True).read_row_group(group)
+            table = read_row_group(_Span(start, data, entry["size"]), md, group)
         except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not this row group's
             raise WrongBytes(f"its bytes do not decode ({type(e).__name__}: {e})") from None
         problem = row_group_check.problem(table, md, group)

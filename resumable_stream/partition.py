@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from .arrow_pool import rows_pool
 from .errors import SourceError
 from .plan import Layout, window_permutation
 
@@ -304,7 +306,7 @@ class PartitionReader:
         sids, rids = np.concatenate(shard_ids), np.concatenate(row_ids)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            table = table.take(_indices(perm))
+            table = pc.take(table, _indices(perm), memory_pool=rows_pool())
             sids, rids = sids[perm], rids[perm]
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]

@@ -234,3 +234,38 @@ def test_local_parquet_starts_and_resumes_without_datasets(plain_dir, tmp_path):
     again = run("resume")
     assert first["imported"] == [] and again["imported"] == []
     assert again["ids"][0] not in first["ids"]
+
+
+def test_row_groups_decode_as_parquet_file_decodes_them(tmp_path, monkeypatch):
+    """Our reader (allocating from the system pool) gives pq.ParquetFile's tables, nested and dictionary
+    columns included; ARROW_DEFAULT_MEMORY_POOL set: pyarrow's default pool, as the user chose."""
+    import pyarrow as pa
+
+    from resumable_stream import arrow_pool, parquet_files
+
+    table = pa.table({"i": pa.array([1, None, 3] * 40, pa.int64()), "s": ["a", "bb", None] * 40,
+                      "l": pa.array([[1, 2], None, []] * 40, pa.list_(pa.int32())),
+                      "st": pa.array([{"x": 1}, None, {"x": 3}] * 40, pa.struct([("x", pa.int16())])),
+                      "d": pa.array(["u", "v", "u"] * 40).dictionary_encode()})
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(table, path, row_group_size=50)
+    md = pq.read_metadata(path)
+    assert arrow_pool.rows_pool().backend_name == "system"
+    for group in range(md.num_row_groups):
+        ours = parquet_files.read_row_group(path, md, group)
+        theirs = pq.ParquetFile(path, metadata=md, pre_buffer=False).read_row_group(group)
+        assert ours.equals(theirs, check_metadata=True) and ours.schema == theirs.schema
+    monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "mimalloc")
+    assert arrow_pool.rows_pool() is None
+    assert parquet_files.read_row_group(path, md, 1).equals(pq.ParquetFile(path).read_row_group(1))
+
+
+@pytest.mark.parametrize("blocks,interleave", [(0, 4), (1, 4), (8, 4), (8, 1), (256, 4), (256, 64)])
+def test_local_prefetch_depth_keeps_the_next_shards_in_flight_and_no_more(plain_dir, blocks, interleave):
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(plain_dir, "*.parquet"),
+                       prefetch_blocks=blocks, interleave_shards=interleave)
+    src = open_source(cfg)
+    want = min(blocks, max(os.cpu_count() or 1, interleave))
+    assert src.prefetch_depth == want
+    assert src._prefetch is None if not blocks else src._prefetch._threads == min(blocks, os.cpu_count() or 1)
+    src.close()
