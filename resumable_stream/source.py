@@ -660,8 +660,8 @@ class StreamingSource(Source):
         if parquet is not None:
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
             if prefetch_blocks > 0:
-                # local files: decoding is the work, so no more threads than cores (more only slow the row
-                # groups needed first); remote ones: the prefetcher's own count, for concurrent requests
+                # local files: decoding is the work, so one thread per core (more only delay the row groups
+                # needed first); remote: the prefetcher's own count, for concurrent requests
                 threads = None if retry is not None else max(1, min(prefetch_blocks, os.cpu_count() or 1))
                 self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, threads)
 
@@ -873,7 +873,16 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
                            parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
-                           prefetch_blocks=cfg.prefetch_blocks)
+                           prefetch_blocks=prefetch_depth(cfg, retry.remote))
+
+
+def prefetch_depth(cfg: StreamConfig, remote: bool) -> int:
+    """Row groups fetched ahead per partition: ``data.prefetch_blocks``; for local files at most what keeps
+    the decoding threads busy and the row groups a window opens next in flight (one per core, at least
+    ``interleave_shards``): there is no latency to hide, and each one ahead is a decoded row group held."""
+    if remote or cfg.prefetch_blocks == 0:
+        return cfg.prefetch_blocks
+    return min(cfg.prefetch_blocks, max(os.cpu_count() or 1, cfg.interleave_shards))
 
 
 def _hub_not_found(e: BaseException) -> bool:
