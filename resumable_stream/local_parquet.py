@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -68,19 +69,66 @@ def _split_patterns(data_files: Any) -> dict[str, list[str]] | None:
 
 
 def _hidden_parts(path: str) -> int:
-    return sum(1 for part in PurePath(path).parts if part.startswith(".") and set(part) != {"."})
+    return sum(1 for part in PurePath(path).parts if _is_hidden(part))
 
 
 def _special_dirs(path: str) -> int:
     return sum(1 for part in PurePath(path).parent.parts if part.startswith("__"))
 
 
+def _is_hidden(part: str) -> bool:
+    return part.startswith(".") and set(part) != {"."}
+
+
+def _name_regex(part: str) -> re.Pattern:
+    """fsspec's glob translation of one path component made of literals, ``*`` and ``?``: ``*`` alone is one or
+    more characters, elsewhere (consecutive ones as one) any number, ``?`` one; never a ``/``."""
+    if part == "*":
+        return re.compile(r"(?s:[^/]+)\Z")
+    out: list[str] = []
+    for c in part:
+        if c == "*":
+            if not out or out[-1] != "[^/]*":
+                out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        else:
+            out.append(re.escape(c))
+    return re.compile(r"(?s:" + "".join(out) + r")\Z")
+
+
+def _scanned(pattern: str) -> list[str] | None:
+    """What fsspec's glob and datasets' filters make of an absolute, normalized ``pattern`` whose wildcards
+    (``*``, ``?``) are all in its last component, read with one ``os.scandir`` (importing fsspec costs more than
+    the whole listing); None for any other pattern, or when the directory cannot be listed."""
+    if not pattern.startswith("/") or os.path.normpath(pattern) != pattern or "[" in pattern or "**" in pattern:
+        return None
+    directory, name = os.path.split(pattern)
+    if "*" in directory or "?" in directory:
+        return None
+    if "*" not in name and "?" not in name:
+        return [pattern] if os.path.isfile(pattern) else None      # a missing one: datasets' error
+    regex = _name_regex(name)
+    ignored = set(FILES_TO_IGNORE) - {name}
+    try:
+        with os.scandir(directory) as entries:
+            found = [(e.name, e.is_file(follow_symlinks=False) or (
+                e.is_symlink() and os.path.isfile(os.path.realpath(e.path)))) for e in entries]
+    except OSError:
+        return None
+    return sorted(os.path.join(directory, n) for n, is_file in found
+                  if is_file and regex.match(n) and n not in ignored and _is_hidden(n) == _is_hidden(name))
+
+
 def _resolve_pattern(pattern: str, base_path: str) -> list[str]:
     """datasets.data_files.resolve_pattern for a local pattern (no protocol, no ``::``)."""
-    from fsspec.core import url_to_fs
-
     if not os.path.isabs(pattern):
         pattern = os.path.join(base_path, pattern)
+    scanned = _scanned(pattern)
+    if scanned is not None:
+        return scanned
+    from fsspec.core import url_to_fs
+
     fs, fs_pattern = url_to_fs(pattern)
     ignored = set(FILES_TO_IGNORE) - {os.path.basename(Path(pattern).as_posix())}
     out = []

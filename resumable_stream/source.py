@@ -111,6 +111,16 @@ def builder_args(cfg: StreamConfig) -> tuple[str, object]:
 
 def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
     """Size plus whatever version marker the filesystem gives (mtime, ETag, Last-Modified, blob id)."""
+    if path.startswith("/"):
+        # a local absolute path: fsspec's LocalFileSystem.info is a stat (of the target of a link) and gives
+        # these two; importing fsspec would cost more than all of a local dataset's stats
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise SourceError(f"data file {path!r}: not found") from None
+        except OSError as e:
+            raise SourceError(f"data file {path!r}: cannot read its metadata ({type(e).__name__}: {e})") from None
+        return {"path": path, "size": st.st_size, "mtime": round(st.st_mtime, 6)}
     import fsspec
 
     def fetch() -> dict:

@@ -217,13 +217,13 @@ s = ResumableStream(cfg)
 rows = [r["id"] for r in itertools.islice(s, 50)]
 if sys.argv[2] == "save":
     s.save_sidecar(sys.argv[3])
-print(json.dumps({"ids": rows, "imported": sorted(m for m in ("datasets", "pandas") if m in sys.modules)}))
+print(json.dumps({"ids": rows, "imported": sorted(m for m in ("datasets", "pandas", "fsspec") if m in sys.modules)}))
 """
 
 
 def test_local_parquet_starts_and_resumes_without_datasets(plain_dir, tmp_path):
     """A fresh start and a resume from a state directory (the index saved with it; files verified) import
-    neither datasets nor pandas (~0.75 s of CPU together)."""
+    neither datasets nor pandas (~0.75 s of CPU together), nor fsspec for a plain glob."""
     def run(mode):
         out = subprocess.run([sys.executable, "-c", _NO_DATASETS, os.path.join(plain_dir, "*.parquet"), mode,
                               str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
@@ -269,3 +269,24 @@ def test_local_prefetch_depth_keeps_the_next_shards_in_flight_and_no_more(plain_
     assert src.prefetch_depth == want
     assert src._prefetch is None if not blocks else src._prefetch._threads == min(blocks, os.cpu_count() or 1)
     src.close()
+
+
+@pytest.mark.parametrize("i", range(26))
+def test_the_directory_scan_is_fsspecs_glob(tree, i, monkeypatch):
+    """Plain patterns are listed with one os.scandir: the same files as through fsspec's glob."""
+    from resumable_stream import local_parquet
+
+    monkeypatch.chdir(tree)
+    patterns = _patterns(tree)[i]
+    for pattern in [patterns] if isinstance(patterns, str) else (
+            patterns if isinstance(patterns, list) else list(patterns.values())):
+        for p in [pattern] if isinstance(pattern, str) else pattern:
+            if ":" in p:
+                continue
+            full = p if os.path.isabs(p) else os.path.join(os.path.realpath(tree), p)
+            scanned = local_parquet._scanned(full)
+            if scanned is None:
+                continue
+            with monkeypatch.context() as mp:
+                mp.setattr(local_parquet, "_scanned", lambda pattern: None)
+                assert scanned == local_parquet._resolve_pattern(full, "/"), p
