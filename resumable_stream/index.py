@@ -87,20 +87,28 @@ def file_entry(identity: dict, footer: bytes) -> dict[str, Any]:
             "row_groups": row_group_layout(md)}
 
 
-def features_of(footer: bytes, path: str):
-    """The features ``datasets``' parquet builder infers from a file: those of its arrow schema."""
-    import datasets
+def features_of(footer: bytes, path: str) -> dict[str, Any]:
+    """The features ``datasets``' parquet builder infers from a file, those of its arrow schema, as a dict
+    (``Features.to_dict()``). Plain columns need no ``datasets`` (``local_parquet.simple_features``)."""
+    from .local_parquet import simple_features
 
     try:
         schema = pq.read_schema(pa.BufferReader(footer))
     except Exception as e:
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
-    return datasets.Features.from_arrow_schema(schema)
+    simple = simple_features(schema)
+    if simple is not None:
+        return simple
+    import datasets
+
+    return datasets.Features.from_arrow_schema(schema).to_dict()
 
 
 def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]:
+    """``features``: a ``datasets.Features`` (a dict too) or its ``to_dict()``."""
     return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "resolution": resolution_key(cfg),
-            "builder": builder, "features": features.to_dict(), "files": files}
+            "builder": builder, "features": features.to_dict() if hasattr(features, "to_dict") else features,
+            "files": files}
 
 
 def identity_of(entry: dict) -> dict[str, Any]:

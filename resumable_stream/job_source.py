@@ -31,6 +31,7 @@ from .index import (
     same_resolution,
     save_index,
 )
+from .local_parquet import resolve_local_parquet
 from .source import (
     RetryPolicy,
     Source,
@@ -109,7 +110,9 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
     retry = RetryPolicy(cfg, remote=bool(targets))
     listed = [f["path"] for f in index["files"]]
     if explicit_urls(cfg, path, data_files) is None:
-        files = resolve_files(cfg, path, data_files, targets, retry)[1]
+        files = None if targets else resolve_local_parquet(cfg, path, data_files)   # local parquet: no datasets
+        if files is None:
+            files = resolve_files(cfg, path, data_files, targets, retry)[1]
         if files != listed:
             if not given:
                 return None

@@ -13,6 +13,7 @@ to the index's features exactly as ``datasets``' parquet builder casts them, so 
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -25,8 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import row_group_check
+from .arrow_pool import rows_pool
 from .errors import SourceError, StreamMismatchError
 from .index import footer_digest, parse_footer, row_group_layout
+from .local_parquet import cast_like_datasets, simple_schema
 from .ranged import ObjectChanged, WrongBytes, read_range
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,30 @@ def read_checked(what: str, fn: Callable[[], T]) -> T:
     except WrongBytes as e:
         raise SourceError(f"{what}: {e} (on two reads in a row: the server, or a cache or proxy in between, "
                           "answers with other bytes than the file's; nothing of it was used)") from None
+
+
+# what pq.ParquetFile(source, metadata=..., pre_buffer=False, page_checksum_verification=True) opens its reader
+# with, less the metadata (ParquetFile enables Arrow extension types where its reader does not by default)
+_OPEN_OPTIONS: dict[str, Any] = {"pre_buffer": False, "page_checksum_verification": True}
+_extensions = inspect.signature(pq.ParquetFile.__init__).parameters.get("arrow_extensions_enabled")
+if _extensions is not None:
+    _OPEN_OPTIONS["arrow_extensions_enabled"] = _extensions.default
+
+
+def read_row_group(source, metadata: pq.FileMetaData, group: int) -> pa.Table:
+    """``pq.ParquetFile(source, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
+    .read_row_group(group)``, allocated from :func:`rows_pool`. Pre-buffering is off: the bytes are in memory
+    already, and a pre-buffering task on Arrow's IO threads would hold this Python file past the read
+    (released by a C++ thread, maybe at interpreter exit)."""
+    pool = rows_pool()
+    if pool is not None:
+        from pyarrow._parquet import ParquetReader
+
+        reader = ParquetReader(memory_pool=pool)
+        reader.open(source, metadata=metadata, **_OPEN_OPTIONS)
+        return reader.read_row_group(group, column_indices=None, use_threads=True)
+    return pq.ParquetFile(source, metadata=metadata, pre_buffer=False,
+                          page_checksum_verification=True).read_row_group(group)
 
 
 class _Span(io.RawIOBase):
@@ -84,15 +111,18 @@ class ParquetFiles:
     """The row groups of the files of a dataset index (picklable: DataLoader workers get a copy)."""
 
     def __init__(self, index: dict[str, Any], storage_options: dict, footers: dict[str, bytes] | None = None):
-        import datasets
-
         self._files = index["files"]
         # footers already read by whoever built the index (path -> bytes; still checked against its digest):
         # a rank or DataLoader worker given them reads no footer itself
         self.footers: dict[str, bytes] = dict(footers or {})
         self._storage_options = storage_options
-        self.features = datasets.Features.from_dict(index["features"])
-        self._schema = self.features.arrow_schema
+        self._features = index["features"]
+        # plain columns: the schema datasets would cast to, made without importing it (local_parquet.py)
+        self._schema = simple_schema(self._features)
+        if self._schema is None:
+            import datasets
+
+            self._schema = datasets.Features.from_dict(self._features).arrow_schema
         self._forget()
 
     def _forget(self) -> None:
@@ -112,8 +142,15 @@ class ParquetFiles:
         self._forget()
 
     @property
+    def features(self):
+        """The index's features as ``datasets.Features`` (imports datasets)."""
+        import datasets
+
+        return datasets.Features.from_dict(self._features)
+
+    @property
     def column_names(self) -> list[str]:
-        return list(self.features)
+        return list(self._features)
 
     def metadata(self, file: int) -> pq.FileMetaData:
         """The footer of file ``file``, checked against the index: read once per process; threads that ask
@@ -163,22 +200,22 @@ class ParquetFiles:
     def row_group(self, file: int, group: int) -> pa.Table:
         """Row group ``group`` of file ``file`` as one table, cast to the index's features, once its bytes
         passed every check."""
-        from datasets.table import table_cast
-
         entry = self._files[file]
         md = self.metadata(file)
         table = read_checked(f"data file {entry['path']!r} (row group {group})",
                              lambda: self._decoded(entry, md, group))
-        return table_cast(table, self._schema)
+        cast = cast_like_datasets(table, self._schema)     # no value to cast: datasets' result, without it
+        if cast is None:
+            from datasets.table import table_cast
+
+            cast = table_cast(table, self._schema)
+        return cast
 
     def _decoded(self, entry: dict, md: pq.FileMetaData, group: int) -> pa.Table:
         _, start, end = entry["row_groups"][group]
         data = read_range(entry["path"], start, end, self._storage_options, entry)
         try:
-            # pre_buffer off: the bytes are in memory already, and a pre-buffering task on Arrow's IO threads
-            # would hold this Python file past the read (released by a C++ thread, maybe at interpreter exit)
-            table = pq.ParquetFile(_Span(start, data, entry["size"]), metadata=md, pre_buffer=False,
-                                   page_checksum_verification=True).read_row_group(group)
+            table = read_row_group(_Span(start, data, entry["size"]), md, group)
         except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not this row group's
             raise WrongBytes(f"its bytes do not decode ({type(e).__name__}: {e})") from None
         problem = row_group_check.problem(table, md, group)

@@ -48,6 +48,7 @@ from .index import (
     map_files,
     split_footer,
 )
+from .local_parquet import resolve_local_parquet
 from .parquet_files import ParquetFiles, read_checked
 from .prefetch import Prefetcher
 from .ranged import read_range
@@ -110,6 +111,16 @@ def builder_args(cfg: StreamConfig) -> tuple[str, object]:
 
 def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
     """Size plus whatever version marker the filesystem gives (mtime, ETag, Last-Modified, blob id)."""
+    if path.startswith("/"):
+        # a local absolute path: fsspec's LocalFileSystem.info is a stat (of the target of a link) and gives
+        # these two; importing fsspec would cost more than all of a local dataset's stats
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise SourceError(f"data file {path!r}: not found") from None
+        except OSError as e:
+            raise SourceError(f"data file {path!r}: cannot read its metadata ({type(e).__name__}: {e})") from None
+        return {"path": path, "size": st.st_size, "mtime": round(st.st_mtime, 6)}
     import fsspec
 
     def fetch() -> dict:
@@ -301,7 +312,7 @@ def _flat_files(data_files: object) -> list[str]:
 def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *_flat_files(data_files)] if is_remote(p)]
-    if targets:
+    if targets or path == "parquet":     # datasets' packaged parquet builder, never a hub id
         return targets
     import datasets.config
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
@@ -659,7 +670,10 @@ class StreamingSource(Source):
         if parquet is not None:
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
             if prefetch_blocks > 0:
-                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks)
+                # local files: decoding is the work, so one thread per core (more only delay the row groups
+                # needed first); remote: the prefetcher's own count, for concurrent requests
+                threads = None if retry is not None else max(1, min(prefetch_blocks, os.cpu_count() or 1))
+                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, threads)
 
     @property
     def footers(self) -> dict[str, bytes]:
@@ -820,6 +834,9 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
         return source_from_index(cfg, index, retry, footers)
     footers = {}
     files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    if files is None and not targets:
+        # local parquet: resolved as datasets resolves it, without datasets (None: datasets resolves it)
+        files = resolve_local_parquet(cfg, path, data_files)
     if files is not None:
         return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = resolve_files(cfg, path, data_files, targets, retry)
@@ -866,7 +883,16 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
                            parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
-                           prefetch_blocks=cfg.prefetch_blocks)
+                           prefetch_blocks=prefetch_depth(cfg, retry.remote))
+
+
+def prefetch_depth(cfg: StreamConfig, remote: bool) -> int:
+    """Row groups fetched ahead per partition: ``data.prefetch_blocks``; for local files at most what keeps
+    the decoding threads busy and the row groups a window opens next in flight (one per core, at least
+    ``interleave_shards``): there is no latency to hide, and each one ahead is a decoded row group held."""
+    if remote or cfg.prefetch_blocks == 0:
+        return cfg.prefetch_blocks
+    return min(cfg.prefetch_blocks, max(os.cpu_count() or 1, cfg.interleave_shards))
 
 
 def _hub_not_found(e: BaseException) -> bool:
