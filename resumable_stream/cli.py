@@ -75,7 +75,12 @@ def cmd_peek(args: argparse.Namespace) -> int:
             out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
         out.flush()
         if args.save_state:
-            path = stream.save_sidecar(args.save_state)
+            target = args.save_state
+            if args.world_size > 1 and not target.endswith(".safetensors"):
+                # one rank of several: its file whole (fingerprint included), so that it resumes on its own
+                # before any manifest exists; checkpoint.finish makes the directory a complete state later
+                target = os.path.join(target, rank_file_name(args.rank))
+            path = stream.save_sidecar(target)
             print(f"saved stream state after {args.num} samples to {path}", file=sys.stderr)
     finally:
         stream.close()   # readers stop here, not at interpreter teardown
