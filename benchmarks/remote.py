@@ -22,7 +22,11 @@ times, the best rate (and its figures) kept. Then the startup requests of ours f
 (torchrun, gloo: rank 0 resolves, the index is broadcast), from nothing to every rank's stream open.
 
     .venv/bin/python benchmarks/remote.py [--quick] [--rows N] [--row-groups 5000,16384] [--repeat 3]
-        [--readers ours,hf_plain,...] [--json out.json] [--data-dir DIR]
+        [--readers ours,hf_plain,...] [--s3 | --s3-only] [--json out.json] [--data-dir DIR]
+
+``--s3``: time to first sample over moto's S3 server on loopback (authentication on), ours and HF
+streaming, each in a fresh process, imports excluded, with the requests by kind and ours's phases
+(resolving the files with ``datasets``, building the index, the rest: the first window).
 """
 
 from __future__ import annotations
@@ -146,6 +150,77 @@ def _startup_requests(srv, urls: list[str], ranks: int, work: str) -> int:
     return srv.stats()["requests"]
 
 
+# ------------------------------------------------------------------------------ S3 (moto on loopback)
+_S3_CHILD = """
+import json, os, sys, time
+import datasets, s3fs  # noqa: F401  (imports before the clock)
+import resumable_stream  # noqa: F401
+t0 = time.perf_counter()
+reader, endpoint = sys.argv[1], sys.argv[2]
+phases = {}
+if reader == "ours":
+    from resumable_stream import ResumableStream, StreamConfig
+    import resumable_stream.source as S
+    for name in ("resolve_files", "build_parquet_index"):
+        def timed(*a, _f=getattr(S, name), _n=name, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                phases[_n] = (time.perf_counter() - t) * 1000
+        setattr(S, name, timed)
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files="s3://data/ds/*.parquet", shuffle=True,
+                       buffer_size=16384, storage_options={"endpoint_url": endpoint})
+    stream = ResumableStream(cfg)
+    phases["open"] = (time.perf_counter() - t0) * 1000
+    it = iter(stream)
+else:
+    ds = datasets.load_dataset("parquet", data_files="s3://data/ds/*.parquet", split="train", streaming=True,
+                               storage_options={"endpoint_url": endpoint})
+    it = iter(ds)
+next(it)
+print(json.dumps({"first_ms": (time.perf_counter() - t0) * 1000, "phases_ms": phases}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def s3_first_sample(path: str, repeat: int, readers: tuple[str, ...] = ("ours", "hf_plain")) -> dict:
+    """Time to first sample over moto's S3 server (tests/s3_server.py, authentication on) on 127.0.0.1, each
+    reader in a fresh process (imports excluded), best of ``repeat``; the requests of the best run by kind."""
+    from collections import Counter
+
+    from s3_server import S3Server
+
+    out: dict = {}
+    with S3Server(readable=("data",)) as srv:
+        s3 = srv.admin()
+        s3.create_bucket(Bucket="data")
+        for f in _common.parquet_files(path):
+            s3.upload_file(f, "data", "ds/" + os.path.basename(f))
+        env = {**os.environ, **srv.env(), "PYTHONPATH": _common.REPO_ROOT}
+        for reader in readers:
+            runs = []
+            for _ in range(repeat):
+                before = len(srv.requests)
+                res = subprocess.run([sys.executable, "-c", _S3_CHILD, reader, srv.endpoint], env=env,
+                                     capture_output=True, text=True, timeout=600)
+                if res.returncode != 0:
+                    raise RuntimeError(f"S3 {reader} failed:\n{res.stderr[-3000:]}")
+                run = json.loads(res.stdout.strip().splitlines()[-1])
+                with srv.lock:
+                    reqs = list(srv.requests[before:])
+                run["requests"] = dict(Counter(m for m, _ in reqs))
+                runs.append(run)
+            best = min(runs, key=lambda r: r["first_ms"])
+            out[reader] = {**best, "runs_first_ms": [r["first_ms"] for r in runs]}
+            phases = ", ".join(f"{k} {v:.0f} ms" for k, v in best.get("phases_ms", {}).items())
+            print(f"  S3 {reader:9s} first sample {best['first_ms']:6.0f} ms (runs: "
+                  f"{', '.join(f'{r:.0f}' for r in out[reader]['runs_first_ms'])}), requests {best['requests']}"
+                  + (f"; {phases}" if phases else ""), flush=True)
+    return out
+
+
 # ------------------------------------------------------------------------------ the run
 def _depth(res: dict) -> int | None:
     """The prefetch depth ours kept: the median of its depth at every hand-over (the fixed depth before)."""
@@ -244,6 +319,9 @@ def main() -> None:
     p.add_argument("--ranks", default="1,4,8", help="rank counts for the startup requests (default 1,4,8; "
                                                     "empty: none)")
     p.add_argument("--readers", default=",".join(READERS), help=f"readers to run (default {','.join(READERS)})")
+    p.add_argument("--s3", action="store_true", help="also: time to first sample over moto's S3 (16384-row "
+                                                     "row groups; needs moto and s3fs)")
+    p.add_argument("--s3-only", action="store_true", help="only the S3 first sample")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -265,7 +343,12 @@ def main() -> None:
     result = {"rows_total": total, "rows_per_reader": rows, "prefetch_blocks": args.prefetch, "repeat": args.repeat,
               "load_average_before": os.getloadavg(), "row_groups": []}
     ranks = tuple(int(x) for x in args.ranks.split(",") if x.strip())
-    for i, size in enumerate(sizes):
+    if args.s3 or args.s3_only:
+        s3_path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=4096 if args.quick else 16384)
+        result["s3_first_sample"] = s3_first_sample(s3_path, max(1, args.repeat),
+                                                    tuple(r for r in args.readers.split(",")
+                                                          if r in ("ours", "hf_plain")) or ("ours",))
+    for i, size in enumerate([] if args.s3_only else sizes):
         path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=size)
         result["row_groups"].append(bench(path, rows, args.prefetch, ranks if i == 0 else (),
                                           tuple(r for r in args.readers.split(",") if r in READERS), args.repeat,

@@ -682,6 +682,10 @@ class StreamingSource(Source):
         if self._prefetch is not None:
             self._prefetch.hint(partition, shards)
 
+    def prefetch_ahead(self, partition: int) -> int:
+        """How many of ``partition``'s next shards are worth hinting now (its adaptive depth, and a margin)."""
+        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
+
     def prefetch_stats(self) -> dict:
         """The prefetcher's depth, measurements and byte counters (prefetch.py); {} without prefetch."""
         return self._prefetch.stats() if self._prefetch is not None else {}
