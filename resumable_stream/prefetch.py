@@ -9,7 +9,7 @@ the reader then fetches the shard itself under the usual retries.
 **How far ahead** (the depth) adapts, per partition, to what is measured (Little's law): a fetch takes
 ``fetch_s`` (request latency + transfer + decoding, an average over the last fetches) and the consumer
 spends ``busy_s`` per row group when it does not wait for one (the interval between two hand-overs less
-the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides the latency. Higher
+the time it waited); keeping ``ceil(fetch_s / busy_s) + 1`` fetches ahead then hides the latency. Higher
 latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
 (the pipeline stays full between two windows). Before anything was measured the depth is
 ``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from .ranged import request_seconds
 
-INITIAL_DEPTH = 4           # fetches ahead per partition before a fetch and a consumer interval were measured
+INITIAL_DEPTH = 8           # fetches ahead per partition before a fetch and a consumer interval were measured
 DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
 MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
 INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
@@ -148,7 +148,7 @@ class Prefetcher:
         busy = state.busy_s if state is not None else None
         if self._fetch_s is None or busy is None:
             return min(self.cap, INITIAL_DEPTH)
-        need = math.ceil(self._fetch_s / max(busy, 1e-4))
+        need = math.ceil(self._fetch_s / max(busy, 1e-4)) + 1      # + 1: the fetch that jitter makes late
         return max(1, min(self.cap, need))
 
     def _reservation(self, shard: int) -> int:
