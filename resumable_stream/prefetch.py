@@ -216,6 +216,9 @@ class Prefetcher:
         me = me_ref()
         method = fetch()
         if me is None or method is None:
+            if me is not None:
+                with me._lock:
+                    me._release(shard, entry)
             entry.future.set_exception(RuntimeError("the source was closed"))
             return
         with me._lock:
