@@ -55,6 +55,17 @@ class Dropped(Exception):
     """A fetch ahead that was given up (over the budget, or no longer ahead): the reader reads the shard."""
 
 
+def _run(owner: weakref.ref, shard: int, entry: _Entry) -> None:
+    """A queued fetch holds its prefetcher (and so the source) weakly: a dropped source is not kept alive."""
+    if not entry.future.set_running_or_notify_cancel():
+        return
+    me = owner()
+    if me is None:
+        entry.future.set_exception(RuntimeError("the source was closed"))
+        return
+    me.run_fetch(shard, entry)
+
+
 def _shutdown(pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
@@ -204,36 +215,31 @@ class Prefetcher:
                 self._bytes += reserved
                 self._counts["started"] += 1
                 self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
-                self._pool.submit(self._run, weakref.ref(self), self._fetch, shard, entry)
+                self._pool.submit(_run, weakref.ref(self), shard, entry)
                 mine[owner] = mine.get(owner, 0) + 1
                 progress = True
 
-    @staticmethod
-    def _run(me_ref: weakref.ref, fetch: weakref.WeakMethod, shard: int, entry: _Entry) -> None:
-        """One fetch on a pool thread (a queued fetch must not keep a dropped source alive)."""
-        if not entry.future.set_running_or_notify_cancel():
-            return
-        me = me_ref()
-        method = fetch()
-        if me is None or method is None:
-            if me is not None:
-                with me._lock:
-                    me._release(shard, entry)
+    def run_fetch(self, shard: int, entry: _Entry) -> None:
+        """One fetch, on a pool thread (see ``_run``): the table, or the error the reader then meets."""
+        method = self._fetch()
+        if method is None:
+            with self._lock:
+                self._release(shard, entry)
             entry.future.set_exception(RuntimeError("the source was closed"))
             return
-        with me._lock:
-            me._running += 1
-            me._counts["peak_in_flight"] = max(me._counts["peak_in_flight"], me._running)
+        with self._lock:
+            self._running += 1
+            self._counts["peak_in_flight"] = max(self._counts["peak_in_flight"], self._running)
         t0, net0 = time.monotonic(), request_seconds()
         try:
             table = method(shard)
         except BaseException as e:              # handed to the reader, which reads the shard itself
-            me._finished(shard, entry, None, t0, 0.0)
+            self._finished(shard, entry, None, t0, 0.0)
             entry.future.set_exception(e)
             return
         del method
         net = request_seconds() - net0
-        if me._finished(shard, entry, table, t0, net):
+        if self._finished(shard, entry, table, t0, net):
             entry.future.set_result(table)
         else:
             entry.future.set_exception(Dropped(f"the fetch ahead of shard {shard} was dropped"))

@@ -72,22 +72,17 @@ def filesystem(protocol: str, storage_options: dict):
 
 
 def _session_of_this_process(protocol: str, options: dict):
-    """The aiobotocore session of an s3fs filesystem this process already made with the same options (the one
-    ``datasets`` listed the files with): a client made from it skips loading botocore's service models again
-    (~0.1-0.3 s per new session). The client itself (keys, endpoint, timeouts, retries) is ours. None if none."""
+    """The aiobotocore session of the s3fs filesystem this process already made with the same options (fsspec's
+    cached instance: the one ``datasets`` listed the files with): a client made from it skips loading
+    botocore's service models again (~0.1-0.3 s per new session). The client itself (keys, endpoint, timeouts,
+    retries) is ours. None when there is none yet (a cached instance is made lazily, without connecting)."""
     import fsspec
 
     try:
-        cls = fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError):
+        shared = fsspec.filesystem(protocol, **copy.deepcopy(options))
+    except Exception:                           # noqa: BLE001 - no sharing, a session of our own
         return None
-    probe = cls(skip_instance_cache=True, **options)        # no connection yet: what its session would be made of
-    for fs in list(getattr(cls, "_cache", {}).values()):
-        session = getattr(fs, "session", None)
-        if (session is not None and getattr(fs, "_session_is_owned", False) and getattr(fs, "kwargs", None) ==
-                probe.kwargs and getattr(fs, "_pid", os.getpid()) == os.getpid()):
-            return session
-    return None
+    return getattr(shared, "session", None)
 
 
 def listed_identities(paths: list[str], storage_options: dict) -> dict[str, dict]:
