@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Remote parquet over a slow server: ours (dataset index, plan-driven prefetch) vs HF streaming.
 
-The loopback test server (``tests/http_server.FileServer``) serves generated parquet (row groups of 16384
-rows) with a fixed latency per request and a bandwidth limit per response: 100 ms + 100 MB/s and
-30 ms + 20 MB/s. Each reader runs in its own process (clean peak RSS, no shared fsspec / HF caches) and
-reads the same number of rows:
+The loopback test server (``tests/http_server.FileServer``) serves generated parquet (1M rows in 16 files,
+row groups of 5,000 and of 16,384 rows: one data set each) with a fixed latency per request and a bandwidth
+limit per response: 100 ms + 100 MB/s and 30 ms + 20 MB/s. Each reader runs in its own process (clean peak
+RSS, no shared fsspec / HF caches) and reads the same number of rows:
 
-* ``ours``: ``ResumableStream`` shuffled (buffer 16384), cache off, default ``prefetch_blocks``;
+* ``ours``: ``ResumableStream`` shuffled (buffer 16384), cache off, adaptive prefetch depth (default
+  ``prefetch_memory_mb``; ``--prefetch N`` sets ``prefetch_blocks``, the cap);
 * ``hf_plain``: ``load_dataset("parquet", data_files=URLs, streaming=True)``;
 * ``hf_shuffled``: the same with ``.shuffle(buffer_size=16384)``;
 * ``ours_cold_cache``: ours with an empty block cache (prefetch on from the first miss, the cache filling
@@ -14,10 +15,18 @@ reads the same number of rows:
 * ``ours_warm``: ours from a block cache filled by a previous process (its requests: opening only).
 
 For each: rows/s (after the first sample), time to first sample (from process start of the reader,
-opening included), requests, peak RSS. Then the startup requests of ours for 1, 4 and 8 ranks
+opening included), requests, peak RSS; for ours also the prefetch depth it settled on (the depth of its
+last hints), the most fetches in flight at once, its bytes held at most, and the bound the concurrency
+allows, ``depth x rows per row group / latency``, beside the measured rate. ``--repeat N``: each reader N
+times, the best rate (and its figures) kept. Then the startup requests of ours for 1, 4 and 8 ranks
 (torchrun, gloo: rank 0 resolves, the index is broadcast), from nothing to every rank's stream open.
 
-    .venv/bin/python benchmarks/remote.py [--quick] [--rows N] [--json out.json] [--data-dir DIR]
+    .venv/bin/python benchmarks/remote.py [--quick] [--rows N] [--row-groups 5000,16384] [--repeat 3]
+        [--readers ours,hf_plain,...] [--s3 | --s3-only] [--json out.json] [--data-dir DIR]
+
+``--s3``: time to first sample over moto's S3 server on loopback (authentication on), ours and HF
+streaming, each in a fresh process, imports excluded, with the requests by kind and ours's phases
+(resolving the files with ``datasets``, building the index, the rest: the first window).
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ def _child(args: argparse.Namespace) -> None:
 
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=urls, shuffle=True, buffer_size=BUFFER,
                            cache_dir=args.cache_dir, prefetch_blocks=args.prefetch)
-        it = iter(ResumableStream(cfg))
+        stream = ResumableStream(cfg)
+        it = iter(stream)
     else:
         import datasets
 
@@ -72,15 +82,24 @@ def _child(args: argparse.Namespace) -> None:
         if n >= args.rows:
             break
     secs = time.perf_counter() - t1
-    print(json.dumps({"rows": n, "first_s": t_first, "rows_s": (n - 1) / secs if secs > 0 else float("inf"),
-                      "peak_rss_mib": _common.peak_rss_mib()}))
+    out = {"rows": n, "first_s": t_first, "rows_s": (n - 1) / secs if secs > 0 else float("inf"),
+           "peak_rss_mib": _common.peak_rss_mib()}
+    if args.reader.startswith("ours"):
+        src = getattr(stream.source, "inner", stream.source)
+        stats = src.prefetch_stats() if hasattr(src, "prefetch_stats") else (
+            {"depth": {0: src.prefetch_depth}} if getattr(src, "prefetch_depth", 0) else {})
+        if stats:
+            out["prefetch"] = {k: v for k, v in stats.items() if k in (
+                "depth", "depth_median", "fetch_s", "busy_s", "peak_bytes", "peak_in_flight", "started", "taken", "wasted",
+                "over_budget", "budget", "cap", "waited", "wait_s")}
+    print(json.dumps(out))
     sys.stdout.flush()
     os._exit(0)      # skip teardown (HF's streaming threads): the figures are out
 
 
-def _run_reader(reader: str, urls: list[str], rows: int, cache_dir: str | None, prefetch: int) -> dict:
+def _run_reader(reader: str, urls: list[str], rows: int, cache_dir: str | None, prefetch: int | None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", reader, "--urls", json.dumps(urls),
-           "--rows", str(rows), "--prefetch", str(prefetch)]
+           "--rows", str(rows)] + (["--prefetch", str(prefetch)] if prefetch is not None else [])
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_common.REPO_ROOT, os.environ.get("PYTHONPATH"))
@@ -91,14 +110,15 @@ def _run_reader(reader: str, urls: list[str], rows: int, cache_dir: str | None, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _fill_cache(urls: list[str], rows: int, cache_dir: str, prefetch: int) -> None:
+def _fill_cache(urls: list[str], rows: int, cache_dir: str, prefetch: int | None) -> None:
     code = ("import itertools, json, sys; from resumable_stream import ResumableStream, StreamConfig; "
-            "urls, rows, cache, depth = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]); "
+            "urls, rows, cache, depth = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], "
+            "json.loads(sys.argv[4]); "
             "s = ResumableStream(StreamConfig(dataset_name_or_path='parquet', data_files=urls, shuffle=True, "
             f"buffer_size={BUFFER}, cache_dir=cache, prefetch_blocks=depth)); "
             "[None for _ in itertools.islice(s, rows + 2 * " + str(BUFFER) + ")]; s.source.flush()")
     env = {**os.environ, "PYTHONPATH": _common.REPO_ROOT}
-    subprocess.run([sys.executable, "-c", code, json.dumps(urls), str(rows), cache_dir, str(prefetch)], env=env,
+    subprocess.run([sys.executable, "-c", code, json.dumps(urls), str(rows), cache_dir, json.dumps(prefetch)], env=env,
                    check=True, timeout=1800)
 
 
@@ -130,39 +150,152 @@ def _startup_requests(srv, urls: list[str], ranks: int, work: str) -> int:
     return srv.stats()["requests"]
 
 
+# ------------------------------------------------------------------------------ S3 (moto on loopback)
+_S3_CHILD = """
+import json, os, sys, time
+import datasets, s3fs  # noqa: F401  (imports before the clock)
+import resumable_stream  # noqa: F401
+t0 = time.perf_counter()
+reader, endpoint = sys.argv[1], sys.argv[2]
+phases = {}
+if reader == "ours":
+    from resumable_stream import ResumableStream, StreamConfig
+    import resumable_stream.source as S
+    for name in ("resolve_files", "build_parquet_index"):
+        def timed(*a, _f=getattr(S, name), _n=name, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                phases[_n] = (time.perf_counter() - t) * 1000
+        setattr(S, name, timed)
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files="s3://data/ds/*.parquet", shuffle=True,
+                       buffer_size=16384, storage_options={"endpoint_url": endpoint})
+    stream = ResumableStream(cfg)
+    phases["open"] = (time.perf_counter() - t0) * 1000
+    it = iter(stream)
+else:
+    ds = datasets.load_dataset("parquet", data_files="s3://data/ds/*.parquet", split="train", streaming=True,
+                               storage_options={"endpoint_url": endpoint})
+    it = iter(ds)
+next(it)
+print(json.dumps({"first_ms": (time.perf_counter() - t0) * 1000, "phases_ms": phases}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def s3_first_sample(path: str, repeat: int, readers: tuple[str, ...] = ("ours", "hf_plain")) -> dict:
+    """Time to first sample over moto's S3 server (tests/s3_server.py, authentication on) on 127.0.0.1, each
+    reader in a fresh process (imports excluded), best of ``repeat``; the requests of the best run by kind."""
+    from collections import Counter
+
+    from s3_server import S3Server
+
+    out: dict = {}
+    with S3Server(readable=("data",)) as srv:
+        s3 = srv.admin()
+        s3.create_bucket(Bucket="data")
+        for f in _common.parquet_files(path):
+            s3.upload_file(f, "data", "ds/" + os.path.basename(f))
+        env = {**os.environ, **srv.env(), "PYTHONPATH": _common.REPO_ROOT}
+        for reader in readers:
+            runs = []
+            for _ in range(repeat):
+                before = len(srv.requests)
+                res = subprocess.run([sys.executable, "-c", _S3_CHILD, reader, srv.endpoint], env=env,
+                                     capture_output=True, text=True, timeout=600)
+                if res.returncode != 0:
+                    raise RuntimeError(f"S3 {reader} failed:\n{res.stderr[-3000:]}")
+                run = json.loads(res.stdout.strip().splitlines()[-1])
+                with srv.lock:
+                    reqs = list(srv.requests[before:])
+                run["requests"] = dict(Counter(m for m, _ in reqs))
+                runs.append(run)
+            best = min(runs, key=lambda r: r["first_ms"])
+            out[reader] = {**best, "runs_first_ms": [r["first_ms"] for r in runs]}
+            phases = ", ".join(f"{k} {v:.0f} ms" for k, v in best.get("phases_ms", {}).items())
+            print(f"  S3 {reader:9s} first sample {best['first_ms']:6.0f} ms (runs: "
+                  f"{', '.join(f'{r:.0f}' for r in out[reader]['runs_first_ms'])}), requests {best['requests']}"
+                  + (f"; {phases}" if phases else ""), flush=True)
+    return out
+
+
 # ------------------------------------------------------------------------------ the run
-def bench(path: str, rows: int, prefetch: int, ranks: tuple[int, ...], readers: tuple[str, ...] = READERS) -> dict:
+def _depth(res: dict) -> int | None:
+    """The prefetch depth ours kept: the median of its depth at every hand-over (the fixed depth before)."""
+    pf = res.get("prefetch") or {}
+    if pf.get("depth_median"):
+        return pf["depth_median"]
+    depth = pf.get("depth") or {}
+    return max(depth.values()) if depth else None
+
+
+def _best(runs: list[dict]) -> dict:
+    best = max(runs, key=lambda r: r["rows_s"])
+    return {**best, "runs_rows_s": [r["rows_s"] for r in runs], "runs_first_s": [r["first_s"] for r in runs]}
+
+
+def bench(path: str, rows: int, prefetch: int | None, ranks: tuple[int, ...], readers: tuple[str, ...] = READERS,
+          repeat: int = 1, conditions: tuple = CONDITIONS) -> dict:
     from http_server import FileServer
 
     files = _common.parquet_files(path)
-    out: dict = {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "conditions": []}
+    import pyarrow.parquet as pq
+
+    rg_rows = pq.ParquetFile(files[0]).metadata.row_group(0).num_rows
+    out: dict = {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "row_group_rows": rg_rows,
+                 "conditions": []}
     work = tempfile.mkdtemp(prefix="rs-bench-remote-")
     try:
         with FileServer(path) as srv:
             urls = [srv.url(os.path.basename(f)) for f in files]
-            for latency, bandwidth in CONDITIONS:
+            for latency, bandwidth in conditions:
                 srv.latency_s, srv.bandwidth_bps = latency, bandwidth
                 cond = {"latency_s": latency, "bandwidth_mb_s": bandwidth / 1e6, "readers": {}}
-                print(f"  {latency * 1000:.0f} ms + {bandwidth / 1e6:.0f} MB/s, {rows:,} rows per reader", flush=True)
+                print(f"  {latency * 1000:.0f} ms + {bandwidth / 1e6:.0f} MB/s, row groups of {rg_rows:,} rows, "
+                      f"{rows:,} rows per reader, best of {repeat}", flush=True)
                 cache = os.path.join(work, f"cache-{latency}")
                 for reader in readers:
-                    if reader == "ours_warm":
-                        _fill_cache(urls, rows, cache, prefetch)
-                    srv.reset_stats()
-                    cache_dir = {"ours_warm": cache, "ours_cold_cache": os.path.join(work, f"cold-{latency}")}.get(reader)
-                    res = _run_reader(reader, urls, rows, cache_dir, prefetch)
-                    res["requests"] = srv.stats()["requests"]
-                    cond["readers"][reader] = res
-                    print(f"    {reader:12s} {res['rows_s']:12,.0f} rows/s  first sample {res['first_s']:6.2f} s  "
-                          f"{res['requests']:5d} requests  peak RSS {res['peak_rss_mib']:7.0f} MiB", flush=True)
+                    runs = []
+                    for k in range(repeat):
+                        if reader == "ours_warm" and k == 0:
+                            _fill_cache(urls, rows, cache, prefetch)
+                        cold = os.path.join(work, f"cold-{latency}-{k}")
+                        srv.reset_stats()
+                        cache_dir = {"ours_warm": cache, "ours_cold_cache": cold}.get(reader)
+                        res = _run_reader(reader, urls, rows, cache_dir, prefetch)
+                        st = srv.stats()
+                        res["requests"], res["max_in_flight"] = st["requests"], st["max_in_flight"]
+                        runs.append(res)
+                    res = cond["readers"][reader] = _best(runs)
+                    line = (f"    {reader:15s} {res['rows_s']:10,.0f} rows/s  first sample {res['first_s']:6.2f} s  "
+                            f"{res['requests']:5d} requests  peak RSS {res['peak_rss_mib']:5.0f} MiB")
+                    depth = _depth(res)
+                    if depth:
+                        bound = depth * rg_rows / latency
+                        res["depth"], res["bound_rows_s"], res["of_bound"] = depth, bound, res["rows_s"] / bound
+                        pf = res.get("prefetch") or {}
+                        line += (f"  depth {depth} -> bound {bound:,.0f} rows/s ({res['of_bound']:.2f}x of it)")
+                        if pf.get("peak_bytes") is not None:
+                            busy = max((pf.get("busy_s") or {0: None}).values(), key=lambda v: v or 0)
+                            line += (f", {pf['peak_in_flight']} fetches at once, "
+                                     f"peak {pf['peak_bytes'] / 2**20:.1f} MiB held; fetch "
+                                     f"{(pf.get('fetch_s') or 0) * 1000:.0f} ms, consumer "
+                                     f"{(busy or 0) * 1000:.1f} ms per row group; waited {pf.get('waited')} "
+                                     f"times, {pf.get('wait_s', 0):.2f} s")
+                    print(line, flush=True)
                 r = cond["readers"]
-                if {"ours", "hf_plain", "hf_shuffled"} <= set(r):
-                    cond["ours_over_hf_plain"] = r["ours"]["rows_s"] / r["hf_plain"]["rows_s"]
-                    cond["ours_over_hf_shuffled"] = r["ours"]["rows_s"] / r["hf_shuffled"]["rows_s"]
-                    print(f"    ours / HF plain {cond['ours_over_hf_plain']:.2f}x, ours / HF shuffled "
-                          f"{cond['ours_over_hf_shuffled']:.2f}x", flush=True)
+                for peer in ("hf_plain", "hf_shuffled"):
+                    if "ours" in r and peer in r:
+                        cond[f"ours_over_{peer}"] = r["ours"]["rows_s"] / r[peer]["rows_s"]
+                if "ours_over_hf_plain" in cond or "ours_over_hf_shuffled" in cond:
+                    print("    ours / HF plain " + (f"{cond['ours_over_hf_plain']:.2f}x" if "ours_over_hf_plain" in cond
+                                                   else "-") + ", ours / HF shuffled "
+                          + (f"{cond['ours_over_hf_shuffled']:.2f}x" if "ours_over_hf_shuffled" in cond else "-"),
+                          flush=True)
                 out["conditions"].append(cond)
-            srv.latency_s, srv.bandwidth_bps = CONDITIONS[0]
+            srv.latency_s, srv.bandwidth_bps = conditions[0]
             out["startup_requests"] = {}
             for w in ranks:
                 out["startup_requests"][w] = _startup_requests(srv, urls, w, work)
@@ -177,10 +310,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="200k rows in 16 files, 60k rows per reader")
     p.add_argument("--rows", type=int, default=None, help="rows per reader (default 300000, quick 60000)")
-    p.add_argument("--prefetch", type=int, default=8, help="data.prefetch_blocks for ours (default 8)")
+    p.add_argument("--row-groups", default=None, help="row-group sizes, one data set each (default 5000,16384; "
+                                                      "quick 4096)")
+    p.add_argument("--prefetch", type=int, default=None, help="data.prefetch_blocks for ours (default: null, "
+                                                              "adaptive)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per reader, the best kept (default 1)")
+    p.add_argument("--conditions", default=None, help="latency_ms:MB_s pairs (default 100:100,30:20)")
     p.add_argument("--ranks", default="1,4,8", help="rank counts for the startup requests (default 1,4,8; "
                                                     "empty: none)")
     p.add_argument("--readers", default=",".join(READERS), help=f"readers to run (default {','.join(READERS)})")
+    p.add_argument("--s3", action="store_true", help="also: time to first sample over moto's S3 (16384-row "
+                                                     "row groups; needs moto and s3fs)")
+    p.add_argument("--s3-only", action="store_true", help="only the S3 first sample")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -194,11 +335,26 @@ def main() -> None:
         return
     total = 200_000 if args.quick else 1_000_000
     rows = args.rows or (60_000 if args.quick else 300_000)
-    path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=4096 if args.quick else 16384)
-    print(f"remote parquet benchmark: {total:,} rows in 16 files ({platform.machine()}, {os.cpu_count()} CPUs)")
-    result = {"rows_total": total, "rows_per_reader": rows, "prefetch_blocks": args.prefetch,
-              **bench(path, rows, args.prefetch, tuple(int(x) for x in args.ranks.split(",") if x.strip()),
-                      tuple(r for r in args.readers.split(",") if r in READERS))}
+    sizes = [int(x) for x in (args.row_groups or ("4096" if args.quick else "5000,16384")).split(",")]
+    conditions = CONDITIONS if not args.conditions else tuple(
+        (float(a) / 1000, float(b) * 1e6) for a, b in (c.split(":") for c in args.conditions.split(",")))
+    print(f"remote parquet benchmark: {total:,} rows in 16 files ({platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f})")
+    result = {"rows_total": total, "rows_per_reader": rows, "prefetch_blocks": args.prefetch, "repeat": args.repeat,
+              "load_average_before": os.getloadavg(), "row_groups": []}
+    ranks = tuple(int(x) for x in args.ranks.split(",") if x.strip())
+    if args.s3 or args.s3_only:
+        s3_path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=4096 if args.quick else 16384)
+        result["s3_first_sample"] = s3_first_sample(s3_path, max(1, args.repeat),
+                                                    tuple(r for r in args.readers.split(",")
+                                                          if r in ("ours", "hf_plain")) or ("ours",))
+    for i, size in enumerate([] if args.s3_only else sizes):
+        path = _common.dataset_dir(args.data_dir, total, 16, row_group_size=size)
+        result["row_groups"].append(bench(path, rows, args.prefetch, ranks if i == 0 else (),
+                                          tuple(r for r in args.readers.split(",") if r in READERS), args.repeat,
+                                          conditions))
+    result["load_average_after"] = os.getloadavg()
+    print(f"load average after: {result['load_average_after'][0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -82,7 +82,13 @@ _RULES: dict[str, tuple[Any, str]] = {
     "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
                    "null or the path of a dataset index file (written by `resumable-stream index`)"),
     "verify_files": (lambda v: isinstance(v, bool), "true or false"),
-    "prefetch_blocks": (lambda v: _is_int(v) and 0 <= v <= 256, "an integer from 0 (off) to 256 (row groups)"),
+    "prefetch_blocks": (lambda v: v is None or (_is_int(v) and 0 <= v <= 256),
+                        "null (adaptive, at most 64) or an integer from 0 (off) to 256: the most row groups fetched "
+                        "ahead per partition"),
+    "prefetch_memory_mb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+                           and 1 <= v <= 1_048_576,
+                           "a number of MiB from 1 to 1048576: the bytes the row groups fetched ahead may hold, "
+                           "in flight and decoded, per process"),
     "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
                         "null or a mapping of fsspec filesystem options (e.g. endpoint_url for s3://), flat or "
                         "keyed by protocol"),
@@ -117,7 +123,8 @@ class StreamConfig:
     elastic: bool = False               # resume a checkpoint on other ranks / workers
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
     verify_files: bool = True           # re-check each file's identity against a saved / given index
-    prefetch_blocks: int = 8            # parquet row groups fetched ahead per partition (0: off)
+    prefetch_blocks: int | None = None  # most parquet row groups fetched ahead per partition (None: adaptive; 0: off)
+    prefetch_memory_mb: float = 256     # what the row groups fetched ahead may hold per process (in flight + decoded)
     storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
     source_file: str | None = field(default=None, compare=False, repr=False)
 
@@ -269,7 +276,7 @@ MIXTURE_KEYS = ("sources", "stopping")
 # section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
-               "retry_budget_s", "prefetch_blocks", "storage_options", "weight", "label")
+               "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "weight", "label")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -139,6 +139,11 @@ class _OpenShard:
         self._buf_rows = np.empty(0, dtype=np.int64)
         _LIVE_SHARDS.add(self)
 
+    @property
+    def unread(self) -> bool:
+        """Opened but nothing read yet (the source has not been asked for its rows: a prefetch still applies)."""
+        return self._buf is None and self._raw_start == self.next_row
+
     def close(self) -> None:
         """Stop reading: close the source's generator chain now (not at garbage collection)."""
         tables, self._tables = self._tables, iter(())
@@ -295,8 +300,9 @@ class PartitionReader:
             return pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
 
         prefetch = getattr(self.source, "prefetch", None)
-        if prefetch is not None:   # the shards this window (re)opens, then the next ones of the plan
-            prefetch(self.partition, [shard_list[pos] for pos, row in start.slots if not continues(pos, row)]
+        if prefetch is not None:   # the shards this window (re)opens or opened unread, then the next ones of the plan
+            prefetch(self.partition, [shard_list[pos] for pos, row in start.slots
+                                      if not continues(pos, row) or live[pos].unread]
                      + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]))
         slots = [
             live[pos] if continues(pos, row)

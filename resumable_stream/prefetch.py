@@ -3,55 +3,144 @@
 The plan says which shards a partition opens next, in order; the partition reader hints them here and
 the source starts fetching them on a small thread pool (ranged reads run concurrently, decoding to Arrow
 happens off the consumer's thread). A shard's table is handed over only when the reader opens that
-shard, so rows and their order are the plan's, never arrival order. At most ``depth`` tables are fetched
-or held per partition read by the process (the memory bound: ``depth`` decoded row groups each). A failed fetch is simply dropped:
+shard, so rows and their order are the plan's, never arrival order. A failed fetch is simply dropped:
 the reader then fetches the shard itself under the usual retries.
+
+**How far ahead** (the depth) adapts, per partition, to what is measured (Little's law): a fetch takes
+``fetch_s`` (request latency + transfer + decoding, an average over the last fetches) and the consumer
+spends ``busy_s`` per row group when it does not wait for one (the interval between two hand-overs less
+the time it waited); keeping ``ceil(fetch_s / busy_s) + 1`` fetches ahead then hides the latency. Higher
+latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
+(the pipeline stays full between two windows). Before anything was measured the depth is
+``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
+
+**Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
+starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
+so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
+decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
+than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
+prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
+the budget is not fetched ahead.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import pyarrow as pa
+
+from .ranged import request_seconds
+
+INITIAL_DEPTH = 8           # fetches ahead per partition before a fetch and a consumer interval were measured
+DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
+MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
+INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
+_DECAY = 0.95               # weight of the past in the consumer's decayed average (~50 hand-overs)
+_NET = 32                   # fetches whose network time the depth is taken from
+_NET_QUANTILE = 0.25        # ... which of them: a low one, the link's latency rather than its queueing (the
+                            # requests a deeper prefetch adds slow down a busy server: that must not deepen it)
+WARMUP = 8                  # hand-overs measured before the consumer's rate is trusted
+_DEPTHS = 4096              # hand-overs whose depth stats() summarises
+
+
+class Dropped(Exception):
+    """A fetch ahead that was given up (over the budget, or no longer ahead): the reader reads the shard."""
+
+
+def _run(owner: weakref.ref, shard: int, entry: _Entry) -> None:
+    """A queued fetch holds its prefetcher (and so the source) weakly: a dropped source is not kept alive."""
+    if not entry.future.set_running_or_notify_cancel():
+        return
+    me = owner()
+    if me is None:
+        entry.future.set_exception(RuntimeError("the source was closed"))
+        return
+    me.run_fetch(shard, entry)
 
 
 def _shutdown(pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _call(fetch: weakref.WeakMethod, shard: int) -> pa.Table:
-    """Run a fetch whose owner may be gone (a queued fetch must not keep a dropped source alive)."""
-    method = fetch()
-    if method is None:
-        raise RuntimeError("the source was closed")
-    return method(shard)
+@dataclass
+class _Entry:
+    owner: int
+    future: Future
+    reserved: int               # bytes counted against the budget for this fetch (its real size once decoded)
+    done_at: float | None = None
+    state: str = "pending"      # "taken" by the reader (its bytes are the reader's now), or "dropped"
+
+
+@dataclass
+class _Owner:
+    """One partition's hinted plan and its consumption measurements."""
+
+    queue: list[int] = field(default_factory=list)     # hinted shards not yet started, in plan order
+    last_take: float | None = None                     # when the reader last took a table
+    last_wait: float = 0.0                             # how long it waited for that one
+    busy_sum: float = 0.0                              # consumer time between hand-overs (decayed sum)
+    busy_n: float = 0.0                                # hand-overs measured (decayed count)
+    measured: int = 0                                  # hand-overs measured (all)
+
+    @property
+    def busy_s(self) -> float | None:
+        """Consumer time per row group: a decayed average over the last ~``1 / (1 - _DECAY)`` hand-overs,
+        None until ``WARMUP`` were measured (a window's first hand-overs come in a burst)."""
+        return self.busy_sum / self.busy_n if self.measured >= WARMUP and self.busy_n > 0 else None
 
 
 class Prefetcher:
-    """Futures of the next shards' tables, at most ``depth`` per partition (picklable: workers start empty)."""
+    """Futures of the next shards' tables (picklable: a DataLoader worker's copy starts empty).
 
-    def __init__(self, fetch: Callable[[int], pa.Table], depth: int, threads: int | None = None):
+    ``fetch(shard)`` makes the table; ``size(shard)`` says how many bytes the fetch transfers (the row
+    group's byte span; None: unknown, then only ``cap`` bounds it)."""
+
+    def __init__(self, fetch: Callable[[int], pa.Table], cap: int | None = None, budget: int | None = None,
+                 size: Callable[[int], int | None] | None = None, threads: int | None = None):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
-        self._fetch, self.depth = weakref.WeakMethod(fetch), depth
-        self._threads = threads or max(1, min(depth, 8))
+        self._fetch = weakref.WeakMethod(fetch)
+        self._size = weakref.WeakMethod(size) if size is not None and hasattr(size, "__self__") else size
+        self.cap = DEFAULT_CAP if cap is None else int(cap)
+        self.budget = budget
+        self._threads = threads or max(1, min(self.cap, MAX_THREADS))
         self._reset()
 
     def _reset(self) -> None:
-        self._pending: OrderedDict[int, tuple[int, Future]] = OrderedDict()
+        self._pending: OrderedDict[int, _Entry] = OrderedDict()
+        self._owners: dict[int, _Owner] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._fetch_s: float | None = None        # one fetch's requests (a low quantile of the last _NET fetches)
+        self._net: list[float] = []
+        self._depths: list[int] = []              # the depth at the last _DEPTHS hand-overs
+        self._ratio: float | None = None          # largest decoded / fetched bytes seen
+        self._bytes = 0                           # reserved (in flight) + held (decoded, not taken)
+        self._counts = {"started": 0, "taken": 0, "wasted": 0, "failed": 0, "over_budget": 0,
+                        "peak_bytes": 0, "peak_in_flight": 0,
+                        "waited": 0, "wait_s": 0.0}
+        self._running = 0
 
     def __getstate__(self) -> dict:
-        return {"fetch": self._fetch(), "depth": self.depth, "threads": self._threads}
+        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+        return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": size,
+                "threads": self._threads}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["fetch"], state["depth"], state["threads"])
+        self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"])
+
+    @property
+    def depth(self) -> int:
+        """The most fetches ahead per partition (the cap; ``depth_for`` says what is used now)."""
+        return self.cap
 
     def _ready(self) -> None:
         if self._pid != os.getpid():          # a forked DataLoader worker: the parent's threads are not here
@@ -60,36 +149,208 @@ class Prefetcher:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="rs-prefetch")
             weakref.finalize(self, _shutdown, self._pool)
 
+    # ------------------------------------------------------------------ the depth
+    def depth_for(self, owner: int) -> int:
+        """Fetches to keep ahead for ``owner`` now: enough to cover one fetch's time at its consumption
+        rate (Little's law), at most the cap."""
+        if self.cap <= 0:
+            return 0
+        state = self._owners.get(owner)
+        busy = state.busy_s if state is not None else None
+        if self._fetch_s is None or busy is None:
+            return min(self.cap, INITIAL_DEPTH)
+        need = math.ceil(self._fetch_s / max(busy, 1e-4)) + 1      # + 1: the fetch that jitter makes late
+        return max(1, min(self.cap, need))
+
+    def _reservation(self, shard: int) -> int:
+        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+        n = size(shard) if size is not None else None
+        if n is None:
+            return 0
+        return int(n * (1.0 + (self._ratio if self._ratio is not None else INITIAL_RATIO)))
+
+    # ------------------------------------------------------------------ hints and hand-overs
     def hint(self, owner: int, shards: list[int]) -> None:
-        """``owner`` (a partition) opens ``shards`` next, in this order: fetch the first ``depth`` of them;
-        its earlier hints that are no longer among them are cancelled (a new epoch, a loaded cursor)."""
-        if self.depth <= 0:
+        """``owner`` (a partition) opens ``shards`` next, in this order: fetch the first of them ahead; its
+        earlier hints that are no longer among them are cancelled (a new epoch, a loaded cursor)."""
+        if self.cap <= 0:
             return
-        ahead = list(dict.fromkeys(shards))[: self.depth]
+        order = list(dict.fromkeys(shards))
         with self._lock:
             self._ready()
-            for shard, (who, fut) in list(self._pending.items()):
-                if who == owner and shard not in ahead:
-                    fut.cancel()
-                    del self._pending[shard]
-            for shard in ahead:
-                if shard not in self._pending:
-                    self._pending[shard] = (owner, self._pool.submit(_call, self._fetch, shard))
+            state = self._owners.setdefault(owner, _Owner())
+            wanted = set(order)
+            for shard, entry in list(self._pending.items()):
+                if entry.owner == owner and shard not in wanted:
+                    self._forget(shard, entry, wasted=True)
+            state.queue = [s for s in order if s not in self._pending]
+            self._top_up()
+
+    def _top_up(self) -> None:
+        """Start the next hinted fetches of every partition while its depth and the budget allow (lock held)."""
+        mine: dict[int, int] = {}
+        for entry in self._pending.values():
+            mine[entry.owner] = mine.get(entry.owner, 0) + 1
+        progress = True
+        while progress:                        # round robin over the partitions: one fetch each per turn
+            progress = False
+            for owner, state in self._owners.items():
+                if not state.queue or mine.get(owner, 0) >= self.depth_for(owner):
+                    continue
+                shard = state.queue[0]
+                if shard in self._pending:     # hinted by another partition too (it takes it first)
+                    state.queue.pop(0)
+                    progress = True
+                    continue
+                reserved = self._reservation(shard)
+                if self.budget is not None and (reserved > self.budget or self._bytes + reserved > self.budget):
+                    if reserved > self.budget:     # never fits: the reader fetches this one itself
+                        state.queue.pop(0)
+                        progress = True
+                    continue
+                state.queue.pop(0)
+                future: Future = Future()
+                entry = _Entry(owner, future, reserved)
+                self._pending[shard] = entry
+                self._bytes += reserved
+                self._counts["started"] += 1
+                self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
+                self._pool.submit(_run, weakref.ref(self), shard, entry)
+                mine[owner] = mine.get(owner, 0) + 1
+                progress = True
+
+    def run_fetch(self, shard: int, entry: _Entry) -> None:
+        """One fetch, on a pool thread (see ``_run``): the table, or the error the reader then meets."""
+        method = self._fetch()
+        if method is None:
+            with self._lock:
+                self._release(shard, entry)
+            entry.future.set_exception(RuntimeError("the source was closed"))
+            return
+        with self._lock:
+            self._running += 1
+            self._counts["peak_in_flight"] = max(self._counts["peak_in_flight"], self._running)
+        t0, net0 = time.monotonic(), request_seconds()
+        try:
+            table = method(shard)
+        except BaseException as e:              # handed to the reader, which reads the shard itself
+            self._finished(shard, entry, None, t0, 0.0)
+            entry.future.set_exception(e)
+            return
+        del method
+        net = request_seconds() - net0
+        if self._finished(shard, entry, table, t0, net):
+            entry.future.set_result(table)
+        else:
+            entry.future.set_exception(Dropped(f"the fetch ahead of shard {shard} was dropped"))
+
+    def _finished(self, shard: int, entry: _Entry, table: pa.Table | None, t0: float, net: float) -> bool:
+        """Account a finished fetch; False when its table does not fit the budget (then it is dropped)."""
+        now = time.monotonic()
+        with self._lock:
+            self._running -= 1
+            entry.done_at = now
+            if table is None:
+                self._counts["failed"] += 1
+                self._release(shard, entry)
+                return False
+            took = net if net > 0 else now - t0      # its requests' time (decoding is the consumer side's CPU)
+            self._net.append(took)
+            del self._net[:-_NET]
+            self._fetch_s = sorted(self._net)[int(len(self._net) * _NET_QUANTILE)]
+            size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+            fetched = size(shard) if size is not None else None
+            if fetched:
+                ratio = table.nbytes / fetched
+                self._ratio = ratio if self._ratio is None else max(self._ratio, ratio)
+            if entry.state == "taken":         # the reader waits for it: its bytes are the reader's now
+                return True
+            if entry.state != "pending":       # cancelled meanwhile: nobody takes it
+                return False
+            held = table.nbytes
+            if self.budget is not None and self._bytes - entry.reserved + held > self.budget:
+                self._counts["over_budget"] += 1
+                self._release(shard, entry)
+                return False
+            self._bytes += held - entry.reserved
+            entry.reserved = held
+            self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
+            self._top_up()
+            return True
+
+    def _release(self, shard: int, entry: _Entry) -> None:
+        if self._pending.get(shard) is entry:
+            entry.state = "dropped"
+            del self._pending[shard]
+            self._bytes -= entry.reserved
+            if self._pool is not None:
+                self._top_up()
+
+    def _forget(self, shard: int, entry: _Entry, wasted: bool) -> None:
+        entry.future.cancel()
+        entry.state = "dropped"
+        del self._pending[shard]
+        self._bytes -= entry.reserved
+        if wasted:
+            self._counts["wasted"] += 1
 
     def take(self, shard: int) -> Future | None:
-        """The fetch of ``shard`` if one was started (it is handed over once)."""
+        """The fetch of ``shard`` if one was started (it is handed over once); the next hinted fetch starts."""
+        now = time.monotonic()
         with self._lock:
             if self._pid != os.getpid():
                 self._reset()
             entry = self._pending.pop(shard, None)
-            return entry[1] if entry is not None else None
+            if entry is None:
+                for state in self._owners.values():       # read by the reader itself: no longer ahead
+                    if shard in state.queue:
+                        state.queue.remove(shard)
+                        state.last_take = None            # its own fetch is no consumer time
+                return None
+            entry.state = "taken"
+            self._bytes -= entry.reserved
+            self._counts["taken"] += 1
+            state = self._owners.get(entry.owner)
+            if state is not None:
+                if state.last_take is not None:
+                    busy = max(0.0, now - state.last_take - state.last_wait)
+                    state.busy_sum = state.busy_sum * _DECAY + busy
+                    state.busy_n = state.busy_n * _DECAY + 1
+                    state.measured += 1
+                state.last_take = now
+                state.last_wait = 0.0
+                self._depths.append(self.depth_for(entry.owner))
+                del self._depths[:-_DEPTHS]
+                if entry.done_at is None:          # the reader waits for it: that wait is no consumer time
+                    self._counts["waited"] += 1
+                    entry.future.add_done_callback(lambda _f, s=state, t=now: self._waited(s, t))
+            if self._pool is not None:
+                self._top_up()
+            return entry.future
+
+    def _waited(self, state: _Owner, since: float) -> None:
+        state.last_wait = max(0.0, time.monotonic() - since)
+        self._counts["wait_s"] += state.last_wait
+
+    def stats(self) -> dict:
+        """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in
+        flight now and at most so far (never above ``budget``), fetches started / taken / wasted / failed /
+        dropped over the budget, the most fetches running at once."""
+        with self._lock:
+            return {"cap": self.cap, "budget": self.budget, "fetch_s": self._fetch_s, "ratio": self._ratio,
+                    "depth": {o: self.depth_for(o) for o in self._owners},
+                    "depth_median": sorted(self._depths)[len(self._depths) // 2] if self._depths else None,
+                    "busy_s": {o: s.busy_s for o, s in self._owners.items()},
+                    "bytes": self._bytes, "in_flight": self._running, "pending": len(self._pending),
+                    **self._counts}
 
     def drop(self) -> None:
         """Forget every pending fetch (a new epoch / a loaded cursor: the hinted plan is no longer ahead)."""
         with self._lock:
-            for _, fut in self._pending.values():
-                fut.cancel()
-            self._pending.clear()
+            for shard, entry in list(self._pending.items()):
+                self._forget(shard, entry, wasted=False)
+            for state in self._owners.values():
+                state.queue = []
 
     def close(self) -> None:
         """Cancel what has not started and wait for the fetches running (each bounded by data.timeout_s), so

@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import threading
+import time
 from typing import Any
 
 from .errors import SourceError, StreamMismatchError
@@ -59,16 +61,78 @@ def filesystem(protocol: str, storage_options: dict):
         if any(k[0] != key[0] for k in _FILESYSTEMS):
             _FILESYSTEMS.clear()         # the parent's, unusable here
             fsspec.asyn.reset_lock()
+        if protocol in _BUCKET_STORES and "session" not in options:
+            session = _session_of_this_process(protocol, options)
+            if session is not None:
+                options["session"] = session
         fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
         if protocol in _BUCKET_STORES:
             fs.retries = 1       # s3fs would retry a timed-out call 5 times inside one of our tries
     return fs
 
 
+def _session_of_this_process(protocol: str, options: dict):
+    """The aiobotocore session of the s3fs filesystem this process already made with the same options (fsspec's
+    cached instance: the one ``datasets`` listed the files with): a client made from it skips loading
+    botocore's service models again (~0.1-0.3 s per new session). The client itself (keys, endpoint, timeouts,
+    retries) is ours. None when there is none yet (a cached instance is made lazily, without connecting)."""
+    import fsspec
+
+    try:
+        shared = fsspec.filesystem(protocol, **copy.deepcopy(options))
+    except Exception:                           # noqa: BLE001 - no sharing, a session of our own
+        return None
+    return getattr(shared, "session", None)
+
+
+def listed_identities(paths: list[str], storage_options: dict) -> dict[str, dict]:
+    """The identities of S3 objects (size and ETag, as a HeadObject gives them) from one fresh listing per
+    directory holding two or more of ``paths``, instead of one HeadObject per object; {} for the others
+    and whenever the listing fails (each is then asked on its own)."""
+    by_dir: dict[str, list[str]] = {}
+    for path in paths:
+        protocol = path.split("://", 1)[0] if "://" in path else ""
+        if protocol in _BUCKET_STORES and "?" not in path:
+            by_dir.setdefault(path.rsplit("/", 1)[0], []).append(path)
+    out: dict[str, dict] = {}
+    for directory, members in by_dir.items():
+        if len(members) < 2:
+            continue
+        protocol = directory.split("://", 1)[0]
+        try:
+            fs = filesystem(protocol, storage_options)
+            listing = fs.ls(directory, detail=True, refresh=True)      # the store's answer now, not a cache
+        except Exception:                       # noqa: BLE001 - HEAD each object instead (with its retries)
+            continue
+        found = {f"{protocol}://{entry['name']}": entry for entry in listing if entry.get("type") == "file"}
+        for path in members:
+            entry = found.get(path)
+            if entry is not None and isinstance(entry.get("size"), int) and entry.get("ETag"):
+                out[path] = {"path": path, "size": entry["size"], "etag": entry["ETag"]}
+    return out
+
+
+_CLOCK = threading.local()
+
+
+def request_seconds() -> float:
+    """Seconds this thread has spent in :func:`read_range` so far (requests: latency and transfer, no
+    decoding): the prefetcher's measure of a fetch's network time."""
+    return getattr(_CLOCK, "seconds", 0.0)
+
+
 def read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None) -> bytes:
     """Bytes ``[start, end)`` of ``path``, checked as the module docstring says."""
     if end <= start:
         return b""
+    t0 = time.monotonic()
+    try:
+        return _read_range(path, start, end, storage_options, identity)
+    finally:
+        _CLOCK.seconds = request_seconds() + (time.monotonic() - t0)
+
+
+def _read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None) -> bytes:
     if "://" not in path or path.startswith("file://"):
         data = _read_local(path[len("file://"):] if path.startswith("file://") else path, start, end, identity)
     else:

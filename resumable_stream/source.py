@@ -51,7 +51,7 @@ from .index import (
 from .local_parquet import resolve_local_parquet
 from .parquet_files import ParquetFiles, read_checked
 from .prefetch import Prefetcher
-from .ranged import read_range
+from .ranged import listed_identities, read_range
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ def build_parquet_index(cfg: StreamConfig, files: list[str], features, retry: Re
     """The dataset index of resolved parquet ``files``; ``features``: the builder's (None: inferred from the
     first file's schema, as ``datasets`` does). ``footers``: filled with each file's footer bytes."""
     known = hub_identities(files, retry)
+    known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
     done = map_files(lambda f: _index_file(f, retry, known.get(f)), files, progress)
     if footers is not None and sum(len(footer) for _, footer in done) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, footer) for f, (_, footer) in zip(files, done))
@@ -658,7 +659,8 @@ class StreamingSource(Source):
     shard at the next row not yet yielded, under ``data.retries``: the rows come out as without it."""
 
     def __init__(self, ids, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None = None,
-                 parquet: ParquetFiles | None = None, index: dict | None = None, prefetch_blocks: int = 0):
+                 parquet: ParquetFiles | None = None, index: dict | None = None, prefetch_blocks: int | None = 0,
+                 prefetch_memory_mb: float | None = None):
         self._ids = ids
         self._parquet = parquet
         self.index = index          # the dataset index this source reads (None: not indexed)
@@ -669,11 +671,14 @@ class StreamingSource(Source):
         self._prefetch: Prefetcher | None = None
         if parquet is not None:
             self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
-            if prefetch_blocks > 0:
+            if prefetch_blocks is None or prefetch_blocks > 0:    # None: adaptive depth (prefetch.py)
+                budget = None if prefetch_memory_mb is None else int(prefetch_memory_mb * 2**20)
                 # local files: decoding is the work, so one thread per core (more only delay the row groups
                 # needed first); remote: the prefetcher's own count, for concurrent requests
-                threads = None if retry is not None else max(1, min(prefetch_blocks, os.cpu_count() or 1))
-                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, threads)
+                cores = os.cpu_count() or 1
+                threads = None if retry is not None else max(1, min(prefetch_blocks or cores, cores))
+                self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, budget, self._row_group_bytes,
+                                            threads)
 
     @property
     def footers(self) -> dict[str, bytes]:
@@ -692,6 +697,20 @@ class StreamingSource(Source):
         """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
         if self._prefetch is not None:
             self._prefetch.hint(partition, shards)
+
+    def prefetch_ahead(self, partition: int) -> int:
+        """How many of ``partition``'s next shards are worth hinting now (its adaptive depth, and a margin)."""
+        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
+
+    def prefetch_stats(self) -> dict:
+        """The prefetcher's depth, measurements and byte counters (prefetch.py); {} without prefetch."""
+        return self._prefetch.stats() if self._prefetch is not None else {}
+
+    def _row_group_bytes(self, shard: int) -> int:
+        """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""
+        info = self.shards[shard]
+        _, start, end = self.index["files"][self._file_of[info.file]]["row_groups"][info.part]
+        return end - start
 
     def _fetch_row_group(self, shard: int) -> pa.Table:
         info = self.shards[shard]
@@ -883,16 +902,18 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
     }
     return StreamingSource(None, shards, fingerprint, retry if retry.remote else None,
                            parquet=ParquetFiles(index, retry.storage_options, footers), index=index,
-                           prefetch_blocks=prefetch_depth(cfg, retry.remote))
+                           prefetch_blocks=prefetch_depth(cfg, retry.remote), prefetch_memory_mb=cfg.prefetch_memory_mb)
 
 
-def prefetch_depth(cfg: StreamConfig, remote: bool) -> int:
-    """Row groups fetched ahead per partition: ``data.prefetch_blocks``; for local files at most what keeps
-    the decoding threads busy and the row groups a window opens next in flight (one per core, at least
-    ``interleave_shards``): there is no latency to hide, and each one ahead is a decoded row group held."""
+def prefetch_depth(cfg: StreamConfig, remote: bool) -> int | None:
+    """The most row groups fetched ahead per partition: ``data.prefetch_blocks`` (None: adaptive, up to the
+    prefetcher's own cap); for local files at most what keeps the decoding threads busy and the row groups a
+    window opens next in flight (one per core, at least ``interleave_shards``): there is no latency to hide,
+    and each one ahead is a decoded row group held."""
     if remote or cfg.prefetch_blocks == 0:
         return cfg.prefetch_blocks
-    return min(cfg.prefetch_blocks, max(os.cpu_count() or 1, cfg.interleave_shards))
+    local = max(os.cpu_count() or 1, cfg.interleave_shards)
+    return local if cfg.prefetch_blocks is None else min(cfg.prefetch_blocks, local)
 
 
 def _hub_not_found(e: BaseException) -> bool:

@@ -323,6 +323,9 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # listen() backlog: socketserver's 5 drops the SYNs of a burst of new connections (a client opening a
+    # few dozen concurrent ranged reads), and each dropped one waits out the kernel's 1 s retransmission
+    request_queue_size = 128
     owner: FileServer
 
     def __init__(self, *args: Any, **kw: Any):

@@ -131,7 +131,7 @@ def _threads_share_filesystems() -> bool:
         return pool.submit(make).result() is make()
 
 
-def test_requests_to_open_and_read_are_one_listing_plus_two_per_object_then_one_per_row_group(bucket):
+def test_requests_to_open_and_read_are_two_listings_plus_one_per_object_then_one_per_row_group(bucket):
     import fsspec
 
     srv = bucket.srv
@@ -142,12 +142,29 @@ def test_requests_to_open_and_read_are_one_listing_plus_two_per_object_then_one_
     stream = ResumableStream(bucket.config(prefetch_blocks=0))
     opened = srv.requests[before:]
     objects = [f"/data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
-    per_object = ("HEAD", "GET") if _threads_share_filesystems() else ("HEAD", "HEAD", "GET")
-    assert sorted(opened) == sorted([("GET", "/data")] + [(m, o) for o in objects for m in per_object])
+    # datasets' listing to resolve the pattern, ours of the directory (every object's size and ETag: no
+    # HeadObject each), then one footer read per object
+    assert sorted(opened) == sorted([("GET", "/data")] * 2 + [("GET", o) for o in objects])
     before = len(srv.requests)
     assert sorted(_take(stream, ROWS)) == list(range(ROWS))
     # a ranged GET per row group: the footers read to open are kept with the index, never fetched again
     assert sorted(srv.requests[before:]) == sorted([("GET", o) for o in objects] * (ROWS // FILES // ROW_GROUP))
+
+
+def test_identities_from_one_listing_are_those_a_head_of_each_object_gives(bucket):
+    from resumable_stream.ranged import listed_identities
+    from resumable_stream.source import RetryPolicy, file_identity
+
+    urls = [f"s3://data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
+    retry = RetryPolicy(bucket.config(), remote=True)
+    options = retry.storage_options
+    before = len(bucket.srv.requests)
+    listed = listed_identities(urls, options)
+    assert bucket.srv.requests[before:] == [("GET", "/data")]         # one listing for the directory
+    assert listed == {u: file_identity(u, retry) for u in urls}
+    assert all(set(ident) == {"path", "size", "etag"} for ident in listed.values())
+    assert listed_identities(urls[:1], options) == {}                  # one object: its HeadObject is as cheap
+    assert listed_identities([u.replace("/ds/", "/nothing/") for u in urls], options) == {}   # not listed: HEADs
 
 
 def test_a_single_s3_file_as_dataset_name_or_path(bucket):

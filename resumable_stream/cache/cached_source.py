@@ -86,7 +86,8 @@ class CachedSource(Source):
         if not self._missed:
             self._hints[partition] = shards
             return
-        depth = self.inner.prefetch_depth
+        ahead = getattr(self.inner, "prefetch_ahead", None)       # the adaptive depth, not only its cap
+        depth = ahead(partition) if ahead is not None else self.inner.prefetch_depth
         missing: list[int] = []
         for shard in dict.fromkeys(shards):
             if len(missing) == depth:

@@ -16,8 +16,8 @@ SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
 STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "block_rows", "cache_dir",
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
-               "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "storage_options",
-               "resume_state_path")
+               "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
+               "storage_options", "resume_state_path")
 OWN_KEYS = ("consumed_log",)       # a directory: the keys of the samples each step consumed, per rank
 
 

@@ -1,0 +1,140 @@
+"""The prefetch depth adapts to the measured latency within ``data.prefetch_memory_mb``, over the loopback server.
+
+The server (``tests/http_server.FileServer``) injects a latency per request; the prefetcher's counters
+(``StreamingSource.prefetch_stats()``) and the server's own count of requests served at once say how deep
+it fetched ahead and what it held. The samples are those of a read without prefetch, in every case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from http_server import FileServer
+
+from resumable_stream import ConfigError, ResumableStream, StreamConfig
+from resumable_stream.source import open_source
+from resumable_stream.synthetic import write_parquet_dataset
+
+ROWS, FILES, ROW_GROUP = 48_000, 8, 1000        # 48 row groups of ~14 KB on the wire, ~80 KB decoded
+READ = 24_000
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prefetch_parquet")
+    paths = write_parquet_dataset(str(d), rows=ROWS, files=FILES, row_group_size=ROW_GROUP)
+    with FileServer(d) as srv:
+        srv.urls = [srv.url(os.path.basename(p)) for p in paths]
+        yield srv
+
+
+def _config(srv, **kw) -> StreamConfig:
+    kw.setdefault("shuffle", True)
+    kw.setdefault("buffer_size", 4096)
+    kw.setdefault("timeout_s", 20.0)
+    return StreamConfig(dataset_name_or_path="parquet", data_files=list(srv.urls), **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(site):
+    site.latency_s = 0.0
+    return [r["id"] for r in itertools.islice(ResumableStream(_config(site, prefetch_blocks=0)), READ)]
+
+
+def _read(srv, latency: float, **kw) -> tuple[list[int], dict, dict]:
+    srv.latency_s = 0.0
+    source = open_source(_config(srv, **kw))             # opening is not what is measured
+    srv.latency_s = latency
+    srv.reset_stats()
+    try:
+        stream = ResumableStream(_config(srv, **kw), source=source)
+        ids = [r["id"] for r in itertools.islice(stream, READ)]
+        return ids, source.prefetch_stats(), srv.stats()
+    finally:
+        source.close()
+        srv.latency_s = 0.0
+
+
+def _max_span(srv) -> int:
+    import pyarrow.parquet as pq
+
+    spans = []
+    for name in sorted(os.listdir(srv.root)):
+        if name.endswith(".parquet"):
+            md = pq.ParquetFile(os.path.join(srv.root, name)).metadata
+            spans += [sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
+                      for g in range(md.num_row_groups)]
+    return max(spans)
+
+
+def test_higher_latency_fetches_deeper_within_the_budget(site, reference):
+    low_ids, low, low_srv = _read(site, 0.002)
+    high_ids, high, high_srv = _read(site, 0.15)
+    assert low_ids == reference and high_ids == reference          # the plan's rows, in the plan's order
+    d_low, d_high = low["depth_median"], high["depth_median"]   # the depth kept, over the hand-overs
+    assert d_high > d_low, (low, high)
+    assert d_high <= high["cap"] == 64                             # null prefetch_blocks: adaptive, at most 64
+    assert high["fetch_s"] >= 0.15 > low["fetch_s"]
+    # deeper is what the server saw: more requests in flight at once
+    assert high_srv["max_in_flight"] > low_srv["max_in_flight"], (low_srv, high_srv)
+    assert high["peak_bytes"] <= high["budget"] and low["peak_bytes"] <= low["budget"]
+
+
+def test_prefetch_blocks_caps_the_adaptive_depth(site, reference):
+    ids, stats, served = _read(site, 0.15, prefetch_blocks=3)
+    assert ids == reference
+    assert stats["cap"] == 3 and max(stats["depth"].values()) <= 3
+    # the server saw at most the 3 fetches ahead plus the reader's own read of a shard not fetched ahead
+    assert stats["peak_in_flight"] <= 3 and served["max_in_flight"] <= 3 + 1
+
+
+def test_bytes_in_flight_and_held_never_exceed_the_memory_budget(site, reference):
+    budget_mb = 1
+    budget = budget_mb * 2**20
+    ids, stats, served = _read(site, 0.15, prefetch_memory_mb=budget_mb)
+    assert ids == reference
+    # the prefetcher's own count: reserved for fetches in flight + decoded tables held, at most so far
+    assert 0 < stats["peak_bytes"] <= budget, stats
+    # the budget, not the latency, bounded the depth here: without it, far more fetches run at once
+    _, free, free_served = _read(site, 0.15)
+    assert free["peak_bytes"] > budget
+    assert served["max_in_flight"] < free_served["max_in_flight"], (served, free_served)
+    # what the server saw: the row-group bodies fetched ahead at once (all in flight but the reader's own
+    # read) fit the budget
+    assert (served["max_in_flight"] - 1) * _max_span(site) <= budget
+    # every table held counted its real size: the decoded bytes per fetched byte were measured
+    assert stats["ratio"] is not None and stats["ratio"] > 1
+
+
+def test_a_row_group_larger_than_the_budget_is_read_by_the_reader_itself(tmp_path, hub_offline):
+    paths = write_parquet_dataset(str(tmp_path), rows=60_000, files=1, row_group_size=30_000)
+    with FileServer(tmp_path) as srv:
+        srv.urls = [srv.url(os.path.basename(p)) for p in paths]
+        reference = [r["id"] for r in itertools.islice(ResumableStream(_config(srv, prefetch_blocks=0)), 40_000)]
+        source = open_source(_config(srv, prefetch_memory_mb=1))
+        try:
+            ids = [r["id"] for r in itertools.islice(ResumableStream(_config(srv, prefetch_memory_mb=1),
+                                                                     source=source), 40_000)]
+            stats = source.prefetch_stats()
+        finally:
+            source.close()
+    assert ids == reference
+    assert stats["started"] == 0 and stats["peak_bytes"] == 0
+
+
+@pytest.mark.parametrize("value", [0, 0.5, -1, float("nan"), float("inf"), "64", True, 2_000_000])
+def test_a_bad_prefetch_memory_mb_names_the_key_the_value_and_what_is_allowed(value):
+    with pytest.raises(ConfigError, match=r"data\.prefetch_memory_mb: got .*; allowed: a number of MiB from 1 to "
+                                          r"1048576"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet", prefetch_memory_mb=value)
+
+
+def test_prefetch_blocks_null_is_adaptive_and_an_integer_still_allowed():
+    assert StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet").prefetch_blocks is None
+    assert StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet", prefetch_blocks=8).prefetch_blocks == 8
+    with pytest.raises(ConfigError, match=r"data\.prefetch_blocks: got 257; allowed: null \(adaptive"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet", prefetch_blocks=257)
