@@ -45,3 +45,15 @@ def stub_torchvision() -> bool:
         mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
         sys.modules[name] = mod
     return True
+
+
+def litdata_allow_http() -> None:
+    """Let litdata's obstore downloads reach a plain-http endpoint (the loopback S3 server).
+
+    litdata 0.2.76 downloads chunks with obstore when it is installed, with client options that do not allow
+    http (real S3 is https), so against ``http://127.0.0.1`` every chunk GET fails with ``BadScheme``. This
+    adds ``allow_http`` to those options and changes nothing else: chunks still go through obstore, as they
+    would on AWS."""
+    from litdata.streaming import downloader
+
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
