@@ -35,6 +35,7 @@ import threading
 import time
 
 import _common
+import _peers_mem
 
 BUFFER = 16384
 
@@ -209,10 +210,7 @@ def child_memory(p: dict) -> dict:
     from resumable_stream import ResumableStream
 
     _imports()
-    import gc
-
-    gc.collect()
-    base, base_arrow = _common.current_rss_mib(), pa.total_allocated_bytes() / 2**20
+    base, base_arrow = _peers_mem.baseline_mib(), pa.total_allocated_bytes() / 2**20
     peak = {"rss": base, "arrow": base_arrow}
     stop = threading.Event()
 
@@ -230,7 +228,7 @@ def child_memory(p: dict) -> dict:
     next(it)
     pool = pa.default_memory_pool()
     first = {"rss": _common.current_rss_mib() - base, "arrow": pa.total_allocated_bytes() / 2**20 - base_arrow,
-             "peak_rss": _common.peak_rss_mib() - base, "arrow_pool": pool.backend_name,
+             "peak_rss": _peers_mem.peak_rss_mib() - base, "arrow_pool": pool.backend_name,
              "arrow_pool_max_mib": pool.max_memory() / 2**20, "threads": threading.active_count()}
     reader = s._readers[s.partitions[0]]
     win = reader._window
@@ -244,15 +242,19 @@ def child_memory(p: dict) -> dict:
     bufs = [sh._buf for sh in reader._open.values() if sh._buf is not None]
     window["open_shards"] = len(reader._open)
     window["open_shard_buffers_mib"] = sum(b.get_total_buffer_size() for b in bufs) / 2**20
-    n = 1
+    n, timeline, step = 1, [], max(1, p["rows"] // 10)
     for _ in it:
         n += 1
+        if n % step == 0:
+            timeline.append((n, round(_common.current_rss_mib() - base, 1),
+                             round(pa.total_allocated_bytes() / 2**20 - base_arrow, 1)))
         if n >= p["rows"]:
             break
     stop.set()
     th.join()
-    return {"rows": n, "base_rss_mib": base, "arrow_pool_max_mib": pool.max_memory() / 2**20, "after_open": opened, "at_first_sample": first, "window": window,
-            "peak_rss_above_imports_mib": _common.peak_rss_mib() - base,
+    return {"rows": n, "base_rss_mib": base, "arrow_pool_max_mib": pool.max_memory() / 2**20,
+            "timeline_rows_rss_arrow_mib": timeline, "after_open": opened, "at_first_sample": first, "window": window,
+            "peak_rss_above_imports_mib": _peers_mem.peak_rss_mib() - base,
             "peak_rss_sampled_above_imports_mib": peak["rss"] - base,
             "peak_arrow_allocated_mib": peak["arrow"] - base_arrow}
 
@@ -332,6 +334,8 @@ def run(main_p: dict, work: str, peers_script: str, repeats: int = 3) -> dict:
               f"{mem['window']['key_arrays_mib']:.2f}; prefetched {mem['window']['prefetched_row_groups']} row groups "
               f"{mem['window']['prefetched_mib']:.1f}; {mem['window']['open_shards']} open shards holding "
               f"{mem['window']['open_shard_buffers_mib']:.1f} of row groups")
+        print("  RSS / Arrow above imports while reading (rows: MiB / MiB): " + ", ".join(
+            f"{n:,}: {r:.0f} / {a:.0f}" for n, r, a in mem["timeline_rows_rss_arrow_mib"]))
     # peak RSS for other prefetch depths / windows, through peers.py's read child (same measurement)
     variants = {"default (prefetch_blocks 8, buffer 16384)": ({}, {}),
                 "prefetch_blocks 0": ({"prefetch_blocks": 0}, {}),

@@ -43,7 +43,6 @@ Each measurement runs in a fresh process; the libraries are imported before the 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -57,6 +56,7 @@ import warnings
 
 import _common  # noqa: E402,I001  (sets HF_DATASETS_CACHE before datasets is imported)
 import _peers_data as data
+import _peers_mem
 
 sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
 
@@ -207,8 +207,7 @@ class Reader:
 
 
 def _base_rss() -> float:
-    gc.collect()
-    return _common.current_rss_mib()
+    return _peers_mem.baseline_mib()
 
 
 def child_read(reader: str, p: dict) -> dict:
@@ -232,7 +231,7 @@ def child_read(reader: str, p: dict) -> dict:
     once = counts.count(1)
     return {"rows": n, "first_s": t1 - t0, "first_cpu_s": c1 - c0, "rows_s": (n - 1) / (t2 - t1),
             "rows_cpu_s": (n - 1) / max(c2 - c1, 1e-9), "read_s": t2 - t1, "rss_after_imports_mib": base,
-            "peak_rss_mib": _common.peak_rss_mib(), "peak_above_imports_mib": _common.peak_rss_mib() - base,
+            "peak_rss_mib": _peers_mem.peak_rss_mib(), "peak_above_imports_mib": _peers_mem.peak_rss_mib() - base,
             "rows_once": once, "rows_never": counts.count(0), "rows_more": p["total_rows"] - once - counts.count(0)}
 
 
@@ -266,7 +265,7 @@ def child_resume(reader: str, p: dict) -> dict:
     ref = p["ref"]
     return {"open_s": t1 - t0, "load_s": t2 - t1, "load_to_first_s": t3 - t1, "restart_s": t3 - t0,
             "exact": sum(a == b for a, b in zip(ids, ref)), "same_ids": len(set(ids) & set(ref)),
-            "check": len(ref), "peak_above_imports_mib": _common.peak_rss_mib() - base}
+            "check": len(ref), "peak_above_imports_mib": _peers_mem.peak_rss_mib() - base}
 
 
 def child_rank(reader: str, p: dict) -> dict:
@@ -304,7 +303,7 @@ def child_s3(reader: str, p: dict) -> dict:
             break
     t2 = time.perf_counter()
     return {"first_s": t1 - t0, "rows_s": (n - 1) / (t2 - t1) if n > 1 else None, "rows": n,
-            "peak_above_imports_mib": _common.peak_rss_mib() - base}
+            "peak_above_imports_mib": _peers_mem.peak_rss_mib() - base}
 
 
 CHILDREN = {"read": child_read, "save": child_save, "resume": child_resume, "rank": child_rank, "s3": child_s3}
@@ -359,6 +358,10 @@ def _summary(runs: list[dict], keys: dict[str, bool]) -> dict:
     return out
 
 
+READ_KEYS = {"rows_s": False, "rows_cpu_s": False, "first_s": True, "first_cpu_s": True,
+             "peak_above_imports_mib": True}
+
+
 def bench_read(readers: tuple[str, ...], p: dict, repeats: int) -> dict:
     runs: dict[str, list] = {r: [] for r in (*readers, "pyarrow")}
     for i in range(repeats):
@@ -370,8 +373,7 @@ def bench_read(readers: tuple[str, ...], p: dict, repeats: int) -> dict:
                       f"rows/CPU-s  first {res['first_s'] * 1e3:7.0f} ms  peak +{res['peak_above_imports_mib']:5.0f} MiB"
                       f"  once {res['rows_once']:,} / more {res['rows_more']:,} / never {res['rows_never']:,}",
                       flush=True)
-    keys = {"rows_s": False, "rows_cpu_s": False, "first_s": True, "peak_above_imports_mib": True}
-    return {r: _summary(v, keys) for r, v in runs.items()}
+    return {r: _summary(v, READ_KEYS) for r, v in runs.items()}
 
 
 def bench_resume(readers: tuple[str, ...], p: dict, repeats: int, work: str) -> dict:
@@ -545,6 +547,7 @@ def report(out: dict, readers: tuple[str, ...]) -> list[str]:
     row("shuffled rows/s (local)", "read", "rows_s", "n", True)
     row("rows per CPU-second", "read", "rows_cpu_s", "n", True)
     row("time to first sample (local)", "read", "first_s", "ms", False)
+    row("CPU time to first sample (all threads)", "read", "first_cpu_s", "ms", False)
     row("peak RSS above imports (one epoch)", "read", "peak_above_imports_mib", "MiB", False)
     row("resume: load -> first sample", "resume", "load_to_first_s", "ms", False,
         lambda res: (f", exact {res['exact']}/{res['check']}" if res.get("exact") is not None else ""))
@@ -580,8 +583,17 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also profile ours (benchmarks/_peers_profile.py)")
     ap.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR, help="where generated data is cached")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    ap.add_argument("--report", default=None, metavar="JSON", help="print the table of an earlier --json run")
     ap.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            old = json.load(f)
+        if "read" in old:     # summaries again from the runs (a key added since is then filled in)
+            old["read"] = {r: _summary(v["runs"], READ_KEYS) for r, v in old["read"].items()}
+        have = tuple(r for r in READERS if any(r in (old.get(m) or {}) for m in MEASURES))
+        print(f"{old.get('data', '')}\n" + "\n".join(report(old, have)))
+        return 0
     if args._child:
         mode, reader, params = args._child
         res = CHILDREN[mode](reader, json.loads(params))
