@@ -46,3 +46,37 @@ def baseline_mib() -> float:
     gc.collect()
     reset_peak()
     return _common.current_rss_mib()
+
+
+def rss_parts_mib() -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB now: a reader that maps its files (litdata mmaps its chunks)
+    has their page-cache pages in its RSS, which the kernel can drop; anonymous memory it cannot."""
+    anon, file = _status_kib("RssAnon"), _status_kib("RssFile")
+    return (anon or 0) / 1024, (file or 0) / 1024
+
+
+class Sampler:
+    """Peaks of anonymous and file-backed RSS, sampled every ``interval_s`` on a daemon thread."""
+
+    def __init__(self, interval_s: float = 0.005):
+        import threading
+
+        self.interval_s = interval_s
+        self.base_anon, self.base_file = rss_parts_mib()
+        self.peak_anon, self.peak_file = self.base_anon, self.base_file
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            anon, file = rss_parts_mib()
+            self.peak_anon, self.peak_file = max(self.peak_anon, anon), max(self.peak_file, file)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        anon, file = rss_parts_mib()
+        self.peak_anon, self.peak_file = max(self.peak_anon, anon), max(self.peak_file, file)
+        return {"peak_anon_above_imports_mib": self.peak_anon - self.base_anon,
+                "peak_file_above_imports_mib": self.peak_file - self.base_file}

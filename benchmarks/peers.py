@@ -212,8 +212,9 @@ def _base_rss() -> float:
 
 def child_read(reader: str, p: dict) -> dict:
     _imports(reader)
-    base = _base_rss()
     counts = bytearray(p["total_rows"])
+    base = _base_rss()
+    sampler = _peers_mem.Sampler()
     t0, c0 = time.perf_counter(), time.process_time()
     r = Reader(reader, p).open()
     # one `for` over the iterator: litdata's StreamingDataset is its own iterator and restarts the epoch when
@@ -228,8 +229,9 @@ def child_read(reader: str, p: dict) -> dict:
         if n >= limit:
             break
     t2, c2 = time.perf_counter(), time.process_time()
+    parts = sampler.stop()
     once = counts.count(1)
-    return {"rows": n, "first_s": t1 - t0, "first_cpu_s": c1 - c0, "rows_s": (n - 1) / (t2 - t1),
+    return {**parts, "rows": n, "first_s": t1 - t0, "first_cpu_s": c1 - c0, "rows_s": (n - 1) / (t2 - t1),
             "rows_cpu_s": (n - 1) / max(c2 - c1, 1e-9), "read_s": t2 - t1, "rss_after_imports_mib": base,
             "peak_rss_mib": _peers_mem.peak_rss_mib(), "peak_above_imports_mib": _peers_mem.peak_rss_mib() - base,
             "rows_once": once, "rows_never": counts.count(0), "rows_more": p["total_rows"] - once - counts.count(0)}
@@ -359,7 +361,8 @@ def _summary(runs: list[dict], keys: dict[str, bool]) -> dict:
 
 
 READ_KEYS = {"rows_s": False, "rows_cpu_s": False, "first_s": True, "first_cpu_s": True,
-             "peak_above_imports_mib": True}
+             "peak_above_imports_mib": True, "peak_anon_above_imports_mib": True,
+             "peak_file_above_imports_mib": True}
 
 
 def bench_read(readers: tuple[str, ...], p: dict, repeats: int) -> dict:
@@ -549,6 +552,8 @@ def report(out: dict, readers: tuple[str, ...]) -> list[str]:
     row("time to first sample (local)", "read", "first_s", "ms", False)
     row("CPU time to first sample (all threads)", "read", "first_cpu_s", "ms", False)
     row("peak RSS above imports (one epoch)", "read", "peak_above_imports_mib", "MiB", False)
+    row("  of it anonymous (sampled every 5 ms)", "read", "peak_anon_above_imports_mib", "MiB", False)
+    row("  of it file-backed (mapped files)", "read", "peak_file_above_imports_mib", "MiB", False)
     row("resume: load -> first sample", "resume", "load_to_first_s", "ms", False,
         lambda res: (f", exact {res['exact']}/{res['check']}" if res.get("exact") is not None else ""))
     row("resume: open + load -> first sample", "resume", "restart_s", "ms", False)
