@@ -354,6 +354,8 @@ def run(main_p: dict, work: str, peers_script: str, repeats: int = 3) -> dict:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if lines:
                 runs.append(json.loads(lines[-1]))
+            else:
+                sys.stderr.write(f"  ! variant {name} failed:\n{proc.stderr[-2000:]}\n")
         if runs:
             best = {"peak_above_imports_mib": min(r["peak_above_imports_mib"] for r in runs),
                     "rows_s": max(r["rows_s"] for r in runs), "first_s": min(r["first_s"] for r in runs)}

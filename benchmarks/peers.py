@@ -124,8 +124,9 @@ class Reader:
 
             files = (f"s3://{BUCKET}/parquet/*.parquet" if self.s3 else os.path.join(p["parquet"], "*.parquet"))
             extra = {"storage_options": {"endpoint_url": self.s3}} if self.s3 else {}
-            cfg = StreamConfig(dataset_name_or_path="parquet", data_files=files, shuffle=True, buffer_size=BUFFER,
-                               shuffle_seed=SEED, **extra, **p.get("ours_overrides", {}))
+            opts = {"shuffle": True, "buffer_size": BUFFER, "shuffle_seed": SEED, **extra,
+                    **p.get("ours_overrides", {})}
+            cfg = StreamConfig(dataset_name_or_path="parquet", data_files=files, **opts)
             self.ds = ResumableStream(cfg, rank=rank, world_size=world_size, index_from=index_from)
             if p.get("one_epoch"):
                 self.ds.set_epoch(0)
