@@ -44,13 +44,19 @@ BUFFER = 16384
 def _cfg(p: dict, **over):
     from resumable_stream import StreamConfig
 
-    return StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(p["parquet"], "*.parquet"),
-                        shuffle=True, buffer_size=BUFFER, shuffle_seed=42, **over)
+    if p.get("s3"):       # the moto server of run_s3
+        over = {"storage_options": {"endpoint_url": p["s3"]}, **over}
+        files = "s3://bench/parquet/*.parquet"
+    else:
+        files = os.path.join(p["parquet"], "*.parquet")
+    return StreamConfig(dataset_name_or_path="parquet", data_files=files, shuffle=True, buffer_size=BUFFER,
+                        shuffle_seed=42, **over)
 
 
 def _imports() -> None:
     import datasets  # noqa: F401
     import pyarrow.parquet  # noqa: F401
+    import s3fs  # noqa: F401
 
     import resumable_stream.stream  # noqa: F401
     from resumable_stream import sidecar  # noqa: F401
@@ -276,10 +282,10 @@ CHILDREN = {"timed": child_timed, "cprofile": child_cprofile, "memory": child_me
 
 
 # ----------------------------------------------------------------------------------- parent side
-def _run(kind: str, p: dict) -> dict:
+def _run(kind: str, p: dict, env: dict | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, json.dumps(p)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-3000:])
@@ -287,8 +293,8 @@ def _run(kind: str, p: dict) -> dict:
     return json.loads(lines[-1])
 
 
-def _best_timed(p: dict, repeats: int) -> dict:
-    runs = [_run("timed", p) for _ in range(repeats)]
+def _best_timed(p: dict, repeats: int, env: dict | None = None) -> dict:
+    runs = [_run("timed", p, env) for _ in range(repeats)]
     runs = [r for r in runs if "error" not in r]
     best = min(runs, key=lambda r: r["marks"]["total_ms"])
     best["totals_ms"] = sorted(r["marks"]["total_ms"] for r in runs)
@@ -371,3 +377,39 @@ if __name__ == "__main__":
         print(json.dumps(res), flush=True)
         os._exit(0)
     raise SystemExit("run through benchmarks/peers.py --profile")
+
+
+def run_s3(main_p: dict, repeats: int = 3) -> dict:
+    """Ours' first sample over moto's S3 (tests/s3_server.py), with the requests the server saw."""
+    sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+    from s3_server import S3Server
+
+    out: dict = {}
+    with S3Server(readable=("bench",)) as srv:
+        admin = srv.admin()
+        admin.create_bucket(Bucket="bench")
+        for f in sorted(os.listdir(main_p["parquet"])):
+            if f.endswith(".parquet"):
+                admin.upload_file(os.path.join(main_p["parquet"], f), "bench", f"parquet/{f}")
+        env = {**srv.env(), "AWS_ENDPOINT_URL": srv.endpoint}
+        p = {"parquet": main_p["parquet"], "s3": srv.endpoint}
+        runs = []
+        for _ in range(repeats):
+            before = len(srv.requests)
+            res = _run("timed", p, env)
+            if "error" in res:
+                continue
+            reqs = srv.requests[before:]
+            kinds: dict[str, int] = {}
+            for method, path in reqs:
+                what = ("list" if path.rstrip("/").endswith("/bench") or path in ("/bench", "/bench/") else
+                        f"{method} object")
+                kinds[what] = kinds.get(what, 0) + 1
+            res["requests"] = {"total": len(reqs), **kinds}
+            runs.append(res)
+        if runs:
+            best = min(runs, key=lambda r: r["marks"]["total_ms"])
+            best["totals_ms"] = sorted(r["marks"]["total_ms"] for r in runs)
+            out = best
+            _print_timed(f"S3 (moto) first sample, requests {best['requests']} (ms)", best)
+    return out

@@ -586,7 +586,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None, help="fresh processes per reader and measure (default 3)")
     ap.add_argument("--only", default=",".join(MEASURES), help=f"measures to run (default {','.join(MEASURES)})")
     ap.add_argument("--readers", default=",".join(READERS), help=f"readers (default {','.join(READERS)})")
-    ap.add_argument("--profile", action="store_true", help="also profile ours (benchmarks/_peers_profile.py)")
+    ap.add_argument("--profile", nargs="?", const="all", default=None, choices=("all", "s3"),
+                    help="also profile ours (benchmarks/_peers_profile.py); --profile s3: only over S3")
     ap.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR, help="where generated data is cached")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the table of an earlier --json run")
@@ -661,7 +662,8 @@ def main() -> int:
             import _peers_profile
 
             print("\nprofile of ours", flush=True)
-            out["profile"] = _peers_profile.run(main_p, work, os.path.abspath(__file__))
+            out["profile"] = _peers_profile.run(main_p, work, os.path.abspath(__file__)) if args.profile != "s3" else {}
+            out["profile"]["s3"] = _peers_profile.run_s3(main_p)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n" + "\n".join(report(out, readers)))
