@@ -152,7 +152,7 @@ class Reader:
                 self.ds = StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=p["cache_dir"], shuffle=True,
                                            seed=SEED, storage_options={"endpoint_url": self.s3})
             else:
-                self.ds = StreamingDataset(p["litdata"], shuffle=True, seed=SEED)
+                self.ds = StreamingDataset(p["litdata"], shuffle=True, seed=SEED, drop_last=p.get("drop_last"))
         elif name == "mosaic":
             from streaming import StreamingDataset
 
