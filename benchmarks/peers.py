@@ -14,9 +14,11 @@ Each measurement runs in a fresh process; the libraries are imported before the 
 ``--repeats`` (3) with the readers taking turns; the spread (worst) is reported too. Measures:
 
 * **read**: rows/s over one epoch (1M rows) after the first sample, rows per CPU-second of the process (all
-  its threads), time to first sample (open + first sample), peak RSS above the RSS after imports; raw
-  pyarrow ``iter_batches`` + ``to_pylist`` (unshuffled) as the reference for rows per CPU-second. The ids
-  of the epoch are counted: each row exactly once?
+  its threads), time (and CPU time) to first sample (open + first sample), peak RSS above the RSS after
+  imports (``VmHWM`` reset after the imports, ``benchmarks/_peers_mem.py``: not ``ru_maxrss``, which a child
+  inherits from its parent) and its anonymous / file-backed parts sampled every 5 ms (litdata maps its
+  chunks); raw pyarrow ``iter_batches`` + ``to_pylist`` (unshuffled) as the reference for rows per
+  CPU-second. The ids of the epoch are counted: each row exactly once?
 * **resume**: a process reads 400,000 samples, saves the reader's state (ours: ``save_sidecar``; litdata:
   ``StreamingDataset.state_dict(400000, 0, 1)``; MosaicML: ``state_dict(400000, from_beginning=True)``;
   HF: ``IterableDataset.state_dict()``) and records the next 1,000 ids. Fresh processes then open the
@@ -33,11 +35,14 @@ Each measurement runs in a fresh process; the libraries are imported before the 
   time to first sample from a cold local cache (ours: no block cache; litdata / MosaicML: an empty cache
   directory, which they need).
 
-``--profile`` adds where ours spends its time to first sample and resume and its memory
-(``benchmarks/_peers_profile.py``).
+``--profile`` adds where ours spends its time to first sample and resume and its memory, and its first
+sample over S3 (``benchmarks/_peers_profile.py``; ``--profile s3``: only that). ``--report out.json`` prints
+the table of an earlier run. With ``--readers ours`` it runs without the peers installed (the test suite's
+``tests/test_bench_peers.py`` does).
 
     .venv-bench/bin/python benchmarks/peers.py [--quick] [--repeats N] [--only read,resume,ranks,s3]
-        [--readers ours,litdata,mosaic,hf] [--profile] [--json out.json] [--data-dir DIR]
+        [--readers ours,litdata,mosaic,hf] [--profile [s3]] [--json out.json] [--report out.json]
+        [--data-dir DIR]
 """
 
 from __future__ import annotations
