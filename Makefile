@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-fast test-floors test-llamafactory bench clean
+.PHONY: demo stream-demo test test-fast test-floors test-llamafactory bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +41,14 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/resume_cost.py
 	$(PY) benchmarks/resume.py
 
+# ours against litdata, MosaicML Streaming and HF streaming, in a venv of its own (.venv-bench: the bench extra;
+# benchmarks/make_bench_venv.sh says why it is not .venv)
+.venv-bench/.installed: pyproject.toml benchmarks/make_bench_venv.sh
+	PYTHON=$(PYTHON) benchmarks/make_bench_venv.sh .venv-bench
+	touch $@
+
+bench-peers: .venv-bench/.installed
+	.venv-bench/bin/python benchmarks/peers.py
+
 clean:
-	rm -rf $(VENV) .venv-floors .venv-llamafactory .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-bench .bench .pytest_cache
