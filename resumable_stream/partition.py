@@ -87,7 +87,7 @@ def sample_digest(sample: dict) -> str:
 @dataclass
 class Window:
     names: list[str]
-    rows: list[tuple]            # permuted rows as tuples in column order
+    rows: list[dict]             # the permuted rows: the samples, handed out as they are
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
     _key_tuples: list | None = field(default=None, repr=False)
@@ -102,7 +102,7 @@ class Window:
         return self._key_tuples
 
     def sample(self, i: int) -> dict:
-        return dict(zip(self.names, self.rows[i]))
+        return self.rows[i]
 
 
 def _indices(positions: np.ndarray) -> pa.Array:
@@ -350,7 +350,8 @@ class PartitionReader:
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
         names = table.column_names
         columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
-        rows = list(zip(*columns)) if columns else [()] * have
+        # the samples themselves, made once per window in one loop (handed out as they are)
+        rows = [dict(zip(names, r)) for r in zip(*columns)] if columns else [{} for _ in range(have)]
         for shard in live.values():     # open shards this window did not continue: stop reading them now
             if all(shard is not s for s in slots):
                 shard.close()

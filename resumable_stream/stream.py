@@ -120,17 +120,17 @@ class ResumableStream(StreamBase):
             expected = self._expect.pop(reader.partition, None)
             if expected is not None:
                 self._verify_first(reader, win.sample(i), expected)
-            names, rows = win.names, win.rows
+            rows = win.rows
             if not with_keys:
                 while i < n:
-                    sample = dict(zip(names, rows[i]))
+                    sample = rows[i]
                     i += 1
                     reader.offset = i      # consumed once handed out: a save now resumes after it
                     yield sample
                 continue
             keys = win.key_tuples()
             while i < n:
-                sample = dict(zip(names, rows[i]))
+                sample = rows[i]
                 i += 1
                 reader.offset = i
                 yield sample, keys[i - 1]

@@ -182,3 +182,25 @@ def test_a_state_dict_is_plain_values_that_torch_loads_with_weights_only(parquet
     resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert take_ids(resumed, 50) == take_ids(first, 50)
+
+
+def test_samples_changed_by_the_consumer_change_nothing_that_follows(parquet_small):
+    """A window's rows are handed out as they are (made once per window): a consumer that changes or empties
+    the samples it got changes neither the samples after them nor the saved state."""
+    cfg = parquet_config(parquet_small, shuffle=True, buffer_size=64)
+    source = _source(cfg)
+    reference = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), 200)
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    it = iter(s)
+    got = []
+    for _ in range(100):
+        sample = next(it)
+        got.append(sample["id"])
+        sample.clear()
+        sample["id"] = -1
+    state = decode_state(encode_state(s.state_dict()))
+    got += [next(it)["id"] for _ in range(100)]
+    assert got == reference
+    resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    resumed.load_state_dict(state)
+    assert take_ids(resumed, 100) == reference[100:]
