@@ -17,7 +17,7 @@ MANIFEST_DELAY_S = 5
 
 
 def slow(write_manifest, delay_s: float = MANIFEST_DELAY_S):
-    """``write_manifest`` after a sleep of ``delay_s`` (also used by tests/against_llamafactory/slow_save.py)."""
+    """``finish`` (the manifest) after a sleep of ``delay_s`` (also used by tests/against_llamafactory/slow_save.py)."""
     def write_manifest_later(*args, **kwargs):
         time.sleep(delay_s)
         return write_manifest(*args, **kwargs)
@@ -26,5 +26,5 @@ def slow(write_manifest, delay_s: float = MANIFEST_DELAY_S):
 
 
 if __name__ == "__main__":
-    checkpoints.write_manifest = slow(checkpoints.write_manifest)   # the name save_stream_state calls
+    checkpoints.finish = slow(checkpoints.finish)   # the name save_stream_state calls
     sys.exit(main(["train", sys.argv[1]]))

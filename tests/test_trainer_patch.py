@@ -38,7 +38,7 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
     cfg = _config(tmp_path, save_total_limit=1)
     trainer = build_trainer(cfg)
     seen = []
-    real_manifest = ck.write_manifest
+    real_manifest = ck.finish
 
     def checking_manifest(state_dir, world_size):
         step = int(os.path.basename(os.path.dirname(state_dir)).split("-")[1])
@@ -47,14 +47,14 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
         seen.append((step, step == 4 or os.path.isdir(previous)))
         return real_manifest(state_dir, world_size)
 
-    monkeypatch.setattr(ck, "write_manifest", checking_manifest)
+    monkeypatch.setattr(ck, "finish", checking_manifest)
     trainer.train()
     assert isinstance(stream_loader(trainer), StreamLoader), "the train dataloader is ours, not accelerate's"
     assert seen == [(4, True), (8, True), (12, True)]
     out = cfg.train["output_dir"]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-12"]
     state = os.path.join(out, "checkpoint-12", "stream_state")
-    assert sorted(os.listdir(state)) == ["index.json", "manifest.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(state)) == ["fingerprint.json", "index.json", "manifest.json", "rank-00000.safetensors"]
     assert ck.is_complete(os.path.join(out, "checkpoint-12"))
 
 

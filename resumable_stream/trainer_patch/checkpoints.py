@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 
-from ..checkpoint import finish as finish_save
+from ..checkpoint import finish
 from ..errors import SidecarError
 from ..sidecar import MANIFEST, STATE_DIR, read_manifest
 
@@ -78,5 +78,5 @@ def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, b
     loader.save_sidecar(state_dir, manifest=False)   # rank file (+ fingerprint and index on rank 0); the manifest last
     barrier()
     if is_main:
-        finish_save(state_dir, world_size)
+        finish(state_dir, world_size)
     barrier()

@@ -15,5 +15,5 @@ from resumable_stream.cli import main  # noqa: E402
 from resumable_stream.trainer_patch import checkpoints  # noqa: E402
 
 if __name__ == "__main__":
-    checkpoints.write_manifest = slow(checkpoints.write_manifest, 30)   # the name save_stream_state calls
+    checkpoints.finish = slow(checkpoints.finish, 30)   # the name save_stream_state calls
     sys.exit(main(["llamafactory", "train", sys.argv[1]]))
