@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from typing import Any
 
 from .errors import SidecarError
@@ -114,11 +115,13 @@ def _link(known: tuple[str, int, int], target: str) -> bool:
             return False    # changed since, or a new file would get other permissions (the umask changed)
         if os.path.abspath(source) == os.path.abspath(target):
             return True
-        tmp = f"{target}.link-{os.getpid()}"
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        tmp = os.path.join(os.path.dirname(target), f".tmp-{secrets.token_hex(8)}")   # as atomic_write's
         os.link(source, tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            os.unlink(tmp)
+            raise
     except OSError:
         return False
     return True
