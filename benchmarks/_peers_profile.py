@@ -8,7 +8,7 @@ the same 1M-row dataset, shuffled, buffer 16384:
   file resolution), ``build_parquet_index`` / ``_index_file`` (one stat + footer read per file), the source
   from the index, the layout and readers, the first window (``PartitionReader._build``) and inside it the row
   group reads (``ParquetFiles.row_group``, ``_decoded``, ``table_cast``), the permutation, ``concat_tables``;
-  on resume ``read_sidecar`` (manifest, rank file), the saved index and its check (``_verified``:
+  on resume ``checkpoint.read`` (manifest, rank file), the saved index and its check (``_verified``:
   ``file_identity`` + ``parquet_footer`` + ``footer_digest`` per file), ``load_state_dict`` and the digest of
   the first sample.
 * **cProfile**: the same paths under cProfile, the functions with the most cumulative and own time (C
@@ -102,6 +102,7 @@ def _install(timers: Timers) -> None:
     import pyarrow.parquet as pq
 
     from resumable_stream import (
+        checkpoint,
         index,
         job_source,
         parquet_files,
@@ -148,11 +149,12 @@ def _install(timers: Timers) -> None:
     w(partition, "window_permutation", "plan.window_permutation")
     w(partition, "_chain", "partition._chain (digest of window keys)")
     w(pa, "concat_tables", "pyarrow.concat_tables")
-    w(stream_base.StreamBase, "read_sidecar", "StreamBase.read_sidecar (manifest + rank file)")
-    w(stream_base, "read_manifest", "sidecar.read_manifest")
-    w(stream_base, "read_rank_state", "sidecar.read_rank_state")
+    w(checkpoint, "read", "checkpoint.read (manifest + rank file)")
+    w(checkpoint, "read_manifest", "sidecar.read_manifest")
+    w(checkpoint, "read_rank_state", "sidecar.read_rank_state")
+    w(checkpoint, "read_state_fingerprint", "sidecar.read_state_fingerprint (fingerprint.json)")
     w(stream_base.StreamBase, "load_state_dict", "StreamBase.load_state_dict")
-    w(stream_base.StreamBase, "_check_saved_identity", "StreamBase._check_saved_identity (fingerprint)")
+    w(stream_base.StreamBase, "check_saved_identity", "StreamBase.check_saved_identity (fingerprint)")
     w(stream.ResumableStream, "_verify_first", "ResumableStream._verify_first (first sample's digest)")
     w(stream.ResumableStream, "partition_state", "ResumableStream.partition_state")
     del plan, sidecar
