@@ -143,8 +143,10 @@ def test_requests_to_open_and_read_are_two_listings_plus_one_per_object_then_one
     opened = srv.requests[before:]
     objects = [f"/data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
     # datasets' listing to resolve the pattern, ours of the directory (every object's size and ETag: no
-    # HeadObject each), then one footer read per object
-    assert sorted(opened) == sorted([("GET", "/data")] * 2 + [("GET", o) for o in objects])
+    # HeadObject each), then one footer read per object; where threads do not share filesystems (fsspec
+    # 2025.3.0, beside LLaMA-Factory) datasets' own threaded info() adds a HEAD per object
+    per_object = ("GET",) if _threads_share_filesystems() else ("HEAD", "GET")
+    assert sorted(opened) == sorted([("GET", "/data")] * 2 + [(m, o) for o in objects for m in per_object])
     before = len(srv.requests)
     assert sorted(_take(stream, ROWS)) == list(range(ROWS))
     # a ranged GET per row group: the footers read to open are kept with the index, never fetched again
