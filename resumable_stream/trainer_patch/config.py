@@ -12,6 +12,7 @@ import yaml
 
 from ..config import MixtureConfig, StreamConfig
 from ..errors import ConfigError
+from ..monitoring import MONITOR_KEYS, MonitorSettings
 from ..transforms.config import TransformConfig
 
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
@@ -65,6 +66,7 @@ class TrainerConfig:
     path: str | None = None
     eval_stream: StreamConfig | MixtureConfig | None = None   # data.eval: the validation stream
     eval_samples: int = 0                                      # data.eval.num_samples
+    monitor: MonitorSettings = MonitorSettings()               # data.metrics_port, data.data_bound_*
 
     @classmethod
     def from_yaml(cls, path: str) -> TrainerConfig:
@@ -102,6 +104,9 @@ class TrainerConfig:
             raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
                               "and its length unknown in advance; bound training with train.max_steps")
         data.pop("max_samples", None)
+        monitor = MonitorSettings.from_data(data)
+        for key in MONITOR_KEYS:      # the training's, not the stream's (nor the validation stream's)
+            data.pop(key, None)
         eval_doc = data.pop("eval", None)
         transform = TransformConfig.from_dict(data)
         if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
@@ -113,7 +118,7 @@ class TrainerConfig:
         eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
         train = dict(doc["train"])
         _check_train(train, has_eval=eval_stream is not None)
-        return cls(model, stream, transform, train, path, eval_stream, eval_samples)
+        return cls(model, stream, transform, train, path, eval_stream, eval_samples, monitor)
 
     def training_arguments(self, **overrides: Any):
         """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
