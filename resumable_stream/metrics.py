@@ -59,7 +59,7 @@ class SharedCounters:
     def snapshot(self) -> dict[str, int]:
         if self._arr is not None:
             with self._arr.get_lock():
-                values = list(self._arr)
+                values = self._arr[:]
         else:
             with self._lock:
                 values = list(self._local)
@@ -161,22 +161,32 @@ def snapshot() -> dict[str, int]:
     return source_counters().snapshot()
 
 
-def percentile_ms(buckets: dict[str, int], q: float) -> float | None:
+_BOUNDS = (*RESPONSE_BUCKETS_MS, math.inf)
+_BUCKET_NAMES = (*(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
+
+
+def percentile_ms(buckets: dict[str, float], q: float) -> float | None:
     """The ``q`` quantile (0..1) of the response times counted in ``buckets`` (``response_le_*`` deltas),
     interpolated inside its bucket; None without any."""
-    bounds = [*RESPONSE_BUCKETS_MS, math.inf]
-    counts = [max(0, buckets.get(f"response_le_{b}" if b != math.inf else "response_le_inf", 0)) for b in bounds]
+    return _quantiles([max(0, buckets.get(name, 0)) for name in _BUCKET_NAMES], (q,))[0]
+
+
+def _quantiles(counts: list[float], qs: tuple[float, ...]) -> list[float | None]:
     total = sum(counts)
     if total == 0:
-        return None
-    rank, seen, low = q * total, 0, 0.0
-    for bound, n in zip(bounds, counts):
-        if n and seen + n >= rank:
-            high = bound if bound != math.inf else low * 2 or 1.0
-            return round(low + (high - low) * max(0.0, rank - seen) / n, 3)
-        seen += n
-        low = bound
-    return float(bounds[-2])
+        return [None] * len(qs)
+    out = []
+    for q in qs:
+        rank, seen, low, value = q * total, 0, 0.0, float(RESPONSE_BUCKETS_MS[-1])
+        for bound, n in zip(_BOUNDS, counts):
+            if n and seen + n >= rank:
+                high = bound if bound != math.inf else low * 2 or 1.0
+                value = round(low + (high - low) * max(0.0, rank - seen) / n, 3)
+                break
+            seen += n
+            low = bound
+        out.append(value)
+    return out
 
 
 class LoaderCounters:
@@ -231,7 +241,7 @@ def figures(d: dict[str, float]) -> dict[str, Any]:
     """The figures of one interval (a :func:`delta`, or several ranks' summed)."""
     seconds = max(1e-9, d["time"])
     requests = int(d["requests"])
-    buckets = {k: int(v) for k, v in d.items() if k.startswith("response_le_")}
+    p50, p90, p99 = _quantiles([max(0, d[name]) for name in _BUCKET_NAMES], (0.5, 0.9, 0.99))
     takes = d["prefetch_takes"]
     hits, misses = int(d["cache_hits"]), int(d["cache_misses"])
     return {
@@ -247,9 +257,7 @@ def figures(d: dict[str, float]) -> dict[str, Any]:
         "retries": int(d["retries"]),
         "retry_causes": {c: int(d[f"retry_{c}"]) for c in RETRY_CAUSES if d[f"retry_{c}"]},
         "response_ms_mean": round(d["response_us"] / 1000 / requests, 3) if requests else None,
-        "response_ms_p50": percentile_ms(buckets, 0.5),
-        "response_ms_p90": percentile_ms(buckets, 0.9),
-        "response_ms_p99": percentile_ms(buckets, 0.99),
+        "response_ms_p50": p50, "response_ms_p90": p90, "response_ms_p99": p99,
         "row_groups": int(d["row_groups"]),
         "rows_decoded": int(d["rows_decoded"]),
         "prefetch_depth": round(d["prefetch_depth_sum"] / takes, 3) if takes else None,
@@ -258,18 +266,21 @@ def figures(d: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def combined(deltas: list[dict[str, float]]) -> dict[str, Any]:
+def combined(deltas: list[dict[str, float]], per_rank: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The figures of several ranks' intervals together: counts and rates summed, response times from the
     merged histogram, the interval the longest of theirs, the wait (and its share) the worst rank's: a
-    step waits for its slowest rank."""
+    step waits for its slowest rank. ``per_rank``: their :func:`figures`, when already made."""
     if not deltas:
         return {}
+    if len(deltas) == 1:
+        return dict(per_rank[0]) if per_rank else figures(deltas[0])
+    per_rank = per_rank or [figures(d) for d in deltas]
     total = {k: sum(d[k] for d in deltas) for k in READING_FIELDS}
     total["time"] = max(d["time"] for d in deltas)
     out = figures(total)
     # rates: each rank's own, summed (their intervals differ by the time the gathering took)
     for name in ("samples_per_s", "tokens_per_s"):
-        out[name] = round(sum(figures(d)[name] for d in deltas), 3)
-    worst = max((figures(d) for d in deltas), key=lambda f: f["wait_share"])
+        out[name] = round(sum(f[name] for f in per_rank), 3)
+    worst = max(per_rank, key=lambda f: f["wait_share"])
     out["wait_s"], out["wait_share"] = worst["wait_s"], worst["wait_share"]
     return out

@@ -51,11 +51,12 @@ class DataMetricsLog:
         self._last = now
         epoch = self.loader.data_epoch()
         deltas, epochs = self._gathered(mine, epoch)
-        total = combined(deltas)
+        per_rank = [figures(d) for d in deltas]
+        total = combined(deltas, per_rank)
         known = [e for e in epochs if e is not None]
         total["epoch"] = round(sum(known) / len(known), 6) if known and len(known) == len(epochs) else None
         self.latest = {f"data_{k}": v for k, v in total.items()}
-        self.latest["data_ranks"] = [{"rank": r, **figures(d), "epoch": e} for r, (d, e) in enumerate(zip(deltas, epochs))]
+        self.latest["data_ranks"] = [{"rank": r, **f, "epoch": e} for r, (f, e) in enumerate(zip(per_rank, epochs))]
         for name in (*LOGGED, "epoch"):
             value = total.get(name)
             if value is not None:
