@@ -227,3 +227,13 @@ def test_peek_stats_report_this_commands_requests(site, tmp_path):
     assert stats["requests"] == served["range_requests"]
     assert stats["row_groups"] >= 3 and stats["rows_decoded"] == stats["row_groups"] * ROW_GROUP
     assert stats["bytes_read"] == served["bytes_sent"]
+
+
+def test_llamafactory_section_takes_the_monitoring_keys():
+    from resumable_stream.llamafactory.settings import monitor_settings, split
+
+    _, ours = split({"stage": "sft", "resumable_stream": {"metrics_port": 9400, "data_bound_share": 0.5}})
+    assert monitor_settings(ours) == MonitorSettings(metrics_port=9400, data_bound_share=0.5)
+    with pytest.raises(ConfigError) as e:
+        split({"resumable_stream": {"data_bound_steps": 0}})
+    assert "resumable_stream.data_bound_steps: got 0" in str(e.value)
