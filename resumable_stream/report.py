@@ -199,14 +199,15 @@ def format_summary(summary: dict, png: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ picture
-def _figure_class():
+def _matplotlib():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ConfigError("resumable-stream report needs matplotlib to draw the picture: "
                           "pip install 'resumable-stream[report]'") from None
-    return Figure, FigureCanvasAgg
+    return Figure, FigureCanvasAgg, MaxNLocator
 
 
 def _line(ax, points, label, **style):
@@ -221,6 +222,19 @@ def _not_recorded(ax, fields: str) -> None:
     ax.set_yticks([])
 
 
+def _twin(ax, present, ylabel: str, lines, fields: str) -> list:
+    """A second y axis with ``lines`` when ``present``, else a note that ``fields`` were not recorded."""
+    if not present:
+        ax.text(0.01, 0.95, f"{fields}: {NOT_RECORDED}", transform=ax.transAxes, ha="left", va="top",
+                fontsize=8, color="0.4")
+        return []
+    twin = ax.twinx()
+    for points, label, colour in lines:
+        _line(twin, points, label, color=colour)
+    twin.set_ylabel(ylabel)
+    return [twin]
+
+
 def _legend(*axes) -> None:
     handles, labels = [], []
     for ax in axes:
@@ -233,13 +247,13 @@ def _legend(*axes) -> None:
 
 def draw(log: RunLog, png: str) -> None:
     """Write the PNG (atomically): five panels over steps, resume points as dashed vertical lines on each."""
-    Figure, FigureCanvasAgg = _figure_class()
+    Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(5, 1, sharex=True)
     name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
-    fig.suptitle(f"{name}: {len(log.training)} steps logged, resumed at "
-                 f"{', '.join(map(str, log.resumes)) or 'no step'}")
+    resumed = f"resumed at step {', '.join(map(str, log.resumes))}" if log.resumes else "no resume"
+    fig.suptitle(f"{name}: {len(log.training)} steps logged, {resumed}")
 
     ax = axes[0]
     _, loss = log.series("loss")
@@ -268,10 +282,8 @@ def draw(log: RunLog, png: str) -> None:
         _line(ax, trainer_rate, "samples/s (trainer)", color="tab:blue")
         _line(ax, data_rate, "samples/s (data)", color="tab:cyan")
         ax.set_ylabel("samples/s")
-        twin = ax.twinx()
-        _line(twin, tokens, "tokens/s (data)", color="tab:purple")
-        twin.set_ylabel("tokens/s")
-        _legend(ax, twin)
+        _legend(ax, *_twin(ax, tokens, "tokens/s", [(tokens, "tokens/s (data)", "tab:purple")],
+                           "data_tokens_per_s"))
     else:
         _not_recorded(ax, "samples_per_s, data_samples_per_s, data_tokens_per_s")
         ax.set_ylabel("throughput")
@@ -283,11 +295,9 @@ def draw(log: RunLog, png: str) -> None:
     if requests or p50 or p99:
         _line(ax, requests, "requests / interval", color="tab:green", drawstyle="steps-mid")
         ax.set_ylabel("requests")
-        twin = ax.twinx()
-        _line(twin, p50, "response p50 ms", color="tab:olive")
-        _line(twin, p99, "response p99 ms", color="tab:brown")
-        twin.set_ylabel("response ms")
-        _legend(ax, twin)
+        _legend(ax, *_twin(ax, p50 or p99, "response ms", [(p50, "response p50 ms", "tab:olive"),
+                                                           (p99, "response p99 ms", "tab:brown")],
+                           "data_response_ms_p50/p99"))
     else:
         _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
         ax.set_ylabel("requests")
@@ -308,6 +318,7 @@ def draw(log: RunLog, png: str) -> None:
     lo, hi = min(steps), max(steps)
     pad = max(1.0, (hi - lo) * 0.02)
     axes[0].set_xlim(lo - pad, hi + pad)
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     for i, ax in enumerate(axes):
         for step in log.resumes:
             ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, alpha=0.8,
