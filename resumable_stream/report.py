@@ -52,20 +52,29 @@ class RunLog:
         return None, []
 
 
+MAX_STEP = 10**15
+
+
 def number(value) -> float | None:
-    """A finite int or float (not a bool), else None: missing and null fields read the same."""
+    """A finite int or float (not a bool), else None: missing and null fields read the same (and so do NaN,
+    Infinity and ints too large for a float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return value if math.isfinite(value) else None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:
+        return None
 
 
 def _step(rec) -> int | None:
     step = rec.get("step") if isinstance(rec, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    ok = isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
+    return step if ok else None
 
 
-def log_path(run_dir: str) -> str:
-    """``RUN_DIR/train_log.jsonl``, checked: RUN_DIR a directory, the log inside it (after symlinks)."""
+def log_path(run_dir: str) -> tuple[str, str]:
+    """``RUN_DIR/train_log.jsonl`` and the file it is (symlinks resolved), checked: RUN_DIR a directory, the
+    log inside it."""
     if not os.path.isdir(run_dir):
         what = "not a directory" if os.path.lexists(run_dir) else "not found"
         raise RunLogError(f"run directory {run_dir!r}: {what} (give a train.output_dir holding {LOG_NAME})")
@@ -75,13 +84,14 @@ def log_path(run_dir: str) -> str:
     real_dir, real = os.path.realpath(run_dir), os.path.realpath(path)
     if os.path.commonpath([real_dir, real]) != real_dir:
         raise RunLogError(f"{path!r}: a link to {real!r}, outside the run directory; refused")
-    return path
+    return path, real
 
 
-def _read_bytes(path: str) -> bytes:
-    """The file's bytes; only a regular file (a FIFO or device is refused, never waited on)."""
+def _read_bytes(path: str, real: str) -> bytes:
+    """The bytes of ``real`` (``path`` resolved); only a regular file (a FIFO or device is refused, never
+    waited on)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise RunLogError(f"{path!r}: cannot be opened: {e.strerror}") from None
     try:
@@ -100,8 +110,8 @@ def read_log(run_dir: str) -> RunLog:
     """Parse ``RUN_DIR/train_log.jsonl``. A training line has an int ``step`` and a ``loss`` key; a line with an
     ``event`` key is an event (``"resume"``: a resume point at its step); an evaluation line has ``eval_*``
     keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
-    path = log_path(run_dir)
-    data = _read_bytes(path)
+    path, real = log_path(run_dir)
+    data = _read_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
     by_step: dict[int, dict] = {}
     for number_, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
@@ -109,7 +119,7 @@ def read_log(run_dir: str) -> RunLog:
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):   # not JSON; nested too deeply
             rec = None
         step = _step(rec)
         if step is None:
@@ -338,6 +348,8 @@ def draw(log: RunLog, png: str) -> None:
     try:
         fig.savefig(tmp, format="png", dpi=DPI, metadata=metadata)
         os.replace(tmp, png)
+    except OSError as e:
+        raise RunLogError(f"-o {png!r}: cannot be written: {e.strerror or e}") from None
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)

@@ -173,10 +173,11 @@ def test_summary_reports_the_per_interval_data_fields(tmp_path):
 def test_an_old_log_falls_back_to_the_cumulative_cache_hit_rate_and_says_what_is_not_recorded(tmp_path):
     recs = [{"step": s, "loss": 5.0 - s / 10, "learning_rate": 1e-3, "samples_per_s": None if s == 1 else 50.0,
              "cache_hits": s, "cache_misses": 3, "cache_hit_rate": s / (s + 3)} for s in range(1, 6)]
+    recs[2]["samples_per_s"], recs[3]["samples_per_s"] = float("nan"), 10**400   # NaN, too large for a float
     _write_log(tmp_path / "run", recs)
     rows = _summary(format_summary(summarize(read_log(str(tmp_path / "run"))), None))
     assert rows["cache hit rate at end"] == f"{5 / 8:.6g} (cumulative, step 5)"
-    assert float(rows["samples/s mean"]) == 50.0     # the null of the first line is not a zero
+    assert float(rows["samples/s mean"]) == 50.0     # the null, NaN and huge values are not recorded, not zeros
     for name in ("data wait share mean", "data wait share max", "data tokens/s mean", "requests total",
                  "response ms p50", "response ms p99"):
         assert rows[name] == "not recorded", name
@@ -188,15 +189,15 @@ def test_the_cli_draws_and_summarizes_a_log_with_damaged_lines(tmp_path, capsys)
     warning line; the picture goes where -o says, with the records it drew in its metadata."""
     recs = [_data_record(s) for s in range(1, 9)]
     path = _write_log(tmp_path / "run", [*recs[:3], "garbage", '["step", 4]', {"step": "5", "loss": 1.0},
-                                         *recs[3:]])
+                                         *recs[3:], "[" * 100_000, {"step": 10**400, "loss": 1.0}])
     with open(path, "a", encoding="utf-8") as f:
         f.write('{"step": 9, "lo')
     png = str(tmp_path / "picture.png")
     assert main(["report", str(tmp_path / "run"), "-o", png]) == 0
     captured = capsys.readouterr()
-    assert captured.err.count("\n") == 1 and "4 damaged lines skipped (line 4, 5, 6, 12)" in captured.err
+    assert captured.err.count("\n") == 1 and "6 damaged lines skipped (line 4, 5, 6, 12, 13, 14)" in captured.err
     rows = _summary(captured.out)
-    assert rows["damaged lines skipped"] == "4" and rows["steps"] == "1..8 (8 training records)"
+    assert rows["damaged lines skipped"] == "6" and rows["steps"] == "1..8 (8 training records)"
     assert rows["png"] == png and not os.path.exists(tmp_path / "run" / "report.png")
     size, info, colours = _png_info(png)
     assert size == SIZE_PX and colours >= 8
