@@ -14,12 +14,12 @@ import hashlib
 import json
 import math
 import os
-import stat
 import statistics
 import sys
 from dataclasses import dataclass, field
 
 from .errors import ConfigError, RunLogError
+from .safe_io import FileRefused, read_regular_file
 
 LOG_NAME = "train_log.jsonl"
 DEFAULT_PNG = "report.png"
@@ -89,21 +89,13 @@ def log_path(run_dir: str) -> tuple[str, str]:
 
 def _read_bytes(path: str, real: str) -> bytes:
     """The bytes of ``real`` (``path`` resolved); only a regular file (a FIFO or device is refused, never
-    waited on)."""
+    waited on), at most MAX_LOG_BYTES."""
     try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return read_regular_file(real, MAX_LOG_BYTES)
+    except FileRefused as e:
+        raise RunLogError(f"{path!r}: {e}; refused") from None
     except OSError as e:
-        raise RunLogError(f"{path!r}: cannot be opened: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RunLogError(f"{path!r}: not a regular file; refused")
-        if st.st_size > MAX_LOG_BYTES:
-            raise RunLogError(f"{path!r}: {st.st_size:,} bytes, over the {MAX_LOG_BYTES:,} a report reads")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(MAX_LOG_BYTES + 1)
-    finally:
-        os.close(fd)
+        raise RunLogError(f"{path!r}: cannot be read: {e.strerror or e}") from None
 
 
 def read_log(run_dir: str) -> RunLog:
