@@ -106,7 +106,8 @@ def read_log(run_dir: str) -> RunLog:
     data = _read_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
     by_step: dict[int, dict] = {}
-    for number_, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+    for number_, raw in enumerate(data.split(b"\n"), 1):   # only "\n" ends a line, as the writer's
+        line = raw.decode("utf-8", errors="replace")
         if not line.strip():
             continue
         try:

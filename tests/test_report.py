@@ -188,8 +188,8 @@ def test_the_cli_draws_and_summarizes_a_log_with_damaged_lines(tmp_path, capsys)
     """Damaged lines (not JSON, not a record, no int step, a cut last line) are skipped and counted, with one
     warning line; the picture goes where -o says, with the records it drew in its metadata."""
     recs = [_data_record(s) for s in range(1, 9)]
-    path = _write_log(tmp_path / "run", [*recs[:3], "garbage", '["step", 4]', {"step": "5", "loss": 1.0},
-                                         *recs[3:], "[" * 100_000, {"step": 10**400, "loss": 1.0}])
+    damaged = ["garbage\x0c\u2028more", '["step", 4]', {"step": "5", "loss": 1.0}]   # one line each
+    path = _write_log(tmp_path / "run", [*recs[:3], *damaged, *recs[3:], "[" * 100_000, {"step": 10**400, "loss": 1.0}])
     with open(path, "a", encoding="utf-8") as f:
         f.write('{"step": 9, "lo')
     png = str(tmp_path / "picture.png")
