@@ -259,6 +259,13 @@ def cmd_llamafactory(args: argparse.Namespace) -> int:
     return train(args.config, args.overrides)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import report
+
+    report(args.run_dir, args.output)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
                                 description="Exactly resumable HuggingFace streaming datasets for training.")
@@ -325,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
     insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
     insp.set_defaults(func=cmd_inspect)
+
+    rep = sub.add_parser("report", help="draw a run's train_log.jsonl as a PNG (loss, data wait, throughput, "
+                                        "requests and response time, cache hit rate; resumes marked) and "
+                                        "print a short summary")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run's train.output_dir (holding train_log.jsonl)")
+    rep.add_argument("-o", "--output", metavar="OUT.png", help="where to write the PNG (default RUN_DIR/report.png)")
+    rep.set_defaults(func=cmd_report)
     return p
 
 
