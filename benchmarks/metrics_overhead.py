@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/metrics_overhead.py [--batches 4000] [--steps 40]
 
 1. Per batch: a StreamLoader over local parquet (tokenized text, workers 0) with the metrics as shipped, and
-   with every recording call replaced by a no-op, in the same run (best of 3 each): the difference per batch.
+   with every recording call replaced by a no-op, in the same run (alternating rounds, the best of each): the difference per batch.
 2. Per logging step: ``DataMetricsLog.on_log`` (a reading of the counters, the figures, the watch), timed alone.
 3. The tiny model's step time (examples/tiny/train_lm.yaml, CPU, one thread), from a real Trainer run.
 The overhead is (per batch + per log) / step time, i.e. with ``logging_steps: 1``, the worst case.
@@ -124,13 +124,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of on / off, alternating (the best of each)")
     args = ap.parse_args()
     from resumable_stream.synthetic import write_parquet_dataset
 
     with tempfile.TemporaryDirectory() as d:
         write_parquet_dataset(d, rows=200_000, files=4, row_group_size=4096)
         on, off = [], []
-        for _ in range(3):
+        for _ in range(args.rounds):
             on.append(per_batch_seconds(d, args.batches))
             with _Off():
                 off.append(per_batch_seconds(d, args.batches))

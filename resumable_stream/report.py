@@ -14,9 +14,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError, RunLogError
 from .safe_io import FileRefused, read_regular_file
@@ -34,7 +36,7 @@ NOT_RECORDED = "not recorded"
 @dataclass
 class RunLog:
     """The records of one ``train_log.jsonl``: training lines (one per step, by step), evaluation lines, resume
-    events and how many lines were damaged."""
+    points and how many lines were damaged."""
 
     path: str
     digest: str                                   # blake2b (64-byte) hex digest of the file's bytes
@@ -98,10 +100,16 @@ def _read_bytes(path: str, real: str) -> bytes:
         raise RunLogError(f"{path!r}: cannot be read: {e.strerror or e}") from None
 
 
+def _resume_step(name: Any, step: int) -> int:
+    """The step of ``checkpoint-N`` (the resume point); the step before ``step`` when the name says none."""
+    m = re.fullmatch(r"checkpoint-(\d{1,12})", name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else step - 1
+
+
 def read_log(run_dir: str) -> RunLog:
-    """Parse ``RUN_DIR/train_log.jsonl``. A training line has an int ``step`` and a ``loss`` key; a line with an
-    ``event`` key is an event (``"resume"``: a resume point at its step); an evaluation line has ``eval_*``
-    keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
+    """Parse ``RUN_DIR/train_log.jsonl``. A training line has an int ``step`` and a ``loss`` key; the first one
+    after a resume names its checkpoint (``resumed_from: "checkpoint-N"``: a resume point at step N); an
+    evaluation line has ``eval_*`` keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
     path, real = log_path(run_dir)
     data = _read_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
@@ -117,11 +125,12 @@ def read_log(run_dir: str) -> RunLog:
         step = _step(rec)
         if step is None:
             log.damaged.append(number_)
-        elif "event" in rec:
-            if rec["event"] == "resume" and step not in log.resumes:
-                log.resumes.append(step)
         elif "loss" in rec:
             by_step[step] = rec
+            if "resumed_from" in rec:
+                at = _resume_step(rec["resumed_from"], step)
+                if at not in log.resumes:
+                    log.resumes.append(at)
         elif any(isinstance(k, str) and k.startswith("eval_") for k in rec):
             log.evals.append(rec)
     log.training = [by_step[s] for s in sorted(by_step)]

@@ -98,17 +98,6 @@ def test_report_of_a_killed_and_resumed_training_run(procs, tmp_path, capsys):
 
     log_file = os.path.join(out, LOG_NAME)
     records = _records(log_file)
-    if not any(r.get("event") == "resume" for r in records):
-        # TODO(issue 23, item 1): drop this once TrainLogCallback writes the resume event itself. Until then the
-        # line a resume writes is put where it will be: after the last line of the step resumed from.
-        with open(log_file, encoding="utf-8") as f:
-            lines = f.readlines()
-        at = max(i for i, line in enumerate(lines) if json.loads(line).get("step") == resume_step) + 1
-        lines.insert(at, json.dumps({"step": resume_step, "event": "resume",
-                                     "checkpoint": f"checkpoint-{resume_step}"}) + "\n")
-        with open(log_file, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        records = _records(log_file)
     with open(log_file, "rb") as f:
         digest = hashlib.blake2b(f.read()).hexdigest()
 
@@ -119,9 +108,11 @@ def test_report_of_a_killed_and_resumed_training_run(procs, tmp_path, capsys):
     size, info, colours = _png_info(png)
     assert size == SIZE_PX == (1000, 1250)
     assert colours >= 8, f"only {colours} colours: a blank picture"
-    training = [r for r in records if "loss" in r and "event" not in r]
-    resume_steps = sorted({r["step"] for r in records if r.get("event") == "resume"})
-    assert resume_steps == [resume_step]
+    training = [r for r in records if "loss" in r]
+    # the resumed run marked its first line with the checkpoint it started from
+    marks = [(r["step"], r["resumed_from"]) for r in records if "resumed_from" in r]
+    assert marks == [(resume_step + 1, f"checkpoint-{resume_step}")]
+    resume_steps = [resume_step]
     assert info[META_PREFIX + "log blake2b"] == digest
     assert info[META_PREFIX + "log"] == LOG_NAME
     assert json.loads(info[META_PREFIX + "resume steps"]) == resume_steps
@@ -150,8 +141,8 @@ def test_report_of_a_killed_and_resumed_training_run(procs, tmp_path, capsys):
 def test_summary_reports_the_per_interval_data_fields(tmp_path):
     steps = range(1, 21)
     recs = [_data_record(s) for s in steps]
-    _write_log(tmp_path / "run", [*recs[:10], {"step": 10, "event": "resume", "checkpoint": "checkpoint-10"},
-                                  {"step": 10, "eval_loss": 6.0}, *recs[10:]])
+    recs[10]["resumed_from"] = "checkpoint-10"
+    _write_log(tmp_path / "run", [*recs[:10], {"step": 10, "eval_loss": 6.0}, *recs[10:]])
     log = read_log(str(tmp_path / "run"))
     assert log.resumes == [10] and len(log.evals) == 1 and len(log.training) == 20
     rows = _summary(format_summary(summarize(log), None))
