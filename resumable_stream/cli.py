@@ -44,7 +44,7 @@ def _cache_stats(source: Any) -> dict | None:
     return stats() if callable(stats) else None
 
 
-def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None) -> None:
+def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
     """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
     d = metrics.delta(before, metrics.reading(cache=cache))
     d["loader_samples"] = samples or 0
@@ -56,6 +56,7 @@ def _print_stats(before: dict[str, float], samples: int | None, cache: dict | No
                                   "row_groups", "rows_decoded", "prefetch_depth")}}
     if cache is not None:
         shown.update(cache_hits=f["cache_hits"], cache_misses=f["cache_misses"], cache_hit_rate=f["cache_hit_rate"])
+    shown.update(more)
     print(json.dumps({"stats": shown}), file=sys.stderr)
 
 
@@ -203,8 +204,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     print(f"warmup: {result.summary()}; cache {cfg.cache_dir}: {result.stats.get('cache_bytes') or 0:,} bytes",
           file=sys.stderr)
     if args.stats:
-        cache = {k: result.stats.get(k, 0) for k in ("hits", "misses", "bytes_read")}
-        _print_stats(before, None, cache)
+        _print_stats(before, None, None, blocks_fetched=result.fetched_blocks, blocks_already_cached=result.already_cached)
     if result.not_cached:
         print(f"resumable-stream: error: warmup incomplete: {result.not_cached} of {result.planned_blocks} planned "
               f"blocks are not in the cache ({result.why or 'unknown reason'})", file=sys.stderr)

@@ -237,3 +237,20 @@ def test_llamafactory_section_takes_the_monitoring_keys():
     with pytest.raises(ConfigError) as e:
         split({"resumable_stream": {"data_bound_steps": 0}})
     assert "resumable_stream.data_bound_steps: got 0" in str(e.value)
+
+
+def test_warmup_stats_report_the_fetches(site, tmp_path):
+    site.latency_s = 0.0
+    path = tmp_path / "warm.yaml"
+    path.write_text(yaml.safe_dump({"data": {"dataset_name_or_path": "parquet", "data_files": list(site.urls),
+                                             "cache_dir": str(tmp_path / "cache")}}))
+    site.reset_stats()
+    r = subprocess.run([sys.executable, "-m", "resumable_stream", "warmup", str(path), "--samples", "300",
+                        "--no-progress", "--stats"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    stats = json.loads([line for line in r.stderr.splitlines() if line.startswith('{"stats"')][-1])["stats"]
+    served = site.stats()
+    assert stats["requests"] == served["range_requests"] > 0
+    assert stats["bytes_read"] == served["bytes_sent"]
+    assert "samples" not in stats and stats["blocks_fetched"] >= 1 and stats["blocks_already_cached"] == 0
