@@ -263,6 +263,7 @@ def figures(d: dict[str, float]) -> dict[str, Any]:
         "prefetch_depth": round(d["prefetch_depth_sum"] / takes, 3) if takes else None,
         "cache_hits": hits, "cache_misses": misses,
         "cache_hit_rate": round(hits / (hits + misses), 6) if hits + misses else None,
+        "cache_bytes_read": int(d["cache_bytes_read"]),
     }
 
 

@@ -254,3 +254,26 @@ def test_warmup_stats_report_the_fetches(site, tmp_path):
     assert stats["requests"] == served["range_requests"] > 0
     assert stats["bytes_read"] == served["bytes_sent"]
     assert "samples" not in stats and stats["blocks_fetched"] >= 1 and stats["blocks_already_cached"] == 0
+
+
+def test_cache_hits_and_bytes_of_a_second_pass(site, tmp_path):
+    site.latency_s = 0.0
+    cfg = _config(site.urls, prefetch_blocks=0, cache_dir=str(tmp_path / "cache"))
+    passes = []
+    for _ in range(2):       # the same samples twice: the second from the block cache
+        stream = ResumableStream(cfg)
+        loader = StreamLoader(stream, batch_size=10)
+        since = loader.metrics_reading()
+        site.reset_stats()
+        try:
+            rows = [r["id"] for batch in itertools.islice(loader, 20) for r in batch]
+            stream.source.store.flush()      # the blocks written behind the reader are in
+        finally:
+            stream.close()
+        passes.append((rows, loader.data_metrics(since), site.stats()))
+    (rows1, first, _), (rows2, second, served2) = passes
+    assert rows1 == rows2
+    assert first["cache_hits"] == 0 and first["cache_misses"] >= 2 and first["cache_hit_rate"] == 0.0
+    assert second["cache_hits"] == first["cache_misses"] and second["cache_misses"] == 0
+    assert second["cache_hit_rate"] == 1.0 and second["cache_bytes_read"] > 0
+    assert second["row_groups"] == 0 and second["requests"] == served2["range_requests"]
