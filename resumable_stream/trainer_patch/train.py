@@ -251,9 +251,9 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def run_training(config_path: str, **argument_overrides):
+def run_training(config_path: str, overrides=(), **argument_overrides):
     die_with_launcher()
-    cfg = TrainerConfig.from_yaml(config_path)
+    cfg = TrainerConfig.from_yaml(config_path, overrides)
     args = training_arguments(cfg, **argument_overrides)
     # one job per output_dir, taken before the model is built and the checkpoints are read or cleaned (a
     # second job fails in seconds); the trainer's train() holds it again inside, nested
