@@ -16,6 +16,7 @@ from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
+from .run_dir import checkpoint_dirs, latest_complete_checkpoint
 from .sidecar import MANIFEST, rank_file_name
 
 
@@ -126,7 +127,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .job_source import saved_index_file
     from .sidecar import read_manifest, read_rank_state, read_state_file, read_state_fingerprint, state_dir_of
 
-    path = args.path
+    path, picked = args.path, None
+    if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
+        picked = latest_complete_checkpoint(path)
+        if picked is None:
+            raise SidecarError(f"run directory {path!r}: none of its checkpoints "
+                               f"({', '.join(os.path.basename(p) for _, p in checkpoint_dirs(path))}) is complete "
+                               "(trainer_state.json and stream_state/manifest.json)")
+        path = picked
     if os.path.isdir(path):
         state_dir = state_dir_of(path)
         if state_dir is None:
@@ -143,6 +151,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
+        if picked is not None:   # say which one: the newest complete checkpoint of the run
+            result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
         state = read_state_file(path)   # verified by its own digest; a FIFO or device is refused unread
         result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
@@ -305,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _drop_stdout() -> None:
+    """The reader of stdout went away (``| head``): what is still buffered goes nowhere, so that the
+    interpreter's flush at exit does not report a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # no file descriptor behind sys.stdout (captured in tests)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -315,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     debug = args.debug or os.environ.get("RESUMABLE_STREAM_DEBUG") == "1"
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
     except ResumableStreamError as e:
         if debug:
             traceback.print_exc()
