@@ -140,6 +140,39 @@ def test_quick_start_training_demo_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "killed with SIGKILL" in r.stdout and "resumed from checkpoint-" in r.stdout
     assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
+    _check_ids_around_resume(r.stdout, tmp_path)
+
+
+def _consumed_log(path):
+    with open(path, encoding="utf-8") as f:
+        return {rec["step"]: rec["samples"] for rec in map(json.loads, f)}
+
+
+def _check_ids_around_resume(stdout, work):
+    """The demo's table of sample keys around the resume point shows what the logs say: the killed run's
+    (saved before the restart cut its log back), the resumed run's after the checkpoint, the reference's."""
+    import re
+
+    resumed_at = int(re.search(r"resumed from checkpoint-(\d+)", stdout).group(1))
+    logs = {"killed": _consumed_log(work / "killed-consumed.jsonl"),
+            "resumed": _consumed_log(work / "killed-and-resumed" / "consumed" / "rank-00000.jsonl"),
+            "reference": _consumed_log(work / "uninterrupted" / "consumed" / "rank-00000.jsonl")}
+    killed_at = max(logs["killed"])
+
+    def shown(ids):
+        return "-" if ids is None else " ".join(ids[:3]) + (f" +{len(ids) - 3}" if len(ids) > 3 else "")
+
+    rows = [m.groups() for m in re.finditer(r"^ +(\d+) \| (.*?) +\| (.*?) +\| (.*?)(?: +<- (.*))?$", stdout, re.M)]
+    steps = [int(step) for step, *_ in rows]
+    assert {resumed_at, resumed_at + 1, killed_at} <= set(steps), (steps, resumed_at, killed_at, stdout)
+    for step, killed, resumed, reference, note in rows:
+        step = int(step)
+        assert killed == shown(logs["killed"].get(step)), (step, stdout)
+        assert resumed == shown(logs["resumed"][step] if step > resumed_at else None), (step, stdout)
+        assert reference == shown(logs["reference"][step]) != "-", (step, stdout)
+        if step > resumed_at:
+            assert resumed == reference, (step, stdout)
+        assert (note is not None) == (step in (resumed_at, killed_at)), (step, stdout)
 
 
 @pytest.mark.slow
