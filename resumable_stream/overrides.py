@@ -120,7 +120,7 @@ def apply(doc: dict, items: Sequence[str], *, base_dir: str | None, data_only: b
     for text in items:
         key, value = parse(text)
         first = key.split(".", 1)[0]
-        if data_only and not bare and first != "data":
+        if data_only and (first in ("model", "train") or (not bare and first != "data")):
             hint = f"; write data.{text}" if first not in SECTIONS else ""
             raise ConfigError(f"override {text!r}: only data keys apply here (this command reads the data: "
                               f"section of {source}){hint}")

@@ -69,6 +69,8 @@ def test_a_data_only_yaml_takes_bare_keys_and_data_keys(parquet_small, tmp_path)
     with pytest.raises(ConfigError, match=r"override 'shuffle_sed=7': unknown key shuffle_sed; did you mean "
                                           r"shuffle_seed\?"):
         StreamConfig.from_yaml(path, ["shuffle_sed=7"])
+    with pytest.raises(ConfigError, match=r"override 'train.max_steps=3': only data keys apply here"):
+        StreamConfig.from_yaml(path, ["train.max_steps=3"])
 
 
 def test_a_trainer_yaml_read_for_its_data_takes_only_data_keys():
