@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import Any
 
-from . import __version__
+from . import __version__, metrics
 from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
 from .progress import partition_progress, progress_summary
@@ -40,9 +40,31 @@ def _positive(name: str, minimum: int):
     return parse
 
 
+def _cache_stats(source: Any) -> dict | None:
+    stats = getattr(source, "stats", None)
+    return stats() if callable(stats) else None
+
+
+def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
+    """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
+    d = metrics.delta(before, metrics.reading(cache=cache))
+    d["loader_samples"] = samples or 0
+    f = metrics.figures(d)
+    shown = {"seconds": f["step_s"], **({"samples": samples, "samples_per_s": f["samples_per_s"]}
+                                        if samples is not None else {}),
+             **{k: f[k] for k in ("requests", "request_errors", "bytes_read", "retries", "retry_causes",
+                                  "response_ms_mean", "response_ms_p50", "response_ms_p90", "response_ms_p99",
+                                  "row_groups", "rows_decoded", "prefetch_depth")}}
+    if cache is not None:
+        shown.update(cache_hits=f["cache_hits"], cache_misses=f["cache_misses"], cache_hit_rate=f["cache_hit_rate"])
+    shown.update(more)
+    print(json.dumps({"stats": shown}), file=sys.stderr)
+
+
 def cmd_peek(args: argparse.Namespace) -> int:
     from .mixture import open_stream
 
+    before = metrics.reading()
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if args.resume_from:
         resume = args.resume_from
@@ -70,11 +92,15 @@ def cmd_peek(args: argparse.Namespace) -> int:
             raise ConfigError(f"--fields: unknown column(s) {', '.join(unknown)}; columns: {', '.join(columns)}")
     out = sys.stdout
     try:
+        printed = 0
         for sample in itertools.islice(stream, args.num):
             if fields is not None:
                 sample = {k: sample.get(k) for k in fields}
             out.write(json.dumps(sample, default=_show, ensure_ascii=False) + "\n")
+            printed += 1
         out.flush()
+        if args.stats:
+            _print_stats(before, printed, _cache_stats(stream.source))
         if args.save_state:
             target = args.save_state
             if args.world_size > 1 and not target.endswith(".safetensors"):
@@ -181,11 +207,14 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if not isinstance(cfg, StreamConfig):
         raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) is not supported by warmup yet; "
                           "training reads through data.cache_dir without it")
+    before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
                         progress=not args.no_progress)
     print(f"warmup: {result.summary()}; cache {cfg.cache_dir}: {result.stats.get('cache_bytes') or 0:,} bytes",
           file=sys.stderr)
+    if args.stats:
+        _print_stats(before, None, None, blocks_fetched=result.fetched_blocks, blocks_already_cached=result.already_cached)
     if result.not_cached:
         print(f"resumable-stream: error: warmup incomplete: {result.not_cached} of {result.planned_blocks} planned "
               f"blocks are not in the cache ({result.why or 'unknown reason'})", file=sys.stderr)
@@ -240,6 +269,13 @@ def cmd_llamafactory(args: argparse.Namespace) -> int:
     return train(args.config, args.overrides)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import report
+
+    report(args.run_dir, args.output)
+    return 0
+
+
 def _add_overrides(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help=f"{what} (a value is read as yaml: 5, true, [a, b], null); a relative path is taken "
@@ -264,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     peek.add_argument("--resume-from", help="a sidecar file, stream_state dir or checkpoint dir to start from")
     peek.add_argument("--save-state", help="write the state after the printed samples (file.safetensors or dir)")
     peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
+    peek.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
+                                                             "response times, retries, cache) as JSON on stderr")
     peek.set_defaults(func=cmd_peek)
 
     train = sub.add_parser("train", help="train a model from one yaml (model/data/train; text, or vision-language "
@@ -297,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="DataLoader workers per rank (default: the checkpoint's, else 0)")
     warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, help="parallel fetches (default 8)")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    warm.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
+                                                             "response times, retries, cache) as JSON on stderr")
     warm.set_defaults(func=cmd_warmup)
 
     idx = sub.add_parser("index", help="resolve a parquet dataset once and write its dataset index (files, "
@@ -312,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
     insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
     insp.set_defaults(func=cmd_inspect)
+
+    rep = sub.add_parser("report", help="draw a run's train_log.jsonl as a PNG (loss, data wait, throughput, "
+                                        "requests and response time, cache hit rate; resumes marked) and "
+                                        "print a short summary")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run's train.output_dir (holding train_log.jsonl)")
+    rep.add_argument("-o", "--output", metavar="OUT.png", help="where to write the PNG (default RUN_DIR/report.png)")
+    rep.set_defaults(func=cmd_report)
     return p
 
 

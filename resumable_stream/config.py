@@ -178,9 +178,10 @@ class StreamConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
         if extra_keys is None:
+            from .monitoring import MONITOR_KEYS
             from .transforms.config import TransformConfig
 
-            extra_keys = (*TransformConfig.KEYS, "max_samples")
+            extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples")
         if "sources" in data:
             return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
         known = cls.keys()

@@ -40,6 +40,11 @@ class SidecarError(ResumableStreamError):
     """A stream-state sidecar is missing, corrupt, truncated or incomplete."""
 
 
+class RunLogError(ResumableStreamError):
+    """A run directory or its ``train_log.jsonl`` is missing, not a regular file or outside the run
+    (``resumable-stream report``)."""
+
+
 class OutputDirLockedError(ResumableStreamError):
     """Another training job (or another thread of this process) holds the output directory's lock."""
 

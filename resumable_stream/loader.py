@@ -17,21 +17,35 @@ every partition continues from its cursor and the rotations start afresh.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch.utils.data
 
-from . import checkpoint, threads
+from . import checkpoint, metrics, threads
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
+from .progress import epoch_position
 from .stream_base import Stream, round_robin
 from .transforms.errors import TransformError
 
 
 def _identity(item):
     return item
+
+
+def token_count(batch: Any) -> int:
+    """Tokens in a collated batch: its attention mask's ones (padding is no token), else the size of its
+    input_ids; 0 for batches of raw samples."""
+    if isinstance(batch, dict):
+        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.count_nonzero())
+        if isinstance(ids, torch.Tensor):
+            return ids.numel()
+    return 0
 
 
 def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
@@ -49,10 +63,12 @@ class _BatchProducer(torch.utils.data.IterableDataset):
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
         self.processor_factory, self.key_fn, self.keep_keys = processor_factory, key_fn, keep_keys
         self.carries, self.turn, self.lane_turns = carries, turn, lane_turns
+        self.counters = metrics.source_counters()   # a spawned worker records into its rank's counters
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         lanes = self.stream.lanes
         info = torch.utils.data.get_worker_info()
+        metrics.adopt(self.counters)
         if info is None:
             if len(lanes) != 1:
                 raise ConfigError(f"num_workers: the stream was created for {len(lanes)} DataLoader workers but the "
@@ -137,7 +153,9 @@ class _BatchProducer(torch.utils.data.IterableDataset):
         snapshot = self.stream.partition_state(partition)
         if proc is not None:     # a state of its own (the stream's may be handed out again while unmoved)
             snapshot = replace(snapshot, extra=proc.state())
-        return {"batch": self.collate_fn(batch), "partition": partition, "snapshot": snapshot, "keys": keys}
+        collated = self.collate_fn(batch)
+        return {"batch": collated, "partition": partition, "snapshot": snapshot, "keys": keys,
+                "samples": len(batch), "tokens": token_count(collated)}
 
 
 class StreamLoader:
@@ -177,7 +195,9 @@ class StreamLoader:
         self.keep_keys = keep_keys
         self._pending_keys: list[list[str]] = []   # only with keep_keys: emptied by pop_consumed_keys
         self.batches_consumed = 0
+        self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
         self._iterated = False
+        self._first_reading = self.metrics_reading()
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -201,8 +221,14 @@ class StreamLoader:
         place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
         # in the main process a DataLoader would only add its per-item cost (~17 us) to every batch
         items = iter(producer) if self.num_workers == 0 and not self.pin_memory else \
-            torch.utils.data.DataLoader(producer, **kwargs)
-        for item in items:
+            iter(torch.utils.data.DataLoader(producer, **kwargs))
+        clock, counters = time.perf_counter, self.counters
+        while True:
+            asked = clock()
+            item = next(items, None)   # the time the training loop waits for its batch
+            if item is None:
+                return
+            counters.batch(clock() - asked, item["samples"], item["tokens"])
             p = item["partition"]
             j, i = place[p]
             self._consumed[p] = item["snapshot"]
@@ -225,6 +251,41 @@ class StreamLoader:
         keys = [k for batch in self._pending_keys for k in batch]
         self._pending_keys = []
         return keys
+
+    # ------------------------------------------------------------------ metrics
+    def metrics_reading(self) -> dict[str, float]:
+        """This rank's data-path counters now (its workers' included), the loader's (batches, seconds waited,
+        samples, tokens) and the block cache's: what :meth:`data_metrics` compares."""
+        stats = getattr(self.stream.source, "stats", None)
+        cache = None
+        if callable(stats):
+            try:
+                cache = stats()
+            except Exception:        # a metrics reading must never break training
+                cache = None
+        return metrics.reading(self.counters, cache)
+
+    def data_metrics(self, since: dict[str, float] | None = None) -> dict[str, Any]:
+        """Figures of the data path since ``since`` (a :meth:`metrics_reading`; default: since this loader was
+        made): the seconds the training loop waited for its batches and their share of the time, samples and
+        tokens per second, requests, bytes, retries and their causes, response-time percentiles, cache hits
+        and misses, the prefetch depth in use; and ``epoch``, the data's epoch from the consumed cursors."""
+        now = self.metrics_reading()
+        out = metrics.figures(metrics.delta(since or self._first_reading, now))
+        out["epoch"] = self.data_epoch()
+        return out
+
+    def data_epoch(self) -> float | None:
+        """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the
+        batches handed out; None when an epoch's size is unknown (e.g. json shards)."""
+        known = []
+        for p in self.stream.partitions:
+            snap = self._consumed.get(p)
+            position = epoch_position(snap if snap is not None else self.stream.partition_state(p))
+            if position is None:
+                return None
+            known.append(position)
+        return round(sum(known) / len(known), 6) if known else None
 
     # ------------------------------------------------------------------ state
     def transform_states(self) -> dict[int, dict]:

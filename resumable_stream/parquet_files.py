@@ -30,6 +30,7 @@ from .arrow_pool import rows_pool
 from .errors import SourceError, StreamMismatchError
 from .index import footer_digest, parse_footer, row_group_layout
 from .local_parquet import cast_like_datasets, simple_schema
+from .metrics import record_retry
 from .ranged import ObjectChanged, WrongBytes, read_range
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def read_checked(what: str, fn: Callable[[], T]) -> T:
         return fn()
     except (WrongBytes, ObjectChanged) as e:
         log.warning("%s: %s; reading it once more from the source", what, e)
+        record_retry("wrong_bytes")
     try:
         return fn()
     except ObjectChanged:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from .metrics import record_prefetch_take
 from .ranged import request_seconds
 
 INITIAL_DEPTH = 8           # fetches ahead per partition before a fetch and a consumer interval were measured
@@ -319,8 +320,10 @@ class Prefetcher:
                     state.measured += 1
                 state.last_take = now
                 state.last_wait = 0.0
-                self._depths.append(self.depth_for(entry.owner))
+                depth = self.depth_for(entry.owner)
+                self._depths.append(depth)
                 del self._depths[:-_DEPTHS]
+                record_prefetch_take(depth, waited=entry.done_at is None)
                 if entry.done_at is None:          # the reader waits for it: that wait is no consumer time
                     self._counts["waited"] += 1
                     entry.future.add_done_callback(lambda _f, s=state, t=now: self._waited(s, t))

@@ -32,3 +32,16 @@ def progress_summary(progress: list[dict[str, Any]]) -> dict[str, Any]:
             "epoch_fraction": stats([p["epoch_fraction"] for p in known]),
             "epochs_completed": stats([p["epoch"] + p["epoch_fraction"] for p in known]),
             "unknown_fraction": len(progress) - len(known)}
+
+
+def epoch_position(state: Any) -> float | None:
+    """Epochs completed by one partition, fractional (``epoch + fraction of it consumed``), from its typed state
+    (a ``PartitionState``; a ``MixturePartitionState``: the mean of its sources'); None when unknown."""
+    sources = getattr(state, "sources", None)
+    if sources is not None:
+        known = [x for x in (epoch_position(s) for s in sources) if x is not None]
+        return sum(known) / len(known) if known else None
+    start, rows = state.epoch_start, state.epoch_rows
+    if start is None or not rows:
+        return None
+    return state.epoch + (state.consumed - start) / rows

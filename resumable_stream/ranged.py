@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from .errors import SourceError, StreamMismatchError
+from .metrics import record_request
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _BUCKET_STORES = ("s3", "s3a")
@@ -126,10 +127,17 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
     if end <= start:
         return b""
     t0 = time.monotonic()
+    remote = "://" in path and not path.startswith("file://")
+    ok, nbytes = False, 0
     try:
-        return _read_range(path, start, end, storage_options, identity)
+        data = _read_range(path, start, end, storage_options, identity)
+        ok, nbytes = True, len(data)
+        return data
     finally:
-        _CLOCK.seconds = request_seconds() + (time.monotonic() - t0)
+        took = time.monotonic() - t0
+        _CLOCK.seconds = request_seconds() + took
+        if remote:       # what a slow or failing link looks like: requests, bytes, response times
+            record_request(took, nbytes, ok)
 
 
 def _read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None) -> bytes:

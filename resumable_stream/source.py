@@ -49,6 +49,7 @@ from .index import (
     split_footer,
 )
 from .local_parquet import resolve_local_parquet
+from .metrics import record_retry, record_row_group, retry_cause
 from .parquet_files import ParquetFiles, read_checked
 from .prefetch import Prefetcher
 from .ranged import listed_identities, read_range
@@ -364,16 +365,19 @@ class _HttpRetry:
                 retry_after = retry_after_s(resp.headers)
                 resp.release()
                 error = f"HTTP {resp.status}"
+                cause = "http_429" if resp.status == 429 else "http_5xx" if resp.status >= 500 else "http_other"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # A refused connection / unknown host: the host is down, a step's backoff suits it better.
                 if attempt >= self.retries or _is_invalid_url(e) or isinstance(e, aiohttp.ClientConnectorError):
                     raise
                 error = f"{type(e).__name__}: {e}"
                 retry_after = None
+                cause = retry_cause(e)
             wait = backoff_wait(self.backoff_s, attempt, retry_after)
             attempt += 1
             log.warning("%s %s: %s; request retry %d of %d in %.2f s",
                         req.method, req.url, error, attempt, self.retries, wait)
+            record_retry(cause)
             await asyncio.sleep(wait)
 
 
@@ -609,6 +613,7 @@ class RetryPolicy:
                               f"(data.retry_budget_s: {self.budget_s:g}, data.timeout_s: {self.timeout_s:g} per "
                               f"request); last error: {_error_text(e)}") from e
         log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(e), attempt + 1, self.retries, wait)
+        record_retry(retry_cause(e))
         time.sleep(wait)
         return True
 
@@ -714,7 +719,9 @@ class StreamingSource(Source):
 
     def _fetch_row_group(self, shard: int) -> pa.Table:
         info = self.shards[shard]
-        return self._parquet.row_group(self._file_of[info.file], info.part)
+        table = self._parquet.row_group(self._file_of[info.file], info.part)
+        record_row_group(table.num_rows)
+        return table
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]

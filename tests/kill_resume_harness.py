@@ -20,6 +20,7 @@ from training_helpers import (
     consumed,
     count_lines,
     printed_steps,
+    train_log_records,
     train_losses,
 )
 
@@ -116,3 +117,6 @@ def assert_resumed_from(run, out: str, resume_step: int, note: str) -> None:
     trained = printed_steps(run)
     assert trained == MAX_STEPS - resume_step, \
         f"restart trained {trained} steps, expected {MAX_STEPS - resume_step} (steps after the checkpoint) {note}"
+    # train_log.jsonl marks the resume point (for `resumable-stream report`): on the first line after it only
+    marks = {r["step"]: r["resumed_from"] for r in train_log_records(out) if "resumed_from" in r}
+    assert marks == {resume_step + 1: f"checkpoint-{resume_step}"}, f"resume marks {marks} {note}"

@@ -155,7 +155,7 @@ def test_no_import_circle():
 
 
 # Optional extras: an import of the package must not need them (blocked in the subprocess below).
-OPTIONAL_EXTRAS = ("torch_npu", "s3fs", "PIL", "moto", "torchdata")
+OPTIONAL_EXTRAS = ("torch_npu", "s3fs", "PIL", "moto", "torchdata", "matplotlib")
 _IMPORT_ALONE = "import sys; sys.modules.update(dict.fromkeys({extras!r})); import {module}"
 
 

@@ -45,6 +45,7 @@ from training_helpers import (
     consumed,
     is_complete,
     printed_steps,
+    train_log_records,
     train_losses,
     write_config,
 )
@@ -220,6 +221,13 @@ def test_torchrun_two_ranks_sft_trains_one_model(procs, tmp_path):
     procs.start(config, "sft", nproc=2).wait_ok()
     assert sorted(train_losses(out)) == list(range(1, 7))
     assert_data_parallel(out, 2)
+    # the data path's figures of every rank, gathered into the main process's log line of each step
+    for rec in (r for r in train_log_records(out) if "loss" in r):
+        ranks = rec["data_ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["batches"] == 1 for r in ranks), rec
+        assert rec["data_batches"] == 2 and rec["data_samples_per_s"] > 0 and 0 <= rec["data_wait_share"] <= 1
+        assert rec["data_epoch"] == pytest.approx(sum(r["epoch"] for r in ranks) / 2, abs=1e-6)
+        assert rec["data_epoch"] > 0 and rec["epoch"] is not None
     with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as f:
         evals = {r["step"]: r["eval_loss"] for r in map(json.loads, f) if "eval_loss" in r}
     assert sorted(evals) == [3, 6] and evals[3] != evals[6], evals

@@ -236,6 +236,11 @@ def _jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def train_log_records(out: str) -> list[dict]:
+    """The lines of ``out/train_log.jsonl``."""
+    return _jsonl(os.path.join(out, "train_log.jsonl"))
+
+
 def train_losses(out: str) -> dict[int, float]:
     """step -> loss from ``train_log.jsonl``; a step logged twice is an error (the restart must truncate)."""
     losses: dict[int, float] = {}

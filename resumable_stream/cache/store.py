@@ -34,7 +34,6 @@ import errno
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import sqlite3
 import struct
@@ -48,6 +47,7 @@ from typing import Any
 import diskcache
 import pyarrow as pa
 
+from ..metrics import SharedCounters
 from .disk import DBNAME, SafeDisk, UnsafeEntry, read_value, sweep_orphans
 from .ownership import claim
 
@@ -80,7 +80,6 @@ _FLAG_LAST = 1
 # writes_skipped: blocks not cached because the cache was read-only, locked or full
 COUNTERS = ("hits", "misses", "corrupt", "unavailable", "writes_skipped", "bytes_read", "bytes_written",
             "blocks_written", "rows_read", "rows_fetched")
-_INDEX = {name: i for i, name in enumerate(COUNTERS)}
 
 # a lookup reads the row itself: diskcache's get would unpickle a row in pickle mode, and write (LRU)
 _SELECT = "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1"
@@ -196,51 +195,6 @@ def decode_block(data: bytes, key: str) -> tuple[pa.Table, bool]:
     return table, bool(flags & _FLAG_LAST)
 
 
-class _Counters:
-    """Integer counters in shared memory (inherited by forked or spawned DataLoader workers)."""
-
-    def __init__(self):
-        try:
-            # a spawn-context lock can go to forked, spawned and forkserver workers alike
-            self._arr = multiprocessing.get_context("spawn").Array("q", len(COUNTERS))
-        except (OSError, ImportError):     # no shared memory available: this process only
-            self._arr = None
-            self._local = [0] * len(COUNTERS)
-            self._lock = threading.Lock()
-
-    def add(self, **deltas: int) -> None:
-        if self._arr is not None:
-            with self._arr.get_lock():
-                for name, d in deltas.items():
-                    self._arr[_INDEX[name]] += d
-        else:
-            with self._lock:
-                for name, d in deltas.items():
-                    self._local[_INDEX[name]] += d
-
-    def snapshot(self) -> dict[str, int]:
-        if self._arr is not None:
-            with self._arr.get_lock():
-                values = list(self._arr)
-        else:
-            with self._lock:
-                values = list(self._local)
-        return dict(zip(COUNTERS, values))
-
-    def __getstate__(self) -> dict[str, Any]:
-        from multiprocessing.context import get_spawning_popen
-
-        if self._arr is not None and get_spawning_popen() is not None:
-            return {"arr": self._arr}         # handed to a worker being started: keep sharing
-        # pickled for anything else (a copy of the stream): start a private set of counters
-        return {"arr": None, "local": [0] * len(COUNTERS)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._arr = state["arr"]
-        self._local = state.get("local", [0] * len(COUNTERS))
-        self._lock = threading.Lock()
-
-
 def _open_read_only(db: str) -> sqlite3.Connection:
     """A connection that only ever reads ``cache.db``: lookups never write (nor wait for a writer).
 
@@ -302,7 +256,7 @@ class BlockStore:
         claim(self.directory)           # a directory of ours, or a ConfigError: the cache deletes files here
         self.size_limit_bytes = int(size_limit_bytes)
         self.ns, self.block_rows = ns, block_rows
-        self._counters = _Counters()
+        self._counters = SharedCounters(COUNTERS)
         self.last_failure: str | None = None    # why the latest write (or lookup) failed, for warmup's report
         self._state = None
         self._state_lock, self._lock_pid = threading.Lock(), os.getpid()

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .processor import Formatting, LlamaFactoryProcessor
+from .settings import STREAM_KEYS, monitor_settings
 
 log = logging.getLogger(__name__)
 _LABEL = re.compile(r"[^A-Za-z0-9_.-]")
@@ -94,7 +95,7 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
         labels = [f"source{i}" for i in range(len(attrs))]
     order = {"shuffle": data_args.buffer_size > 1, "buffer_size": data_args.buffer_size,
              "shuffle_seed": training_args.seed}
-    stream_keys = {k: v for k, v in ours.items() if k not in ("consumed_log", "resume_state_path")}
+    stream_keys = {k: v for k, v in ours.items() if k in STREAM_KEYS and k != "resume_state_path"}
     if len(sources) == 1:
         return {**sources[0], **order, **stream_keys}, {labels[0]: attrs[0]}
     strategy = data_args.mix_strategy
@@ -131,7 +132,7 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs)
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)
     return TrainingStream(stream, None, functools.partial(LlamaFactoryProcessor, fmt),
-                          resume_state_path=ours.get("resume_state_path"))
+                          resume_state_path=ours.get("resume_state_path"), monitor=monitor_settings(ours))
 
 
 def get_dataset(original, ours: dict[str, Any], template, model_args, data_args, training_args, stage, tokenizer,

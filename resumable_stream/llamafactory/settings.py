@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
+from ..monitoring import MONITOR_KEYS, MonitorSettings
 
 SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
@@ -18,7 +19,9 @@ STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "b
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
                "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
                "storage_options", "resume_state_path")
-OWN_KEYS = ("consumed_log",)       # a directory: the keys of the samples each step consumed, per rank
+# consumed_log: a directory, the keys of the samples each step consumed, per rank; the monitoring keys:
+# a Prometheus endpoint per rank, the data-bound warning (resumable_stream.monitoring)
+OWN_KEYS = ("consumed_log", *MONITOR_KEYS)
 
 
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -53,7 +56,16 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     if ours.get("consumed_log") is not None and not (isinstance(ours["consumed_log"], str) and ours["consumed_log"]):
         raise ConfigError(f"{SECTION}.consumed_log: got {ours['consumed_log']!r}; allowed: null or a directory")
     _check_stream_keys(ours)
+    monitor_settings(ours)
     return args, ours
+
+
+def monitor_settings(ours: dict[str, Any]) -> MonitorSettings:
+    """The section's metrics endpoint and data-bound warning settings (errors name ``resumable_stream.KEY``)."""
+    try:
+        return MonitorSettings.from_data(ours)
+    except ConfigError as e:
+        raise e.in_source(SECTION, set(MONITOR_KEYS)) from None
 
 
 def _check_stream_keys(ours: dict[str, Any]) -> None:

@@ -116,7 +116,9 @@ class SourceCountsCallback(TrainerCallback):
 
 
 class TrainLogCallback(TrainerCallback):
-    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s; after each
+    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s, the Trainer's
+    epoch and the data's (``data_epoch``), the data path's figures of the interval (``data_*``, every rank's
+    in ``data_ranks``); the first line after a resume names the checkpoint (``resumed_from``); after each
     evaluation a line with step and the ``eval_*`` metrics (eval_loss, ...)."""
 
     def __init__(self, output_dir: str, samples_per_step: int, extra_of=None):
@@ -124,12 +126,14 @@ class TrainLogCallback(TrainerCallback):
         self.samples_per_step = samples_per_step
         self.extra_of = extra_of
         self._last = None
+        self._resumed_from: str | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             truncate_jsonl(self.path, state.global_step)
         self._last = (time.perf_counter(), state.global_step)
+        self._resumed_from = f"checkpoint-{state.global_step}" if state.global_step > 0 else None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -144,7 +148,10 @@ class TrainLogCallback(TrainerCallback):
         rate = (step - s0) * self.samples_per_step / (now - t0) if now > t0 and step > s0 else None
         self._last = (now, step)
         rec = {"step": step, "loss": logs["loss"], "learning_rate": logs.get("learning_rate"),
-               "samples_per_s": rate}
+               "samples_per_s": rate, "epoch": logs.get("epoch")}
+        if self._resumed_from is not None:
+            rec["resumed_from"], self._resumed_from = self._resumed_from, None
+        rec.update({k: v for k, v in logs.items() if k.startswith("data_")})
         if self.extra_of is not None:
             rec.update(self.extra_of())
         self._write(rec)

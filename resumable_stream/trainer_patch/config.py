@@ -13,6 +13,7 @@ import yaml
 from .. import overrides as override
 from ..config import MixtureConfig, StreamConfig
 from ..errors import ConfigError, UnknownKeyError
+from ..monitoring import MONITOR_KEYS, MonitorSettings
 from ..transforms.config import TransformConfig
 
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
@@ -64,6 +65,7 @@ class TrainerConfig:
     path: str | None = None
     eval_stream: StreamConfig | MixtureConfig | None = None   # data.eval: the validation stream
     eval_samples: int = 0                                      # data.eval.num_samples
+    monitor: MonitorSettings = MonitorSettings()               # data.metrics_port, data.data_bound_*
 
     @classmethod
     def from_yaml(cls, path: str, overrides: Sequence[str] = ()) -> TrainerConfig:
@@ -109,6 +111,9 @@ class TrainerConfig:
             raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
                               "and its length unknown in advance; bound training with train.max_steps")
         data.pop("max_samples", None)
+        monitor = MonitorSettings.from_data(data)
+        for key in MONITOR_KEYS:      # the training's, not the stream's (nor the validation stream's)
+            data.pop(key, None)
         eval_doc = data.pop("eval", None)
         transform = TransformConfig.from_dict(data)
         if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
@@ -116,12 +121,12 @@ class TrainerConfig:
             transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
         _check_model_for_format(model, transform)
         stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
-                                       extra_keys=(*TransformConfig.KEYS, "eval"))   # eval: for the hint
+                                       extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
 
         eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
         train = dict(doc["train"])
         _check_train(train, has_eval=eval_stream is not None)
-        return cls(model, stream, transform, train, path, eval_stream, eval_samples)
+        return cls(model, stream, transform, train, path, eval_stream, eval_samples, monitor)
 
     def training_arguments(self, **overrides: Any):
         """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become

@@ -38,16 +38,19 @@ import torch.utils.data
 
 from ..errors import ConfigError
 from ..loader import StreamLoader, shard_row_key
+from ..monitoring import MonitorSettings
 from ..output_lock import output_dir_lock
 from ..stream_base import Stream
 from .checkpoints import check_complete, resume_latest, save_stream_state
 from .config import check_data_arguments
+from .data_metrics import DataMetricsLog
 
 _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
 
 
 _LOADERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # trainer -> the StreamLoader it reads
+_DATA_METRICS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # trainer -> its DataMetricsLog
 
 
 def stream_loader(trainer) -> StreamLoader | None:
@@ -55,16 +58,23 @@ def stream_loader(trainer) -> StreamLoader | None:
     return _LOADERS.get(trainer)
 
 
+def data_metrics_log(trainer) -> DataMetricsLog | None:
+    """The per-step data figures of a patched trainer (None until it built its train dataloader)."""
+    return _DATA_METRICS.get(trainer)
+
+
 class TrainingStream(torch.utils.data.IterableDataset):
     """What to hand the Trainer as ``train_dataset``: a stream plus how to turn rows into batches
     (``collate_fn`` None: the Trainer's ``data_collator``)."""
 
     def __init__(self, stream: Stream, collate_fn: Callable | None, processor_factory: Callable | None = None,
-                 key_fn: Callable = shard_row_key, resume_state_path: str | None = None):
+                 key_fn: Callable = shard_row_key, resume_state_path: str | None = None,
+                 monitor: MonitorSettings | None = None):
         super().__init__()
         self.stream, self.collate_fn = stream, collate_fn
         self.processor_factory, self.key_fn = processor_factory, key_fn
         self.resume_state_path = resume_state_path
+        self.monitor = monitor or MonitorSettings()   # data metrics endpoint, data-bound warning
 
     def __iter__(self):
         raise TypeError("TrainingStream is read through the patched Trainer's StreamLoader; call patch_trainer() "
@@ -164,6 +174,14 @@ def _get_train_dataloader(original):
         if source:
             loader.load_sidecar(source)
         _LOADERS[self] = loader
+        config = getattr(ts.stream, "config", None)
+        context = {"workers": args.dataloader_num_workers, "cache_dir": getattr(config, "cache_dir", None),
+                   "prefetch_blocks": getattr(config, "prefetch_blocks", None)}
+        previous = _DATA_METRICS.pop(self, None)
+        if previous is not None:
+            previous.close()
+        _DATA_METRICS[self] = DataMetricsLog(loader, ts.monitor, context, args.process_index, args.world_size,
+                                             args.device)
         return loader
     return get_train_dataloader
 
@@ -215,8 +233,25 @@ def _train(original):
                                resume_from_checkpoint, done, self.args.max_steps)
                 self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, "trainer_state.json"))
                 return TrainOutput(done, 0.0, {})
-            return original(self, resume_from_checkpoint or None, *args, **kwargs)
+            try:
+                return original(self, resume_from_checkpoint or None, *args, **kwargs)
+            finally:
+                metrics_log = _DATA_METRICS.get(self)
+                if metrics_log is not None:      # the metrics endpoint ends with the training
+                    metrics_log.close()
     return train
+
+
+def _log(original):
+    @functools.wraps(original)
+    def log(self, logs, *args, **kwargs):
+        metrics_log = _DATA_METRICS.get(self) if _uses_stream(self) else None
+        # the training logs (every rank makes them at the same steps): the data figures join them, so that
+        # every report_to integration and the log history get them
+        if metrics_log is not None and "loss" in logs:
+            metrics_log.on_log(logs, self.state.global_step)
+        return original(self, logs, *args, **kwargs)
+    return log
 
 
 @contextlib.contextmanager
@@ -302,6 +337,7 @@ def patch_trainer(trainer_cls=None):
     trainer_cls.get_eval_dataloader = _get_eval_dataloader(trainer_cls.get_eval_dataloader)
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
+    trainer_cls.log = _log(trainer_cls.log)
     if hasattr(trainer_cls, "_load_optimizer_and_scheduler"):
         trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler(
             trainer_cls._load_optimizer_and_scheduler)

@@ -32,7 +32,7 @@ from .callbacks import (
 )
 from .checkpoints import check_complete, latest_complete_checkpoint, resume_latest
 from .config import TrainerConfig
-from .patch import EvalStream, TrainingStream, barrier, patch_trainer, stream_loader
+from .patch import EvalStream, TrainingStream, barrier, data_metrics_log, patch_trainer, stream_loader
 from .startup import quiet_tied_weights, startup_summary
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
         collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id, flash_attn_kwargs=flash)
     key_fn = ColumnKey(cfg.transform.id_column) if cfg.transform.id_column else shard_row_key
     dataset = TrainingStream(stream, collate_fn, processor_factory, key_fn,
-                             resume_state_path=cfg.stream.resume_state_path)
+                             resume_state_path=cfg.stream.resume_state_path, monitor=cfg.monitor)
 
     eval_dataset = None
     if cfg.eval_stream is not None:   # data.eval: the same fixed validation samples at every evaluation
@@ -213,7 +213,8 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                       processing_class=processor or tokenizer)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    extras = [lambda: transform_stats(stream_loader(trainer))]   # skips, drops: data_* fields
+    extras = [lambda: transform_stats(stream_loader(trainer)),    # skips, drops: data_* fields
+              lambda: getattr(data_metrics_log(trainer), "latest", {})]   # the data path's figures: data_*
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
         cache_stats = CacheStatsCallback(stream.source.stats, args.process_index, every_s=60.0)
         trainer.add_callback(cache_stats)

@@ -1,0 +1,287 @@
+"""Data-path counters: requests, bytes, response times, retries and their causes, row groups decoded,
+prefetch depth in use.
+
+Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``):
+its DataLoader workers inherit them (fork) or are handed them with the stream (spawn, forkserver), so the
+main process reads the whole rank's figures with :func:`snapshot`. Recording is a few integer additions
+under one lock, at most once per request or row group, never per sample.
+
+Response times go into a histogram of fixed buckets (``RESPONSE_BUCKETS_MS``, the same the Prometheus
+endpoint exports); percentiles are read from it, to within a bucket (:func:`percentile_ms`).
+
+What the training loop sees (the time it waited for each batch, samples and tokens) is the loader's
+part: :class:`LoaderCounters`, in the main process only. :func:`interval` turns two readings of both into
+the figures of the steps in between.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+# why a request or a read was tried again (RetryPolicy.failed, read_checked, the HTTP request retries)
+RETRY_CAUSES = ("timeout", "connection", "http_429", "http_5xx", "http_other", "short_read", "wrong_bytes",
+                "other")
+RESPONSE_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+_SOURCE = ("requests", "request_errors", "bytes_read", "response_us", "row_groups", "rows_decoded",
+           "prefetch_takes", "prefetch_depth_sum", "prefetch_waits", "retries")
+SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
+                   *(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
+
+
+class SharedCounters:
+    """Integer counters in shared memory (inherited by forked or spawned DataLoader workers)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self._index = {name: i for i, name in enumerate(names)}
+        try:
+            # a spawn-context lock can go to forked, spawned and forkserver workers alike
+            self._arr = multiprocessing.get_context("spawn").Array("q", len(names))
+        except (OSError, ImportError):     # no shared memory available: this process only
+            self._arr = None
+        self._local = [0] * len(names)
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: int) -> None:
+        if self._arr is not None:
+            with self._arr.get_lock():
+                for name, d in deltas.items():
+                    self._arr[self._index[name]] += d
+        else:
+            with self._lock:
+                for name, d in deltas.items():
+                    self._local[self._index[name]] += d
+
+    def snapshot(self) -> dict[str, int]:
+        if self._arr is not None:
+            with self._arr.get_lock():
+                values = self._arr[:]
+        else:
+            with self._lock:
+                values = list(self._local)
+        return dict(zip(self.names, values))
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing.context import get_spawning_popen
+
+        if self._arr is not None and get_spawning_popen() is not None:
+            return {"names": self.names, "arr": self._arr}    # handed to a worker being started: keep sharing
+        # pickled for anything else (a copy of the stream): start a private set of counters
+        return {"names": self.names, "arr": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.names = state["names"]
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._arr = state["arr"]
+        self._local = [0] * len(self.names)
+        self._lock = threading.Lock()
+
+
+_counters: SharedCounters | None = None
+_counters_lock = threading.Lock()
+
+
+def source_counters() -> SharedCounters:
+    """This rank's data-path counters (made on first use; a DataLoader worker has its parent's)."""
+    global _counters
+    if _counters is None:
+        with _counters_lock:
+            if _counters is None:
+                _counters = SharedCounters(SOURCE_COUNTERS)
+    return _counters
+
+
+def adopt(counters: SharedCounters | None) -> None:
+    """Record into ``counters`` from now on: a spawned DataLoader worker takes its parent's."""
+    global _counters
+    if counters is not None:
+        _counters = counters
+
+
+def _bucket(ms: float) -> str:
+    for b in RESPONSE_BUCKETS_MS:
+        if ms <= b:
+            return f"response_le_{b}"
+    return "response_le_inf"
+
+
+def record_request(seconds: float, nbytes: int, ok: bool = True) -> None:
+    """One request to a remote store answered (``ok``) or failed after ``seconds``."""
+    ms = seconds * 1000.0
+    if ok:
+        source_counters().add(requests=1, bytes_read=nbytes, response_us=int(ms * 1000), **{_bucket(ms): 1})
+    else:
+        source_counters().add(requests=1, request_errors=1, response_us=int(ms * 1000), **{_bucket(ms): 1})
+
+
+def record_retry(cause: str) -> None:
+    """A request or a read is tried again, because of ``cause`` (one of RETRY_CAUSES)."""
+    source_counters().add(retries=1, **{f"retry_{cause if cause in RETRY_CAUSES else 'other'}": 1})
+
+
+def record_row_group(rows: int) -> None:
+    source_counters().add(row_groups=1, rows_decoded=rows)
+
+
+def record_prefetch_take(depth: int, waited: bool) -> None:
+    """A row group handed over by the prefetcher, whose depth for that partition was ``depth``."""
+    source_counters().add(prefetch_takes=1, prefetch_depth_sum=depth, prefetch_waits=int(waited))
+
+
+def retry_cause(e: BaseException | None) -> str:
+    """Which of RETRY_CAUSES ``e`` (or its chain) is: a timeout, a connection error, an HTTP status, ..."""
+    import asyncio
+
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            return "timeout"
+        if "Payload" in type(e).__name__ or "ContentLength" in type(e).__name__:
+            return "short_read"       # aiohttp: the body ended before its Content-Length
+        status = getattr(e, "status", None)
+        response = getattr(e, "response", None)
+        if status is None and isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int) and 100 <= status < 600:
+            return "http_429" if status == 429 else "http_5xx" if status >= 500 else "http_other"
+        if isinstance(e, ConnectionError) or "Connect" in type(e).__name__ or "Disconnect" in type(e).__name__:
+            return "connection"
+        if isinstance(e, OSError) and "short read" in str(e):
+            return "short_read"
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return "other"
+
+
+def snapshot() -> dict[str, int]:
+    """The rank's data-path counters now (since the process started)."""
+    return source_counters().snapshot()
+
+
+_BOUNDS = (*RESPONSE_BUCKETS_MS, math.inf)
+_BUCKET_NAMES = (*(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
+
+
+def percentile_ms(buckets: dict[str, float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of the response times counted in ``buckets`` (``response_le_*`` deltas),
+    interpolated inside its bucket; None without any."""
+    return _quantiles([max(0, buckets.get(name, 0)) for name in _BUCKET_NAMES], (q,))[0]
+
+
+def _quantiles(counts: list[float], qs: tuple[float, ...]) -> list[float | None]:
+    total = sum(counts)
+    if total == 0:
+        return [None] * len(qs)
+    out = []
+    for q in qs:
+        rank, seen, low, value = q * total, 0, 0.0, float(RESPONSE_BUCKETS_MS[-1])
+        for bound, n in zip(_BOUNDS, counts):
+            if n and seen + n >= rank:
+                high = bound if bound != math.inf else low * 2 or 1.0
+                value = round(low + (high - low) * max(0.0, rank - seen) / n, 3)
+                break
+            seen += n
+            low = bound
+        out.append(value)
+    return out
+
+
+class LoaderCounters:
+    """What the training loop saw of one loader, in the main process: batches, the seconds it waited for
+    them, samples and tokens."""
+
+    def __init__(self):
+        self.batches = 0
+        self.wait_s = 0.0
+        self.samples = 0
+        self.tokens = 0
+        self.longest_wait_s = 0.0
+
+    def batch(self, waited_s: float, samples: int, tokens: int) -> None:
+        self.batches += 1
+        self.wait_s += waited_s
+        self.samples += samples
+        self.tokens += tokens
+        if waited_s > self.longest_wait_s:
+            self.longest_wait_s = waited_s
+
+    def snapshot(self) -> dict[str, float]:
+        return {"batches": self.batches, "wait_s": self.wait_s, "samples": self.samples, "tokens": self.tokens}
+
+
+LOADER_FIELDS = ("loader_batches", "loader_wait_s", "loader_samples", "loader_tokens")
+CACHE_FIELDS = ("cache_hits", "cache_misses", "cache_bytes_read")
+# the fields of a reading, in a fixed order: every rank's reading gathers into one tensor
+READING_FIELDS = ("time", *SOURCE_COUNTERS, *LOADER_FIELDS, *CACHE_FIELDS)
+
+
+def reading(loader_counters: LoaderCounters | None = None, cache: dict | None = None) -> dict[str, float]:
+    """One reading of everything :func:`figures` reports: the time, the data-path counters, the loader's and
+    the block cache's (``CachedSource.stats()``)."""
+    out: dict[str, float] = dict.fromkeys(READING_FIELDS, 0)
+    out["time"] = time.monotonic()
+    out.update(snapshot())
+    if loader_counters is not None:
+        out.update({f"loader_{k}": v for k, v in loader_counters.snapshot().items()})
+    if cache:
+        out.update(cache_hits=cache.get("hits", 0), cache_misses=cache.get("misses", 0),
+                   cache_bytes_read=cache.get("bytes_read", 0))
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What happened between two readings of one rank (``time``: the seconds in between)."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in READING_FIELDS}
+
+
+def figures(d: dict[str, float]) -> dict[str, Any]:
+    """The figures of one interval (a :func:`delta`, or several ranks' summed)."""
+    seconds = max(1e-9, d["time"])
+    requests = int(d["requests"])
+    p50, p90, p99 = _quantiles([max(0, d[name]) for name in _BUCKET_NAMES], (0.5, 0.9, 0.99))
+    takes = d["prefetch_takes"]
+    hits, misses = int(d["cache_hits"]), int(d["cache_misses"])
+    return {
+        "step_s": round(seconds, 6),
+        "wait_s": round(d["loader_wait_s"], 6),
+        "wait_share": round(min(1.0, max(0.0, d["loader_wait_s"] / seconds)), 6),
+        "batches": int(d["loader_batches"]),
+        "samples_per_s": round(d["loader_samples"] / seconds, 3),
+        "tokens_per_s": round(d["loader_tokens"] / seconds, 3),
+        "requests": requests,
+        "request_errors": int(d["request_errors"]),
+        "bytes_read": int(d["bytes_read"]),
+        "retries": int(d["retries"]),
+        "retry_causes": {c: int(d[f"retry_{c}"]) for c in RETRY_CAUSES if d[f"retry_{c}"]},
+        "response_ms_mean": round(d["response_us"] / 1000 / requests, 3) if requests else None,
+        "response_ms_p50": p50, "response_ms_p90": p90, "response_ms_p99": p99,
+        "row_groups": int(d["row_groups"]),
+        "rows_decoded": int(d["rows_decoded"]),
+        "prefetch_depth": round(d["prefetch_depth_sum"] / takes, 3) if takes else None,
+        "cache_hits": hits, "cache_misses": misses,
+        "cache_hit_rate": round(hits / (hits + misses), 6) if hits + misses else None,
+        "cache_bytes_read": int(d["cache_bytes_read"]),
+    }
+
+
+def combined(deltas: list[dict[str, float]], per_rank: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The figures of several ranks' intervals together: counts and rates summed, response times from the
+    merged histogram, the interval the longest of theirs, the wait (and its share) the worst rank's: a
+    step waits for its slowest rank. ``per_rank``: their :func:`figures`, when already made."""
+    if not deltas:
+        return {}
+    if len(deltas) == 1:
+        return dict(per_rank[0]) if per_rank else figures(deltas[0])
+    per_rank = per_rank or [figures(d) for d in deltas]
+    total = {k: sum(d[k] for d in deltas) for k in READING_FIELDS}
+    total["time"] = max(d["time"] for d in deltas)
+    out = figures(total)
+    # rates: each rank's own, summed (their intervals differ by the time the gathering took)
+    for name in ("samples_per_s", "tokens_per_s"):
+        out[name] = round(sum(f[name] for f in per_rank), 3)
+    worst = max(per_rank, key=lambda f: f["wait_share"])
+    out["wait_s"], out["wait_share"] = worst["wait_s"], worst["wait_share"]
+    return out
