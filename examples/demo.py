@@ -1,12 +1,16 @@
 """Quick-start main job: train the tiny model on the bundled data, SIGKILL it mid-run, resume, compare.
 
-    python examples/demo.py [--config examples/tiny/train_lm.yaml] [--steps 200] [--save-steps 50] [--workers 0]
+    python examples/demo.py [--config examples/tiny/train_lm.yaml] [--steps 120] [--save-steps 40] [--workers 0]
 
 1. an uninterrupted training run (the reference);
 2. the same run, killed with SIGKILL at a random step after its first checkpoint;
 3. a restart with the same output dir, which resumes from the last complete checkpoint.
 Then the samples consumed at every step (data.consumed_log) and the per-step losses of 2+3 are
-compared with 1. The exit code is 0 only if they are identical.
+compared with 1, and the sample keys (shard:row) the killed and the resumed run consumed around the
+resume point are printed beside the reference run's. The exit code is 0 only if they are identical.
+
+The trainings run with one torch thread (OMP_NUM_THREADS=1 unless set): the model is tiny, and on a busy
+machine more threads only wait for each other.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def read_jsonl(path: str) -> dict[int, object]:
     out = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
+            if not line.endswith("\n"):   # a line being written (or cut short by the kill)
+                break
             rec = json.loads(line)
             out[rec["step"]] = rec.get("samples", rec.get("loss"))
     return out
@@ -55,8 +61,9 @@ def read_jsonl(path: str) -> dict[int, object]:
 def train(config: str, kill_after_step: int | None = None) -> tuple[int, float, str]:
     """Run examples/train_lm.py; with kill_after_step, SIGKILL it once train_log.jsonl reaches that step."""
     t0 = time.perf_counter()
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **os.environ}
     proc = subprocess.Popen([sys.executable, TRAIN, config], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=env)
     if kill_after_step is None:
         _, err = proc.communicate()
         if proc.returncode != 0:
@@ -73,11 +80,40 @@ def train(config: str, kill_after_step: int | None = None) -> tuple[int, float, 
     return proc.returncode, time.perf_counter() - t0, ""
 
 
+def show_ids(ids: list[str] | None, first: int = 3) -> str:
+    """A step's sample keys, shortened: the first few and how many more."""
+    if ids is None:
+        return "-"
+    return " ".join(ids[:first]) + (f" +{len(ids) - first}" if len(ids) > first else "")
+
+
+def print_around_resume(killed: dict, run: dict, ref: dict, resumed_at: int) -> None:
+    """Side by side, what the killed run, the resumed run and the reference consumed at the steps around the
+    checkpoint the restart resumed from and the kill. The resumed run's steps are those after the checkpoint
+    (``run`` holds the killed run's up to it)."""
+    killed_at = max(killed)
+    steps = sorted({s for s in (*range(resumed_at - 1, resumed_at + 3), *range(killed_at - 1, killed_at + 3))
+                    if s in ref})
+    width = max(len(show_ids(ref[s])) for s in steps)
+    print("  sample keys (shard:row) consumed around the resume point, the first 3 of each step and how many more:")
+    print(f"  {'step':>5} | {'killed run':<{width}} | {'resumed run':<{width}} | uninterrupted run")
+    previous = None
+    for step in steps:
+        if previous is not None and step > previous + 1:
+            print(f"  {'...':>5} |")
+        note = {resumed_at: f"  <- checkpoint-{resumed_at}: the restart resumed after this step",
+                killed_at: "  <- SIGKILL: the killed run's last step"}.get(step, "")
+        cells = [show_ids(killed.get(step)), show_ids(run.get(step) if step > resumed_at else None),
+                 show_ids(ref[step])]
+        print((f"  {step:>5} | " + " | ".join(f"{c:<{width}}" for c in cells) + note).rstrip())
+        previous = step
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(HERE, "tiny", "train_lm.yaml"))
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--save-steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--save-steps", type=int, default=40)
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
     p.add_argument("--out", help="work directory (default: a temp dir, removed afterwards)")
     args = p.parse_args()
@@ -95,14 +131,20 @@ def main() -> int:
     code, _, _ = train(run_cfg, kill_after_step=kill_at)
     ckpts = sorted(int(d.split("-")[1]) for d in os.listdir(run_out) if d.startswith("checkpoint-"))
     print(f"  2. second run: killed with SIGKILL at step {kill_at} (exit {code}); checkpoints on disk: {ckpts}")
+    # the restart cuts the consumed log back to its checkpoint: keep what the killed run consumed
+    killed_log = os.path.join(work, "killed-consumed.jsonl")
+    shutil.copyfile(os.path.join(run_out, "consumed", "rank-00000.jsonl"), killed_log)
     _, secs, err = train(run_cfg)
-    resumed = [line.split("resuming from ", 1)[1].strip() for line in err.splitlines() if "resuming from " in line]
+    resumed = [line.split("resuming from ", 1)[1].split()[0] for line in err.splitlines() if "resuming from " in line]
     where = os.path.basename(resumed[0]) if resumed else "NOTHING (started over)"
     print(f"  3. restarted with the same output dir: resumed from {where}, no batch replayed, finished "
           f"({secs:.1f} s)")
 
-    same_data = read_jsonl(os.path.join(ref_out, "consumed", "rank-00000.jsonl")) == \
-        read_jsonl(os.path.join(run_out, "consumed", "rank-00000.jsonl"))
+    ref_ids = read_jsonl(os.path.join(ref_out, "consumed", "rank-00000.jsonl"))
+    run_ids = read_jsonl(os.path.join(run_out, "consumed", "rank-00000.jsonl"))
+    if resumed:
+        print_around_resume(read_jsonl(killed_log), run_ids, ref_ids, int(where.split("-")[1]))
+    same_data = ref_ids == run_ids
     ref_loss = read_jsonl(os.path.join(ref_out, "train_log.jsonl"))
     run_loss = read_jsonl(os.path.join(run_out, "train_log.jsonl"))
     worst = max(abs(ref_loss[s] - run_loss.get(s, float("inf"))) for s in ref_loss)

@@ -1,6 +1,6 @@
 """Train a causal LM from one yaml (model / data / train sections), resumably.
 
-    python examples/train_lm.py examples/tiny/train_lm.yaml
+    python examples/train_lm.py examples/tiny/train_lm.yaml [key=value ...]   # e.g. train.max_steps=20
     torchrun --nproc_per_node=2 examples/train_lm.py examples/tiny/train_lm.yaml
 
 Restarting with the same train.output_dir continues from its last complete checkpoint, with the
@@ -12,7 +12,7 @@ import sys
 from resumable_stream.cli import main
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(["train", sys.argv[1]]))
+    sys.exit(main(["train", *sys.argv[1:]]))   # CONFIG [key=value ...]

@@ -16,6 +16,7 @@ from .config import StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
+from .run_dir import checkpoint_dirs, latest_complete_checkpoint
 from .sidecar import MANIFEST, rank_file_name
 
 
@@ -64,7 +65,7 @@ def cmd_peek(args: argparse.Namespace) -> int:
     from .mixture import open_stream
 
     before = metrics.reading()
-    cfg = StreamConfig.from_yaml(args.config)
+    cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if args.resume_from:
         resume = args.resume_from
         # a directory written by `peek --save-state DIR` for one rank of several has no manifest: take the file
@@ -152,7 +153,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .job_source import saved_index_file
     from .sidecar import read_manifest, read_rank_state, read_state_file, read_state_fingerprint, state_dir_of
 
-    path = args.path
+    path, picked = args.path, None
+    if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
+        picked = latest_complete_checkpoint(path)
+        if picked is None:
+            raise SidecarError(f"run directory {path!r}: none of its checkpoints "
+                               f"({', '.join(os.path.basename(p) for _, p in checkpoint_dirs(path))}) is complete "
+                               "(trainer_state.json and stream_state/manifest.json)")
+        path = picked
     if os.path.isdir(path):
         state_dir = state_dir_of(path)
         if state_dir is None:
@@ -169,6 +177,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
+        if picked is not None:   # say which one: the newest complete checkpoint of the run
+            result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
         state = read_state_file(path)   # verified by its own digest; a FIFO or device is refused unread
         result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
@@ -193,7 +203,7 @@ def _parse_ranks(text: str) -> list[int] | None:
 def cmd_warmup(args: argparse.Namespace) -> int:
     from .cache.warmup import run_warmup
 
-    cfg = StreamConfig.from_yaml(args.config)
+    cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if not isinstance(cfg, StreamConfig):
         raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) is not supported by warmup yet; "
                           "training reads through data.cache_dir without it")
@@ -218,7 +228,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from .index import save_index
     from .source import open_source
 
-    cfg = StreamConfig.from_yaml(args.config)
+    cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if not isinstance(cfg, StreamConfig):
         raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) has no single index; write one "
                           "config per source to index them")
@@ -243,7 +253,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from .trainer_patch.train import run_training
 
-    run_training(args.config)
+    run_training(args.config, args.overrides)
     return 0
 
 
@@ -266,6 +276,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_overrides(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help=f"{what} (a value is read as yaml: 5, true, [a, b], null); a relative path is taken "
+                             "from the current directory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
                                 description="Exactly resumable HuggingFace streaming datasets for training.")
@@ -275,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     peek = sub.add_parser("peek", help="print the next samples a rank will read, as JSON lines")
     peek.add_argument("config", help="yaml file with a data: section (or only data keys)")
+    _add_overrides(peek, "data keys to override")
     peek.add_argument("--rank", type=_positive("--rank", 0), default=0)
     peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1)
     peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0,
@@ -290,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from one yaml (model/data/train; text, or vision-language "
                                          "with data.format vl); torchrun-compatible")
     train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
+    _add_overrides(train, "keys of the yaml to override, e.g. train.max_steps=5 data.shuffle_seed=7")
     train.set_defaults(func=cmd_train)
 
     lf = sub.add_parser("llamafactory", help="train with LLaMA-Factory (its yaml, template, callbacks and saves) "
@@ -303,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
     warm.add_argument("config", help="yaml file with a data: section that sets cache_dir")
+    _add_overrides(warm, "data keys to override")
     warm.add_argument("--from", dest="from_", metavar="CHECKPOINT",
                       help="start from these cursors (checkpoint dir, stream_state dir or sidecar file); "
                            "default data.resume_state_path, else a fresh start")
@@ -323,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     idx = sub.add_parser("index", help="resolve a parquet dataset once and write its dataset index (files, "
                                        "identities, row-group layout) for data.index_path")
     idx.add_argument("config", help="yaml file with a data: section")
+    _add_overrides(idx, "data keys to override")
     idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON)")
     idx.add_argument("--no-progress", action="store_true", help="no progress bar")
     idx.set_defaults(func=cmd_index)
@@ -342,13 +362,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _drop_stdout() -> None:
+    """The reader of stdout went away (``| head``): what is still buffered goes nowhere, so that the
+    interpreter's flush at exit does not report a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # no file descriptor behind sys.stdout (captured in tests)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # overrides after options (`peek CONFIG --num 3 data.shuffle_seed=7`) come back unparsed
+        if not hasattr(args, "overrides") or args.command == "llamafactory" or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     debug = args.debug or os.environ.get("RESUMABLE_STREAM_DEBUG") == "1"
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
     except ResumableStreamError as e:
         if debug:
             traceback.print_exc()

@@ -7,17 +7,18 @@ so a typo in a yaml file never turns into a silently different data order.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import glob
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from . import overrides as override
+from .errors import ConfigError, UnknownKeyError
 from .limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
 
 BACKENDS = ("hf", "local")
@@ -187,9 +188,7 @@ class StreamConfig:
         everything = known + list(extra_keys) + list(MIXTURE_KEYS)
         for key in data:
             if key not in everything:
-                close = difflib.get_close_matches(str(key), everything, n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"data.{key}: unknown key{hint} Allowed keys: {', '.join(sorted(everything))}")
+                raise UnknownKeyError("data", str(key), everything, f" Allowed keys: {', '.join(sorted(everything))}")
         if "stopping" in data:
             raise ConfigError(f"data.stopping: got {data['stopping']!r} without data.sources; it only applies to a "
                               "mixture of datasets (data.sources: [...])")
@@ -201,9 +200,10 @@ class StreamConfig:
         return cls(**values, source_file=source_file)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> StreamConfig | MixtureConfig:
+    def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
         """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section
-        (a :class:`MixtureConfig` when it has ``sources``)."""
+        (a :class:`MixtureConfig` when it has ``sources``). ``overrides``: ``key=value`` texts merged in
+        first (:mod:`resumable_stream.overrides`)."""
         path = os.fspath(path)
         try:
             with open(path, encoding="utf-8") as f:
@@ -218,11 +218,14 @@ class StreamConfig:
             raise ConfigError(f"config file {path!r}: not valid yaml ({e})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping at the top level, got {type(doc).__name__}")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
         if "data" not in doc and ({"model", "train"} & set(doc)):
             raise ConfigError(f"config file {path!r}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
                               "without a data: section; add one with at least dataset_name_or_path")
         section = doc["data"] if "data" in doc else doc
-        return cls.from_dict(section, base_dir=os.path.dirname(os.path.abspath(path)), source_file=path)
+        with override.named(given):
+            return cls.from_dict(section, base_dir=base_dir, source_file=path)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
@@ -396,10 +399,8 @@ class MixtureConfig:
                     raise ConfigError(f"{at}.{key}: not a per-source key; set it in the data: section, where it "
                                       f"applies to every source. Per-source keys: "
                                       f"{', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
-                close = difflib.get_close_matches(str(key), SOURCE_KEYS + SOURCE_TRANSFORM_KEYS, n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{at}.{key}: unknown key{hint} Allowed keys: "
-                                  f"{', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
+                raise UnknownKeyError(at, str(key), SOURCE_KEYS + SOURCE_TRANSFORM_KEYS,
+                                      f" Allowed keys: {', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
             if "dataset_name_or_path" not in entry:
                 raise ConfigError(f"{at}.dataset_name_or_path: missing; every source needs one (a hub id, builder "
                                   "name or path)")

@@ -1,5 +1,6 @@
 """The exceptions a user can meet. Each message names what is wrong and what is allowed."""
 
+import difflib
 import re
 
 
@@ -17,6 +18,18 @@ class ConfigError(ResumableStreamError, ValueError):
             return f"{at}.{m.group(1)}" if m.group(1) in keys else m.group(0)
 
         return ConfigError(re.sub(r"\bdata\.(\w+)", rename, str(self)))
+
+
+class UnknownKeyError(ConfigError):
+    """A key no section takes: ``section`` (e.g. ``train``, ``data.sources[1]``; ``config`` for the top level)
+    and ``key`` as the yaml wrote them, and the closest known key (``suggestion``, or None), so that a
+    command-line override can be named as the user typed it. ``tail``: text after the hint."""
+
+    def __init__(self, section: str, key: str, known, tail: str = ""):
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        self.section, self.key, self.suggestion = section, key, (close[0] if close else None)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        super().__init__(f"{section}.{key}: unknown key{hint}{tail}")
 
 
 class SourceError(ResumableStreamError):

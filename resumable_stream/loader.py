@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.utils.data
 
-from . import checkpoint, metrics
+from . import checkpoint, metrics, threads
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
 from .progress import epoch_position
@@ -216,6 +216,8 @@ class StreamLoader:
                                   "pin_memory": self.pin_memory, "timeout": self.timeout}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
+        if self.num_workers > 0:
+            kwargs["worker_init_fn"] = threads.worker_threads   # one thread each: the cores are the trainer's
         place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
         # in the main process a DataLoader would only add its per-item cost (~17 us) to every batch
         items = iter(producer) if self.num_workers == 0 and not self.pin_memory else \

@@ -140,6 +140,39 @@ def test_quick_start_training_demo_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "killed with SIGKILL" in r.stdout and "resumed from checkpoint-" in r.stdout
     assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
+    _check_ids_around_resume(r.stdout, tmp_path)
+
+
+def _consumed_log(path):
+    with open(path, encoding="utf-8") as f:
+        return {rec["step"]: rec["samples"] for rec in map(json.loads, f)}
+
+
+def _check_ids_around_resume(stdout, work):
+    """The demo's table of sample keys around the resume point shows what the logs say: the killed run's
+    (saved before the restart cut its log back), the resumed run's after the checkpoint, the reference's."""
+    import re
+
+    resumed_at = int(re.search(r"resumed from checkpoint-(\d+)", stdout).group(1))
+    logs = {"killed": _consumed_log(work / "killed-consumed.jsonl"),
+            "resumed": _consumed_log(work / "killed-and-resumed" / "consumed" / "rank-00000.jsonl"),
+            "reference": _consumed_log(work / "uninterrupted" / "consumed" / "rank-00000.jsonl")}
+    killed_at = max(logs["killed"])
+
+    def shown(ids):
+        return "-" if ids is None else " ".join(ids[:3]) + (f" +{len(ids) - 3}" if len(ids) > 3 else "")
+
+    rows = [m.groups() for m in re.finditer(r"^ +(\d+) \| (.*?) +\| (.*?) +\| (.*?)(?: +<- (.*))?$", stdout, re.M)]
+    steps = [int(step) for step, *_ in rows]
+    assert {resumed_at, resumed_at + 1, killed_at} <= set(steps), (steps, resumed_at, killed_at, stdout)
+    for step, killed, resumed, reference, note in rows:
+        step = int(step)
+        assert killed == shown(logs["killed"].get(step)), (step, stdout)
+        assert resumed == shown(logs["resumed"][step] if step > resumed_at else None), (step, stdout)
+        assert reference == shown(logs["reference"][step]) != "-", (step, stdout)
+        if step > resumed_at:
+            assert resumed == reference, (step, stdout)
+        assert (note is not None) == (step in (resumed_at, killed_at)), (step, stdout)
 
 
 @pytest.mark.slow
@@ -218,3 +251,44 @@ def test_remote_peek_with_prefetch_in_flight_exits_cleanly_40_times(tmp_path, hu
                 assert [json.loads(x)["id"] for x in (out / f"{i}.out").read_text().splitlines()] == expected
             ranged = [rec for rec in srv.requests[before:] if rec.method == "GET" and rec.range]
             assert len(ranged) > n * 3             # each run had fetches ahead going when it stopped
+
+
+def test_inspect_a_run_dir_reads_its_newest_complete_checkpoint(parquet_small, tmp_path, capsys):
+    """An output_dir with checkpoint-N/ dirs: the newest complete one is shown and named; a newer one cut
+    short (no manifest) and an older one are not."""
+    cfg_path = _yaml(tmp_path, parquet_small)
+    run = tmp_path / "run"
+    for step, n in ((10, 20), (20, 40), (30, 60)):
+        assert main(["peek", cfg_path, "--num", str(n), "--save-state",
+                     str(run / f"checkpoint-{step}" / "stream_state")]) == 0
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    os.remove(run / "checkpoint-30" / "stream_state" / "manifest.json")      # cut short by a kill
+    capsys.readouterr()
+    assert main(["inspect", str(run)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run_dir"] == str(run) and out["checkpoint"] == str(run / "checkpoint-20")
+    assert out["ranks"]["rank-00000.safetensors"]["partitions"]["0"]["consumed_samples"] == 40
+    for step in (10, 20):
+        os.remove(run / f"checkpoint-{step}" / "trainer_state.json")
+    assert main(["inspect", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {str(run)!r}: none of its checkpoints" in err and "checkpoint-30" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["peek", "inspect"])
+def test_a_closed_pipe_is_a_clean_exit(parquet_small, tmp_path, command):
+    """`... | head -1`: the reader goes away; the command exits 0 without a BrokenPipeError on stderr (also
+    not the interpreter's "Exception ignored" at its flush on exit)."""
+    cfg_path = _yaml(tmp_path, parquet_small)
+    assert main(["peek", cfg_path, "--num", "5", "--save-state", str(tmp_path / "ck" / "stream_state")]) == 0
+    argv = {"peek": ["peek", cfg_path, "--num", "5000"], "inspect": ["inspect", str(tmp_path / "ck"), "--full"]}
+    for read_first in (True, False):      # like head -1, and a reader gone before anything was written
+        p = subprocess.Popen([sys.executable, "-m", "resumable_stream", *argv[command]], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=ROOT)
+        if read_first:
+            assert p.stdout.readline()
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 0, err
+        assert "BrokenPipe" not in err and "Exception ignored" not in err and "Traceback" not in err, err

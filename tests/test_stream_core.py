@@ -80,6 +80,7 @@ THIRD_PARTY_PRIVATES = {
     ("devices.py", "_prepare_backend"),                  # accelerate.PartialState: the gloo backend on CPU
     ("trainer_patch/train.py", "_exit"),                 # os._exit when the launcher is gone
     ("trainer_patch/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use
+    ("trainer_patch/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
 }
 
 

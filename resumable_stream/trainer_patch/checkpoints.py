@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 
 from ..checkpoint import finish
 from ..errors import SidecarError
-from ..sidecar import MANIFEST, STATE_DIR, read_manifest
+from ..run_dir import TRAINER_STATE, checkpoint_dirs, checkpoint_step, is_complete, latest_complete_checkpoint
+from ..sidecar import STATE_DIR, read_manifest
 
 log = logging.getLogger(__name__)
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
-
-
-def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
-             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return sorted(found)
-
-
-def is_complete(checkpoint: str) -> bool:
-    """Complete = the Trainer's state and a stream-state manifest (written last) are both there."""
-    return (os.path.isfile(os.path.join(checkpoint, TRAINER_STATE))
-            and os.path.isfile(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+__all__ = ["TRAINER_STATE", "check_complete", "checkpoint_dirs", "is_complete", "latest_complete_checkpoint",
+           "remove_incomplete_after", "resume_latest", "save_stream_state"]
 
 
 def check_complete(checkpoint: str) -> None:
@@ -42,16 +28,9 @@ def check_complete(checkpoint: str) -> None:
     read_manifest(state_dir)   # raises when incomplete
 
 
-def latest_complete_checkpoint(output_dir: str) -> str | None:
-    for _, path in reversed(checkpoint_dirs(output_dir)):
-        if is_complete(path):
-            return path
-    return None
-
-
 def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
     """Delete checkpoints newer than ``keep`` that were cut short (rank 0, before training resumes)."""
-    keep_step = int(_CHECKPOINT.match(os.path.basename(keep)).group(1)) if keep else -1
+    keep_step = checkpoint_step(keep) if keep else -1
     removed = []
     for step, path in checkpoint_dirs(output_dir):
         if step > keep_step and not is_complete(path):

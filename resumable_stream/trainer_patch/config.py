@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from .. import overrides as override
 from ..config import MixtureConfig, StreamConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownKeyError
 from ..monitoring import MONITOR_KEYS, MonitorSettings
 from ..transforms.config import TransformConfig
 
@@ -23,9 +24,7 @@ _DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10,
 
 
 def _unknown(section: str, key: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"{section}.{key}: unknown key{hint}")
+    return UnknownKeyError(section, key, known)
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,8 @@ class TrainerConfig:
     monitor: MonitorSettings = MonitorSettings()               # data.metrics_port, data.data_bound_*
 
     @classmethod
-    def from_yaml(cls, path: str) -> TrainerConfig:
+    def from_yaml(cls, path: str, overrides: Sequence[str] = ()) -> TrainerConfig:
+        """``overrides``: ``key=value`` texts merged into the yaml first (:mod:`resumable_stream.overrides`)."""
         try:
             with open(path, encoding="utf-8") as f:
                 doc = yaml.safe_load(f)
@@ -79,13 +79,20 @@ class TrainerConfig:
             raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+        with override.named(given):
+            return cls._from_doc(doc, base_dir, path)
+
+    @classmethod
+    def _from_doc(cls, doc: dict, base_dir: str, path: str) -> TrainerConfig:
         for key in doc:
             if key not in ("model", "data", "train"):
                 raise _unknown("config", str(key), ["model", "data", "train"])
         for key in ("model", "data", "train"):
             if not isinstance(doc.get(key), dict):
                 raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
-        return cls.from_dict(doc, base_dir=os.path.dirname(os.path.abspath(path)), path=path)
+        return cls.from_dict(doc, base_dir=base_dir, path=path)
 
     @classmethod
     def from_dict(cls, doc: dict, base_dir: str | None = None, path: str | None = None) -> TrainerConfig:
@@ -113,7 +120,8 @@ class TrainerConfig:
                 and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
             transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
         _check_model_for_format(model, transform)
-        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path, extra_keys=TransformConfig.KEYS)
+        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
+                                       extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
 
         eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
         train = dict(doc["train"])
@@ -169,6 +177,8 @@ def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):
     section.update((k, v) for k, v in doc.items() if k != "num_samples")
     try:
         stream = StreamConfig.from_dict(section, base_dir=base_dir, source_file=path)
+    except UnknownKeyError as e:   # named where it was written, so that an override's typo is found
+        raise UnknownKeyError("data.eval", e.key, [*StreamConfig.keys(), "num_samples"]) from None
     except ConfigError as e:
         raise ConfigError(f"data.eval: {e}") from None
     return stream, n

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..loader import shard_row_key
 from ..mixture import MixtureStream, open_stream
 from ..output_lock import output_dir_lock
+from ..threads import set_trainer_threads
 from ..transforms.formats import REQUIRED as FORMAT_REQUIRED
 from ..transforms.formats import resolved_columns
 from .callbacks import (
@@ -32,6 +33,7 @@ from .callbacks import (
 from .checkpoints import check_complete, latest_complete_checkpoint, resume_latest
 from .config import TrainerConfig
 from .patch import EvalStream, TrainingStream, barrier, data_metrics_log, patch_trainer, stream_loader
+from .startup import quiet_tied_weights, startup_summary
 
 log = logging.getLogger(__name__)
 
@@ -252,15 +254,41 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def run_training(config_path: str, **argument_overrides):
+def run_training(config_path: str, overrides=(), **argument_overrides):
     die_with_launcher()
-    cfg = TrainerConfig.from_yaml(config_path)
+    cfg = TrainerConfig.from_yaml(config_path, overrides)
+    threads = set_trainer_threads()
     args = training_arguments(cfg, **argument_overrides)
     # one job per output_dir, taken before the model is built and the checkpoints are read or cleaned (a
     # second job fails in seconds); the trainer's train() holds it again inside, nested
     with output_dir_lock(args.output_dir, args.process_index, args.world_size):
         trainer = build_trainer(cfg, args, **argument_overrides)
         checkpoint = resolve_resume(cfg, trainer)
-        if checkpoint:
-            log.warning("resuming from %s", checkpoint)
-        return trainer.train(resume_from_checkpoint=checkpoint)
+        if args.process_index == 0:
+            log.warning("%s", startup_summary(cfg, args, checkpoint, threads))
+        nothing_left = _finished(checkpoint, args.max_steps)
+        with quiet_tied_weights(trainer.model):
+            result = trainer.train(resume_from_checkpoint=checkpoint)
+            save_final_model(trainer, checkpoint if nothing_left else None)
+        return result
+
+
+def _finished(checkpoint: str | None, max_steps: int) -> bool:
+    from transformers.trainer_callback import TrainerState
+
+    if not checkpoint:
+        return False
+    return TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step >= max_steps
+
+
+def save_final_model(trainer, finished_checkpoint: str | None) -> None:
+    """The final model (and tokenizer / processor) in output_dir, for from_pretrained. Every rank calls
+    save_model (sharded states are gathered), the main process writes. ``finished_checkpoint``: the run had
+    nothing left to train, so the model is that checkpoint's, loaded first by the Trainer's own loader."""
+    if finished_checkpoint is not None:
+        if trainer.args.deepspeed or trainer.args.fsdp:   # their engines load inside train() only
+            log.warning("the final model is %s's (DeepSpeed / FSDP: not saved again in %s)", finished_checkpoint,
+                        trainer.args.output_dir)
+            return
+        trainer._load_from_checkpoint(finished_checkpoint)
+    trainer.save_model()

@@ -1,0 +1,110 @@
+"""``resumable-stream train``: overrides on the command line, the startup summary, the final model in
+output_dir (also after a resume with nothing left to train), no tied-weights warning on resume, threads."""
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_helpers import train_losses, write_config
+
+from resumable_stream import threads
+from resumable_stream.trainer_patch.startup import quiet_tied_weights
+
+TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128,
+              "tie_word_embeddings": True}
+
+
+def _train(procs, config, label, *overrides):
+    """`resumable-stream train CONFIG key=value ...` in the config's folder (relative override paths: there)."""
+    return procs.start(config, label, command=[sys.executable, "-m", "resumable_stream", "train", config,
+                                               *overrides]).wait_ok()
+
+
+def _weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_train_takes_overrides_prints_a_summary_and_saves_the_final_model(procs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, _ = write_config(str(tmp_path), "yaml_out", max_steps=50, save_steps=50)
+    out = str(tmp_path / "run")          # train.output_dir=run below: relative to the current directory
+    common = ["train.output_dir=run", "train.save_steps=2", "data.shuffle_seed=7", f"data.consumed_log={out}/consumed"]
+    first = _train(procs, config, "first", "train.max_steps=4", *common)
+    err = first.stderr
+    assert "resumable-stream train: starting afresh (no complete checkpoint in output_dir), 4 steps" in err, err
+    assert f"output_dir {out}" in err and "1 rank on cpu" in err and "OMP_NUM_THREADS=1" in err
+    assert "shuffle seed 7, buffer 256" in err and "batch size per device 8" in err
+    assert "cache_dir off" in err and "prefetch_blocks adaptive" in err and "dataloader_num_workers 0" in err
+    assert sorted(train_losses(out)) == [1, 2, 3, 4] and not os.path.exists(tmp_path / "yaml_out")
+
+    final = _weights(out)       # the final model and tokenizer, loadable; the weights of the last step
+    assert _same(final, _weights(os.path.join(out, "checkpoint-4")))
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3"
+    assert AutoTokenizer.from_pretrained(out).eos_token is not None
+
+    os.remove(os.path.join(out, "model.safetensors"))   # a rerun with nothing left to train writes it again
+    again = _train(procs, config, "again", "train.max_steps=4", *common)
+    assert "resuming from run/checkpoint-4 (step 4 of 4)" in again.stderr, again.stderr
+    assert _same(_weights(out), final), "not the checkpoint's model"
+
+    more = _train(procs, config, "more", "train.max_steps=6", *common)
+    assert "resuming from run/checkpoint-4 (step 4 of 6)" in more.stderr
+    assert "missing keys" not in more.stderr, more.stderr          # lm_head.weight: tied to the embeddings
+    assert sorted(train_losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert _same(_weights(out), _weights(os.path.join(out, "checkpoint-6")))
+
+
+def _missing_warning(keys):
+    return f"There were missing keys in the checkpoint model loaded: {keys}."
+
+
+def test_only_the_tied_weights_missing_keys_warning_is_hidden(caplog):
+    """Transformers' warning (its text, on its logger) is dropped when every missing key is tied to another
+    weight; a genuinely missing weight is still reported."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_QWEN3))
+    logger = logging.getLogger("transformers.trainer")
+    with caplog.at_level(logging.WARNING, logger="transformers.trainer"), quiet_tied_weights(model):
+        logger.warning(_missing_warning(["lm_head.weight"]))
+        logger.warning(_missing_warning(["model.norm.weight"]))
+        logger.warning(_missing_warning(["lm_head.weight", "model.layers.0.mlp.up_proj.weight"]))
+    shown = [r.getMessage() for r in caplog.records]
+    assert shown == [_missing_warning(["model.norm.weight"]),
+                     _missing_warning(["lm_head.weight", "model.layers.0.mlp.up_proj.weight"])]
+    caplog.clear()
+    untied = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_QWEN3, "tie_word_embeddings": False}))
+    with caplog.at_level(logging.WARNING, logger="transformers.trainer"), quiet_tied_weights(untied):
+        logger.warning(_missing_warning(["lm_head.weight"]))
+    assert len(caplog.records) == 1            # not tied here: really missing
+
+
+def test_trainer_threads_are_the_cores_per_local_process_unless_the_user_set_them(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        for name in threads.USER_SETTINGS:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        described = threads.set_trainer_threads()
+        assert torch.get_num_threads() == max(1, threads.cores() // 2)
+        assert f"({threads.cores()} cores / 2 local processes)" in described
+        torch.set_num_threads(3)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert threads.set_trainer_threads() == "3 (OMP_NUM_THREADS=3)" and torch.get_num_threads() == 3
+        threads.worker_threads(0)
+        assert torch.get_num_threads() == 3             # the user's choice, also in workers
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        threads.worker_threads(0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
