@@ -181,7 +181,7 @@ class StreamConfig:
             from .monitoring import MONITOR_KEYS
             from .transforms.config import TransformConfig
 
-            extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples")
+            extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples", "eval")   # eval: the trainer's
         if "sources" in data:
             return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
         known = cls.keys()

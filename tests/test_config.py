@@ -496,3 +496,13 @@ def test_non_finite_cache_size_rejected():
 ])
 def test_boundary_values_accepted(key, value):
     assert getattr(StreamConfig.from_dict(dict(BASE, **{key: value})), key) == value
+
+
+def test_a_trainer_yaml_with_eval_and_monitoring_keys_reads_as_its_training_stream(tmp_path):
+    """peek / warmup / index take a trainer yaml: data.eval and the monitoring keys are the trainer's."""
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({"data": {
+        "dataset_name_or_path": "parquet", "data_files": "data/*.parquet", "shuffle_seed": 7,
+        "eval": {"data_files": "notes/*.parquet", "num_samples": 8}, "metrics_port": 9400, "data_bound_share": 0.5}}))
+    cfg = StreamConfig.from_yaml(str(path))
+    assert cfg.shuffle_seed == 7 and cfg.dataset_name_or_path == "parquet"
