@@ -277,3 +277,30 @@ def test_cache_hits_and_bytes_of_a_second_pass(site, tmp_path):
     assert second["cache_hits"] == first["cache_misses"] and second["cache_misses"] == 0
     assert second["cache_hit_rate"] == 1.0 and second["cache_bytes_read"] > 0
     assert second["row_groups"] == 0 and second["requests"] == served2["range_requests"]
+
+
+def test_each_local_rank_serves_on_port_plus_its_local_rank(tmp_path, monkeypatch):
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from resumable_stream.trainer_patch.data_metrics import DataMetricsLog
+
+    write_parquet_dataset(str(tmp_path), rows=200, files=1, row_group_size=50)
+    stream = ResumableStream(StreamConfig(dataset_name_or_path="parquet", data_files=str(tmp_path / "*.parquet")))
+    loader = StreamLoader(stream, batch_size=10)
+    list(itertools.islice(loader, 3))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    log = DataMetricsLog(loader, MonitorSettings(metrics_port=port - 1), {}, rank=5, world_size=8)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    finally:
+        log.close()
+        stream.close()
+    (sample,) = families["resumable_stream_batches"].samples
+    assert sample.labels == {"rank": "5"} and sample.value == 3
