@@ -143,6 +143,14 @@ class Prefetcher:
         """The most fetches ahead per partition (the cap; ``depth_for`` says what is used now)."""
         return self.cap
 
+    def _here(self) -> threading.Lock:
+        """This process's lock: a forked DataLoader worker starts afresh first. Its copy of the parent's lock
+        may have been taken by one of the parent's fetch threads at the fork, and no thread here would ever
+        release it."""
+        if self._pid != os.getpid():
+            self._reset()
+        return self._lock
+
     def _ready(self) -> None:
         if self._pid != os.getpid():          # a forked DataLoader worker: the parent's threads are not here
             self._reset()
@@ -177,7 +185,7 @@ class Prefetcher:
         if self.cap <= 0:
             return
         order = list(dict.fromkeys(shards))
-        with self._lock:
+        with self._here():
             self._ready()
             state = self._owners.setdefault(owner, _Owner())
             wanted = set(order)
@@ -298,9 +306,7 @@ class Prefetcher:
     def take(self, shard: int) -> Future | None:
         """The fetch of ``shard`` if one was started (it is handed over once); the next hinted fetch starts."""
         now = time.monotonic()
-        with self._lock:
-            if self._pid != os.getpid():
-                self._reset()
+        with self._here():
             entry = self._pending.pop(shard, None)
             if entry is None:
                 for state in self._owners.values():       # read by the reader itself: no longer ahead
@@ -339,7 +345,7 @@ class Prefetcher:
         """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in
         flight now and at most so far (never above ``budget``), fetches started / taken / wasted / failed /
         dropped over the budget, the most fetches running at once."""
-        with self._lock:
+        with self._here():
             return {"cap": self.cap, "budget": self.budget, "fetch_s": self._fetch_s, "ratio": self._ratio,
                     "depth": {o: self.depth_for(o) for o in self._owners},
                     "depth_median": sorted(self._depths)[len(self._depths) // 2] if self._depths else None,
@@ -349,7 +355,7 @@ class Prefetcher:
 
     def drop(self) -> None:
         """Forget every pending fetch (a new epoch / a loaded cursor: the hinted plan is no longer ahead)."""
-        with self._lock:
+        with self._here():
             for shard, entry in list(self._pending.items()):
                 self._forget(shard, entry, wasted=False)
             for state in self._owners.values():
@@ -359,7 +365,7 @@ class Prefetcher:
         """Cancel what has not started and wait for the fetches running (each bounded by data.timeout_s), so
         that no thread of ours is still reading or decoding when the interpreter shuts down."""
         self.drop()
-        with self._lock:
-            pool, self._pool = (self._pool if self._pid == os.getpid() else None), None
+        with self._here():
+            pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

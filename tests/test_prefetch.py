@@ -138,3 +138,51 @@ def test_prefetch_blocks_null_is_adaptive_and_an_integer_still_allowed():
     assert StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet", prefetch_blocks=8).prefetch_blocks == 8
     with pytest.raises(ConfigError, match=r"data\.prefetch_blocks: got 257; allowed: null \(adaptive"):
         StreamConfig(dataset_name_or_path="parquet", data_files="/x/*.parquet", prefetch_blocks=257)
+
+
+def test_a_forked_worker_does_not_wait_on_a_lock_its_parent_held_at_the_fork():
+    """A fetch thread of the parent may hold the prefetcher's lock at the moment a DataLoader worker is forked;
+    the worker's copy of that lock would stay taken forever. The worker starts afresh instead."""
+    import multiprocessing
+    import threading
+
+    import pyarrow as pa
+
+    from resumable_stream.prefetch import Prefetcher
+
+    class Rows:
+        def fetch(self, shard):
+            return pa.table({"x": [shard]})
+
+    rows = Rows()
+    prefetcher = Prefetcher(rows.fetch, cap=2)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with prefetcher._lock:          # what a parent's fetch thread does while it accounts a fetch
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+
+    def child():
+        prefetcher.hint(0, [1, 2])
+        future = prefetcher.take(1)
+        assert future is None or future.result(timeout=10).num_rows == 1
+        prefetcher.stats()
+        prefetcher.close()
+
+    try:
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(20)
+        alive = proc.is_alive()
+        if alive:
+            proc.kill()
+    finally:
+        release.set()
+        holder.join()
+    assert not alive, "the forked worker hung on the parent's prefetch lock"
+    assert proc.exitcode == 0
