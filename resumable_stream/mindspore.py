@@ -83,6 +83,7 @@ class MindSporeSource:
         self._next_id = 0
         self._produced: deque[tuple[int, dict]] = deque()   # (id, item without its batch), oldest first
         self._last_handed = -1
+        self._error: Exception | None = None    # what stopped the producer (MindSpore hides its type)
 
     @classmethod
     def from_config(cls, config: StreamConfig | MixtureConfig, batch_size: int, columns: Sequence[str],
@@ -109,10 +110,14 @@ class MindSporeSource:
             with self._lock:
                 if self._pass != mine:   # a newer pass took over the stream
                     return
-                item = next(items, None)
-                if item is None:
-                    return
-                row = self._row(item["batch"])
+                try:
+                    item = next(items, None)
+                    if item is None:
+                        return
+                    row = self._row(item["batch"])
+                except Exception as e:   # MindSpore re-raises it as a RuntimeError: iterate() raises this one
+                    self._error = e
+                    raise
                 item_id = self._next_id
                 self._next_id += 1
                 self._produced.append((item_id, {k: v for k, v in item.items() if k != "batch"}))
@@ -142,9 +147,10 @@ class MindSporeSource:
         """The rows of ``dataset`` (this source's GeneratorDataset, maybe mapped or batched further, order
         kept) as dicts of ``columns``, each counted as consumed when it is handed out. ``output_numpy=False``
         gives mindspore Tensors. One iteration at a time; a new one continues after the last row handed out."""
+        self._error = None
         it = dataset.create_dict_iterator(num_epochs=1, output_numpy=output_numpy)
         try:
-            for row in it:
+            for row in self._rows(it):
                 ids = row.pop(ID_COLUMN, None)
                 if ids is None:
                     raise ConfigError(f"dataset: its rows have no {ID_COLUMN!r} column; allowed: a dataset made by "
@@ -153,6 +159,20 @@ class MindSporeSource:
                 yield row
         finally:
             it.stop()
+
+    def _rows(self, it: Any) -> Iterator[dict[str, Any]]:
+        """The iterator's rows; an error of this source (a ConfigError, a SourceError, ...) raised as itself,
+        not as the RuntimeError MindSpore's pipeline turns it into."""
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if self._error is not None:
+                    raise self._error from e
+                raise
+            yield row
 
     def consumed(self, ids: Sequence[int] | np.ndarray) -> None:
         """Count the rows with these item ids (in order) as consumed: for loops that read the dataset's own
