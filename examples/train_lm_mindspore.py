@@ -86,12 +86,12 @@ def main(config_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(base, model_cfg["tokenizer"]))
     transform = TransformConfig.from_dict(data)
     source = MindSporeSource.from_config(
-        StreamConfig.from_yaml(config_path), int(train["batch_size"]), COLUMNS,
+        StreamConfig.from_yaml(config_path), int(train["per_device_train_batch_size"]), COLUMNS,
         collate_fn=lambda examples: collate_numpy(examples, tokenizer.pad_token_id),
         processor_factory=lambda: TextProcessor(tokenizer, transform), keep_keys=True)
 
     vocab = len(tokenizer)
-    net = TinyLM(vocab, int(model_cfg.get("hidden_size", 64)))
+    net = TinyLM(vocab, int(model_cfg.get("config", {}).get("hidden_size", 64)))
     optimizer = nn.Adam(net.trainable_params(), learning_rate=float(train.get("learning_rate", 1e-3)))
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
 
