@@ -1,19 +1,13 @@
 """tests/against_mindspore/ runs in the venv .ci/mindspore builds: the real mindspore==2.10.0 CPU wheel and no
-torch at all (tests/conftest.py leaves this folder out where mindspore is not installed)."""
+torch at all (tests/conftest.py leaves this folder out where mindspore is not installed; .ci/mindspore and
+test_without_torch.py check that torch is not importable)."""
 
-import importlib.util
 import os
 
 import pytest
 from training_helpers import Procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def pytest_configure(config):
-    if importlib.util.find_spec("torch") is not None:
-        raise pytest.UsageError("tests/against_mindspore: torch is importable here; these tests check the core "
-                                "without it (run them in the venv .ci/mindspore builds)")
 
 
 @pytest.fixture
