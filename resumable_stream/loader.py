@@ -232,10 +232,13 @@ class StreamLoader:
         lanes = self.stream.lanes
         if len(self._lane_turns) != len(lanes):
             self._lane_turns = [0] * len(lanes)
-        # the position of a partition nothing is handed out from yet is the one it has now, not the one its
-        # reader reaches while producing ahead
-        for p in self.stream.partitions:
-            self._consumed.setdefault(p, self._start_snapshot(p))
+        if self.num_workers == 0:
+            # read in this process, a partition's reader may move ahead of what was handed out (a consumer that
+            # hands items out later): one nothing is handed out from yet stays where it is now. Workers read
+            # copies (this stream never moves), and building its windows here before they fork would only
+            # read data and start prefetch threads in the parent
+            for p in self.stream.partitions:
+                self._consumed.setdefault(p, self._start_snapshot(p))
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
                                   self.key_fn, dict(self._carries), self._turn, list(self._lane_turns),
                                   self.keep_keys)
