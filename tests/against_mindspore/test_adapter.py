@@ -127,3 +127,32 @@ def test_reordered_rows_are_refused(reference):
 def test_topology_without_initialised_communication_is_the_given_one():
     assert mindspore_topology() == (None, None)
     assert mindspore_topology(1, 4) == (1, 4)
+
+
+def test_a_mixture_of_raw_samples_resumes_exactly(tmp_path):
+    # no transform: collate_fn gets the raw rows; a MixtureStream opened by from_config (topology: explicit)
+    import os
+
+    from resumable_stream import MixtureConfig
+
+    cfg = MixtureConfig.from_dict({"sources": [
+        {"label": "lm", "dataset_name_or_path": "parquet", "data_files": ms_helpers.DATA["data_files"], "weight": 0.7},
+        {"label": "notes", "dataset_name_or_path": "parquet",
+         "data_files": os.path.join(ms_helpers.TINY, "data_notes", "*.parquet"), "weight": 0.3}],
+        "shuffle": True, "buffer_size": 32})
+
+    def source():
+        return MindSporeSource.from_config(cfg, 5, ["id"], lambda rows: {"id": np.array([r["id"] for r in rows])},
+                                           rank=0, world_size=1)
+
+    def ids(src, n):
+        return [row["id"].tolist() for _, row in zip(range(n), src.iterate(src.dataset()))]
+
+    reference = ids(source(), 30)
+    first = source()
+    head = ids(first, 11)
+    first.save_sidecar(str(tmp_path / "mix"))
+    resumed = source()
+    resumed.load_sidecar(str(tmp_path / "mix"))
+    assert head + ids(resumed, 19) == reference
+    assert resumed.state_dict()["kind"] == "mixture"
