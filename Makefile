@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-fast test-floors test-llamafactory bench bench-peers clean
+.PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-floors:
 test-llamafactory:
 	PYTHON=$(PYTHON) .ci/llamafactory
 
+# a fourth venv (.venv-mindspore) with mindspore==2.10.0 and no torch: tests/against_mindspore (its PyTorch side
+# runs in .venv)
+test-mindspore: $(VENV)/.installed
+	PYTHON=$(PYTHON) RS_TORCH_PYTHON=$(abspath $(PY)) .ci/mindspore
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
@@ -51,4 +56,4 @@ bench-peers: .venv-bench/.installed
 	.venv-bench/bin/python benchmarks/peers.py
 
 clean:
-	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-bench .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-mindspore .venv-bench .bench .pytest_cache

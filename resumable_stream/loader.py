@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-import torch.utils.data
+import numpy as np
 
 from . import checkpoint, metrics, threads
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
 from .progress import epoch_position
 from .stream_base import Stream, round_robin
+from .torch_compat import IterableDataset, data_loader, worker_info
 from .transforms.errors import TransformError
 
 
@@ -38,14 +39,19 @@ def _identity(item):
 
 def token_count(batch: Any) -> int:
     """Tokens in a collated batch: its attention mask's ones (padding is no token), else the size of its
-    input_ids; 0 for batches of raw samples."""
+    input_ids; 0 for batches of raw samples. Torch tensors and numpy arrays (no torch needed for those)."""
     if isinstance(batch, dict):
         mask, ids = batch.get("attention_mask"), batch.get("input_ids")
-        if isinstance(mask, torch.Tensor):
-            return int(mask.count_nonzero())
-        if isinstance(ids, torch.Tensor):
-            return ids.numel()
+        if _is_array(mask):
+            return int((mask != 0).sum())
+        if _is_array(ids):
+            return int(np.prod(ids.shape))
     return 0
+
+
+def _is_array(value: Any) -> bool:
+    """A tensor or an array of any framework (``shape`` and ``dtype``; lists of samples have neither)."""
+    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
@@ -53,7 +59,7 @@ def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
     return f"{where[0]}:{where[1]}"
 
 
-class _BatchProducer(torch.utils.data.IterableDataset):
+class _BatchProducer(IterableDataset):
     """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
@@ -67,7 +73,7 @@ class _BatchProducer(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         lanes = self.stream.lanes
-        info = torch.utils.data.get_worker_info()
+        info = worker_info()
         metrics.adopt(self.counters)
         if info is None:
             if len(lanes) != 1:
@@ -197,10 +203,27 @@ class StreamLoader:
         self.batches_consumed = 0
         self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
         self._iterated = False
+        self._place: dict[int, tuple[int, int]] = {}   # partition -> (lane, index in it), set by items()
         self._first_reading = self.metrics_reading()
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        items = self.items()
+        clock, counters = time.perf_counter, self.counters
+        while True:
+            asked = clock()
+            item = next(items, None)   # the time the training loop waits for its batch
+            if item is None:
+                return
+            counters.batch(clock() - asked, item["samples"], item["tokens"])
+            self.hand_out(item)
+            yield item["batch"]
+
+    def items(self) -> Iterator[dict[str, Any]]:
+        """A new pass's items as they are produced (``batch``, ``partition``, ``snapshot``, ``keys``,
+        ``samples``, ``tokens``), none of them counted as consumed: a consumer that hands items out later
+        than it pulls them (a prefetching pipeline, resumable_stream.mindspore) calls :meth:`hand_out` with
+        each one it hands out. Iterating the loader does both."""
         if self._iterated:
             # a new pass continues after the last batch handed out: the readers (and workers' processors)
             # of the previous pass may have run ahead of it
@@ -209,6 +232,13 @@ class StreamLoader:
         lanes = self.stream.lanes
         if len(self._lane_turns) != len(lanes):
             self._lane_turns = [0] * len(lanes)
+        if self.num_workers == 0:
+            # read in this process, a partition's reader may move ahead of what was handed out (a consumer that
+            # hands items out later): one nothing is handed out from yet stays where it is now. Workers read
+            # copies (this stream never moves), and building its windows here before they fork would only
+            # read data and start prefetch threads in the parent
+            for p in self.stream.partitions:
+                self._consumed.setdefault(p, self._start_snapshot(p))
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
                                   self.key_fn, dict(self._carries), self._turn, list(self._lane_turns),
                                   self.keep_keys)
@@ -218,26 +248,23 @@ class StreamLoader:
             kwargs["prefetch_factor"] = self.prefetch_factor
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = threads.worker_threads   # one thread each: the cores are the trainer's
-        place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
+        self._place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
         # in the main process a DataLoader would only add its per-item cost (~17 us) to every batch
-        items = iter(producer) if self.num_workers == 0 and not self.pin_memory else \
-            iter(torch.utils.data.DataLoader(producer, **kwargs))
-        clock, counters = time.perf_counter, self.counters
-        while True:
-            asked = clock()
-            item = next(items, None)   # the time the training loop waits for its batch
-            if item is None:
-                return
-            counters.batch(clock() - asked, item["samples"], item["tokens"])
-            p = item["partition"]
-            j, i = place[p]
-            self._consumed[p] = item["snapshot"]
-            self._turn = (j + 1) % len(lanes)
-            self._lane_turns[j] = (i + 1) % len(lanes[j])
-            if self.keep_keys:
-                self._pending_keys.append(item["keys"])
-            self.batches_consumed += 1
-            yield item["batch"]
+        if self.num_workers == 0 and not self.pin_memory:
+            return iter(producer)
+        return iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
+
+    def hand_out(self, item: dict[str, Any]) -> None:
+        """Count one item of :meth:`items` as consumed: the state is now the one after its batch."""
+        p = item["partition"]
+        j, i = self._place[p]
+        lanes = self.stream.lanes
+        self._consumed[p] = item["snapshot"]
+        self._turn = (j + 1) % len(lanes)
+        self._lane_turns[j] = (i + 1) % len(lanes[j])
+        if self.keep_keys:
+            self._pending_keys.append(item["keys"])
+        self.batches_consumed += 1
 
     def set_epoch(self, epoch: int) -> None:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
@@ -303,17 +330,21 @@ class StreamLoader:
         parts = {}
         for p in self.stream.partitions:
             snap = self._consumed.get(p)
-            if snap is None:       # nothing consumed from it since start / resume: its starting state
-                snap = self.stream.partition_state(p)
-                if p in self._carries:
-                    snap = replace(snap, extra=self._carries[p])
-            parts[p] = snap
+            parts[p] = snap if snap is not None else self._start_snapshot(p)
         state = self.stream.state_dict(parts)
         state["turn"] = self._turn
         lanes = self.stream.lanes
         if any(len(lane) > 1 for lane in lanes):
             state["lane_turns"] = list(self._lane_turns) if len(self._lane_turns) == len(lanes) else [0] * len(lanes)
         return state
+
+    def _start_snapshot(self, partition: int) -> Any:
+        """The state of a partition nothing was consumed from since start / resume: its reader's, with the
+        loaded transform carry."""
+        snap = self.stream.partition_state(partition)
+        if partition in self._carries:
+            snap = replace(snap, extra=self._carries[partition])
+        return snap
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
         """Restore cursors and transform carries; same ranks and workers also restore the batch rotation."""

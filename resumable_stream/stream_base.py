@@ -17,14 +17,13 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-import torch.utils.data
-
 from . import checkpoint
 from .checks import check_fingerprint, check_topology
 from .errors import ConfigError, StreamMismatchError
 from .limits import MAX_WORLD_SIZE
 from .plan import check_consumers, partition_lanes
 from .sidecar import FORMAT_VERSION
+from .torch_compat import IterableDataset, worker_info
 
 
 @runtime_checkable
@@ -122,7 +121,7 @@ def round_robin(iterators: dict[int, Iterator], order: list[int], turn: int = 0,
             del iterators[key]
 
 
-class StreamBase(torch.utils.data.IterableDataset):
+class StreamBase(IterableDataset):
     """The :class:`Stream` implementation a single stream and a mixture share (module doc).
 
     Subclasses set ``kind`` (the state schema: "stream" or "mixture") and implement ``_build_readers()``
@@ -182,7 +181,7 @@ class StreamBase(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict]:
-        info = torch.utils.data.get_worker_info()
+        info = worker_info()
         if info is None:
             parts = self.partitions
         else:
@@ -206,7 +205,7 @@ class StreamBase(torch.utils.data.IterableDataset):
         """The position after the last sample this stream yielded: the envelope plus a state per partition.
 
         ``partitions`` replaces the per-partition states (the loader passes what training consumed)."""
-        if partitions is None and self._read_by_workers.value and torch.utils.data.get_worker_info() is None:
+        if partitions is None and self._read_by_workers.value and worker_info() is None:
             # inside a worker the copy's state is that worker's own, exact (torchdata's StatefulDataLoader)
             raise ConfigError(
                 f"{type(self).__name__}.state_dict(): the stream was read by DataLoader worker processes, which "

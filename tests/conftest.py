@@ -23,11 +23,13 @@ from resumable_stream.synthetic import write_parquet_dataset  # noqa: E402
 # tests/against_llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds
 # (with LLaMA-Factory's own pins); the main venv does not install it. The installed distribution decides (a
 # directory named like the package on sys.path would pass for it as a namespace package).
-try:
-    importlib.metadata.distribution("llamafactory")
-    collect_ignore_glob = []
-except importlib.metadata.PackageNotFoundError:
-    collect_ignore_glob = ["against_llamafactory/*"]
+# tests/against_mindspore/ likewise, in the torch-free venv .ci/mindspore builds.
+collect_ignore_glob = []
+for _dist, _folder in (("llamafactory", "against_llamafactory"), ("mindspore", "against_mindspore")):
+    try:
+        importlib.metadata.distribution(_dist)
+    except importlib.metadata.PackageNotFoundError:
+        collect_ignore_glob.append(f"{_folder}/*")
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,7 @@ def test_no_import_circle():
 
 
 # Optional extras: an import of the package must not need them (blocked in the subprocess below).
-OPTIONAL_EXTRAS = ("torch_npu", "s3fs", "PIL", "moto", "torchdata", "matplotlib")
+OPTIONAL_EXTRAS = ("torch_npu", "s3fs", "PIL", "moto", "torchdata", "matplotlib", "mindspore")
 _IMPORT_ALONE = "import sys; sys.modules.update(dict.fromkeys({extras!r})); import {module}"
 
 
@@ -174,3 +174,49 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
     failed = {m: r for m, r in results.items() if r.returncode != 0}
     assert not failed, "\n\n".join(f"python -c 'import {m}' exited {r.returncode}:\n{r.stderr}"
                                    for m, r in failed.items())
+
+
+# Without torch: the stream core (config, plan, partitions, sources, sidecars, cache, checkpoint, the loader
+# in this process, the transforms' processors, the MindSpore adapter) imports with torch blocked; only the
+# PyTorch training paths need it. tests/against_mindspore runs the core in a venv that has no torch at all.
+NEEDS_TORCH = (f"{PACKAGE}.devices", f"{PACKAGE}.trainer_patch", f"{PACKAGE}.llamafactory.callbacks",
+               f"{PACKAGE}.llamafactory.run")
+_WITHOUT_TORCH = """
+import importlib, sys
+sys.modules.update(dict.fromkeys({blocked!r}))
+failed = []
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        failed.append(f"{{name}}: {{e}}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def _needs_torch(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in NEEDS_TORCH)
+
+
+def _import_without(blocked: tuple[str, ...], modules: list[str]) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    code = _WITHOUT_TORCH.format(blocked=blocked, modules=modules)
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_the_core_imports_without_torch():
+    core = [m for m in sorted(module_files(PACKAGE_DIR, PACKAGE)) if not _needs_torch(m)]
+    assert {PACKAGE, f"{PACKAGE}.stream", f"{PACKAGE}.checkpoint", f"{PACKAGE}.loader",
+            f"{PACKAGE}.transforms.text", f"{PACKAGE}.mindspore"} <= set(core)
+    result = _import_without(("torch", *OPTIONAL_EXTRAS), core)
+    assert result.returncode == 0, f"modules that need torch but are not listed in NEEDS_TORCH:\n{result.stdout}" \
+                                   f"{result.stderr[-2000:]}"
+
+
+def test_the_torch_check_sees_a_module_that_needs_torch():
+    # the listed modules do need it: the check above would catch the core importing one of them
+    result = _import_without(("torch",), [f"{PACKAGE}.devices", PACKAGE])
+    assert result.returncode == 1 and result.stdout.startswith(f"{PACKAGE}.devices: ")
+    assert f"{PACKAGE}: " not in result.stdout

@@ -2,8 +2,8 @@
 
 from .config import TransformConfig
 from .errors import TransformError
-from .text import IGNORE_INDEX, TextProcessor, collate, tokenizer_digest
-from .vl import VLProcessor, collate_vl, load_processor
+from .text import IGNORE_INDEX, TextProcessor, collate, collate_numpy, tokenizer_digest
+from .vl import VLProcessor, collate_vl, collate_vl_numpy, load_processor
 
 __all__ = ["IGNORE_INDEX", "TextProcessor", "TransformConfig", "TransformError", "VLProcessor", "collate",
-           "collate_vl", "load_processor", "tokenizer_digest"]
+           "collate_numpy", "collate_vl", "collate_vl_numpy", "load_processor", "tokenizer_digest"]

@@ -584,6 +584,41 @@ def _arr(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
+def collate_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np.ndarray]:
+    """``collate``'s padding as int64 numpy arrays, for frameworks other than PyTorch (MindSpore; no torch
+    needed): ``input_ids`` right-padded with ``pad_token_id``, ``labels`` with -100, ``attention_mask`` 1/0,
+    and with ``position_ids`` (packing_mode neat) ``position_ids`` too, whose padded tail of a row counts
+    0, 1, ... as a segment of its own (the model decides which of the last two it uses)."""
+    if not examples:
+        raise ValueError("collate: empty batch")
+    if pad_token_id is None:
+        raise ValueError("collate: pad_token_id is None; set tokenizer.pad_token (e.g. to the EOS token)")
+    neat = sum("position_ids" in ex for ex in examples)
+    if neat not in (0, len(examples)):
+        raise ValueError("collate: some examples have position_ids and some do not (mixed packing modes)")
+    width = max(len(ex["input_ids"]) for ex in examples)
+    ids = np.full((len(examples), width), int(pad_token_id), dtype=np.int64)
+    labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
+    mask = np.zeros((len(examples), width), dtype=np.int64)
+    positions = np.tile(np.arange(width, dtype=np.int64), (len(examples), 1))
+    for r, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        if len(ex["labels"]) != n:
+            raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['labels'])} labels")
+        ids[r, :n] = np.asarray(ex["input_ids"], dtype=np.int64)
+        labels[r, :n] = np.asarray(ex["labels"], dtype=np.int64)
+        mask[r, :n] = 1
+        if neat:
+            if len(ex["position_ids"]) != n:
+                raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['position_ids'])} position_ids")
+            positions[r, :n] = np.asarray(ex["position_ids"], dtype=np.int64)
+            positions[r, n:] = np.arange(width - n)
+    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if neat:
+        out["position_ids"] = positions
+    return out
+
+
 def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool = False) -> dict[str, Any]:
     """Right-pad a batch: input_ids with ``pad_token_id``, labels with -100, attention_mask 1/0.
     Returns int64 torch tensors ``input_ids``, ``labels``, ``attention_mask`` ("keys" are dropped).
@@ -597,32 +632,10 @@ def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool 
     batch), which flash-attention's varlen path needs when a batch has more than one row."""
     import torch
 
-    if not examples:
-        raise ValueError("collate: empty batch")
-    if pad_token_id is None:
-        raise ValueError("collate: pad_token_id is None; set tokenizer.pad_token (e.g. to the EOS token)")
-    neat = sum("position_ids" in ex for ex in examples)
-    if neat not in (0, len(examples)):
-        raise ValueError("collate: some examples have position_ids and some do not (mixed packing modes)")
-    width = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.full((len(examples), width), int(pad_token_id), dtype=torch.int64)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.int64)
-    mask = torch.zeros((len(examples), width), dtype=torch.int64)
-    positions = torch.arange(width, dtype=torch.int64).repeat(len(examples), 1)
-    for r, ex in enumerate(examples):
-        n = len(ex["input_ids"])
-        if len(ex["labels"]) != n:
-            raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['labels'])} labels")
-        ids[r, :n] = torch.as_tensor(ex["input_ids"], dtype=torch.int64)
-        labels[r, :n] = torch.as_tensor(ex["labels"], dtype=torch.int64)
-        mask[r, :n] = 1
-        if neat:
-            if len(ex["position_ids"]) != n:
-                raise ValueError(f"collate: example {r} has {n} input_ids but {len(ex['position_ids'])} position_ids")
-            positions[r, :n] = torch.as_tensor(ex["position_ids"], dtype=torch.int64)
-            positions[r, n:] = torch.arange(width - n)
-    if not neat:
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    arrays = {name: torch.from_numpy(a) for name, a in collate_numpy(examples, pad_token_id).items()}
+    ids, labels, positions = arrays["input_ids"], arrays["labels"], arrays.get("position_ids")
+    if positions is None:
+        return {"input_ids": ids, "labels": labels, "attention_mask": arrays["attention_mask"]}
     # a model's config asks for a KV cache by default, and with one transformers' masking utils do not look
     # for packed sequences (transformers 5's Trainer turns the cache off for training; a plain loop may not)
     batch = {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}

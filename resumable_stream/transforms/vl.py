@@ -62,7 +62,7 @@ from .row_map import BadMapResult, RowMap
 from .text import (
     IGNORE_INDEX,
     checked_state,
-    collate,
+    collate_numpy,
     content_start,
     find_assistant_header,
     label_spans,
@@ -640,25 +640,33 @@ def _image_token_id(processor: Any) -> int:
                          "transform needs the token the processor expands into image features")
 
 
-def collate_vl(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
-    """Batch VL examples: ``input_ids`` / ``labels`` / ``attention_mask`` right-padded as in ``collate``;
-    per-token fields (``mm_token_type_ids``, ...) padded with 0; per-image fields (``pixel_values``,
-    ``image_grid_thw``, ...) concatenated along their first axis in sample order, so a batch holds any
-    number of images and patches per sample."""
-    import torch
-
-    batch = collate(examples, pad_token_id)
+def collate_vl_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np.ndarray]:
+    """``collate_vl`` as numpy arrays, for frameworks other than PyTorch (MindSpore; no torch needed):
+    ``collate_numpy``'s ``input_ids`` / ``labels`` / ``attention_mask``, per-token fields
+    (``mm_token_type_ids``, ...) right-padded with 0, per-image fields (``pixel_values``,
+    ``image_grid_thw``, ...) concatenated along their first axis in sample order."""
+    batch = collate_numpy(examples, pad_token_id)
     rows, width = batch["input_ids"].shape
     for name in sorted({n for ex in examples for n in ex.get("token", {})}):
         first = next(ex["token"][name] for ex in examples if name in ex.get("token", {}))
-        out = torch.zeros((rows, width), dtype=torch.from_numpy(np.asarray(first[:0])).dtype)
+        out = np.zeros((rows, width), dtype=np.asarray(first).dtype)
         for r, ex in enumerate(examples):
             arr = ex.get("token", {}).get(name)
             if arr is not None:
-                out[r, :len(arr)] = torch.from_numpy(np.asarray(arr))
+                out[r, :len(arr)] = np.asarray(arr)
         batch[name] = out
     for name in sorted({n for ex in examples for n in ex.get("vision", {})}):
-        parts = [torch.from_numpy(np.ascontiguousarray(ex["vision"][name])) for ex in examples
-                 if name in ex.get("vision", {})]
-        batch[name] = torch.cat(parts, dim=0)
+        batch[name] = np.concatenate([np.asarray(ex["vision"][name]) for ex in examples
+                                      if name in ex.get("vision", {})], axis=0)
     return batch
+
+
+def collate_vl(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
+    """Batch VL examples as torch tensors: ``input_ids`` / ``labels`` / ``attention_mask`` right-padded as in
+    ``collate``; per-token fields (``mm_token_type_ids``, ...) padded with 0; per-image fields
+    (``pixel_values``, ``image_grid_thw``, ...) concatenated along their first axis in sample order, so a
+    batch holds any number of images and patches per sample (``collate_vl_numpy``, then tensors)."""
+    import torch
+
+    return {name: torch.from_numpy(np.ascontiguousarray(arr))
+            for name, arr in collate_vl_numpy(examples, pad_token_id).items()}
