@@ -40,11 +40,6 @@ def _positive(name: str, minimum: int):
     return parse
 
 
-def _cache_stats(source: Any) -> dict | None:
-    stats = getattr(source, "stats", None)
-    return stats() if callable(stats) else None
-
-
 def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
     """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
     d = metrics.delta(before, metrics.reading(cache=cache))
@@ -100,7 +95,7 @@ def cmd_peek(args: argparse.Namespace) -> int:
             printed += 1
         out.flush()
         if args.stats:
-            _print_stats(before, printed, _cache_stats(stream.source))
+            _print_stats(before, printed, metrics.cache_stats(stream.source))
         if args.save_state:
             target = args.save_state
             if args.world_size > 1 and not target.endswith(".safetensors"):

@@ -283,14 +283,7 @@ class StreamLoader:
     def metrics_reading(self) -> dict[str, float]:
         """This rank's data-path counters now (its workers' included), the loader's (batches, seconds waited,
         samples, tokens) and the block cache's: what :meth:`data_metrics` compares."""
-        stats = getattr(self.stream.source, "stats", None)
-        cache = None
-        if callable(stats):
-            try:
-                cache = stats()
-            except Exception:        # a metrics reading must never break training
-                cache = None
-        return metrics.reading(self.counters, cache)
+        return metrics.reading(self.counters, metrics.cache_stats(self.stream.source))
 
     def data_metrics(self, since: dict[str, float] | None = None) -> dict[str, Any]:
         """Figures of the data path since ``since`` (a :meth:`metrics_reading`; default: since this loader was

@@ -198,15 +198,12 @@ class LoaderCounters:
         self.wait_s = 0.0
         self.samples = 0
         self.tokens = 0
-        self.longest_wait_s = 0.0
 
     def batch(self, waited_s: float, samples: int, tokens: int) -> None:
         self.batches += 1
         self.wait_s += waited_s
         self.samples += samples
         self.tokens += tokens
-        if waited_s > self.longest_wait_s:
-            self.longest_wait_s = waited_s
 
     def snapshot(self) -> dict[str, float]:
         return {"batches": self.batches, "wait_s": self.wait_s, "samples": self.samples, "tokens": self.tokens}
@@ -216,6 +213,18 @@ LOADER_FIELDS = ("loader_batches", "loader_wait_s", "loader_samples", "loader_to
 CACHE_FIELDS = ("cache_hits", "cache_misses", "cache_bytes_read")
 # the fields of a reading, in a fixed order: every rank's reading gathers into one tensor
 READING_FIELDS = ("time", *SOURCE_COUNTERS, *LOADER_FIELDS, *CACHE_FIELDS)
+
+
+def cache_stats(source: Any) -> dict | None:
+    """A source's block cache counters (``CachedSource.stats()``); None without a cache, or when they cannot be
+    read now (a metrics reading must never break training)."""
+    stats = getattr(source, "stats", None)
+    if not callable(stats):
+        return None
+    try:
+        return stats()
+    except Exception:
+        return None
 
 
 def reading(loader_counters: LoaderCounters | None = None, cache: dict | None = None) -> dict[str, float]:

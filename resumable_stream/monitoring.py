@@ -90,7 +90,6 @@ class DataBoundWatch:
         self.settings, self.context = settings, context
         self._start_step: int | None = None
         self._sums: list[dict[str, float]] | None = None
-        self.warnings: list[str] = []
 
     def add(self, step: int, deltas: list[dict[str, float]]) -> str | None:
         """One log interval ending at ``step`` (each rank's :func:`metrics.delta`); the warning, if one is due."""
@@ -116,7 +115,6 @@ class DataBoundWatch:
                    f"{'n/a' if f['cache_hit_rate'] is None else format(f['cache_hit_rate'], '.0%')}, prefetch "
                    f"depth {'n/a' if f['prefetch_depth'] is None else format(f['prefetch_depth'], '.1f')}. "
                    f"Likely cure: {'; '.join(cures(f, self.context)) or 'none found in these figures'}")
-        self.warnings.append(message)
         log.warning("%s", message)
         return message
 
