@@ -67,7 +67,7 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     file = write_rank_file(path, stream.rank, state, digest)
     if stream.rank == 0:
         write_shared(path, "fingerprint", fp)
-        index = getattr(stream.source, "index", None)
+        index = stream.source.index
         if index is not None:
             write_shared(path, "index", encode_index(index))
     if stream.world_size == 1 if manifest is None else manifest:

@@ -221,7 +221,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from .index import save_index
-    from .source import open_source
+    from .sources.open import open_source
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if not isinstance(cfg, StreamConfig):
@@ -232,7 +232,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                           "index is for streamed parquet data (backend hf, streaming true)")
     with tqdm(desc="indexing", unit="file", disable=args.no_progress, file=sys.stderr) as bar:
         source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
-    index = getattr(source, "index", None)
+    index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: data.dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
                           f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed")

@@ -119,7 +119,7 @@ class StreamConfig:
     retries: int = 5
     retry_backoff_s: float = 1.0
     timeout_s: float = 60.0             # the deadline of one request: connect, headers and body
-    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see source.py)
+    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see sources/net.py)
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not

@@ -20,9 +20,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import SourceError, StreamMismatchError
+from .errors import ConfigError, SourceError, StreamMismatchError
 from .limits import MAX_INDEX_BYTES, is_int
 from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
+from .sources.registry import format_of_index
 
 INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1
@@ -144,15 +145,16 @@ def _shape_problem(index: Any) -> str | None:
     files = index.get("files")
     if not isinstance(files, list) or not files:
         return "'files' is not a non-empty list"
+    try:
+        reader = format_of_index(index).load()
+    except ConfigError as e:       # a format this process has not registered
+        return str(e)
     for i, f in enumerate(files):
-        # every number at most an int64 (is_int), a footer and the row groups inside the file
-        ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
-              and isinstance(f.get("footer"), str) and is_int(f.get("footer_bytes"), 0, f["size"])
-              and isinstance(f.get("row_groups"), list)
-              and all(isinstance(rg, list) and len(rg) == 3 and all(is_int(x) for x in rg)
-                      and rg[1] <= rg[2] <= f["size"] for rg in f["row_groups"]))
-        if not ok:
-            return f"files[{i}] is malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))):
+            return f"files[{i}] is malformed (no path and size)"
+        problem = reader.entry_problem(f)      # the format's layout (parquet: footer and row groups)
+        if problem:
+            return f"files[{i}] is {problem}"
     return None
 
 

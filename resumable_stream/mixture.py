@@ -47,7 +47,8 @@ from .partition import MAX_EMPTY_EPOCHS
 from .plan import counter_hashes, derive_seed
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
-from .source import Source, open_source
+from .sources.base import Source
+from .sources.open import open_source
 from .stream import ResumableStream
 from .stream_base import StreamBase
 

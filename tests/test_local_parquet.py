@@ -19,7 +19,8 @@ from resumable_stream.local_parquet import (
     simple_features,
     simple_schema,
 )
-from resumable_stream.source import RetryPolicy, builder_args, open_source, resolve_files
+from resumable_stream.sources import RetryPolicy, open_source
+from resumable_stream.sources.resolve import builder_args, resolve_files
 from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
 
 
