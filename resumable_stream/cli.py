@@ -221,6 +221,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from .index import save_index
+    from .sources import registry
     from .sources.open import open_source
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
@@ -235,12 +236,15 @@ def cmd_index(args: argparse.Namespace) -> int:
     index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: data.dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed")
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed "
+                          f"(the formats registered in resumable_stream/sources/registry.py: {', '.join(registry.names())})")
     save_index(args.output, index)
-    groups = [rg for f in index["files"] for rg in f["row_groups"]]
-    summary = {"index": os.path.abspath(args.output), "files": len(index["files"]), "row_groups": len(groups),
-               "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),
+    summary = {"index": os.path.abspath(args.output), "format": registry.format_of_index(index).name,
+               "files": len(index["files"]), "shards": len(source.shards),
+               "rows": sum(s.num_rows or 0 for s in source.shards), "bytes": sum(f["size"] for f in index["files"]),
                "columns": list(index["features"])}
+    if summary["format"] == "parquet":
+        summary["row_groups"] = summary["shards"]       # one shard per row group
     print(json.dumps(summary))
     return 0
 

@@ -112,9 +112,14 @@ def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]
             "files": files}
 
 
-def identity_of(entry: dict) -> dict[str, Any]:
-    """The identity part of an index entry (what the stream fingerprint lists per file)."""
-    return {k: v for k, v in entry.items() if k not in ("row_groups", "footer_bytes")}
+# The keys of a parquet entry that describe its layout, not the file's identity.
+PARQUET_LAYOUT_KEYS = ("row_groups", "footer_bytes")
+
+
+def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS) -> dict[str, Any]:
+    """The identity part of an index entry (what the stream fingerprint lists per file): all but the layout
+    keys of its format (``IndexedReader.layout_keys``)."""
+    return {k: v for k, v in entry.items() if k not in layout_keys}
 
 
 # ------------------------------------------------------------------------------ files
@@ -205,11 +210,12 @@ def unreported_validator(key: str, saved: dict, now: dict) -> bool:
 
 def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, Any, Any]]:
     """``(path, key, index value, now)`` for every identity field that differs from the index."""
+    reader = format_of_index(index).load()
     out = []
     for entry, now in zip(index["files"], identities):
-        saved = identity_of(entry)
+        saved = identity_of(entry, reader.layout_keys)
         for key in sorted(set(saved) | set(now)):
-            if key == "footer" and key not in now:
+            if key in reader.content_keys and key not in now:
                 continue          # not re-read (remote file, no extra request): the ETag / size vouch for it
             if unreported_validator(key, saved, now):
                 continue

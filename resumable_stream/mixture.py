@@ -81,6 +81,8 @@ class _Position:
 class MixtureSources:
     """``stream.source`` of a mixture: the columns every source has, the sources' cache statistics summed."""
 
+    index = None          # no single dataset index (each source reads its own)
+
     def __init__(self, sources: list[Source], labels: tuple[str, ...]):
         self.sources, self.labels = sources, labels
 

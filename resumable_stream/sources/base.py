@@ -155,6 +155,9 @@ class IndexedReader:
     by the caller) plus the layout the reader needs to cut it into shards without reading it again. Exact
     resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
 
+    layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
+    content_keys: tuple[str, ...] = ()   # identity keys only ``local_check`` gives (remote files: not re-read)
+
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
                    footers: dict[str, bytes] | None = None) -> dict:
         """One file's index entry: ``identity`` plus its layout. ``footers``: filled with path -> the raw

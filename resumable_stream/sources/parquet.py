@@ -15,7 +15,15 @@ import pyarrow as pa
 
 from ..config import StreamConfig
 from ..errors import ResumableStreamError, SourceError, StreamMismatchError
-from ..index import FOOTER_TAIL_BYTES, features_of, file_entry, footer_digest, identity_of, split_footer
+from ..index import (
+    FOOTER_TAIL_BYTES,
+    PARQUET_LAYOUT_KEYS,
+    features_of,
+    file_entry,
+    footer_digest,
+    identity_of,
+    split_footer,
+)
 from ..limits import is_int
 from ..metrics import record_row_group
 from ..parquet_files import ParquetFiles, read_checked
@@ -64,6 +72,9 @@ def prefetch_depth(cfg: StreamConfig, remote: bool) -> int | None:
 
 class ParquetReader(IndexedReader):
     """The registry's parquet entry (``registry._BUILTIN``)."""
+
+    layout_keys = PARQUET_LAYOUT_KEYS
+    content_keys = ("footer",)
 
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
                    footers: dict[str, bytes] | None = None) -> dict:

@@ -28,6 +28,7 @@ DATASETS_EXTENSIONS = {
     ".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
     ".csv": "csv", ".tsv": "csv", ".txt": "text", ".arrow": "arrow",
 }
+DATASETS_BUILDERS = tuple(dict.fromkeys(DATASETS_EXTENSIONS.values()))
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def _digest(obj) -> str:
 def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *flat_files(data_files)] if is_remote(p)]
-    if targets or path == "parquet":     # datasets' packaged parquet builder, never a hub id
+    if targets or path in registry.indexed_builders():     # parquet, ...: a format's name, never a hub id
         return targets
     import datasets.config
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
