@@ -98,11 +98,15 @@ class MixtureSources:
     def fingerprint(self) -> dict[str, Any]:
         return {label: s.fingerprint for label, s in zip(self.labels, self.sources)}
 
-    def stats(self) -> dict[str, Any]:
-        """Block cache counters summed over the sources (one cache directory: its size counted once)."""
+    def stats(self) -> dict[str, Any] | None:
+        """Block cache counters summed over the sources (one cache directory: its size counted once); None
+        when they are not behind a cache (``Source.stats``)."""
+        each = [s.stats() for s in self.sources]
+        if any(stats is None for stats in each):
+            return None
         total: dict[str, Any] = {}
-        for s in self.sources:
-            for key, value in s.stats().items():
+        for stats in each:
+            for key, value in stats.items():
                 if key in ("hit_rate",) or value is None:
                     continue
                 if key in ("cache_bytes", "size_limit_bytes"):

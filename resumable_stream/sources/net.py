@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import email.utils
+import http.client
 import inspect
 import logging
 import random
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ..config import StreamConfig
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, ResumableStreamError, SourceError
 from ..index import map_files
 from ..metrics import record_retry, retry_cause
 
@@ -358,6 +359,14 @@ def _probe_missing(urls: list[str], timeout_s: float) -> tuple[str, int] | None:
 class RetryPolicy:
     """The retry policy of one source: which paths are remote, backoff, timeouts (picklable)."""
 
+    @classmethod
+    def of(cls, retries: int = 5, retry_backoff_s: float = 1.0, timeout_s: float = 60.0,
+           retry_budget_s: float = 180.0) -> RetryPolicy:
+        """A remote policy from the four ``data.*`` values alone (the defaults: StreamConfig's)."""
+        settings = StreamConfig(dataset_name_or_path="parquet", data_files="x.parquet", retries=retries,
+                                retry_backoff_s=retry_backoff_s, timeout_s=timeout_s, retry_budget_s=retry_budget_s)
+        return cls(settings, remote=True)
+
     def __init__(self, cfg: StreamConfig, remote: bool):
         self.retries = cfg.retries
         self.backoff_s = float(cfg.retry_backoff_s)
@@ -432,3 +441,42 @@ def describe_targets(targets: list[str]) -> str:
     shown = ", ".join(targets[:3])
     return shown + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
 
+
+
+class HttpAnswer(ResumableStreamError):
+    """A server's answer about the resource itself (404, 403, ...): not a fault, no retry."""
+
+    def __init__(self, url: str, status: int):
+        super().__init__(f"{url}: HTTP {status}")
+        self.url, self.status = url, status
+
+
+def fetch_url(url: str, read: Callable[[Any], T], retry: RetryPolicy, label: str) -> T:
+    """``read(response)`` of a plain GET of an http(s) ``url`` under ``retry``: each try has ``data.timeout_s``;
+    connection errors, timeouts, cut bodies and 5xx / 408 / 425 / 429 are tried again (``data.retries``, with
+    the backoff and Retry-After of every other step, within ``data.retry_budget_s``). A status that describes
+    the resource raises :class:`HttpAnswer`; a fault that outlasts the retries a SourceError naming ``label``.
+    What ``read`` raises of its own passes through."""
+    attempt, started = 0, time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=retry.timeout_s) as response:
+                return read(response)
+        except urllib.error.HTTPError as e:
+            if not (e.code >= 500 or e.code in _RETRY_STATUSES):
+                raise HttpAnswer(url, e.code) from None
+            last: BaseException = e
+            retry_after = retry_after_s(e.headers)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:   # refused, reset, timeout,
+            last, retry_after = e, None                                            # a cut body
+        wait = backoff_wait(retry.backoff_s, attempt, retry_after)
+        elapsed = time.monotonic() - started
+        if attempt >= retry.retries or elapsed + wait >= retry.budget_s:
+            raise SourceError(f"{label}: no answer after {attempt + 1} attempts (data.retries: {retry.retries}, "
+                              f"data.timeout_s: {retry.timeout_s:g}, data.retry_budget_s: {retry.budget_s:g}); "
+                              f"last error: {_error_text(last)}") from None
+        log.warning("%s failed (%s); retry %d of %d in %.2f s", label, _error_text(last), attempt + 1,
+                    retry.retries, wait)
+        record_retry(retry_cause(last))
+        time.sleep(wait)
+        attempt += 1
