@@ -235,3 +235,20 @@ def test_a_format_that_claims_anothers_builder_or_extension_is_refused(lines_for
         registry.register(registry.SourceFormat("pq2", ("pq2",), (".parquet",), reader=object()))
     with pytest.raises(ConfigError, match="built in"):
         registry.unregister("parquet")
+
+
+def test_a_lines_checkpoint_resumes_from_its_saved_index_and_inspects(lines_format, lines_data, tmp_path, capsys):
+    from resumable_stream.cli import main
+
+    cfg = lines_config(lines_data, shuffle=True, buffer_size=30)
+    first = ResumableStream(cfg)
+    head = ids_of(first, 45)
+    state = str(tmp_path / "state")
+    first.save_sidecar(state)
+    assert load_index(os.path.join(state, "index.json"))["reader"] == "lines"
+    resumed = ResumableStream(cfg.replace(resume_state_path=state))
+    resumed.load_sidecar(state)
+    assert head + ids_of(resumed, 100) == ids_of(ResumableStream(cfg), 145)
+    assert main(["inspect", state]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["index"]["format"] == "lines" and shown["index"]["files"] == FILES
