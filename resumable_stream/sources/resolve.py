@@ -311,8 +311,7 @@ def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str],
     if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, read[f]) for f in files if f in read)
     index = make_index(cfg, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
-    if fmt.name != registry.LEGACY_READER:     # a parquet index stays as it was (its bytes too)
-        index[registry.INDEX_READER_KEY] = fmt.name
+    index[registry.INDEX_READER_KEY] = fmt.name     # the format that reads it (absent in older ones: parquet)
     return index
 
 
