@@ -42,12 +42,12 @@ import numpy as np
 from .cache.cached_source import with_block_cache
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from .job_source import open_job_sources
 from .mixture_state import MixturePartitionState
 from .partition import MAX_EMPTY_EPOCHS
 from .plan import counter_hashes, derive_seed
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
-from .job_source import open_job_sources
 from .source import Source
 from .stream import ResumableStream
 from .stream_base import StreamBase
