@@ -17,6 +17,7 @@ from http_server import FileServer
 from training_helpers import free_port
 
 from resumable_stream import ConfigError, SidecarError, StreamConfig, StreamMismatchError
+from resumable_stream.cli import main as cli_main
 from resumable_stream.mixture import MixtureStream, open_stream
 from resumable_stream.synthetic import write_parquet_dataset
 
@@ -250,3 +251,63 @@ def test_torchrun_four_ranks_open_a_two_source_mixture_with_two_requests_per_fil
         with pytest.raises(StreamMismatchError) as info:
             MixtureStream(cfg.replace(resume_state_path=ckpt), rank=0, world_size=4)
         assert "'code'" in str(info.value) and urls["code"][7] in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------------- the CLI: index, warmup
+def _yaml(tmp_path, section: dict) -> str:
+    path = tmp_path / "mix.yaml"
+    path.write_text(json.dumps({"data": section}))      # JSON is yaml
+    return str(path)
+
+
+def test_index_command_writes_one_index_per_source_for_their_index_path(two_sites, tmp_path, capsys):
+    section = _mixture(two_sites.urls)
+    assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["directory"] == str(tmp_path / "idx")
+    assert {label: (s["index"], s["files"], s["rows"]) for label, s in summary["sources"].items()} == {
+        "web": (str(tmp_path / "idx" / "web.json"), 4, 400), "code.v2": (str(tmp_path / "idx" / "code.v2.json"), 3, 240)}
+    for s in section["sources"]:
+        s["index_path"] = str(tmp_path / "idx" / f"{s['label']}.json")
+    two_sites.reset_stats()
+    MixtureStream(StreamConfig.from_dict({**section, "verify_files": False}), rank=0, world_size=1)
+    assert two_sites.requests == []
+
+
+def test_index_command_names_the_source_it_cannot_index(two_sites, tmp_path, capsys):
+    from resumable_stream.synthetic import write_jsonl_dataset
+
+    section = _mixture(two_sites.urls)
+    section["sources"].append({"label": "notes", "dataset_name_or_path": "json",
+                               "data_files": write_jsonl_dataset(str(tmp_path / "j"), 20, 2)})
+    assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data.sources[2].dataset_name_or_path" in err and "only parquet data is indexed" in err
+    assert not (tmp_path / "idx").exists()         # nothing written unless every source is indexed
+
+
+def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(two_sites, tmp_path, capsys):
+    from resumable_stream.checkpoint import finish
+
+    section = _mixture(two_sites.urls, block_rows=8, interleave_shards=1)
+    cfg = StreamConfig.from_dict(section)
+    ckpt = tmp_path / "checkpoint-3"
+    state_dir = str(ckpt / "stream_state")
+    references = []
+    for rank in range(2):
+        s = MixtureStream(cfg, rank=rank, world_size=2)
+        _samples(s, 30 + 11 * rank)
+        s.write_sidecar(state_dir, s.state_dict(), manifest=False)
+        references.append(_samples(s, 90))
+    finish(state_dir, 2)
+
+    cached = {**section, "cache_dir": str(tmp_path / "cache")}
+    assert cli_main(["warmup", _yaml(tmp_path, cached), "--from", str(ckpt), "--samples", "90", "--no-progress"]) == 0
+    assert "fetched" in capsys.readouterr().err
+    for rank in range(2):
+        s = MixtureStream(StreamConfig.from_dict(cached), rank=rank, world_size=2, index_from=str(ckpt))
+        s.load_sidecar(str(ckpt))
+        two_sites.reset_stats()
+        assert _samples(s, 90) == references[rank]
+        assert two_sites.requests == [], _count(two_sites.requests)
+        assert s.source.stats()["misses"] == 0
