@@ -172,6 +172,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
+        if "indexes" in manifest:     # a mixture's, one per source: checked as a resume checks them
+            result["indexes"] = {}
+            for label, entry in manifest["indexes"].items():
+                saved = saved_index_file(state_dir, label)
+                result["indexes"][label] = {"file": entry["file"], "files": len(saved["files"]),
+                                            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
         if picked is not None:   # say which one: the newest complete checkpoint of the run
             result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):

@@ -311,3 +311,17 @@ def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(tw
         assert _samples(s, 90) == references[rank]
         assert two_sites.requests == [], _count(two_sites.requests)
         assert s.source.stats()["misses"] == 0
+
+
+def test_inspect_shows_and_checks_each_source_index(two_sites, tmp_path, capsys):
+    first = MixtureStream(StreamConfig.from_dict(_mixture(two_sites.urls)), rank=0, world_size=1)
+    _samples(first, 10)
+    first.save_sidecar(str(tmp_path / "state"))
+    assert cli_main(["inspect", str(tmp_path / "state")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["index"] is None
+    assert shown["indexes"] == {"web": {"file": "index-web.json", "files": 4, "row_groups": 16},
+                                "code.v2": {"file": "index-code.v2.json", "files": 3, "row_groups": 12}}
+    (tmp_path / "state" / "index-web.json").write_text("{}")
+    assert cli_main(["inspect", str(tmp_path / "state")]) == 2
+    assert "index-web.json" in capsys.readouterr().err
