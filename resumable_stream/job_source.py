@@ -110,6 +110,8 @@ def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str
         index, where = saved, f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
     elif cfg.index_path and os.path.isfile(cfg.index_path):
         index, where, given = load_index(cfg.index_path), repr(cfg.index_path), True
+        if label is not None:
+            where += f" (source {label!r})"
     if saved is not None and not same_resolution(index, cfg):
         index = None        # resolved afresh: the resume check then names what changed in the config
     if index is not None:

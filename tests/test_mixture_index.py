@@ -159,6 +159,9 @@ def test_each_source_has_its_own_index_path_written_once_then_reused(two_sites, 
     again = MixtureStream(cfg, rank=0, world_size=1)
     assert two_sites.requests == []
     assert _samples(again, 100) == reference
+    _shrink(two_sites.files["code.v2"][1])      # a given index that no longer matches: an error naming it
+    with pytest.raises(StreamMismatchError, match=r"code\.v2\.json' \(source 'code\.v2'\) does not match the data"):
+        MixtureStream(cfg.replace(verify_files=True), rank=0, world_size=1)
 
 
 def test_index_path_next_to_sources_or_shared_by_two_sources_is_refused(tmp_path):
