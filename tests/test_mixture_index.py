@@ -328,3 +328,52 @@ def test_inspect_shows_and_checks_each_source_index(two_sites, tmp_path, capsys)
     (tmp_path / "state" / "index-web.json").write_text("{}")
     assert cli_main(["inspect", str(tmp_path / "state")]) == 2
     assert "index-web.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- trainer restarts
+@pytest.mark.slow
+def test_trainer_restart_of_a_mixture_reuses_the_indexes_saved_with_its_checkpoint(tmp_path):
+    """``build_trainer`` opens a mixture knowing the checkpoint it will resume: a restart reuses each source's
+    saved index (zero requests with verify_files off, one HEAD per file on) and ends where an uninterrupted
+    run does."""
+    import yaml
+
+    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
+    names = {"lm": "data", "notes": "data_notes"}
+    files = {label: sorted(f for f in os.listdir(os.path.join(tiny, d)) if f.endswith(".parquet"))
+             for label, d in names.items()}
+    with FileServer(tiny) as srv:
+        def config(name, max_steps, **data_keys):
+            with open(os.path.join(tiny, "train_mix.yaml"), encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+            doc["data"].pop("consumed_log")
+            for source in doc["data"]["sources"]:
+                source["data_files"] = [srv.url(f"{names[source['label']]}/{f}") for f in files[source["label"]]]
+            doc["data"].update(**FAST, **data_keys)
+            doc["model"]["tokenizer"] = os.path.join(tiny, "tokenizer")
+            doc["train"].update(output_dir=str(tmp_path / name), max_steps=max_steps, save_steps=2, logging_steps=1,
+                                disable_tqdm=True)
+            p = tmp_path / f"{name}-{max_steps}.yaml"
+            p.write_text(yaml.safe_dump(doc))
+            return TrainerConfig.from_yaml(str(p))
+
+        def final_loss(trainer):
+            return [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
+
+        whole = build_trainer(config("whole", 4))
+        whole.train()
+        first = build_trainer(config("cut", 2, verify_files=False))
+        first.train()
+        assert sorted(json.loads((tmp_path / "cut" / "checkpoint-2" / "stream_state" / "manifest.json").read_text())
+                      ["indexes"]) == ["lm", "notes"]
+        srv.reset_stats()
+        restarted = build_trainer(config("cut", 4, verify_files=False))
+        assert srv.requests == []                     # the mixture opened from checkpoint-2's indexes
+        restarted.train(resume_from_checkpoint=resolve_resume(config("cut", 4), restarted))
+        assert final_loss(restarted) == final_loss(whole)
+        srv.reset_stats()
+        build_trainer(config("cut", 4))               # verify_files (default): one identity request per file
+        assert _count(srv.requests) == {("HEAD", "whole"): sum(map(len, files.values()))}
