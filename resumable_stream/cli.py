@@ -147,7 +147,6 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .job_source import saved_index_file
     from .sidecar import read_manifest, read_rank_state, read_state_file, read_state_fingerprint, state_dir_of
-    from .sources import registry
 
     path, picked = args.path, None
     if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
@@ -168,19 +167,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             states.append(read_rank_state(state_dir, manifest, r, fingerprint)[0])
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
-        index = None if saved is None else {"file": manifest["index"]["file"], "files": len(saved["files"])}
-        if saved is not None and registry.format_of_index(saved).name == "parquet":
-            index["row_groups"] = sum(len(f["row_groups"]) for f in saved["files"])
-        elif saved is not None:
-            index["format"] = registry.format_of_index(saved).name
+        index = None if saved is None else {"file": manifest["index"]["file"], **_saved_index_brief(saved)}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
         if "indexes" in manifest:     # a mixture's, one per source: checked as a resume checks them
             result["indexes"] = {}
             for label, entry in manifest["indexes"].items():
                 saved = saved_index_file(state_dir, label)
-                result["indexes"][label] = {"file": entry["file"], "files": len(saved["files"]),
-                                            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+                result["indexes"][label] = {"file": entry["file"], **_saved_index_brief(saved)}
         if picked is not None:   # say which one: the newest complete checkpoint of the run
             result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
@@ -190,6 +184,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise SidecarError(f"stream state {path!r}: not found")
     print(json.dumps(result, indent=2, default=_show))
     return 0
+
+
+def _saved_index_brief(saved: dict) -> dict:
+    """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
+    from .sources import registry
+
+    name = registry.format_of_index(saved).name
+    if name == "parquet":
+        return {"files": len(saved["files"]), "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+    return {"files": len(saved["files"]), "format": name}
 
 
 def _parse_ranks(text: str) -> list[int] | None:
