@@ -77,7 +77,7 @@ def bench_http(path: str, bandwidth: float, latency: float, jobs: int, warm_samp
 
     from resumable_stream import ResumableStream, StreamConfig
     from resumable_stream.cache import CachedSource, run_warmup
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     files = _common.parquet_files(path)
     size = sum(os.path.getsize(f) for f in files)
@@ -142,7 +142,7 @@ def bench_http(path: str, bandwidth: float, latency: float, jobs: int, warm_samp
 def bench_local(path: str, repeats: int) -> dict:
     from resumable_stream import StreamConfig
     from resumable_stream.cache import CachedSource
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=_common.parquet_glob(path), shuffle=True,
                        buffer_size=BUFFER)

@@ -64,7 +64,7 @@ def child_ours(path: str, buffer: int, checkpoint: str, world: int, rank: int) -
     import datasets  # noqa: F401  (process start-up, not resume cost)
 
     from resumable_stream import ResumableStream
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     import_s = time.perf_counter() - t_imp
     _common.quiet_logs()
@@ -117,7 +117,7 @@ def run_child(*args: str) -> dict:
 def write_checkpoint(cfg, state_dir: str, per_rank: int) -> float:
     from resumable_stream import ResumableStream
     from resumable_stream.sidecar import write_manifest
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     source = open_source(cfg)
     t0 = time.perf_counter()

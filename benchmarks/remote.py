@@ -160,15 +160,16 @@ reader, endpoint = sys.argv[1], sys.argv[2]
 phases = {}
 if reader == "ours":
     from resumable_stream import ResumableStream, StreamConfig
-    import resumable_stream.source as S
-    for name in ("resolve_files", "build_parquet_index"):
-        def timed(*a, _f=getattr(S, name), _n=name, **k):
+    import resumable_stream.sources.open as O
+    import resumable_stream.sources.resolve as R
+    for module, name, phase in ((R, "resolve_files", "resolve_files"), (O, "build_index", "build_parquet_index")):
+        def timed(*a, _f=getattr(module, name), _n=phase, **k):
             t = time.perf_counter()
             try:
                 return _f(*a, **k)
             finally:
                 phases[_n] = (time.perf_counter() - t) * 1000
-        setattr(S, name, timed)
+        setattr(module, name, timed)
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files="s3://data/ds/*.parquet", shuffle=True,
                        buffer_size=16384, storage_options={"endpoint_url": endpoint})
     stream = ResumableStream(cfg)

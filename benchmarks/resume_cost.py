@@ -31,6 +31,8 @@ import time
 
 import _common  # (sets HF_DATASETS_CACHE before datasets is imported)
 
+from resumable_stream.sources.base import Source  # no datasets import: after _common all the same
+
 BUFFER = 16384
 CHECK_NEXT = 5   # samples compared between the resumed and the uninterrupted stream
 
@@ -43,7 +45,7 @@ def make_config(path: str, resume: str | None = None):
 
 
 # ---------------------------------------------------------------------------- counting proxy
-class CountingSource:
+class CountingSource(Source):
     """Forwards to a Source and counts what ``read`` is asked for and what it yields."""
 
     def __init__(self, inner):
@@ -72,7 +74,7 @@ def child(path: str, sidecar: str) -> dict:
     import datasets  # noqa: F401  (open_source imports it lazily: process start-up, not resume cost)
 
     from resumable_stream import ResumableStream
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     import_s = time.perf_counter() - t_imp
     _common.quiet_logs()
@@ -127,7 +129,7 @@ def main() -> int:
     path = _common.dataset_dir(args.data_dir, rows, files)
 
     from resumable_stream import ResumableStream
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     _common.quiet_logs()
     work = tempfile.mkdtemp(prefix="rs-bench-resume-")

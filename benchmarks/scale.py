@@ -70,7 +70,7 @@ def dir_bytes(path: str) -> int:
 def state_at_scale(data_dir: str, files_list, ranks_list) -> list[dict]:
     from resumable_stream import ResumableStream, StreamConfig
     from resumable_stream.sidecar import write_manifest
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     rows = []
     for files in files_list:
@@ -144,7 +144,7 @@ def state_dict_cost(data_dir: str, partitions: int, repeats: int) -> dict:
 def per_batch_cost(data_dir: str, rows: int, repeats: int) -> dict:
     from resumable_stream import ResumableStream, StreamConfig
     from resumable_stream.loader import StreamLoader
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=_common.parquet_glob(many_shards(data_dir)),
                        shuffle=True, buffer_size=16384)

@@ -69,7 +69,7 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     file = write_rank_file(path, stream.rank, state, digest)
     if stream.rank == 0:
         write_shared(path, "fingerprint", fp)
-        index = getattr(stream.source, "index", None)
+        index = stream.source.index
         if index is not None:
             write_shared(path, "index", encode_index(index))
         for label, source_index in getattr(stream.source, "indexes", {}).items():   # a mixture's, one per source

@@ -167,17 +167,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             states.append(read_rank_state(state_dir, manifest, r, fingerprint)[0])
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
-        index = None if saved is None else {
-            "file": manifest["index"]["file"], "files": len(saved["files"]),
-            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+        index = None if saved is None else {"file": manifest["index"]["file"], **_saved_index_brief(saved)}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
         if "indexes" in manifest:     # a mixture's, one per source: checked as a resume checks them
             result["indexes"] = {}
             for label, entry in manifest["indexes"].items():
                 saved = saved_index_file(state_dir, label)
-                result["indexes"][label] = {"file": entry["file"], "files": len(saved["files"]),
-                                            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+                result["indexes"][label] = {"file": entry["file"], **_saved_index_brief(saved)}
         if picked is not None:   # say which one: the newest complete checkpoint of the run
             result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
@@ -187,6 +184,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise SidecarError(f"stream state {path!r}: not found")
     print(json.dumps(result, indent=2, default=_show))
     return 0
+
+
+def _saved_index_brief(saved: dict) -> dict:
+    """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
+    from .sources import registry
+
+    name = registry.format_of_index(saved).name
+    if name == "parquet":
+        return {"files": len(saved["files"]), "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+    return {"files": len(saved["files"]), "format": name}
 
 
 def _parse_ranks(text: str) -> list[int] | None:
@@ -225,20 +232,20 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if isinstance(cfg, StreamConfig):
-        index = _build_index(cfg, args, "data.")
-        save_index(args.output, index)
-        print(json.dumps(_index_summary(args.output, index)))
+        source = _build_index(cfg, args, "data.")
+        save_index(args.output, source.index)
+        print(json.dumps(_index_summary(args.output, source)))
         return 0
     # a mixture: one index per source, OUTPUT/<label>.json (for data.sources[i].index_path); all built, then written
     keys = [f"data.sources[{i}]." for i in range(len(cfg.sources))]
     for scfg, key in zip(cfg.sources, keys):
         _check_indexable(scfg, args, key)
-    indexes = [_build_index(scfg, args, key, label) for scfg, key, label in zip(cfg.sources, keys, cfg.labels)]
+    built = [_build_index(scfg, args, key, label) for scfg, key, label in zip(cfg.sources, keys, cfg.labels)]
     summary = {}
-    for label, index in zip(cfg.labels, indexes):
+    for label, source in zip(cfg.labels, built):
         path = os.path.join(args.output, f"{label}.json")
-        save_index(path, index)
-        summary[label] = _index_summary(path, index)
+        save_index(path, source.index)
+        summary[label] = _index_summary(path, source)
     print(json.dumps({"directory": os.path.abspath(args.output), "sources": summary}))
     return 0
 
@@ -249,28 +256,37 @@ def _check_indexable(cfg: StreamConfig, args: argparse.Namespace, key: str) -> N
                           "index is for streamed parquet data (backend hf, streaming true)")
 
 
-def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: str | None = None) -> dict:
-    """The dataset index of ``cfg`` (``key``: its keys' prefix in errors, ``label``: its source's name)."""
+def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: str | None = None):
+    """The indexed source of ``cfg`` (``key``: its keys' prefix in errors, ``label``: its source's name)."""
     from tqdm.auto import tqdm
 
-    from .source import open_source
+    from .sources import registry
+    from .sources.open import open_source
 
     _check_indexable(cfg, args, key)
     desc = "indexing" if label is None else f"indexing {label}"
     with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
         source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
-    index = getattr(source, "index", None)
+    index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed")
-    return index
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed "
+                          f"(the formats registered in resumable_stream/sources/registry.py: {', '.join(registry.names())})")
+    return source
 
 
-def _index_summary(path: str, index: dict) -> dict:
-    groups = [rg for f in index["files"] for rg in f["row_groups"]]
-    return {"index": os.path.abspath(path), "files": len(index["files"]), "row_groups": len(groups),
-            "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),
-            "columns": list(index["features"])}
+def _index_summary(path: str, source) -> dict:
+    """What ``index`` prints of a source's index: its format, files, shards, rows (parquet: row_groups too)."""
+    from .sources import registry
+
+    index = source.index
+    summary = {"index": os.path.abspath(path), "format": registry.format_of_index(index).name,
+               "files": len(index["files"]), "shards": len(source.shards),
+               "rows": sum(s.num_rows or 0 for s in source.shards), "bytes": sum(f["size"] for f in index["files"]),
+               "columns": list(index["features"])}
+    if summary["format"] == "parquet":
+        summary["row_groups"] = summary["shards"]       # one shard per row group
+    return summary
 
 
 def cmd_train(args: argparse.Namespace) -> int:

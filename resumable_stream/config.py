@@ -20,6 +20,7 @@ import yaml
 from . import overrides as override
 from .errors import ConfigError, UnknownKeyError
 from .limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
+from .sources import registry
 
 BACKENDS = ("hf", "local")
 
@@ -46,12 +47,18 @@ def _check_data_files(v: Any) -> bool:
 FILE_BUILDERS = ("parquet", "json", "csv", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
                  "audiofolder", "videofolder")
 
+
+def file_builders() -> tuple[str, ...]:
+    """Builder names that read the files data_files names: datasets' and the registered formats' (sources/)."""
+    return tuple(dict.fromkeys(FILE_BUILDERS + registry.indexed_builders()))
+
 # key -> (check, what is allowed)
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
     "streaming": (lambda v: isinstance(v, bool), "true or false"),
     "dataset_name_or_path": (lambda v: isinstance(v, str) and v.strip() != "",
-                             "a non-empty string: a hub id, a builder name (parquet, json, csv, text, arrow) "
+                             "a non-empty string: a hub id, a builder name "
+                             f"({', '.join(dict.fromkeys((*registry.indexed_builders(), *registry.DATASETS_BUILDERS)))}) "
                              "with data_files, a local directory or file, or an http(s):// / hf:// path"),
     "name": (lambda v: v is None or (isinstance(v, str) and v), "null or a dataset config (subset) name"),
     "data_files": (_check_data_files, "null, a path or glob, a non-empty list of them, or a mapping split -> paths"),
@@ -119,7 +126,7 @@ class StreamConfig:
     retries: int = 5
     retry_backoff_s: float = 1.0
     timeout_s: float = 60.0             # the deadline of one request: connect, headers and body
-    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see source.py)
+    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see sources/net.py)
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
@@ -143,7 +150,7 @@ class StreamConfig:
                 f"data.streaming: got true with data.backend {self.backend!r}; streaming needs backend 'hf' "
                 "(backend 'local' loads a dataset saved with save_to_disk, set streaming: false)"
             )
-        if self.backend == "hf" and self.dataset_name_or_path in FILE_BUILDERS and self.data_files is None:
+        if self.backend == "hf" and self.dataset_name_or_path in file_builders() and self.data_files is None:
             # datasets would read the files of the current working directory
             raise ConfigError(
                 f"data.data_files: missing with data.dataset_name_or_path {self.dataset_name_or_path!r}; the "
@@ -151,7 +158,7 @@ class StreamConfig:
                 "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
             )
         path = self.dataset_name_or_path
-        if self.revision is not None and (path in FILE_BUILDERS or self.backend == "local" or os.path.exists(path)
+        if self.revision is not None and (path in file_builders() or self.backend == "local" or os.path.exists(path)
                                           or ("://" in path and not path.startswith("hf://"))):
             raise ConfigError(
                 f"data.revision: got {self.revision!r} with data.dataset_name_or_path {path!r}; a revision "

@@ -112,11 +112,13 @@ def hub_repo_of(path: str) -> str | None:
 def get_range(path: str, start: int, end: int):
     """The answer (a ``requests``-like response) to a ranged GET of bytes ``[start, end)`` of an
     ``hf://datasets/{repo}@{rev}/{file}``: one request to its ``resolve`` URL (HfFileSystem would first ask for
-    the repo info and list the directory, in every process, and read up to 5 MB ahead). huggingface_hub's own
-    backoff retries 429 (after its Retry-After) and 5xx; :func:`resumable_stream.ranged.read_range` checks
+    the repo info and list the directory, in every process, and read up to 5 MB ahead). One try: every read
+    of a Hub file runs under the data's retry policy (``sources/net.py``: ``data.retries``, backoff, the
+    Retry-After of a 429, ``data.retry_budget_s``), which a second layer (huggingface_hub's ``http_backoff``:
+    5 more tries of its own per try of ours) would multiply; :func:`resumable_stream.ranged.read_range` checks
     the answer."""
     from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     parts = _parts(path)
     if parts is None or not parts[2]:
@@ -124,7 +126,7 @@ def get_range(path: str, start: int, end: int):
     repo, rev, rest = parts
     url = hf_hub_url(repo, rest.lstrip("/"), repo_type="dataset", revision=rev)
     headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"}
-    response = http_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    response = get_session().request("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
     hf_raise_for_status(response)
     return response
 

@@ -1,12 +1,13 @@
-"""The dataset index: what a job needs to read a parquet dataset without resolving it again.
+"""The dataset index: what a job needs to read an indexed dataset (parquet, ...) without resolving it again.
 
 One JSON document: the config that resolved it (dataset, builder config, data_files, split), the
-features ``datasets`` would cast to, and per data file its identity (size plus every version marker
-the filesystem gives at no extra request: mtime, ETag, Last-Modified, blob id, LFS sha256), the
-digest of its parquet footer and its row-group layout (rows and the byte range of each row group's
-column chunks, from the footer). Built once per job (``build_parquet_index``: one metadata request
-and one footer read per file), it can be shared between ranks, saved next to the checkpoints and
-loaded again, so that no rank resolves the dataset or reads a footer at a restart.
+features ``datasets`` would cast to, the format that reads it (``reader``, a name of the source registry;
+absent: parquet, as in every index written before the key), and per data file its identity (size plus every
+version marker the filesystem gives at no extra request: mtime, ETag, Last-Modified, blob id, LFS sha256) and
+what its format records (parquet: the digest of its footer and its row-group layout, rows and the byte range
+of each row group's column chunks). Built once per job (``sources.resolve.build_index``: one metadata request
+and one footer read per file), it can be shared between ranks, saved next to the checkpoints and loaded again,
+so that no rank resolves the dataset or reads a footer at a restart.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import SourceError, StreamMismatchError
+from .errors import ConfigError, SourceError, StreamMismatchError
 from .limits import MAX_INDEX_BYTES, is_int
 from .safe_io import FileRefused, JSONRefused, parse_json, read_regular_file
+from .sources.registry import format_of_index
 
 INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1
@@ -111,9 +113,14 @@ def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]
             "files": files}
 
 
-def identity_of(entry: dict) -> dict[str, Any]:
-    """The identity part of an index entry (what the stream fingerprint lists per file)."""
-    return {k: v for k, v in entry.items() if k not in ("row_groups", "footer_bytes")}
+# The keys of a parquet entry that describe its layout, not the file's identity.
+PARQUET_LAYOUT_KEYS = ("row_groups", "footer_bytes")
+
+
+def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS) -> dict[str, Any]:
+    """The identity part of an index entry (what the stream fingerprint lists per file): all but the layout
+    keys of its format (``IndexedReader.layout_keys``)."""
+    return {k: v for k, v in entry.items() if k not in layout_keys}
 
 
 # ------------------------------------------------------------------------------ files
@@ -144,15 +151,16 @@ def _shape_problem(index: Any) -> str | None:
     files = index.get("files")
     if not isinstance(files, list) or not files:
         return "'files' is not a non-empty list"
+    try:
+        reader = format_of_index(index).load()
+    except ConfigError as e:       # a format this process has not registered
+        return str(e)
     for i, f in enumerate(files):
-        # every number at most an int64 (is_int), a footer and the row groups inside the file
-        ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
-              and isinstance(f.get("footer"), str) and is_int(f.get("footer_bytes"), 0, f["size"])
-              and isinstance(f.get("row_groups"), list)
-              and all(isinstance(rg, list) and len(rg) == 3 and all(is_int(x) for x in rg)
-                      and rg[1] <= rg[2] <= f["size"] for rg in f["row_groups"]))
-        if not ok:
-            return f"files[{i}] is malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))):
+            return f"files[{i}] is malformed (no path and size)"
+        problem = reader.entry_problem(f)      # the format's layout (parquet: footer and row groups)
+        if problem:
+            return f"files[{i}] is {problem}"
     return None
 
 
@@ -203,11 +211,12 @@ def unreported_validator(key: str, saved: dict, now: dict) -> bool:
 
 def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, Any, Any]]:
     """``(path, key, index value, now)`` for every identity field that differs from the index."""
+    reader = format_of_index(index).load()
     out = []
     for entry, now in zip(index["files"], identities):
-        saved = identity_of(entry)
+        saved = identity_of(entry, reader.layout_keys)
         for key in sorted(set(saved) | set(now)):
-            if key == "footer" and key not in now:
+            if key in reader.content_keys and key not in now:
                 continue          # not re-read (remote file, no extra request): the ETag / size vouch for it
             if unreported_validator(key, saved, now):
                 continue

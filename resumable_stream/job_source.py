@@ -20,31 +20,10 @@ from typing import Any
 from .collectives import broadcast_bytes, shared_over_dist
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
-from .index import (
-    changed_files,
-    check_resolution,
-    decode_index,
-    describe_changes,
-    footer_digest,
-    load_index,
-    map_files,
-    same_resolution,
-    save_index,
-)
-from .local_parquet import resolve_local_parquet
-from .source import (
-    RetryPolicy,
-    Source,
-    builder_args,
-    explicit_urls,
-    file_identity,
-    hub_identities,
-    is_remote,
-    open_source,
-    parquet_footer,
-    remote_targets,
-    resolve_files,
-)
+from .index import check_resolution, decode_index, load_index, same_resolution, save_index
+from .sources.base import Source
+from .sources.open import open_source
+from .sources.resolve import verified_index
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +74,7 @@ def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, 
         raise
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
-        entries = [{"index": getattr(src, "index", None),
+        entries = [{"index": src.index,
                     "footers": {p: base64.b64encode(f).decode() for p, f in src.footers.items()}} for src in sources]
         broadcast_bytes(json.dumps({"sources": entries}).encode())
     return sources
@@ -117,64 +96,13 @@ def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str
     if index is not None:
         check_resolution(index, cfg, where)
         if cfg.verify_files:
-            index = _verified(cfg, index, where, given)
+            index = verified_index(cfg, index, where, given)
         if index is not None:
             return open_source(cfg, index=index)
     src = open_source(cfg)
-    if cfg.index_path and rank == 0 and getattr(src, "index", None) is not None:
+    if cfg.index_path and rank == 0 and src.index is not None:
         save_index(cfg.index_path, src.index)
     return src
-
-
-def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict | None:
-    """``index`` if it still describes the data: the same files (patterns and repositories are listed again
-    by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
-    given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
-    dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
-    path, data_files = builder_args(cfg)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(cfg, remote=bool(targets))
-    listed = [f["path"] for f in index["files"]]
-    if explicit_urls(cfg, path, data_files) is None:
-        files = None if targets else resolve_local_parquet(cfg, path, data_files)   # local parquet: no datasets
-        if files is None:
-            files = resolve_files(cfg, path, data_files, targets, retry)[1]
-        if files != listed:
-            if not given:
-                return None
-            added, removed = sorted(set(files) - set(listed)), sorted(set(listed) - set(files))
-            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
-            raise StreamMismatchError(
-                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
-                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
-                diffs or [("file order", listed, files)])
-
-    try:
-        known = hub_identities(listed, retry)       # Hub files: one batched request, not one per file
-    except SourceError:
-        known = {}                                   # asked file by file below, each error named
-
-    def now(entry: dict) -> dict:
-        try:
-            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
-        except SourceError as e:
-            return {"path": entry["path"], "error": str(e)}
-        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
-            # a local footer read costs no request: it catches a same-size, same-mtime rewrite
-            try:
-                ident["footer"] = footer_digest(parquet_footer(entry["path"], ident["size"], retry))
-            except SourceError as e:
-                ident["footer"] = str(e)
-        return ident
-
-    changes = changed_files(index, map_files(now, index["files"]))
-    if not changes:
-        return index
-    if given:
-        raise StreamMismatchError(
-            f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`):\n"
-            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
-    return None
 
 
 def saved_index_file(state_path: str, label: str | None = None) -> dict[str, Any] | None:

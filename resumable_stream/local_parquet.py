@@ -145,10 +145,12 @@ def _resolve_pattern(pattern: str, base_path: str) -> list[str]:
     return out
 
 
-def resolve_local_parquet(cfg, path: str, data_files: Any) -> list[str] | None:
+def resolve_local_parquet(cfg, path: str, data_files: Any, builders: tuple[str, ...] = ("parquet",)) -> list[str] | None:
     """The files of ``cfg.split`` when ``path`` / ``data_files`` (``builder_args(cfg)``) name local parquet
-    files for datasets' packaged parquet builder, as it resolves them; None when out of scope (module doc)."""
-    if (path != "parquet" or cfg.name is not None or cfg.data_dir is not None or cfg.revision is not None
+    files for datasets' packaged parquet builder, as it resolves them; None when out of scope (module doc).
+    ``builders``: the builder names resolved so (the registered formats': datasets' rules for data_files
+    patterns do not depend on the builder)."""
+    if (path not in builders or cfg.name is not None or cfg.data_dir is not None or cfg.revision is not None
             or cfg.storage_options or cfg.backend != "hf" or not cfg.streaming or data_files is None):
         return None
     splits = _split_patterns(data_files)

@@ -218,11 +218,8 @@ READING_FIELDS = ("time", *SOURCE_COUNTERS, *LOADER_FIELDS, *CACHE_FIELDS)
 def cache_stats(source: Any) -> dict | None:
     """A source's block cache counters (``CachedSource.stats()``); None without a cache, or when they cannot be
     read now (a metrics reading must never break training)."""
-    stats = getattr(source, "stats", None)
-    if not callable(stats):
-        return None
     try:
-        return stats()
+        return source.stats()      # Source.stats: None when not behind a cache
     except Exception:
         return None
 

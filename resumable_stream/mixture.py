@@ -48,7 +48,7 @@ from .partition import MAX_EMPTY_EPOCHS
 from .plan import counter_hashes, derive_seed
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
-from .source import Source
+from .sources.base import Source
 from .stream import ResumableStream
 from .stream_base import StreamBase
 
@@ -81,6 +81,8 @@ class _Position:
 class MixtureSources:
     """``stream.source`` of a mixture: the columns every source has, the sources' cache statistics summed."""
 
+    index = None          # no single dataset index (each source reads its own)
+
     def __init__(self, sources: list[Source], labels: tuple[str, ...]):
         self.sources, self.labels = sources, labels
 
@@ -99,13 +101,17 @@ class MixtureSources:
     @property
     def indexes(self) -> dict[str, dict]:
         """label -> dataset index of each indexed source (saved with checkpoints, one file per source)."""
-        return {label: s.index for label, s in zip(self.labels, self.sources) if getattr(s, "index", None) is not None}
+        return {label: s.index for label, s in zip(self.labels, self.sources) if s.index is not None}
 
-    def stats(self) -> dict[str, Any]:
-        """Block cache counters summed over the sources (one cache directory: its size counted once)."""
+    def stats(self) -> dict[str, Any] | None:
+        """Block cache counters summed over the sources (one cache directory: its size counted once); None
+        when they are not behind a cache (``Source.stats``)."""
+        each = [s.stats() for s in self.sources]
+        if any(stats is None for stats in each):
+            return None
         total: dict[str, Any] = {}
-        for s in self.sources:
-            for key, value in s.stats().items():
+        for stats in each:
+            for key, value in stats.items():
                 if key in ("hit_rate",) or value is None:
                     continue
                 if key in ("cache_bytes", "size_limit_bytes"):

@@ -299,11 +299,10 @@ class PartitionReader:
         def continues(pos: int, row: int) -> bool:
             return pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
 
-        prefetch = getattr(self.source, "prefetch", None)
-        if prefetch is not None:   # the shards this window (re)opens or opened unread, then the next ones of the plan
-            prefetch(self.partition, [shard_list[pos] for pos, row in start.slots
-                                      if not continues(pos, row) or live[pos].unread]
-                     + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]))
+        # the shards this window (re)opens or opened unread, then the next ones of the plan
+        self.source.prefetch(self.partition, [shard_list[pos] for pos, row in start.slots
+                                              if not continues(pos, row) or live[pos].unread]
+                             + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]))
         slots = [
             live[pos] if continues(pos, row)
             else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)

@@ -17,7 +17,7 @@ from .errors import ConfigError, StreamMismatchError
 from .job_source import open_job_source
 from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
-from .source import Source
+from .sources.base import Source
 from .stream_base import StreamBase
 
 log = logging.getLogger(__name__)

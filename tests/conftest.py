@@ -80,7 +80,7 @@ def cfg(parquet_small):
 @pytest.fixture(scope="module")
 def source(cfg):
     """``cfg``'s source, opened once per module."""
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     return open_source(cfg)
 

@@ -20,7 +20,7 @@ _SOURCES: dict = {}
 
 def shared_source(cfg: StreamConfig):
     """One opened source per dataset for a test session (opening resolves files and reads footers)."""
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     key = (str(cfg.data_files), cfg.streaming)
     if key not in _SOURCES:

@@ -17,7 +17,7 @@ from kill_resume_harness import MAX_STEPS, assert_resumed_from, assert_same_trai
 from training_helpers import TINY, Procs, complete_checkpoints, count_lines, write_config
 
 from resumable_stream import ResumableStream, SourceError, StreamConfig
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 from resumable_stream.synthetic import write_parquet_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("hub_offline")]

@@ -20,7 +20,7 @@ from http_server import FileServer
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cache import CachedSource, CorruptBlock, decode_block, encode_block
 from resumable_stream.sidecar import decode_state, encode_state
-from resumable_stream.source import ShardInfo, Source
+from resumable_stream.sources import ShardInfo, Source
 from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)

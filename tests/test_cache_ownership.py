@@ -72,7 +72,7 @@ def test_another_diskcache_directory_is_refused_and_left_whole(data, tmp_path):
 
 
 def open_plain(data: str):
-    from resumable_stream.source import open_source
+    from resumable_stream.sources import open_source
 
     return open_source(StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet")))
 

@@ -262,7 +262,7 @@ _CHILD = textwrap.dedent("""
     import json, logging, os, resource, signal, sys
     import concurrent.futures, sqlite3, urllib.parse, diskcache, pyarrow as pa, pyarrow.ipc  # noqa: F401
     from resumable_stream.cache import CachedSource
-    from resumable_stream.source import ShardInfo, Source
+    from resumable_stream.sources import ShardInfo, Source
 
     class Memory(Source):
         def __init__(self):

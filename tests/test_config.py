@@ -10,7 +10,9 @@ from helpers import parquet_config
 
 import resumable_stream
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
-from resumable_stream.source import MapStyleSource, StreamingSource, open_source
+from resumable_stream.sources import open_source
+from resumable_stream.sources.map_style import MapStyleSource
+from resumable_stream.sources.parquet import ParquetSource
 from resumable_stream.synthetic import write_parquet_dataset
 
 _MISSING = object()
@@ -265,7 +267,7 @@ def test_bad_storage_options_name_the_key(value):
 
 
 def test_storage_options_flat_or_keyed_by_protocol_join_ours():
-    from resumable_stream.source import with_user_options
+    from resumable_stream.sources.net import with_user_options
 
     ours = {"http": {"client_kwargs": {"timeout": 5}}}
     flat = with_user_options(ours, {"endpoint_url": "http://e", "client_kwargs": {"region_name": "r"}}, ["s3"])
@@ -470,7 +472,7 @@ def _all_ids(cfg):
 def test_non_streaming_gives_the_same_ids_as_streaming(data_500, shuffle):
     s_stream, s_ids = _all_ids(parquet_config(data_500, shuffle=shuffle, buffer_size=64))
     m_stream, m_ids = _all_ids(parquet_config(data_500, streaming=False, shuffle=shuffle, buffer_size=64))
-    assert isinstance(s_stream.source, StreamingSource)
+    assert isinstance(s_stream.source, ParquetSource)
     assert isinstance(m_stream.source, MapStyleSource)
     assert m_stream.source.fingerprint["streaming"] is False
     assert len(m_ids) == len(s_ids) == 500

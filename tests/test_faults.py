@@ -24,7 +24,8 @@ import pytest
 from http_server import FAULT_KINDS, FileServer
 
 from resumable_stream import ResumableStream, SourceError, StreamConfig
-from resumable_stream.source import READ_BATCH_ROWS, StreamingSource, open_source
+from resumable_stream.sources import READ_BATCH_ROWS, open_source
+from resumable_stream.sources.parquet import ParquetSource
 from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
 
 PARQUET_ROWS, PARQUET_FILES, ROW_GROUP = 480, 3, 40      # 12 row groups -> 12 shards
@@ -328,7 +329,7 @@ def test_outage_after_start_raises_source_error_then_resumes(site, tmp_path, cap
     assert _take(stream, k) == ref[:k]
     stream.save_sidecar(tmp_path)
     site.srv.set_faults(rate=1.0, kinds=("reset", "503", "truncate"), seed=5)
-    caplog.set_level(logging.WARNING, logger="resumable_stream.source")
+    caplog.set_level(logging.WARNING, logger="resumable_stream.sources")
     with pytest.raises(SourceError) as info:
         _take(stream, ROWS[site.fmt])
     msg = str(info.value)
@@ -348,7 +349,7 @@ def test_outage_while_opening_names_the_url(sites, caplog):
     site.healthy()
     try:
         site.srv.set_faults(rate=1.0, kinds=("503", "reset"))
-        with caplog.at_level(logging.WARNING, logger="resumable_stream.source"):
+        with caplog.at_level(logging.WARNING, logger="resumable_stream.sources"):
             with pytest.raises(SourceError) as info:
                 open_source(site.config(retries=2))
         assert any(url in str(info.value) for url in site.urls) and "failed after 3 attempt(s)" in str(info.value)
@@ -367,10 +368,10 @@ def test_mid_shard_fault_reopens_at_the_next_row_not_yet_yielded(tmp_path, monke
     with FileServer(tmp_path) as srv:
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url("part-00000.parquet")], **FAST)
         src = open_source(cfg)
-        assert isinstance(src, StreamingSource) and len(src.shards) == 1
+        assert isinstance(src, ParquetSource) and len(src.shards) == 1
         clean = pa.concat_tables(src.read(0, 5))
         opened: list[int] = []
-        real = StreamingSource._tables_from
+        real = ParquetSource._tables_from
 
         def flaky(self, shard, start_row):
             opened.append(start_row)
@@ -379,7 +380,7 @@ def test_mid_shard_fault_reopens_at_the_next_row_not_yet_yielded(tmp_path, monke
                     raise ConnectionResetError("connection reset mid-shard")
                 yield table
 
-        monkeypatch.setattr(StreamingSource, "_tables_from", flaky)
+        monkeypatch.setattr(ParquetSource, "_tables_from", flaky)
         tables = list(src.read(0, 5))
         assert opened == [5, READ_BATCH_ROWS]       # the first table ended at row 8192
         assert pa.concat_tables(tables).equals(clean)
@@ -389,7 +390,7 @@ def test_mid_shard_fault_reopens_at_the_next_row_not_yet_yielded(tmp_path, monke
 def test_local_missing_files_fail_fast(tmp_path, caplog):
     """Retries are for the network: a missing local file is an error at once, default retries on."""
     files = write_parquet_dataset(str(tmp_path / "pq"), rows=100, files=2, row_group_size=50)
-    caplog.set_level(logging.WARNING, logger="resumable_stream.source")
+    caplog.set_level(logging.WARNING, logger="resumable_stream.sources")
     missing = str(tmp_path / "pq" / "nope.parquet")
     with pytest.raises(SourceError) as info:
         open_source(StreamConfig(dataset_name_or_path="parquet", data_files=[files[0], missing]))
@@ -408,7 +409,7 @@ def test_missing_remote_file_fails_fast_with_default_retries(sites, caplog):
     site = sites["jsonl"]
     missing = site.srv.url("gone.jsonl")
     site.srv.reset_stats()
-    caplog.set_level(logging.WARNING, logger="resumable_stream.source")
+    caplog.set_level(logging.WARNING, logger="resumable_stream.sources")
     with pytest.raises(SourceError) as info:
         open_source(StreamConfig(dataset_name_or_path="json", data_files=[*site.urls, missing]))
     assert missing in str(info.value)

@@ -29,7 +29,7 @@ from resumable_stream import (
     StreamConfig,
     StreamMismatchError,
 )
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
 
 PARQUET_ROWS, PARQUET_FILES, ROW_GROUP = 480, 3, 40      # 12 row groups -> 12 shards

@@ -76,7 +76,7 @@ def test_hub_id_streams_the_repo_at_its_commit(hub):
     assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
     # identities asked in one batch equal those verify_files asks file by file (else every resume re-indexes)
     from resumable_stream.hub import file_identities
-    from resumable_stream.source import file_identity
+    from resumable_stream.sources.resolve import file_identity
     indexed = {k: v for k, v in stream.source.fingerprint["files"][1].items() if k != "footer"}
     assert file_identities(files)[files[1]] == file_identity(files[1]) == indexed
     # ranged reads only (no 5 MB read-ahead): each file's footer once (read to index it, kept to decode its
@@ -209,7 +209,7 @@ def test_retry_after_is_waited_with_jitter(monkeypatch):
         import httpx as httpx2
     from huggingface_hub.utils import hf_raise_for_status
 
-    from resumable_stream import source
+    from resumable_stream.sources import net as source
 
     request = httpx2.Request("GET", "http://127.0.0.1:1/datasets/org/data/resolve/main/a.parquet")
     limited = httpx2.Response(429, headers={"Retry-After": "3"}, request=request)
@@ -238,7 +238,7 @@ def test_http_request_retry_honours_retry_after(tmp_path, caplog):
         srv.faults.append(lambda rec: 429 if rec.range and len(seen) < 1 and not seen.append(rec) else None)
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url("part-00000.parquet")],
                            retries=2, retry_backoff_s=0.01, prefetch_blocks=0)
-        with caplog.at_level("WARNING", logger="resumable_stream.source"):
+        with caplog.at_level("WARNING", logger="resumable_stream.sources"):
             ids = take_ids(ResumableStream(cfg), 200)
         assert sorted(ids) == list(range(200))
         waits = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records

@@ -27,7 +27,7 @@ from training_helpers import free_port
 from resumable_stream import ResumableStream, SidecarError, SourceError, StreamConfig, StreamMismatchError
 from resumable_stream.cli import main as cli_main
 from resumable_stream.index import load_index
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 from resumable_stream.synthetic import write_parquet_dataset
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]

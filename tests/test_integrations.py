@@ -9,7 +9,7 @@ from helpers import parquet_config
 
 from resumable_stream import ResumableStream, StreamMismatchError
 from resumable_stream.loader import StreamLoader
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 
 
 def ids(rows):

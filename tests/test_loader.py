@@ -9,7 +9,7 @@ from helpers import parquet_config
 from resumable_stream import ResumableStream
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sidecar import decode_state, encode_state
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 
 
 def _ids(batch):

@@ -19,7 +19,8 @@ from resumable_stream.local_parquet import (
     simple_features,
     simple_schema,
 )
-from resumable_stream.source import RetryPolicy, builder_args, open_source, resolve_files
+from resumable_stream.sources import RetryPolicy, open_source
+from resumable_stream.sources.resolve import builder_args, resolve_files
 from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
 
 
@@ -192,12 +193,13 @@ def plain_dir(tmp_path_factory):
 
 def test_the_index_is_the_one_datasets_resolution_builds(plain_dir, monkeypatch):
     """Opened without datasets, or with it (resolution by ``load_dataset_builder``): the same index, tables."""
-    from resumable_stream import local_parquet, source
+    from resumable_stream import local_parquet
+    from resumable_stream.sources import resolve
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(plain_dir, "*.parquet"))
     ours = open_source(cfg)
     with monkeypatch.context() as mp:
-        mp.setattr(source, "resolve_local_parquet", lambda *a: None)
+        mp.setattr(resolve, "resolve_local_parquet", lambda *a: None)
         mp.setattr(local_parquet, "simple_features", lambda schema: None)
         mp.setattr("resumable_stream.parquet_files.simple_schema", lambda features: None)
         theirs = open_source(cfg)

@@ -49,7 +49,7 @@ from resumable_stream.errors import SourceError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.mixture import draw_sources, source_counts
 from resumable_stream.sidecar import decode_state, encode_state, write_manifest
-from resumable_stream.source import open_source
+from resumable_stream.sources import Source, open_source
 from resumable_stream.synthetic import synthetic_rows
 from resumable_stream.trainer_patch.config import TrainerConfig
 
@@ -166,7 +166,7 @@ def test_resume_in_finite_epoch_mode(dirs, stopping):
         assert ids(resumed) == epoch1, f"stop {stop}"
 
 
-class CountingSource:
+class CountingSource(Source):
     """Wraps a source and counts the rows it reads (a shard's skipped prefix included)."""
 
     def __init__(self, inner):

@@ -10,7 +10,7 @@ import torch.utils.data
 from helpers import parquet_config, take_ids
 
 from resumable_stream import ConfigError, ResumableStream
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 
 
 def _epoch_ids_main_process(cfg, source, world_size, num_workers, epoch=0):

@@ -1,7 +1,7 @@
 """The prefetch depth adapts to the measured latency within ``data.prefetch_memory_mb``, over the loopback server.
 
 The server (``tests/http_server.FileServer``) injects a latency per request; the prefetcher's counters
-(``StreamingSource.prefetch_stats()``) and the server's own count of requests served at once say how deep
+(``ParquetSource.prefetch_stats()``) and the server's own count of requests served at once say how deep
 it fetched ahead and what it held. The samples are those of a read without prefetch, in every case.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from http_server import FileServer
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 from resumable_stream.synthetic import write_parquet_dataset
 
 ROWS, FILES, ROW_GROUP = 48_000, 8, 1000        # 48 row groups of ~14 KB on the wire, ~80 KB decoded

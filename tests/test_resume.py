@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from resumable_stream import ResumableStream
 from resumable_stream.sidecar import decode_state, encode_state
-from resumable_stream.source import open_source
+from resumable_stream.sources import Source, open_source
 
 _SOURCES = {}
 
@@ -108,7 +108,7 @@ def test_streaming_false_resumes_exactly(parquet_small):
         _check_resume(cfg, 2, 1, 0, stop, more=100)
 
 
-class CountingSource:
+class CountingSource(Source):
     """Wraps a source and counts the rows it hands out."""
 
     def __init__(self, inner):

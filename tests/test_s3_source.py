@@ -155,7 +155,8 @@ def test_requests_to_open_and_read_are_two_listings_plus_one_per_object_then_one
 
 def test_identities_from_one_listing_are_those_a_head_of_each_object_gives(bucket):
     from resumable_stream.ranged import listed_identities
-    from resumable_stream.source import RetryPolicy, file_identity
+    from resumable_stream.sources import RetryPolicy
+    from resumable_stream.sources.resolve import file_identity
 
     urls = [f"s3://data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
     retry = RetryPolicy(bucket.config(), remote=True)

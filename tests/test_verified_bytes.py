@@ -24,7 +24,7 @@ from resumable_stream import ResumableStream, SourceError, StreamConfig, StreamM
 from resumable_stream.cache import CachedSource
 from resumable_stream.cache.warmup import run_warmup
 from resumable_stream.index import row_group_layout
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]
 

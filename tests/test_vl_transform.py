@@ -27,6 +27,8 @@ from safetensors.numpy import save as st_save
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import ConfigError, StreamMismatchError
 from resumable_stream.loader import StreamLoader
+from resumable_stream.sources import net
+from resumable_stream.sources.net import RetryPolicy
 from resumable_stream.transforms import IGNORE_INDEX, TransformConfig, TransformError, VLProcessor, collate_vl
 from resumable_stream.transforms import vl as vl_module
 from resumable_stream.transforms.vl import load_processor, processor_digest
@@ -301,7 +303,7 @@ def _palette_png() -> bytes:
 
 
 def test_url_faults_are_retried_and_a_404_is_a_bad_sample(processor, tmp_path, monkeypatch):
-    monkeypatch.setattr(vl_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(net.time, "sleep", lambda s: None)
     (tmp_path / "a.png").write_bytes(png(32, 32))
     proc = make(processor, bad_sample="skip")
     with FileServer(tmp_path) as srv:
@@ -316,15 +318,57 @@ def test_url_faults_are_retried_and_a_404_is_a_bad_sample(processor, tmp_path, m
 
 
 def test_unreachable_url_is_an_error_even_when_skipping(processor, monkeypatch):
-    monkeypatch.setattr(vl_module, "URL_ATTEMPTS", 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]          # closed again: connections are refused
-    proc = make(processor, bad_sample="skip")
+    proc = VLProcessor(processor, TransformConfig(format="vl", bad_sample="skip"),
+                       RetryPolicy.of(retries=1, retry_backoff_s=0.01))
     url = f"http://127.0.0.1:{port}/a.png"
-    with pytest.raises(TransformError, match=r"no answer after 2 attempts.*not skipped") as e:
+    with pytest.raises(TransformError, match=r"no answer after 2 attempts \(data.retries: 1.*not skipped") as e:
         proc.feed({"messages": chat("<image>?", "!"), "images": [url]}, "s1")
     assert str(e.value).startswith("sample 's1': image 0 URL ") and e.value.key == "s1"
+
+
+def _url_policy(**kw) -> RetryPolicy:
+    return RetryPolicy(StreamConfig(dataset_name_or_path="parquet", data_files="x.parquet", **kw), remote=True)
+
+
+@pytest.mark.parametrize("failures,retries", [(2, 2), (3, 2), (1, 0)])
+def test_image_urls_are_fetched_under_data_retries(processor, tmp_path, failures, retries):
+    """An image URL that fails ``failures`` times then answers: fetched when data.retries allows that many
+    more tries, an error (not a skipped sample) when it does not; the waits are data.retry_backoff_s's."""
+    (tmp_path / "a.png").write_bytes(png(32, 32))
+    proc = VLProcessor(processor, TransformConfig(format="vl", bad_sample="skip"),
+                       _url_policy(retries=retries, retry_backoff_s=0.01))
+    with FileServer(tmp_path) as srv:
+        faults = iter([503, "reset", "truncate"][:failures])
+        srv.faults = [lambda record: next(faults, None)]
+        sample = {"messages": chat("<image>?", "!"), "images": [srv.url("a.png")]}
+        if failures <= retries:
+            encode(proc, sample)
+            assert proc.stats()["skipped_image"] == 0
+        else:
+            with pytest.raises(TransformError, match=rf"no answer after {retries + 1} attempts \(data.retries: "
+                                                     rf"{retries}"):
+                proc.feed(sample, "k")
+        assert srv.stats()["requests"] == min(failures, retries) + 1      # one try each, the last one answered
+
+
+def test_image_urls_time_out_after_data_timeout_s(processor, tmp_path):
+    """A server that sends headers then stalls: the try ends after data.timeout_s (not urllib's 30 s of
+    before), and the next one gets the image."""
+    import time
+
+    (tmp_path / "a.png").write_bytes(png(32, 32))
+    proc = VLProcessor(processor, TransformConfig(format="vl"), _url_policy(timeout_s=0.5, retry_backoff_s=0.01))
+    with FileServer(tmp_path) as srv:
+        srv.stall_s = 20.0
+        stalls = iter(["stall"])
+        srv.faults = [lambda record: next(stalls, None)]
+        started = time.monotonic()
+        encode(proc, {"messages": chat("<image>?", "!"), "images": [srv.url("a.png")]})
+        took = time.monotonic() - started
+    assert 0.5 <= took < 5.0, took
 
 
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.EIO, errno.EACCES])

@@ -14,7 +14,7 @@ from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cache import CachedSource, plan_warmup, run_warmup
 from resumable_stream.cli import main
 from resumable_stream.sidecar import write_manifest
-from resumable_stream.source import open_source
+from resumable_stream.sources import open_source
 from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""``CachedSource``: a read-through block cache around any :class:`~resumable_stream.source.Source`.
+"""``CachedSource``: a read-through block cache around any :class:`~resumable_stream.sources.base.Source`.
 
 ``read(shard, start_row)`` serves the shard block by block from the store while blocks are
 there, and from the first missing block on reads the source (from that block's first row),
@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..config import StreamConfig
-from ..source import Source
+from ..sources.base import Source
 from .store import DEFAULT_BLOCK_ROWS, BlockStore, namespace
 
 
@@ -28,7 +28,7 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 
 def with_block_cache(source: Source, config: StreamConfig) -> Source:
     """``source`` behind the local block cache when ``config.cache_dir`` is set (it never changes results)."""
-    if not config.cache_dir or getattr(source, "is_cached", False):
+    if not config.cache_dir or source.is_cached:
         return source
     return CachedSource(source, config)
 
@@ -51,7 +51,7 @@ class CachedSource(Source):
         self.shards = source.shards
         self.fingerprint = source.fingerprint
         self.column_names = source.column_names
-        self.index = getattr(source, "index", None)     # the dataset index, saved with checkpoints
+        self.index = source.index     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
         self._missed = False                             # read anything from the source yet (this process)?
         self._hints: dict[int, list[int]] = {}           # the plan's latest hints until then, per partition
@@ -81,13 +81,12 @@ class CachedSource(Source):
         once this process has missed the cache (until then every read was a hit: a warm cache makes no
         request, not even ahead). A cold cache fills from the very fetches made ahead: the reader takes a
         prefetched row group in ``_read_through`` and stores its blocks as they pass."""
-        if getattr(self.inner, "prefetch_depth", 0) <= 0:
+        if self.inner.prefetch_depth <= 0:
             return
         if not self._missed:
             self._hints[partition] = shards
             return
-        ahead = getattr(self.inner, "prefetch_ahead", None)       # the adaptive depth, not only its cap
-        depth = ahead(partition) if ahead is not None else self.inner.prefetch_depth
+        depth = self.inner.prefetch_ahead(partition)       # the adaptive depth, not only its cap
         missing: list[int] = []
         for shard in dict.fromkeys(shards):
             if len(missing) == depth:

@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from ..config import MixtureConfig, StreamConfig
 from ..errors import ConfigError
-from ..source import Source, open_source
+from ..sources.base import Source
+from ..sources.open import open_source
 from .cached_source import CachedSource
 
 log = logging.getLogger(__name__)

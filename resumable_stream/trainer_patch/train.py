@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from ..config import MixtureConfig
 from ..devices import data_parallel_arguments, detect_device
 from ..errors import ConfigError
 from ..loader import shard_row_key
@@ -174,6 +175,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     model, stream, patched Trainer."""
     from transformers import Trainer
 
+    from ..sources.net import RetryPolicy
     from ..transforms.text import TextProcessor, collate
     from ..transforms.vl import VLProcessor, collate_vl
 
@@ -192,7 +194,9 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
     if vl:
-        processor_factory = functools.partial(VLProcessor, processor, cfg.transform)
+        # image URLs under the data's retries and timeouts (a mixture's are the same for every source)
+        net = cfg.stream.sources[0] if isinstance(cfg.stream, MixtureConfig) else cfg.stream
+        processor_factory = functools.partial(VLProcessor, processor, cfg.transform, RetryPolicy(net, remote=True))
         collate_fn = functools.partial(collate_vl, pad_token_id=tokenizer.pad_token_id)
     else:
         processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)

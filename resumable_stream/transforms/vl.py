@@ -46,16 +46,14 @@ import io
 import json
 import logging
 import os
-import time
-import urllib.error
-import urllib.request
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from ..errors import SidecarError
+from ..errors import SidecarError, SourceError
 from ..safe_io import FileRefused, read_regular_file
+from ..sources.net import HttpAnswer, RetryPolicy, fetch_url
 from .config import TransformConfig
 from .errors import TransformError
 from .row_map import BadMapResult, RowMap
@@ -79,8 +77,6 @@ _LATER_STATS = ("skipped_map", "dropped_by_map")    # absent from the states of 
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
-URL_TIMEOUT_S = 30.0
-URL_ATTEMPTS = 3
 
 Example = dict[str, Any]
 
@@ -170,7 +166,7 @@ def processor_digest(processor: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- images
-def _read_bytes(value: Any, i: int, cfg: TransformConfig) -> bytes:
+def _read_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None) -> bytes:
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
         if data:
@@ -184,7 +180,7 @@ def _read_bytes(value: Any, i: int, cfg: TransformConfig) -> bytes:
         raise _Bad("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
     if value.startswith(("http://", "https://")):
-        return _fetch(value, i, cfg.max_image_bytes)
+        return _fetch(value, i, cfg.max_image_bytes, retry or RetryPolicy.of())
     path = _local_path(value, i, cfg)
     try:
         return read_regular_file(path, cfg.max_image_bytes)   # never a FIFO, a device or more than the limit
@@ -227,25 +223,17 @@ def _local_path(value: str, i: int, cfg: TransformConfig) -> str:
     return path
 
 
-def _fetch(url: str, i: int, max_bytes: int) -> bytes:
-    """GET with a few retries. A status that describes the resource (404, 403, ...) makes the sample bad;
-    a network failure that outlasts the retries is an error whatever the policy: skipping on it would
-    make the skipped samples depend on the network, and a resumed run could differ."""
-    last: Exception | None = None
-    for attempt in range(URL_ATTEMPTS):
-        try:
-            with urllib.request.urlopen(url, timeout=URL_TIMEOUT_S) as r:
-                return _read_body(r, i, url, max_bytes)
-        except urllib.error.HTTPError as e:
-            if e.code < 500 and e.code not in (408, 425, 429):
-                raise _Bad("skipped_image", f"image {i} URL {url} answered HTTP {e.code}") from None
-            last = e
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:   # refused, reset, timeout,
-            last = e                                                                # truncated body
-        if attempt + 1 < URL_ATTEMPTS:
-            time.sleep(0.5 * 2 ** attempt)
-    raise TransformError(f"image {i} URL {url}: no answer after {URL_ATTEMPTS} attempts ({last}); a network "
-                         "failure is not skipped by data.bad_sample")
+def _fetch(url: str, i: int, max_bytes: int, retry: RetryPolicy) -> bytes:
+    """GET under the data's retry policy (``data.retries``, ``data.timeout_s``, ``data.retry_backoff_s``:
+    sources/net.py). A status that describes the resource (404, 403, ...) makes the sample bad; a network
+    failure that outlasts the retries is an error whatever the policy: skipping on it would make the skipped
+    samples depend on the network, and a resumed run could differ."""
+    try:
+        return fetch_url(url, lambda r: _read_body(r, i, url, max_bytes), retry, f"image {i} URL {url}")
+    except HttpAnswer as e:
+        raise _Bad("skipped_image", f"image {i} URL {url} answered HTTP {e.status}") from None
+    except SourceError as e:
+        raise TransformError(f"{e}; a network failure is not skipped by data.bad_sample") from None
 
 
 def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
@@ -261,7 +249,7 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def decode_image(value: Any, i: int, cfg: TransformConfig):
+def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None = None):
     """One image value -> an RGB PIL image; raises ``_Bad`` with the reason when it cannot be used. Local
     paths and sizes are bounded by ``cfg`` (image_dir, max_image_bytes, allow_absolute_image_paths)."""
     from PIL import Image
@@ -271,7 +259,7 @@ def decode_image(value: Any, i: int, cfg: TransformConfig):
     if isinstance(value, Image.Image):
         img = value
     else:
-        data = _read_bytes(value, i, cfg)
+        data = _read_bytes(value, i, cfg, retry)
         try:
             img = Image.open(io.BytesIO(data))
             img.load()
@@ -299,7 +287,9 @@ def decode_image(value: Any, i: int, cfg: TransformConfig):
 class VLProcessor:
     """Turns raw VL rows into model inputs with labels; see the module docstring."""
 
-    def __init__(self, processor: Any, cfg: TransformConfig):
+    def __init__(self, processor: Any, cfg: TransformConfig, retry: RetryPolicy | None = None):
+        """``retry``: the policy image URLs are fetched under (``RetryPolicy(stream_config, remote=True)``;
+        None: the data defaults)."""
         if not isinstance(cfg, TransformConfig):
             raise TypeError(f"cfg: expected a TransformConfig, got {type(cfg).__name__}")
         if cfg.format != "vl":
@@ -310,6 +300,7 @@ class VLProcessor:
             raise TransformError("data.format 'vl' decodes images with Pillow, which is not installed: "
                                  "pip install 'resumable-stream[vl]'") from None
         self.processor, self.cfg = processor, cfg
+        self.retry = retry or RetryPolicy.of()
         self.tokenizer = getattr(processor, "tokenizer", None)
         if self.tokenizer is None or getattr(processor, "image_processor", None) is None:
             raise TransformError(f"processor {type(processor).__name__}: needs a tokenizer and an image processor "
@@ -544,7 +535,7 @@ class VLProcessor:
         if text_tokens > L:   # image tokens only add to this: over-length before any image is decoded
             raise _Bad("dropped_overlong", f"{text_tokens} tokens before image tokens, longer than "
                                            f"data.max_seq_len {L}")
-        images = [decode_image(v, i, self.cfg) for i, v in enumerate(raw_images)]
+        images = [decode_image(v, i, self.cfg, self.retry) for i, v in enumerate(raw_images)]
         try:
             out = self.processor(text=[full], images=images or None, return_tensors="np", add_special_tokens=False)
         except Exception as e:  # noqa: BLE001 - processors raise ValueError, TypeError, ... on a sample they refuse

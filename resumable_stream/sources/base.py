@@ -1,0 +1,186 @@
+"""What every reader is: a shard list, a fingerprint, ``read(shard, start_row)``; the optional parts declared.
+
+A ``Source`` knows its shard list (with identities and, where cheap, row counts), a fingerprint of everything
+that determines its content, and can open shard *s* at row *r* and yield Arrow tables from there. Everything
+above it (plan, stream, cache) uses ``shards``, ``fingerprint`` and ``read``, and the capabilities declared
+here with the values of a source that has none of them (no index, no prefetch, no cache), so that callers
+call them instead of probing for them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from ..errors import ResumableStreamError, SourceError
+from .net import RetryPolicy, datasets_retries_off
+
+# Rows per Arrow table handed to the stream while reading a shard.
+READ_BATCH_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    index: int
+    file: str            # path or URL of the file the shard lives in ("" when unknown)
+    part: int | None     # parquet row group or map-style slice; None for a whole file
+    num_rows: int | None
+
+    @property
+    def name(self) -> str:
+        base = os.path.basename(self.file.rstrip("/")) or f"shard{self.index}"
+        return base if self.part is None else f"{base}#{self.part}"
+
+
+class Source:
+    """A dataset split cut into shards. Use :func:`resumable_stream.sources.open_source` to make one.
+
+    Exact resume rests on three guarantees: ``shards`` is the same list (order, rows) for the same data and
+    config in every process; ``read(shard, start_row)`` yields exactly the rows of that shard from
+    ``start_row`` on, in the same order each time; ``fingerprint`` changes whenever the data does."""
+
+    shards: list[ShardInfo]
+    fingerprint: dict
+    column_names: list[str] | None = None
+    index: dict | None = None     # the dataset index it reads (saved with checkpoints, shared by rank 0)
+    is_cached: bool = False       # behind the block cache already (not to be wrapped again)
+    prefetch_depth: int = 0       # shards fetched ahead per partition (0: no prefetch)
+
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        raise NotImplementedError
+
+    @property
+    def footers(self) -> dict[str, bytes]:
+        """The raw file metadata this source read (path -> bytes: parquet footers), to share with other ranks."""
+        return {}
+
+    def prefetch(self, partition: int, shards: list[int]) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order (a hint; ignoring it is fine)."""
+
+    def prefetch_ahead(self, partition: int) -> int:
+        """How many of ``partition``'s next shards are worth hinting now."""
+        return 0
+
+    def prefetch_stats(self) -> dict:
+        """The prefetcher's depth, measurements and byte counters; {} without prefetch."""
+        return {}
+
+    def stats(self) -> dict[str, Any] | None:
+        """The block cache's counters; None: not behind a cache."""
+        return None
+
+    def close(self) -> None:
+        """Stop background work (fetches ahead) and wait for it; reading again starts it afresh."""
+
+
+class RetriedSource(Source):
+    """A source whose reads go over the network: a read that fails midway (reset, 5xx, truncated body,
+    timeout) reopens the shard at the next row not yet yielded, under ``data.retries``, so the rows come out
+    as without the fault. Subclasses give ``_tables_from(shard, start_row)``."""
+
+    def __init__(self, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None):
+        self.shards = shards
+        self.fingerprint = fingerprint
+        self._retry = retry
+
+    def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
+        raise NotImplementedError
+
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        info = self.shards[shard]
+        retry = self._retry
+        if retry is None or not retry.applies(info.file):
+            yield from self._guarded(self._tables_from(shard, start_row), shard)
+            return
+        row, attempt, started = start_row, 0, time.monotonic()
+        while True:
+            tables = self._tables_from(shard, row)
+            try:
+                while True:
+                    try:
+                        with datasets_retries_off():
+                            table = next(tables)
+                    except StopIteration:
+                        return
+                    except Exception as e:
+                        label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {row}"
+                        if not retry.failed(e, attempt, label, [info.file] if info.file else [], started):
+                            err = self._read_error(shard, e)
+                            if err is e:
+                                raise
+                            raise err from e
+                        attempt += 1
+                        break        # reopen the shard at ``row``, the first row not yet yielded
+                    # progress: a later fault gets the full number of retries and time again
+                    attempt, started = 0, time.monotonic()
+                    row += table.num_rows
+                    yield table
+            finally:
+                tables.close()
+
+    def _read_error(self, shard: int, e: Exception) -> ResumableStreamError:
+        if isinstance(e, ResumableStreamError):
+            return e                 # ours already names the file (a StreamMismatchError stays one)
+        info = self.shards[shard]
+        return SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
+                           f"({type(e).__name__}: {e})")
+
+    def _guarded(self, tables: Iterator[pa.Table], shard: int) -> Iterator[pa.Table]:
+        """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
+        try:
+            while True:
+                try:
+                    table = next(tables)
+                except StopIteration:
+                    return
+                except Exception as e:
+                    err = self._read_error(shard, e)
+                    if err is e:
+                        raise
+                    raise err from e
+                yield table
+        finally:
+            tables.close()
+
+
+class IndexedReader:
+    """A format we index and read ourselves (registered in :mod:`~resumable_stream.sources.registry`).
+
+    The index lists, per file, what ``index_file`` returns: the file's identity (given, as listed or asked for
+    by the caller) plus the layout the reader needs to cut it into shards without reading it again. Exact
+    resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
+
+    layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
+    content_keys: tuple[str, ...] = ()   # identity keys only ``local_check`` gives (remote files: not re-read)
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        """One file's index entry: ``identity`` plus its layout. ``footers``: filled with path -> the raw
+        metadata read that readers may reuse (checked against the entry when they do)."""
+        raise NotImplementedError
+
+    def features(self, path: str, footer: bytes | None) -> dict:
+        """The features of the data when ``datasets`` gives none (``Features.to_dict()`` form)."""
+        raise SourceError(f"data file {path!r}: its features are unknown")
+
+    def entry_problem(self, entry: dict) -> str | None:
+        """What is wrong with an index entry read from disk (a forged or damaged index), None if nothing."""
+        return None
+
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+        """Identity fields beyond size and mtime that a local file is checked on at resume (it costs no
+        request), compared with the entry's; {}: none."""
+        return {}
+
+    def indexable(self, builder: Any) -> bool:
+        """Whether ``datasets``' builder (config) reads the files whole, as our reader would."""
+        return True
+
+    def open_indexed(self, cfg: Any, index: dict, retry: RetryPolicy, footers: dict[str, bytes] | None) -> Source:
+        """The source of an index this reader built (the shard list a pure function of the index)."""
+        raise NotImplementedError

@@ -1,0 +1,207 @@
+"""Parquet, indexed: one shard per row group, read with pyarrow as one ranged read of its byte span.
+
+The index entry of a file is its identity plus its footer's digest and row-group layout (``index.py``); the
+row groups are read, decoded and checked by :class:`~resumable_stream.parquet_files.ParquetFiles`, fetched
+ahead by the :class:`~resumable_stream.prefetch.Prefetcher` in the order the plan gives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from ..config import StreamConfig
+from ..errors import ResumableStreamError, SourceError, StreamMismatchError
+from ..index import (
+    FOOTER_TAIL_BYTES,
+    PARQUET_LAYOUT_KEYS,
+    features_of,
+    file_entry,
+    footer_digest,
+    identity_of,
+    split_footer,
+)
+from ..limits import is_int
+from ..metrics import record_row_group
+from ..parquet_files import ParquetFiles, read_checked
+from ..prefetch import Prefetcher
+from ..ranged import read_range
+from .base import READ_BATCH_ROWS, IndexedReader, RetriedSource, ShardInfo
+from .net import RetryPolicy
+from .resolve import dataset_fingerprint
+
+
+def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None, identity: dict | None = None) -> bytes:
+    """The footer of a parquet file of ``size`` bytes (and ``identity``, checked on every answer): one ranged
+    read of its tail (two when the footer is bigger than FOOTER_TAIL_BYTES)."""
+    options = retry.storage_options if retry else {}
+
+    def fetch() -> bytes:
+        tail = read_range(path, max(0, size - FOOTER_TAIL_BYTES), size, options, identity)
+        length = split_footer(tail, size, path)
+        if length > len(tail):
+            tail = read_range(path, size - length, size - len(tail), options, identity) + tail
+        return tail[len(tail) - length:]
+
+    def checked() -> bytes:
+        return read_checked(f"data file {path!r} (its footer)", fetch)
+
+    try:
+        if retry is not None and retry.applies(path):
+            return retry.call(checked, f"data file {path!r}: reading its parquet footer", [path])
+        return checked()
+    except (SourceError, StreamMismatchError):
+        raise
+    except Exception as e:
+        raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def prefetch_depth(cfg: StreamConfig, remote: bool) -> int | None:
+    """The most row groups fetched ahead per partition: ``data.prefetch_blocks`` (None: adaptive, up to the
+    prefetcher's own cap); for local files at most what keeps the decoding threads busy and the row groups a
+    window opens next in flight (one per core, at least ``interleave_shards``): there is no latency to hide,
+    and each one ahead is a decoded row group held."""
+    if remote or cfg.prefetch_blocks == 0:
+        return cfg.prefetch_blocks
+    local = max(os.cpu_count() or 1, cfg.interleave_shards)
+    return local if cfg.prefetch_blocks is None else min(cfg.prefetch_blocks, local)
+
+
+class ParquetReader(IndexedReader):
+    """The registry's parquet entry (``registry._BUILTIN``)."""
+
+    layout_keys = PARQUET_LAYOUT_KEYS
+    content_keys = ("footer",)
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        if not isinstance(identity.get("size"), int):
+            raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
+        footer = parquet_footer(path, identity["size"], retry, identity)
+        if footers is not None:
+            footers[path] = footer
+        return file_entry(identity, footer)
+
+    def features(self, path: str, footer: bytes | None) -> dict:
+        return features_of(footer if footer is not None else b"", path)
+
+    def entry_problem(self, entry: dict) -> str | None:
+        # every number at most an int64 (is_int), a footer and the row groups inside the file
+        ok = (isinstance(entry.get("footer"), str) and is_int(entry.get("footer_bytes"), 0, entry["size"])
+              and isinstance(entry.get("row_groups"), list)
+              and all(isinstance(rg, list) and len(rg) == 3 and all(is_int(x) for x in rg)
+                      and rg[1] <= rg[2] <= entry["size"] for rg in entry["row_groups"]))
+        return None if ok else "malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
+
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+        # a local footer read costs no request: it catches a same-size, same-mtime rewrite
+        try:
+            return {"footer": footer_digest(parquet_footer(path, identity["size"], retry))}
+        except SourceError as e:
+            return {"footer": str(e)}
+
+    def indexable(self, builder: Any) -> bool:
+        """Parquet files read whole (no column selection or row filter in the builder config)."""
+        return (getattr(builder.config, "columns", None) is None
+                and getattr(builder.config, "filters", None) is None)
+
+    def open_indexed(self, cfg: StreamConfig, index: dict, retry: RetryPolicy,
+                     footers: dict[str, bytes] | None = None) -> ParquetSource:
+        return source_from_index(cfg, index, retry, footers)
+
+
+READER = ParquetReader()
+
+
+def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
+                      footers: dict[str, bytes] | None = None) -> ParquetSource:
+    """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
+    files = index["files"]
+    shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
+    shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
+    fingerprint = dataset_fingerprint(cfg, index["builder"], [identity_of(f) for f in files], shards)
+    return ParquetSource(shards, fingerprint, retry if retry.remote else None,
+                         ParquetFiles(index, retry.storage_options, footers), index,
+                         prefetch_blocks=prefetch_depth(cfg, retry.remote), prefetch_memory_mb=cfg.prefetch_memory_mb)
+
+
+class ParquetSource(RetriedSource):
+    """An indexed parquet dataset, one shard per row group read with pyarrow
+    (:class:`~resumable_stream.parquet_files.ParquetFiles`), fetched ahead in plan order."""
+
+    def __init__(self, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None,
+                 parquet: ParquetFiles, index: dict, prefetch_blocks: int | None = 0,
+                 prefetch_memory_mb: float | None = None):
+        super().__init__(shards, fingerprint, retry)
+        self._parquet = parquet
+        self.index = index
+        self.column_names = parquet.column_names
+        self._prefetch: Prefetcher | None = None
+        self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
+        if prefetch_blocks is None or prefetch_blocks > 0:    # None: adaptive depth (prefetch.py)
+            budget = None if prefetch_memory_mb is None else int(prefetch_memory_mb * 2**20)
+            # local files: decoding is the work, so one thread per core (more only delay the row groups
+            # needed first); remote: the prefetcher's own count, for concurrent requests
+            cores = os.cpu_count() or 1
+            threads = None if retry is not None else max(1, min(prefetch_blocks or cores, cores))
+            self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, budget, self._row_group_bytes,
+                                        threads)
+
+    @property
+    def footers(self) -> dict[str, bytes]:
+        return self._parquet.footers
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Row groups fetched ahead per partition (0: no prefetch)."""
+        return self._prefetch.depth if self._prefetch is not None else 0
+
+    def prefetch(self, partition: int, shards: list[int]) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
+        if self._prefetch is not None:
+            self._prefetch.hint(partition, shards)
+
+    def prefetch_ahead(self, partition: int) -> int:
+        """How many of ``partition``'s next shards are worth hinting now (its adaptive depth, and a margin)."""
+        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
+
+    def prefetch_stats(self) -> dict:
+        """The prefetcher's depth, measurements and byte counters (prefetch.py); {} without prefetch."""
+        return self._prefetch.stats() if self._prefetch is not None else {}
+
+    def _row_group_bytes(self, shard: int) -> int:
+        """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""
+        info = self.shards[shard]
+        _, start, end = self.index["files"][self._file_of[info.file]]["row_groups"][info.part]
+        return end - start
+
+    def _fetch_row_group(self, shard: int) -> pa.Table:
+        info = self.shards[shard]
+        table = self._parquet.row_group(self._file_of[info.file], info.part)
+        record_row_group(table.num_rows)
+        return table
+
+    def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
+        """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
+        table = None
+        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        if ahead is not None:
+            try:
+                table = ahead.result()
+            except ResumableStreamError:           # its bytes failed the checks twice: a third read is not due
+                raise
+            except Exception:                      # a network fault ahead: read it here, under the retries
+                pass
+        if table is None:
+            table = self._fetch_row_group(shard)
+        for lo in range(0, table.num_rows, READ_BATCH_ROWS):
+            hi = min(lo + READ_BATCH_ROWS, table.num_rows)
+            if hi > start_row:
+                yield table.slice(max(lo, start_row), hi - max(lo, start_row))

@@ -1,0 +1,361 @@
+"""Which files a config means, what they are, and the fingerprint of what a source reads.
+
+Dataset and Hub resolution (``datasets``' builder for a hub id, a pattern, a builder config; an explicit list of
+URLs or local parquet files without it), file identities (size plus every version marker the filesystem gives),
+the dataset index built from a registered format's entries, and whether a saved index still describes the
+data (:func:`verified_index`, on resume). Everything here runs under the one network policy (``net.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import StreamConfig
+from ..errors import ConfigError, SourceError, StreamMismatchError
+from ..hub import commit_sha, file_identities, hub_answer, hub_commits, hub_repo_of, pin_commits, probe_answer
+from ..index import changed_files, describe_changes, make_index, map_files
+from ..local_parquet import resolve_local_parquet
+from ..ranged import listed_identities
+from . import registry
+from .net import (
+    BUCKET_PROTOCOLS,
+    GLOB_CHARS,
+    RetryPolicy,
+    describe_targets,
+    error_chain,
+    flat_files,
+    is_remote,
+    protocol_options,
+    remote_answer,
+)
+
+# Raw file metadata read to build an index (parquet footers) is kept, and broadcast to the other ranks, up to
+# this many bytes in all; beyond, each process reads the footers of the files it reads, as they come.
+KEPT_FOOTERS_MAX_BYTES = 64 << 20
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+def builder_args(cfg: StreamConfig) -> tuple[str, object]:
+    """Map ``dataset_name_or_path`` (+ ``data_files``) to load_dataset's (path, data_files)."""
+    path, data_files = cfg.dataset_name_or_path, cfg.data_files
+    if path.startswith("hf://") and registry.builder_for_path(path) is None:
+        # LLaMA-Factory style "hf://org/name" or fsspec "hf://datasets/org/name": a hub id.
+        path = path[len("hf://"):]
+        path = path[len("datasets/"):] if path.startswith("datasets/") else path
+    elif data_files is None and (os.path.isfile(path) or "://" in path):
+        builder = registry.builder_for_path(path)
+        if builder is None:
+            raise ConfigError(
+                f"data.dataset_name_or_path: {path!r} is a file whose type is not known; "
+                f"allowed extensions: {', '.join(sorted(registry.extensions()))}"
+            )
+        path, data_files = builder, path
+    return path, data_files
+
+
+def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
+    """Size plus whatever version marker the filesystem gives (mtime, ETag, Last-Modified, blob id)."""
+    if path.startswith("/"):
+        # a local absolute path: fsspec's LocalFileSystem.info is a stat (of the target of a link) and gives
+        # these two; importing fsspec would cost more than all of a local dataset's stats
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise SourceError(f"data file {path!r}: not found") from None
+        except OSError as e:
+            raise SourceError(f"data file {path!r}: cannot read its metadata ({type(e).__name__}: {e})") from None
+        return {"path": path, "size": st.st_size, "mtime": round(st.st_mtime, 6)}
+    import fsspec
+
+    def fetch() -> dict:
+        fs, fs_path = fsspec.core.url_to_fs(path, **protocol_options(retry.storage_options if retry else {}, path))
+        if path.split("://", 1)[0] in BUCKET_PROTOCOLS:
+            # the store's answer now (one HEAD), not a listing an earlier open in this process cached
+            fs.invalidate_cache(fs_path)
+        return fs.info(fs_path)
+
+    try:
+        if retry is not None and retry.applies(path):
+            info = retry.call(fetch, f"data file {path!r}: reading its metadata", [path])
+        else:
+            info = fetch()
+    except SourceError:
+        raise
+    except FileNotFoundError:
+        raise SourceError(f"data file {path!r}: not found") from None
+    except Exception as e:  # network and permission errors
+        answer = remote_answer(e) or f"{type(e).__name__}: {e}"
+        raise SourceError(f"data file {path!r}: cannot read its metadata ({answer})") from None
+    ident = {"path": path, "size": info.get("size")}
+    for key in ("mtime", "ETag", "Last-Modified", "blob_id"):
+        if info.get(key) is not None:
+            ident[key.lower()] = info[key] if not isinstance(info[key], float) else round(info[key], 6)
+    lfs = info.get("lfs")
+    if isinstance(lfs, dict) and lfs.get("sha256"):
+        ident["sha256"] = lfs["sha256"]
+    return ident
+
+
+def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
+    """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
+    hub_files = [f for f in files if f.startswith("hf://datasets/")]
+    if not hub_files:
+        return {}
+    label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
+    if retry is not None and retry.applies(hub_files[0]):
+        return retry.call(lambda: file_identities(hub_files), label, hub_files)
+    return file_identities(hub_files)
+
+
+def _digest(obj) -> str:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def remote_targets(path: str, data_files: object) -> list[str]:
+    """The remote paths opening this dataset touches; [] when everything is local."""
+    targets = [p for p in [path, *flat_files(data_files)] if is_remote(p)]
+    if targets or path in registry.indexed_builders():     # parquet, ...: a format's name, never a hub id
+        return targets
+    import datasets.config
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    hub_id = (_HUB_ID.match(path) is not None and path not in _PACKAGED_DATASETS_MODULES
+              and not os.path.exists(path) and not datasets.config.HF_HUB_OFFLINE)
+    return [path] if hub_id else []
+
+
+def explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
+    """The split's files when the config lists files of a registered format (parquet) by plain http(s) URL: then there is nothing
+    to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
+    otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
+    if registry.format_for_builder(path) is None or cfg.name is not None or cfg.data_dir is not None or data_files is None:
+        return None
+    splits = data_files if isinstance(data_files, dict) else {"train": data_files}
+    splits = {str(k): [v] if isinstance(v, str) else v for k, v in splits.items()}
+    if not all(isinstance(v, list) and v and all(isinstance(f, str) and f.split("://", 1)[0] in ("http", "https")
+                                                 and not GLOB_CHARS.search(f) for f in v)
+               for v in splits.values()):
+        return None
+    if cfg.split not in splits:
+        raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
+    return list(splits[cfg.split])
+
+
+def where_of(cfg: StreamConfig, targets: list[str]) -> str:
+    """The config key naming the data, with the remote paths it means, for messages."""
+    where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+    if targets and targets != [cfg.dataset_name_or_path]:
+        where += f" ({describe_targets(targets)})"
+    return where
+
+
+def _hub_not_found(e: BaseException) -> bool:
+    """``datasets``' error for a missing (or private) repo or revision, raised without the Hub's answer:
+    "Dataset 'x' doesn't exist on the Hub ...", and with datasets 4.0.0 (LLaMA-Factory 0.9.5's pin) also
+    "Revision 'r' doesn't exist for dataset 'x' on the Hub." (later releases keep that one's cause)."""
+    text = str(e)
+    return "doesn't exist on the Hub" in text or ("doesn't exist for dataset" in text and "on the Hub" in text)
+
+
+def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
+                  retry: RetryPolicy) -> tuple[Any, list[str]]:
+    """``datasets``' builder for the config and the resolved files of its split."""
+    import datasets
+
+    where = where_of(cfg, targets)
+    # a copy: datasets adds to the dict it is given
+    options = {"storage_options": copy.deepcopy(retry.storage_options)} if retry.remote else {}
+    if cfg.revision is not None:
+        options["revision"] = cfg.revision
+    if cfg.data_dir is not None:
+        options["data_dir"] = cfg.data_dir
+    try:
+        builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
+                             f"{where}: resolving the dataset", targets)
+    except (ConfigError, SourceError):
+        raise
+    except Exception as e:
+        answer = hub_answer(error_chain(e), where, cfg.revision)      # the repo / revision / token, named
+        repo = hub_repo_of(path) if targets else None
+        if answer is None and repo is not None and _hub_not_found(e):
+            answer = probe_answer(repo, cfg.revision, where)
+        if answer is not None:
+            raise SourceError(answer) from None
+        answer = remote_answer(e)
+        if answer is not None:
+            raise SourceError(f"{_data_key(cfg)}: the object store refused ({answer})") from None
+        if isinstance(e, FileNotFoundError):
+            raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
+                              f"{cfg.data_files!r}: {e}") from None
+        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
+                          f"({type(e).__name__}: {e})") from None
+
+    resolved = builder.config.data_files
+    splits = [str(s) for s in (resolved if resolved else (builder.info.splits or {}))]
+    if splits and cfg.split not in splits:
+        raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
+    files = [str(f) for f in resolved[cfg.split]] if resolved else []
+    if resolved and not files:
+        why = _why_nothing_listed(flat_files(data_files), retry.storage_options)
+        raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
+                          f"split {cfg.split!r}" + (f" ({why})" if why else ""))
+    # hf:// files on a branch: read the commit it points to now, the same for every rank and restart
+    files = pin_commits(files, lambda repo, rev: retry.call(
+        lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
+    return builder, files
+
+
+def _data_dir(cfg: StreamConfig) -> dict:
+    """``data_dir`` in the fingerprint when set (fingerprints saved before the key still match)."""
+    return {"data_dir": cfg.data_dir} if cfg.data_dir is not None else {}
+
+
+def _hub_fingerprint(files: list[str]) -> dict:
+    """The Hub commits the files come from (a new commit on the repo is then a mismatch naming it)."""
+    commits = hub_commits(files)
+    return {"hub_commits": commits} if commits else {}
+
+
+def _data_key(cfg: StreamConfig) -> str:
+    """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
+    if cfg.data_files is not None:
+        return f"data.data_files {cfg.data_files!r}"
+    return f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+
+
+def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | None:
+    """Why an object-store pattern lists nothing, when the store says so: globbing hides a missing bucket
+    (s3fs lists it as empty), asking for the bucket itself does not. One request per bucket."""
+    import fsspec
+
+    buckets = {p.split("://", 1)[0] + "://" + p.split("://", 1)[1].split("/", 1)[0]
+               for p in patterns if is_remote(p) and p.split("://", 1)[0] in BUCKET_PROTOCOLS}
+    for bucket in sorted(buckets):
+        try:
+            fs, path = fsspec.core.url_to_fs(bucket, **protocol_options(storage_options, bucket))
+            fs.ls(path, detail=False)
+        except Exception as e:
+            return f"{bucket}: {remote_answer(e) or f'{type(e).__name__}: {e}'}"
+    return None
+
+
+def dataset_fingerprint(cfg: StreamConfig, builder: str | None, identities: list[dict],
+                        shards: list | None = None, **extra: Any) -> dict:
+    """What determines a source's content, the one place it is made: the config that names the data, the
+    builder, every file's identity (and the Hub commits they come from), the shard count and row counts;
+    ``extra``: what a reader adds (map-style: its row count and slice size)."""
+    local = cfg.backend == "local"     # a save_to_disk directory: no builder config, never streamed
+    fp: dict[str, Any] = {"dataset": cfg.dataset_name_or_path, "name": None if local else cfg.name,
+                          "split": cfg.split, "backend": cfg.backend, "streaming": False if local else cfg.streaming}
+    if builder is not None:
+        fp["builder"] = builder
+    fp["files"] = identities
+    if not local:
+        fp.update(_hub_fingerprint([i["path"] for i in identities]))
+        fp.update(_data_dir(cfg))
+    if shards is not None:
+        fp["num_shards"] = len(shards)
+        fp["shard_rows"] = _digest([s.num_rows for s in shards])
+    fp.update(extra)
+    return fp
+
+
+@dataclass
+class Resolved:
+    """A config's split, resolved: the files; the registered format that reads them (None: ``datasets``
+    does); ``datasets``' builder when it resolved them (None: explicit URLs or local parquet)."""
+
+    files: list[str]
+    format: registry.SourceFormat | None
+    builder: Any = None
+
+    @property
+    def features(self) -> Any:
+        return self.builder.info.features if self.builder is not None else None
+
+
+def resolve_split(cfg: StreamConfig, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
+    """The files of ``cfg``'s split: explicit http(s) URLs and local files of a registered format need no
+    ``datasets`` (nothing to resolve, or resolved by its rules without importing it); else ``datasets``
+    resolves them (hub ids, hf://, patterns, builder configs)."""
+    files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    if files is None and not targets:
+        files = resolve_local_parquet(cfg, path, data_files, registry.indexed_builders())
+    if files is not None:
+        return Resolved(files, registry.format_for_builder(path))
+    builder, files = resolve_files(cfg, path, data_files, targets, retry)
+    fmt = registry.format_for_builder(builder.name) if cfg.streaming and files else None
+    if fmt is not None and not fmt.load().indexable(builder):
+        fmt = None
+    return Resolved(files, fmt, builder)
+
+
+def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str], features, retry: RetryPolicy | None,
+                progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
+    """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the
+    reader's, from the first file). ``footers``: filled with what the reader read that it may reuse."""
+    reader = fmt.load()
+    known = hub_identities(files, retry)
+    known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
+    read: dict[str, bytes] = {}
+    entries = map_files(lambda f: reader.index_file(f, retry, known.get(f) or file_identity(f, retry), read),
+                        files, progress)
+    if features is None:
+        features = reader.features(files[0], read.get(files[0]))
+    if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:
+        footers.update((f, read[f]) for f in files if f in read)
+    index = make_index(cfg, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
+    index[registry.INDEX_READER_KEY] = fmt.name     # the format that reads it (absent in older ones: parquet)
+    return index
+
+
+def verified_index(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict | None:
+    """``index`` if it still describes the data: the same files (patterns and repositories are listed again
+    by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
+    given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
+    dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
+    path, data_files = builder_args(cfg)
+    targets = remote_targets(path, data_files)
+    retry = RetryPolicy(cfg, remote=bool(targets))
+    listed = [f["path"] for f in index["files"]]
+    reader = registry.format_of_index(index).load()
+    if explicit_urls(cfg, path, data_files) is None:
+        files = resolve_split(cfg, path, data_files, targets, retry).files
+        if files != listed:
+            if not given:
+                return None
+            added, removed = sorted(set(files) - set(listed)), sorted(set(listed) - set(files))
+            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
+            raise StreamMismatchError(
+                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
+                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
+                diffs or [("file order", listed, files)])
+
+    try:
+        known = hub_identities(listed, retry)       # Hub files: one batched request, not one per file
+    except SourceError:
+        known = {}                                   # asked file by file below, each error named
+
+    def now(entry: dict) -> dict:
+        try:
+            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
+        except SourceError as e:
+            return {"path": entry["path"], "error": str(e)}
+        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
+            ident.update(reader.local_check(entry["path"], ident, retry))
+        return ident
+
+    changes = changed_files(index, map_files(now, index["files"]))
+    if not changes:
+        return index
+    if given:
+        raise StreamMismatchError(
+            f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`):\n"
+            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    return None
