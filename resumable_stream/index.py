@@ -113,7 +113,7 @@ def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]
 
 def identity_of(entry: dict) -> dict[str, Any]:
     """The identity part of an index entry (what the stream fingerprint lists per file)."""
-    return {k: v for k, v in entry.items() if k not in ("row_groups", "footer_bytes")}
+    return {k: v for k, v in entry.items() if k not in ("row_groups", "footer_bytes", "samples", "shards", "shard_rule")}
 
 
 # ------------------------------------------------------------------------------ files
@@ -144,6 +144,14 @@ def _shape_problem(index: Any) -> str | None:
     files = index.get("files")
     if not isinstance(files, list) or not files:
         return "'files' is not a non-empty list"
+    if index.get("builder") == "webdataset":
+        from .sources.tar_index import entry_problem
+
+        for i, f in enumerate(files):
+            problem = entry_problem(f)
+            if problem:
+                return f"files[{i}]: {problem}"
+        return None
     for i, f in enumerate(files):
         # every number at most an int64 (is_int), a footer and the row groups inside the file
         ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
@@ -207,7 +215,7 @@ def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, A
     for entry, now in zip(index["files"], identities):
         saved = identity_of(entry)
         for key in sorted(set(saved) | set(now)):
-            if key == "footer" and key not in now:
+            if key in ("footer", "layout") and key not in now:
                 continue          # not re-read (remote file, no extra request): the ETag / size vouch for it
             if unreported_validator(key, saved, now):
                 continue

@@ -857,6 +857,10 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
     targets = remote_targets(path, data_files)
     retry = RetryPolicy(cfg, remote=bool(targets))
     if index is not None and cfg.streaming:
+        if index.get("builder") == "webdataset":      # a tar index (sources/webdataset.py)
+            from .sources import webdataset
+
+            return webdataset.open_indexed(cfg, index, retry, footers)
         return source_from_index(cfg, index, retry, footers)
     footers = {}
     files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
@@ -866,6 +870,11 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
     if files is not None:
         return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = resolve_files(cfg, path, data_files, targets, retry)
+    if cfg.streaming and builder.name == "webdataset" and files:   # tars read by byte ranges
+        from .sources import webdataset
+
+        index = webdataset.build_index(cfg, files, builder.info.features, retry, progress, footers)
+        return webdataset.open_indexed(cfg, index, retry, footers)
     if cfg.streaming and _indexable(builder, files):
         index = build_parquet_index(cfg, files, builder.info.features, retry, progress, footers)
         return source_from_index(cfg, index, retry, footers)

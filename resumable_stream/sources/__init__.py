@@ -1,0 +1,1 @@
+"""Readers of data formats we index ourselves (one module per format)."""
