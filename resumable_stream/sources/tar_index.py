@@ -115,7 +115,13 @@ def scan_tar(path: str, size: int, fetch: Callable[[int, int], bytes], chunk: in
             else:
                 samples.append([key, [[suffix, info.offset_data, info.size]]])
             if info.offset_data + info.size > size:
-                break                                        # a truncated last member: nothing after it
+                return samples                               # a truncated last member: nothing after it
+        # tarfile ends an archive quietly at a header it cannot parse: only zero blocks (or nothing) may follow
+        if tar.offset < size:
+            reader.seek(tar.offset)
+            if reader.read(BLOCK).strip(b"\0"):
+                raise SourceError(f"data file {path!r}: malformed tar header at byte {tar.offset} (not a tar "
+                                  "header, and not the end of the archive)")
     except SourceError:
         raise
     except (tarfile.TarError, EOFError, ValueError, UnicodeError) as e:

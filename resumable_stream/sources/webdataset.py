@@ -101,12 +101,14 @@ def infer_features(entry: dict, retry: RetryPolicy | None, max_member_bytes: int
     if not first:
         raise SourceError(f"data file {entry['path']!r}: holds no sample; the features are inferred from the "
                           "first tar's first samples")
-    examples = []
-    for i, bad in zip(first, _Reader(entry, retry, max_member_bytes).members(0, len(first))):
-        if bad[1] is not None:
+    items = []
+    for i, (files, why) in zip(first, _Reader(entry, retry, max_member_bytes).files(0, len(first))):
+        if why is not None:
             raise SourceError(f"data file {entry['path']!r}: sample {entry['samples'][i][0]!r}, read to infer the "
-                              f"features: {bad[1]}")
-        examples.append(bad[0])
+                              f"features: {why}")
+        items += files
+    # one pipeline over them, as the builder's: its examples' key order is the features' column order
+    examples = list(wds._get_pipeline_from_tar(entry["path"], iter(items)))
     if any(ex.keys() != examples[0].keys() for ex in examples):
         raise SourceError(f"data file {entry['path']!r}: its first samples do not have the same members (datasets "
                           "infers the features from them and refuses it too)")
@@ -170,33 +172,37 @@ class _Reader:
         options = self.retry.storage_options if self.retry else {}
         return read_range(path, start, end, options, self.entry)
 
-    def members(self, lo: int, hi: int) -> Iterator[tuple[dict | None, str | None]]:
-        """Per sample of [lo, hi): (the builder's example, None) or (None, why it is bad)."""
+    def files(self, lo: int, hi: int) -> Iterator[tuple[list, str | None]]:
+        """Per sample of [lo, hi): its members as (name, file) and None, or [] and why it is bad."""
         chunks = [(a, self._checked(a, b, lo, hi)) for a, b in self.spans(lo, hi)]
-        wds = _builder()
-        url = self.entry["path"]
         size = self.entry["size"]
         for key, members in self.entry["samples"][lo:hi]:
             items, why = [], None
             for suffix, offset, n in members:
+                ext = suffix.rsplit(".", 1)[-1].lower()
                 if n > self.max_bytes:
                     why = f"member .{suffix} of {n} bytes is over data.max_member_bytes ({self.max_bytes})"
-                    break
-                if offset + n > size:
+                elif offset + n > size:
                     why = f"member .{suffix} is cut short by the end of the tar ({size - offset} of {n} bytes)"
-                    break
-                ext = suffix.rsplit(".", 1)[-1].lower()
-                if ext in _REFUSED:
+                elif ext in _REFUSED:
                     why = f"member .{suffix}: {_REFUSED[ext]}"
+                if why is not None:
                     break
                 start, data = next((a, d) for a, d in chunks if a <= offset and offset + n <= a + len(d))
                 items.append((f"{key}.{suffix}", io.BytesIO(data[offset - start:offset - start + n])))
+            yield ([], why) if why is not None else (items, None)
+
+    def members(self, lo: int, hi: int) -> Iterator[tuple[dict | None, str | None]]:
+        """Per sample of [lo, hi): (the builder's example, None) or (None, why it is bad)."""
+        wds = _builder()
+        for items, why in self.files(lo, hi):
             if why is None:
                 try:
-                    example = next(iter(wds._get_pipeline_from_tar(url, iter(items))))
+                    yield next(iter(wds._get_pipeline_from_tar(self.entry["path"], iter(items)))), None
+                    continue
                 except Exception as e:   # a decoder's refusal: json, utf-8, int, npy, ...
                     why = f"a member does not decode ({type(e).__name__}: {str(e)[:200]})"
-            yield (None, why) if why is not None else (example, None)
+            yield None, why
 
     def _checked(self, start: int, end: int, lo: int, hi: int) -> bytes:
         """Bytes [start, end) whose member headers (of samples [lo, hi)) are the index's; one more read when
