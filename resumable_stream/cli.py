@@ -235,8 +235,15 @@ def cmd_index(args: argparse.Namespace) -> int:
     index = getattr(source, "index", None)
     if index is None:
         raise ConfigError(f"{args.config}: data.dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed")
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data and WebDataset tars are indexed")
     save_index(args.output, index)
+    if index["builder"] == "webdataset":        # tars (sources/webdataset.py): runs of samples, no row groups
+        summary = {"index": os.path.abspath(args.output), "files": len(index["files"]),
+                   "shards": sum(len(f["shards"]) for f in index["files"]),
+                   "samples": sum(len(f["samples"]) for f in index["files"]),
+                   "bytes": sum(f["size"] for f in index["files"]), "columns": list(index["features"])}
+        print(json.dumps(summary))
+        return 0
     groups = [rg for f in index["files"] for rg in f["row_groups"]]
     summary = {"index": os.path.abspath(args.output), "files": len(index["files"]), "row_groups": len(groups),
                "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),

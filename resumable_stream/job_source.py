@@ -133,7 +133,11 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
             ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
-        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
+        if not is_remote(entry["path"]) and "layout" in entry:
+            from .sources.webdataset import check_local       # a tar: its headers where the shards start
+
+            ident["layout"] = check_local(entry, retry)
+        elif not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
             # a local footer read costs no request: it catches a same-size, same-mtime rewrite
             try:
                 ident["footer"] = footer_digest(parquet_footer(entry["path"], ident["size"], retry))

@@ -175,23 +175,43 @@ def test_a_corrupt_or_truncated_member_is_a_bad_sample(tmp_path):
     assert len(rows) == 16
 
 
-def test_a_tar_whose_layout_changed_is_a_mismatch_naming_it(tmp_path):
-    path = write_tar(str(tmp_path / "a.tar"), text_samples(0, 10))
-    src = open_source(_cfg([path]))
+def _shift_members(path: str) -> None:
+    """Rewrite ``path`` with its members moved, same size and mtime: only the layout tells."""
     st = os.stat(path)
-    # same size and mtime, members shifted: the identity vouches for it, the headers do not
     samples = text_samples(0, 10)
     samples[0][1]["txt"] = b"longer text that moves every later member by a block" * 12
     samples[1][1]["txt"] = b""
-    data = open(write_tar(str(tmp_path / "b.tar"), samples), "rb").read()
+    data = open(write_tar(path + ".new", samples), "rb").read()
     with open(path, "r+b") as f:
         f.write(data[:st.st_size].ljust(st.st_size, b"\0"))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_tar_whose_layout_changed_is_a_mismatch_naming_it(tmp_path):
+    path = write_tar(str(tmp_path / "a.tar"), text_samples(0, 10))
+    src = open_source(_cfg([path]))
+    _shift_members(path)
     with pytest.raises(StreamMismatchError, match="a.tar.*member layout"):
         _rows(src)
     from resumable_stream.sources.webdataset import check_local
 
     assert check_local(src.index["files"][0], None).startswith("member layout changed")
+
+
+def test_cli_index_and_a_given_index_checked_against_the_tar(tmp_path, capsys):
+    files = [write_tar(str(tmp_path / f"t{i}.tar"), text_samples(i, 10)) for i in range(2)]
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data:\n  dataset_name_or_path: webdataset\n  data_files: {json.dumps(files)}\n")
+    idx = str(tmp_path / "index.json")
+    assert main(["index", str(cfg), "-o", idx]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples"] == 20 and summary["shards"] == 2 and summary["columns"][-2:] == ["__key__", "__url__"]
+    given = _cfg(files, index_path=idx)
+    assert [r["__key__"] for r in _take(ResumableStream(given), 20)] == [k for i in range(2)
+                                                                        for k, _ in text_samples(i, 10)]
+    _shift_members(files[1])
+    with pytest.raises(StreamMismatchError, match="t1.tar \\(layout\\)"):
+        ResumableStream(given)
 
 
 def test_a_malformed_header_is_a_source_error_naming_the_file(tmp_path):
