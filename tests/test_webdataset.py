@@ -248,3 +248,68 @@ def test_index_round_trip_and_forged_entries_are_refused(tmp_path):
     forged["files"][0]["samples"][1][1][0][1] = 10**12
     with pytest.raises(SourceError, match="files\\[0\\]"):
         decode_index(json.dumps(forged).encode(), "x")
+
+
+_READER = r"""
+import sys
+from resumable_stream import ResumableStream, StreamConfig
+cfg = StreamConfig.from_yaml(sys.argv[1])
+s = ResumableStream(cfg)
+if len(sys.argv) > 3:
+    s.load_sidecar(sys.argv[3])
+with open(sys.argv[2], "a") as log:
+    for n, row in enumerate(s, 1):
+        log.write(row["__key__"] + "\n")
+        if n % 10 == 0:
+            s.save_sidecar(f"{sys.argv[2]}.state")     # atomic: the old file or the new one
+            log.write("SAVED\n")
+        log.flush()
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_tar_resumes_exactly(tmp_path):
+    """A reader SIGKILLed at a random point resumes from its last saved state with exactly the samples an
+    uninterrupted run reads next."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import TEST_SEED
+
+    files = write_tars(tmp_path / "d", 3, 47)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"data:\n  dataset_name_or_path: webdataset\n  data_files: {json.dumps([str(f) for f in files])}\n"
+                   "  shuffle: true\n  buffer_size: 16\n  block_rows: 4\n")
+    reference = [r["__key__"] for r in _take(ResumableStream(StreamConfig.from_yaml(str(cfg))), 300)]
+    log = str(tmp_path / "log")
+    stop_at = random.Random(TEST_SEED).randrange(3, 12)       # saves before the kill
+    proc = subprocess.Popen([sys.executable, "-c", _READER, str(cfg), log])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(log) and open(log).read().count("SAVED") >= stop_at:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(10)
+    lines = open(log).read().split("\n")
+    last = max(i for i, x in enumerate(lines) if x == "SAVED")
+    before = [x for x in lines[:last] if x != "SAVED"]
+    assert len(before) >= 10 * stop_at
+    log2 = str(tmp_path / "log2")
+    resumed = subprocess.Popen([sys.executable, "-c", _READER, str(cfg), log2, log + ".state"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(log2) and open(log2).read().count("\n") >= 300 - len(before) + 40:
+                break
+            time.sleep(0.01)
+    finally:
+        resumed.kill()
+        resumed.wait(10)
+    after = [x for x in open(log2).read().split("\n") if x and x != "SAVED"]
+    assert before + after[:300 - len(before)] == reference, f"stop_at={stop_at} (RS_TEST_SEED={TEST_SEED})"
