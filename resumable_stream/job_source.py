@@ -134,7 +134,7 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
         if not is_remote(entry["path"]) and "layout" in entry:
-            from .sources.webdataset import check_local       # a tar: its headers where the shards start
+            from .sources.webdataset import check_local  # a tar: its headers where the shards start
 
             ident["layout"] = check_local(entry, retry)
         elif not is_remote(entry["path"]) and isinstance(ident.get("size"), int):

@@ -34,7 +34,7 @@ from ..hub import hub_commits
 from ..index import identity_of, make_index, map_files
 from ..metrics import record_row_group
 from ..prefetch import Prefetcher
-from ..ranged import WrongBytes, listed_identities, read_range
+from ..ranged import listed_identities, read_range
 from ..source import RetryPolicy, ShardInfo, Source, file_identity, hub_identities, prefetch_depth
 from . import tar_index
 
