@@ -83,3 +83,29 @@ def test_warmup_then_reading_makes_no_request(site, tmp_path):
     before = len(srv.requests)
     assert [r["__key__"] for r in _take(stream, 50)] == reference
     assert srv.requests[before:] == []                         # every sample came from the block cache
+
+
+@pytest.mark.slow
+def test_s3_tars_resume_exactly_as_local_ones(tmp_path, monkeypatch):
+    pytest.importorskip("s3fs")
+    from s3_server import S3Server
+
+    local = write_tars(tmp_path / "d", FILES, SAMPLES, mixed_samples)
+    with S3Server(readable=("data",)) as srv:
+        for key, value in srv.env().items():
+            monkeypatch.setenv(key, value)
+        s3 = srv.admin()
+        s3.create_bucket(Bucket="data")
+        for p in local:
+            s3.upload_file(p, "data", f"wds/{os.path.basename(p)}")
+        cfg = StreamConfig(dataset_name_or_path="webdataset", data_files="s3://data/wds/*.tar", shuffle=True,
+                           buffer_size=16, retry_backoff_s=0.05, timeout_s=10.0,
+                           storage_options={"endpoint_url": srv.endpoint})
+        reference = [r["__key__"] for r in _take(ResumableStream(_cfg(local, shuffle=True, buffer_size=16)), 90)]
+        s = ResumableStream(cfg)
+        assert [f["path"] for f in s.source.fingerprint["files"]] == [f"s3://data/wds/{os.path.basename(p)}"
+                                                                      for p in local]
+        head = [r["__key__"] for r in _take(s, 41)]
+        again = ResumableStream(cfg)
+        again.load_state_dict(s.state_dict())
+        assert head + [r["__key__"] for r in _take(again, 90 - 41)] == reference
