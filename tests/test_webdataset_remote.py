@@ -109,3 +109,26 @@ def test_s3_tars_resume_exactly_as_local_ones(tmp_path, monkeypatch):
         again = ResumableStream(cfg)
         again.load_state_dict(s.state_dict())
         assert head + [r["__key__"] for r in _take(again, 90 - 41)] == reference
+
+
+@pytest.mark.slow
+def test_hub_tars_are_pinned_indexed_and_resume_exactly(tmp_path):
+    from hub_server import HubServer, use_hub
+
+    src = tmp_path / "repo"
+    local = write_tars(src / "data", FILES, SAMPLES, mixed_samples)
+    (src / "README.md").write_text("# org/tars\n")
+    with HubServer(tmp_path / "hub-store") as srv:
+        srv.create_repo("org/tars")
+        commit = srv.commit("org/tars", directory=src, message="initial")
+        with use_hub(srv, tmp_path / "hf-home"):
+            cfg = StreamConfig(dataset_name_or_path="org/tars", data_files="data/*.tar", shuffle=True,
+                               buffer_size=16, prefetch_blocks=0)
+            s = ResumableStream(cfg)
+            assert s.source.fingerprint["builder"] == "webdataset"
+            assert s.source.fingerprint["hub_commits"] == {"org/tars": commit}
+            reference = [r["__key__"] for r in _take(ResumableStream(_cfg(local, shuffle=True, buffer_size=16)), 90)]
+            head = [r["__key__"] for r in _take(s, 29)]
+            again = ResumableStream(cfg)
+            again.load_state_dict(s.state_dict())
+            assert head + [r["__key__"] for r in _take(again, 90 - 29)] == reference
