@@ -313,3 +313,30 @@ def test_sigkill_mid_tar_resumes_exactly(tmp_path):
         resumed.wait(10)
     after = [x for x in open(log2).read().split("\n") if x and x != "SAVED"]
     assert before + after[:300 - len(before)] == reference, f"stop_at={stop_at} (RS_TEST_SEED={TEST_SEED})"
+
+
+@pytest.mark.slow          # trains a tiny model
+def test_format_vl_trains_on_tar_images_and_captions(tmp_path, capsys):
+    from test_vl_train import _edit
+    from training_helpers import write_vl_config
+    from wds_data import jpg, png
+
+    samples = [(f"v{i:03d}", {"jpg": jpg(i, 32), "txt": f"A colour square number {i}.".encode()}) for i in range(12)]
+    samples += [(f"w{i:03d}", {"png": png(i, 32), "json": json.dumps({"caption": f"square {i}"}).encode()})
+                for i in range(4)]
+    tars = [write_tar(str(tmp_path / "vl-0.tar"), samples[:12]), write_tar(str(tmp_path / "vl-1.tar"), samples[12:])]
+    config, out = write_vl_config(str(tmp_path), "run", max_steps=4, save_steps=2, per_device_train_batch_size=2)
+    _edit(config, dataset_name_or_path="webdataset", data_files=tars[:1], messages_column="txt",
+          images_column="jpg", id_column="__key__")
+    assert main(["train", config]) == 0, capsys.readouterr().err
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["step"] == 4 and last["data_examples"] == 8 and last["data_images"] == 8
+    with open(os.path.join(out, "consumed", "rank-00000.jsonl"), encoding="utf-8") as f:
+        keys = [k for line in f for k in json.loads(line)["samples"]]
+    assert len(keys) == 8 and all(str(k).startswith("v") for k in keys)
+    # .json members holding a caption, .png images
+    config2, out2 = write_vl_config(str(tmp_path), "run2", max_steps=2, save_steps=2, per_device_train_batch_size=2)
+    _edit(config2, dataset_name_or_path="webdataset", data_files=tars[1:], messages_column="json",
+          images_column="png", id_column="__key__")
+    assert main(["train", config2]) == 0, capsys.readouterr().err
