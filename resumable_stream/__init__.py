@@ -3,6 +3,7 @@
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, ResumableStreamError, SidecarError, SourceError, StreamMismatchError
 from .mixture import MixtureStream, open_stream
+from .sources import webdataset  # noqa: F401  (registers the indexed WebDataset tar format with source.py)
 from .stream import ResumableStream
 from .stream_base import Stream
 

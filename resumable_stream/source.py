@@ -64,6 +64,10 @@ KEPT_FOOTERS_MAX_BYTES = 64 << 20
 # Rows per Arrow table handed to the stream while reading a shard.
 READ_BATCH_ROWS = 8192
 
+# Formats a module of sources/ indexes and reads itself (builder name -> that module: build_index, open_indexed),
+# filled when the module is imported (the package's __init__ imports them), so this module never imports them.
+INDEXED_FORMATS: dict[str, Any] = {}
+
 _EXTENSION_BUILDERS = {
     ".parquet": "parquet", ".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json",
     ".csv": "csv", ".tsv": "csv", ".txt": "text", ".arrow": "arrow",
@@ -857,10 +861,9 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
     targets = remote_targets(path, data_files)
     retry = RetryPolicy(cfg, remote=bool(targets))
     if index is not None and cfg.streaming:
-        if index.get("builder") == "webdataset":      # a tar index (sources/webdataset.py)
-            from .sources import webdataset
-
-            return webdataset.open_indexed(cfg, index, retry, footers)
+        indexed = INDEXED_FORMATS.get(index.get("builder"))
+        if indexed is not None:
+            return indexed.open_indexed(cfg, index, retry, footers)
         return source_from_index(cfg, index, retry, footers)
     footers = {}
     files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
@@ -870,11 +873,10 @@ def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable
     if files is not None:
         return source_from_index(cfg, build_parquet_index(cfg, files, None, retry, progress, footers), retry, footers)
     builder, files = resolve_files(cfg, path, data_files, targets, retry)
-    if cfg.streaming and builder.name == "webdataset" and files:   # tars read by byte ranges
-        from .sources import webdataset
-
-        index = webdataset.build_index(cfg, files, builder.info.features, retry, progress, footers)
-        return webdataset.open_indexed(cfg, index, retry, footers)
+    indexed = INDEXED_FORMATS.get(builder.name) if cfg.streaming and files else None
+    if indexed is not None:
+        index = indexed.build_index(cfg, files, builder.info.features, retry, progress, footers)
+        return indexed.open_indexed(cfg, index, retry, footers)
     if cfg.streaming and _indexable(builder, files):
         index = build_parquet_index(cfg, files, builder.info.features, retry, progress, footers)
         return source_from_index(cfg, index, retry, footers)

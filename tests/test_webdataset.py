@@ -317,7 +317,7 @@ def test_sigkill_mid_tar_resumes_exactly(tmp_path):
 
 @pytest.mark.slow          # trains a tiny model
 def test_format_vl_trains_on_tar_images_and_captions(tmp_path, capsys):
-    from test_vl_train import _edit
+    import yaml
     from training_helpers import write_vl_config
     from wds_data import jpg, png
 
@@ -326,6 +326,12 @@ def test_format_vl_trains_on_tar_images_and_captions(tmp_path, capsys):
                 for i in range(4)]
     tars = [write_tar(str(tmp_path / "vl-0.tar"), samples[:12]), write_tar(str(tmp_path / "vl-1.tar"), samples[12:])]
     config, out = write_vl_config(str(tmp_path), "run", max_steps=4, save_steps=2, per_device_train_batch_size=2)
+    def _edit(path, **data):
+        doc = yaml.safe_load(open(path, encoding="utf-8"))
+        doc["data"].update(data)
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(doc, f)
+
     _edit(config, dataset_name_or_path="webdataset", data_files=tars[:1], messages_column="txt",
           images_column="jpg", id_column="__key__")
     assert main(["train", config]) == 0, capsys.readouterr().err

@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,15 @@ from ..index import identity_of, make_index, map_files
 from ..metrics import record_row_group
 from ..prefetch import Prefetcher
 from ..ranged import listed_identities, read_range
-from ..source import RetryPolicy, ShardInfo, Source, file_identity, hub_identities, prefetch_depth
+from ..source import (
+    INDEXED_FORMATS,
+    RetryPolicy,
+    ShardInfo,
+    Source,
+    file_identity,
+    hub_identities,
+    prefetch_depth,
+)
 from . import tar_index
 
 log = logging.getLogger(__name__)
@@ -388,3 +397,6 @@ def _numbered(runs: list) -> Iterator[tuple[int, Any]]:
 
 def open_indexed(cfg, index: dict, retry: RetryPolicy, footers: dict | None = None) -> WebDatasetSource:
     return WebDatasetSource(cfg, index, retry, footers)
+
+
+INDEXED_FORMATS.update(dict.fromkeys(BUILDERS, sys.modules[__name__]))
