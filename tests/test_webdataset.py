@@ -346,3 +346,26 @@ def test_format_vl_trains_on_tar_images_and_captions(tmp_path, capsys):
     _edit(config2, dataset_name_or_path="webdataset", data_files=tars[1:], messages_column="json",
           images_column="png", id_column="__key__")
     assert main(["train", config2]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow          # forks DataLoader workers
+def test_dataloader_workers_resume_exactly(tmp_path):
+    from resumable_stream.loader import StreamLoader
+
+    files = write_tars(tmp_path / "d", 3, 30, mixed_samples)
+    cfg = _cfg(files, shuffle=True, buffer_size=16)
+
+    def run(n, state=None):
+        loader = StreamLoader(ResumableStream(cfg, num_workers=2), batch_size=4, num_workers=2, prefetch_factor=2)
+        if state is not None:
+            loader.load_state_dict(state)
+        out = []
+        for batch in loader:
+            out += [r["__key__"] for r in batch]
+            if len(out) >= n:
+                break
+        return out, loader.state_dict()
+
+    head, state = run(40)
+    rest, _ = run(40, state)
+    assert head + rest == run(80)[0]
