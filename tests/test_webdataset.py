@@ -369,3 +369,4 @@ def test_dataloader_workers_resume_exactly(tmp_path):
     head, state = run(40)
     rest, _ = run(40, state)
     assert head + rest == run(80)[0]
+
