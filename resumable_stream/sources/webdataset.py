@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -55,13 +54,6 @@ EXTENSIONS = (".tar",)
 INFERENCE_SAMPLES = 5
 # Members never decoded here: datasets' decoder for them unpickles (torch.load).
 _REFUSED = {"pth": "a .pth member is a pickle; it is not decoded"}
-_bad_count = 0
-_bad_lock = threading.Lock()
-
-
-def bad_samples() -> int:
-    """Bad samples met by this process so far."""
-    return _bad_count
 
 
 def _builder():
@@ -102,7 +94,6 @@ def build_index(cfg, files: list[str], features, retry: RetryPolicy | None,
 def infer_features(entry: dict, retry: RetryPolicy | None, max_member_bytes: int):
     """The features datasets' webdataset builder infers from a tar's first samples (its _split_generators)."""
     import datasets
-    import pyarrow as pa
     from datasets.features.features import cast_to_python_objects
 
     wds = _builder()
@@ -242,9 +233,6 @@ class _Reader:
 
 
 def _bad(path: str, key: str, why: str) -> None:
-    global _bad_count
-    with _bad_lock:
-        _bad_count += 1
     log.warning("data file %r: sample %r is a bad sample (%s); its member columns are None", path, key, why)
 
 
