@@ -5,6 +5,7 @@ A directory save (what a checkpoint holds)::
     rank-00000.safetensors ... rank-NNNNN.safetensors   each rank's partitions (cursors, digests, carries)
     fingerprint.json                                    the dataset fingerprint, once (rank 0)
     index.json                                          the dataset index, once (rank 0; parquet sources)
+    index-<label>.json                                  a mixture's: each indexed source's, once (rank 0)
     manifest.json                                       rank 0, last: the files of this save and their digests
 
 A rank file holds its partitions and the digest of ``fingerprint.json``, so it is O(its partitions)
@@ -39,6 +40,7 @@ from .sidecar import (
     read_state_file,
     read_state_fingerprint,
     shared_file_name,
+    source_index_file_name,
     write_manifest,
     write_rank_file,
     write_state_file,
@@ -70,6 +72,9 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
         index = getattr(stream.source, "index", None)
         if index is not None:
             write_shared(path, "index", encode_index(index))
+        for label, source_index in getattr(stream.source, "indexes", {}).items():   # a mixture's, one per source
+            _write_once(path, f"index-{label}", source_index_file_name(label, generation_of(path) + 1),
+                        encode_index(source_index))
     if stream.world_size == 1 if manifest is None else manifest:
         finish(path, stream.world_size)
     return file
@@ -96,7 +101,13 @@ def finish(state_dir: str, world_size: int) -> str:
 def write_shared(state_dir: str, what: str, data: bytes) -> str:
     """The dataset's ``fingerprint`` or ``index`` for the next save into ``state_dir``: a link to the file this
     process last wrote with the same bytes when there is one (unchanged since), else written."""
-    target = os.path.join(state_dir, shared_file_name(what, generation_of(state_dir) + 1))
+    return _write_once(state_dir, what, shared_file_name(what, generation_of(state_dir) + 1), data)
+
+
+def _write_once(state_dir: str, what: str, name: str, data: bytes) -> str:
+    """``data`` as ``state_dir/name``: linked to the file of this ``what`` this process last wrote with the same
+    bytes when it is unchanged, else written."""
+    target = os.path.join(state_dir, name)
     key = (what, _digest(data))
     known = _written.get(key)
     if not (known is not None and _link(known, target)):

@@ -32,10 +32,11 @@ def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]
     return out
 
 
-def fingerprint_diff(saved: dict, now: dict, prefix: str = "",
-                     moves: list[tuple[list, list]] | None = None) -> list[tuple[str, Any, Any]]:
+def fingerprint_diff(saved: dict, now: dict, prefix: str = "", moves: list[tuple[list, list]] | None = None,
+                     source: str | None = None) -> list[tuple[str, Any, Any]]:
     """Every difference, named. Files under another root with the same relative paths are compared by
-    content identity (see relocation.py) and appended to ``moves`` when given."""
+    content identity (see relocation.py) and appended to ``moves`` when given. ``source``: the mixture source
+    being compared, named after each of its file differences."""
     out: list[tuple[str, Any, Any]] = []
     files_a, files_b = saved.get("files"), now.get("files")
     moved = isinstance(files_a, list) and isinstance(files_b, list) and is_relocation(files_a, files_b)
@@ -45,11 +46,13 @@ def fingerprint_diff(saved: dict, now: dict, prefix: str = "",
         a, b = saved.get(key), now.get(key)
         name = f"{prefix}{key}"
         if key == "files" and isinstance(a, list) and isinstance(b, list):
-            out.extend(relocated_files_diff(a, b) if moved else _files_diff(a, b))
+            files = relocated_files_diff(a, b) if moved else _files_diff(a, b)
+            out.extend(files if source is None else [(f"{w} of source {source!r}", x, y) for w, x, y in files])
         elif key == "dataset" and moved and isinstance(a, str) and isinstance(b, str):
             continue          # dataset_name_or_path names the old / new location of the same files
         elif isinstance(a, dict) and isinstance(b, dict):
-            out.extend(fingerprint_diff(a, b, prefix=f"{name}.", moves=moves))
+            out.extend(fingerprint_diff(a, b, prefix=f"{name}.", moves=moves,
+                                        source=str(key) if prefix == "sources." else source))
         elif a != b:
             out.append((name, a, b))
     return out

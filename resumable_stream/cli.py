@@ -168,10 +168,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
         index = None if saved is None else {
-            "file": manifest["index"]["file"], "files": len(saved["files"]),
-            "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+            "file": manifest["index"]["file"], "files": len(saved["files"]), **_index_units(saved)}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
+        if "indexes" in manifest:     # a mixture's, one per source: checked as a resume checks them
+            result["indexes"] = {}
+            for label, entry in manifest["indexes"].items():
+                saved = saved_index_file(state_dir, label)
+                result["indexes"][label] = {"file": entry["file"], "files": len(saved["files"]),
+                                            **_index_units(saved)}
         if picked is not None:   # say which one: the newest complete checkpoint of the run
             result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
@@ -198,10 +203,7 @@ def _parse_ranks(text: str) -> list[int] | None:
 def cmd_warmup(args: argparse.Namespace) -> int:
     from .cache.warmup import run_warmup
 
-    cfg = StreamConfig.from_yaml(args.config, args.overrides)
-    if not isinstance(cfg, StreamConfig):
-        raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) is not supported by warmup yet; "
-                          "training reads through data.cache_dir without it")
+    cfg = StreamConfig.from_yaml(args.config, args.overrides)     # a mixture: every source's blocks
     before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
@@ -218,38 +220,69 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from .index import save_index
-    from .source import open_source
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
-    if not isinstance(cfg, StreamConfig):
-        raise ConfigError(f"{args.config}: data.sources (a mixture of datasets) has no single index; write one "
-                          "config per source to index them")
+    if isinstance(cfg, StreamConfig):
+        index = _build_index(cfg, args, "data.")
+        save_index(args.output, index)
+        print(json.dumps(_index_summary(args.output, index)))
+        return 0
+    # a mixture: one index per source, OUTPUT/<label>.json (for data.sources[i].index_path); all built, then written
+    keys = [f"data.sources[{i}]." for i in range(len(cfg.sources))]
+    for scfg, key in zip(cfg.sources, keys):
+        _check_indexable(scfg, args, key)
+    indexes = [_build_index(scfg, args, key, label) for scfg, key, label in zip(cfg.sources, keys, cfg.labels)]
+    summary = {}
+    for label, index in zip(cfg.labels, indexes):
+        path = os.path.join(args.output, f"{label}.json")
+        save_index(path, index)
+        summary[label] = _index_summary(path, index)
+    print(json.dumps({"directory": os.path.abspath(args.output), "sources": summary}))
+    return 0
+
+
+def _check_indexable(cfg: StreamConfig, args: argparse.Namespace, key: str) -> None:
     if cfg.backend != "hf" or not cfg.streaming:
-        raise ConfigError(f"{args.config}: data.backend {cfg.backend!r} / data.streaming {cfg.streaming!r}: a dataset "
+        raise ConfigError(f"{args.config}: {key}backend {cfg.backend!r} / {key}streaming {cfg.streaming!r}: a dataset "
                           "index is for streamed parquet data (backend hf, streaming true)")
-    with tqdm(desc="indexing", unit="file", disable=args.no_progress, file=sys.stderr) as bar:
+
+
+def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: str | None = None) -> dict:
+    """The dataset index of ``cfg`` (``key``: its keys' prefix in errors, ``label``: its source's name)."""
+    from tqdm.auto import tqdm
+
+    from .source import open_source
+
+    _check_indexable(cfg, args, key)
+    desc = "indexing" if label is None else f"indexing {label}"
+    with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
         source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
     index = getattr(source, "index", None)
     if index is None:
-        raise ConfigError(f"{args.config}: data.dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data and WebDataset tars are indexed")
-    save_index(args.output, index)
+        raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data and WebDataset "
+                          "tars are indexed")
+    return index
+
+
+def _index_units(index: dict) -> dict:
+    """What an index cuts its files into: parquet row groups, or a WebDataset tar's shards (runs of samples)."""
+    if index["builder"] == "webdataset":
+        return {"shards": sum(len(f["shards"]) for f in index["files"])}
+    return {"row_groups": sum(len(f["row_groups"]) for f in index["files"])}
+
+
+def _index_summary(path: str, index: dict) -> dict:
     if index["builder"] == "webdataset":        # tars (sources/webdataset.py): runs of samples, no row groups
-        summary = {"index": os.path.abspath(args.output), "files": len(index["files"]),
-                   "shards": sum(len(f["shards"]) for f in index["files"]),
-                   "samples": sum(len(f["samples"]) for f in index["files"]),
-                   "bytes": sum(f["size"] for f in index["files"]), "columns": list(index["features"])}
-        print(json.dumps(summary))
-        return 0
+        return {"index": os.path.abspath(path), "files": len(index["files"]),
+                "shards": sum(len(f["shards"]) for f in index["files"]),
+                "samples": sum(len(f["samples"]) for f in index["files"]),
+                "bytes": sum(f["size"] for f in index["files"]), "columns": list(index["features"])}
     groups = [rg for f in index["files"] for rg in f["row_groups"]]
-    summary = {"index": os.path.abspath(args.output), "files": len(index["files"]), "row_groups": len(groups),
-               "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),
-               "columns": list(index["features"])}
-    print(json.dumps(summary))
-    return 0
+    return {"index": os.path.abspath(path), "files": len(index["files"]), "row_groups": len(groups),
+            "rows": sum(rg[0] for rg in groups), "bytes": sum(f["size"] for f in index["files"]),
+            "columns": list(index["features"])}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -341,11 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "response times, retries, cache) as JSON on stderr")
     warm.set_defaults(func=cmd_warmup)
 
-    idx = sub.add_parser("index", help="resolve a parquet dataset once and write its dataset index (files, "
-                                       "identities, row-group layout) for data.index_path")
+    idx = sub.add_parser("index", help="resolve a parquet dataset (or each source of a mixture) once and write its "
+                                       "dataset index (files, identities, row-group layout) for data.index_path")
     idx.add_argument("config", help="yaml file with a data: section")
     _add_overrides(idx, "data keys to override")
-    idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON)")
+    idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON); for a mixture a "
+                                                            "directory, one LABEL.json per source")
     idx.add_argument("--no-progress", action="store_true", help="no progress bar")
     idx.set_defaults(func=cmd_index)
 

@@ -287,7 +287,8 @@ MIXTURE_KEYS = ("sources", "stopping")
 # section's and applies to every source.
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
-               "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "weight", "label")
+               "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "index_path", "weight",
+               "label")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -342,6 +343,10 @@ class MixtureConfig:
             if s.resume_state_path is not None:
                 raise ConfigError(f"data.sources[{i}].resume_state_path: got {s.resume_state_path!r}; allowed: null "
                                   "(the mixture resumes as a whole from data.resume_state_path)")
+            if s.index_path is not None and s.index_path in [o.index_path for o in self.sources[:i]]:
+                j = [o.index_path for o in self.sources].index(s.index_path)
+                raise ConfigError(f"data.sources[{i}].index_path: got {s.index_path!r}, the index_path of "
+                                  f"data.sources[{j}] too; allowed: a file of its own (an index describes one dataset)")
             for key in _SHARED_KEYS:
                 if getattr(s, key) != getattr(first, key):
                     raise ConfigError(f"data.sources[{i}].{key}: got {getattr(s, key)!r}, data.sources[0] has "
@@ -389,10 +394,14 @@ class MixtureConfig:
             if key in data:
                 raise ConfigError(f"data.{key}: got {data[key]!r} next to data.sources; allowed: only inside each "
                                   f"source (data.sources[i].{key})")
+        if data.get("index_path") is not None:     # one file per dataset: each source names its own
+            raise ConfigError(f"data.index_path: got {data['index_path']!r} next to data.sources; allowed: null (a "
+                              "dataset index is per source: set data.sources[i].index_path)")
         shared = {k: v for k, v in data.items() if k not in MIXTURE_KEYS}
         # the shared keys, checked under their own names (a placeholder stands in for the dataset)
         StreamConfig.from_dict({**shared, "dataset_name_or_path": "-"}, extra_keys=extra_keys)
-        base = {k: v for k, v in shared.items() if k in StreamConfig.keys() and k != "resume_state_path"}
+        base = {k: v for k, v in shared.items() if k in StreamConfig.keys() and k not in ("resume_state_path",
+                                                                                        "index_path")}
         sources, weights, labels = [], [], []
         for i, entry in enumerate(raw):
             at = f"data.sources[{i}]"

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from .collectives import broadcast_bytes, shared_over_dist
-from .config import StreamConfig
+from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .index import (
     changed_files,
@@ -54,38 +54,64 @@ _ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatc
 def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
     """This rank's source of ``cfg``; ``state_path``: a checkpoint being resumed whose saved index may be
     used (default ``cfg.resume_state_path``)."""
-    if cfg.backend != "hf" or not cfg.streaming:
-        return open_source(cfg)
-    shared = shared_over_dist(rank, world_size)
+    return _open_shared([cfg], [None], rank, world_size, state_path or cfg.resume_state_path)[0]
+
+
+def open_job_sources(cfg: MixtureConfig, rank: int = 0, world_size: int = 1,
+                     state_path: str | None = None) -> list[Source]:
+    """This rank's sources of a mixture, one per ``cfg.sources``, each resolved and indexed once per job as
+    :func:`open_job_source` does for one dataset: the saved index of source ``label`` in ``state_path`` (default
+    ``cfg.resume_state_path``), its ``index_path``, else built; under ``torch.distributed`` by rank 0 only, all
+    sources' indexes broadcast in one message."""
+    return _open_shared(list(cfg.sources), list(cfg.labels), rank, world_size, state_path or cfg.resume_state_path)
+
+
+def _indexed(cfg: StreamConfig) -> bool:
+    """Whether ``cfg``'s source may have a dataset index (streamed through ``datasets``' resolution)."""
+    return cfg.backend == "hf" and cfg.streaming
+
+
+def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, world_size: int,
+                 state_path: str | None) -> list[Source]:
+    """The sources of ``cfgs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
+    shared = shared_over_dist(rank, world_size) and any(_indexed(c) for c in cfgs)
     if shared and rank != 0:
         message = json.loads(broadcast_bytes(None))
         if "error" in message:
             cls = _ERRORS.get(message["error"]["type"], SourceError)
             raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
-        index = message["index"]
-        footers = {p: base64.b64decode(f) for p, f in message.get("footers", {}).items()}
-        return open_source(cfg, index=index, footers=footers) if index is not None else open_source(cfg)
+        out = []
+        for c, entry in zip(cfgs, message["sources"]):
+            index = entry["index"] if _indexed(c) else None
+            footers = {p: base64.b64decode(f) for p, f in entry.get("footers", {}).items()}
+            out.append(open_source(c, index=index, footers=footers) if index is not None else open_source(c))
+        return out
     try:
-        src = _open_first(cfg, rank, state_path or cfg.resume_state_path)
+        sources = [_open_first(c, rank, state_path, label) if _indexed(c) else open_source(c)
+                   for c, label in zip(cfgs, labels)]
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
         raise
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
-        footers = {p: base64.b64encode(f).decode() for p, f in src.footers.items()}
-        broadcast_bytes(json.dumps({"index": getattr(src, "index", None), "footers": footers}).encode())
-    return src
+        entries = [{"index": getattr(src, "index", None),
+                    "footers": {p: base64.b64encode(f).decode() for p, f in src.footers.items()}} for src in sources]
+        broadcast_bytes(json.dumps({"sources": entries}).encode())
+    return sources
 
 
-def _open_first(cfg: StreamConfig, rank: int, state_path: str | None) -> Source:
-    """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved."""
+def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None) -> Source:
+    """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
+    ``label``: the mixture source whose index the checkpoint saved under that name."""
     index, where, given = None, None, False
-    saved = saved_index_file(state_path) if state_path else None
+    saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None:
-        index, where = saved, f"of {state_path!r}"
+        index, where = saved, f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
     elif cfg.index_path and os.path.isfile(cfg.index_path):
         index, where, given = load_index(cfg.index_path), repr(cfg.index_path), True
+        if label is not None:
+            where += f" (source {label!r})"
     if saved is not None and not same_resolution(index, cfg):
         index = None        # resolved afresh: the resume check then names what changed in the config
     if index is not None:
@@ -155,13 +181,14 @@ def _verified(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict |
     return None
 
 
-def saved_index_file(state_path: str) -> dict[str, Any] | None:
+def saved_index_file(state_path: str, label: str | None = None) -> dict[str, Any] | None:
     """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
-    checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too)."""
-    from .sidecar import MANIFEST, read_state_index, state_dir_of
+    checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too).
+    ``label``: that of the mixture source ``label`` instead of the single dataset's."""
+    from .sidecar import MANIFEST, read_source_index, read_state_index, state_dir_of
 
     state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
     if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
         return None
-    saved = read_state_index(state_dir)
+    saved = read_state_index(state_dir) if label is None else read_source_index(state_dir, label)
     return None if saved is None else decode_index(saved[1], repr(saved[0]))

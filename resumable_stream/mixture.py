@@ -41,13 +41,14 @@ import numpy as np
 
 from .cache.cached_source import with_block_cache
 from .config import MixtureConfig, StreamConfig
-from .errors import ConfigError, SidecarError, SourceError
+from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from .job_source import open_job_sources
 from .mixture_state import MixturePartitionState
 from .partition import MAX_EMPTY_EPOCHS
 from .plan import counter_hashes, derive_seed
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
-from .source import Source, open_source
+from .source import Source
 from .stream import ResumableStream
 from .stream_base import StreamBase
 
@@ -95,6 +96,11 @@ class MixtureSources:
     def fingerprint(self) -> dict[str, Any]:
         return {label: s.fingerprint for label, s in zip(self.labels, self.sources)}
 
+    @property
+    def indexes(self) -> dict[str, dict]:
+        """label -> dataset index of each indexed source (saved with checkpoints, one file per source)."""
+        return {label: s.index for label, s in zip(self.labels, self.sources) if getattr(s, "index", None) is not None}
+
     def stats(self) -> dict[str, Any]:
         """Block cache counters summed over the sources (one cache directory: its size counted once)."""
         total: dict[str, Any] = {}
@@ -129,14 +135,17 @@ class MixtureStream(StreamBase):
     state_type = MixturePartitionState
 
     def __init__(self, config: MixtureConfig, rank: int | None = None, world_size: int | None = None,
-                 num_workers: int = 0, sources: list[Source] | None = None):
+                 num_workers: int = 0, sources: list[Source] | None = None, index_from: str | None = None):
         if not isinstance(config, MixtureConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
         if sources is not None and len(sources) != len(config.sources):
             raise ConfigError(f"sources: got {len(sources)} opened sources for {len(config.sources)} in the config")
         super().__init__(config, rank, world_size, num_workers)
-        opened = [with_block_cache(sources[i] if sources is not None else open_source(scfg), scfg)
-                  for i, scfg in enumerate(config.sources)]
+        # each source opened once per process (every partition's view reads it) and resolved once per job;
+        # index_from: a checkpoint about to be resumed, whose saved indexes may be reused
+        if sources is None:
+            sources = open_job_sources(config, self.rank, self.world_size, index_from)
+        opened = [with_block_cache(src, scfg) for src, scfg in zip(sources, config.sources)]
         self.source = MixtureSources(opened, config.labels)
         self._probabilities = np.asarray(config.probabilities, dtype=np.float64)
         self._start()
@@ -228,6 +237,8 @@ class MixtureStream(StreamBase):
                 got[i] = False
             try:
                 sample, where = next(it)
+            except StreamMismatchError as e:     # e.g. a file changed under the run: say whose
+                raise StreamMismatchError(f"data.sources[{i}] ({self.config.labels[i]!r}): {e}", e.differences) from e
             except StopIteration:     # source i ended its epoch in this partition
                 pos.iters[i] = None
                 empty[i] = 0 if got[i] else empty[i] + 1
@@ -327,8 +338,9 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
                 num_workers: int = 0, index_from: str | None = None) -> ResumableStream | MixtureStream:
     """A :class:`MixtureStream` for a config with ``sources``, else a :class:`ResumableStream`.
-    ``index_from``: a checkpoint to be resumed whose saved dataset index a single stream reuses."""
+    ``index_from``: a checkpoint to be resumed whose saved dataset indexes the stream reuses."""
     if isinstance(config, MixtureConfig):
-        return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers)
+        return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
+                             index_from=index_from)
     return ResumableStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                            index_from=index_from)

@@ -76,6 +76,10 @@ _INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
 _FINGERPRINT_FILE = re.compile(r"^fingerprint(?:\.g[1-9]\d{0,8})?\.json$")
 # what a manifest may list beside the rank files: one file of each, confined to the state directory
 SHARED_FILES = {"index": (INDEX, _INDEX_FILE), "fingerprint": (FINGERPRINT, _FINGERPRINT_FILE)}
+# a mixture's: one dataset index per source, ``index-<label>.json`` (generation N: ``index.gN-<label>.json``, the
+# generation before the label so that a label with dots never reads as one), listed under the manifest's
+# ``indexes`` by label. Labels are config.py's (letters, digits, _ . -): never a path.
+_SOURCE_INDEX_FILE = re.compile(r"^index(?:\.g([1-9]\d{0,8}))?-([A-Za-z0-9_.-]{1,64})\.json$")
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
@@ -94,6 +98,21 @@ def shared_file_name(what: str, generation: int = 0) -> str:
     every rank (rank 0 writes it before the manifest)."""
     base = SHARED_FILES[what][0]
     return base if generation == 0 else f"{base[:-5]}.g{generation}.json"
+
+
+def source_index_file_name(label: str, generation: int = 0) -> str:
+    """The dataset index of mixture source ``label`` saved with a generation of the state (rank 0)."""
+    return f"index-{label}.json" if generation == 0 else f"index.g{generation}-{label}.json"
+
+
+def _source_index_files(state_dir: str, generation: int) -> dict[str, str]:
+    """label -> file name of the mixture source indexes of ``generation`` in ``state_dir``."""
+    out = {}
+    for name in _listdir(state_dir):
+        m = _SOURCE_INDEX_FILE.match(name)
+        if m is not None and int(m.group(1) or 0) == generation:
+            out[m.group(2)] = name
+    return out
 
 
 def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
@@ -474,12 +493,19 @@ def write_manifest(state_dir: str, world_size: int) -> str:
         if os.path.isfile(shared):
             data = _read_bytes(shared, f"dataset {what}", MAX_INDEX_BYTES)
             manifest[what] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    indexes = {}
+    for label, name in sorted(_source_index_files(state_dir, generation).items()):   # a mixture's, per source
+        data = _read_bytes(os.path.join(state_dir, name), f"dataset index of source {label!r}", MAX_INDEX_BYTES)
+        indexes[label] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    if indexes:
+        manifest["indexes"] = indexes
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    current = {e["file"] for e in files.values()} | {shared_file_name(w, generation) for w in SHARED_FILES}
+    current = ({e["file"] for e in files.values()} | {shared_file_name(w, generation) for w in SHARED_FILES}
+               | {e["file"] for e in indexes.values()})
     for name in _listdir(state_dir):   # the previous generation (and files of a save that was cut short)
-        if (_RANK_FILE.match(name) or any(rx.match(name) for _, rx in SHARED_FILES.values())) \
-                and name not in current:
+        if (_RANK_FILE.match(name) or any(rx.match(name) for _, rx in SHARED_FILES.values())
+                or _SOURCE_INDEX_FILE.match(name)) and name not in current:
             try:
                 os.unlink(os.path.join(state_dir, name))
             except OSError:
@@ -538,6 +564,18 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
             raise SidecarError(f"manifest {path!r}: corrupt field {what}: got {entry!r:.80}; allowed: a mapping with "
                                f"file ({base} or {base[:-5]}.gN.json in the same directory), bytes (an integer from "
                                f"0 to {MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
+    indexes = manifest.get("indexes", {})
+    if not isinstance(indexes, dict):
+        raise SidecarError(f"manifest {path!r}: corrupt field indexes: got {indexes!r:.80}; allowed: a mapping of "
+                           "mixture source labels to their index files")
+    for label, entry in indexes.items():
+        m = isinstance(entry, dict) and isinstance(entry.get("file"), str) and _SOURCE_INDEX_FILE.match(entry["file"])
+        if not (m and m.group(2) == label and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
+                and _is_hex(entry.get("blake2b"), 32)):
+            raise SidecarError(f"manifest {path!r}: corrupt field indexes[{label!r:.80}]: got {entry!r:.80}; allowed: "
+                               f"a mapping with file (index-<label>.json or index.gN-<label>.json of that label, in "
+                               f"the same directory), bytes (an integer from 0 to {MAX_INDEX_BYTES}) and blake2b "
+                               "(32 hex digits)")
     return manifest
 
 
@@ -545,13 +583,17 @@ def read_shared_file(state_dir: str, manifest: dict[str, Any], what: str) -> tup
     """(path, bytes) of the dataset ``index`` or ``fingerprint`` saved with the state in ``state_dir`` (None
     without one), checked against the manifest's entry: a file the manifest does not list, or that differs
     from its entry, is never used."""
-    entry = manifest.get(what)
+    return _read_listed(state_dir, manifest.get(what), f"dataset {what}")
+
+
+def _read_listed(state_dir: str, entry: dict[str, Any] | None, what: str) -> tuple[str, bytes] | None:
+    """(path, bytes) of the file a (checked) manifest entry names, if it matches the entry's size and digest."""
     if entry is None:
         return None
     file = os.path.join(state_dir, entry["file"])
-    data = _read_bytes(file, f"dataset {what}", MAX_INDEX_BYTES)
+    data = _read_bytes(file, what, MAX_INDEX_BYTES)
     if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
-        raise SidecarError(f"dataset {what} {file!r}: does not match its manifest entry (corrupt or overwritten)")
+        raise SidecarError(f"{what} {file!r}: does not match its manifest entry (corrupt or overwritten)")
     return file, data
 
 
@@ -576,6 +618,14 @@ def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
     """The dataset index saved with the state in ``state_dir`` (None without one), checked against the
     manifest's entry (:func:`read_shared_file`)."""
     return read_shared_file(state_dir, read_manifest(state_dir), "index")
+
+
+def read_source_index(state_dir: str, label: str, manifest: dict[str, Any] | None = None) -> tuple[str, bytes] | None:
+    """The dataset index of mixture source ``label`` saved with the state in ``state_dir`` (None without one:
+    a single dataset's state, or a mixture's written before mixtures saved their indexes), checked against the
+    manifest's entry."""
+    manifest = read_manifest(state_dir) if manifest is None else manifest
+    return _read_listed(state_dir, manifest.get("indexes", {}).get(label), f"dataset index of source {label!r}")
 
 
 def state_dir_of(path: str) -> str | None:

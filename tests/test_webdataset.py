@@ -209,6 +209,15 @@ def test_cli_index_and_a_given_index_checked_against_the_tar(tmp_path, capsys):
     given = _cfg(files, index_path=idx)
     assert [r["__key__"] for r in _take(ResumableStream(given), 20)] == [k for i in range(2)
                                                                         for k, _ in text_samples(i, 10)]
+    # a checkpoint's saved tar index: inspect names its shards
+    s = ResumableStream(given)
+    _take(s, 3)
+    state_dir = str(tmp_path / "ck" / "stream_state")
+    s.save_sidecar(state_dir)
+    write_manifest(state_dir, 1)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    assert json.loads(capsys.readouterr().out)["index"]["shards"] == 2
     _shift_members(files[1])
     with pytest.raises(StreamMismatchError, match="t1.tar \\(layout\\)"):
         ResumableStream(given)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..config import StreamConfig
+from ..config import MixtureConfig, StreamConfig
 from ..errors import ConfigError
 from ..source import Source, open_source
 from .cached_source import CachedSource
@@ -235,9 +235,45 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     """
     from ..stream import ResumableStream
 
+    t0 = time.perf_counter()
+    state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
+    cached = _open_cached(config, source, block_rows)
+    planner = _PlanningSource(cached)
+    written_before = cached.store.stats()["blocks_written"]
+    plain = config.replace(resume_state_path=None)
+    _trace(lambda rank: ResumableStream(plain, rank=rank, world_size=world_size, num_workers=num_workers,
+                                        source=planner), [planner], ranks, samples, state_path)
+    return _plan_of(planner, written_before, ranks, world_size, num_workers, samples, t0)
+
+
+def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int | None = None,
+                        ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
+                        sources: list[Source] | None = None, block_rows: int | None = None) -> list[WarmupPlan]:
+    """:func:`plan_warmup` of a mixture: one plan per source, of the blocks of it that the ranks' next
+    ``samples`` mixture samples read (the real mixture draws over every source's planning source). The
+    sources are opened as the job opens them (each source's saved or given index reused)."""
+    from ..job_source import open_job_sources
+    from ..mixture import MixtureStream
+
+    t0 = time.perf_counter()
+    state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
+    if not config.cache_dir:
+        _open_cached(config.sources[0], None, block_rows)       # the error naming data.cache_dir
+    opened = sources if sources is not None else open_job_sources(config, state_path=state_path)
+    cached = [_open_cached(scfg, src, block_rows) for scfg, src in zip(config.sources, opened)]
+    planners = [_PlanningSource(c) for c in cached]
+    written_before = [c.store.stats()["blocks_written"] for c in cached]
+    plain = config.replace(resume_state_path=None)
+    _trace(lambda rank: MixtureStream(plain, rank=rank, world_size=world_size, num_workers=num_workers,
+                                      sources=planners), planners, ranks, samples, state_path)
+    return [_plan_of(p, w, ranks, world_size, num_workers, samples, t0) for p, w in zip(planners, written_before)]
+
+
+def _topology(config: Any, samples: int, world_size: int | None, ranks: list[int] | None, num_workers: int | None,
+              state_path: str | None) -> tuple[str | None, int, int, list[int]]:
+    """(state path, world size, workers, ranks) of a warmup: as given, else the checkpoint's, else 1 rank."""
     if not (isinstance(samples, int) and samples >= 0):
         raise ConfigError(f"samples: got {samples!r}; allowed: an integer >= 0")
-    t0 = time.perf_counter()
     state_path = state_path or config.resume_state_path
     ck_world = ck_workers = None
     ck_ranks: list[int] | None = None
@@ -250,22 +286,31 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad or not ranks:
         raise ConfigError(f"ranks: got {ranks!r}; allowed: ranks in 0 .. {world_size - 1}")
+    return state_path, world_size, num_workers, ranks
 
-    cached = _open_cached(config, source, block_rows)
-    planner = _PlanningSource(cached)
-    written_before = cached.store.stats()["blocks_written"]
-    plain = config.replace(resume_state_path=None)
+
+def _trace(make_stream, planners: list[_PlanningSource], ranks: list[int], samples: int,
+           state_path: str | None) -> None:
+    """Run each rank's stream (``make_stream(rank)``, over ``planners``) for ``samples`` samples, from
+    ``state_path``'s cursors when given, stamping what each sample pulls with (sample index, rank)."""
     for rank in ranks:
-        stream = ResumableStream(plain, rank=rank, world_size=world_size, num_workers=num_workers, source=planner)
+        stream = make_stream(rank)
         if state_path:   # this rank's partitions, gathered from the old ranks' files after a topology change
             state, where = stream.read_sidecar(state_path)
             stream.load_state_dict(state, where, verify_next_sample=False)   # row numbers, not the samples
         it = iter(stream)
         for i in range(samples):
-            planner.clock = (i, rank)
+            for planner in planners:
+                planner.clock = (i, rank)
             next(it)
-        planner.clock = (samples, rank)
+        for planner in planners:
+            planner.clock = (samples, rank)
         stream.state_dict()          # a checkpoint right after the Nth sample reads the next window
+
+
+def _plan_of(planner: _PlanningSource, written_before: int, ranks: list[int], world_size: int, num_workers: int,
+             samples: int, t0: float) -> WarmupPlan:
+    cached = planner.cached
     cached.flush()                   # blocks of unknown-length shards read while planning
     blocks = [b for b, _ in sorted(planner.need.items(), key=lambda kv: (kv[1], kv[0]))]
     missing = [b for b in blocks if not cached.store.contains(*b)]
@@ -320,20 +365,38 @@ def fetch(plan: WarmupPlan, jobs: int = 8, progress: bool = True) -> tuple[int, 
     return written, nbytes, time.perf_counter() - t0
 
 
-def run_warmup(config: StreamConfig, samples: int, *, world_size: int | None = None,
+def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size: int | None = None,
                ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
                jobs: int = 8, progress: bool = True, source: Source | None = None,
                block_rows: int | None = None) -> WarmupResult:
-    """Plan (see :func:`plan_warmup`) and fetch. Warming a warm cache fetches nothing."""
-    plan = plan_warmup(config, samples, world_size=world_size, ranks=ranks, num_workers=num_workers,
-                       state_path=state_path, source=source, block_rows=block_rows)
-    written, nbytes, secs = fetch(plan, jobs=jobs, progress=progress)
-    store = plan.cached.store
-    not_cached = sum(not store.contains(*b) for b in plan.blocks)   # written, and still there (not evicted)
-    why = store.last_failure
-    if not_cached and why is None and nbytes > store.size_limit_bytes:
-        why = f"evicted: the plan is larger than data.cache_size_limit_gb ({store.size_limit_bytes / 2**30:g} GB)"
-    return WarmupResult(planned_blocks=len(plan.blocks), already_cached=len(plan.blocks) - len(plan.missing),
-                        fetched_blocks=written, fetched_bytes=nbytes, read_through_blocks=plan.read_through_blocks,
-                        plan_seconds=plan.seconds, fetch_seconds=secs, stats=plan.cached.stats(),
-                        not_cached=not_cached, why=why if not_cached else None)
+    """Plan (see :func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch. Warming a warm cache fetches
+    nothing. A mixture's result sums its sources'."""
+    keys = dict(world_size=world_size, ranks=ranks, num_workers=num_workers, state_path=state_path,
+                block_rows=block_rows)
+    if isinstance(config, MixtureConfig):
+        plans = plan_mixture_warmup(config, samples, **keys)
+    else:
+        plans = [plan_warmup(config, samples, source=source, **keys)]
+    fetched = [fetch(plan, jobs=jobs, progress=progress) for plan in plans]
+    planned = sum(len(p.blocks) for p in plans)
+    not_cached, why = 0, None
+    for plan, (_, nbytes, _) in zip(plans, fetched):
+        store = plan.cached.store
+        missed = sum(not store.contains(*b) for b in plan.blocks)   # written, and still there (not evicted)
+        not_cached += missed
+        if missed:
+            why = why or store.last_failure
+            if why is None and nbytes > store.size_limit_bytes:
+                why = (f"evicted: the plan is larger than data.cache_size_limit_gb "
+                       f"({store.size_limit_bytes / 2**30:g} GB)")
+    if len(plans) == 1:
+        stats = plans[0].cached.stats()
+    else:
+        from ..mixture import MixtureSources
+
+        stats = MixtureSources([p.cached for p in plans], config.labels).stats()
+    return WarmupResult(planned_blocks=planned, already_cached=planned - sum(len(p.missing) for p in plans),
+                        fetched_blocks=sum(f[0] for f in fetched), fetched_bytes=sum(f[1] for f in fetched),
+                        read_through_blocks=sum(p.read_through_blocks for p in plans),
+                        plan_seconds=max(p.seconds for p in plans), fetch_seconds=sum(f[2] for f in fetched),
+                        stats=stats, not_cached=not_cached, why=why if not_cached else None)

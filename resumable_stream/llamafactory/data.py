@@ -114,6 +114,12 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
         raise ConfigError(f"mix_strategy: got {strategy!r}; allowed: concat, {', '.join(_STRATEGIES)}")
     probs = data_args.interleave_probs or [1.0] * len(sources)
     mixture = [{**s, "label": label, "weight": float(p)} for s, label, p in zip(sources, labels, probs)]
+    index_dir = stream_keys.pop("index_path", None)
+    if index_dir is not None:
+        # several datasets: index_path is a directory of one index per source, as `resumable-stream index
+        # MIX.yaml -o DIR` writes it (a dataset index describes one dataset)
+        for s in mixture:
+            s["index_path"] = os.path.join(index_dir, f"{s['label']}.json")
     return ({"sources": mixture, "stopping": _STRATEGIES[strategy], **order, **stream_keys},
             dict(zip(labels, attrs)))
 

@@ -194,3 +194,26 @@ def test_eval_dataset_is_evaluated_by_llamafactory_during_and_after_training(ass
     assert_losses_equal(losses(cli_out), losses(our_out), 1e-6, "[train loss with evaluation]")
     with open(os.path.join(our_out, "all_results.json"), encoding="utf-8") as f:
         assert "eval_loss" in json.load(f)
+
+
+def test_index_path_with_several_datasets_is_a_directory_of_one_index_per_source(assets, tmp_path):
+    """A dataset index describes one dataset: with ``dataset: a,b`` interleaved, ``resumable_stream.index_path``
+    names the directory `resumable-stream index MIX.yaml -o DIR` writes (one ``<label>.json`` per source)."""
+    from types import SimpleNamespace
+
+    from llamafactory.hparams import DataArguments
+
+    from resumable_stream.config import StreamConfig
+    from resumable_stream.llamafactory.data import stream_section
+
+    _, data = assets
+    args = DataArguments(dataset="alpaca,sharegpt", dataset_dir=data, mix_strategy="interleave_under",
+                         interleave_probs="0.7,0.3")
+    index_dir = str(tmp_path / "indexes")
+    section, _ = stream_section(args, SimpleNamespace(seed=7), {"index_path": index_dir, "verify_files": False})
+    assert "index_path" not in section
+    assert [s["index_path"] for s in section["sources"]] == [os.path.join(index_dir, "alpaca.json"),
+                                                            os.path.join(index_dir, "sharegpt.json")]
+    cfg = StreamConfig.from_dict(section, extra_keys=())
+    assert [s.index_path for s in cfg.sources] == [os.path.join(index_dir, "alpaca.json"),
+                                                  os.path.join(index_dir, "sharegpt.json")]
