@@ -168,13 +168,19 @@ class IndexedReader:
         """The features of the data when ``datasets`` gives none (``Features.to_dict()`` form)."""
         raise SourceError(f"data file {path!r}: its features are unknown")
 
+    def infer_features(self, cfg: Any, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
+        """What ``build_index`` asks when ``datasets`` gives no features: the first file's entry, its raw
+        metadata (``footers``), the config and the retries. By default :meth:`features` of its path and
+        metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
+        return self.features(entry["path"], footer)
+
     def entry_problem(self, entry: dict) -> str | None:
         """What is wrong with an index entry read from disk (a forged or damaged index), None if nothing."""
         return None
 
-    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         """Identity fields beyond size and mtime that a local file is checked on at resume (it costs no
-        request), compared with the entry's; {}: none."""
+        request), compared with the entry's (``entry``: the index's, its layout says where to look); {}: none."""
         return {}
 
     def indexable(self, builder: Any) -> bool:

@@ -96,7 +96,7 @@ class ParquetReader(IndexedReader):
                       and rg[1] <= rg[2] <= entry["size"] for rg in entry["row_groups"]))
         return None if ok else "malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
 
-    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         # a local footer read costs no request: it catches a same-size, same-mtime rewrite
         try:
             return {"footer": footer_digest(parquet_footer(path, identity["size"], retry))}

@@ -284,6 +284,19 @@ def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | 
 
 
 # ---------------------------------------------------------------------------------------------- the transform
+def _as_messages(value: Any, images: int) -> Any:
+    """A WebDataset sample's text as messages: a ``.txt`` caption (or a ``.json`` member holding ``messages``, a
+    ``caption`` or a ``text``) becomes a user turn of the images' placeholders and an assistant turn of the text.
+    Anything else is returned as it is (checked by the caller)."""
+    if isinstance(value, dict):
+        if isinstance(value.get("messages"), list):
+            return value["messages"]
+        value = next((value[k] for k in ("caption", "text") if isinstance(value.get(k), str)), value)
+    if isinstance(value, str):
+        return [{"role": "user", "content": PLACEHOLDER * images}, {"role": "assistant", "content": value}]
+    return value
+
+
 class VLProcessor:
     """Turns raw VL rows into model inputs with labels; see the module docstring."""
 
@@ -482,6 +495,10 @@ class VLProcessor:
         """Checked messages in HF's structured content form, and the raw image values."""
         col, icol = self.cfg.messages_column, self.cfg.images_column
         msgs = sample.get(col) if isinstance(sample, dict) else None
+        images = sample.get(icol) if isinstance(sample, dict) else None
+        if isinstance(images, (dict, bytes)):
+            images = [images]            # one image value: a WebDataset member (.jpg / .png / .webp)
+        msgs = _as_messages(msgs, 0 if images is None else len(images))
         if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
             self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
             return None
@@ -507,7 +524,6 @@ class VLProcessor:
                    for m in conversation):
             self._empty(key, f"column data.messages_column {col!r} has no assistant turn with content")
             return None
-        images = sample.get(icol)
         images = [] if images is None else images
         if not isinstance(images, (list, tuple)):
             raise TransformError(f"sample {key!r}: column data.images_column {icol!r} holds {type(images).__name__}, "
