@@ -100,6 +100,48 @@ def test_resume_at_any_sample_inside_a_tar(tmp_path):
         assert head + [r["__key__"] for r in _take(again, 111 - k)] == full
 
 
+def _resume_reads(tmp_path, monkeypatch, k: int, **kw) -> tuple[list[str], list[str], int]:
+    """Keys of a whole epoch, keys after a resume at ``k`` and the tar bytes that resume read."""
+    import resumable_stream.sources.webdataset as wds
+
+    monkeypatch.setattr(tar_index, "SHARD_MAX_SAMPLES", 16)
+    files = write_tars(tmp_path / "d", 2, 40)
+    cfg = _cfg(files, shuffle=True, buffer_size=12, interleave_shards=2, **kw)
+    full = [r["__key__"] for r in _take(ResumableStream(cfg), 80)]
+    s = ResumableStream(cfg)
+    _take(s, k)
+    state = s.state_dict()
+    s.close()
+    reads: list[tuple[int, int]] = []
+    real = wds.read_range
+    monkeypatch.setattr(wds, "read_range", lambda p, a, b, *x: reads.append((a, b)) or real(p, a, b, *x))
+    again = ResumableStream(cfg)
+    again.load_state_dict(state)
+    rest = [r["__key__"] for r in _take(again, 80 - k)]
+    again.close()
+    return full, full[:k] + rest, sum(b - a for a, b in reads)
+
+
+@pytest.mark.parametrize("k", [5, 21, 50])
+def test_a_resumed_shard_is_fetched_ahead_from_its_row_only(tmp_path, monkeypatch, k):
+    """With prefetch on, a shard reopened mid-way on resume is fetched from the sample it resumes at: the
+    same bytes as reading it without prefetch, not its whole run; the samples are the same."""
+    full, resumed, ahead = _resume_reads(tmp_path / "on", monkeypatch, k)
+    _, plain, direct = _resume_reads(tmp_path / "off", monkeypatch, k, prefetch_blocks=0)
+    assert resumed == plain == full
+    assert ahead == direct
+
+
+def test_a_resumed_shard_fetched_ahead_fills_the_block_cache_right(tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    full, resumed, _ = _resume_reads(tmp_path / "a", monkeypatch, 21, cache_dir=cache, block_rows=4)
+    assert resumed == full
+    # the blocks a resume stored (from the block of its row on) serve a later read of the whole epoch
+    files = [str(tmp_path / "a" / "d" / f"shard-{f:03d}.tar") for f in range(2)]
+    warm = _cfg(files, shuffle=True, buffer_size=12, interleave_shards=2, cache_dir=cache, block_rows=4)
+    assert [r["__key__"] for r in _take(ResumableStream(warm), 80)] == full
+
+
 def test_elastic_resume_on_another_rank_count(tmp_path):
     files = write_tars(tmp_path / "d", 4, 20)
     cfg = _cfg(files, shuffle=True, buffer_size=8, num_partitions=4, elastic=True)

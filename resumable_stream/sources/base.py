@@ -59,8 +59,10 @@ class Source:
         """The raw file metadata this source read (path -> bytes: parquet footers), to share with other ranks."""
         return {}
 
-    def prefetch(self, partition: int, shards: list[int]) -> None:
-        """The plan says ``partition`` opens ``shards`` next, in this order (a hint; ignoring it is fine)."""
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order (a hint; ignoring it is fine).
+        ``starts``: shard -> the row a shard is reopened at (a resume inside it; absent: row 0). A fetch
+        ahead may start there; a read from an earlier row must then not use it."""
 
     def prefetch_ahead(self, partition: int) -> int:
         """How many of ``partition``'s next shards are worth hinting now."""

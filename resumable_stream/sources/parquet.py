@@ -163,8 +163,9 @@ class ParquetSource(RetriedSource):
         """Row groups fetched ahead per partition (0: no prefetch)."""
         return self._prefetch.depth if self._prefetch is not None else 0
 
-    def prefetch(self, partition: int, shards: list[int]) -> None:
-        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them (whole: a
+        row group is one read and one decode, ``starts`` does not shorten it)."""
         if self._prefetch is not None:
             self._prefetch.hint(partition, shards)
 

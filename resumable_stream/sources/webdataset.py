@@ -235,6 +235,7 @@ class WebDatasetSource(Source):
                                                self.shards, max_member_bytes=cfg.max_member_bytes)
         self.column_names = list(self._features_dict)
         self._prefetch: Prefetcher | None = None
+        self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
         depth = prefetch_depth(cfg, retry.remote)
         if depth is None or depth > 0:
             budget = None if cfg.prefetch_memory_mb is None else int(cfg.prefetch_memory_mb * 2**20)
@@ -264,8 +265,13 @@ class WebDatasetSource(Source):
     def prefetch_depth(self) -> int:
         return self._prefetch.depth if self._prefetch is not None else 0
 
-    def prefetch(self, partition: int, shards: list[int]) -> None:
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that sample on: a resume inside a
+        shard fetches none of the samples before it (``_first_table`` uses a fetch that starts at or before
+        the row it reads from, any other is read afresh)."""
         if self._prefetch is not None:
+            starts = starts or {}
+            self._starts.update((s, starts.get(s, 0)) for s in shards)
             self._prefetch.hint(partition, shards)
 
     def prefetch_ahead(self, partition: int) -> int:
@@ -275,11 +281,17 @@ class WebDatasetSource(Source):
         return self._prefetch.stats() if self._prefetch is not None else {}
 
     def _shard_bytes(self, shard: int) -> int:
+        """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
         f, a, b = self._runs[shard]
+        a += min(self._starts.get(shard, 0), b - a)
         return sum(end - start for start, end in _Reader(self._files[f], None, self._max_bytes).spans(a, b))
 
     def _fetch_shard(self, shard: int) -> pa.Table:
-        table = self._table(shard, 0)
+        """A fetch ahead: the samples from the hinted start on (its row count says where it starts)."""
+        return self._read_from(shard, self._starts.get(shard, 0))
+
+    def _read_from(self, shard: int, start_row: int) -> pa.Table:
+        table = self._table(shard, start_row)
         record_row_group(table.num_rows)
         return table
 
@@ -327,14 +339,17 @@ class WebDatasetSource(Source):
         if ahead is not None:
             try:
                 table = ahead.result()
-                return table.slice(start_row) if start_row else table
             except ResumableStreamError:       # its bytes failed the checks twice: a third read is not due
                 raise
             except Exception:                  # a network fault ahead: read it here, under the retries
-                pass
-        if start_row == 0:
-            return self._fetch_shard(shard)
-        return self._table(shard, start_row)   # a resume inside the shard: only the samples from there
+                table = None
+            if table is not None:
+                # a shard's row count never changes (a bad sample is a row): the fetch started at `first`
+                first = self.shards[shard].num_rows - table.num_rows
+                if first <= start_row:
+                    return table.slice(start_row - first) if start_row > first else table
+                # it starts after the row asked for (another reader's hint): read from the row here
+        return self._read_from(shard, start_row)   # inside the shard: only the samples from there
 
 
 def _numbered(runs: list) -> Iterator[tuple[int, Any]]:
