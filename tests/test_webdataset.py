@@ -37,7 +37,8 @@ def _datasets_rows(files) -> tuple[list[dict], object]:
     import datasets
 
     ds = datasets.load_dataset("webdataset", data_files=[str(f) for f in files], split="train", streaming=True)
-    return list(ds.decode(False)), ds.features
+    # as ours come: with the column that marks a bad sample (None: every one of them is whole)
+    return [{**row, "__bad_sample__": None} for row in ds.decode(False)], ds.features
 
 
 def test_peek_reads_tars_of_txt_and_json_members(tmp_path, capsys):
@@ -58,7 +59,7 @@ def test_samples_equal_datasets_row_by_row(tmp_path):
     src = open_source(_cfg(files))
     expected, features = _datasets_rows(files)
     assert src.features == features
-    assert src.column_names == list(features)
+    assert src.column_names == [*features, "__bad_sample__"]
     got = _rows(src)
     assert len(got) == len(expected) == 80
     for ours, theirs in zip(got, expected):
@@ -195,13 +196,16 @@ def test_a_member_over_max_member_bytes_is_a_bad_sample_never_read(tmp_path, mon
     monkeypatch.setattr(wds, "read_range", lambda p, a, b, *x: reads.append((a, b)) or real(p, a, b, *x))
     rows = _rows(src)
     assert [r["txt"] for r in rows][5] == "text 0 5" and rows[7]["txt"] == "text 0 7"
-    assert rows[6] == {"__key__": "f0/s00006", "__url__": path, "txt": None, "json": None}
+    assert rows[6] == {"__key__": "f0/s00006", "__url__": path, "txt": None, "json": None, "__bad_sample__":
+                       f"data file {path!r}: sample 'f0/s00006': member .txt of 5000 bytes is over "
+                       "data.max_member_bytes (4096)"}
     assert not any(a < big[1] + big[2] and big[1] < b for a, b in reads)   # its bytes were never fetched
     with pytest.raises(ConfigError, match="data.max_member_bytes"):
         _cfg([path], max_member_bytes=0)
 
 
-def test_a_corrupt_or_truncated_member_is_a_bad_sample(tmp_path):
+def _bad_tars(tmp_path) -> tuple[str, str, list[dict]]:
+    """A tar whose sample 6 has broken json and a copy cut short inside its last member; their rows."""
     samples = text_samples(0, 8)
     samples[6][1]["json"] = b"{not json"
     path = write_tar(str(tmp_path / "bad.tar"), samples)
@@ -210,10 +214,45 @@ def test_a_corrupt_or_truncated_member_is_a_bad_sample(tmp_path):
     cut = str(tmp_path / "cut.tar")
     with open(cut, "wb") as f:
         f.write(data[:last[1] + 3])                       # the last member cut short
-    rows = _rows(open_source(_cfg([path, cut])))
+    return path, cut, _rows(open_source(_cfg([path, cut])))
+
+
+def test_a_corrupt_or_truncated_member_is_a_bad_sample(tmp_path):
+    path, cut, rows = _bad_tars(tmp_path)
     assert rows[6]["json"] is None and rows[6]["txt"] is None and rows[5]["json"] == {"i": 5, "file": 0}
     assert rows[8 + 7]["json"] is None and rows[8 + 5]["txt"] == "text 0 5"
     assert len(rows) == 16
+    # the row says why, naming the tar, the key and the member; the good ones say nothing
+    assert rows[6]["__bad_sample__"].startswith(f"data file {path!r}: sample 'f0/s00006': member .json does "
+                                                "not decode (")
+    assert rows[15]["__bad_sample__"] == (f"data file {cut!r}: sample 'f0/s00007': member .json is cut short "
+                                          "by the end of the tar (3 of 19 bytes)")
+    assert [i for i, r in enumerate(rows) if r["__bad_sample__"] is not None] == [6, 8 + 6, 15]   # cut: a copy
+
+
+def test_a_bad_tar_member_follows_data_bad_sample(tmp_path):
+    """The transform applies data.bad_sample to the marked row: 'skip' counts it and goes on, 'error' raises
+    the source's reason (tar, key, member), not an empty text column."""
+    from transformers import AutoTokenizer
+
+    from resumable_stream.transforms.config import TransformConfig
+    from resumable_stream.transforms.errors import TransformError
+    from resumable_stream.transforms.text import TextProcessor
+
+    path, cut, rows = _bad_tars(tmp_path)
+    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples",
+                                                     "tiny", "tokenizer"))
+    cfg = TransformConfig(text_column="txt", max_seq_len=64, empty="error")
+    skip = TextProcessor(tok, cfg.replace(bad_sample="skip"))
+    for i, row in enumerate(rows):
+        skip.feed(row, f"0:{i}")
+    assert skip.stats()["skipped_bad"] == 3 and skip.stats()["examples"] == 13
+    for bad, tar, member in ((6, path, ".json does not decode"), (15, cut, ".json is cut short")):
+        strict = TextProcessor(tok, cfg.replace(bad_sample="error"))
+        with pytest.raises(TransformError) as e:
+            strict.feed(rows[bad], f"0:{bad}")
+        assert f"data file {tar!r}" in str(e.value) and f"member {member}" in str(e.value)
+        assert "data.bad_sample is 'error'" in str(e.value) and "empty" not in str(e.value)
 
 
 def _shift_members(path: str) -> None:

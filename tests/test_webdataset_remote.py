@@ -51,6 +51,7 @@ def test_http_samples_equal_datasets_row_by_row(site):
     ours = [r for s in range(len(src.shards)) for t in src.read(s) for r in t.to_pylist()]
     theirs = list(datasets.load_dataset("webdataset", data_files=urls, split="train", streaming=True).decode(False))
     assert len(ours) == len(theirs) == FILES * SAMPLES
+    assert all(a.pop("__bad_sample__") is None for a in ours)       # every sample read whole
     assert all(a == {k: b[k] for k in a} for a, b in zip(ours, theirs))
 
 

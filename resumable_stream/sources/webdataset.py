@@ -9,9 +9,10 @@ compressed members), then filled and wrapped as its ``_generate_examples`` does 
 dataset's features, so they come out as ``load_dataset("webdataset", ..., streaming=True)`` gives them.
 
 A bad sample (a member over the limit, cut short by the end of the tar, or that its decoder refuses) comes
-out with every member column None (``__key__`` and ``__url__`` kept) and a warning naming the file, key and
-member: the row count of a shard never changes, and the transform's ``data.bad_sample`` decides about a row
-without content.
+out with every member column None (``__key__`` and ``__url__`` kept) and the column ``__bad_sample__``
+(:data:`~resumable_stream.errors.BAD_SAMPLE_COLUMN`; None in a good row) saying why, naming the tar, the key
+and the member: the row count of a shard never changes, and the transform's ``data.bad_sample`` skips the row
+or raises that reason.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import ResumableStreamError, SourceError, StreamMismatchError
+from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
 from ..index import identity_of
 from ..metrics import record_row_group
 from ..prefetch import Prefetcher
@@ -171,13 +172,14 @@ class _Reader:
     def members(self, lo: int, hi: int) -> Iterator[tuple[dict | None, str | None]]:
         """Per sample of [lo, hi): (the builder's example, None) or (None, why it is bad)."""
         wds = _builder()
-        for items, why in self.files(lo, hi):
+        for (key, _), (items, why) in zip(self.entry["samples"][lo:hi], self.files(lo, hi)):
             if why is None:
                 try:
                     yield next(iter(wds._get_pipeline_from_tar(self.entry["path"], iter(items)))), None
                     continue
                 except Exception as e:   # a decoder's refusal: json, utf-8, int, npy, ...
-                    why = f"a member does not decode ({type(e).__name__}: {str(e)[:200]})"
+                    why = f"{_culprit(wds, self.entry['path'], key, items)} does not decode ({type(e).__name__}: " \
+                          f"{str(e)[:200]})"
             yield None, why
 
     def _checked(self, start: int, end: int, lo: int, hi: int) -> bytes:
@@ -208,8 +210,22 @@ class _Reader:
         return None
 
 
-def _bad(path: str, key: str, why: str) -> None:
-    log.warning("data file %r: sample %r is a bad sample (%s); its member columns are None", path, key, why)
+def _culprit(wds, path: str, key: str, items: list) -> str:
+    """Which member of sample ``key`` its decoders refuse (each decoded alone; "a member": none alone)."""
+    for name, file in items:
+        file.seek(0)
+        try:
+            list(wds._get_pipeline_from_tar(path, iter([(name, file)])))
+        except Exception:
+            return f"member .{name[len(key) + 1:]}"
+    return "a member"
+
+
+def _bad(path: str, key: str, why: str) -> str:
+    """The reason a bad sample's row carries (``__bad_sample__``), logged too."""
+    reason = f"data file {path!r}: sample {key!r}: {why}"
+    log.warning("%s; a bad sample, its member columns are None", reason)
+    return reason
 
 
 class WebDatasetSource(Source):
@@ -233,7 +249,7 @@ class WebDatasetSource(Source):
         self.fingerprint = dataset_fingerprint(cfg, index["builder"],
                                                [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
                                                self.shards, max_member_bytes=cfg.max_member_bytes)
-        self.column_names = list(self._features_dict)
+        self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
         self._prefetch: Prefetcher | None = None
         self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
         depth = prefetch_depth(cfg, retry.remote)
@@ -301,11 +317,11 @@ class WebDatasetSource(Source):
         entry = self._files[f]
         features = self.features
         media = [k for k, v in features.items() if type(v).__name__ in ("Image", "Audio", "Video", "Mesh")]
-        rows = []
+        rows, bad = [], []
         reader = _Reader(entry, self._policy, self._max_bytes)
         for (key, _), (example, why) in zip(entry["samples"][a + start_row:b], reader.members(a + start_row, b)):
+            bad.append(None if why is None else _bad(entry["path"], key, why))
             if why is not None:
-                _bad(entry["path"], key, why)
                 example = {"__key__": key, "__url__": entry["path"]}
             for field in features:                     # as the builder's _generate_examples fills them
                 example.setdefault(field, None)
@@ -313,7 +329,8 @@ class WebDatasetSource(Source):
                 if example[field] is not None:
                     example[field] = {"path": f"{example['__key__']}.{field}", "bytes": example[field]}
             rows.append(features.encode_example(example))
-        return pa.Table.from_pylist(rows, schema=features.arrow_schema)
+        table = pa.Table.from_pylist(rows, schema=features.arrow_schema)
+        return table.append_column(pa.field(BAD_SAMPLE_COLUMN, pa.string()), pa.array(bad, pa.string()))
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SidecarError, SourceError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError
 from ..safe_io import FileRefused, read_regular_file
 from ..sources.net import HttpAnswer, RetryPolicy, fetch_url
 from .config import TransformConfig
@@ -72,8 +72,9 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = "<image>"
 STATE_VERSION = 1
 STAT_KEYS = ("samples", "examples", "images", "skipped_empty", "skipped_image", "skipped_mismatch",
-             "skipped_processor", "dropped_overlong", "skipped_map", "dropped_by_map")
-_LATER_STATS = ("skipped_map", "dropped_by_map")    # absent from the states of earlier versions
+             "skipped_processor", "dropped_overlong", "skipped_map", "dropped_by_map", "skipped_bad")
+# absent from the states of earlier versions
+_LATER_STATS = ("skipped_map", "dropped_by_map", "skipped_bad")
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
@@ -349,6 +350,14 @@ class VLProcessor:
         runs first; every row it returns is encoded now (so what is not yet taken is in ``state()``)."""
         key = str(key)
         self._stats["samples"] += 1
+        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
+        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
+            if self.cfg.bad_sample == "error":
+                raise TransformError(f"sample {key!r}: {bad} (data.bad_sample is 'error'; 'skip' skips such "
+                                     "samples)", key)
+            self._stats["skipped_bad"] += 1
+            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad)
+            return
         if self._row_map is None:
             self._feed_row(sample, key)
             return
