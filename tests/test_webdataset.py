@@ -123,7 +123,7 @@ def _resume_reads(tmp_path, monkeypatch, k: int, **kw) -> tuple[list[str], list[
     return full, full[:k] + rest, sum(b - a for a, b in reads)
 
 
-@pytest.mark.parametrize("k", [5, 21, 50])
+@pytest.mark.parametrize("k", [21, 50])          # inside a shard of its window, near the end
 def test_a_resumed_shard_is_fetched_ahead_from_its_row_only(tmp_path, monkeypatch, k):
     """With prefetch on, a shard reopened mid-way on resume is fetched from the sample it resumes at: the
     same bytes as reading it without prefetch, not its whole run; the samples are the same."""
