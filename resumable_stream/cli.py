@@ -270,8 +270,8 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only parquet data is indexed "
-                          f"(the formats registered in resumable_stream/sources/registry.py: {', '.join(registry.names())})")
+                          f"datasets' {source.fingerprint.get('builder')!r} builder; only the formats "
+                          f"registered in resumable_stream/sources/registry.py are indexed: {', '.join(registry.names())}")
     return source
 
 

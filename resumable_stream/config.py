@@ -52,6 +52,10 @@ def file_builders() -> tuple[str, ...]:
     """Builder names that read the files data_files names: datasets' and the registered formats' (sources/)."""
     return tuple(dict.fromkeys(FILE_BUILDERS + registry.indexed_builders()))
 
+
+# The most data.max_member_bytes may allow: a member is held in memory whole.
+MAX_MEMBER_BYTES = 1 << 32
+
 # key -> (check, what is allowed)
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
@@ -97,6 +101,9 @@ _RULES: dict[str, tuple[Any, str]] = {
                            and 1 <= v <= 1_048_576,
                            "a number of MiB from 1 to 1048576: the bytes the row groups fetched ahead may hold, "
                            "in flight and decoded, per process"),
+    "max_member_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_MEMBER_BYTES,
+                         f"an integer from 1 to {MAX_MEMBER_BYTES} (bytes): the largest WebDataset tar member read; "
+                         "a sample with a larger one is a bad sample"),
     "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
                         "null or a mapping of fsspec filesystem options (e.g. endpoint_url for s3://), flat or "
                         "keyed by protocol"),
@@ -133,6 +140,7 @@ class StreamConfig:
     verify_files: bool = True           # re-check each file's identity against a saved / given index
     prefetch_blocks: int | None = None  # most parquet row groups fetched ahead per partition (None: adaptive; 0: off)
     prefetch_memory_mb: float = 256     # what the row groups fetched ahead may hold per process (in flight + decoded)
+    max_member_bytes: int = 64 << 20    # largest WebDataset tar member read (a larger one: a bad sample)
     storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
     source_file: str | None = field(default=None, compare=False, repr=False)
 

@@ -3,6 +3,11 @@
 import difflib
 import re
 
+# The column a source marks a row it could not read whole with: why (naming the file, the sample and the
+# part of it), None for a good row. The row stays (a shard's row count never changes); the transforms apply
+# data.bad_sample to a marked row before anything else (sources/webdataset.py: a bad tar member).
+BAD_SAMPLE_COLUMN = "__bad_sample__"
+
 
 class ResumableStreamError(Exception):
     """Base class of every error this library raises on purpose."""

@@ -300,9 +300,11 @@ class PartitionReader:
             return pos in live and live[pos].next_row == row and live[pos].epoch == start.epoch
 
         # the shards this window (re)opens or opened unread, then the next ones of the plan
-        self.source.prefetch(self.partition, [shard_list[pos] for pos, row in start.slots
-                                              if not continues(pos, row) or live[pos].unread]
-                             + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]))
+        # (a shard reopened mid-way, on resume, is hinted with its row: a fetch ahead need not cover its prefix)
+        reopened = [(shard_list[pos], row) for pos, row in start.slots if not continues(pos, row) or live[pos].unread]
+        self.source.prefetch(self.partition, [shard for shard, _ in reopened]
+                             + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]),
+                             starts={shard: row for shard, row in reopened if row})
         slots = [
             live[pos] if continues(pos, row)
             else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)

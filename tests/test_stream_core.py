@@ -81,6 +81,7 @@ THIRD_PARTY_PRIVATES = {
     ("trainer_patch/train.py", "_exit"),                 # os._exit when the launcher is gone
     ("trainer_patch/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use
     ("trainer_patch/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
+    ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
 }
 
 

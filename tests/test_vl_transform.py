@@ -675,3 +675,20 @@ def test_bundled_assets_are_reproducible_and_small():
     size = sum(os.path.getsize(os.path.join(d, f)) for d in (os.path.join(TINY, "vl"), os.path.join(TINY, "data_vl"))
                for f in os.listdir(d))
     assert size < 2_000_000, f"bundled VL assets are {size} bytes"
+
+
+def test_a_row_the_source_marks_bad_follows_data_bad_sample(processor, caplog):
+    """A row a source could not read whole (``__bad_sample__``: a broken tar member) is data.bad_sample's:
+    skipped and counted, or an error with the source's reason; an unmarked row (None) is encoded."""
+    why = "data file '/d/a.tar': sample 'k7': member .jpg is cut short by the end of the tar (3 of 900 bytes)"
+    row = {"messages": chat("<image>Describe.", "A picture."), "images": [None], "__bad_sample__": why}
+    skip = make(processor, bad_sample="skip")
+    with caplog.at_level(logging.WARNING):
+        skip.feed(row, "0:7")
+    assert skip.ready() == 0 and skip.stats()["skipped_bad"] == 1 and skip.stats()["skipped_image"] == 0
+    assert why in caplog.text
+    with pytest.raises(TransformError, match=r"sample '0:7': data file '/d/a.tar': sample 'k7': member \.jpg is cut "
+                                             r"short.*data.bad_sample is 'error'"):
+        make(processor).feed(row, "0:7")
+    good = {**row, "images": [struct(png())], "__bad_sample__": None}
+    assert len(encode(make(processor), good)["input_ids"]) > 0

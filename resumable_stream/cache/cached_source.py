@@ -54,7 +54,7 @@ class CachedSource(Source):
         self.index = source.index     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
         self._missed = False                             # read anything from the source yet (this process)?
-        self._hints: dict[int, list[int]] = {}           # the plan's latest hints until then, per partition
+        self._hints: dict[int, tuple[list[int], dict[int, int]]] = {}   # (shards, starts) per partition, until then
         self.store = BlockStore(os.path.expanduser(directory), int(limit_gb * 2**30),
                                 namespace(source.fingerprint, self.block_rows), self.block_rows)
 
@@ -71,35 +71,40 @@ class CachedSource(Source):
     def _where(self, shard: int) -> str:
         return self.shards[shard].name
 
-    def _fully_cached(self, shard: int) -> bool:
+    def _fully_cached(self, shard: int, first: int = 0) -> bool:
+        """Whether the store holds every block of ``shard`` from block ``first`` on."""
         n = self.num_blocks(shard)
-        return n is not None and all(self.store.contains(shard, b) for b in range(n))
+        return n is not None and all(self.store.contains(shard, b) for b in range(first, n))
 
     # ------------------------------------------------------------------ reading
-    def prefetch(self, partition: int, shards: list[int]) -> None:
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
         """Pass the plan's next shards on to the source's prefetch, leaving out those the cache holds whole,
         once this process has missed the cache (until then every read was a hit: a warm cache makes no
         request, not even ahead). A cold cache fills from the very fetches made ahead: the reader takes a
-        prefetched row group in ``_read_through`` and stores its blocks as they pass."""
+        prefetched row group in ``_read_through`` and stores its blocks as they pass. ``starts`` go on
+        rounded down to a block: ``_read_through`` reads from the first block it lacks, whole blocks."""
         if self.inner.prefetch_depth <= 0:
             return
+        starts = starts or {}
         if not self._missed:
-            self._hints[partition] = shards
+            self._hints[partition] = (shards, starts)
             return
         depth = self.inner.prefetch_ahead(partition)       # the adaptive depth, not only its cap
+        R = self.block_rows
         missing: list[int] = []
         for shard in dict.fromkeys(shards):
             if len(missing) == depth:
                 break
-            if not self._fully_cached(shard):
+            if not self._fully_cached(shard, starts.get(shard, 0) // R):
                 missing.append(shard)
-        self.inner.prefetch(partition, missing)
+        self.inner.prefetch(partition, missing,
+                            starts={s: starts[s] // R * R for s in missing if starts.get(s, 0) >= R})
 
     def _first_miss(self) -> None:
         self._missed = True
         hints, self._hints = self._hints, {}
-        for partition, shards in hints.items():
-            self.prefetch(partition, shards)
+        for partition, (shards, starts) in hints.items():
+            self.prefetch(partition, shards, starts)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         n = self.shards[shard].num_rows

@@ -59,8 +59,10 @@ class Source:
         """The raw file metadata this source read (path -> bytes: parquet footers), to share with other ranks."""
         return {}
 
-    def prefetch(self, partition: int, shards: list[int]) -> None:
-        """The plan says ``partition`` opens ``shards`` next, in this order (a hint; ignoring it is fine)."""
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order (a hint; ignoring it is fine).
+        ``starts``: shard -> the row a shard is reopened at (a resume inside it; absent: row 0). A fetch
+        ahead may start there; a read from an earlier row must then not use it."""
 
     def prefetch_ahead(self, partition: int) -> int:
         """How many of ``partition``'s next shards are worth hinting now."""
@@ -168,13 +170,19 @@ class IndexedReader:
         """The features of the data when ``datasets`` gives none (``Features.to_dict()`` form)."""
         raise SourceError(f"data file {path!r}: its features are unknown")
 
+    def infer_features(self, cfg: Any, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
+        """What ``build_index`` asks when ``datasets`` gives no features: the first file's entry, its raw
+        metadata (``footers``), the config and the retries. By default :meth:`features` of its path and
+        metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
+        return self.features(entry["path"], footer)
+
     def entry_problem(self, entry: dict) -> str | None:
         """What is wrong with an index entry read from disk (a forged or damaged index), None if nothing."""
         return None
 
-    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         """Identity fields beyond size and mtime that a local file is checked on at resume (it costs no
-        request), compared with the entry's; {}: none."""
+        request), compared with the entry's (``entry``: the index's, its layout says where to look); {}: none."""
         return {}
 
     def indexable(self, builder: Any) -> bool:

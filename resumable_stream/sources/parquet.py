@@ -96,7 +96,7 @@ class ParquetReader(IndexedReader):
                       and rg[1] <= rg[2] <= entry["size"] for rg in entry["row_groups"]))
         return None if ok else "malformed (path, size, footer, footer_bytes, row_groups [rows, start, end])"
 
-    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None) -> dict:
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         # a local footer read costs no request: it catches a same-size, same-mtime rewrite
         try:
             return {"footer": footer_digest(parquet_footer(path, identity["size"], retry))}
@@ -163,8 +163,9 @@ class ParquetSource(RetriedSource):
         """Row groups fetched ahead per partition (0: no prefetch)."""
         return self._prefetch.depth if self._prefetch is not None else 0
 
-    def prefetch(self, partition: int, shards: list[int]) -> None:
-        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them."""
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them (whole: a
+        row group is one read and one decode, ``starts`` does not shorten it)."""
         if self._prefetch is not None:
             self._prefetch.hint(partition, shards)
 

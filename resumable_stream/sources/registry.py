@@ -50,6 +50,7 @@ class SourceFormat:
 
 _BUILTIN = (
     SourceFormat("parquet", ("parquet",), (".parquet",), "resumable_stream.sources.parquet:READER"),
+    SourceFormat("webdataset", ("webdataset",), (".tar",), "resumable_stream.sources.webdataset:READER"),
 )
 
 _lock = threading.Lock()

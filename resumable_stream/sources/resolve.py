@@ -307,7 +307,7 @@ def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str],
     entries = map_files(lambda f: reader.index_file(f, retry, known.get(f) or file_identity(f, retry), read),
                         files, progress)
     if features is None:
-        features = reader.features(files[0], read.get(files[0]))
+        features = reader.infer_features(cfg, entries[0], read.get(files[0]), retry)
     if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, read[f]) for f in files if f in read)
     index = make_index(cfg, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
@@ -348,7 +348,7 @@ def verified_index(cfg: StreamConfig, index: dict, where: str, given: bool) -> d
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
         if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
-            ident.update(reader.local_check(entry["path"], ident, retry))
+            ident.update(reader.local_check(entry["path"], ident, retry, entry))
         return ident
 
     changes = changed_files(index, map_files(now, index["files"]))

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SidecarError, StreamMismatchError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError, StreamMismatchError
 from .config import TransformConfig
 from .errors import TransformError
 from .formats import BadRow, resolved_columns, resolved_tags, to_messages
@@ -130,6 +130,10 @@ class TextProcessor:
         returns is encoded now, so what is not yet taken is in ``state()``."""
         key = str(key)
         self._stats["samples"] += 1
+        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
+        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
+            self._bad(key, str(bad))
+            return
         cfg, row_map = self._settings.get(source, self._settings[None])
         if row_map is None:
             self._feed_row(sample, key, cfg)

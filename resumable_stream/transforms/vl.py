@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SidecarError, SourceError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError
 from ..safe_io import FileRefused, read_regular_file
 from ..sources.net import HttpAnswer, RetryPolicy, fetch_url
 from .config import TransformConfig
@@ -72,8 +72,9 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = "<image>"
 STATE_VERSION = 1
 STAT_KEYS = ("samples", "examples", "images", "skipped_empty", "skipped_image", "skipped_mismatch",
-             "skipped_processor", "dropped_overlong", "skipped_map", "dropped_by_map")
-_LATER_STATS = ("skipped_map", "dropped_by_map")    # absent from the states of earlier versions
+             "skipped_processor", "dropped_overlong", "skipped_map", "dropped_by_map", "skipped_bad")
+# absent from the states of earlier versions
+_LATER_STATS = ("skipped_map", "dropped_by_map", "skipped_bad")
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
@@ -284,6 +285,19 @@ def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | 
 
 
 # ---------------------------------------------------------------------------------------------- the transform
+def _as_messages(value: Any, images: int) -> Any:
+    """A WebDataset sample's text as messages: a ``.txt`` caption (or a ``.json`` member holding ``messages``, a
+    ``caption`` or a ``text``) becomes a user turn of the images' placeholders and an assistant turn of the text.
+    Anything else is returned as it is (checked by the caller)."""
+    if isinstance(value, dict):
+        if isinstance(value.get("messages"), list):
+            return value["messages"]
+        value = next((value[k] for k in ("caption", "text") if isinstance(value.get(k), str)), value)
+    if isinstance(value, str):
+        return [{"role": "user", "content": PLACEHOLDER * images}, {"role": "assistant", "content": value}]
+    return value
+
+
 class VLProcessor:
     """Turns raw VL rows into model inputs with labels; see the module docstring."""
 
@@ -336,6 +350,14 @@ class VLProcessor:
         runs first; every row it returns is encoded now (so what is not yet taken is in ``state()``)."""
         key = str(key)
         self._stats["samples"] += 1
+        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
+        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
+            if self.cfg.bad_sample == "error":
+                raise TransformError(f"sample {key!r}: {bad} (data.bad_sample is 'error'; 'skip' skips such "
+                                     "samples)", key)
+            self._stats["skipped_bad"] += 1
+            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad)
+            return
         if self._row_map is None:
             self._feed_row(sample, key)
             return
@@ -482,6 +504,10 @@ class VLProcessor:
         """Checked messages in HF's structured content form, and the raw image values."""
         col, icol = self.cfg.messages_column, self.cfg.images_column
         msgs = sample.get(col) if isinstance(sample, dict) else None
+        images = sample.get(icol) if isinstance(sample, dict) else None
+        if isinstance(images, (dict, bytes)):
+            images = [images]            # one image value: a WebDataset member (.jpg / .png / .webp)
+        msgs = _as_messages(msgs, 0 if images is None else len(images))
         if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
             self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
             return None
@@ -507,7 +533,6 @@ class VLProcessor:
                    for m in conversation):
             self._empty(key, f"column data.messages_column {col!r} has no assistant turn with content")
             return None
-        images = sample.get(icol)
         images = [] if images is None else images
         if not isinstance(images, (list, tuple)):
             raise TransformError(f"sample {key!r}: column data.images_column {icol!r} holds {type(images).__name__}, "

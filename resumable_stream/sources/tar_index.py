@@ -1,0 +1,194 @@
+"""One sequential pass over a WebDataset tar: which samples it holds and where their bytes are.
+
+A sample is a run of consecutive members sharing a key, grouped exactly as ``datasets``' webdataset builder
+groups them (its ``base_plus_ext`` splits a name into key and suffix; directories, links, hidden names and
+names that have no suffix are left out, as its tar iterator leaves them out). Per member the index keeps its
+suffix, the offset of its data and its declared size; the 512-byte ustar header right before each member's
+data is what a reader checks again, so a tar whose layout changed is noticed before a byte of it is used.
+
+Member names are only ever strings here: a key of ``../x`` or ``/etc/x`` is never a path.
+Headers are parsed by ``tarfile`` over a reader that refuses any single read larger than
+``MAX_HEADER_READ`` (a forged extended header cannot make us allocate its claimed size) and only moves
+forward (one pass; a remote tar is fetched in ``SCAN_CHUNK`` ranged reads, chunks holding no header skipped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import SourceError
+from ..limits import is_int
+
+BLOCK = tarfile.BLOCKSIZE
+# The longest extended header (pax records, a GNU long name) we read: real ones are a few hundred bytes.
+MAX_HEADER_READ = 1 << 20
+# Bytes per ranged read while scanning a remote tar.
+SCAN_CHUNK = 8 << 20
+# A shard is a run of consecutive samples of one tar, cut at whichever comes first: a read unit like a
+# parquet row group (one ranged read of ~16 MiB), and few enough samples that one window re-reads little.
+SHARD_MAX_BYTES = 16 << 20
+SHARD_MAX_SAMPLES = 4096
+SHARD_RULE = {"max_bytes": SHARD_MAX_BYTES, "max_samples": SHARD_MAX_SAMPLES}
+
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")     # datasets' (webdataset's) base_plus_ext
+
+
+def base_plus_ext(name: str) -> tuple[str | None, str | None]:
+    """(key, suffix) of a member name as the webdataset builder splits it; (None, None) when it has none."""
+    m = _KEY.match(name)
+    return (m.group(1), m.group(2)) if m else (None, None)
+
+
+class _Forward(io.RawIOBase):
+    """What ``tarfile`` reads a tar through: forward only, each read bounded, bytes from ``fetch(start, end)``
+    in chunks of ``chunk`` (a local file: its own reads and seeks)."""
+
+    def __init__(self, path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int):
+        super().__init__()
+        self.path, self.size, self._fetch, self._chunk = path, size, fetch, chunk
+        self._pos, self._lo, self._data = 0, 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        if target < self._lo:
+            raise SourceError(f"data file {self.path!r}: malformed tar (a header points back to byte {target})")
+        self._pos = target
+        return target
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_HEADER_READ:
+            raise SourceError(f"data file {self.path!r}: malformed tar header at byte {self._pos} (an extended "
+                              f"header of {n} bytes; at most {MAX_HEADER_READ} are read)")
+        out = b""
+        while n > 0 and self._pos < self.size:
+            if not (self._lo <= self._pos < self._lo + len(self._data)):
+                self._lo = self._pos - self._pos % self._chunk
+                self._data = self._fetch(self._lo, min(self.size, self._lo + self._chunk))
+                if not self._data:
+                    break
+            piece = self._data[self._pos - self._lo:self._pos - self._lo + n]
+            out += piece
+            self._pos += len(piece)
+            n -= len(piece)
+        return out
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def scan_tar(path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int = SCAN_CHUNK) -> list[list]:
+    """The samples of the tar at ``path`` of ``size`` bytes: ``[key, [[suffix, data offset, size], ...]]`` in
+    file order. Raises SourceError naming the file for a malformed or compressed tar, or a duplicate member."""
+    reader = _Forward(path, size, fetch, chunk)
+    samples: list[list] = []
+    try:
+        tar = tarfile.open(fileobj=reader, mode="r:")        # "r:": uncompressed only (ranged reads need it)
+        for info in tar:
+            tar.members = []                                 # one pass: keep nothing of what tarfile saw
+            if not info.isreg() or info.name.rsplit("/", 1)[-1].startswith((".", "__")):
+                continue
+            key, suffix = base_plus_ext(info.name)
+            if key is None:
+                continue
+            if samples and samples[-1][0] == key:
+                if any(m[0] == suffix for m in samples[-1][1]):
+                    raise SourceError(f"data file {path!r}: member {info.name!r} appears twice in sample {key!r} "
+                                      "(datasets' webdataset builder refuses it too)")
+                samples[-1][1].append([suffix, info.offset_data, info.size])
+            else:
+                samples.append([key, [[suffix, info.offset_data, info.size]]])
+            if info.offset_data + info.size > size:
+                return samples                               # a truncated last member: nothing after it
+        # tarfile ends an archive quietly at a header it cannot parse: only zero blocks (or nothing) may follow
+        if tar.offset < size:
+            reader.seek(tar.offset)
+            if reader.read(BLOCK).strip(b"\0"):
+                raise SourceError(f"data file {path!r}: malformed tar header at byte {tar.offset} (not a tar "
+                                  "header, and not the end of the archive)")
+    except SourceError:
+        raise
+    except (tarfile.TarError, EOFError, ValueError, UnicodeError) as e:
+        if not samples and isinstance(e, tarfile.ReadError) and reader.tell() <= BLOCK:
+            raise SourceError(f"data file {path!r}: not an uncompressed tar ({e}); WebDataset shards are read "
+                              "by byte ranges, so .tar.gz and other compressed archives are not indexed") from None
+        raise SourceError(f"data file {path!r}: malformed tar near byte {reader.tell()} "
+                          f"({type(e).__name__}: {e})") from None
+    return samples
+
+
+def cut_shards(samples: list[list]) -> list[int]:
+    """The first sample of each shard (SHARD_RULE)."""
+    starts: list[int] = []
+    size = count = 0
+    for i, (_, members) in enumerate(samples):
+        if not starts or count >= SHARD_MAX_SAMPLES or size >= SHARD_MAX_BYTES:
+            starts.append(i)
+            size = count = 0
+        count += 1
+        size += sum(m[2] for m in members)
+    return starts
+
+
+def layout_digest(samples: list[list]) -> str:
+    return hashlib.blake2b(json.dumps(samples, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def tar_entry(identity: dict, samples: list[list]) -> dict[str, Any]:
+    """An index entry: the file's identity plus its layout digest, samples and shard cuts."""
+    return {**identity, "layout": layout_digest(samples), "samples": samples, "shards": cut_shards(samples),
+            "shard_rule": dict(SHARD_RULE)}
+
+
+def entry_problem(entry: Any) -> str | None:
+    """What is wrong with the shape of a tar entry of an index (None: nothing). Offsets must rise through the
+    file and stay inside it, so a forged index cannot make a reader fetch outside a member's bytes."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and is_int(entry.get("size"))
+            and isinstance(entry.get("layout"), str) and isinstance(entry.get("samples"), list)
+            and isinstance(entry.get("shards"), list) and isinstance(entry.get("shard_rule"), dict)):
+        return "not a tar entry (path, size, layout, samples, shards, shard_rule)"
+    last = 0
+    for sample in entry["samples"]:
+        if not (isinstance(sample, list) and len(sample) == 2 and isinstance(sample[0], str)
+                and isinstance(sample[1], list) and sample[1]):
+            return "a sample is not [key, members]"
+        for m in sample[1]:
+            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and is_int(m[1], BLOCK)
+                    and is_int(m[2], 0) and m[1] >= last + BLOCK and m[1] <= entry["size"]):
+                return f"a member of sample {sample[0][:80]!r} is not [suffix, offset, size] rising in the file"
+            last = m[1] + m[2]
+    shards = entry["shards"]
+    if entry["samples"] and not (shards and shards[0] == 0 and all(is_int(s) for s in shards)
+                                 and all(a < b for a, b in zip(shards, shards[1:]))
+                                 and shards[-1] < len(entry["samples"])):
+        return "'shards' are not rising sample numbers from 0"
+    if not entry["samples"] and shards:
+        return "'shards' of a tar without samples"
+    return None
+
+
+def header_problem(block: bytes, size: int) -> str | None:
+    """Why ``block`` is not the ustar header of a regular member of ``size`` bytes (None: it is)."""
+    try:
+        info = tarfile.TarInfo.frombuf(bytes(block), "utf-8", "surrogateescape")
+    except tarfile.TarError as e:
+        return f"no tar header ({e})"
+    if not info.isreg() or info.size != size:
+        return f"a header of {info.size} bytes where the index has {size}"
+    return None

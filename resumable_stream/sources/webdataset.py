@@ -1,0 +1,407 @@
+"""WebDataset tar shards read by byte ranges from a tar index (:mod:`.tar_index`).
+
+A shard is a run of consecutive samples of one tar (the index records the cuts). ``read(shard, row)`` is one
+ranged read of exactly the bytes of the samples from ``row`` on (their members' headers and data, coalesced;
+a member over ``data.max_member_bytes`` is left out of it), fetched ahead by the :class:`Prefetcher` as
+parquet row groups are. Each member's ustar header in that read is checked against the index before its
+data is used. The samples are made by ``datasets``' own webdataset builder code (grouping, decoders,
+compressed members), then filled and wrapped as its ``_generate_examples`` does and encoded with the
+dataset's features, so they come out as ``load_dataset("webdataset", ..., streaming=True)`` gives them.
+
+A bad sample (a member over the limit, cut short by the end of the tar, or that its decoder refuses) comes
+out with every member column None (``__key__`` and ``__url__`` kept) and the column ``__bad_sample__``
+(:data:`~resumable_stream.errors.BAD_SAMPLE_COLUMN`; None in a good row) saying why, naming the tar, the key
+and the member: the row count of a shard never changes, and the transform's ``data.bad_sample`` skips the row
+or raises that reason.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import pyarrow as pa
+
+from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
+from ..index import identity_of
+from ..metrics import record_row_group
+from ..prefetch import Prefetcher
+from ..ranged import read_range
+from . import tar_index
+from .base import IndexedReader, ShardInfo, Source
+from .net import RetryPolicy
+from .parquet import prefetch_depth
+from .resolve import dataset_fingerprint
+
+log = logging.getLogger(__name__)
+
+# What datasets' feature inference reads (WebDataset.NUM_EXAMPLES_FOR_FEATURES_INFERENCE).
+INFERENCE_SAMPLES = 5
+# Members never decoded here: datasets' decoder for them unpickles (torch.load).
+_REFUSED = {"pth": "a .pth member is a pickle; it is not decoded"}
+
+
+def _builder():
+    from datasets.packaged_modules.webdataset.webdataset import WebDataset
+
+    return WebDataset
+
+
+# ------------------------------------------------------------------------------ index
+def index_file(path: str, retry: RetryPolicy | None, identity: dict) -> dict:
+    """One tar's index entry: its ``identity`` and one pass over it."""
+    if not isinstance(identity.get("size"), int):
+        raise SourceError(f"data file {path!r}: its size is unknown; a tar needs one to be indexed")
+    options = retry.storage_options if retry else {}
+
+    def fetch(start: int, end: int) -> bytes:
+        what = f"data file {path!r}: reading bytes {start}-{end} to index it"
+        if retry is not None and retry.applies(path):
+            return retry.call(lambda: read_range(path, start, end, options, identity), what, [path])
+        return read_range(path, start, end, options, identity)
+
+    return tar_index.tar_entry(identity, tar_index.scan_tar(path, identity["size"], fetch))
+
+
+def infer_features(entry: dict, retry: RetryPolicy | None, max_member_bytes: int):
+    """The features datasets' webdataset builder infers from a tar's first samples (its _split_generators)."""
+    import datasets
+    from datasets.features.features import cast_to_python_objects
+
+    wds = _builder()
+    first = list(islice(range(len(entry["samples"])), INFERENCE_SAMPLES))
+    if not first:
+        raise SourceError(f"data file {entry['path']!r}: holds no sample; the features are inferred from the "
+                          "first tar's first samples")
+    items = []
+    for i, (files, why) in zip(first, _Reader(entry, retry, max_member_bytes).files(0, len(first))):
+        if why is not None:
+            raise SourceError(f"data file {entry['path']!r}: sample {entry['samples'][i][0]!r}, read to infer the "
+                              f"features: {why}")
+        items += files
+    # one pipeline over them, as the builder's: its examples' key order is the features' column order
+    examples = list(wds._get_pipeline_from_tar(entry["path"], iter(items)))
+    if any(ex.keys() != examples[0].keys() for ex in examples):
+        raise SourceError(f"data file {entry['path']!r}: its first samples do not have the same members (datasets "
+                          "infers the features from them and refuses it too)")
+    tables = [pa.Table.from_pylist(cast_to_python_objects([ex], only_1d_for_numpy=True)) for ex in examples]
+    features = datasets.Features.from_arrow_schema(pa.concat_tables(tables, promote_options="default").schema)
+    kinds = ((wds.IMAGE_EXTENSIONS, datasets.Image), (wds.AUDIO_EXTENSIONS, datasets.Audio),
+             (wds.VIDEO_EXTENSIONS, datasets.Video), (getattr(wds, "MESH_EXTENSIONS", []),
+                                                        getattr(datasets, "Mesh", None)))
+    for field in examples[0]:
+        ext = field.rsplit(".", 1)[-1].lower()
+        for exts, kind in kinds:
+            if kind is not None and ext in exts:
+                features[field] = kind()
+    return features
+
+
+def check_local(entry: dict, retry: RetryPolicy | None) -> str:
+    """A local tar against its entry at no network cost: the header before the first member of each shard
+    (and of the last sample). ``entry['layout']`` when they match, else what differs."""
+    path = entry["path"]
+    picks = sorted({*entry["shards"], len(entry["samples"]) - 1} - {-1})
+    try:
+        with open(path, "rb") as f:
+            for i in picks:
+                _, offset, size = entry["samples"][i][1][0]
+                f.seek(offset - tar_index.BLOCK)
+                problem = tar_index.header_problem(f.read(tar_index.BLOCK), size)
+                if problem is not None:
+                    return f"member layout changed (sample {entry['samples'][i][0]!r}: {problem})"
+    except OSError as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+    return entry["layout"]
+
+
+# ------------------------------------------------------------------------------ reading
+class _Reader:
+    """The members of one tar's samples, from ranged reads whose headers are checked against the entry."""
+
+    def __init__(self, entry: dict, retry: RetryPolicy | None, max_member_bytes: int):
+        self.entry, self.retry, self.max_bytes = entry, retry, max_member_bytes
+
+    def spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Byte ranges covering samples [lo, hi): each member's header and data, coalesced; a member over the
+        limit (never fetched) cuts the range."""
+        out: list[list[int]] = []
+        size = self.entry["size"]
+        for _, members in self.entry["samples"][lo:hi]:
+            for _, offset, n in members:
+                if n > self.max_bytes:
+                    out.append([])
+                    continue
+                start, end = offset - tar_index.BLOCK, min(offset + n, size)
+                if out and out[-1]:
+                    out[-1][1] = end
+                else:
+                    out.append([start, end])
+        return [(a, b) for a, b in (s for s in out if s)]
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        path = self.entry["path"]
+        options = self.retry.storage_options if self.retry else {}
+        return read_range(path, start, end, options, self.entry)
+
+    def files(self, lo: int, hi: int) -> Iterator[tuple[list, str | None]]:
+        """Per sample of [lo, hi): its members as (name, file) and None, or [] and why it is bad."""
+        chunks = [(a, self._checked(a, b, lo, hi)) for a, b in self.spans(lo, hi)]
+        size = self.entry["size"]
+        for key, members in self.entry["samples"][lo:hi]:
+            items, why = [], None
+            for suffix, offset, n in members:
+                ext = suffix.rsplit(".", 1)[-1].lower()
+                if n > self.max_bytes:
+                    why = f"member .{suffix} of {n} bytes is over data.max_member_bytes ({self.max_bytes})"
+                elif offset + n > size:
+                    why = f"member .{suffix} is cut short by the end of the tar ({size - offset} of {n} bytes)"
+                elif ext in _REFUSED:
+                    why = f"member .{suffix}: {_REFUSED[ext]}"
+                if why is not None:
+                    break
+                start, data = next((a, d) for a, d in chunks if a <= offset and offset + n <= a + len(d))
+                items.append((f"{key}.{suffix}", io.BytesIO(data[offset - start:offset - start + n])))
+            yield ([], why) if why is not None else (items, None)
+
+    def members(self, lo: int, hi: int) -> Iterator[tuple[dict | None, str | None]]:
+        """Per sample of [lo, hi): (the builder's example, None) or (None, why it is bad)."""
+        wds = _builder()
+        for (key, _), (items, why) in zip(self.entry["samples"][lo:hi], self.files(lo, hi)):
+            if why is None:
+                try:
+                    yield next(iter(wds._get_pipeline_from_tar(self.entry["path"], iter(items)))), None
+                    continue
+                except Exception as e:   # a decoder's refusal: json, utf-8, int, npy, ...
+                    why = f"{_culprit(wds, self.entry['path'], key, items)} does not decode ({type(e).__name__}: " \
+                          f"{str(e)[:200]})"
+            yield None, why
+
+    def _checked(self, start: int, end: int, lo: int, hi: int) -> bytes:
+        """Bytes [start, end) whose member headers (of samples [lo, hi)) are the index's; one more read when
+        they are not, then a StreamMismatchError naming the file."""
+        path = self.entry["path"]
+        for attempt in range(2):
+            data = self._fetch(start, end)
+            problem = self._header_problem(data, start, lo, hi)
+            if problem is None:
+                return data
+            if attempt == 0:
+                log.warning("data file %r: %s; reading it once more from the source", path, problem)
+        raise StreamMismatchError(
+            f"data file {path!r}: its member layout no longer matches the dataset index ({problem}, on two reads); "
+            "the tar changed since the index or checkpoint was made (rebuild the index)",
+            [(f"file modified: {path} (layout)", self.entry["layout"], "changed")])
+
+    def _header_problem(self, data: bytes, start: int, lo: int, hi: int) -> str | None:
+        end = start + len(data)
+        for key, members in self.entry["samples"][lo:hi]:
+            for suffix, offset, n in members:
+                if start <= offset - tar_index.BLOCK and offset <= end:
+                    block = data[offset - tar_index.BLOCK - start:offset - start]
+                    problem = tar_index.header_problem(block, n)
+                    if problem is not None:
+                        return f"sample {key!r} member .{suffix} at byte {offset}: {problem}"
+        return None
+
+
+def _culprit(wds, path: str, key: str, items: list) -> str:
+    """Which member of sample ``key`` its decoders refuse (each decoded alone; "a member": none alone)."""
+    for name, file in items:
+        file.seek(0)
+        try:
+            list(wds._get_pipeline_from_tar(path, iter([(name, file)])))
+        except Exception:
+            return f"member .{name[len(key) + 1:]}"
+    return "a member"
+
+
+def _bad(path: str, key: str, why: str) -> str:
+    """The reason a bad sample's row carries (``__bad_sample__``), logged too."""
+    reason = f"data file {path!r}: sample {key!r}: {why}"
+    log.warning("%s; a bad sample, its member columns are None", reason)
+    return reason
+
+
+class WebDatasetSource(Source):
+    """Indexed WebDataset tars: one shard per run of samples, read by byte ranges (picklable)."""
+
+    def __init__(self, cfg, index: dict, retry: RetryPolicy, footers: dict | None = None):
+        self.index = index
+        self._features_dict = index["features"]
+        self._features = None
+        self._files = index["files"]
+        self._retry = retry if retry.remote else None
+        self._policy = retry
+        self._max_bytes = cfg.max_member_bytes
+        shards = []
+        for f, entry in enumerate(self._files):
+            cuts = [*entry["shards"], len(entry["samples"])]
+            shards += [(f, a, b) for a, b in zip(cuts, cuts[1:])]
+        self._runs = shards
+        self.shards = [ShardInfo(i, self._files[f]["path"], j, b - a)
+                       for i, (j, (f, a, b)) in enumerate(_numbered(shards))]
+        self.fingerprint = dataset_fingerprint(cfg, index["builder"],
+                                               [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
+                                               self.shards, max_member_bytes=cfg.max_member_bytes)
+        self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
+        self._prefetch: Prefetcher | None = None
+        self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
+        depth = prefetch_depth(cfg, retry.remote)
+        if depth is None or depth > 0:
+            budget = None if cfg.prefetch_memory_mb is None else int(cfg.prefetch_memory_mb * 2**20)
+            cores = os.cpu_count() or 1
+            threads = None if retry.remote else max(1, min(depth or cores, cores))
+            self._prefetch = Prefetcher(self._fetch_shard, depth, budget, self._shard_bytes, threads)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_features"] = None
+        return state
+
+    @property
+    def features(self):
+        if self._features is None:
+            import datasets
+
+            self._features = datasets.Features.from_dict(self._features_dict)
+        return self._features
+
+    # the prefetch capabilities the partition reader and the block cache use (as StreamingSource's)
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self._prefetch.depth if self._prefetch is not None else 0
+
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that sample on: a resume inside a
+        shard fetches none of the samples before it (``_first_table`` uses a fetch that starts at or before
+        the row it reads from, any other is read afresh)."""
+        if self._prefetch is not None:
+            starts = starts or {}
+            self._starts.update((s, starts.get(s, 0)) for s in shards)
+            self._prefetch.hint(partition, shards)
+
+    def prefetch_ahead(self, partition: int) -> int:
+        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
+
+    def prefetch_stats(self) -> dict:
+        return self._prefetch.stats() if self._prefetch is not None else {}
+
+    def _shard_bytes(self, shard: int) -> int:
+        """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
+        f, a, b = self._runs[shard]
+        a += min(self._starts.get(shard, 0), b - a)
+        return sum(end - start for start, end in _Reader(self._files[f], None, self._max_bytes).spans(a, b))
+
+    def _fetch_shard(self, shard: int) -> pa.Table:
+        """A fetch ahead: the samples from the hinted start on (its row count says where it starts)."""
+        return self._read_from(shard, self._starts.get(shard, 0))
+
+    def _read_from(self, shard: int, start_row: int) -> pa.Table:
+        table = self._table(shard, start_row)
+        record_row_group(table.num_rows)
+        return table
+
+    def _table(self, shard: int, start_row: int) -> pa.Table:
+        """Samples ``start_row`` on of ``shard`` as one table, in the dataset's features."""
+        f, a, b = self._runs[shard]
+        entry = self._files[f]
+        features = self.features
+        media = [k for k, v in features.items() if type(v).__name__ in ("Image", "Audio", "Video", "Mesh")]
+        rows, bad = [], []
+        reader = _Reader(entry, self._policy, self._max_bytes)
+        for (key, _), (example, why) in zip(entry["samples"][a + start_row:b], reader.members(a + start_row, b)):
+            bad.append(None if why is None else _bad(entry["path"], key, why))
+            if why is not None:
+                example = {"__key__": key, "__url__": entry["path"]}
+            for field in features:                     # as the builder's _generate_examples fills them
+                example.setdefault(field, None)
+            for field in media:
+                if example[field] is not None:
+                    example[field] = {"path": f"{example['__key__']}.{field}", "bytes": example[field]}
+            rows.append(features.encode_example(example))
+        table = pa.Table.from_pylist(rows, schema=features.arrow_schema)
+        return table.append_column(pa.field(BAD_SAMPLE_COLUMN, pa.string()), pa.array(bad, pa.string()))
+
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        info = self.shards[shard]
+        retry = self._retry
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                table = self._first_table(shard, start_row)
+                break
+            except ResumableStreamError:
+                raise
+            except Exception as e:
+                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
+                if retry is None or not retry.applies(info.file) or not retry.failed(
+                        e, attempt, label, [info.file], started):
+                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
+                attempt += 1
+        if table.num_rows:
+            yield table
+
+    def _first_table(self, shard: int, start_row: int) -> pa.Table:
+        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        if ahead is not None:
+            try:
+                table = ahead.result()
+            except ResumableStreamError:       # its bytes failed the checks twice: a third read is not due
+                raise
+            except Exception:                  # a network fault ahead: read it here, under the retries
+                table = None
+            if table is not None:
+                # a shard's row count never changes (a bad sample is a row): the fetch started at `first`
+                first = self.shards[shard].num_rows - table.num_rows
+                if first <= start_row:
+                    return table.slice(start_row - first) if start_row > first else table
+                # it starts after the row asked for (another reader's hint): read from the row here
+        return self._read_from(shard, start_row)   # inside the shard: only the samples from there
+
+
+def _numbered(runs: list) -> Iterator[tuple[int, Any]]:
+    """(run number inside its file, run) for each run."""
+    last, j = None, 0
+    for run in runs:
+        j = j + 1 if run[0] == last else 0
+        last = run[0]
+        yield j, run
+
+
+class WebDatasetReader(IndexedReader):
+    """The registry's webdataset entry (``registry._BUILTIN``): tars indexed by :mod:`.tar_index`."""
+
+    # per sample its key and members, the cut into shards and the rule that made it: layout, not identity
+    layout_keys = ("samples", "shards", "shard_rule")
+    # the layout digest: a local tar's headers are re-checked against it on resume (a remote one: not re-read)
+    content_keys = ("layout",)
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        return index_file(path, retry, identity)
+
+    def infer_features(self, cfg, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
+        return infer_features(entry, retry, cfg.max_member_bytes)
+
+    def entry_problem(self, entry: dict) -> str | None:
+        return tar_index.entry_problem(entry)
+
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
+        return {"layout": check_local(entry, retry)}
+
+    def open_indexed(self, cfg, index: dict, retry: RetryPolicy,
+                     footers: dict[str, bytes] | None = None) -> WebDatasetSource:
+        return WebDatasetSource(cfg, index, retry, footers)
+
+
+READER = WebDatasetReader()
