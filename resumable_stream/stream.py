@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 from .cache.cached_source import with_block_cache
@@ -116,24 +117,15 @@ class ResumableStream(StreamBase):
             win = reader.window(rollover=not finite)
             if win is None:
                 return
-            i, n = reader.offset, len(win)
+            i = reader.offset
             expected = self._expect.pop(reader.partition, None)
             if expected is not None:
                 self._verify_first(reader, win.sample(i), expected)
-            rows = win.rows
+            # consumed once handed out: a save after a sample resumes after it (the reader counts them)
             if not with_keys:
-                while i < n:
-                    sample = rows[i]
-                    i += 1
-                    reader.offset = i      # consumed once handed out: a save now resumes after it
-                    yield sample
+                yield from reader.consume(win)
                 continue
-            keys = win.key_tuples()
-            while i < n:
-                sample = rows[i]
-                i += 1
-                reader.offset = i
-                yield sample, keys[i - 1]
+            yield from zip(reader.consume(win), islice(win.key_tuples(), i, None))
 
     def _verify_first(self, reader: PartitionReader, sample: dict, expected: str) -> None:
         got = sample_digest(sample)
