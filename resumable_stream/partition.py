@@ -88,7 +88,8 @@ def sample_digest(sample: dict) -> str:
 @dataclass
 class Window:
     names: list[str]
-    rows: list[dict]             # the permuted rows: the samples, handed out as they are
+    rows: list[dict]             # the permuted rows: the samples, handed out as they are (None: consumed before
+                                 # the resume this window was rebuilt for, never handed out)
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
     _key_tuples: list | None = field(default=None, repr=False)
@@ -318,7 +319,7 @@ class PartitionReader:
                 return None
         empty_epochs = 0
         while True:
-            win = self._build(self._start)
+            win = self._build(self._start, self.offset)
             if win is not None:
                 self._window = win
                 return win
@@ -340,7 +341,10 @@ class PartitionReader:
         self.cursor = self._window.next_start
         self._window = None
 
-    def _build(self, start: Cursor) -> Window | None:
+    def _build(self, start: Cursor, consumed: int = 0) -> Window | None:
+        """The window that starts at ``start``, of which ``consumed`` rows were already handed out (a resume
+        inside it): those rows are never handed out again, so no Python objects are made for them (their places
+        in ``rows`` hold None; their keys are kept, for the digest chain)."""
         lay = self.layout
         shard_list = lay.shards_for(start.epoch, self.partition)
         step, phase = lay.stride(self.partition)
@@ -394,15 +398,20 @@ class PartitionReader:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         keys = np.empty((have, 2), dtype="<i8")
         keys[:, 0], keys[:, 1] = np.concatenate(shard_ids), np.concatenate(row_ids)
+        skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            table = pc.take(table, _indices(perm), memory_pool=rows_pool())
+            table = pc.take(table, _indices(perm[skip:]), memory_pool=rows_pool())
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
+        elif skip:
+            table = table.slice(skip)
         names = table.column_names
         # the samples themselves, made once per window in one loop (handed out as they are) and in the order
         # they are handed out: made in file order and permuted as Python objects, they are touched in random
         # memory order by the consumer, which costs more than the Arrow take saves
-        rows = _row_maker(tuple(names))([table.column(i).to_pylist() for i in range(table.num_columns)], have)
+        rows = _row_maker(tuple(names))([table.column(i).to_pylist() for i in range(table.num_columns)], have - skip)
+        if skip:
+            rows = [None] * skip + rows
         for shard in live.values():     # open shards this window did not continue: stop reading them now
             if all(shard is not s for s in slots):
                 shard.close()
