@@ -12,8 +12,9 @@ import gc
 import hashlib
 import json
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,8 @@ def sample_digest(sample: dict) -> str:
 @dataclass
 class Window:
     names: list[str]
-    rows: list[dict]             # the permuted rows: the samples, handed out as they are
+    rows: list[dict]             # the permuted rows: the samples, handed out as they are (None: consumed before
+                                 # the resume this window was rebuilt for, never handed out)
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
     _key_tuples: list | None = field(default=None, repr=False)
@@ -110,6 +112,33 @@ def _indices(positions: np.ndarray) -> pa.Array:
     (~0.3 s) the first time it runs."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     return pa.Array.from_buffers(pa.int64(), len(positions), [None, pa.py_buffer(positions)])
+
+
+_ROW_MAKERS: dict[tuple[str, ...], Callable[[list[list], int], list[dict]]] = {}
+_MAX_LITERAL_COLUMNS = 256
+
+
+def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]]:
+    """A function turning column lists into one dict per row, made once per column names: a dict display
+    with the names as constants (``{'id': v0, 'text': v1} for v0, v1 in zip(*columns)``) builds the rows
+    ~1.6x faster than ``dict(zip(names, row))`` per row. The same dicts (a name given twice keeps its last
+    value, as ``dict(zip(...))`` does)."""
+    make = _ROW_MAKERS.get(names)
+    if make is None:
+        if not names:
+            def make(columns: list[list], n: int) -> list[dict]:
+                return [{} for _ in range(n)]
+        elif len(names) > _MAX_LITERAL_COLUMNS or not all(type(n) is str for n in names):
+            def make(columns: list[list], n: int, names: tuple = names) -> list[dict]:
+                return [dict(zip(names, r)) for r in zip(*columns)]
+        else:
+            # only string literals (the repr of a str) and generated variable names go into the source
+            values = [f"v{i}" for i in range(len(names))]
+            display = ", ".join(f"{name!r}: {v}" for name, v in zip(names, values))
+            source = f"lambda columns, n: [{{{display}}} for {', '.join(values)}, in zip(*columns)]"
+            make = eval(source, {"__builtins__": {}, "zip": zip})
+        _ROW_MAKERS[names] = make
+    return make
 
 
 _LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
@@ -210,6 +239,29 @@ class PartitionReader:
         self._start = replace(cursor, offset=0) if cursor.offset else cursor
         self.offset = cursor.offset
 
+    # While the rows of the window are handed out by ``consume``'s iterator, the offset is read off that
+    # iterator (rows handed out = window length - rows it has left): no store per row.
+    @property
+    def offset(self) -> int:
+        it = self._live
+        return self._offset if it is None else self._live_end - it.__length_hint__()
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self._live = None
+        self._offset = value
+
+    def consume(self, win: Window) -> Iterator[dict]:
+        """The rows of ``win`` (the current window) from the offset on; each one it yields counts as consumed
+        from then on (a save resumes after it), as if the offset were moved past it."""
+        start = self.offset
+        it = iter(win.rows)
+        if start:
+            next(islice(it, start, start), None)      # skip the rows already consumed
+        self._offset = start
+        self._live, self._live_end = it, len(win.rows)
+        return it
+
     def set_cursor(self, cursor: Cursor) -> None:
         self.close()
         self.cursor = cursor
@@ -267,7 +319,7 @@ class PartitionReader:
                 return None
         empty_epochs = 0
         while True:
-            win = self._build(self._start)
+            win = self._build(self._start, self.offset)
             if win is not None:
                 self._window = win
                 return win
@@ -289,7 +341,10 @@ class PartitionReader:
         self.cursor = self._window.next_start
         self._window = None
 
-    def _build(self, start: Cursor) -> Window | None:
+    def _build(self, start: Cursor, consumed: int = 0) -> Window | None:
+        """The window that starts at ``start``, of which ``consumed`` rows were already handed out (a resume
+        inside it): those rows are never handed out again, so no Python objects are made for them (their places
+        in ``rows`` hold None; their keys are kept, for the digest chain)."""
         lay = self.layout
         shard_list = lay.shards_for(start.epoch, self.partition)
         step, phase = lay.stride(self.partition)
@@ -345,14 +400,20 @@ class PartitionReader:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         keys = np.empty((have, 2), dtype="<i8")
         keys[:, 0], keys[:, 1] = np.concatenate(shard_ids), np.concatenate(row_ids)
+        skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            table = pc.take(table, _indices(perm), memory_pool=rows_pool())
+            table = pc.take(table, _indices(perm[skip:]), memory_pool=rows_pool())
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
+        elif skip:
+            table = table.slice(skip)
         names = table.column_names
-        columns = [table.column(i).to_pylist() for i in range(table.num_columns)]
-        # the samples themselves, made once per window in one loop (handed out as they are)
-        rows = [dict(zip(names, r)) for r in zip(*columns)] if columns else [{} for _ in range(have)]
+        # the samples themselves, made once per window in one loop (handed out as they are) and in the order
+        # they are handed out: made in file order and permuted as Python objects, they are touched in random
+        # memory order by the consumer, which costs more than the Arrow take saves
+        rows = _row_maker(tuple(names))([table.column(i).to_pylist() for i in range(table.num_columns)], have - skip)
+        if skip:
+            rows = [None] * skip + rows
         for shard in live.values():     # open shards this window did not continue: stop reading them now
             if all(shard is not s for s in slots):
                 shard.close()

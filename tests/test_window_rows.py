@@ -1,0 +1,73 @@
+"""How a window's rows are made and handed out (the fast paths of partition.py and stream.py)."""
+
+import itertools
+
+import pyarrow as pa
+import pytest
+from helpers import take_ids
+
+from resumable_stream import ResumableStream
+from resumable_stream.partition import _row_maker
+
+
+@pytest.mark.parametrize("names", [
+    ("id", "text", "label"),
+    ("a'b", 'c"d', "e\nf", "", "with space", "ünï", "\\", "x"),
+    ("dup", "other", "dup"),                      # a name given twice keeps its last value, as dict(zip()) does
+    ("only",),
+    tuple(f"c{i}" for i in range(300)),           # past the literal's limit: dict(zip())
+    (),
+])
+def test_rows_are_the_dicts_dict_zip_makes(names):
+    n = 5
+    columns = [[(j, i) for i in range(n)] for j in range(len(names))]
+    got = _row_maker(names)(columns, n)
+    want = [dict(zip(names, r)) for r in zip(*columns)] if names else [{} for _ in range(n)]
+    assert got == want
+    assert [list(r) for r in got] == [list(r) for r in want]      # the same keys in the same order
+
+
+def test_rows_of_a_table_with_odd_column_names_come_out_whole():
+    table = pa.table({"it's": [1, 2], 'say "hi"': ["a", "b"], "__import__('os')": [None, 3.5]})
+    names = tuple(table.column_names)
+    rows = _row_maker(names)([c.to_pylist() for c in table.columns], table.num_rows)
+    assert rows == table.to_pylist()
+
+
+def test_the_offset_counts_the_samples_handed_out_within_a_window(cfg, source):
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    it = iter(s)
+    reader = s._readers[0]
+    window = cfg.buffer_size
+    for k in (1, 2, 10, window - 1, window, window + 1, 3 * window + 5):
+        while reader.cursor.consumed < k:
+            next(it)
+        assert reader.cursor.consumed == k
+        assert reader.offset == (k - 1) % window + 1    # the window of the last sample, until the next one
+
+
+def test_a_resume_in_mid_window_yields_the_uninterrupted_samples(cfg, source, tmp_path):
+    whole = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), 300)
+    for k in (1, 37, cfg.buffer_size, cfg.buffer_size + 9):
+        first = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        assert take_ids(first, k) == whole[:k]
+        path = first.save_sidecar(tmp_path / f"state-{k}")
+        resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        resumed.load_sidecar(path)
+        assert take_ids(resumed, 300 - k) == whole[k:]
+        # a state taken before any sample of the resumed stream is the saved one
+        again = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        again.load_sidecar(path)
+        assert again.state_dict()["partitions"] == resumed_state(first)
+
+
+def resumed_state(stream):
+    return stream.state_dict()["partitions"]
+
+
+def test_iterating_again_continues_where_the_last_iterator_stopped(cfg, source):
+    whole = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), 200)
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    got = [r["id"] for r in itertools.islice(iter(s), 70)]
+    got += [r["id"] for r in itertools.islice(iter(s), 130)]
+    assert got == whole
