@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import ResumableStreamError, SourceError
+from ..prefetch import Prefetcher
 from .net import RetryPolicy, datasets_retries_off
 
 # Rows per Arrow table handed to the stream while reading a shard.
@@ -78,6 +79,49 @@ class Source:
 
     def close(self) -> None:
         """Stop background work (fetches ahead) and wait for it; reading again starts it afresh."""
+
+
+class FetchesAhead(Source):
+    """The prefetch capabilities of a source that fetches whole shards ahead in plan order through a
+    :class:`~resumable_stream.prefetch.Prefetcher` (``_fetch_ahead`` starts it; without it nothing is fetched
+    ahead). Subclasses read a shard's fetch with ``_taken(shard)``."""
+
+    _prefetch = None
+
+    def _fetch_ahead(self, fetch, depth: int | None, memory_mb: float | None, bytes_of, remote: bool) -> None:
+        """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive, prefetch.py;
+        0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers."""
+        if depth is not None and depth <= 0:
+            return
+        budget = None if memory_mb is None else int(memory_mb * 2**20)
+        # local files: decoding is the work, so one thread per core (more only delay the shards needed first);
+        # remote: the prefetcher's own count, for concurrent requests
+        cores = os.cpu_count() or 1
+        threads = None if remote else max(1, min(depth or cores, cores))
+        self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads)
+
+    def _taken(self, shard: int):
+        """The fetch ahead of ``shard`` (a Future), None when there is none."""
+        return self._prefetch.take(shard) if self._prefetch is not None else None
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self._prefetch.depth if self._prefetch is not None else 0
+
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        if self._prefetch is not None:
+            self._prefetch.hint(partition, shards)
+
+    def prefetch_ahead(self, partition: int) -> int:
+        """Its adaptive depth, and a margin (at most the prefetcher's cap)."""
+        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
+
+    def prefetch_stats(self) -> dict:
+        return self._prefetch.stats() if self._prefetch is not None else {}
 
 
 class RetriedSource(Source):

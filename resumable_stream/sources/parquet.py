@@ -27,9 +27,8 @@ from ..index import (
 from ..limits import is_int
 from ..metrics import record_row_group
 from ..parquet_files import ParquetFiles, read_checked
-from ..prefetch import Prefetcher
 from ..ranged import read_range
-from .base import READ_BATCH_ROWS, IndexedReader, RetriedSource, ShardInfo
+from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
 from .net import RetryPolicy
 from .resolve import dataset_fingerprint
 
@@ -128,7 +127,7 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
                          prefetch_blocks=prefetch_depth(cfg, retry.remote), prefetch_memory_mb=cfg.prefetch_memory_mb)
 
 
-class ParquetSource(RetriedSource):
+class ParquetSource(FetchesAhead, RetriedSource):
     """An indexed parquet dataset, one shard per row group read with pyarrow
     (:class:`~resumable_stream.parquet_files.ParquetFiles`), fetched ahead in plan order."""
 
@@ -139,43 +138,13 @@ class ParquetSource(RetriedSource):
         self._parquet = parquet
         self.index = index
         self.column_names = parquet.column_names
-        self._prefetch: Prefetcher | None = None
         self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
-        if prefetch_blocks is None or prefetch_blocks > 0:    # None: adaptive depth (prefetch.py)
-            budget = None if prefetch_memory_mb is None else int(prefetch_memory_mb * 2**20)
-            # local files: decoding is the work, so one thread per core (more only delay the row groups
-            # needed first); remote: the prefetcher's own count, for concurrent requests
-            cores = os.cpu_count() or 1
-            threads = None if retry is not None else max(1, min(prefetch_blocks or cores, cores))
-            self._prefetch = Prefetcher(self._fetch_row_group, prefetch_blocks, budget, self._row_group_bytes,
-                                        threads)
-
-    @property
-    def footers(self) -> dict[str, bytes]:
-        return self._parquet.footers
-
-    def close(self) -> None:
-        if self._prefetch is not None:
-            self._prefetch.close()
-
-    @property
-    def prefetch_depth(self) -> int:
-        """Row groups fetched ahead per partition (0: no prefetch)."""
-        return self._prefetch.depth if self._prefetch is not None else 0
+        self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
+                          remote=retry is not None)
 
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """The plan says ``partition`` opens ``shards`` next, in this order: start fetching them (whole: a
-        row group is one read and one decode, ``starts`` does not shorten it)."""
-        if self._prefetch is not None:
-            self._prefetch.hint(partition, shards)
-
-    def prefetch_ahead(self, partition: int) -> int:
-        """How many of ``partition``'s next shards are worth hinting now (its adaptive depth, and a margin)."""
-        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
-
-    def prefetch_stats(self) -> dict:
-        """The prefetcher's depth, measurements and byte counters (prefetch.py); {} without prefetch."""
-        return self._prefetch.stats() if self._prefetch is not None else {}
+        """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it."""
+        super().prefetch(partition, shards)
 
     def _row_group_bytes(self, shard: int) -> int:
         """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""
@@ -192,7 +161,7 @@ class ParquetSource(RetriedSource):
     def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
         table = None
-        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        ahead = self._taken(shard)
         if ahead is not None:
             try:
                 table = ahead.result()

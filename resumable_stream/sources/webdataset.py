@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import time
 from collections.abc import Iterator
 from itertools import islice
@@ -30,10 +29,9 @@ import pyarrow as pa
 from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
 from ..index import identity_of
 from ..metrics import record_row_group
-from ..prefetch import Prefetcher
 from ..ranged import read_range
 from . import tar_index
-from .base import IndexedReader, ShardInfo, Source
+from .base import FetchesAhead, IndexedReader, ShardInfo
 from .net import RetryPolicy
 from .parquet import prefetch_depth
 from .resolve import dataset_fingerprint
@@ -228,7 +226,7 @@ def _bad(path: str, key: str, why: str) -> str:
     return reason
 
 
-class WebDatasetSource(Source):
+class WebDatasetSource(FetchesAhead):
     """Indexed WebDataset tars: one shard per run of samples, read by byte ranges (picklable)."""
 
     def __init__(self, cfg, index: dict, retry: RetryPolicy, footers: dict | None = None):
@@ -250,14 +248,9 @@ class WebDatasetSource(Source):
                                                [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
                                                self.shards, max_member_bytes=cfg.max_member_bytes)
         self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
-        self._prefetch: Prefetcher | None = None
         self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
-        depth = prefetch_depth(cfg, retry.remote)
-        if depth is None or depth > 0:
-            budget = None if cfg.prefetch_memory_mb is None else int(cfg.prefetch_memory_mb * 2**20)
-            cores = os.cpu_count() or 1
-            threads = None if retry.remote else max(1, min(depth or cores, cores))
-            self._prefetch = Prefetcher(self._fetch_shard, depth, budget, self._shard_bytes, threads)
+        self._fetch_ahead(self._fetch_shard, prefetch_depth(cfg, retry.remote), cfg.prefetch_memory_mb,
+                          self._shard_bytes, remote=retry.remote)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -272,15 +265,6 @@ class WebDatasetSource(Source):
             self._features = datasets.Features.from_dict(self._features_dict)
         return self._features
 
-    # the prefetch capabilities the partition reader and the block cache use (as StreamingSource's)
-    def close(self) -> None:
-        if self._prefetch is not None:
-            self._prefetch.close()
-
-    @property
-    def prefetch_depth(self) -> int:
-        return self._prefetch.depth if self._prefetch is not None else 0
-
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
         """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that sample on: a resume inside a
         shard fetches none of the samples before it (``_first_table`` uses a fetch that starts at or before
@@ -288,13 +272,7 @@ class WebDatasetSource(Source):
         if self._prefetch is not None:
             starts = starts or {}
             self._starts.update((s, starts.get(s, 0)) for s in shards)
-            self._prefetch.hint(partition, shards)
-
-    def prefetch_ahead(self, partition: int) -> int:
-        return min(self._prefetch.cap, self._prefetch.depth_for(partition) + 8) if self._prefetch is not None else 0
-
-    def prefetch_stats(self) -> dict:
-        return self._prefetch.stats() if self._prefetch is not None else {}
+            super().prefetch(partition, shards)
 
     def _shard_bytes(self, shard: int) -> int:
         """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
@@ -352,7 +330,7 @@ class WebDatasetSource(Source):
             yield table
 
     def _first_table(self, shard: int, start_row: int) -> pa.Table:
-        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        ahead = self._taken(shard)
         if ahead is not None:
             try:
                 table = ahead.result()
