@@ -21,6 +21,7 @@ from .collectives import broadcast_bytes, shared_over_dist
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .index import check_resolution, decode_index, load_index, same_resolution, save_index
+from . import growth
 from .sources.base import Source
 from .sources.open import open_source
 from .sources.resolve import verified_index
@@ -83,6 +84,8 @@ def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, 
 def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None) -> Source:
     """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
     ``label``: the mixture source whose index the checkpoint saved under that name."""
+    if cfg.growth != "off":
+        return _open_growing(cfg, state_path, label)
     index, where, given = None, None, False
     saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None:
@@ -102,6 +105,24 @@ def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str
     src = open_source(cfg)
     if cfg.index_path and rank == 0 and src.index is not None:
         save_index(cfg.index_path, src.index)
+    return src
+
+
+def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None) -> Source:
+    """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
+    and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
+    start resolves the files, its one generation from epoch 0."""
+    saved = saved_index_file(state_path, label) if state_path else None
+    if saved is not None and same_resolution(saved, cfg):
+        where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
+        furthest = growth.furthest_epoch(state_path)
+        return open_source(cfg, index=growth.grow(cfg, saved, (furthest or 0) + 1, where))
+    src = open_source(cfg)
+    if src.index is None:
+        src.close()
+        raise ConfigError(f"data.growth: got {cfg.growth!r} for {cfg.dataset_name_or_path!r}, which is not read "
+                          "through a dataset index; allowed: off, or append for indexed formats (parquet)")
+    src.index[growth.KEY] = {"generations": growth.generations(src.index)}
     return src
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from .cache.cached_source import with_block_cache
 from .config import StreamConfig
 from .errors import ConfigError, StreamMismatchError
+from .growth import layout_generations, stable_fingerprint
 from .job_source import open_job_source
 from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
@@ -55,6 +56,8 @@ class ResumableStream(StreamBase):
             num_partitions=num_partitions,
             seed=self.config.shuffle_seed, shuffle=self.config.shuffle, buffer_size=self.config.buffer_size,
             interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
+            generations=(layout_generations(self.source.index, self.source.shards)
+                         if self.config.growth != "off" else None),
         )
         consumers = self.world_size * max(1, self.num_workers)
         if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
@@ -75,8 +78,11 @@ class ResumableStream(StreamBase):
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
         c = self.config
+        dataset = self.source.fingerprint
+        if c.growth != "off":    # the first file set: what a run grows from (the later files: the index's)
+            dataset = stable_fingerprint(dataset, self.source.index, c.growth)
         fp = {
-            "dataset": self.source.fingerprint,
+            "dataset": dataset,
             "order": {"shuffle": c.shuffle, "seed": c.shuffle_seed, "buffer_size": c.buffer_size,
                       "interleave": c.interleave_shards, "block_rows": c.block_rows},
         }

@@ -1,0 +1,197 @@
+"""Datasets that grow (``data.growth: append``): which files each epoch reads, kept in the dataset index.
+
+The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
+shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
+"dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
+``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
+checkpoint (a resume): the files the config resolves to now, less those the index lists, appended; it applies
+from the epoch after the furthest one any partition of the checkpoint has begun, so no partition ever reads an
+epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. The checkpoint
+saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .errors import SourceError, StreamMismatchError
+from .index import changed_files, describe_changes, identity_of, map_files
+from .limits import is_int
+from .sources import registry
+
+log = logging.getLogger(__name__)
+
+KEY = "growth"
+
+
+def generations(index: dict) -> list[dict[str, Any]]:
+    """The index's generations, checked (an index may come from a damaged or forged checkpoint); an index
+    written without growth is one generation: all its files from epoch 0."""
+    n = len(index["files"])
+    raw = index.get(KEY)
+    if raw is None:
+        return [{"from_epoch": 0, "files": n, "dropped": []}]
+    gens = raw.get("generations") if isinstance(raw, dict) else None
+    paths = {f["path"] for f in index["files"]}
+    ok = isinstance(gens, list) and 0 < len(gens) <= 100_000
+    last_epoch, last_files = -1, 0
+    for g in gens if ok else []:
+        ok = (isinstance(g, dict) and set(g) == {"from_epoch", "files", "dropped"}
+              and is_int(g["from_epoch"], last_epoch + 1, 2**31 - 1) and is_int(g["files"], max(1, last_files), n)
+              and isinstance(g["dropped"], list) and all(isinstance(p, str) and p in paths for p in g["dropped"]))
+        if not ok:
+            break
+        last_epoch, last_files = g["from_epoch"], g["files"]
+    if not ok or gens[0]["from_epoch"] != 0 or last_files != n:
+        raise SourceError(f"dataset index: malformed {KEY!r}: expected generations {{from_epoch, files, dropped}} "
+                          f"with increasing epochs from 0 and file counts up to the {n} files listed")
+    return gens
+
+
+def with_generations(index: dict, gens: list[dict[str, Any]]) -> dict:
+    return {**index, KEY: {"generations": gens}}
+
+
+def files_of(index: dict, gen: dict[str, Any]) -> list[str]:
+    """The paths a generation reads, in index order."""
+    dropped = set(gen["dropped"])
+    return [f["path"] for f in index["files"][:gen["files"]] if f["path"] not in dropped]
+
+
+def layout_generations(index: dict, shards: list) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``plan.Layout.generations``: per generation its first epoch and its shards (global shard ids)."""
+    by_file: dict[str, list[int]] = {}
+    for s in shards:
+        by_file.setdefault(s.file, []).append(s.index)
+    out = []
+    for g in generations(index):
+        out.append((g["from_epoch"], tuple(i for p in files_of(index, g) for i in by_file.get(p, ()))))
+    return tuple(out)
+
+
+def stable_fingerprint(dataset_fp: dict, index: dict, mode: str) -> dict:
+    """What a growing dataset's resume check compares: the first generation's files (those a run starts with;
+    the later ones are checked against the index, which the checkpoint carries) and the growth mode."""
+    first = generations(index)[0]["files"]
+    fp = {k: v for k, v in dataset_fp.items() if k not in ("num_shards", "shard_rows")}
+    fp["files"] = list(dataset_fp.get("files", []))[:first]
+    fp["growth"] = mode
+    return fp
+
+
+def describe(index: dict) -> list[dict[str, Any]] | None:
+    """Per generation (``inspect``): from which epoch, how many files, those it added and dropped."""
+    if index.get(KEY) is None:
+        return None
+    out, before = [], 0
+    for g in generations(index):
+        out.append({"from_epoch": g["from_epoch"], "files": g["files"] - len(g["dropped"]),
+                    "added": [f["path"] for f in index["files"][before:g["files"]]], "dropped": list(g["dropped"])})
+        before = g["files"]
+    return out
+
+
+# ------------------------------------------------------------------ a resume: the files now
+def furthest_epoch(state_path: str) -> int | None:
+    """The furthest epoch any partition of the checkpoint at ``state_path`` has begun (every rank file read:
+    O(partitions)); None when it is a bare sidecar file or has no manifest."""
+    from .sidecar import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
+
+    if os.path.isfile(state_path):
+        return None
+    state_dir = find_state_dir(state_path)
+    manifest = read_manifest(state_dir)
+    fingerprint = read_state_fingerprint(state_dir, manifest)
+    furthest = 0
+    for rank in range(int(manifest["world_size"])):
+        state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
+        for ps in state["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
+            epoch = ps.get("epoch") if isinstance(ps, dict) else getattr(ps, "epoch", None)
+            if not is_int(epoch):
+                raise SourceError(f"stream state {state_dir!r}: rank {rank} has a partition without an epoch; "
+                                  "data.growth needs the epoch of every partition")
+            furthest = max(furthest, epoch)
+    return furthest
+
+
+def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
+    """``index`` after checking the files it lists and adding those that appeared: a new generation from
+    ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
+    without growth); one that disappeared too, unless ``data.growth_allow_removal``."""
+    from .sources.net import RetryPolicy, is_remote
+    from .sources.resolve import (
+        builder_args,
+        explicit_urls,
+        file_identity,
+        hub_identities,
+        remote_targets,
+        resolve_split,
+    )
+
+    path, data_files = builder_args(cfg)
+    targets = remote_targets(path, data_files)
+    retry = RetryPolicy(cfg, remote=bool(targets))
+    reader = registry.format_of_index(index).load()
+    gens = generations(index)
+    reading = files_of(index, gens[-1])
+    listed = {f["path"] for f in index["files"]}
+    now = explicit_urls(cfg, path, data_files)
+    if now is None:
+        now = resolve_split(cfg, path, data_files, targets, retry).files
+    present = set(now)
+    removed = [p for p in reading if p not in present]
+    if removed and not cfg.growth_allow_removal:
+        raise StreamMismatchError(
+            f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; with "
+            "data.growth: append files may only be added (set data.growth_allow_removal: true to drop them from "
+            "the next epoch on)", [(f"file removed: {p}", p, None) for p in removed])
+    # the files read so far (and still there) must be those the index describes
+    gone = set(gens[-1]["dropped"])
+    kept = [f for f in index["files"] if f["path"] in present and f["path"] not in gone]
+    known = hub_identities([f["path"] for f in kept], retry)
+
+    def identity(entry: dict) -> dict:
+        try:
+            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
+        except SourceError as e:
+            return {"path": entry["path"], "error": str(e)}
+        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
+            ident.update(reader.local_check(entry["path"], ident, retry))
+        return ident
+
+    changes = changed_files({**index, "files": kept}, map_files(identity, kept))
+    if changes:
+        raise StreamMismatchError(
+            f"dataset index {where}: files it has read changed (a growing dataset may only gain files):\n"
+            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    added = [p for p in now if p not in listed]
+    if not added and not removed:
+        return with_generations(index, gens)
+    new_known = hub_identities(added, retry)
+    footers: dict[str, bytes] = {}
+    entries = map_files(lambda f: reader.index_file(f, retry, new_known.get(f) or file_identity(f, retry), footers),
+                        added)
+    for f in added:
+        features = reader.features(f, footers.get(f))
+        if features != index["features"]:
+            raise StreamMismatchError(
+                f"data file {f!r} (new since {where}): its columns {sorted(features)} / types differ from the "
+                f"dataset's {sorted(index['features'])}; files added to a growing dataset must match it",
+                [(f"file added: {f} (features)", index["features"], features)])
+    dropped = sorted(set(gens[-1]["dropped"]) | set(removed))
+    # generations no partition has begun yet (added at an earlier resume) are replaced by this one
+    begun = [g for g in gens if g["from_epoch"] < from_epoch] or gens[:1]
+    gen = {"from_epoch": max(from_epoch, begun[-1]["from_epoch"] + 1), "files": len(index["files"]) + len(entries),
+           "dropped": dropped}
+    log.info("data.growth: %d file(s) added, %d dropped; they apply from epoch %d (%s)", len(added), len(removed),
+             gen["from_epoch"], where)
+    grown = {**index, "files": [*index["files"], *entries]}
+    return with_generations(grown, [*begun, gen])
+
+
+def identities_of(index: dict) -> list[dict]:
+    """Every listed file's identity (the dataset fingerprint's ``files`` of the whole index)."""
+    reader = registry.format_of_index(index).load()
+    return [identity_of(f, reader.layout_keys) for f in index["files"]]

@@ -1,0 +1,201 @@
+"""data.growth: append: files that appear join at the epoch after the furthest one begun, exactly, on resume."""
+
+import collections
+import itertools
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.checkpoint import finish, load, save
+from resumable_stream.errors import ConfigError, StreamMismatchError
+from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+
+ROWS, FILES, RG = 400, 4, 25
+
+
+def _dataset(tmp_path) -> str:
+    d = str(tmp_path / "data")
+    write_parquet_dataset(d, rows=ROWS, files=FILES, row_group_size=RG)
+    return d
+
+
+def _add(d: str, name: str, start: int, count: int = 100) -> list[int]:
+    pq.write_table(pa.table(synthetic_rows(start, count)), os.path.join(d, f"{name}.parquet"), row_group_size=RG)
+    return list(range(start, start + count))
+
+
+def _cfg(d: str, **kw) -> StreamConfig:
+    kw = {"shuffle": True, "buffer_size": 64, "interleave_shards": 2, "block_rows": 16, "growth": "append", **kw}
+    return StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(d, "*.parquet"), **kw)
+
+
+def _ids(stream, n: int) -> list[int]:
+    return [r["id"] for r in itertools.islice(stream, n)]
+
+
+def _epoch(stream, epoch: int) -> list[int]:
+    stream.set_epoch(epoch)
+    return [r["id"] for r in stream]
+
+
+def _save(streams, ckpt: str) -> str:
+    for s in streams:
+        save(s, ckpt, s.state_dict(), manifest=False)
+    finish(ckpt, streams[0].world_size)
+    return ckpt
+
+
+def _resume(cfg, ckpt: str, rank: int = 0, world_size: int = 1) -> ResumableStream:
+    s = ResumableStream(cfg, rank=rank, world_size=world_size, index_from=ckpt)
+    load(s, ckpt)
+    return s
+
+
+def test_file_added_between_kill_and_resume_joins_at_the_next_epoch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    reference = _ids(ResumableStream(cfg), 2 * ROWS)        # the run without growth
+    first = ResumableStream(cfg)
+    head = _ids(first, 250)
+    ckpt = _save([first], str(tmp_path / "ckpt"))
+    new = _add(d, "part-00009", 1000)                        # appears while the job is down
+    resumed = _resume(cfg, ckpt)
+    rest = _epoch(resumed, 0)
+    assert head + rest == reference[:ROWS]                  # epoch 0 continues with epoch 0's files, exactly
+    one = _epoch(resumed, 1)
+    assert sorted(one) == sorted(list(range(ROWS)) + new)   # every row once, the new file's included
+    assert one != reference[ROWS:]
+    # the generation is in the checkpoint's index: a second resume in the middle of epoch 1 replays it
+    again = ResumableStream(cfg, index_from=ckpt)
+    load(again, ckpt)
+    _epoch(again, 0)
+    again.set_epoch(1)
+    mid = _ids(again, 170)
+    ckpt2 = _save([again], str(tmp_path / "ckpt2"))
+    _add(d, "part-00010", 2000)                              # more arrive: they wait for epoch 2
+    third = _resume(cfg, ckpt2)
+    assert mid + _epoch(third, 1) == one
+    assert sorted(_epoch(third, 2)) == sorted(list(range(ROWS)) + new + list(range(2000, 2100)))
+
+
+def test_file_added_during_an_epoch_waits_for_the_next_one(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    head = _ids(s, 100)
+    _add(d, "part-00009", 1000)                  # written while the stream reads epoch 0
+    head += _ids(s, 100)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    resumed = _resume(cfg, ckpt)
+    epoch0 = head + _epoch(resumed, 0)
+    assert sorted(epoch0) == list(range(ROWS))
+    assert len(_epoch(resumed, 1)) == ROWS + 100
+
+
+def test_growth_off_is_todays_order_and_append_without_new_files_too(tmp_path):
+    d = _dataset(tmp_path)
+    off = _ids(ResumableStream(_cfg(d, growth="off")), 2 * ROWS)
+    assert _ids(ResumableStream(_cfg(d)), 2 * ROWS) == off
+
+
+def test_every_row_once_per_epoch_across_4_ranks_and_elastic_to_2(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d, num_partitions=4, elastic=True)
+    ranks = [ResumableStream(cfg, rank=r, world_size=4) for r in range(4)]
+    heads = [_ids(s, 30 + 10 * r) for r, s in enumerate(ranks)]
+    ckpt = _save(ranks, str(tmp_path / "ckpt"))
+    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    for world in (4, 2):     # the same job resumed on 4 ranks, then (elastic) on 2
+        resumed = [_resume(cfg, ckpt, r, world) for r in range(world)]
+        epoch0 = collections.Counter(itertools.chain(*heads, *(_epoch(s, 0) for s in resumed)))
+        assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+        epoch1 = collections.Counter(itertools.chain(*(_epoch(s, 1) for s in resumed)))
+        assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
+
+
+def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d, shuffle=False)          # files in order: the first is read completely by row 100
+    s = ResumableStream(cfg)
+    head = _ids(s, 150)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    gone = os.path.join(d, "part-00000.parquet")
+    os.unlink(gone)
+    with pytest.raises(StreamMismatchError, match="part-00000.parquet") as e:
+        _resume(cfg, ckpt)
+    assert ("file removed: " + gone) in [k for k, _, _ in e.value.differences]
+    allowed = _cfg(d, shuffle=False, growth_allow_removal=True)
+    resumed = _resume(allowed, ckpt)
+    assert head + _epoch(resumed, 0) == list(range(ROWS))       # epoch 0 had read it already
+    assert _epoch(resumed, 1) == list(range(100, ROWS))         # dropped from epoch 1 on
+
+
+def test_changed_file_already_read_is_a_mismatch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    path = os.path.join(d, "part-00001.parquet")
+    pq.write_table(pa.table(synthetic_rows(5000, 100)), path, row_group_size=RG)
+    _add(d, "part-00009", 1000)
+    with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
+        _resume(cfg, ckpt)
+
+
+def test_new_file_with_other_columns_is_a_mismatch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    pq.write_table(pa.table({"id": [1, 2], "other": ["a", "b"]}), os.path.join(d, "part-00009.parquet"))
+    with pytest.raises(StreamMismatchError, match="part-00009.parquet"):
+        _resume(cfg, ckpt)
+
+
+def test_inspect_shows_each_epochs_file_set(tmp_path, capsys):
+    from resumable_stream.cli import main
+
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    _add(d, "part-00009", 1000)
+    resumed = _resume(cfg, ckpt)
+    _ids(resumed, 10)
+    ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+    capsys.readouterr()
+    assert main(["inspect", ckpt2]) == 0
+    gens = json.loads(capsys.readouterr().out)["index"]["generations"]
+    assert [(g["from_epoch"], g["files"], len(g["added"])) for g in gens] == [(0, 4, 4), (1, 5, 1)]
+    assert gens[1]["added"] == [os.path.join(d, "part-00009.parquet")]
+
+
+def test_forged_generations_are_refused(tmp_path):
+    from resumable_stream.errors import SourceError
+    from resumable_stream.growth import generations
+
+    index = {"files": [{"path": "a"}, {"path": "b"}]}
+    assert generations(index) == [{"from_epoch": 0, "files": 2, "dropped": []}]
+    for bad in ({"generations": []}, {"generations": [{"from_epoch": 1, "files": 2, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 3, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 1, "dropped": []},
+                                 {"from_epoch": 0, "files": 2, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 2, "dropped": ["zzz"]}]}, "x"):
+        with pytest.raises(SourceError, match="growth"):
+            generations({**index, "growth": bad})
+
+
+def test_config_keys():
+    with pytest.raises(ConfigError, match="data.growth: got 'sometimes'"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="x/*.parquet", growth="sometimes")
+    with pytest.raises(ConfigError, match="data.growth_allow_removal"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="x/*.parquet", growth_allow_removal="yes")
+    with pytest.raises(ConfigError, match="data.growth"):
+        StreamConfig(dataset_name_or_path="x", backend="local", growth="append")
