@@ -94,9 +94,10 @@ def describe(index: dict) -> list[dict[str, Any]] | None:
 
 
 # ------------------------------------------------------------------ a resume: the files now
-def furthest_epoch(state_path: str) -> int | None:
+def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     """The furthest epoch any partition of the checkpoint at ``state_path`` has begun (every rank file read:
-    O(partitions)); None when it is a bare sidecar file or has no manifest."""
+    O(partitions)); ``source``: of that source of a mixture (each source has its own epochs). None when it is a
+    bare sidecar file."""
     from .sidecar import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
 
     if os.path.isfile(state_path):
@@ -108,7 +109,10 @@ def furthest_epoch(state_path: str) -> int | None:
     for rank in range(int(manifest["world_size"])):
         state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
         for ps in state["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
-            epoch = ps.get("epoch") if isinstance(ps, dict) else getattr(ps, "epoch", None)
+            if source is not None:                   # a mixture's: {"mixture": ..., "sources": [...]}
+                sources = ps.get("sources") if isinstance(ps, dict) else None
+                ps = sources[source] if isinstance(sources, list) and source < len(sources) else None
+            epoch = ps.get("epoch") if isinstance(ps, dict) else None
             if not is_int(epoch):
                 raise SourceError(f"stream state {state_dir!r}: rank {rank} has a partition without an epoch; "
                                   "data.growth needs the epoch of every partition")

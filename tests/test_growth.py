@@ -199,3 +199,27 @@ def test_config_keys():
         StreamConfig(dataset_name_or_path="parquet", data_files="x/*.parquet", growth_allow_removal="yes")
     with pytest.raises(ConfigError, match="data.growth"):
         StreamConfig(dataset_name_or_path="x", backend="local", growth="append")
+
+
+def test_mixture_sources_grow_independently(tmp_path):
+    from resumable_stream.mixture import MixtureStream
+
+    a = _dataset(tmp_path)
+    b = str(tmp_path / "b")
+    os.makedirs(b)
+    pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
+    data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
+        {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
+        {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
+    cfg = StreamConfig.from_dict(data)
+    first = MixtureStream(cfg, rank=0, world_size=1)
+    head = _ids(first, 300)
+    first.save_sidecar(str(tmp_path / "ckpt" / "stream_state"))
+    new = _add(a, "part-00009", 1000)
+    resumed = MixtureStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt")), rank=0, world_size=1)
+    rest = _ids(resumed, 2400)
+    from_a = [i for i in head + rest if i < 10_000]
+    assert sorted(from_a[:ROWS]) == list(range(ROWS))                            # a's epoch 0: as it was
+    assert sorted(from_a[ROWS:2 * ROWS + 100]) == sorted(list(range(ROWS)) + new)   # epoch 1: grown
+    from_b = [i for i in head + rest if i >= 10_000]
+    assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
