@@ -188,9 +188,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _saved_index_brief(saved: dict) -> dict:
     """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
-    from .sources import registry
-
     from .growth import describe
+    from .sources import registry
 
     name = registry.format_of_index(saved).name
     if name == "parquet":

@@ -17,11 +17,11 @@ import logging
 import os
 from typing import Any
 
+from . import growth
 from .collectives import broadcast_bytes, shared_over_dist
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from .index import check_resolution, decode_index, load_index, same_resolution, save_index
-from . import growth
 from .sources.base import Source
 from .sources.open import open_source
 from .sources.resolve import verified_index
