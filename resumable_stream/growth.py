@@ -16,8 +16,9 @@ import logging
 import os
 from typing import Any
 
-from .errors import ConfigError, SourceError, StreamMismatchError
-from .index import changed_files, describe_changes, identity_of, map_files
+from .errors import SourceError, StreamMismatchError
+from .hub import hub_commits, unpinned
+from .index import changed_files, describe_changes, map_files
 from .limits import is_int
 from .sources import registry
 
@@ -50,15 +51,6 @@ def generations(index: dict) -> list[dict[str, Any]]:
     return gens
 
 
-def check_supported(cfg, index: dict) -> None:
-    """Hub files are pinned to the commit of their branch (``hub.pin_commits``): a new commit renames every
-    file, which this module does not yet map back to the files read (docs/growing-data.md#limits)."""
-    hub = [f["path"] for f in index["files"] if f["path"].startswith("hf://")]
-    if hub:
-        raise ConfigError(f"data.growth: got {cfg.growth!r} for Hub files ({hub[0]!r}, ...); allowed: off for Hub "
-                          "datasets for now (local files, http(s) and object stores such as s3:// can grow)")
-
-
 def with_generations(index: dict, gens: list[dict[str, Any]]) -> dict:
     return {**index, KEY: {"generations": gens}}
 
@@ -86,6 +78,8 @@ def stable_fingerprint(dataset_fp: dict, index: dict, mode: str) -> dict:
     first = generations(index)[0]["files"]
     fp = {k: v for k, v in dataset_fp.items() if k not in ("num_shards", "shard_rows")}
     fp["files"] = list(dataset_fp.get("files", []))[:first]
+    if "hub_commits" in fp:       # the commits the first files come from (later ones: the index's)
+        fp["hub_commits"] = hub_commits([f["path"] for f in index["files"][:first]])
     fp["growth"] = mode
     return fp
 
@@ -96,8 +90,12 @@ def describe(index: dict) -> list[dict[str, Any]] | None:
         return None
     out, before = [], 0
     for g in generations(index):
-        out.append({"from_epoch": g["from_epoch"], "files": g["files"] - len(g["dropped"]),
-                    "added": [f["path"] for f in index["files"][before:g["files"]]], "dropped": list(g["dropped"])})
+        entry = {"from_epoch": g["from_epoch"], "files": g["files"] - len(g["dropped"]),
+                 "added": [f["path"] for f in index["files"][before:g["files"]]], "dropped": list(g["dropped"])}
+        commits = hub_commits(entry["added"])      # a Hub branch: the commit that brought the new files
+        if commits:
+            entry["hub_commits"] = commits
+        out.append(entry)
         before = g["files"]
     return out
 
@@ -149,37 +147,38 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     reader = registry.format_of_index(index).load()
     gens = generations(index)
     reading = files_of(index, gens[-1])
-    listed = {f["path"] for f in index["files"]}
+    listed = {unpinned(f["path"]) for f in index["files"]}
     now = explicit_urls(cfg, path, data_files)
-    if now is None:
+    if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
         now = resolve_split(cfg, path, data_files, targets, retry).files
-    present = set(now)
-    removed = [p for p in reading if p not in present]
+    at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
+    removed = [p for p in reading if unpinned(p) not in at_now]
     if removed and not cfg.growth_allow_removal:
         raise StreamMismatchError(
             f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; with "
             "data.growth: append files may only be added (set data.growth_allow_removal: true to drop them from "
             "the next epoch on)", [(f"file removed: {p}", p, None) for p in removed])
-    # the files read so far (and still there) must be those the index describes
+    # the files read so far (and still there) must be those the index describes (a Hub file: at the new commit)
     gone = set(gens[-1]["dropped"])
-    kept = [f for f in index["files"] if f["path"] in present and f["path"] not in gone]
-    known = hub_identities([f["path"] for f in kept], retry)
+    kept = [f for f in index["files"] if unpinned(f["path"]) in at_now and f["path"] not in gone]
+    known = hub_identities([at_now[unpinned(f["path"])] for f in kept], retry)
 
     def identity(entry: dict) -> dict:
+        where_now = at_now[unpinned(entry["path"])]
         try:
-            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
+            ident = known.get(where_now) or file_identity(where_now, retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
-        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
-            ident.update(reader.local_check(entry["path"], ident, retry))
-        return ident
+        if not is_remote(where_now) and isinstance(ident.get("size"), int):
+            ident.update(reader.local_check(where_now, ident, retry))
+        return {**ident, "path": entry["path"]}     # compared as the file the index lists
 
     changes = changed_files({**index, "files": kept}, map_files(identity, kept))
     if changes:
         raise StreamMismatchError(
             f"dataset index {where}: files it has read changed (a growing dataset may only gain files):\n"
             f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
-    added = [p for p in now if p not in listed]
+    added = [p for p in now if unpinned(p) not in listed]
     if not added and not removed:
         return with_generations(index, gens)
     new_known = hub_identities(added, retry)
@@ -203,8 +202,3 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     grown = {**index, "files": [*index["files"], *entries]}
     return with_generations(grown, [*begun, gen])
 
-
-def identities_of(index: dict) -> list[dict]:
-    """Every listed file's identity (the dataset fingerprint's ``files`` of the whole index)."""
-    reader = registry.format_of_index(index).load()
-    return [identity_of(f, reader.layout_keys) for f in index["files"]]

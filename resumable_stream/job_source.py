@@ -116,7 +116,6 @@ def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, 
     saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None and same_resolution(saved, cfg):
         where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
-        growth.check_supported(cfg, saved)
         furthest = growth.furthest_epoch(state_path, position)
         return open_source(cfg, index=growth.grow(cfg, saved, (furthest or 0) + 1, where))
     src = open_source(cfg)
@@ -124,7 +123,6 @@ def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, 
         src.close()
         raise ConfigError(f"data.growth: got {cfg.growth!r} for {cfg.dataset_name_or_path!r}, which is not read "
                           "through a dataset index; allowed: off, or append for indexed formats (parquet)")
-    growth.check_supported(cfg, src.index)
     src.index[growth.KEY] = {"generations": growth.generations(src.index)}
     return src
 

@@ -223,3 +223,47 @@ def test_mixture_sources_grow_independently(tmp_path):
     assert sorted(from_a[ROWS:2 * ROWS + 100]) == sorted(list(range(ROWS)) + new)   # epoch 1: grown
     from_b = [i for i in head + rest if i >= 10_000]
     assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
+
+
+@pytest.mark.slow      # a loopback Hub: ~5 s
+def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
+    from hub_server import HubServer, use_hub
+
+    from resumable_stream.growth import describe
+
+    repo = "org/growing"
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=RG)
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.create_repo(repo)
+        first_commit = hub.commit(repo, directory=src, message="initial")
+        with use_hub(hub, tmp_path / "hf-home"):
+            cfg = StreamConfig(dataset_name_or_path=repo, data_files="data/*.parquet", shuffle=True,
+                               buffer_size=64, growth="append", prefetch_blocks=0)
+            reference = _ids(ResumableStream(cfg), ROWS)
+            first = ResumableStream(cfg)
+            head = _ids(first, 250)
+            ckpt = _save([first], str(tmp_path / "ckpt"))
+            more = tmp_path / "more"
+            more.mkdir()
+            _add(str(more), "x", 1000)
+            new_commit = hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
+            hub.reset_stats()
+            resumed = _resume(cfg, ckpt)
+            # the branch resolved again; the files read so far checked at the new commit in one batched request,
+            # the new one in another, and only the new file's footer read
+            assert sum("/paths-info/" in r.path for r in hub.requests) == 2
+            footers = [r.path for r in hub.data_requests() if r.range]
+            assert footers and all("part-00009" in p for p in footers)
+            assert head + _epoch(resumed, 0) == reference
+            one = _epoch(resumed, 1)
+            assert sorted(one) == sorted(list(range(ROWS)) + list(range(1000, 1100)))
+            assert resumed.fingerprint()["dataset"]["hub_commits"] == {repo: first_commit}
+            gens = describe(resumed.source.index)
+            assert [g.get("hub_commits") for g in gens] == [{repo: first_commit}, {repo: new_commit}]
+            # a commit that rewrites a file already read is a mismatch naming it
+            ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+            pq.write_table(pa.table(synthetic_rows(5000, 100)), str(more / "y.parquet"), row_group_size=RG)
+            hub.commit(repo, files={"data/part-00001.parquet": str(more / "y.parquet")}, message="rewrite")
+            with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
+                _resume(cfg, ckpt2)
