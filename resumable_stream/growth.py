@@ -127,6 +127,23 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     return furthest
 
 
+def _forget_listings(targets: list[str], storage_options: dict) -> None:
+    """Drop the directory listings fsspec keeps per filesystem instance (s3fs, HfFileSystem): a listing made
+    before the data grew would hide the new files from this process's resolution."""
+    import fsspec
+
+    from .sources.net import protocol_options
+
+    for target in targets:
+        if "://" not in target:
+            continue
+        try:
+            fs, _ = fsspec.core.url_to_fs(target, **protocol_options(storage_options, target))
+            fs.invalidate_cache()
+        except Exception:   # nothing cached, or a path fsspec cannot open: the resolution then says why
+            pass
+
+
 def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     """``index`` after checking the files it lists and adding those that appeared: a new generation from
     ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
@@ -150,6 +167,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     listed = {unpinned(f["path"]) for f in index["files"]}
     now = explicit_urls(cfg, path, data_files)
     if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
+        _forget_listings(targets, retry.storage_options)
         now = resolve_split(cfg, path, data_files, targets, retry).files
     at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
     removed = [p for p in reading if unpinned(p) not in at_now]
