@@ -267,3 +267,75 @@ def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
             hub.commit(repo, files={"data/part-00001.parquet": str(more / "y.parquet")}, message="rewrite")
             with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
                 _resume(cfg, ckpt2)
+
+
+_RANK_SCRIPT = """
+import itertools, json, os, sys
+import torch.distributed as dist
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.checkpoint import finish, load, save
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+data, out, phase = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet"), shuffle=True,
+                   buffer_size=64, interleave_shards=2, block_rows=16, growth="append")
+ckpt = os.path.join(out, "ckpt", "stream_state")
+result = {}
+if phase == "first":
+    stream = ResumableStream(cfg, rank=rank, world_size=world)
+    result["head"] = [r["id"] for r in itertools.islice(stream, 30 + 10 * rank)]
+    save(stream, ckpt, stream.state_dict(), manifest=False)
+    dist.barrier()
+    if rank == 0:
+        finish(ckpt, world)
+else:
+    stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=ckpt)
+    load(stream, ckpt)
+    result["files"] = len(stream.source.index["files"])
+    result["generations"] = stream.source.index["growth"]["generations"]
+    stream.set_epoch(0)
+    result["epoch0"] = [r["id"] for r in stream]
+    stream.set_epoch(1)
+    result["epoch1"] = [r["id"] for r in stream]
+with open(os.path.join(out, f"{phase}-{rank}.json"), "w") as f:
+    json.dump(result, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_per_epoch(tmp_path):
+    """4 processes over gloo: the first run saves mid-epoch 0; two files appear; the resumed job's rank 0 checks
+    and grows the index and broadcasts it: every rank plans with the same generations, epoch 0 ends with its
+    4 files, epoch 1 reads all 6, each row exactly once across the ranks."""
+    import subprocess
+    import sys
+
+    from training_helpers import free_port
+
+    d = _dataset(tmp_path)
+    (tmp_path / "rank.py").write_text(_RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(phase: str) -> list[dict]:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                               str(tmp_path / "rank.py"), d, str(tmp_path), phase],
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(4)]
+
+    heads = [r["head"] for r in run("first")]
+    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    resumed = run("resume")
+    assert {r["files"] for r in resumed} == {FILES + 2}
+    assert all(r["generations"] == resumed[0]["generations"] for r in resumed)
+    assert [g["from_epoch"] for g in resumed[0]["generations"]] == [0, 1]
+    epoch0 = collections.Counter(itertools.chain(*heads, *(r["epoch0"] for r in resumed)))
+    assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in resumed)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
