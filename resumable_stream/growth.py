@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any
 
-from .errors import SourceError, StreamMismatchError
+from .errors import ConfigError, SourceError, StreamMismatchError
 from .hub import hub_commits, unpinned
 from .index import changed_files, describe_changes, map_files
 from .limits import is_int
@@ -61,8 +61,11 @@ def files_of(index: dict, gen: dict[str, Any]) -> list[str]:
     return [f["path"] for f in index["files"][:gen["files"]] if f["path"] not in dropped]
 
 
-def layout_generations(index: dict, shards: list) -> tuple[tuple[int, tuple[int, ...]], ...]:
+def layout_generations(index: dict | None, shards: list) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``plan.Layout.generations``: per generation its first epoch and its shards (global shard ids)."""
+    if index is None:      # a source given to the stream that is not read through an index
+        raise ConfigError("data.growth: got 'append' for a source without a dataset index; allowed: off, or "
+                          "append for indexed formats (parquet)")
     by_file: dict[str, list[int]] = {}
     for s in shards:
         by_file.setdefault(s.file, []).append(s.index)
@@ -148,6 +151,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     """``index`` after checking the files it lists and adding those that appeared: a new generation from
     ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
     without growth); one that disappeared too, unless ``data.growth_allow_removal``."""
+    from .ranged import listed_identities
     from .sources.net import RetryPolicy, is_remote
     from .sources.resolve import (
         builder_args,
@@ -179,7 +183,9 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     # the files read so far (and still there) must be those the index describes (a Hub file: at the new commit)
     gone = set(gens[-1]["dropped"])
     kept = [f for f in index["files"] if unpinned(f["path"]) in at_now and f["path"] not in gone]
-    known = hub_identities([at_now[unpinned(f["path"])] for f in kept], retry)
+    asked = [at_now[unpinned(f["path"])] for f in kept]
+    known = hub_identities(asked, retry)
+    known.update(listed_identities(asked, retry.storage_options))     # S3: from a listing, no HEAD per object
 
     def identity(entry: dict) -> dict:
         where_now = at_now[unpinned(entry["path"])]
@@ -200,6 +206,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     if not added and not removed:
         return with_generations(index, gens)
     new_known = hub_identities(added, retry)
+    new_known.update(listed_identities(added, retry.storage_options))
     footers: dict[str, bytes] = {}
     entries = map_files(lambda f: reader.index_file(f, retry, new_known.get(f) or file_identity(f, retry), footers),
                         added)
@@ -220,3 +227,39 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     grown = {**index, "files": [*index["files"], *entries]}
     return with_generations(grown, [*begun, gen])
 
+
+
+def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, num_workers: int) -> dict | None:
+    """A running job's ``refresh_files``: the grown index (None: no change), by rank 0 and broadcast; every
+    rank passes the furthest epoch its partitions have begun, the new generation starts after the job's."""
+    import json
+
+    from .collectives import broadcast_bytes, max_over_ranks, shared_over_dist
+    from .index import decode_index, encode_index
+
+    if cfg.growth == "off":
+        raise ConfigError("refresh_files: data.growth is off; allowed: with data.growth: append")
+    if num_workers:
+        raise ConfigError(f"refresh_files: the stream is read by {num_workers} DataLoader workers, which read ahead "
+                          "with the plan they started with; allowed: with num_workers 0, or take new files in at a "
+                          "resume")
+    shared = shared_over_dist(rank, world_size)
+    if world_size > 1 and not shared:
+        raise ConfigError(f"refresh_files: rank {rank} of {world_size} without an initialized torch.distributed "
+                          "group; the ranks must agree on the epoch the files join from")
+    furthest = max_over_ranks(furthest_here) if shared else furthest_here
+    if shared and rank != 0:
+        message = json.loads(broadcast_bytes(None))
+        if "error" in message:
+            raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
+        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
+    try:
+        grown = grow(cfg, index, furthest + 1, "of the running job")
+    except Exception as e:
+        if shared:
+            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        raise
+    changed = grown[KEY]["generations"] != generations(index) or len(grown["files"]) != len(index["files"])
+    if shared:
+        broadcast_bytes(json.dumps({"index": encode_index(grown).decode() if changed else None}).encode())
+    return grown if changed else None

@@ -113,6 +113,9 @@ def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, 
     """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
     and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
     start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
+    if cfg.index_path:
+        log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
+                    "grows with the data)", cfg.index_path, cfg.growth)
     saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None and same_resolution(saved, cfg):
         where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")

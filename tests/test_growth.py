@@ -289,6 +289,21 @@ if phase == "first":
     dist.barrier()
     if rank == 0:
         finish(ckpt, world)
+elif phase == "live":      # files arrive while the job runs: taken in by refresh_files, collectively
+    stream = ResumableStream(cfg, rank=rank, world_size=world)
+    result["head"] = [r["id"] for r in itertools.islice(stream, 30 + 10 * rank)]
+    dist.barrier()
+    if rank == 0:
+        staging = os.environ["GROWTH_STAGING"]
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(data, name))
+    dist.barrier()
+    result["from_epoch"] = stream.refresh_files()
+    result["generations"] = stream.source.index["growth"]["generations"]
+    stream.set_epoch(0)
+    result["epoch0"] = [r["id"] for r in stream]
+    stream.set_epoch(1)
+    result["epoch1"] = [r["id"] for r in stream]
 else:
     stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=ckpt)
     load(stream, ckpt)
@@ -321,6 +336,10 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    env["GROWTH_STAGING"] = str(staging)
+
     def run(phase: str) -> list[dict]:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -339,3 +358,37 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
     assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
     epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in resumed)))
     assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
+    # the same job once more, the files arriving while it runs: refresh_files on every rank
+    for name in ("part-00009", "part-00010"):
+        os.unlink(os.path.join(d, f"{name}.parquet"))
+    later = _add(str(staging), "part-00011", 3000)
+    live = run("live")
+    assert {r["from_epoch"] for r in live} == {1}
+    assert all(r["generations"] == live[0]["generations"] for r in live)
+    epoch0 = collections.Counter(itertools.chain(*(r["head"] + r["epoch0"] for r in live)))
+    assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in live)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + later) and set(epoch1.values()) == {1}
+
+
+def test_refresh_files_while_running_joins_after_the_furthest_epoch_and_resumes_exactly(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    reference = _ids(ResumableStream(cfg), ROWS)
+    s = ResumableStream(cfg)
+    head = _ids(s, 250)
+    assert s.refresh_files() is None                     # nothing new
+    new = _add(d, "part-00009", 1000)
+    assert s.refresh_files() == 1                        # joins at the next epoch
+    assert head + _epoch(s, 0) == reference              # the running epoch keeps its plan
+    s.set_epoch(1)
+    mid = _ids(s, 200)
+    ckpt = _save([s], str(tmp_path / "ckpt"))            # the grown index is the checkpoint's
+    rest = [r["id"] for r in s]
+    assert sorted(mid + rest) == sorted(list(range(ROWS)) + new)
+    resumed = _resume(cfg, ckpt)
+    assert _epoch(resumed, 1) == rest
+    with pytest.raises(ConfigError, match="DataLoader workers"):
+        ResumableStream(cfg, num_workers=2).refresh_files()
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        ResumableStream(cfg, rank=0, world_size=2).refresh_files()
