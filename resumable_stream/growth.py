@@ -237,8 +237,6 @@ def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, nu
     from .collectives import broadcast_bytes, max_over_ranks, shared_over_dist
     from .index import decode_index, encode_index
 
-    if cfg.growth == "off":
-        raise ConfigError("refresh_files: data.growth is off; allowed: with data.growth: append")
     if num_workers:
         raise ConfigError(f"refresh_files: the stream is read by {num_workers} DataLoader workers, which read ahead "
                           "with the plan they started with; allowed: with num_workers 0, or take new files in at a "

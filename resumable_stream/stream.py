@@ -162,6 +162,8 @@ class ResumableStream(StreamBase):
         epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
         from .growth import refresh
 
+        if self.config.growth == "off":
+            return None
         furthest = max((r.epoch for r in self._readers.values()), default=0)
         index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
         if index is None:
