@@ -188,12 +188,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _saved_index_brief(saved: dict) -> dict:
     """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
+    from .growth import describe
     from .sources import registry
 
     name = registry.format_of_index(saved).name
     if name == "parquet":
-        return {"files": len(saved["files"]), "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
-    return {"files": len(saved["files"]), "format": name}
+        brief = {"files": len(saved["files"]), "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+    else:
+        brief = {"files": len(saved["files"]), "format": name}
+    generations = describe(saved)    # a growing dataset (data.growth): the file set of each epoch
+    if generations is not None:
+        brief["generations"] = generations
+    return brief
 
 
 def _parse_ranks(text: str) -> list[int] | None:

@@ -32,3 +32,16 @@ def broadcast_bytes(data: bytes | None) -> bytes:
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, 0)
     return bytes(buf.cpu().numpy().tobytes())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's ``value`` (an all-reduce of one int64)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -57,6 +57,8 @@ def file_builders() -> tuple[str, ...]:
 MAX_MEMBER_BYTES = 1 << 32
 
 # key -> (check, what is allowed)
+GROWTH_MODES = ("off", "append")
+
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
     "streaming": (lambda v: isinstance(v, bool), "true or false"),
@@ -104,6 +106,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_member_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_MEMBER_BYTES,
                          f"an integer from 1 to {MAX_MEMBER_BYTES} (bytes): the largest WebDataset tar member read; "
                          "a sample with a larger one is a bad sample"),
+    "growth": (lambda v: v in GROWTH_MODES, "one of off (the files are fixed), append (files that appear join at "
+               "the next epoch, see docs/growing-data.md)"),
+    "growth_allow_removal": (lambda v: isinstance(v, bool), "true or false (with data.growth: append, a file that "
+                             "disappeared leaves the epochs after the current one instead of stopping the resume)"),
     "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
                         "null or a mapping of fsspec filesystem options (e.g. endpoint_url for s3://), flat or "
                         "keyed by protocol"),
@@ -141,6 +147,8 @@ class StreamConfig:
     prefetch_blocks: int | None = None  # most parquet row groups fetched ahead per partition (None: adaptive; 0: off)
     prefetch_memory_mb: float = 256     # what the row groups fetched ahead may hold per process (in flight + decoded)
     max_member_bytes: int = 64 << 20    # largest WebDataset tar member read (a larger one: a bad sample)
+    growth: str = "off"                 # off: fixed files; append: new files join at the next epoch
+    growth_allow_removal: bool = False  # append: a vanished file leaves the next epochs (else a mismatch)
     storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
     source_file: str | None = field(default=None, compare=False, repr=False)
 
@@ -173,6 +181,9 @@ class StreamConfig:
                 "applies to a Hub repo id (org/name); for hf:// files write it into the path "
                 "(hf://datasets/org/name@revision/...)"
             )
+        if self.growth != "off" and not (self.backend == "hf" and self.streaming):
+            raise ConfigError(f"data.growth: got {self.growth!r} with data.backend {self.backend!r} and streaming "
+                              f"{self.streaming}; allowed: off, or append with backend 'hf' and streaming: true")
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(
                 f"data.data_files: got {self.data_files!r} with data.backend 'local'; "

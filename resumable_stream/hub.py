@@ -27,6 +27,13 @@ def _parts(path: str) -> tuple[str, str | None, str] | None:
     return m.group("repo"), rev, m.group("rest") or ""
 
 
+def unpinned(path: str) -> str:
+    """``path`` without the revision it names (``hf://datasets/{repo}@{rev}/x`` -> ``hf://datasets/{repo}/x``):
+    the same file at any commit; other paths unchanged."""
+    parts = _parts(path)
+    return path if parts is None else f"hf://datasets/{parts[0]}{parts[2]}"
+
+
 def hub_commits(files: list[str]) -> dict[str, str]:
     """``{repo: commit sha}`` of the ``hf://datasets/`` files that name a commit (no request)."""
     out: dict[str, str] = {}

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from . import growth
 from .collectives import broadcast_bytes, shared_over_dist
 from .config import MixtureConfig, StreamConfig
 from .errors import ConfigError, SidecarError, SourceError, StreamMismatchError
@@ -66,8 +67,8 @@ def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, 
             out.append(open_source(c, index=index, footers=footers) if index is not None else open_source(c))
         return out
     try:
-        sources = [_open_first(c, rank, state_path, label) if _indexed(c) else open_source(c)
-                   for c, label in zip(cfgs, labels)]
+        sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if _indexed(c)
+                   else open_source(c) for i, (c, label) in enumerate(zip(cfgs, labels))]
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
@@ -80,9 +81,12 @@ def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, 
     return sources
 
 
-def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None) -> Source:
+def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None,
+                position: int | None = None) -> Source:
     """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
     ``label``: the mixture source whose index the checkpoint saved under that name."""
+    if cfg.growth != "off":
+        return _open_growing(cfg, state_path, label, position)
     index, where, given = None, None, False
     saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None:
@@ -102,6 +106,27 @@ def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str
     src = open_source(cfg)
     if cfg.index_path and rank == 0 and src.index is not None:
         save_index(cfg.index_path, src.index)
+    return src
+
+
+def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, position: int | None) -> Source:
+    """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
+    and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
+    start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
+    if cfg.index_path:
+        log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
+                    "grows with the data)", cfg.index_path, cfg.growth)
+    saved = saved_index_file(state_path, label) if state_path else None
+    if saved is not None and same_resolution(saved, cfg):
+        where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
+        furthest = growth.furthest_epoch(state_path, position)
+        return open_source(cfg, index=growth.grow(cfg, saved, (furthest or 0) + 1, where))
+    src = open_source(cfg)
+    if src.index is None:
+        src.close()
+        raise ConfigError(f"data.growth: got {cfg.growth!r} for {cfg.dataset_name_or_path!r}, which is not read "
+                          "through a dataset index; allowed: off, or append for indexed formats (parquet)")
+    src.index[growth.KEY] = {"generations": growth.generations(src.index)}
     return src
 
 

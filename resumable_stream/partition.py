@@ -347,7 +347,7 @@ class PartitionReader:
         in ``rows`` hold None; their keys are kept, for the digest chain)."""
         lay = self.layout
         shard_list = lay.shards_for(start.epoch, self.partition)
-        step, phase = lay.stride(self.partition)
+        step, phase = lay.stride(self.partition, start.epoch)
         # Shards left open by the previous window continue where they are; others are (re)opened.
         live = self._open
 

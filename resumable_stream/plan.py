@@ -94,6 +94,20 @@ class Layout:
     buffer_size: int
     interleave: int
     block_rows: int
+    # A growing dataset (data.growth): ((first epoch, the shards of that epoch on, in index order), ...) by
+    # first epoch, the first from epoch 0; None: every shard in every epoch (and today's order, bit for bit).
+    generations: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+
+    def shards_of_epoch(self, epoch: int) -> tuple[int, ...] | None:
+        """The shards epoch ``epoch`` plans over (None: all): those of the last generation begun by then."""
+        if self.generations is None:
+            return None
+        chosen = self.generations[0][1]
+        for first, shards in self.generations:
+            if first > epoch:
+                break
+            chosen = shards
+        return chosen
 
     @property
     def usable_shards(self) -> int:
@@ -102,7 +116,13 @@ class Layout:
 
     @property
     def strided(self) -> bool:
-        return self.usable_shards < self.num_partitions
+        return self.strided_in(0)
+
+    def strided_in(self, epoch: int) -> bool:
+        active = self.shards_of_epoch(epoch)
+        if active is None:
+            return self.usable_shards < self.num_partitions
+        return sum(1 for s in active if self.row_counts[s] != 0) < self.num_partitions
 
     @property
     def open_slots(self) -> int:
@@ -117,13 +137,14 @@ class Layout:
     def shards_for(self, epoch: int, partition: int) -> tuple[int, ...]:
         return _shards_for(self, epoch)[partition]
 
-    def stride(self, partition: int) -> tuple[int, int]:
-        """(step, phase) of the rows a partition keeps inside each shard."""
-        return (self.num_partitions, partition) if self.strided else (1, 0)
+    def stride(self, partition: int, epoch: int = 0) -> tuple[int, int]:
+        """(step, phase) of the rows a partition keeps inside each shard (in ``epoch``: a growing dataset may
+        have too few shards for the partitions in its first epochs only)."""
+        return (self.num_partitions, partition) if self.strided_in(epoch) else (1, 0)
 
     def partition_rows(self, epoch: int, partition: int) -> int | None:
         """Rows ``partition`` reads in ``epoch``; None when a shard's row count is unknown."""
-        step, phase = self.stride(partition)
+        step, phase = self.stride(partition, epoch)
         total = 0
         for shard in self.shards_for(epoch, partition):
             n = self.row_counts[shard]
@@ -135,9 +156,13 @@ class Layout:
 
 @lru_cache(maxsize=8)
 def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
-    order = epoch_shard_order(layout.num_shards, layout.seed, epoch, layout.shuffle)
+    active = layout.shards_of_epoch(epoch)
+    if active is None:
+        order = epoch_shard_order(layout.num_shards, layout.seed, epoch, layout.shuffle)
+    else:       # the epoch's generation, permuted as a dataset of just those shards would be
+        order = np.asarray(active, dtype=np.int64)[epoch_shard_order(len(active), layout.seed, epoch, layout.shuffle)]
     order = np.asarray([s for s in order.tolist() if layout.row_counts[s] != 0], dtype=np.int64)
-    if layout.strided:
+    if layout.strided_in(epoch):
         return [tuple(order.tolist())] * layout.num_partitions
     return [tuple(x) for x in deal_shards(order, list(layout.row_counts), layout.num_partitions)]
 

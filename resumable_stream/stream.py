@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from itertools import chain, islice
 from typing import Any
 
 from .cache.cached_source import with_block_cache
 from .config import StreamConfig
 from .errors import ConfigError, StreamMismatchError
+from .growth import layout_generations, stable_fingerprint
 from .job_source import open_job_source
 from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
 from .sources.base import Source
+from .sources.open import open_source
 from .stream_base import StreamBase
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ class ResumableStream(StreamBase):
         # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
         opened = source if source is not None else open_job_source(config, self.rank, self.world_size, index_from)
         self.source = with_block_cache(opened, config)
+        self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
         self._start()
 
     def _build_readers(self) -> None:
@@ -56,6 +60,8 @@ class ResumableStream(StreamBase):
             num_partitions=num_partitions,
             seed=self.config.shuffle_seed, shuffle=self.config.shuffle, buffer_size=self.config.buffer_size,
             interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
+            generations=(layout_generations(self.source.index, self.source.shards)
+                         if self.config.growth != "off" else None),
         )
         consumers = self.world_size * max(1, self.num_workers)
         if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
@@ -76,8 +82,11 @@ class ResumableStream(StreamBase):
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
         c = self.config
+        dataset = self.source.fingerprint
+        if c.growth != "off":    # the first file set: what a run grows from (the later files: the index's)
+            dataset = stable_fingerprint(dataset, self.source.index, c.growth)
         fp = {
-            "dataset": self.source.fingerprint,
+            "dataset": dataset,
             "order": {"shuffle": c.shuffle, "seed": c.shuffle_seed, "buffer_size": c.buffer_size,
                       "interleave": c.interleave_shards, "block_rows": c.block_rows},
         }
@@ -142,6 +151,30 @@ class ResumableStream(StreamBase):
                 [("next_sample_digest", expected, got)],
             )
 
+    def refresh_files(self) -> int | None:
+        """Take in the files that appeared since the job opened (``data.growth: append``) while it runs: they
+        join from the epoch after the furthest one any partition of the job has begun. Collective: every rank
+        calls it at the same point (an epoch boundary of the training loop, a save); the stream must be read in
+        this process (no DataLoader workers: they read ahead with the plan they started with). Returns that
+        epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
+        from .growth import refresh
+
+        if self.config.growth == "off":
+            return None
+        furthest = max((r.epoch for r in self._readers.values()), default=0)
+        index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
+        if index is None:
+            return None
+        self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
+        self.source = with_block_cache(open_source(self.config, index=index), self.config)
+        gens = layout_generations(index, self.source.shards)
+        self.layout = replace(self.layout, num_shards=len(self.source.shards),
+                              row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
+        for reader in self._readers.values():   # the epochs being read keep their plan; later ones get the new
+            reader.source, reader.layout = self.source, self.layout
+        self._rows_of = {}
+        return gens[-1][0]
+
     # ------------------------------------------------------------------ state
     def partition_epoch(self, partition: int) -> int:
         """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
@@ -154,6 +187,9 @@ class ResumableStream(StreamBase):
         for reader in self._readers.values():
             reader.close()
         self.source.close()
+        for old in self._retired:
+            old.close()
+        self._retired = []
 
     def partition_state(self, partition: int) -> PartitionState:
         """One partition's position after the last sample it yielded, with the digest of the next one (O(1):

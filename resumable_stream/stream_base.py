@@ -75,6 +75,9 @@ class Stream(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
+    def refresh_files(self) -> int | None:
+        """Take in the files that appeared (``data.growth``; collective): the epoch they join at, or None."""
+
     def close(self) -> None: ...
 
 
@@ -173,6 +176,11 @@ class StreamBase(IterableDataset):
                 "num_partitions": self.num_partitions}
 
     def source_label(self, where: Any) -> str | None:
+        return None
+
+    def refresh_files(self) -> int | None:
+        """New files while the job runs: a single dataset's (``ResumableStream``); a mixture's sources take
+        theirs in at a resume only."""
         return None
 
     def set_endless(self) -> None:

@@ -13,7 +13,7 @@ from ..sidecar import STATE_DIR, read_manifest
 
 log = logging.getLogger(__name__)
 __all__ = ["TRAINER_STATE", "check_complete", "checkpoint_dirs", "is_complete", "latest_complete_checkpoint",
-           "remove_incomplete_after", "resume_latest", "save_stream_state"]
+           "refresh_stream_files", "remove_incomplete_after", "resume_latest", "save_stream_state"]
 
 
 def check_complete(checkpoint: str) -> None:
@@ -48,6 +48,26 @@ def resume_latest(output_dir: str, is_main: bool, barrier) -> str | None:
         remove_incomplete_after(output_dir, latest)
     barrier()
     return latest
+
+
+def refresh_stream_files(stream) -> None:
+    """At each save (every rank saves at the same step): with ``data.growth``, the files that appeared join the
+    plan, so the checkpoint's index has them. DataLoader workers read ahead with the plan they started with:
+    with them, new files join at the next resume instead (said once)."""
+    if getattr(stream.config, "growth", "off") == "off":
+        return
+    if stream.num_workers:
+        if not _growth_noted:
+            _growth_noted.append(True)
+            log.info("data.growth: with %d DataLoader workers new files join at the next resume, not at a save",
+                     stream.num_workers)
+        return
+    joins = stream.refresh_files()
+    if joins is not None:
+        log.info("data.growth: new files join the run from epoch %d", joins)
+
+
+_growth_noted: list[bool] = []
 
 
 def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool, barrier) -> None:

@@ -41,7 +41,7 @@ from ..loader import StreamLoader, shard_row_key
 from ..monitoring import MonitorSettings
 from ..output_lock import output_dir_lock
 from ..stream_base import Stream
-from .checkpoints import check_complete, resume_latest, save_stream_state
+from .checkpoints import check_complete, refresh_stream_files, resume_latest, save_stream_state
 from .config import check_data_arguments
 from .data_metrics import DataMetricsLog
 
@@ -290,6 +290,7 @@ def _save_checkpoint(original):
         with _rotation_deferred(self):
             original(self, model, trial)
             checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            refresh_stream_files(loader.stream)
             save_stream_state(loader, checkpoint, self.args.world_size, self.args.process_index == 0,
                               barrier)
     return _save_checkpoint

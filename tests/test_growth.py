@@ -1,0 +1,394 @@
+"""data.growth: append: files that appear join at the epoch after the furthest one begun, exactly, on resume."""
+
+import collections
+import itertools
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.checkpoint import finish, load, save
+from resumable_stream.errors import ConfigError, StreamMismatchError
+from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+
+ROWS, FILES, RG = 400, 4, 25
+
+
+def _dataset(tmp_path) -> str:
+    d = str(tmp_path / "data")
+    write_parquet_dataset(d, rows=ROWS, files=FILES, row_group_size=RG)
+    return d
+
+
+def _add(d: str, name: str, start: int, count: int = 100) -> list[int]:
+    pq.write_table(pa.table(synthetic_rows(start, count)), os.path.join(d, f"{name}.parquet"), row_group_size=RG)
+    return list(range(start, start + count))
+
+
+def _cfg(d: str, **kw) -> StreamConfig:
+    kw = {"shuffle": True, "buffer_size": 64, "interleave_shards": 2, "block_rows": 16, "growth": "append", **kw}
+    return StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(d, "*.parquet"), **kw)
+
+
+def _ids(stream, n: int) -> list[int]:
+    return [r["id"] for r in itertools.islice(stream, n)]
+
+
+def _epoch(stream, epoch: int) -> list[int]:
+    stream.set_epoch(epoch)
+    return [r["id"] for r in stream]
+
+
+def _save(streams, ckpt: str) -> str:
+    for s in streams:
+        save(s, ckpt, s.state_dict(), manifest=False)
+    finish(ckpt, streams[0].world_size)
+    return ckpt
+
+
+def _resume(cfg, ckpt: str, rank: int = 0, world_size: int = 1) -> ResumableStream:
+    s = ResumableStream(cfg, rank=rank, world_size=world_size, index_from=ckpt)
+    load(s, ckpt)
+    return s
+
+
+def test_file_added_between_kill_and_resume_joins_at_the_next_epoch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    reference = _ids(ResumableStream(cfg), 2 * ROWS)        # the run without growth
+    first = ResumableStream(cfg)
+    head = _ids(first, 250)
+    ckpt = _save([first], str(tmp_path / "ckpt"))
+    new = _add(d, "part-00009", 1000)                        # appears while the job is down
+    resumed = _resume(cfg, ckpt)
+    rest = _epoch(resumed, 0)
+    assert head + rest == reference[:ROWS]                  # epoch 0 continues with epoch 0's files, exactly
+    one = _epoch(resumed, 1)
+    assert sorted(one) == sorted(list(range(ROWS)) + new)   # every row once, the new file's included
+    assert one != reference[ROWS:]
+    # the generation is in the checkpoint's index: a second resume in the middle of epoch 1 replays it
+    again = ResumableStream(cfg, index_from=ckpt)
+    load(again, ckpt)
+    _epoch(again, 0)
+    again.set_epoch(1)
+    mid = _ids(again, 170)
+    ckpt2 = _save([again], str(tmp_path / "ckpt2"))
+    _add(d, "part-00010", 2000)                              # more arrive: they wait for epoch 2
+    third = _resume(cfg, ckpt2)
+    assert mid + _epoch(third, 1) == one
+    assert sorted(_epoch(third, 2)) == sorted(list(range(ROWS)) + new + list(range(2000, 2100)))
+
+
+def test_file_added_during_an_epoch_waits_for_the_next_one(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    head = _ids(s, 100)
+    _add(d, "part-00009", 1000)                  # written while the stream reads epoch 0
+    head += _ids(s, 100)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    resumed = _resume(cfg, ckpt)
+    epoch0 = head + _epoch(resumed, 0)
+    assert sorted(epoch0) == list(range(ROWS))
+    assert len(_epoch(resumed, 1)) == ROWS + 100
+
+
+def test_growth_off_is_todays_order_and_append_without_new_files_too(tmp_path):
+    d = _dataset(tmp_path)
+    off = _ids(ResumableStream(_cfg(d, growth="off")), 2 * ROWS)
+    assert _ids(ResumableStream(_cfg(d)), 2 * ROWS) == off
+
+
+def test_every_row_once_per_epoch_across_4_ranks_and_elastic_to_2(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d, num_partitions=4, elastic=True)
+    ranks = [ResumableStream(cfg, rank=r, world_size=4) for r in range(4)]
+    heads = [_ids(s, 30 + 10 * r) for r, s in enumerate(ranks)]
+    ckpt = _save(ranks, str(tmp_path / "ckpt"))
+    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    for world in (4, 2):     # the same job resumed on 4 ranks, then (elastic) on 2
+        resumed = [_resume(cfg, ckpt, r, world) for r in range(world)]
+        epoch0 = collections.Counter(itertools.chain(*heads, *(_epoch(s, 0) for s in resumed)))
+        assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+        epoch1 = collections.Counter(itertools.chain(*(_epoch(s, 1) for s in resumed)))
+        assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
+
+
+def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d, shuffle=False)          # files in order: the first is read completely by row 100
+    s = ResumableStream(cfg)
+    head = _ids(s, 150)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    gone = os.path.join(d, "part-00000.parquet")
+    os.unlink(gone)
+    with pytest.raises(StreamMismatchError, match="part-00000.parquet") as e:
+        _resume(cfg, ckpt)
+    assert ("file removed: " + gone) in [k for k, _, _ in e.value.differences]
+    allowed = _cfg(d, shuffle=False, growth_allow_removal=True)
+    resumed = _resume(allowed, ckpt)
+    assert head + _epoch(resumed, 0) == list(range(ROWS))       # epoch 0 had read it already
+    assert _epoch(resumed, 1) == list(range(100, ROWS))         # dropped from epoch 1 on
+
+
+def test_changed_file_already_read_is_a_mismatch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    path = os.path.join(d, "part-00001.parquet")
+    pq.write_table(pa.table(synthetic_rows(5000, 100)), path, row_group_size=RG)
+    _add(d, "part-00009", 1000)
+    with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
+        _resume(cfg, ckpt)
+
+
+def test_new_file_with_other_columns_is_a_mismatch(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    pq.write_table(pa.table({"id": [1, 2], "other": ["a", "b"]}), os.path.join(d, "part-00009.parquet"))
+    with pytest.raises(StreamMismatchError, match="part-00009.parquet"):
+        _resume(cfg, ckpt)
+
+
+def test_inspect_shows_each_epochs_file_set(tmp_path, capsys):
+    from resumable_stream.cli import main
+
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    s = ResumableStream(cfg)
+    _ids(s, 50)
+    ckpt = _save([s], str(tmp_path / "ckpt"))
+    _add(d, "part-00009", 1000)
+    resumed = _resume(cfg, ckpt)
+    _ids(resumed, 10)
+    ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+    capsys.readouterr()
+    assert main(["inspect", ckpt2]) == 0
+    gens = json.loads(capsys.readouterr().out)["index"]["generations"]
+    assert [(g["from_epoch"], g["files"], len(g["added"])) for g in gens] == [(0, 4, 4), (1, 5, 1)]
+    assert gens[1]["added"] == [os.path.join(d, "part-00009.parquet")]
+
+
+def test_forged_generations_are_refused(tmp_path):
+    from resumable_stream.errors import SourceError
+    from resumable_stream.growth import generations
+
+    index = {"files": [{"path": "a"}, {"path": "b"}]}
+    assert generations(index) == [{"from_epoch": 0, "files": 2, "dropped": []}]
+    for bad in ({"generations": []}, {"generations": [{"from_epoch": 1, "files": 2, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 3, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 1, "dropped": []},
+                                 {"from_epoch": 0, "files": 2, "dropped": []}]},
+                {"generations": [{"from_epoch": 0, "files": 2, "dropped": ["zzz"]}]}, "x"):
+        with pytest.raises(SourceError, match="growth"):
+            generations({**index, "growth": bad})
+
+
+def test_config_keys():
+    with pytest.raises(ConfigError, match="data.growth: got 'sometimes'"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="x/*.parquet", growth="sometimes")
+    with pytest.raises(ConfigError, match="data.growth_allow_removal"):
+        StreamConfig(dataset_name_or_path="parquet", data_files="x/*.parquet", growth_allow_removal="yes")
+    with pytest.raises(ConfigError, match="data.growth"):
+        StreamConfig(dataset_name_or_path="x", backend="local", growth="append")
+
+
+def test_mixture_sources_grow_independently(tmp_path):
+    from resumable_stream.mixture import MixtureStream
+
+    a = _dataset(tmp_path)
+    b = str(tmp_path / "b")
+    os.makedirs(b)
+    pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
+    data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
+        {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
+        {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
+    cfg = StreamConfig.from_dict(data)
+    first = MixtureStream(cfg, rank=0, world_size=1)
+    head = _ids(first, 300)
+    first.save_sidecar(str(tmp_path / "ckpt" / "stream_state"))
+    new = _add(a, "part-00009", 1000)
+    resumed = MixtureStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt")), rank=0, world_size=1)
+    rest = _ids(resumed, 2400)
+    from_a = [i for i in head + rest if i < 10_000]
+    assert sorted(from_a[:ROWS]) == list(range(ROWS))                            # a's epoch 0: as it was
+    assert sorted(from_a[ROWS:2 * ROWS + 100]) == sorted(list(range(ROWS)) + new)   # epoch 1: grown
+    from_b = [i for i in head + rest if i >= 10_000]
+    assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
+
+
+@pytest.mark.slow      # a loopback Hub: ~5 s
+def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
+    from hub_server import HubServer, use_hub
+
+    from resumable_stream.growth import describe
+
+    repo = "org/growing"
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=RG)
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.create_repo(repo)
+        first_commit = hub.commit(repo, directory=src, message="initial")
+        with use_hub(hub, tmp_path / "hf-home"):
+            cfg = StreamConfig(dataset_name_or_path=repo, data_files="data/*.parquet", shuffle=True,
+                               buffer_size=64, growth="append", prefetch_blocks=0)
+            reference = _ids(ResumableStream(cfg), ROWS)
+            first = ResumableStream(cfg)
+            head = _ids(first, 250)
+            ckpt = _save([first], str(tmp_path / "ckpt"))
+            more = tmp_path / "more"
+            more.mkdir()
+            _add(str(more), "x", 1000)
+            new_commit = hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
+            hub.reset_stats()
+            resumed = _resume(cfg, ckpt)
+            # the branch resolved again; the files read so far checked at the new commit in one batched request,
+            # the new one in another, and only the new file's footer read
+            assert sum("/paths-info/" in r.path for r in hub.requests) == 2
+            footers = [r.path for r in hub.data_requests() if r.range]
+            assert footers and all("part-00009" in p for p in footers)
+            assert head + _epoch(resumed, 0) == reference
+            one = _epoch(resumed, 1)
+            assert sorted(one) == sorted(list(range(ROWS)) + list(range(1000, 1100)))
+            assert resumed.fingerprint()["dataset"]["hub_commits"] == {repo: first_commit}
+            gens = describe(resumed.source.index)
+            assert [g.get("hub_commits") for g in gens] == [{repo: first_commit}, {repo: new_commit}]
+            # a commit that rewrites a file already read is a mismatch naming it
+            ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+            pq.write_table(pa.table(synthetic_rows(5000, 100)), str(more / "y.parquet"), row_group_size=RG)
+            hub.commit(repo, files={"data/part-00001.parquet": str(more / "y.parquet")}, message="rewrite")
+            with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
+                _resume(cfg, ckpt2)
+
+
+_RANK_SCRIPT = """
+import itertools, json, os, sys
+import torch.distributed as dist
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.checkpoint import finish, load, save
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+data, out, phase = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet"), shuffle=True,
+                   buffer_size=64, interleave_shards=2, block_rows=16, growth="append")
+ckpt = os.path.join(out, "ckpt", "stream_state")
+result = {}
+if phase == "first":
+    stream = ResumableStream(cfg, rank=rank, world_size=world)
+    result["head"] = [r["id"] for r in itertools.islice(stream, 30 + 10 * rank)]
+    save(stream, ckpt, stream.state_dict(), manifest=False)
+    dist.barrier()
+    if rank == 0:
+        finish(ckpt, world)
+elif phase == "live":      # files arrive while the job runs: taken in by refresh_files, collectively
+    stream = ResumableStream(cfg, rank=rank, world_size=world)
+    result["head"] = [r["id"] for r in itertools.islice(stream, 30 + 10 * rank)]
+    dist.barrier()
+    if rank == 0:
+        staging = os.environ["GROWTH_STAGING"]
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(data, name))
+    dist.barrier()
+    result["from_epoch"] = stream.refresh_files()
+    result["generations"] = stream.source.index["growth"]["generations"]
+    stream.set_epoch(0)
+    result["epoch0"] = [r["id"] for r in stream]
+    stream.set_epoch(1)
+    result["epoch1"] = [r["id"] for r in stream]
+else:
+    stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=ckpt)
+    load(stream, ckpt)
+    result["files"] = len(stream.source.index["files"])
+    result["generations"] = stream.source.index["growth"]["generations"]
+    stream.set_epoch(0)
+    result["epoch0"] = [r["id"] for r in stream]
+    stream.set_epoch(1)
+    result["epoch1"] = [r["id"] for r in stream]
+with open(os.path.join(out, f"{phase}-{rank}.json"), "w") as f:
+    json.dump(result, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_per_epoch(tmp_path):
+    """4 processes over gloo: the first run saves mid-epoch 0; two files appear; the resumed job's rank 0 checks
+    and grows the index and broadcasts it: every rank plans with the same generations, epoch 0 ends with its
+    4 files, epoch 1 reads all 6, each row exactly once across the ranks."""
+    import subprocess
+    import sys
+
+    from training_helpers import free_port
+
+    d = _dataset(tmp_path)
+    (tmp_path / "rank.py").write_text(_RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    env["GROWTH_STAGING"] = str(staging)
+
+    def run(phase: str) -> list[dict]:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                               str(tmp_path / "rank.py"), d, str(tmp_path), phase],
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(4)]
+
+    heads = [r["head"] for r in run("first")]
+    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    resumed = run("resume")
+    assert {r["files"] for r in resumed} == {FILES + 2}
+    assert all(r["generations"] == resumed[0]["generations"] for r in resumed)
+    assert [g["from_epoch"] for g in resumed[0]["generations"]] == [0, 1]
+    epoch0 = collections.Counter(itertools.chain(*heads, *(r["epoch0"] for r in resumed)))
+    assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in resumed)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
+    # the same job once more, the files arriving while it runs: refresh_files on every rank
+    for name in ("part-00009", "part-00010"):
+        os.unlink(os.path.join(d, f"{name}.parquet"))
+    later = _add(str(staging), "part-00011", 3000)
+    live = run("live")
+    assert {r["from_epoch"] for r in live} == {1}
+    assert all(r["generations"] == live[0]["generations"] for r in live)
+    epoch0 = collections.Counter(itertools.chain(*(r["head"] + r["epoch0"] for r in live)))
+    assert sorted(epoch0) == list(range(ROWS)) and set(epoch0.values()) == {1}
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in live)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + later) and set(epoch1.values()) == {1}
+
+
+def test_refresh_files_while_running_joins_after_the_furthest_epoch_and_resumes_exactly(tmp_path):
+    d = _dataset(tmp_path)
+    cfg = _cfg(d)
+    reference = _ids(ResumableStream(cfg), ROWS)
+    s = ResumableStream(cfg)
+    head = _ids(s, 250)
+    assert s.refresh_files() is None                     # nothing new
+    new = _add(d, "part-00009", 1000)
+    assert s.refresh_files() == 1                        # joins at the next epoch
+    assert head + _epoch(s, 0) == reference              # the running epoch keeps its plan
+    s.set_epoch(1)
+    mid = _ids(s, 200)
+    ckpt = _save([s], str(tmp_path / "ckpt"))            # the grown index is the checkpoint's
+    rest = [r["id"] for r in s]
+    assert sorted(mid + rest) == sorted(list(range(ROWS)) + new)
+    resumed = _resume(cfg, ckpt)
+    assert _epoch(resumed, 1) == rest
+    with pytest.raises(ConfigError, match="DataLoader workers"):
+        ResumableStream(cfg, num_workers=2).refresh_files()
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        ResumableStream(cfg, rank=0, world_size=2).refresh_files()

@@ -1,0 +1,65 @@
+"""data.growth: append under real training: a run SIGKILLed mid-epoch, a file added, the run restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from training_helpers import PAUSED_TRAIN, consumed, write_config
+
+from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+
+pytestmark = pytest.mark.slow
+
+ROWS, BATCH = 160, 8            # 2 files of 80 rows: an epoch is 20 steps of the tiny yaml's batch of 8
+
+
+@pytest.mark.timeout(600)
+def test_file_added_between_sigkill_and_restart_joins_at_the_next_epoch(procs, tmp_path):
+    data = tmp_path / "data"
+    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
+    config, out = write_config(str(tmp_path), "grow", max_steps=50, save_steps=10,
+                               data={"data_files": str(data / "*.parquet"), "growth": "append"})
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    env = {"RS_TEST_PAUSE_AT": "15", "RS_TEST_PAUSE_DIR": str(signals)}
+    first = procs.start(config, "grow-first", env=env, script=PAUSED_TRAIN)
+    first.wait_until(lambda: (signals / "paused").exists(), "the run paused after step 15")
+    first.kill()                                   # SIGKILL mid-epoch 0; checkpoint-10 is the last complete one
+    pq.write_table(pa.table(synthetic_rows(5000, 80)), str(data / "part-00002.parquet"), row_group_size=20)
+    procs.start(config, "grow-again").wait_ok(timeout=400)
+    steps = consumed(out)
+    assert sorted(steps) == list(range(1, 51))
+    ids = [int(k) for s in sorted(steps) for k in steps[s]]
+    epoch0, epoch1 = ids[:ROWS], ids[ROWS:ROWS + ROWS + 80]
+    assert sorted(epoch0) == list(range(ROWS))                                  # epoch 0 as it was, each row once
+    assert sorted(epoch1) == sorted([*range(ROWS), *range(5000, 5080)])         # epoch 1 with the new file
+    assert len(ids) == 50 * BATCH == 2 * ROWS + 80 and os.path.isdir(os.path.join(out, "checkpoint-50"))
+
+
+@pytest.mark.timeout(600)
+def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(procs, tmp_path):
+    """Without a restart: a file written while the run trains is taken in at the next checkpoint (every rank
+    refreshes there, the saved index has it) and read from the next epoch."""
+    data = tmp_path / "data"
+    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
+    config, out = write_config(str(tmp_path), "live", max_steps=50, save_steps=5,
+                               data={"data_files": str(data / "*.parquet"), "growth": "append"})
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    env = {"RS_TEST_PAUSE_AT": "12", "RS_TEST_PAUSE_DIR": str(signals)}
+    run = procs.start(config, "live", env=env, script=PAUSED_TRAIN)
+    run.wait_until(lambda: (signals / "paused").exists(), "the run paused after step 12")
+    pq.write_table(pa.table(synthetic_rows(5000, 80)), str(data / "part-00002.parquet"), row_group_size=20)
+    (signals / "go").touch()
+    run.wait_ok(timeout=400)
+    steps = consumed(out)
+    ids = [int(k) for s in sorted(steps) for k in steps[s]]
+    assert sorted(ids[:ROWS]) == list(range(ROWS))
+    assert sorted(ids[ROWS:]) == sorted([*range(ROWS), *range(5000, 5080)])
+    state = os.path.join(out, "checkpoint-50", "stream_state")
+    index = json.load(open(os.path.join(state, json.load(open(os.path.join(state, "manifest.json")))["index"]["file"])))
+    assert [g["from_epoch"] for g in index["growth"]["generations"]] == [0, 1]
