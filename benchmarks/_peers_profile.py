@@ -5,10 +5,10 @@ the same 1M-row dataset, shuffled, buffer 16384:
 
 * **timed phases**: named functions of the open / resume path wrapped with a timer (inclusive wall time on the
   main thread, calls), at no profiler overhead: ``datasets.load_dataset_builder`` (builder discovery and data
-  file resolution), ``build_parquet_index`` / ``_index_file`` (one stat + footer read per file), the source
+  file resolution), ``build_index`` / ``ParquetReader.index_file`` (one stat + footer read per file), the source
   from the index, the layout and readers, the first window (``PartitionReader._build``) and inside it the row
   group reads (``ParquetFiles.row_group``, ``_decoded``, ``table_cast``), the permutation, ``concat_tables``;
-  on resume ``checkpoint.read`` (manifest, rank file), the saved index and its check (``_verified``:
+  on resume ``checkpoint.read`` (manifest, rank file), the saved index and its check (``verified_index``:
   ``file_identity`` + ``parquet_footer`` + ``footer_digest`` per file), ``load_state_dict`` and the digest of
   the first sample.
 * **cProfile**: the same paths under cProfile, the functions with the most cumulative and own time (C
@@ -110,27 +110,25 @@ def _install(timers: Timers) -> None:
         plan,
         row_group_check,
         sidecar,
-        source,
         stream,
         stream_base,
     )
+    from resumable_stream.sources import open as sources_open
+    from resumable_stream.sources import parquet as sources_parquet
+    from resumable_stream.sources import resolve
 
     w = timers.wrap
     w(stream, "open_job_source", "open_job_source (the whole source)")
     w(datasets, "load_dataset_builder", "datasets.load_dataset_builder")
-    w(source, "resolve_files", "source.resolve_files (builder + data files)")
-    w(source, "build_parquet_index", "source.build_parquet_index")
-    w(source, "_index_file", "source._index_file (stat + footer, per file)")
-    w(source, "file_identity", "source.file_identity")
-    w(source, "parquet_footer", "source.parquet_footer")
-    w(job_source, "file_identity", "job_source.file_identity (verify)")
-    w(job_source, "parquet_footer", "job_source.parquet_footer (verify)")
-    w(job_source, "footer_digest", "job_source.footer_digest (verify)")
-    w(job_source, "resolve_files", "job_source.resolve_files (verify: list files again)")
+    w(resolve, "resolve_files", "sources.resolve.resolve_files (builder + data files)")
+    w(sources_open, "build_index", "sources.resolve.build_index")
+    w(sources_parquet.ParquetReader, "index_file", "ParquetReader.index_file (stat + footer, per file)")
+    w(resolve, "file_identity", "sources.resolve.file_identity")
+    w(sources_parquet, "parquet_footer", "sources.parquet.parquet_footer")
+    w(job_source, "verified_index", "job_source.verified_index (saved index checked)")
+    w(resolve, "hub_identities", "sources.resolve.hub_identities")
     w(job_source, "saved_index_file", "job_source.saved_index_file")
-    w(job_source, "_verified", "job_source._verified (saved index checked)")
-    w(job_source, "hub_identities", "job_source.hub_identities")
-    w(source, "source_from_index", "source.source_from_index")
+    w(sources_parquet, "source_from_index", "sources.parquet.source_from_index")
     w(parquet_files.ParquetFiles, "__init__", "ParquetFiles.__init__ (Features.from_dict)")
     w(parquet_files.ParquetFiles, "_read_footer", "ParquetFiles._read_footer (footer again, per file)")
     w(parquet_files.ParquetFiles, "row_group", "ParquetFiles.row_group (read+decode+cast)")

@@ -65,7 +65,7 @@ def layout_generations(index: dict | None, shards: list) -> tuple[tuple[int, tup
     """``plan.Layout.generations``: per generation its first epoch and its shards (global shard ids)."""
     if index is None:      # a source given to the stream that is not read through an index
         raise ConfigError("data.growth: got 'append' for a source without a dataset index; allowed: off, or "
-                          "append for indexed formats (parquet)")
+                          "append for indexed formats (parquet, webdataset)")
     by_file: dict[str, list[int]] = {}
     for s in shards:
         by_file.setdefault(s.file, []).append(s.index)
@@ -210,8 +210,10 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     footers: dict[str, bytes] = {}
     entries = map_files(lambda f: reader.index_file(f, retry, new_known.get(f) or file_identity(f, retry), footers),
                         added)
-    for f in added:
-        features = reader.features(f, footers.get(f))
+    for f, entry in zip(added, entries):
+        # as build_index infers them (a parquet footer's schema; a tar's first samples)
+        features = reader.infer_features(cfg, entry, footers.get(f), retry)
+        features = features.to_dict() if hasattr(features, "to_dict") else features
         if features != index["features"]:
             raise StreamMismatchError(
                 f"data file {f!r} (new since {where}): its columns {sorted(features)} / types differ from the "

@@ -392,3 +392,26 @@ def test_refresh_files_while_running_joins_after_the_furthest_epoch_and_resumes_
         ResumableStream(cfg, num_workers=2).refresh_files()
     with pytest.raises(ConfigError, match="torch.distributed"):
         ResumableStream(cfg, rank=0, world_size=2).refresh_files()
+
+
+def test_webdataset_tars_grow_and_a_tar_with_other_members_is_a_mismatch(tmp_path):
+    """A tar added to a growing webdataset joins at the next epoch (its features are inferred from its first
+    samples, as the index's were; the footer-only path raised 'its features are unknown' for every new tar)."""
+    from wds_data import mixed_samples, text_samples, write_tar, write_tars
+
+    d = tmp_path / "d"
+    write_tars(d, 2, 20)
+    cfg = StreamConfig(dataset_name_or_path="webdataset", data_files=str(d / "*.tar"), growth="append",
+                       shuffle=False)
+    first = ResumableStream(cfg)
+    head = [r["__key__"] for r in itertools.islice(first, 10)]
+    ckpt = _save([first], str(tmp_path / "ckpt"))
+    write_tar(str(d / "z9.tar"), text_samples(9, 20))
+    resumed = _resume(cfg, ckpt)
+    resumed.set_epoch(0)
+    assert len(head) + len(list(resumed)) == 40
+    resumed.set_epoch(1)
+    assert len(list(resumed)) == 60
+    write_tar(str(d / "z8.tar"), mixed_samples(8, 5))          # a tar of other members
+    with pytest.raises(StreamMismatchError, match="z8.tar.* its columns"):
+        _resume(cfg, ckpt)

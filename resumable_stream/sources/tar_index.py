@@ -40,7 +40,11 @@ _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")     # datasets' (webdataset's)
 
 
 def base_plus_ext(name: str) -> tuple[str | None, str | None]:
-    """(key, suffix) of a member name as the webdataset builder splits it; (None, None) when it has none."""
+    """(key, suffix) of a member name as the webdataset builder splits it; (None, None) when it has none.
+    The suffix holds no ``/``, so a name whose last part has no ``.`` has none: answered before the pattern,
+    which backtracks quadratically over such a name (a pax name of ~1 MiB of ``a/a/...`` took hours)."""
+    if "." not in name[name.rfind("/") + 1:]:
+        return None, None
     m = _KEY.match(name)
     return (m.group(1), m.group(2)) if m else (None, None)
 
