@@ -122,6 +122,21 @@ def test_index_command_then_index_path_opens_without_requests(site, tmp_path, ca
     assert _count(site) == {("HEAD", "whole"): FILES}    # verify_files: one identity request per file
 
 
+def test_an_indexed_source_hands_on_every_footer_it_read_and_a_source_given_them_reads_none(site):
+    """What rank 0 broadcasts with the index (job_source): the footers it read, so the other ranks read none."""
+    cfg = site.config(prefetch_blocks=0)
+    src = open_source(cfg)
+    assert sorted(src.footers) == sorted(cfg.data_files)
+    assert all(f.endswith(b"PAR1") for f in src.footers.values())
+    site.reset_stats()
+    other = open_source(cfg, index=src.index, footers=src.footers)
+    rows = [next(other.read(s)).num_rows for s in range(len(other.shards))]
+    assert rows == [GROUP] * (ROWS // GROUP)
+    assert _count(site) == {("GET", "ranged"): ROWS // GROUP}          # one per row group, no footer read
+    sizes = {os.path.basename(p): os.path.getsize(p) for p in site.paths}
+    assert not [r for r in site.requests if r.range.endswith(f"-{sizes[os.path.basename(r.path)] - 1}")]
+
+
 def test_index_path_is_written_once_then_reused(site, tmp_path):
     path = tmp_path / "index.json"
     cfg = site.config(index_path=str(path), verify_files=False)

@@ -142,6 +142,10 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
                           remote=retry is not None)
 
+    @property
+    def footers(self) -> dict[str, bytes]:
+        return self._parquet.footers
+
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
         """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it."""
         super().prefetch(partition, shards)
