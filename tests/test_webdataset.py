@@ -341,6 +341,28 @@ def test_index_round_trip_and_forged_entries_are_refused(tmp_path):
         decode_index(json.dumps(forged).encode(), "x")
 
 
+def test_a_forged_index_cannot_make_a_shard_bigger_than_the_shard_rule():
+    """A shard is one ranged read held in memory: an entry cutting a tar into fewer shards than SHARD_RULE
+    would (one read of the whole tar) is refused, whatever the rule the entry claims."""
+    from resumable_stream.sources import tar_index
+
+    def entry(sizes: list[int], shards: list[int]) -> dict:
+        samples, offset = [], 0
+        for i, n in enumerate(sizes):
+            offset += tar_index.BLOCK
+            samples.append([f"s{i:05d}", [["txt", offset, n]]])
+            offset += -(-n // tar_index.BLOCK) * tar_index.BLOCK
+        return {"path": "a.tar", "size": offset + 1024, "layout": tar_index.layout_digest(samples),
+                "samples": samples, "shards": shards, "shard_rule": {"max_bytes": 2**62, "max_samples": 2**62}}
+
+    many = [10] * (tar_index.SHARD_MAX_SAMPLES + 1)
+    assert tar_index.entry_problem(entry(many, tar_index.cut_shards(entry(many, [0])["samples"]))) is None
+    assert "4097 samples" in tar_index.entry_problem(entry(many, [0]))
+    big = [tar_index.SHARD_MAX_BYTES // 4] * 6
+    assert tar_index.entry_problem(entry(big, tar_index.cut_shards(entry(big, [0])["samples"]))) is None
+    assert "bytes before its last" in tar_index.entry_problem(entry(big, [0]))
+
+
 _READER = r"""
 import sys
 from resumable_stream import ResumableStream, StreamConfig

@@ -184,6 +184,13 @@ def entry_problem(entry: Any) -> str | None:
         return "'shards' are not rising sample numbers from 0"
     if not entry["samples"] and shards:
         return "'shards' of a tar without samples"
+    # a shard is one read held in memory: no bigger than SHARD_RULE cuts them (a forged index could say one)
+    cuts = [*shards, len(entry["samples"])]
+    for a, b in zip(cuts, cuts[1:]):
+        held = sum(m[2] for _, members in entry["samples"][a:b - 1] for m in members)
+        if b - a > SHARD_MAX_SAMPLES or held >= SHARD_MAX_BYTES:
+            return (f"the shard from sample {a} holds {b - a} samples, {held} bytes before its last; allowed: at "
+                    f"most {SHARD_MAX_SAMPLES} samples and under {SHARD_MAX_BYTES} bytes before the last")
     return None
 
 
