@@ -100,9 +100,18 @@ class FetchesAhead(Source):
         threads = None if remote else max(1, min(depth or cores, cores))
         self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads)
 
-    def _taken(self, shard: int):
-        """The fetch ahead of ``shard`` (a Future), None when there is none."""
-        return self._prefetch.take(shard) if self._prefetch is not None else None
+    def _taken(self, shard: int) -> pa.Table | None:
+        """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the
+        caller then reads it under the retries). Bytes that failed the checks twice raise: a third read is not due."""
+        ahead = self._prefetch.take(shard) if self._prefetch is not None else None
+        if ahead is None:
+            return None
+        try:
+            return ahead.result()
+        except ResumableStreamError:
+            raise
+        except Exception:
+            return None
 
     def close(self) -> None:
         if self._prefetch is not None:

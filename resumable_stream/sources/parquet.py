@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..config import StreamConfig
-from ..errors import ResumableStreamError, SourceError, StreamMismatchError
+from ..errors import SourceError, StreamMismatchError
 from ..index import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
@@ -164,15 +164,7 @@ class ParquetSource(FetchesAhead, RetriedSource):
 
     def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
         """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
-        table = None
-        ahead = self._taken(shard)
-        if ahead is not None:
-            try:
-                table = ahead.result()
-            except ResumableStreamError:           # its bytes failed the checks twice: a third read is not due
-                raise
-            except Exception:                      # a network fault ahead: read it here, under the retries
-                pass
+        table = self._taken(shard)
         if table is None:
             table = self._fetch_row_group(shard)
         for lo in range(0, table.num_rows, READ_BATCH_ROWS):

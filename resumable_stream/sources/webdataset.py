@@ -330,20 +330,13 @@ class WebDatasetSource(FetchesAhead):
             yield table
 
     def _first_table(self, shard: int, start_row: int) -> pa.Table:
-        ahead = self._taken(shard)
-        if ahead is not None:
-            try:
-                table = ahead.result()
-            except ResumableStreamError:       # its bytes failed the checks twice: a third read is not due
-                raise
-            except Exception:                  # a network fault ahead: read it here, under the retries
-                table = None
-            if table is not None:
-                # a shard's row count never changes (a bad sample is a row): the fetch started at `first`
-                first = self.shards[shard].num_rows - table.num_rows
-                if first <= start_row:
-                    return table.slice(start_row - first) if start_row > first else table
-                # it starts after the row asked for (another reader's hint): read from the row here
+        table = self._taken(shard)
+        if table is not None:
+            # a shard's row count never changes (a bad sample is a row): the fetch started at `first`
+            first = self.shards[shard].num_rows - table.num_rows
+            if first <= start_row:
+                return table.slice(start_row - first) if start_row > first else table
+            # it starts after the row asked for (another reader's hint): read from the row here
         return self._read_from(shard, start_row)   # inside the shard: only the samples from there
 
 
