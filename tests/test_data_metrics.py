@@ -74,8 +74,10 @@ def test_requests_bytes_and_response_times_match_the_server(site, workers):
     assert f["requests"] == served["methods"]["GET"] > 0
     assert f["bytes_read"] == served["bytes_sent"]
     assert f["request_errors"] == 0 and f["retries"] == 0
-    assert 40 <= f["response_ms_mean"] <= 200, f         # the injected 40 ms (the sum is exact)
-    assert 20 < f["response_ms_p50"] <= 100, f           # ... and its bucket (20-50 ms) or the next
+    # the injected 40 ms, in milliseconds (seconds or microseconds would be 1000x off); the upper bounds leave
+    # room for a loaded machine, where two workers' requests queue behind each other (228 ms seen in a CI run)
+    assert 40 <= f["response_ms_mean"] <= 1000, f
+    assert 20 < f["response_ms_p50"] <= 1000, f
     assert f["response_ms_p50"] <= f["response_ms_p90"] <= f["response_ms_p99"]
     assert f["batches"] == 60
     assert f["samples_per_s"] * f["step_s"] == pytest.approx(600, rel=1e-3)
