@@ -261,7 +261,7 @@ def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, nu
             raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
         return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
     try:
-        grown = grow(cfg, index, furthest + 1, "of the running job")
+        grown = grow(cfg, index, joins_at(cfg, index, furthest), "of the running job")
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
