@@ -343,6 +343,9 @@ class MixtureConfig:
         if not (isinstance(self.sources, (list, tuple)) and self.sources
                 and all(isinstance(s, StreamConfig) for s in self.sources)):
             raise ConfigError(f"data.sources: got {self.sources!r}; allowed: a non-empty list of sources")
+        if any(src.growth == "follow" for src in self.sources):
+            raise ConfigError("data.growth: got 'follow' with data.sources; allowed: off or append in a mixture "
+                              "(follow mode reads a single dataset)")
         n = len(self.sources)
         labels = tuple(self.labels) if self.labels is not None else tuple(f"source{i}" for i in range(n))
         if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:

@@ -127,3 +127,10 @@ def test_append_layout_is_unchanged_by_the_follow_field(tmp_path):
     assert s.layout.follow is False
     s.set_epoch(1)
     assert sorted(_ids(s)) == list(range(ROWS))     # append: epoch 1 reads the old files again
+
+
+def test_follow_is_refused_in_a_mixture(tmp_path):
+    d = _dataset(tmp_path)
+    src = {"dataset_name_or_path": "parquet", "data_files": os.path.join(d, "*.parquet"), "streaming": True}
+    with pytest.raises(ConfigError, match=r"data.growth: got 'follow' with data.sources; allowed: off or append"):
+        StreamConfig.from_dict({"growth": "follow", "sources": [{**src, "weight": 1}, {**src, "weight": 2}]})
