@@ -49,6 +49,7 @@ class ResumableStream(StreamBase):
         opened = source if source is not None else open_job_source(config, self.rank, self.world_size, index_from)
         self.source = with_block_cache(opened, config)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
+        self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s
         self._start()
 
     def _build_readers(self) -> None:
@@ -162,16 +163,31 @@ class ResumableStream(StreamBase):
         round e stands at the start of e + 1), so a resume is in the same round as the save."""
         return min(r.epoch for r in self._readers.values())
 
+    @property
+    def follows(self) -> bool:
+        """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
+        the next with :meth:`await_next_round`)."""
+        return self.config.growth == "follow" and self._epoch_limit is None
+
+    def await_next_round(self) -> bool:
+        """Once every partition ended the round: wait for the next one's files (True), or False (and
+        ``follow_ended``) after data.follow_timeout_s."""
+        ok = self._await_round(self._round())
+        self.follow_ended = not ok
+        return ok
+
     def _follow(self) -> Iterator[dict]:
         """Round after round (the partitions interleaved as without follow, the rotation saved); after each, wait
         for the files of the next (``_await_round``); the stream ends when a wait passes data.follow_timeout_s."""
         parts = self.partitions
+        self.follow_ended = False
         while True:
             if len(parts) == 1:
                 yield from self._samples(parts[0])
             else:
                 yield from round_robin({p: self._samples(p) for p in parts}, parts, self._turn, self._set_turn)
             if not self._await_round(self._round()):
+                self.follow_ended = True     # the trainer ends the run with a checkpoint
                 return
 
     def _await_round(self, epoch: int) -> bool:
