@@ -134,3 +134,49 @@ def test_follow_is_refused_in_a_mixture(tmp_path):
     src = {"dataset_name_or_path": "parquet", "data_files": os.path.join(d, "*.parquet"), "streaming": True}
     with pytest.raises(ConfigError, match=r"data.growth: got 'follow' with data.sources; allowed: off or append"):
         StreamConfig.from_dict({"growth": "follow", "sources": [{**src, "weight": 1}, {**src, "weight": 2}]})
+
+
+def _loader_ids(it, batches: int) -> list[int]:
+    return [row["id"] for batch in itertools.islice(it, batches) for row in batch]
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path, partitions):
+    """The StreamLoader (what the Trainer reads) waits between rounds too: a file written while it waits is
+    read; a loader state saved at the end of the data and one saved inside the new file both resume exactly."""
+    from resumable_stream.checkpoint import read
+    from resumable_stream.loader import StreamLoader
+
+    d = _dataset(tmp_path)
+    cfg = _cfg(d, follow_timeout_s=20, num_partitions=partitions)
+    loader = StreamLoader(ResumableStream(cfg), batch_size=8)
+    it = iter(loader)
+    first = []
+    while len(first) < ROWS:
+        first += _loader_ids(it, 1)
+    assert sorted(first) == list(range(ROWS))
+
+    def checkpoint(name):
+        path = str(tmp_path / name)
+        save(loader.stream, path, loader.state_dict(), manifest=False)
+        finish(path, 1)
+        return path
+
+    def resumed(path):
+        s = ResumableStream(cfg, index_from=path)
+        other = StreamLoader(s, batch_size=8)
+        other.load_state_dict(read(s, path)[0], where=path)
+        return iter(other)
+
+    in_wait = checkpoint("wait")
+    writer = threading.Timer(0.3, _add, (d, "late", 1000, 200))
+    writer.start()
+    try:
+        head = _loader_ids(it, 5)
+    finally:
+        writer.join()
+    in_file = checkpoint("file")
+    tail = _loader_ids(it, 5)
+    assert set(head + tail) <= set(range(1000, 1200)) and len(set(head + tail)) == 80
+    assert _loader_ids(resumed(in_wait), 10) == head + tail
+    assert _loader_ids(resumed(in_file), 5) == tail
