@@ -1,4 +1,4 @@
-"""Datasets that grow (``data.growth: append``): which files each epoch reads, kept in the dataset index.
+"""Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
 
 The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
 shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
@@ -130,6 +130,15 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     return furthest
 
 
+def joins_at(cfg, index: dict, furthest: int) -> int:
+    """The epoch new files join from, ``furthest`` being the furthest epoch a partition stands in: the next one;
+    in follow mode ``furthest`` itself when no generation starts there or later (that epoch has no files, so
+    no partition has read any of it: the partitions wait at its start for new files)."""
+    if cfg.growth == "follow" and not any(g["from_epoch"] >= furthest for g in generations(index)):
+        return furthest
+    return furthest + 1
+
+
 def _forget_listings(targets: list[str], storage_options: dict) -> None:
     """Drop the directory listings fsspec keeps per filesystem instance (s3fs, HfFileSystem): a listing made
     before the data grew would hide the new files from this process's resolution."""
@@ -254,7 +263,7 @@ def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, nu
             raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
         return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
     try:
-        grown = grow(cfg, index, furthest + 1, "of the running job")
+        grown = grow(cfg, index, joins_at(cfg, index, furthest), "of the running job")
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
