@@ -408,6 +408,11 @@ class MixtureConfig:
         return self.sources[0].elastic
 
     @property
+    def growth(self) -> str:
+        """``data.growth`` of the mixture: a growing source's mode (the key is the data section's), else off."""
+        return next((s.growth for s in self.sources if s.growth != "off"), "off")
+
+    @property
     def probabilities(self) -> tuple[float, ...]:
         total = float(sum(self.weights))
         return tuple(float(w) / total for w in self.weights)

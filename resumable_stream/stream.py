@@ -219,10 +219,12 @@ class ResumableStream(StreamBase):
             time.sleep(min(delay, left))
             delay = min(delay * 2, 16 * float(c.poll_interval_s))
 
-    def _adopt_index(self, index: dict) -> int:
-        """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new."""
+    def _adopt_index(self, index: dict, source: Source | None = None) -> int:
+        """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
+        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views)."""
         self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
-        self.source = with_block_cache(open_source(self.config, index=index), self.config)
+        self.source = source if source is not None else with_block_cache(open_source(self.config, index=index),
+                                                                          self.config)
         gens = layout_generations(index, self.source.shards)
         self.layout = replace(self.layout, num_shards=len(self.source.shards),
                               row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)

@@ -225,6 +225,45 @@ def test_mixture_sources_grow_independently(tmp_path):
     assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
 
 
+def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch_and_resumes_exactly(tmp_path):
+    """A file appended to one source of a running mixture (refresh_files, as the trainer calls at a save) joins
+    at that source's next epoch, in that source's index only; a state saved after it resumes exactly."""
+    from resumable_stream.checkpoint import load
+    from resumable_stream.growth import generations
+    from resumable_stream.mixture import MixtureStream
+
+    a = _dataset(tmp_path)
+    b = str(tmp_path / "b")
+    os.makedirs(b)
+    pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
+    data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
+        {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
+        {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
+    cfg = StreamConfig.from_dict(data)
+    s = MixtureStream(cfg, rank=0, world_size=1)
+    head = _ids(s, 300)
+    assert s.refresh_files() is None                                 # nothing new
+    new = _add(a, "part-00009", 1000)
+    joins = s.refresh_files()
+    assert joins == {"a": 1}                                         # a's next epoch; b did not grow
+    assert [g["from_epoch"] for g in generations(s.source.sources[0].index)] == [0, 1]
+    assert len(generations(s.source.sources[1].index)) == 1
+    mid = _ids(s, 300)
+    ckpt = str(tmp_path / "ckpt" / "stream_state")
+    s.save_sidecar(ckpt)
+    saved = json.load(open(os.path.join(ckpt, "index-a.json")))     # the grown index is the checkpoint's
+    assert len(saved["files"]) == FILES + 1 and len(saved["growth"]["generations"]) == 2
+    rest = _ids(s, 1500)
+    from_a = [i for i in head + mid + rest if i < 10_000]
+    assert sorted(from_a[:ROWS]) == list(range(ROWS))                            # a's epoch 0: as planned
+    assert sorted(from_a[ROWS:2 * ROWS + 100]) == sorted(list(range(ROWS)) + new)   # epoch 1: with the new file
+    from_b = [i for i in head + mid + rest if i >= 10_000]
+    assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
+    resumed = MixtureStream(cfg, rank=0, world_size=1, index_from=ckpt)
+    load(resumed, ckpt)
+    assert _ids(resumed, 1500) == rest                               # exact across the growth boundary
+
+
 @pytest.mark.slow      # a loopback Hub: ~5 s
 def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
     from hub_server import HubServer, use_hub
