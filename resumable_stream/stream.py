@@ -203,7 +203,7 @@ class ResumableStream(StreamBase):
         while True:
             if any(first >= epoch for first, _ in self.layout.generations or ()):
                 return True
-            index = grow(c, self.source.index, epoch, "while following the data")
+            index = grow(c, self.source.index, epoch, "while following the data", running=True)
             if len(index["files"]) != len(self.source.index["files"]):
                 new = len(index["files"]) - len(self.source.index["files"])
                 self._adopt_index(index)

@@ -454,3 +454,110 @@ def test_webdataset_tars_grow_and_a_tar_with_other_members_is_a_mismatch(tmp_pat
     write_tar(str(d / "z8.tar"), mixed_samples(8, 5))          # a tar of other members
     with pytest.raises(StreamMismatchError, match="z8.tar.* its columns"):
         _resume(cfg, ckpt)
+
+
+_HUB_RANK_SCRIPT = """
+import itertools, json, os, sys, time
+import torch.distributed as dist
+from resumable_stream import ResumableStream, StreamConfig
+
+def wait_for(name):
+    while not os.path.exists(os.path.join(out, name)):
+        time.sleep(0.02)
+
+def signal(name):
+    if rank == 0:
+        open(os.path.join(out, name), "w").close()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+repo, out = sys.argv[1], sys.argv[2]
+cfg = StreamConfig(dataset_name_or_path=repo, data_files="data/*.parquet", shuffle=True, buffer_size=64,
+                   growth="append", prefetch_blocks=0)
+stream = ResumableStream(cfg, rank=rank, world_size=world)
+head = [r["id"] for r in itertools.islice(stream, 20)]
+dist.barrier()
+signal("opened"); wait_for("committed")
+first = stream.refresh_files()
+dist.barrier()
+signal("refreshed"); wait_for("again")
+second = stream.refresh_files()
+dist.barrier()
+signal("refreshed-again"); wait_for("read")
+stream.set_epoch(1)
+epoch1 = [r["id"] for r in stream]
+with open(os.path.join(out, f"hub-{rank}.json"), "w") as f:
+    json.dump({"first": first, "second": second, "epoch1": epoch1}, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
+    """2 ranks over gloo on the loopback Hub: at refresh_files only rank 0 asks (the index is broadcast); a
+    branch that moved costs the same requests as for one process (paths-info for the files read so far and for
+    the new one, the new file's footer only); a branch that has not moved costs one repo-info request per job."""
+    import subprocess
+    import sys
+    import time
+
+    from hub_server import HubServer, use_hub
+    from training_helpers import free_port
+
+    repo = "org/growing"
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=RG)
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "rank.py").write_text(_HUB_RANK_SCRIPT)
+
+    def wait_for(name: str, proc) -> None:
+        deadline = time.monotonic() + 180
+        while not (out / name).exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"no {name}"
+            time.sleep(0.05)
+
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.create_repo(repo)
+        hub.commit(repo, directory=src, message="initial")
+        with use_hub(hub, tmp_path / "hf-home"):
+            env = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                     str(tmp_path / "rank.py"), repo, str(out)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                wait_for("opened", proc)
+                more = tmp_path / "more"
+                more.mkdir()
+                new = _add(str(more), "x", 1000)
+                hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
+                hub.reset_stats()
+                (out / "committed").touch()
+                wait_for("refreshed", proc)
+                moved = list(hub.requests)
+                hub.reset_stats()
+                (out / "again").touch()
+                wait_for("refreshed-again", proc)
+                unmoved = list(hub.requests)
+                (out / "read").touch()
+                _, err = proc.communicate(timeout=180)
+                assert proc.returncode == 0, err[-3000:]
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    results = [json.loads((out / f"hub-{r}.json").read_text()) for r in range(2)]
+    assert [r["first"] for r in results] == [1, 1] and [r["second"] for r in results] == [None, None]
+    info = f"/api/datasets/{repo}"
+    assert sum(r.method == "GET" and r.path == info for r in moved) == 2      # ours + datasets' resolution: once
+    assert sum("/paths-info/" in r.path for r in moved) == 2
+    footers = [r.path for r in moved if "/resolve/" in r.path and r.range]
+    assert footers and all("part-00009" in p for p in footers)
+    assert [(r.method, r.path) for r in unmoved] == [("GET", info)]      # one repo-info request, nothing else
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in results)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
