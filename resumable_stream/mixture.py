@@ -233,7 +233,7 @@ class MixtureStream(StreamBase):
             # one source over the grown index for every partition's view (they share it, as at the start)
             source = with_block_cache(open_source(scfg, index=index), scfg)
             for view in views.values():
-                joins[label] = view._adopt_index(index, source)
+                joins[label] = view.adopt_index(index, source)
             self.source.sources[i] = source
         return joins or None
 

@@ -206,7 +206,7 @@ class ResumableStream(StreamBase):
             index = grow(c, self.source.index, epoch, "while following the data", running=True)
             if len(index["files"]) != len(self.source.index["files"]):
                 new = len(index["files"]) - len(self.source.index["files"])
-                self._adopt_index(index)
+                self.adopt_index(index)
                 log.info("data.growth: follow: %d new file(s) after %.1f s of waiting; epoch %d reads them", new,
                          waited, epoch)
                 continue
@@ -219,9 +219,10 @@ class ResumableStream(StreamBase):
             time.sleep(min(delay, left))
             delay = min(delay * 2, 16 * float(c.poll_interval_s))
 
-    def _adopt_index(self, index: dict, source: Source | None = None) -> int:
+    def adopt_index(self, index: dict, source: Source | None = None) -> int:
         """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
-        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views)."""
+        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views). Returns
+        the first epoch of the newest generation."""
         self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
         self.source = source if source is not None else with_block_cache(open_source(self.config, index=index),
                                                                           self.config)
@@ -257,7 +258,7 @@ class ResumableStream(StreamBase):
         index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
         if index is None:
             return None
-        return self._adopt_index(index)
+        return self.adopt_index(index)
 
     # ------------------------------------------------------------------ state
     def partition_epoch(self, partition: int) -> int:
