@@ -57,7 +57,7 @@ def file_builders() -> tuple[str, ...]:
 MAX_MEMBER_BYTES = 1 << 32
 
 # key -> (check, what is allowed)
-GROWTH_MODES = ("off", "append")
+GROWTH_MODES = ("off", "append", "follow")
 
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
@@ -107,7 +107,14 @@ _RULES: dict[str, tuple[Any, str]] = {
                          f"an integer from 1 to {MAX_MEMBER_BYTES} (bytes): the largest WebDataset tar member read; "
                          "a sample with a larger one is a bad sample"),
     "growth": (lambda v: v in GROWTH_MODES, "one of off (the files are fixed), append (files that appear join at "
-               "the next epoch, see docs/growing-data.md)"),
+               "the next epoch), follow (only new files are read: at the end of the known data the stream waits "
+               "for more; see docs/growing-data.md)"),
+    "poll_interval_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0.01 <= v <= 3600,
+                        "a number of seconds from 0.01 to 3600: how often data.growth: follow lists the files while "
+                        "it waits (backing off to 16x that)"),
+    "follow_timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 31_536_000,
+                         "a number of seconds from 0 to 31536000: how long data.growth: follow waits for new files "
+                         "before the stream ends (the run ends with a checkpoint)"),
     "growth_allow_removal": (lambda v: isinstance(v, bool), "true or false (with data.growth: append, a file that "
                              "disappeared leaves the epochs after the current one instead of stopping the resume)"),
     "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
@@ -149,6 +156,8 @@ class StreamConfig:
     max_member_bytes: int = 64 << 20    # largest WebDataset tar member read (a larger one: a bad sample)
     growth: str = "off"                 # off: fixed files; append: new files join at the next epoch
     growth_allow_removal: bool = False  # append: a vanished file leaves the next epochs (else a mismatch)
+    poll_interval_s: float = 10.0       # follow: seconds between listings while waiting (backs off to 16x)
+    follow_timeout_s: float = 3600.0    # follow: a wait longer than this ends the stream
     storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
     source_file: str | None = field(default=None, compare=False, repr=False)
 
@@ -183,7 +192,7 @@ class StreamConfig:
             )
         if self.growth != "off" and not (self.backend == "hf" and self.streaming):
             raise ConfigError(f"data.growth: got {self.growth!r} with data.backend {self.backend!r} and streaming "
-                              f"{self.streaming}; allowed: off, or append with backend 'hf' and streaming: true")
+                              f"{self.streaming}; allowed: off, or append / follow with backend 'hf' and streaming: true")
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(
                 f"data.data_files: got {self.data_files!r} with data.backend 'local'; "
@@ -334,6 +343,9 @@ class MixtureConfig:
         if not (isinstance(self.sources, (list, tuple)) and self.sources
                 and all(isinstance(s, StreamConfig) for s in self.sources)):
             raise ConfigError(f"data.sources: got {self.sources!r}; allowed: a non-empty list of sources")
+        if any(src.growth == "follow" for src in self.sources):
+            raise ConfigError("data.growth: got 'follow' with data.sources; allowed: off or append in a mixture "
+                              "(follow mode reads a single dataset)")
         n = len(self.sources)
         labels = tuple(self.labels) if self.labels is not None else tuple(f"source{i}" for i in range(n))
         if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:
@@ -394,6 +406,11 @@ class MixtureConfig:
     @property
     def elastic(self) -> bool:
         return self.sources[0].elastic
+
+    @property
+    def growth(self) -> str:
+        """``data.growth`` of the mixture: a growing source's mode (the key is the data section's), else off."""
+        return next((s.growth for s in self.sources if s.growth != "off"), "off")
 
     @property
     def probabilities(self) -> tuple[float, ...]:

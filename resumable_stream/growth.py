@@ -1,4 +1,4 @@
-"""Datasets that grow (``data.growth: append``): which files each epoch reads, kept in the dataset index.
+"""Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
 
 The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
 shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
@@ -130,6 +130,15 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     return furthest
 
 
+def joins_at(cfg, index: dict, furthest: int) -> int:
+    """The epoch new files join from, ``furthest`` being the furthest epoch a partition stands in: the next one;
+    in follow mode ``furthest`` itself when no generation starts there or later (that epoch has no files, so
+    no partition has read any of it: the partitions wait at its start for new files)."""
+    if cfg.growth == "follow" and not any(g["from_epoch"] >= furthest for g in generations(index)):
+        return furthest
+    return furthest + 1
+
+
 def _forget_listings(targets: list[str], storage_options: dict) -> None:
     """Drop the directory listings fsspec keeps per filesystem instance (s3fs, HfFileSystem): a listing made
     before the data grew would hide the new files from this process's resolution."""
@@ -147,10 +156,29 @@ def _forget_listings(targets: list[str], storage_options: dict) -> None:
             pass
 
 
-def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
+def _branch_unmoved(cfg, index: dict) -> bool:
+    """A running job's Hub branch still points to the commit the index's newest files come from (one repo-info
+    request): then no file can have been added, changed or removed, and nothing else needs asking. False for
+    data not on one Hub repo, or when the request fails (the full resolution then says why)."""
+    from .hub import commit_sha
+
+    pinned = [hub_commits([f["path"]]) for f in reversed(index["files"])]
+    repos = {repo for p in pinned for repo in p}
+    if len(repos) != 1:
+        return False
+    repo = repos.pop()
+    newest = next(p[repo] for p in pinned if p)
+    try:
+        return commit_sha(repo, cfg.revision) == newest
+    except Exception:
+        return False
+
+
+def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
     """``index`` after checking the files it lists and adding those that appeared: a new generation from
     ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
-    without growth); one that disappeared too, unless ``data.growth_allow_removal``."""
+    without growth); one that disappeared too, unless ``data.growth_allow_removal``. ``running``: the job that
+    built ``index`` asks again (same config): a Hub branch that has not moved costs one repo-info request."""
     from .ranged import listed_identities
     from .sources.net import RetryPolicy, is_remote
     from .sources.resolve import (
@@ -170,6 +198,8 @@ def grow(cfg, index: dict, from_epoch: int, where: str) -> dict:
     reading = files_of(index, gens[-1])
     listed = {unpinned(f["path"]) for f in index["files"]}
     now = explicit_urls(cfg, path, data_files)
+    if now is None and running and _branch_unmoved(cfg, index):
+        return with_generations(index, gens)
     if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
         _forget_listings(targets, retry.storage_options)
         now = resolve_split(cfg, path, data_files, targets, retry).files
@@ -254,7 +284,7 @@ def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, nu
             raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
         return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
     try:
-        grown = grow(cfg, index, furthest + 1, "of the running job")
+        grown = grow(cfg, index, joins_at(cfg, index, furthest), "of the running job", running=True)
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())

@@ -120,7 +120,7 @@ def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, 
     if saved is not None and same_resolution(saved, cfg):
         where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
         furthest = growth.furthest_epoch(state_path, position)
-        return open_source(cfg, index=growth.grow(cfg, saved, (furthest or 0) + 1, where))
+        return open_source(cfg, index=growth.grow(cfg, saved, growth.joins_at(cfg, saved, furthest or 0), where))
     src = open_source(cfg)
     if src.index is None:
         src.close()

@@ -86,12 +86,26 @@ class _BatchProducer(IterableDataset):
                                   f"has {info.num_workers}")
             j = (info.id + self.turn) % len(lanes)
         lane = lanes[j]
+        turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
+        if getattr(self.stream, "follows", False):    # data.growth: follow (main process, one lane)
+            yield from self._rounds(lane, turn)
+            return
         if len(lane) == 1:
             yield from self._batches(lane[0])
             return
         # several partitions: one batch from each in turn, starting where the saved rotation stood
-        turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
         yield from round_robin({p: self._batches(p) for p in lane}, lane, turn)
+
+    def _rounds(self, lane: list[int], turn: int) -> Iterator[dict[str, Any]]:
+        """``data.growth: follow``: the lane's partitions read the round (an epoch of new files) batch by batch
+        in turn; once all ended it, the stream waits for the next round's files; it ends after a wait past
+        data.follow_timeout_s. The rotation goes on from the partition after the last batch, as a resume's does."""
+        while True:
+            for item in round_robin({p: self._batches(p) for p in lane}, lane, turn):
+                turn = (lane.index(item["partition"]) + 1) % len(lane)
+                yield item
+            if not self.stream.await_next_round():
+                return
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = self.processor_factory() if self.processor_factory is not None else None

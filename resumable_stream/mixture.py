@@ -206,6 +206,37 @@ class MixtureStream(StreamBase):
         pos = self._pos[partition]
         return min(pos.source_epochs) if self.config.stopping == "never" else pos.epoch
 
+    # ------------------------------------------------------------------ data.growth
+    def refresh_files(self) -> dict[str, int] | None:
+        """Take in the files that appeared in each growing source (``data.growth: append``) while the job runs,
+        each source on its own: its new files join from the epoch after the furthest one of that source any
+        partition of the job has begun (a mixture partition reads each source's epochs at its own pace).
+        Collective, as ``ResumableStream.refresh_files`` (every rank calls it at the same point, no DataLoader
+        workers). Returns ``{label: epoch they join at}`` for the sources that grew, or None."""
+        from .growth import refresh
+        from .sources.open import open_source
+
+        joins: dict[str, int] = {}
+        for i, (scfg, label) in enumerate(zip(self.config.sources, self.config.labels)):
+            if scfg.growth == "off":
+                continue
+            views = self._views[i]
+            furthest = max((max(self._pos[p].source_epochs[i], views[p].partition_epoch(p)) for p in self.partitions),
+                           default=0)
+            try:
+                index = refresh(scfg, self.source.sources[i].index, furthest, self.rank, self.world_size,
+                                self.num_workers)
+            except StreamMismatchError as e:
+                raise StreamMismatchError(f"data.sources[{i}] ({label!r}): {e}", e.differences) from e
+            if index is None:
+                continue
+            # one source over the grown index for every partition's view (they share it, as at the start)
+            source = with_block_cache(open_source(scfg, index=index), scfg)
+            for view in views.values():
+                joins[label] = view.adopt_index(index, source)
+            self.source.sources[i] = source
+        return joins or None
+
     # ------------------------------------------------------------------ iteration
     def _samples(self, partition: int) -> Iterator[dict]:
         return map(itemgetter(1), self._draw(partition))

@@ -97,11 +97,23 @@ class Layout:
     # A growing dataset (data.growth): ((first epoch, the shards of that epoch on, in index order), ...) by
     # first epoch, the first from epoch 0; None: every shard in every epoch (and today's order, bit for bit).
     generations: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    # data.growth: follow: epoch e reads only the files the generation starting at e added (none: an empty epoch)
+    follow: bool = False
 
     def shards_of_epoch(self, epoch: int) -> tuple[int, ...] | None:
-        """The shards epoch ``epoch`` plans over (None: all): those of the last generation begun by then."""
+        """The shards epoch ``epoch`` plans over (None: all): those of the last generation begun by then (in
+        follow mode: those the generation that starts at ``epoch`` added, () if none starts there)."""
         if self.generations is None:
             return None
+        if self.follow:
+            before: set[int] = set()
+            for first, shards in self.generations:
+                if first == epoch:
+                    return tuple(s for s in shards if s not in before)
+                if first > epoch:
+                    break
+                before.update(shards)
+            return ()
         chosen = self.generations[0][1]
         for first, shards in self.generations:
             if first > epoch:

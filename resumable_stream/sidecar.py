@@ -389,8 +389,10 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
     else:
         _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
                  f"distinct partitions in [0, {n})")
-        if kind == "stream":
-            partitions = PartitionState.from_arrays(ids, tensors, meta, path)
+        if kind == "stream":     # data.growth: follow saves "" as the next digest at the end of the known data
+            dataset = fingerprint.get("dataset") if isinstance(fingerprint, dict) else None
+            follows = isinstance(dataset, dict) and dataset.get("growth") == "follow"
+            partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=follows)
         else:
             partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path,
                                                            len(_mixture_labels(fingerprint, path)))

@@ -22,7 +22,7 @@ from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
 from .sources.base import Source
 from .sources.open import open_source
-from .stream_base import StreamBase
+from .stream_base import StreamBase, round_robin
 
 log = logging.getLogger(__name__)
 _warned: set[tuple] = set()
@@ -49,6 +49,7 @@ class ResumableStream(StreamBase):
         opened = source if source is not None else open_job_source(config, self.rank, self.world_size, index_from)
         self.source = with_block_cache(opened, config)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
+        self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s
         self._start()
 
     def _build_readers(self) -> None:
@@ -62,7 +63,13 @@ class ResumableStream(StreamBase):
             interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
             generations=(layout_generations(self.source.index, self.source.shards)
                          if self.config.growth != "off" else None),
+            follow=self.config.growth == "follow",
         )
+        if self.config.growth == "follow" and (self.world_size != 1 or self.num_workers):
+            raise ConfigError(
+                f"data.growth: got 'follow' with {self.world_size} rank(s) and {self.num_workers} DataLoader "
+                "worker(s); allowed: follow with one rank read in the main process (world_size 1, num_workers 0), "
+                "or append for more (see docs/growing-data.md)")
         consumers = self.world_size * max(1, self.num_workers)
         if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
             _warned.add(note)
@@ -124,9 +131,12 @@ class ResumableStream(StreamBase):
     def _windows(self, partition: int, with_keys: bool) -> Iterator[Iterator]:
         """An iterator over the rest of each window's samples, window after window."""
         reader = self._readers[partition]
-        finite = self._epoch_limit is not None
+        limit = self._epoch_limit
+        if limit is None and self.config.growth == "follow":    # follow: the round being read (see _follow)
+            limit = self._round()
+        finite = limit is not None
         while True:
-            if finite and reader.cursor.epoch > self._epoch_limit:
+            if finite and reader.cursor.epoch > limit:
                 return
             win = reader.window(rollover=not finite)
             if win is None:
@@ -140,6 +150,89 @@ class ResumableStream(StreamBase):
                 yield reader.consume(win)
             else:
                 yield zip(reader.consume(win), islice(win.key_tuples(), i, None))
+
+    # ------------------------------------------------------------------ data.growth: follow
+    def __iter__(self) -> Iterator[dict]:
+        if self.config.growth != "follow" or self._epoch_limit is not None:
+            return super().__iter__()
+        return self._follow()
+
+    def _round(self) -> int:
+        """Follow mode reads in rounds: round e is epoch e (generation e's new files), read by every partition
+        of the rank before any starts e + 1; the round is the least epoch of the partitions (one that finished
+        round e stands at the start of e + 1), so a resume is in the same round as the save."""
+        return min(r.epoch for r in self._readers.values())
+
+    @property
+    def follows(self) -> bool:
+        """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
+        the next with :meth:`await_next_round`)."""
+        return self.config.growth == "follow" and self._epoch_limit is None
+
+    def await_next_round(self) -> bool:
+        """Once every partition ended the round: wait for the next one's files (True), or False (and
+        ``follow_ended``) after data.follow_timeout_s."""
+        ok = self._await_round(self._round())
+        self.follow_ended = not ok
+        return ok
+
+    def _follow(self) -> Iterator[dict]:
+        """Round after round (the partitions interleaved as without follow, the rotation saved); after each, wait
+        for the files of the next (``_await_round``); the stream ends when a wait passes data.follow_timeout_s."""
+        parts = self.partitions
+        self.follow_ended = False
+        while True:
+            if len(parts) == 1:
+                yield from self._samples(parts[0])
+            else:
+                yield from round_robin({p: self._samples(p) for p in parts}, parts, self._turn, self._set_turn)
+            if not self._await_round(self._round()):
+                self.follow_ended = True     # the trainer ends the run with a checkpoint
+                return
+
+    def _await_round(self, epoch: int) -> bool:
+        """True once epoch ``epoch`` is planned (a generation starts at or after it; an epoch without one is
+        empty and passes); else list the files every poll_interval_s (backing off to 16x), at most
+        follow_timeout_s in all: False then, with a log line."""
+        import time
+
+        from .growth import grow
+
+        c = self.config
+        waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
+        while True:
+            if any(first >= epoch for first, _ in self.layout.generations or ()):
+                return True
+            index = grow(c, self.source.index, epoch, "while following the data", running=True)
+            if len(index["files"]) != len(self.source.index["files"]):
+                new = len(index["files"]) - len(self.source.index["files"])
+                self.adopt_index(index)
+                log.info("data.growth: follow: %d new file(s) after %.1f s of waiting; epoch %d reads them", new,
+                         waited, epoch)
+                continue
+            waited = time.monotonic() - start
+            left = c.follow_timeout_s - waited
+            if left <= 0:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d", waited, c.follow_timeout_s, epoch)
+                return False
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+
+    def adopt_index(self, index: dict, source: Source | None = None) -> int:
+        """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
+        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views). Returns
+        the first epoch of the newest generation."""
+        self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
+        self.source = source if source is not None else with_block_cache(open_source(self.config, index=index),
+                                                                          self.config)
+        gens = layout_generations(index, self.source.shards)
+        self.layout = replace(self.layout, num_shards=len(self.source.shards),
+                              row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
+        for reader in self._readers.values():
+            reader.source, reader.layout = self.source, self.layout
+        self._rows_of = {}
+        return gens[-1][0]
 
     def _verify_first(self, reader: PartitionReader, sample: dict, expected: str) -> None:
         got = sample_digest(sample)
@@ -165,15 +258,7 @@ class ResumableStream(StreamBase):
         index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
         if index is None:
             return None
-        self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
-        self.source = with_block_cache(open_source(self.config, index=index), self.config)
-        gens = layout_generations(index, self.source.shards)
-        self.layout = replace(self.layout, num_shards=len(self.source.shards),
-                              row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
-        for reader in self._readers.values():   # the epochs being read keep their plan; later ones get the new
-            reader.source, reader.layout = self.source, self.layout
-        self._rows_of = {}
-        return gens[-1][0]
+        return self.adopt_index(index)
 
     # ------------------------------------------------------------------ state
     def partition_epoch(self, partition: int) -> int:
@@ -195,7 +280,12 @@ class ResumableStream(StreamBase):
         """One partition's position after the last sample it yielded, with the digest of the next one (O(1):
         the loader takes one after every batch)."""
         reader = self._readers[partition]
-        win = reader.window(rollover=True)   # the next sample is needed for its digest
+        if self.config.growth == "follow":   # at the end of the known data: no next sample yet (digest "")
+            win = reader.window(rollover=False)
+            if win is None:
+                return reader.state(lambda: "", self._epoch_rows(reader.epoch, partition))
+        else:
+            win = reader.window(rollover=True)   # the next sample is needed for its digest
         return reader.state(lambda: sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
 
     def _epoch_rows(self, epoch: int, partition: int) -> int | None:
@@ -210,5 +300,5 @@ class ResumableStream(StreamBase):
         """Continue partition ``p`` from its saved state (checked to point inside its data first)."""
         ps.validate(self.layout, p, where)
         self._readers[p].set_state(ps)
-        if verify_next_sample:
+        if verify_next_sample and ps.next_sample_digest:    # "": saved at the end of the data (follow mode)
             self._expect[p] = ps.next_sample_digest

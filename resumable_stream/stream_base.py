@@ -75,8 +75,9 @@ class Stream(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
-    def refresh_files(self) -> int | None:
-        """Take in the files that appeared (``data.growth``; collective): the epoch they join at, or None."""
+    def refresh_files(self) -> int | dict[str, int] | None:
+        """Take in the files that appeared (``data.growth``; collective): the epoch they join at (a mixture:
+        ``{source label: epoch}`` of the sources that grew), or None."""
 
     def close(self) -> None: ...
 
@@ -178,9 +179,8 @@ class StreamBase(IterableDataset):
     def source_label(self, where: Any) -> str | None:
         return None
 
-    def refresh_files(self) -> int | None:
-        """New files while the job runs: a single dataset's (``ResumableStream``); a mixture's sources take
-        theirs in at a resume only."""
+    def refresh_files(self) -> int | dict[str, int] | None:
+        """New files while the job runs (``ResumableStream``, ``MixtureStream``); none here."""
         return None
 
     def set_endless(self) -> None:

@@ -225,6 +225,45 @@ def test_mixture_sources_grow_independently(tmp_path):
     assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
 
 
+def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch_and_resumes_exactly(tmp_path):
+    """A file appended to one source of a running mixture (refresh_files, as the trainer calls at a save) joins
+    at that source's next epoch, in that source's index only; a state saved after it resumes exactly."""
+    from resumable_stream.checkpoint import load
+    from resumable_stream.growth import generations
+    from resumable_stream.mixture import MixtureStream
+
+    a = _dataset(tmp_path)
+    b = str(tmp_path / "b")
+    os.makedirs(b)
+    pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
+    data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
+        {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
+        {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
+    cfg = StreamConfig.from_dict(data)
+    s = MixtureStream(cfg, rank=0, world_size=1)
+    head = _ids(s, 300)
+    assert s.refresh_files() is None                                 # nothing new
+    new = _add(a, "part-00009", 1000)
+    joins = s.refresh_files()
+    assert joins == {"a": 1}                                         # a's next epoch; b did not grow
+    assert [g["from_epoch"] for g in generations(s.source.sources[0].index)] == [0, 1]
+    assert len(generations(s.source.sources[1].index)) == 1
+    mid = _ids(s, 300)
+    ckpt = str(tmp_path / "ckpt" / "stream_state")
+    s.save_sidecar(ckpt)
+    saved = json.load(open(os.path.join(ckpt, "index-a.json")))     # the grown index is the checkpoint's
+    assert len(saved["files"]) == FILES + 1 and len(saved["growth"]["generations"]) == 2
+    rest = _ids(s, 1500)
+    from_a = [i for i in head + mid + rest if i < 10_000]
+    assert sorted(from_a[:ROWS]) == list(range(ROWS))                            # a's epoch 0: as planned
+    assert sorted(from_a[ROWS:2 * ROWS + 100]) == sorted(list(range(ROWS)) + new)   # epoch 1: with the new file
+    from_b = [i for i in head + mid + rest if i >= 10_000]
+    assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
+    resumed = MixtureStream(cfg, rank=0, world_size=1, index_from=ckpt)
+    load(resumed, ckpt)
+    assert _ids(resumed, 1500) == rest                               # exact across the growth boundary
+
+
 @pytest.mark.slow      # a loopback Hub: ~5 s
 def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
     from hub_server import HubServer, use_hub
@@ -415,3 +454,110 @@ def test_webdataset_tars_grow_and_a_tar_with_other_members_is_a_mismatch(tmp_pat
     write_tar(str(d / "z8.tar"), mixed_samples(8, 5))          # a tar of other members
     with pytest.raises(StreamMismatchError, match="z8.tar.* its columns"):
         _resume(cfg, ckpt)
+
+
+_HUB_RANK_SCRIPT = """
+import itertools, json, os, sys, time
+import torch.distributed as dist
+from resumable_stream import ResumableStream, StreamConfig
+
+def wait_for(name):
+    while not os.path.exists(os.path.join(out, name)):
+        time.sleep(0.02)
+
+def signal(name):
+    if rank == 0:
+        open(os.path.join(out, name), "w").close()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+repo, out = sys.argv[1], sys.argv[2]
+cfg = StreamConfig(dataset_name_or_path=repo, data_files="data/*.parquet", shuffle=True, buffer_size=64,
+                   growth="append", prefetch_blocks=0)
+stream = ResumableStream(cfg, rank=rank, world_size=world)
+head = [r["id"] for r in itertools.islice(stream, 20)]
+dist.barrier()
+signal("opened"); wait_for("committed")
+first = stream.refresh_files()
+dist.barrier()
+signal("refreshed"); wait_for("again")
+second = stream.refresh_files()
+dist.barrier()
+signal("refreshed-again"); wait_for("read")
+stream.set_epoch(1)
+epoch1 = [r["id"] for r in stream]
+with open(os.path.join(out, f"hub-{rank}.json"), "w") as f:
+    json.dump({"first": first, "second": second, "epoch1": epoch1}, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
+    """2 ranks over gloo on the loopback Hub: at refresh_files only rank 0 asks (the index is broadcast); a
+    branch that moved costs the same requests as for one process (paths-info for the files read so far and for
+    the new one, the new file's footer only); a branch that has not moved costs one repo-info request per job."""
+    import subprocess
+    import sys
+    import time
+
+    from hub_server import HubServer, use_hub
+    from training_helpers import free_port
+
+    repo = "org/growing"
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=RG)
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "rank.py").write_text(_HUB_RANK_SCRIPT)
+
+    def wait_for(name: str, proc) -> None:
+        deadline = time.monotonic() + 180
+        while not (out / name).exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"no {name}"
+            time.sleep(0.05)
+
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.create_repo(repo)
+        hub.commit(repo, directory=src, message="initial")
+        with use_hub(hub, tmp_path / "hf-home"):
+            env = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)}
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                     str(tmp_path / "rank.py"), repo, str(out)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                wait_for("opened", proc)
+                more = tmp_path / "more"
+                more.mkdir()
+                new = _add(str(more), "x", 1000)
+                hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
+                hub.reset_stats()
+                (out / "committed").touch()
+                wait_for("refreshed", proc)
+                moved = list(hub.requests)
+                hub.reset_stats()
+                (out / "again").touch()
+                wait_for("refreshed-again", proc)
+                unmoved = list(hub.requests)
+                (out / "read").touch()
+                _, err = proc.communicate(timeout=180)
+                assert proc.returncode == 0, err[-3000:]
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    results = [json.loads((out / f"hub-{r}.json").read_text()) for r in range(2)]
+    assert [r["first"] for r in results] == [1, 1] and [r["second"] for r in results] == [None, None]
+    info = f"/api/datasets/{repo}"
+    assert sum(r.method == "GET" and r.path == info for r in moved) == 2      # ours + datasets' resolution: once
+    assert sum("/paths-info/" in r.path for r in moved) == 2
+    footers = [r.path for r in moved if "/resolve/" in r.path and r.range]
+    assert footers and all("part-00009" in p for p in footers)
+    assert [(r.method, r.path) for r in unmoved] == [("GET", info)]      # one repo-info request, nothing else
+    epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in results)))
+    assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}

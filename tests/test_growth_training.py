@@ -63,3 +63,24 @@ def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(pro
     state = os.path.join(out, "checkpoint-50", "stream_state")
     index = json.load(open(os.path.join(state, json.load(open(os.path.join(state, "manifest.json")))["index"]["file"])))
     assert [g["from_epoch"] for g in index["growth"]["generations"]] == [0, 1]
+
+
+@pytest.mark.timeout(600)
+def test_follow_timeout_ends_the_run_with_a_checkpoint(procs, tmp_path):
+    """data.growth: follow under the Trainer: the data read once (no second epoch over it), then no new file
+    within data.follow_timeout_s: the run ends before max_steps, cleanly, with a checkpoint at its last step."""
+    data = tmp_path / "data"
+    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
+    config, out = write_config(str(tmp_path), "follow", max_steps=50, save_steps=100,
+                               data={"data_files": str(data / "*.parquet"), "growth": "follow",
+                                     "poll_interval_s": 0.05, "follow_timeout_s": 1.0})
+    run = procs.start(config, "follow").wait_ok(timeout=400)
+    steps = consumed(out)
+    ids = sorted(int(k) for s in steps.values() for k in s)
+    assert ids == list(range(ROWS))                        # each row once, and nothing after
+    last = ROWS // BATCH
+    assert sorted(steps) == list(range(1, last + 1))
+    assert os.path.isdir(os.path.join(out, f"checkpoint-{last}"))
+    assert os.path.isdir(os.path.join(out, f"checkpoint-{last}", "stream_state"))
+    log_text = run.stdout + run.stderr
+    assert "follow: no new files for" in log_text and "the run ends at step 20 with a checkpoint" in log_text

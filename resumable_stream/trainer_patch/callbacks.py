@@ -206,3 +206,21 @@ class CacheStatsCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._emit(state.global_step)
+
+
+class FollowEndCallback(TrainerCallback):
+    """``data.growth: follow``: when the stream ended after waiting ``data.follow_timeout_s`` for new files, the
+    epoch the trainer was in ends; this ends the run there, with a checkpoint (unless that step has one)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if not getattr(self.stream, "follow_ended", False):
+            return control
+        control.should_training_stop = True
+        if not os.path.isdir(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")):
+            control.should_save = True
+        log.warning("data.growth: follow: no new data within data.follow_timeout_s (%s s); the run ends at step %d "
+                    "with a checkpoint", self.stream.config.follow_timeout_s, state.global_step)
+        return control

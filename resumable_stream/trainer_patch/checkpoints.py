@@ -62,8 +62,11 @@ def refresh_stream_files(stream) -> None:
             log.info("data.growth: with %d DataLoader workers new files join at the next resume, not at a save",
                      stream.num_workers)
         return
-    joins = stream.refresh_files()
-    if joins is not None:
+    joins = stream.refresh_files()    # an epoch; a mixture: {source label: epoch} of the sources that grew
+    if isinstance(joins, dict):
+        for label, epoch in joins.items():
+            log.info("data.growth: new files of source %r join the run from its epoch %d", label, epoch)
+    elif joins is not None:
         log.info("data.growth: new files join the run from epoch %d", joins)
 
 

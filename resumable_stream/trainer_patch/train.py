@@ -27,6 +27,7 @@ from ..transforms.formats import resolved_columns
 from .callbacks import (
     CacheStatsCallback,
     ConsumedLogCallback,
+    FollowEndCallback,
     SourceCountsCallback,
     TrainLogCallback,
     transform_stats,
@@ -227,6 +228,8 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
         source_samples = SourceCountsCallback(lambda: stream_loader(trainer))
         trainer.add_callback(source_samples)
         extras.append(source_samples.fields)
+    if getattr(cfg.stream, "growth", "off") == "follow":     # the data stopped arriving: end with a checkpoint
+        trainer.add_callback(FollowEndCallback(stream))
     trainer.add_callback(TrainLogCallback(args.output_dir, per_step,
                                           extra_of=lambda: {k: v for f in extras for k, v in f().items()}))
     if cfg.transform.consumed_log:
