@@ -214,6 +214,7 @@ def _peek_config(tmp_path, urls) -> str:
     return str(path)
 
 
+@pytest.mark.slow     # a process of its own
 def test_peek_stats_report_this_commands_requests(site, tmp_path):
     site.latency_s = 0.0
     config = _peek_config(tmp_path, site.urls)
@@ -241,6 +242,7 @@ def test_llamafactory_section_takes_the_monitoring_keys():
     assert "resumable_stream.data_bound_steps: got 0" in str(e.value)
 
 
+@pytest.mark.slow     # a process of its own
 def test_warmup_stats_report_the_fetches(site, tmp_path):
     site.latency_s = 0.0
     path = tmp_path / "warm.yaml"

@@ -56,6 +56,7 @@ print("growth", growth)
 """
 
 
+@pytest.mark.slow     # a process of its own
 def test_loader_keeps_nothing_per_batch_without_a_key_consumer(tiny_rows):
     r = subprocess.run([sys.executable, "-c", _TRACED_LOADER, str(tiny_rows.data_files)], capture_output=True,
                        text=True, timeout=300)

@@ -223,6 +223,7 @@ print(json.dumps({"ids": rows, "imported": sorted(m for m in ("datasets", "panda
 """
 
 
+@pytest.mark.slow     # a process of its own
 def test_local_parquet_starts_and_resumes_without_datasets(plain_dir, tmp_path):
     """A fresh start and a resume from a state directory (the index saved with it; files verified) import
     neither datasets nor pandas (~0.75 s of CPU together), nor fsspec for a plain glob."""
