@@ -298,3 +298,91 @@ def test_torchrun_two_ranks_follow_in_step_every_row_once_and_resume_after_the_t
     # has it; read to its end, every row of every round is read exactly once across the ranks and runs
     seen.update(i for r in run("rest") for b in r["batches"] for i in b)
     assert sorted(seen) == sorted(list(range(ROWS)) + live_new + later) and set(seen.values()) == {1}
+
+
+_EXACT_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.checkpoint import finish, read, save
+from resumable_stream.loader import StreamLoader
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+data, out, phase, mid_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet"), shuffle=True,
+                   buffer_size=64, interleave_shards=2, block_rows=16, growth="follow", num_partitions=4,
+                   poll_interval_s=0.05, follow_timeout_s=1)
+ckpt = {"a": "wait", "b": "mid"}
+start = {"b": "wait", "c": "mid"}.get(phase)
+
+
+def checkpoint(name):
+    path = os.path.join(out, name, "stream_state")
+    save(stream, path, loader.state_dict(), manifest=False)
+    dist.barrier()
+    if rank == 0:
+        finish(path, world)
+    dist.barrier()
+
+
+if start is None:
+    stream = ResumableStream(cfg, rank=rank, world_size=world)
+    loader = StreamLoader(stream, batch_size=8)
+else:
+    path = os.path.join(out, start, "stream_state")
+    stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=path)
+    loader = StreamLoader(stream, batch_size=8)
+    loader.load_state_dict(read(stream, path)[0], where=path)
+batches = []
+for batch in loader:     # ends on every rank at the same step, after follow_timeout_s without new files
+    batches.append([row["id"] for row in batch])
+    if len(batches) == mid_at:
+        checkpoint("mid")
+if phase == "a":
+    checkpoint("wait")
+with open(os.path.join(out, f"{phase}-{mid_at}-{rank}.json"), "w") as f:
+    json.dump({"batches": batches, "ended": stream.follow_ended}, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_follow_resumes_exactly_from_a_wait_and_from_inside_a_new_file(tmp_path):
+    """2 processes over gloo: a job reads the data and times out in a wait (checkpoint on every rank); a file is
+    added; the job resumed from the wait reads the same batches on every rank each time it is run, and a
+    checkpoint saved inside that file resumes with exactly the batches the run had after it."""
+    import json
+    import subprocess
+    import sys
+
+    from training_helpers import free_port
+
+    d = _dataset(tmp_path)
+    (tmp_path / "rank.py").write_text(_EXACT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(phase: str, mid_at: int = -1) -> list[list[list[int]]]:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                               str(tmp_path / "rank.py"), d, str(tmp_path), phase, str(mid_at)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [json.loads((tmp_path / f"{phase}-{mid_at}-{r}.json").read_text()) for r in range(2)]
+        assert all(r["ended"] for r in results) and len(results[0]["batches"]) == len(results[1]["batches"])
+        return [r["batches"] for r in results]
+
+    first = run("a")
+    new = _add(d, "late", 1000, 200)
+    full = run("b")
+    assert set(new) <= {i for rank in full for b in rank for i in b}
+    mid = len(full[0]) // 2
+    ids = [{i for rank in full for b in rank[part] for i in b} for part in (slice(None, mid), slice(mid, None))]
+    assert ids[0] & set(new) and ids[1] & set(new)     # the save at `mid` is inside the new file
+    assert run("b", mid) == full                       # the wait's state resumes the same way every time
+    assert run("c") == [rank[mid:] for rank in full]   # inside the new file: exactly the rest
+    seen = [i for phase in (first, full) for rank in phase for b in rank for i in b]
+    assert len(seen) == len(set(seen))
