@@ -207,11 +207,11 @@ class ResumableStream(StreamBase):
 
         self.check_in_step()
         c = self.config
-        waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
+        waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
         self.follow_ended = False
         while True:
             ready = holding or self.round_planned()
-            timed_out = self.rank == 0 and waited >= c.follow_timeout_s
+            timed_out = self.rank == 0 and polled and waited >= c.follow_timeout_s   # after one listing at least
             not_all_ready, ended = max_each_over_ranks([int(not ready), int(timed_out)])
             if not not_all_ready:
                 return True
@@ -222,6 +222,7 @@ class ResumableStream(StreamBase):
                 return False
             furthest = max((r.epoch for r in self._readers.values()), default=0)
             index = refresh(c, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
+            polled = True
             if index is not None:
                 first = self.adopt_index(index)
                 log.info("data.growth: follow: new file(s) after %.1f s of waiting; epoch %d reads them", waited,

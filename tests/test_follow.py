@@ -209,6 +209,16 @@ cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data,
                    buffer_size=64, interleave_shards=2, block_rows=16, growth="follow", num_partitions=4,
                    poll_interval_s=0.05, follow_timeout_s=3)
 ckpt = os.path.join(out, phase, "stream_state")
+import resumable_stream.growth as growth
+polls, grow = [0], growth.grow
+
+
+def counted(*args, **kwargs):     # a listing of the files (growth.refresh calls it on rank 0 only)
+    polls[0] += 1
+    return grow(*args, **kwargs)
+
+
+growth.grow = counted
 if phase == "live":
     stream = ResumableStream(cfg, rank=rank, world_size=world)
     loader = StreamLoader(stream, batch_size=8)
@@ -240,7 +250,7 @@ save(stream, ckpt, loader.state_dict(), manifest=False)
 dist.barrier()
 if rank == 0:
     finish(ckpt, world)
-result = {"batches": batches, "ended": stream.follow_ended,
+result = {"batches": batches, "ended": stream.follow_ended, "polls": polls[0],
           "generations": stream.source.index["growth"]["generations"]}
 with open(os.path.join(out, f"{phase}-{rank}.json"), "w") as f:
     json.dump(result, f)
@@ -283,6 +293,8 @@ def test_torchrun_two_ranks_follow_in_step_every_row_once_and_resume_after_the_t
     assert all(r["ended"] for r in live)
     assert len(live[0]["batches"]) == len(live[1]["batches"]) > 0           # in step: the same steps
     assert live[0]["generations"] == live[1]["generations"]
+    # one listing per poll for the job, by rank 0; backing off: two waits of 3 s at 0.05 s doubling to 0.8 s
+    assert live[1]["polls"] == 0 and 2 <= live[0]["polls"] <= 24
     assert len(live[0]["generations"]) == 2 and live[0]["generations"][1]["files"] == FILES + 1
     seen = collections.Counter(i for r in live for b in r["batches"] for i in b)
     assert set(seen.values()) == {1}                                          # nothing read twice
