@@ -196,7 +196,7 @@ def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path
 
 
 _RANK_SCRIPT = """
-import json, os, shutil, sys, threading
+import json, os, sys, threading, time
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.checkpoint import finish, read, save
@@ -239,9 +239,21 @@ if phase == "rest":     # what the checkpoint has not read yet, epoch by epoch (
     sys.exit(0)
 staging = os.path.join(out, "staging")
 writer = None
-if rank == 0 and phase == "live":     # a file appears while the job runs (after round 0, or during it)
-    writer = threading.Timer(1.0, lambda: [os.replace(os.path.join(staging, n), os.path.join(data, n))
-                                           for n in sorted(os.listdir(staging))])
+if rank == 0 and phase == "live":     # a file appears while the job waits (0.3 s into its first wait)
+    waiting, wait = threading.Event(), stream.follow_wait
+
+    def follow_wait(holding):
+        waiting.set()
+        return wait(holding)
+
+    def write():
+        waiting.wait(60)
+        time.sleep(0.3)
+        for n in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, n), os.path.join(data, n))
+
+    stream.follow_wait = follow_wait
+    writer = threading.Thread(target=write)
     writer.start()
 batches = [[row["id"] for row in batch] for batch in loader]     # ends on every rank after follow_timeout_s
 if writer is not None:
