@@ -170,7 +170,7 @@ class ResumableStream(StreamBase):
     @property
     def follows(self) -> bool:
         """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
-        the next with :meth:`await_next_round`)."""
+        the next with :meth:`await_next_round`, or over several ranks in step with :meth:`follow_wait`)."""
         return self.config.growth == "follow" and self._epoch_limit is None
 
     def await_next_round(self) -> bool:
