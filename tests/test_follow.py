@@ -4,27 +4,12 @@ import itertools
 import os
 import threading
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from growing_data import FILES, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.checkpoint import finish, load, save
 from resumable_stream.errors import ConfigError
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
-
-ROWS, FILES, RG = 400, 4, 25
-
-
-def _dataset(tmp_path) -> str:
-    d = str(tmp_path / "data")
-    write_parquet_dataset(d, rows=ROWS, files=FILES, row_group_size=RG)
-    return d
-
-
-def _add(d: str, name: str, start: int, count: int = 100) -> list[int]:
-    pq.write_table(pa.table(synthetic_rows(start, count)), os.path.join(d, f"{name}.parquet"), row_group_size=RG)
-    return list(range(start, start + count))
 
 
 def _cfg(d: str, **kw) -> StreamConfig:
@@ -58,7 +43,7 @@ def test_follow_keys_are_validated(tmp_path, key, value):
 
 
 def test_follow_refuses_dataloader_workers(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     with pytest.raises(ConfigError, match="data.growth: got 'follow' with 2 DataLoader worker.*allowed: follow read "
                                           "in the main process"):
         ResumableStream(_cfg(d, num_partitions=4), rank=0, world_size=1, num_workers=2)
@@ -69,7 +54,7 @@ def test_follow_with_several_ranks_reads_through_the_loader_under_a_process_grou
     initialized torch.distributed group cannot agree on a wait: refused when its first round ends."""
     from resumable_stream.loader import StreamLoader
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, num_partitions=4), rank=0, world_size=2)
     with pytest.raises(ConfigError, match="through a StreamLoader"):
         next(iter(s))
@@ -78,7 +63,7 @@ def test_follow_with_several_ranks_reads_through_the_loader_under_a_process_grou
 
 
 def test_follow_reads_the_known_data_once_then_ends_after_the_timeout(tmp_path, caplog):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, follow_timeout_s=0.3))
     with caplog.at_level("WARNING", logger="resumable_stream.stream"):
         ids = _ids(s)
@@ -88,10 +73,10 @@ def test_follow_reads_the_known_data_once_then_ends_after_the_timeout(tmp_path, 
 
 
 def test_follow_picks_up_a_file_written_while_it_waits(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, follow_timeout_s=20))
     first = _ids(s, ROWS)
-    writer = threading.Timer(0.3, _add, (d, "late", 1000))
+    writer = threading.Timer(0.3, add, (d, "late", 1000))
     writer.start()
     try:
         new = _ids(s, 100)
@@ -99,7 +84,7 @@ def test_follow_picks_up_a_file_written_while_it_waits(tmp_path):
         writer.join()
     assert sorted(first) == list(range(ROWS))
     assert sorted(new) == list(range(1000, 1100))
-    writer2 = threading.Timer(0.3, _add, (d, "later", 2000, 50))
+    writer2 = threading.Timer(0.3, add, (d, "later", 2000, 50))
     writer2.start()
     try:
         assert sorted(_ids(s, 50)) == list(range(2000, 2050))   # only the newest file: epoch 2
@@ -108,12 +93,12 @@ def test_follow_picks_up_a_file_written_while_it_waits(tmp_path):
 
 
 def test_exact_resume_in_the_middle_of_a_wait(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d, follow_timeout_s=20)
     a = ResumableStream(cfg)
     assert sorted(_ids(a, ROWS)) == list(range(ROWS))
     ckpt = _checkpoint(a, str(tmp_path / "ckpt"))      # saved at the end of the data: waiting
-    _add(d, "late", 1000)
+    add(d, "late", 1000)
     want = _ids(a, 100)
     b = _resume(cfg, ckpt)
     assert _ids(b, 100) == want
@@ -121,11 +106,11 @@ def test_exact_resume_in_the_middle_of_a_wait(tmp_path):
 
 
 def test_exact_resume_in_the_middle_of_a_new_file(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d, follow_timeout_s=20)
     a = ResumableStream(cfg)
     _ids(a, ROWS)
-    _add(d, "late", 1000, 200)
+    add(d, "late", 1000, 200)
     head = _ids(a, 70)
     ckpt = _checkpoint(a, str(tmp_path / "ckpt"))
     tail = _ids(a, 130)
@@ -135,7 +120,7 @@ def test_exact_resume_in_the_middle_of_a_new_file(tmp_path):
 
 
 def test_append_layout_is_unchanged_by_the_follow_field(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, growth="append"))
     assert s.layout.follow is False
     s.set_epoch(1)
@@ -143,7 +128,7 @@ def test_append_layout_is_unchanged_by_the_follow_field(tmp_path):
 
 
 def test_follow_is_refused_in_a_mixture(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     src = {"dataset_name_or_path": "parquet", "data_files": os.path.join(d, "*.parquet"), "streaming": True}
     with pytest.raises(ConfigError, match=r"data.growth: got 'follow' with data.sources; allowed: off or append"):
         StreamConfig.from_dict({"growth": "follow", "sources": [{**src, "weight": 1}, {**src, "weight": 2}]})
@@ -160,7 +145,7 @@ def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path
     from resumable_stream.checkpoint import read
     from resumable_stream.loader import StreamLoader
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d, follow_timeout_s=20, num_partitions=partitions)
     loader = StreamLoader(ResumableStream(cfg), batch_size=8)
     it = iter(loader)
@@ -182,7 +167,7 @@ def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path
         return iter(other)
 
     in_wait = checkpoint("wait")
-    writer = threading.Timer(0.3, _add, (d, "late", 1000, 200))
+    writer = threading.Timer(0.3, add, (d, "late", 1000, 200))
     writer.start()
     try:
         head = _loader_ids(it, 5)
@@ -285,11 +270,11 @@ def test_torchrun_two_ranks_follow_in_step_every_row_once_and_resume_after_the_t
 
     from training_helpers import free_port
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     (tmp_path / "rank.py").write_text(_RANK_SCRIPT)
     staging = tmp_path / "staging"
     staging.mkdir()
-    live_new = _add(str(staging), "part-00009", 1000, 150)
+    live_new = add(str(staging), "part-00009", 1000, 150)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -311,7 +296,7 @@ def test_torchrun_two_ranks_follow_in_step_every_row_once_and_resume_after_the_t
     seen = collections.Counter(i for r in live for b in r["batches"] for i in b)
     assert set(seen.values()) == {1}                                          # nothing read twice
     assert set(range(ROWS)) <= set(seen) and set(seen) <= set(range(ROWS)) | set(live_new)
-    later = _add(d, "part-00010", 2000, 120)
+    later = add(d, "part-00010", 2000, 120)
     resumed = run("resumed")
     assert all(r["ended"] for r in resumed)
     assert len(resumed[0]["batches"]) == len(resumed[1]["batches"])
@@ -384,7 +369,7 @@ def test_torchrun_two_ranks_follow_resumes_exactly_from_a_wait_and_from_inside_a
 
     from training_helpers import free_port
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     (tmp_path / "rank.py").write_text(_EXACT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -400,7 +385,7 @@ def test_torchrun_two_ranks_follow_resumes_exactly_from_a_wait_and_from_inside_a
         return [r["batches"] for r in results]
 
     first = run("a")
-    new = _add(d, "late", 1000, 200)
+    new = add(d, "late", 1000, 200)
     full = run("b")
     assert set(new) <= {i for rank in full for b in rank for i in b}
     mid = len(full[0]) // 2

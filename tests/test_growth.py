@@ -8,24 +8,12 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from growing_data import FILES, RG, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.checkpoint import finish, load, save
 from resumable_stream.errors import ConfigError, StreamMismatchError
 from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
-
-ROWS, FILES, RG = 400, 4, 25
-
-
-def _dataset(tmp_path) -> str:
-    d = str(tmp_path / "data")
-    write_parquet_dataset(d, rows=ROWS, files=FILES, row_group_size=RG)
-    return d
-
-
-def _add(d: str, name: str, start: int, count: int = 100) -> list[int]:
-    pq.write_table(pa.table(synthetic_rows(start, count)), os.path.join(d, f"{name}.parquet"), row_group_size=RG)
-    return list(range(start, start + count))
 
 
 def _cfg(d: str, **kw) -> StreamConfig:
@@ -56,13 +44,13 @@ def _resume(cfg, ckpt: str, rank: int = 0, world_size: int = 1) -> ResumableStre
 
 
 def test_file_added_between_kill_and_resume_joins_at_the_next_epoch(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     reference = _ids(ResumableStream(cfg), 2 * ROWS)        # the run without growth
     first = ResumableStream(cfg)
     head = _ids(first, 250)
     ckpt = _save([first], str(tmp_path / "ckpt"))
-    new = _add(d, "part-00009", 1000)                        # appears while the job is down
+    new = add(d, "part-00009", 1000)                        # appears while the job is down
     resumed = _resume(cfg, ckpt)
     rest = _epoch(resumed, 0)
     assert head + rest == reference[:ROWS]                  # epoch 0 continues with epoch 0's files, exactly
@@ -76,18 +64,18 @@ def test_file_added_between_kill_and_resume_joins_at_the_next_epoch(tmp_path):
     again.set_epoch(1)
     mid = _ids(again, 170)
     ckpt2 = _save([again], str(tmp_path / "ckpt2"))
-    _add(d, "part-00010", 2000)                              # more arrive: they wait for epoch 2
+    add(d, "part-00010", 2000)                              # more arrive: they wait for epoch 2
     third = _resume(cfg, ckpt2)
     assert mid + _epoch(third, 1) == one
     assert sorted(_epoch(third, 2)) == sorted(list(range(ROWS)) + new + list(range(2000, 2100)))
 
 
 def test_file_added_during_an_epoch_waits_for_the_next_one(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     s = ResumableStream(cfg)
     head = _ids(s, 100)
-    _add(d, "part-00009", 1000)                  # written while the stream reads epoch 0
+    add(d, "part-00009", 1000)                  # written while the stream reads epoch 0
     head += _ids(s, 100)
     ckpt = _save([s], str(tmp_path / "ckpt"))
     resumed = _resume(cfg, ckpt)
@@ -97,18 +85,18 @@ def test_file_added_during_an_epoch_waits_for_the_next_one(tmp_path):
 
 
 def test_growth_off_is_todays_order_and_append_without_new_files_too(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     off = _ids(ResumableStream(_cfg(d, growth="off")), 2 * ROWS)
     assert _ids(ResumableStream(_cfg(d)), 2 * ROWS) == off
 
 
 def test_every_row_once_per_epoch_across_4_ranks_and_elastic_to_2(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d, num_partitions=4, elastic=True)
     ranks = [ResumableStream(cfg, rank=r, world_size=4) for r in range(4)]
     heads = [_ids(s, 30 + 10 * r) for r, s in enumerate(ranks)]
     ckpt = _save(ranks, str(tmp_path / "ckpt"))
-    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    new = add(d, "part-00009", 1000) + add(d, "part-00010", 2000)
     for world in (4, 2):     # the same job resumed on 4 ranks, then (elastic) on 2
         resumed = [_resume(cfg, ckpt, r, world) for r in range(world)]
         epoch0 = collections.Counter(itertools.chain(*heads, *(_epoch(s, 0) for s in resumed)))
@@ -118,7 +106,7 @@ def test_every_row_once_per_epoch_across_4_ranks_and_elastic_to_2(tmp_path):
 
 
 def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d, shuffle=False)          # files in order: the first is read completely by row 100
     s = ResumableStream(cfg)
     head = _ids(s, 150)
@@ -135,20 +123,20 @@ def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
 
 
 def test_changed_file_already_read_is_a_mismatch(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     s = ResumableStream(cfg)
     _ids(s, 50)
     ckpt = _save([s], str(tmp_path / "ckpt"))
     path = os.path.join(d, "part-00001.parquet")
     pq.write_table(pa.table(synthetic_rows(5000, 100)), path, row_group_size=RG)
-    _add(d, "part-00009", 1000)
+    add(d, "part-00009", 1000)
     with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
         _resume(cfg, ckpt)
 
 
 def test_new_file_with_other_columns_is_a_mismatch(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     s = ResumableStream(cfg)
     _ids(s, 50)
@@ -161,12 +149,12 @@ def test_new_file_with_other_columns_is_a_mismatch(tmp_path):
 def test_inspect_shows_each_epochs_file_set(tmp_path, capsys):
     from resumable_stream.cli import main
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     s = ResumableStream(cfg)
     _ids(s, 50)
     ckpt = _save([s], str(tmp_path / "ckpt"))
-    _add(d, "part-00009", 1000)
+    add(d, "part-00009", 1000)
     resumed = _resume(cfg, ckpt)
     _ids(resumed, 10)
     ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
@@ -201,21 +189,27 @@ def test_config_keys():
         StreamConfig(dataset_name_or_path="x", backend="local", growth="append")
 
 
-def test_mixture_sources_grow_independently(tmp_path):
-    from resumable_stream.mixture import MixtureStream
-
-    a = _dataset(tmp_path)
+def _two_source_mixture(tmp_path) -> tuple[str, StreamConfig]:
+    """A growing mixture of source a (the dataset(), ids 0..ROWS-1) and b (300 rows, ids 10,000..10,299); a's
+    directory and the config."""
+    a = dataset(tmp_path)
     b = str(tmp_path / "b")
     os.makedirs(b)
     pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
     data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
         {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
         {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
-    cfg = StreamConfig.from_dict(data)
+    return a, StreamConfig.from_dict(data)
+
+
+def test_mixture_sources_grow_independently(tmp_path):
+    from resumable_stream.mixture import MixtureStream
+
+    a, cfg = _two_source_mixture(tmp_path)
     first = MixtureStream(cfg, rank=0, world_size=1)
     head = _ids(first, 300)
     first.save_sidecar(str(tmp_path / "ckpt" / "stream_state"))
-    new = _add(a, "part-00009", 1000)
+    new = add(a, "part-00009", 1000)
     resumed = MixtureStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt")), rank=0, world_size=1)
     rest = _ids(resumed, 2400)
     from_a = [i for i in head + rest if i < 10_000]
@@ -232,18 +226,11 @@ def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch
     from resumable_stream.growth import generations
     from resumable_stream.mixture import MixtureStream
 
-    a = _dataset(tmp_path)
-    b = str(tmp_path / "b")
-    os.makedirs(b)
-    pq.write_table(pa.table(synthetic_rows(10_000, 300)), os.path.join(b, "b-00000.parquet"), row_group_size=RG)
-    data = {"shuffle": True, "buffer_size": 32, "growth": "append", "stopping": "never", "sources": [
-        {"label": "a", "dataset_name_or_path": "parquet", "data_files": os.path.join(a, "*.parquet")},
-        {"label": "b", "dataset_name_or_path": "parquet", "data_files": os.path.join(b, "*.parquet")}]}
-    cfg = StreamConfig.from_dict(data)
+    a, cfg = _two_source_mixture(tmp_path)
     s = MixtureStream(cfg, rank=0, world_size=1)
     head = _ids(s, 300)
     assert s.refresh_files() is None                                 # nothing new
-    new = _add(a, "part-00009", 1000)
+    new = add(a, "part-00009", 1000)
     joins = s.refresh_files()
     assert joins == {"a": 1}                                         # a's next epoch; b did not grow
     assert [g["from_epoch"] for g in generations(s.source.sources[0].index)] == [0, 1]
@@ -285,7 +272,7 @@ def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
             ckpt = _save([first], str(tmp_path / "ckpt"))
             more = tmp_path / "more"
             more.mkdir()
-            _add(str(more), "x", 1000)
+            add(str(more), "x", 1000)
             new_commit = hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
             hub.reset_stats()
             resumed = _resume(cfg, ckpt)
@@ -370,7 +357,7 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
 
     from training_helpers import free_port
 
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     (tmp_path / "rank.py").write_text(_RANK_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -388,7 +375,7 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
         return [json.loads((tmp_path / f"{phase}-{r}.json").read_text()) for r in range(4)]
 
     heads = [r["head"] for r in run("first")]
-    new = _add(d, "part-00009", 1000) + _add(d, "part-00010", 2000)
+    new = add(d, "part-00009", 1000) + add(d, "part-00010", 2000)
     resumed = run("resume")
     assert {r["files"] for r in resumed} == {FILES + 2}
     assert all(r["generations"] == resumed[0]["generations"] for r in resumed)
@@ -400,7 +387,7 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
     # the same job once more, the files arriving while it runs: refresh_files on every rank
     for name in ("part-00009", "part-00010"):
         os.unlink(os.path.join(d, f"{name}.parquet"))
-    later = _add(str(staging), "part-00011", 3000)
+    later = add(str(staging), "part-00011", 3000)
     live = run("live")
     assert {r["from_epoch"] for r in live} == {1}
     assert all(r["generations"] == live[0]["generations"] for r in live)
@@ -411,13 +398,13 @@ def test_torchrun_four_ranks_rank_0_grows_the_index_and_every_row_is_read_once_p
 
 
 def test_refresh_files_while_running_joins_after_the_furthest_epoch_and_resumes_exactly(tmp_path):
-    d = _dataset(tmp_path)
+    d = dataset(tmp_path)
     cfg = _cfg(d)
     reference = _ids(ResumableStream(cfg), ROWS)
     s = ResumableStream(cfg)
     head = _ids(s, 250)
     assert s.refresh_files() is None                     # nothing new
-    new = _add(d, "part-00009", 1000)
+    new = add(d, "part-00009", 1000)
     assert s.refresh_files() == 1                        # joins at the next epoch
     assert head + _epoch(s, 0) == reference              # the running epoch keeps its plan
     s.set_epoch(1)
@@ -534,7 +521,7 @@ def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
                 wait_for("opened", proc)
                 more = tmp_path / "more"
                 more.mkdir()
-                new = _add(str(more), "x", 1000)
+                new = add(str(more), "x", 1000)
                 hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
                 hub.reset_stats()
                 (out / "committed").touch()
