@@ -120,6 +120,11 @@ def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
     resumed = _resume(allowed, ckpt)
     assert head + _epoch(resumed, 0) == list(range(ROWS))       # epoch 0 had read it already
     assert _epoch(resumed, 1) == list(range(100, ROWS))         # dropped from epoch 1 on
+    # a dropped file that comes back under its path stays dropped (the index lists it so): not read again
+    ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+    add(d, "part-00000", 0, 100)
+    back = _resume(allowed, ckpt2)
+    assert _epoch(back, 2) == list(range(100, ROWS))
 
 
 def test_changed_file_already_read_is_a_mismatch(tmp_path):
