@@ -4,7 +4,7 @@ The index lists every file the job has ever read, in the order they appeared (ne
 shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
 "dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
 ``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
-checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` (``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
+checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``follow_wait`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
 from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
 epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. The checkpoint
 saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
@@ -156,10 +156,20 @@ def _forget_listings(targets: list[str], storage_options: dict) -> None:
             pass
 
 
+# {(repo, revision): (an index's file set, a later commit of the branch at which a full resolution found that
+# same file set)}: a commit that touched no data file (a README) then costs one request at the next refresh too
+_CHECKED_AT: dict[tuple[str, str | None], tuple[tuple, str]] = {}
+
+
+def _file_set(index: dict) -> tuple:
+    return tuple(f["path"] for f in index["files"]), repr(generations(index))
+
+
 def _branch_unmoved(cfg, index: dict) -> bool:
-    """A running job's Hub branch still points to the commit the index's newest files come from (one repo-info
-    request): then no file can have been added, changed or removed, and nothing else needs asking. False for
-    data not on one Hub repo, or when the request fails (the full resolution then says why)."""
+    """A running job's Hub branch still points to the commit the index's newest files come from, or to a later
+    one this process found to hold the same files (one repo-info request): then no file can have been added,
+    changed or removed, and nothing else needs asking. False for data not on one Hub repo, or when the request
+    fails (the full resolution then says why)."""
     from .hub import commit_sha
 
     pinned = [hub_commits([f["path"]]) for f in reversed(index["files"])]
@@ -169,9 +179,18 @@ def _branch_unmoved(cfg, index: dict) -> bool:
     repo = repos.pop()
     newest = next(p[repo] for p in pinned if p)
     try:
-        return commit_sha(repo, cfg.revision) == newest
+        now = commit_sha(repo, cfg.revision)
     except Exception:
         return False
+    return now == newest or _CHECKED_AT.get((repo, cfg.revision)) == (_file_set(index), now)
+
+
+def _remember_unchanged(cfg, index: dict, files_now: list[str]) -> None:
+    """A full resolution at the branch's commit found the index's files unchanged: remember that commit."""
+    commits = hub_commits(files_now)
+    if len(commits) == 1:
+        repo, sha = next(iter(commits.items()))
+        _CHECKED_AT[(repo, cfg.revision)] = (_file_set(index), sha)
 
 
 def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
@@ -234,6 +253,8 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
             f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
     added = [p for p in now if unpinned(p) not in listed]
     if not added and not removed:
+        if running:
+            _remember_unchanged(cfg, index, now)
         return with_generations(index, gens)
     new_known = hub_identities(added, retry)
     new_known.update(listed_identities(added, retry.storage_options))

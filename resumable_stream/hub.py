@@ -138,6 +138,37 @@ def get_range(path: str, start: int, end: int):
     return response
 
 
+def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict]:
+    """Identities of the ``hf://datasets/`` files among ``files`` that name a commit sha, from the folder
+    listings the process's HfFileSystem already holds: ``datasets`` lists a data folder when it resolves a
+    pattern, and that listing carries each file's size, blob id and LFS sha256. A commit's tree never changes,
+    so this is the answer a paths-info request would give, without asking. {} for files not listed (asked then)."""
+    import fsspec
+
+    from .sources.net import protocol_options
+
+    out: dict[str, dict] = {}
+    for f in files:
+        parts = _parts(f)
+        if parts is None or parts[1] is None or not _COMMIT_SHA.match(parts[1]) or "/" not in parts[2].lstrip("/"):
+            continue
+        try:
+            fs, _ = fsspec.core.url_to_fs(f, **protocol_options(storage_options, f))
+        except Exception:   # noqa: BLE001 - no filesystem: the paths-info request then says why
+            continue
+        name = f"datasets/{parts[0]}@{parts[1]}{parts[2]}"
+        entry = next((e for e in fs.dircache.get(name.rsplit("/", 1)[0], ()) if e.get("name") == name), None)
+        if entry is None or entry.get("type") != "file" or not isinstance(entry.get("size"), int) \
+                or not entry.get("blob_id"):
+            continue
+        ident = {"path": f, "size": entry["size"], "blob_id": entry["blob_id"]}
+        lfs = entry.get("lfs")
+        if lfs is not None and lfs.get("sha256"):
+            ident["sha256"] = lfs["sha256"]
+        out[f] = ident
+    return out
+
+
 def file_identities(files: list[str]) -> dict[str, dict]:
     """Identities (size, git blob id, LFS sha256) of the ``hf://datasets/`` files among ``files``, as
     HfFileSystem.info gives them, asked in batches (one paths-info request per 100 files of a repo commit)

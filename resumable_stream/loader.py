@@ -88,7 +88,10 @@ class _BatchProducer(IterableDataset):
         lane = lanes[j]
         turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
         if getattr(self.stream, "follows", False):    # data.growth: follow (main process, one lane)
-            yield from self._rounds(lane, turn)
+            if getattr(self.stream, "world_size", 1) > 1:
+                yield from self._rounds_in_step(lane, turn)
+            else:
+                yield from self._rounds(lane, turn)
             return
         if len(lane) == 1:
             yield from self._batches(lane[0])
@@ -106,6 +109,34 @@ class _BatchProducer(IterableDataset):
                 yield item
             if not self.stream.await_next_round():
                 return
+
+    def _rounds_in_step(self, lane: list[int], turn: int) -> Iterator[dict[str, Any]]:
+        """``data.growth: follow`` over several ranks: every batch is handed out only once every rank has one
+        (an all-reduce of one int per batch: the Trainer's steps stay in lock-step, and every rank enters the
+        waits below at the same step). Once some rank is at the end of its round, all enter ``follow_wait``
+        together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
+        hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
+        data.follow_timeout_s."""
+        from .collectives import max_over_ranks
+
+        self.stream.check_in_step()
+
+        def round_of(turn: int) -> Iterator[dict[str, Any]]:
+            return iter(round_robin({p: self._batches(p) for p in lane}, lane, turn))
+
+        it, held = round_of(turn), None
+        while True:
+            item = held if held is not None else next(it, None)
+            held = None
+            if not max_over_ranks(int(item is None)):     # every rank has a batch for this step
+                turn = (lane.index(item["partition"]) + 1) % len(lane)
+                yield item
+                continue
+            held = item
+            if not self.stream.follow_wait(holding=item is not None):
+                return
+            if item is None:
+                it = round_of(turn)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = self.processor_factory() if self.processor_factory is not None else None

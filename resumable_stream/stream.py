@@ -65,11 +65,10 @@ class ResumableStream(StreamBase):
                          if self.config.growth != "off" else None),
             follow=self.config.growth == "follow",
         )
-        if self.config.growth == "follow" and (self.world_size != 1 or self.num_workers):
+        if self.config.growth == "follow" and self.num_workers:
             raise ConfigError(
-                f"data.growth: got 'follow' with {self.world_size} rank(s) and {self.num_workers} DataLoader "
-                "worker(s); allowed: follow with one rank read in the main process (world_size 1, num_workers 0), "
-                "or append for more (see docs/growing-data.md)")
+                f"data.growth: got 'follow' with {self.num_workers} DataLoader worker(s); allowed: follow read in "
+                "the main process of each rank (num_workers 0), or append with workers (see docs/growing-data.md)")
         consumers = self.world_size * max(1, self.num_workers)
         if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
             _warned.add(note)
@@ -155,6 +154,11 @@ class ResumableStream(StreamBase):
     def __iter__(self) -> Iterator[dict]:
         if self.config.growth != "follow" or self._epoch_limit is not None:
             return super().__iter__()
+        if self.world_size > 1:
+            raise ConfigError(
+                f"data.growth: got 'follow' iterating the stream of rank {self.rank} of {self.world_size} directly; "
+                "allowed: with several ranks read it through a StreamLoader (or the patched Trainer), which keeps "
+                "the ranks in step (see docs/growing-data.md)")
         return self._follow()
 
     def _round(self) -> int:
@@ -166,7 +170,7 @@ class ResumableStream(StreamBase):
     @property
     def follows(self) -> bool:
         """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
-        the next with :meth:`await_next_round`)."""
+        the next with :meth:`await_next_round`, or over several ranks in step with :meth:`follow_wait`)."""
         return self.config.growth == "follow" and self._epoch_limit is None
 
     def await_next_round(self) -> bool:
@@ -175,6 +179,58 @@ class ResumableStream(StreamBase):
         ok = self._await_round(self._round())
         self.follow_ended = not ok
         return ok
+
+    def round_planned(self) -> bool:
+        """The round this rank stands in has its files (a generation starts at or after it)."""
+        r = self._round()
+        return any(first >= r for first, _ in self.layout.generations or ())
+
+    def check_in_step(self) -> None:
+        """Follow mode over several ranks needs their process group (the waits are collectives)."""
+        from .collectives import shared_over_dist
+
+        if not shared_over_dist(self.rank, self.world_size):
+            raise ConfigError(f"data.growth: got 'follow' on rank {self.rank} of {self.world_size} without an "
+                              "initialized torch.distributed group; allowed: under torchrun with the group set up")
+
+    def follow_wait(self, holding: bool) -> bool:
+        """Several ranks (``StreamLoader`` in step): a collective every rank calls at the same step, once some
+        rank is at the end of its round. ``holding``: this rank still has a batch of its round. Until every rank
+        can go on (holding, or its round planned), rank 0 lists the files (one request per poll for the job,
+        ``growth.refresh``: the grown index broadcast, so every rank adopts the same generation) and every rank
+        sleeps the same backoff (poll_interval_s doubling to 16x). True once every rank can go on; False on every
+        rank (``follow_ended``) once rank 0 has waited data.follow_timeout_s (its decision, all-reduced)."""
+        import time
+
+        from .collectives import max_each_over_ranks
+        from .growth import refresh
+
+        self.check_in_step()
+        c = self.config
+        waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
+        self.follow_ended = False
+        while True:
+            ready = holding or self.round_planned()
+            timed_out = self.rank == 0 and polled and waited >= c.follow_timeout_s   # after one listing at least
+            not_all_ready, ended = max_each_over_ranks([int(not ready), int(timed_out)])
+            if not not_all_ready:
+                return True
+            if ended:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d (rank %d)", waited, c.follow_timeout_s, self._round(), self.rank)
+                self.follow_ended = True
+                return False
+            furthest = max((r.epoch for r in self._readers.values()), default=0)
+            index = refresh(c, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
+            polled = True
+            if index is not None:
+                first = self.adopt_index(index)
+                log.info("data.growth: follow: new file(s) after %.1f s of waiting; epoch %d reads them", waited,
+                         first)
+                continue
+            time.sleep(max(0.0, min(delay, c.follow_timeout_s - waited)))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+            waited = time.monotonic() - start
 
     def _follow(self) -> Iterator[dict]:
         """Round after round (the partitions interleaved as without follow, the rotation saved); after each, wait

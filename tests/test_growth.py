@@ -120,6 +120,11 @@ def test_removed_file_is_a_mismatch_unless_allowed(tmp_path):
     resumed = _resume(allowed, ckpt)
     assert head + _epoch(resumed, 0) == list(range(ROWS))       # epoch 0 had read it already
     assert _epoch(resumed, 1) == list(range(100, ROWS))         # dropped from epoch 1 on
+    # a dropped file that comes back under its path stays dropped (the index lists it so): not read again
+    ckpt2 = _save([resumed], str(tmp_path / "ckpt2"))
+    add(d, "part-00000", 0, 100)
+    back = _resume(allowed, ckpt2)
+    assert _epoch(back, 2) == list(range(100, ROWS))
 
 
 def test_changed_file_already_read_is_a_mismatch(tmp_path):
@@ -276,9 +281,10 @@ def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
             new_commit = hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
             hub.reset_stats()
             resumed = _resume(cfg, ckpt)
-            # the branch resolved again; the files read so far checked at the new commit in one batched request,
-            # the new one in another, and only the new file's footer read
-            assert sum("/paths-info/" in r.path for r in hub.requests) == 2
+            # the branch resolved again; the files read so far and the new one checked at the new commit from
+            # the folder listing datasets' resolution made (no paths-info request), only the new file's footer read
+            assert sum("/paths-info/" in r.path for r in hub.requests) == 0
+            assert sum("/tree/" in r.path for r in hub.requests) >= 1
             footers = [r.path for r in hub.data_requests() if r.range]
             assert footers and all("part-00009" in p for p in footers)
             assert head + _epoch(resumed, 0) == reference
@@ -293,6 +299,47 @@ def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
             hub.commit(repo, files={"data/part-00001.parquet": str(more / "y.parquet")}, message="rewrite")
             with pytest.raises(StreamMismatchError, match="part-00001.parquet"):
                 _resume(cfg, ckpt2)
+
+
+def test_hub_commit_without_data_files_costs_one_request_from_the_refresh_after(tmp_path):
+    """A running job's refresh after a commit that only touches a README resolves the branch in full once
+    (nothing joins; no paths-info: the listing carries the identities); the refreshes after it are one repo-info
+    request again, and a later commit adding a file still joins."""
+    from hub_server import HubServer, use_hub
+
+    repo = "org/growing"
+    src = tmp_path / "repo"
+    write_parquet_dataset(str(src / "data"), rows=ROWS, files=FILES, row_group_size=RG)
+    with HubServer(tmp_path / "hub-store") as hub:
+        hub.create_repo(repo)
+        hub.commit(repo, directory=src, message="initial")
+        with use_hub(hub, tmp_path / "hf-home"):
+            cfg = StreamConfig(dataset_name_or_path=repo, data_files="data/*.parquet", shuffle=True,
+                               buffer_size=64, growth="append", prefetch_blocks=0)
+            stream = ResumableStream(cfg)
+            head = _ids(stream, 50)
+            info = ("GET", f"/api/datasets/{repo}")
+            hub.reset_stats()
+            assert stream.refresh_files() is None
+            assert [(r.method, r.path) for r in hub.requests] == [info]       # unmoved: one request
+
+            hub.commit(repo, files={"README.md": b"# growing\n"}, message="docs")
+            hub.reset_stats()
+            assert stream.refresh_files() is None
+            moved = list(hub.requests)
+            assert len(moved) > 1 and any("/tree/" in r.path for r in moved)   # resolved in full once
+            assert not any("/paths-info/" in r.path for r in moved) and not any(r.range for r in moved)
+            hub.reset_stats()
+            assert stream.refresh_files() is None
+            assert [(r.method, r.path) for r in hub.requests] == [info]       # that commit is known now
+
+            more = tmp_path / "more"
+            more.mkdir()
+            new = add(str(more), "x", 1000)
+            hub.commit(repo, files={"data/part-00009.parquet": str(more / "x.parquet")}, message="more")
+            assert stream.refresh_files() == 1
+            assert sorted(head + _epoch(stream, 0)) == list(range(ROWS))
+            assert sorted(_epoch(stream, 1)) == sorted(list(range(ROWS)) + new)
 
 
 _RANK_SCRIPT = """
@@ -484,8 +531,9 @@ dist.destroy_process_group()
 @pytest.mark.timeout(300)
 def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
     """2 ranks over gloo on the loopback Hub: at refresh_files only rank 0 asks (the index is broadcast); a
-    branch that moved costs the same requests as for one process (paths-info for the files read so far and for
-    the new one, the new file's footer only); a branch that has not moved costs one repo-info request per job."""
+    branch that moved costs the same requests as for one process (datasets' resolution, whose listing carries
+    the identities: no paths-info; the new file's footer only); a branch that has not moved costs one repo-info
+    request per job."""
     import subprocess
     import sys
     import time
@@ -542,7 +590,7 @@ def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
     assert [r["first"] for r in results] == [1, 1] and [r["second"] for r in results] == [None, None]
     info = f"/api/datasets/{repo}"
     assert sum(r.method == "GET" and r.path == info for r in moved) == 2      # ours + datasets' resolution: once
-    assert sum("/paths-info/" in r.path for r in moved) == 2
+    assert sum("/paths-info/" in r.path for r in moved) == 0
     footers = [r.path for r in moved if "/resolve/" in r.path and r.range]
     assert footers and all("part-00009" in p for p in footers)
     assert [(r.method, r.path) for r in unmoved] == [("GET", info)]      # one repo-info request, nothing else

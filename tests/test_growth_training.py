@@ -84,3 +84,39 @@ def test_follow_timeout_ends_the_run_with_a_checkpoint(procs, tmp_path):
     assert os.path.isdir(os.path.join(out, f"checkpoint-{last}", "stream_state"))
     log_text = run.stdout + run.stderr
     assert "follow: no new files for" in log_text and "the run ends at step 20 with a checkpoint" in log_text
+
+
+@pytest.mark.timeout(600)
+def test_follow_over_two_ranks_ends_in_step_with_a_checkpoint_on_every_rank(procs, tmp_path):
+    """data.growth: follow under torchrun (2 ranks, gloo): the ranks train in step on the data read once; no new
+    file within data.follow_timeout_s ends the run on both at the same step, with one checkpoint holding every
+    rank's stream state; no row is trained on twice."""
+    data = tmp_path / "data"
+    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
+    config, out = write_config(str(tmp_path), "follow2", max_steps=50, save_steps=100,
+                               data={"data_files": str(data / "*.parquet"), "growth": "follow",
+                                     "poll_interval_s": 0.05, "follow_timeout_s": 1.0})
+    run = procs.start(config, "follow2", nproc=2).wait_ok(timeout=500)
+    ranks = [consumed(out, rank) for rank in range(2)]
+    assert sorted(ranks[0]) == sorted(ranks[1]) and sorted(ranks[0]) == list(range(1, len(ranks[0]) + 1))
+    last = len(ranks[0])
+    assert 0 < last < 50
+    ids = [int(k) for steps in ranks for s in steps.values() for k in s]
+    assert len(ids) == len(set(ids)) and set(ids) <= set(range(ROWS))
+    state = os.path.join(out, f"checkpoint-{last}", "stream_state")
+    manifest = json.load(open(os.path.join(state, "manifest.json")))
+    assert manifest["world_size"] == 2
+    log_text = run.stdout + run.stderr
+    assert f"the run ends at step {last} with a checkpoint" in log_text
+    # a file added, the run started again: it resumes from that checkpoint, reads the new file in step, and
+    # ends again after the timeout with a checkpoint; still no row twice
+    pq.write_table(pa.table(synthetic_rows(5000, 80)), str(data / "part-00002.parquet"), row_group_size=20)
+    again = procs.start(config, "follow2-again", nproc=2).wait_ok(timeout=500)
+    ranks = [consumed(out, rank) for rank in range(2)]
+    assert sorted(ranks[0]) == sorted(ranks[1]) and sorted(ranks[0]) == list(range(1, len(ranks[0]) + 1))
+    assert len(ranks[0]) > last
+    ids = [int(k) for steps in ranks for s in steps.values() for k in s]
+    assert len(ids) == len(set(ids)) and set(ids) <= set(range(ROWS)) | set(range(5000, 5080))
+    assert set(ids) & set(range(5000, 5080))
+    assert os.path.isdir(os.path.join(out, f"checkpoint-{len(ranks[0])}", "stream_state"))
+    assert f"the run ends at step {len(ranks[0])} with a checkpoint" in again.stdout + again.stderr

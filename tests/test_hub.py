@@ -121,8 +121,9 @@ def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_pat
     hub.reset_stats()
     same = ResumableStream(hub_config(resume_state_path=str(tmp_path / "ckpt")))
     assert take_ids(same, 50) == reference[150:200]
-    # the checkpoint's index is reused (no footer read to index), its files verified in one batched request
-    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
+    # the checkpoint's index is reused (no footer read to index), its files verified against the listing
+    # datasets' resolution made (no paths-info request)
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 0
     assert not any(r.range and r.range.startswith("bytes=0-") for r in hub.data_requests())
 
     more = tmp_path / "more.parquet"
@@ -138,8 +139,8 @@ def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_pat
     hub.reset_stats()
     pinned = ResumableStream(hub_config(revision=hub.first_commit, resume_state_path=str(tmp_path / "ckpt")))
     assert pinned.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
-    # (a new resolution: the config names another revision; its file identities in one batched request)
-    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
+    # (a new resolution: the config names another revision; its file identities from datasets' listing)
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 0
     assert take_ids(pinned, 250) == reference[150:400]
     # the new commit is what an unpinned fresh run reads
     assert ResumableStream(hub_config()).source.fingerprint["hub_commits"] == {REPO: new}
@@ -249,8 +250,8 @@ def test_http_request_retry_honours_retry_after(tmp_path, caplog):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_job_asks_the_hub_api_once_whatever_its_ranks(hub, tmp_path):
-    """torchrun jobs of 1 and 3 ranks: rank 0 resolves the repo and indexes its files (file identities in one
-    batched paths-info request), the other ranks get the index over torch.distributed and read their row
+    """torchrun jobs of 1 and 3 ranks: rank 0 resolves the repo and indexes its files (file identities from
+    datasets' folder listing, no paths-info request), the other ranks get the index over torch.distributed and read their row
     groups with one ranged GET each: the API requests do not grow with the ranks, nor with the files."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from hub_requests import REPO as BENCH_REPO
@@ -259,14 +260,14 @@ def test_a_job_asks_the_hub_api_once_whatever_its_ranks(hub, tmp_path):
     hub.commit(BENCH_REPO, directory=hub.local)
     one = job_requests(hub, str(tmp_path / "home1"), "ours", 1, 150, str(tmp_path))
     three = job_requests(hub, str(tmp_path / "home3"), "ours", 3, 150, str(tmp_path))
-    assert one["api"] == three["api"] <= 6, (one, three)
+    assert one["api"] == three["api"] <= 5, (one, three)
     # rank 0 reads every footer once and broadcasts them with the index; each rank then reads only its own
     # row groups: the job reads each footer once and each row group it consumes once
     footers = [r for r in hub.data_requests() if r.range and r.range.endswith(f"-{_size_of(hub, r.path) - 1}")]
     assert len(footers) == FILES, [(r.path, r.range) for r in footers]
-    # the listings are datasets' (data/*.parquet), none per file: the identities come in one batch
+    # the listings are datasets' (data/*.parquet), none per file; they carry the identities
     assert sum("/tree/" in r.path for r in hub.requests) <= 2
-    assert sum("/paths-info/" in r.path for r in hub.requests) == 1
+    assert sum("/paths-info/" in r.path for r in hub.requests) == 0
 
 
 def _size_of(hub, url_path: str) -> int:
@@ -326,3 +327,27 @@ def test_revision_without_a_hub_repo_is_a_config_error(path):
         StreamConfig(dataset_name_or_path=path, data_files="x.parquet" if path == "parquet" else None,
                      revision="v1")
     assert StreamConfig(dataset_name_or_path="hf://org/data", revision="v1").revision == "v1"
+
+
+def test_identities_from_datasets_listing_are_those_paths_info_gives(hub, tmp_path):
+    """A stream's file identities come from the folder listing ``datasets`` made while resolving (no paths-info
+    request), and they are exactly what a paths-info request answers for the same commit: size, blob id and
+    LFS sha256. A file not in any listing is asked."""
+    from huggingface_hub import HfFileSystem
+
+    from resumable_stream.hub import file_identities, listed_identities
+
+    hub.reset_stats()
+    stream = ResumableStream(hub_config())
+    assert not any("/paths-info/" in r.path for r in hub.requests)
+    files = [f["path"] for f in stream.source.index["files"]]
+    listed = listed_identities(files, {})
+    asked = file_identities(files)
+    assert set(listed) == set(files) and listed == asked
+    assert all(i["sha256"] and i["blob_id"] and i["size"] > 0 for i in listed.values())
+    assert [f["size"] for f in stream.source.index["files"]] == [asked[f]["size"] for f in files]
+    HfFileSystem().invalidate_cache()
+    assert listed_identities(files, {}) == {}
+    hub.reset_stats()
+    ResumableStream(hub_config(resume_state_path=None))
+    assert not any("/paths-info/" in r.path for r in hub.requests)

@@ -20,6 +20,7 @@ from typing import Any
 from ..config import StreamConfig
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..hub import commit_sha, file_identities, hub_answer, hub_commits, hub_repo_of, pin_commits, probe_answer
+from ..hub import listed_identities as hub_listed_identities
 from ..index import changed_files, describe_changes, make_index, map_files
 from ..local_parquet import resolve_local_parquet
 from ..ranged import listed_identities
@@ -105,12 +106,14 @@ def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
 def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
     """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
     hub_files = [f for f in files if f.startswith("hf://datasets/")]
+    known = hub_listed_identities(hub_files, retry.storage_options if retry is not None else {})
+    hub_files = [f for f in hub_files if f not in known]
     if not hub_files:
-        return {}
+        return known
     label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
     if retry is not None and retry.applies(hub_files[0]):
-        return retry.call(lambda: file_identities(hub_files), label, hub_files)
-    return file_identities(hub_files)
+        return {**known, **retry.call(lambda: file_identities(hub_files), label, hub_files)}
+    return {**known, **file_identities(hub_files)}
 
 
 def _digest(obj) -> str:

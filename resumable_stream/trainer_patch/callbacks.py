@@ -214,12 +214,24 @@ class FollowEndCallback(TrainerCallback):
 
     def __init__(self, stream):
         self.stream = stream
+        self._saved_step: int | None = None    # the last step with a checkpoint (saved or resumed from)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step > 0:      # resumed from checkpoint-<global_step>
+            self._saved_step = state.global_step
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self._saved_step = state.global_step
+        return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if not getattr(self.stream, "follow_ended", False):
             return control
         control.should_training_stop = True
-        if not os.path.isdir(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")):
+        # the same decision on every rank (their streams end at the same step): from the trainer's own state,
+        # not from the output dir, where rank 0 may already be writing this step's checkpoint
+        if self._saved_step != state.global_step:
             control.should_save = True
         log.warning("data.growth: follow: no new data within data.follow_timeout_s (%s s); the run ends at step %d "
                     "with a checkpoint", self.stream.config.follow_timeout_s, state.global_step)
