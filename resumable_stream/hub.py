@@ -143,15 +143,15 @@ def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict
     listings the process's HfFileSystem already holds: ``datasets`` lists a data folder when it resolves a
     pattern, and that listing carries each file's size, blob id and LFS sha256. A commit's tree never changes,
     so this is the answer a paths-info request would give, without asking. {} for files not listed (asked then)."""
-    import fsspec
-
-    from .sources.net import protocol_options
-
     out: dict[str, dict] = {}
     for f in files:
         parts = _parts(f)
         if parts is None or parts[1] is None or not _COMMIT_SHA.match(parts[1]) or "/" not in parts[2].lstrip("/"):
             continue
+        import fsspec  # here: local data never imports it
+
+        from .sources.net import protocol_options
+
         try:
             fs, _ = fsspec.core.url_to_fs(f, **protocol_options(storage_options, f))
         except Exception:   # noqa: BLE001 - no filesystem: the paths-info request then says why

@@ -106,6 +106,8 @@ def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
 def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
     """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
     hub_files = [f for f in files if f.startswith("hf://datasets/")]
+    if not hub_files:
+        return {}       # (and fsspec stays unimported for local data)
     known = hub_listed_identities(hub_files, retry.storage_options if retry is not None else {})
     hub_files = [f for f in hub_files if f not in known]
     if not hub_files:
