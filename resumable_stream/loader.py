@@ -87,8 +87,8 @@ class _BatchProducer(IterableDataset):
             j = (info.id + self.turn) % len(lanes)
         lane = lanes[j]
         turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
-        if getattr(self.stream, "follows", False):    # data.growth: follow (main process, one lane)
-            if getattr(self.stream, "world_size", 1) > 1:
+        if self.stream.follows:     # data.growth: follow (main process, one lane)
+            if self.stream.world_size > 1:
                 yield from self._rounds_in_step(lane, turn)
             else:
                 yield from self._rounds(lane, turn)

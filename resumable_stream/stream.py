@@ -181,9 +181,12 @@ class ResumableStream(StreamBase):
         return ok
 
     def round_planned(self) -> bool:
-        """The round this rank stands in has its files (a generation starts at or after it)."""
-        r = self._round()
-        return any(first >= r for first, _ in self.layout.generations or ())
+        """The round this rank stands in has its files."""
+        return self._planned(self._round())
+
+    def _planned(self, epoch: int) -> bool:
+        """Epoch ``epoch`` has its files: a generation starts at or after it (an epoch before it is empty)."""
+        return any(first >= epoch for first, _ in self.layout.generations or ())
 
     def check_in_step(self) -> None:
         """Follow mode over several ranks needs their process group (the waits are collectives)."""
@@ -257,7 +260,7 @@ class ResumableStream(StreamBase):
         c = self.config
         waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
         while True:
-            if any(first >= epoch for first, _ in self.layout.generations or ()):
+            if self._planned(epoch):
                 return True
             index = grow(c, self.source.index, epoch, "while following the data", running=True)
             if len(index["files"]) != len(self.source.index["files"]):

@@ -44,6 +44,7 @@ class Stream(Protocol):
     lanes: list[list[int]]
     source: Any
     transform_fingerprint: dict | None
+    follows: bool       # data.growth: follow: the loader reads in rounds (ResumableStream's follow methods)
 
     def iter_partition(self, partition: int) -> Iterator[tuple[dict, Any]]:
         """(sample, where) pairs of one partition from its cursor; ``where`` names the sample's row."""
@@ -135,6 +136,8 @@ class StreamBase(IterableDataset):
 
     kind = "stream"
     state_type: Any = None      # the class of a partition's state (to_dict / from_dict / validate)
+    follows = False             # a single stream in follow mode overrides it; a mixture never follows
+    follow_ended = False        # follow mode: the last iteration ended after data.follow_timeout_s
 
     def __init__(self, config: Any, rank: int | None, world_size: int | None, num_workers: int):
         super().__init__()

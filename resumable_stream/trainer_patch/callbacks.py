@@ -226,7 +226,7 @@ class FollowEndCallback(TrainerCallback):
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if not getattr(self.stream, "follow_ended", False):
+        if not self.stream.follow_ended:
             return control
         control.should_training_stop = True
         # the same decision on every rank (their streams end at the same step): from the trainer's own state,
