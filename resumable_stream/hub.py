@@ -143,21 +143,29 @@ def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict
     listings the process's HfFileSystem already holds: ``datasets`` lists a data folder when it resolves a
     pattern, and that listing carries each file's size, blob id and LFS sha256. A commit's tree never changes,
     so this is the answer a paths-info request would give, without asking. {} for files not listed (asked then)."""
-    out: dict[str, dict] = {}
+    pinned = {}         # file -> its name in HfFileSystem's listings
     for f in files:
         parts = _parts(f)
-        if parts is None or parts[1] is None or not _COMMIT_SHA.match(parts[1]) or "/" not in parts[2].lstrip("/"):
-            continue
-        import fsspec  # here: local data never imports it
+        if parts is not None and parts[1] is not None and _COMMIT_SHA.match(parts[1]) and "/" in parts[2].lstrip("/"):
+            pinned[f] = f"datasets/{parts[0]}@{parts[1]}{parts[2]}"
+    if not pinned:
+        return {}
+    import fsspec  # here: local data never imports it
 
-        from .sources.net import protocol_options
+    from .sources.net import protocol_options
 
-        try:
-            fs, _ = fsspec.core.url_to_fs(f, **protocol_options(storage_options, f))
-        except Exception:   # noqa: BLE001 - no filesystem: the paths-info request then says why
-            continue
-        name = f"datasets/{parts[0]}@{parts[1]}{parts[2]}"
-        entry = next((e for e in fs.dircache.get(name.rsplit("/", 1)[0], ()) if e.get("name") == name), None)
+    first = next(iter(pinned))
+    try:
+        fs, _ = fsspec.core.url_to_fs(first, **protocol_options(storage_options, first))
+    except Exception:   # noqa: BLE001 - no filesystem: the paths-info request then says why
+        return {}
+    folders: dict[str, dict[str, dict]] = {}    # folder -> {name: entry}, each listing indexed once
+    out: dict[str, dict] = {}
+    for f, name in pinned.items():
+        folder = name.rsplit("/", 1)[0]
+        if folder not in folders:
+            folders[folder] = {e.get("name"): e for e in fs.dircache.get(folder, ())}
+        entry = folders[folder].get(name)
         if entry is None or entry.get("type") != "file" or not isinstance(entry.get("size"), int) \
                 or not entry.get("blob_id"):
             continue
