@@ -593,6 +593,9 @@ def main() -> int:
     ap.add_argument("--readers", default=",".join(READERS), help=f"readers (default {','.join(READERS)})")
     ap.add_argument("--profile", nargs="?", const="all", default=None, choices=("all", "s3"),
                     help="also profile ours (benchmarks/_peers_profile.py); --profile s3: only over S3")
+    ap.add_argument("--resume-at", type=int, default=None,
+                    help="samples read before the resume's save (default 400,000; --quick 38,400): a multiple of "
+                         f"{MOSAIC_BATCH}, MosaicML's batch; 1,024 and 600,064 show whether the resume is flat in progress")
     ap.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR, help="where generated data is cached")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the table of an earlier --json run")
@@ -643,7 +646,9 @@ def main() -> int:
             print(f"\nread: one epoch ({rows:,} rows) shuffled, best of {repeats}", flush=True)
             out["read"] = bench_read(readers, main_p, repeats)
         if "resume" in only:
-            at = 38_400 if q else 400_000     # multiples of MOSAIC_BATCH
+            at = args.resume_at or (38_400 if q else 400_000)     # multiples of MOSAIC_BATCH
+            if at % MOSAIC_BATCH or not 0 < at < rows:
+                ap.error(f"--resume-at: got {at}; allowed: a multiple of {MOSAIC_BATCH} between 1 and {rows - 1}")
             print(f"\nresume after {at:,} samples, 1,000 checked, best of {repeats}", flush=True)
             out["resume"] = bench_resume(readers, {**main_p, "resume_at": at, "check": 1000}, repeats, work)
         if "ranks" in only:

@@ -30,6 +30,7 @@ from .state_fields import is_hex, json_field, require, tensor
 DIGEST_BYTES = 16
 MAX_EMPTY_EPOCHS = 16
 PREFETCH_HINT = 256        # shards of its plan a partition hints at most when it builds a window
+FIRST_ROWS = 1024          # rows a window makes before its first sample; the rest when the consumer gets there
 _EMPTY_CHAIN = bytes(DIGEST_BYTES)
 
 
@@ -88,14 +89,16 @@ def sample_digest(sample: dict) -> str:
 @dataclass
 class Window:
     names: list[str]
-    rows: list[dict]             # the permuted rows: the samples, handed out as they are (None: consumed before
-                                 # the resume this window was rebuilt for, never handed out)
+    rows: list[dict]             # the permuted rows made so far, in the order handed out (None: consumed before
+                                 # the resume this window was rebuilt for, never handed out); the rest are made
+                                 # by ``_rest`` when a sample past them is first asked for (``made_past``)
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
+    _rest: Callable[[], list[dict]] | None = field(default=None, repr=False)
     _key_tuples: list | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.keys)
 
     def key_tuples(self) -> list[tuple[int, int]]:
         """(shard, row) of every row, as Python ints (made once per window, not per sample)."""
@@ -103,8 +106,16 @@ class Window:
             self._key_tuples = list(zip(self.keys[:, 0].tolist(), self.keys[:, 1].tolist()))
         return self._key_tuples
 
+    def made_past(self, i: int) -> list[dict]:
+        """``rows``, made at least up to row ``i`` (the rest of the window at once). A new list: an iterator
+        over the old one (a reader's offset is read off it) still ends where it did."""
+        if i >= len(self.rows) and self._rest is not None:
+            rest, self._rest = self._rest, None
+            self.rows = self.rows + rest()
+        return self.rows
+
     def sample(self, i: int) -> dict:
-        return self.rows[i]
+        return self.made_past(i)[i]
 
 
 def _indices(positions: np.ndarray) -> pa.Array:
@@ -139,6 +150,28 @@ def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]
             make = eval(source, {"__builtins__": {}, "zip": zip})
         _ROW_MAKERS[names] = make
     return make
+
+
+def _window_rows(table: pa.Table, perm: np.ndarray | None, skip: int, have: int
+                 ) -> tuple[list, Callable[[], list[dict]] | None]:
+    """The rows of a window of ``have`` rows (``table`` in file order, ``perm`` its order; None: file order)
+    of which ``skip`` were consumed before a resume: None for those (no Python objects made), then the next
+    FIRST_ROWS made now, and a function making the rest (None: nothing left). The first sample waits for
+    FIRST_ROWS rows, not the whole window (a resume or a start: the window's take and rows were 10-20 ms of it).
+    The rows are made in the order they are handed out: made in file order and permuted as Python objects,
+    they are touched in random memory order by the consumer, which costs more than the Arrow take saves."""
+    make = _row_maker(tuple(table.column_names))
+
+    def made(lo: int, hi: int) -> list[dict]:
+        if perm is not None:
+            part = pc.take(table, _indices(perm[lo:hi]), memory_pool=rows_pool())
+        else:
+            part = table.slice(lo, hi - lo)
+        return make([part.column(i).to_pylist() for i in range(part.num_columns)], hi - lo)
+
+    cut = min(have, skip + FIRST_ROWS)
+    rows = [None] * skip + made(skip, cut) if skip else made(skip, cut)
+    return rows, (None if cut == have else lambda: made(cut, have))
 
 
 _LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
@@ -240,11 +273,11 @@ class PartitionReader:
         self.offset = cursor.offset
 
     # While the rows of the window are handed out by ``consume``'s iterator, the offset is read off that
-    # iterator (rows handed out = window length - rows it has left): no store per row.
+    # iterator (rows handed out = length of the list it runs over - rows it has left): no store per row.
     @property
     def offset(self) -> int:
         it = self._live
-        return self._offset if it is None else self._live_end - it.__length_hint__()
+        return self._offset if it is None else len(self._live_rows) - it.__length_hint__()
 
     @offset.setter
     def offset(self, value: int) -> None:
@@ -255,11 +288,12 @@ class PartitionReader:
         """The rows of ``win`` (the current window) from the offset on; each one it yields counts as consumed
         from then on (a save resumes after it), as if the offset were moved past it."""
         start = self.offset
-        it = iter(win.rows)
+        rows = win.made_past(start)
+        it = iter(rows)
         if start:
             next(islice(it, start, start), None)      # skip the rows already consumed
         self._offset = start
-        self._live, self._live_end = it, len(win.rows)
+        self._live, self._live_rows = it, rows
         return it
 
     def set_cursor(self, cursor: Cursor) -> None:
@@ -403,17 +437,10 @@ class PartitionReader:
         skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            table = pc.take(table, _indices(perm[skip:]), memory_pool=rows_pool())
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
-        elif skip:
-            table = table.slice(skip)
-        names = table.column_names
-        # the samples themselves, made once per window in one loop (handed out as they are) and in the order
-        # they are handed out: made in file order and permuted as Python objects, they are touched in random
-        # memory order by the consumer, which costs more than the Arrow take saves
-        rows = _row_maker(tuple(names))([table.column(i).to_pylist() for i in range(table.num_columns)], have - skip)
-        if skip:
-            rows = [None] * skip + rows
+        else:
+            perm = None
+        rows, rest = _window_rows(table, perm, skip, have)
         for shard in live.values():     # open shards this window did not continue: stop reading them now
             if all(shard is not s for s in slots):
                 shard.close()
@@ -428,7 +455,7 @@ class PartitionReader:
         )
         if exhausted:
             after = replace(after, offset=0).next_epoch()
-        return Window(names, rows, keys, after)
+        return Window(table.column_names, rows, keys, after, rest)
 
 
 # ------------------------------------------------------------------ the state of one partition

@@ -240,8 +240,9 @@ def test_local_parquet_starts_and_resumes_without_datasets(plain_dir, tmp_path):
 
 
 def test_row_groups_decode_as_parquet_file_decodes_them(tmp_path, monkeypatch):
-    """Our reader (allocating from the system pool) gives pq.ParquetFile's tables, nested and dictionary
-    columns included; ARROW_DEFAULT_MEMORY_POOL set: pyarrow's default pool, as the user chose."""
+    """Our reader (allocating from pyarrow's jemalloc, where it has one, else the system pool) gives
+    pq.ParquetFile's tables, nested and dictionary columns included; ARROW_DEFAULT_MEMORY_POOL set: pyarrow's
+    default pool, as the user chose."""
     import pyarrow as pa
 
     from resumable_stream import arrow_pool, parquet_files
@@ -253,7 +254,12 @@ def test_row_groups_decode_as_parquet_file_decodes_them(tmp_path, monkeypatch):
     path = str(tmp_path / "t.parquet")
     pq.write_table(table, path, row_group_size=50)
     md = pq.read_metadata(path)
-    assert arrow_pool.rows_pool().backend_name == "system"
+    try:
+        pa.jemalloc_memory_pool()
+        expected = "jemalloc"
+    except NotImplementedError:
+        expected = "system"
+    assert arrow_pool.rows_pool().backend_name == expected
     for group in range(md.num_row_groups):
         ours = parquet_files.read_row_group(path, md, group)
         theirs = pq.ParquetFile(path, metadata=md, pre_buffer=False).read_row_group(group)
@@ -261,6 +267,25 @@ def test_row_groups_decode_as_parquet_file_decodes_them(tmp_path, monkeypatch):
     monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "mimalloc")
     assert arrow_pool.rows_pool() is None
     assert parquet_files.read_row_group(path, md, 1).equals(pq.ParquetFile(path).read_row_group(1))
+
+
+def test_rows_pool_falls_back_to_the_system_allocator_without_jemalloc(monkeypatch):
+    """A pyarrow built without jemalloc (Windows, macOS wheels) raises NotImplementedError for its pool: the
+    rows then come from the system allocator, not an error."""
+    import pyarrow as pa
+
+    from resumable_stream import arrow_pool
+
+    def no_jemalloc():
+        raise NotImplementedError("This Arrow build does not enable jemalloc")
+
+    monkeypatch.setattr(pa, "jemalloc_memory_pool", no_jemalloc)
+    monkeypatch.delenv("ARROW_DEFAULT_MEMORY_POOL", raising=False)
+    arrow_pool._own_pool.cache_clear()
+    try:
+        assert arrow_pool.rows_pool().backend_name == "system"
+    finally:
+        arrow_pool._own_pool.cache_clear()
 
 
 @pytest.mark.parametrize("blocks,interleave", [(0, 4), (1, 4), (8, 4), (8, 1), (256, 4), (256, 64)])

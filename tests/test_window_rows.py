@@ -71,3 +71,44 @@ def test_iterating_again_continues_where_the_last_iterator_stopped(cfg, source):
     got = [r["id"] for r in itertools.islice(iter(s), 70)]
     got += [r["id"] for r in itertools.islice(iter(s), 130)]
     assert got == whole
+
+
+@pytest.fixture
+def whole_windows(monkeypatch):
+    """Windows made whole when built (the first part as big as any window): what the two-part windows below
+    must give."""
+    from resumable_stream import partition
+
+    def set_first(n):
+        monkeypatch.setattr(partition, "FIRST_ROWS", n)
+    return set_first
+
+
+@pytest.mark.parametrize("first_rows", [1, 7, 63])
+def test_a_window_made_in_two_parts_hands_out_the_samples_a_whole_one_does(cfg, source, whole_windows, first_rows,
+                                                                           tmp_path):
+    """A window makes FIRST_ROWS rows before its first sample and the rest when the consumer reaches them: the
+    same samples in the same order (with their keys), and a save just before, at and after the part's end (the
+    next sample's digest made from rows not yet made) resumes exactly."""
+    whole_windows(10**9)
+    n = 3 * cfg.buffer_size + 11
+    whole = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), n)
+    pairs = [(row["id"], key) for row, key in
+             itertools.islice(ResumableStream(cfg, rank=0, world_size=1, source=source).iter_partition(0), n)]
+    whole_windows(first_rows)
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    assert take_ids(s, 1) == whole[:1]
+    win = s._readers[0]._window
+    assert len(win) == cfg.buffer_size and len(win.rows) == first_rows   # the rest not made yet
+    assert take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), n) == whole
+    assert [(row["id"], key) for row, key in itertools.islice(
+        ResumableStream(cfg, rank=0, world_size=1, source=source).iter_partition(0), n)] == pairs
+    for k in (first_rows - 1, first_rows, first_rows + 1, cfg.buffer_size + first_rows):
+        first = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        it = iter(first)
+        assert [row["id"] for row in itertools.islice(it, k)] == whole[:k]
+        path = first.save_sidecar(tmp_path / f"state-{first_rows}-{k}")   # the digest of sample k: made now
+        assert [row["id"] for row in itertools.islice(it, 20)] == whole[k:k + 20]   # the same iterator goes on
+        resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        resumed.load_sidecar(path)
+        assert take_ids(resumed, n - k) == whole[k:]
