@@ -67,9 +67,11 @@ def test_a_flipped_bit_is_refused_on_every_way_a_file_is_loaded(cfg, source, sav
         bad[byte] ^= 1 << rng.randrange(8)
         file = str(tmp_path / f"flip{i}.safetensors")
         open(file, "wb").write(bytes(bad))
-        with pytest.raises(SidecarError, match="corrupt"):
+        # a flip in the header may hit the format field, which is read before the self-digest: refused as
+        # another format (which bytes the random pick hits depends on the header's length, i.e. on tmp paths)
+        with pytest.raises(SidecarError, match="corrupt|format"):
             _stream(cfg, source).load_sidecar(file)
-        with pytest.raises(SidecarError, match="corrupt"):
+        with pytest.raises(SidecarError, match="corrupt|format"):
             ResumableStream(cfg.replace(resume_state_path=file), rank=0, world_size=1, source=source)
         assert main(["peek", yaml, "--num", "3", "--resume-from", file]) == 2
         assert main(["inspect", file]) == 2
