@@ -170,7 +170,7 @@ def _window_rows(table: pa.Table, perm: np.ndarray | None, skip: int, have: int
         return make([part.column(i).to_pylist() for i in range(part.num_columns)], hi - lo)
 
     cut = min(have, skip + FIRST_ROWS)
-    rows = [None] * skip + made(skip, cut) if skip else made(skip, cut)
+    rows = [None] * skip + made(skip, cut)
     return rows, (None if cut == have else lambda: made(cut, have))
 
 
