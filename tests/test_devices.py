@@ -74,6 +74,9 @@ def test_accelerate_wraps_the_model_for_data_parallelism_on_every_device(monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda")
     monkeypatch.setattr(accelerate.state, "is_npu_available", lambda *a, **k: kind == "npu")
+    if hasattr(accelerate.state, "get_torch_accelerator_backend"):    # accelerate >= 1.16 asks torch.accelerator
+        monkeypatch.setattr(accelerate.state, "get_torch_accelerator_backend",
+                            lambda *a, **k: (None, None) if kind == "cpu" else (kind, None))
     args = devices.data_parallel_arguments(kind, 2, {})
     backend, found = PartialState._prepare_backend(object(), cpu=args.get("use_cpu", False),
                                                    backend=args.get("ddp_backend"))
