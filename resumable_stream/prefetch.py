@@ -14,6 +14,14 @@ latency or smaller row groups: deeper. Each hand-over starts the next fetch of t
 (the pipeline stays full between two windows). Before anything was measured the depth is
 ``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
 
+``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
+window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
+and ``busy_s`` is the median of the last ``_WINDOWS`` samples. A window takes its row groups in a burst
+and then consumes them, so single hand-over intervals are bursty; and a pause of the consumer (a garbage
+collection, an evaluation, a checkpoint save) is one outlying window that the median ignores, where a
+running mean of the intervals took it for a slow consumer and cut the depth, leaving the consumer to
+wait on every fetch for the next few dozen row groups.
+
 **Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
 starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
 so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
@@ -30,7 +38,7 @@ import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,11 +52,11 @@ INITIAL_DEPTH = 8           # fetches ahead per partition before a fetch and a c
 DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
 MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
 INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
-_DECAY = 0.95               # weight of the past in the consumer's decayed average (~50 hand-overs)
 _NET = 32                   # fetches whose network time the depth is taken from
 _NET_QUANTILE = 0.25        # ... which of them: a low one, the link's latency rather than its queueing (the
                             # requests a deeper prefetch adds slow down a busy server: that must not deepen it)
-WARMUP = 8                  # hand-overs measured before the consumer's rate is trusted
+_WINDOWS = 9                # windows whose consumer time per row group the median is taken over
+WARMUP = 2                  # windows measured before the consumer's rate is trusted
 _DEPTHS = 4096              # hand-overs whose depth stats() summarises
 
 
@@ -82,20 +90,32 @@ class _Entry:
 
 @dataclass
 class _Owner:
-    """One partition's hinted plan and its consumption measurements."""
+    """One partition's hinted plan and its consumption measurements (see the module docstring)."""
 
     queue: list[int] = field(default_factory=list)     # hinted shards not yet started, in plan order
-    last_take: float | None = None                     # when the reader last took a table
-    last_wait: float = 0.0                             # how long it waited for that one
-    busy_sum: float = 0.0                              # consumer time between hand-overs (decayed sum)
-    busy_n: float = 0.0                                # hand-overs measured (decayed count)
-    measured: int = 0                                  # hand-overs measured (all)
+    window_start: float | None = None                  # when the window being measured was hinted
+    window_takes: int = 0                              # row groups taken in it so far
+    window_wait: float = 0.0                           # seconds the reader waited for them
+    window_clean: bool = True                          # False: the reader read a shard itself (network time)
+    samples: deque = field(default_factory=lambda: deque(maxlen=_WINDOWS))   # seconds per row group
+
+    def new_window(self, now: float) -> None:
+        """A window was hinted: the one before it is a sample, if a row group was taken in it."""
+        if self.window_start is not None and self.window_takes == 0:
+            return                                     # nothing taken yet: the sample spans the next one too
+        if self.window_start is not None and self.window_clean:
+            busy = max(0.0, now - self.window_start - self.window_wait)
+            self.samples.append(busy / self.window_takes)
+        self.window_start, self.window_takes, self.window_wait, self.window_clean = now, 0, 0.0, True
 
     @property
     def busy_s(self) -> float | None:
-        """Consumer time per row group: a decayed average over the last ~``1 / (1 - _DECAY)`` hand-overs,
-        None until ``WARMUP`` were measured (a window's first hand-overs come in a burst)."""
-        return self.busy_sum / self.busy_n if self.measured >= WARMUP and self.busy_n > 0 else None
+        """Consumer time per row group: the median over the last ``_WINDOWS`` windows (the lower one of an even
+        count: deeper rather than waiting), None until ``WARMUP`` windows were measured."""
+        if len(self.samples) < WARMUP:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 class Prefetcher:
@@ -188,6 +208,7 @@ class Prefetcher:
         with self._here():
             self._ready()
             state = self._owners.setdefault(owner, _Owner())
+            state.new_window(time.monotonic())
             wanted = set(order)
             for shard, entry in list(self._pending.items()):
                 if entry.owner == owner and shard not in wanted:
@@ -312,20 +333,14 @@ class Prefetcher:
                 for state in self._owners.values():       # read by the reader itself: no longer ahead
                     if shard in state.queue:
                         state.queue.remove(shard)
-                        state.last_take = None            # its own fetch is no consumer time
+                        state.window_clean = False        # its own fetch is no consumer time
                 return None
             entry.state = "taken"
             self._bytes -= entry.reserved
             self._counts["taken"] += 1
             state = self._owners.get(entry.owner)
             if state is not None:
-                if state.last_take is not None:
-                    busy = max(0.0, now - state.last_take - state.last_wait)
-                    state.busy_sum = state.busy_sum * _DECAY + busy
-                    state.busy_n = state.busy_n * _DECAY + 1
-                    state.measured += 1
-                state.last_take = now
-                state.last_wait = 0.0
+                state.window_takes += 1
                 depth = self.depth_for(entry.owner)
                 self._depths.append(depth)
                 del self._depths[:-_DEPTHS]
@@ -338,8 +353,9 @@ class Prefetcher:
             return entry.future
 
     def _waited(self, state: _Owner, since: float) -> None:
-        state.last_wait = max(0.0, time.monotonic() - since)
-        self._counts["wait_s"] += state.last_wait
+        wait = max(0.0, time.monotonic() - since)
+        state.window_wait += wait
+        self._counts["wait_s"] += wait
 
     def stats(self) -> dict:
         """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in

@@ -186,3 +186,48 @@ def test_a_forked_worker_does_not_wait_on_a_lock_its_parent_held_at_the_fork():
         holder.join()
     assert not alive, "the forked worker hung on the parent's prefetch lock"
     assert proc.exitcode == 0
+
+
+def test_a_consumer_pause_does_not_cut_the_depth():
+    """An evaluation, a checkpoint save or a garbage collection stops the consumer for a while. The depth is
+    sized by the consumer time of the median window, so after the pause it is still what the steady consumer
+    needs; a running mean of the hand-over intervals took the pause for a slow consumer and cut the depth to
+    a few fetches, and the consumer then waited on nearly every row group until the mean recovered."""
+    import time
+
+    import pyarrow as pa
+
+    from resumable_stream.prefetch import Prefetcher
+
+    latency, per_row_group, window_rows = 0.05, 0.004, 4     # a window opens 4 row groups, then consumes them
+
+    class Rows:
+        def fetch(self, shard):
+            time.sleep(latency)
+            return pa.table({"x": [shard]})
+
+    rows = Rows()
+    prefetcher = Prefetcher(rows.fetch, cap=64)
+    taken = 0
+
+    def window() -> None:
+        nonlocal taken
+        prefetcher.hint(0, list(range(taken, taken + 256)))      # the plan from here, as a window build hints it
+        for shard in range(taken, taken + window_rows):
+            assert prefetcher.take(shard).result(timeout=30).column("x")[0].as_py() == shard
+        taken += window_rows
+        time.sleep(per_row_group * window_rows)                 # the consumer's work on the window's rows
+
+    try:
+        for _ in range(12):
+            window()
+        steady = prefetcher.depth_for(0)
+        time.sleep(1.0)                                         # the pause: 250x one row group's consumer time
+        for _ in range(3):
+            window()
+        after = prefetcher.depth_for(0)
+    finally:
+        prefetcher.close()
+    # the steady depth covers a fetch at the consumer's pace (latency / per_row_group = 12.5 row groups)
+    assert steady >= 6, steady
+    assert after >= 0.75 * steady, (steady, after)
