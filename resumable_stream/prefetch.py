@@ -16,11 +16,11 @@ latency or smaller row groups: deeper. Each hand-over starts the next fetch of t
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
 window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
-and ``busy_s`` is the median of the last ``_WINDOWS`` samples. A window takes its row groups in a burst
-and then consumes them, so single hand-over intervals are bursty; and a pause of the consumer (a garbage
-collection, an evaluation, a checkpoint save) is one outlying window that the median ignores, where a
-running mean of the intervals took it for a slow consumer and cut the depth, leaving the consumer to
-wait on every fetch for the next few dozen row groups.
+and ``busy_s`` is the mean of the last ``_WINDOWS`` samples, each at most ``_OUTLIER`` times their median.
+A window takes its row groups in a burst and then consumes them, so single hand-over intervals are bursty;
+and a pause of the consumer (a garbage collection, an evaluation, a checkpoint save) is one outlying window
+that counts as a slow one, where a running mean of the intervals took its whole length for consumer time
+and cut the depth, leaving the consumer to wait on every fetch for the next few dozen row groups.
 
 **Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
 starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
@@ -57,6 +57,7 @@ _NET_QUANTILE = 0.25        # ... which of them: a low one, the link's latency r
                             # requests a deeper prefetch adds slow down a busy server: that must not deepen it)
 _WINDOWS = 9                # windows whose consumer time per row group the median is taken over
 WARMUP = 2                  # windows measured before the consumer's rate is trusted
+_OUTLIER = 2.0              # a window's consumer time counts at most this many times the median window's
 _DEPTHS = 4096              # hand-overs whose depth stats() summarises
 
 
@@ -110,12 +111,15 @@ class _Owner:
 
     @property
     def busy_s(self) -> float | None:
-        """Consumer time per row group: the median over the last ``_WINDOWS`` windows (the lower one of an even
-        count: deeper rather than waiting), None until ``WARMUP`` windows were measured."""
+        """Consumer time per row group: the mean over the last ``_WINDOWS`` windows, each at most ``_OUTLIER``
+        times their median (the rate is an average, Little's law wants the mean; a pause is one window far
+        above the median and counts as a slow window, not as its length), None until ``WARMUP`` windows were
+        measured."""
         if len(self.samples) < WARMUP:
             return None
         ordered = sorted(self.samples)
-        return ordered[(len(ordered) - 1) // 2]
+        ceiling = _OUTLIER * ordered[(len(ordered) - 1) // 2]
+        return sum(min(x, ceiling) for x in ordered) / len(ordered)
 
 
 class Prefetcher:
