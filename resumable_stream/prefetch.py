@@ -48,7 +48,9 @@ import pyarrow as pa
 from .metrics import record_prefetch_take
 from .ranged import request_seconds
 
-INITIAL_DEPTH = 8           # fetches ahead per partition before a fetch and a consumer interval were measured
+INITIAL_DEPTH = 24          # fetches ahead per partition before a fetch and 2 windows were measured: a fast
+                            # consumer needs ~20 at 100 ms and 5,000-row row groups, and with 8 it waited through
+                            # the first ~0.3 s (a slow one settles lower after 2 windows; the budget bounds it)
 DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
 MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
 INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
