@@ -238,9 +238,12 @@ def _depth(res: dict) -> int | None:
     return max(depth.values()) if depth else None
 
 
-def _best(runs: list[dict]) -> dict:
+def _best(runs: list[dict], rg_rows: int, latency: float) -> dict:
+    """The fastest run, with every run's rate, first sample and (for ours) share of the bound beside it."""
     best = max(runs, key=lambda r: r["rows_s"])
-    return {**best, "runs_rows_s": [r["rows_s"] for r in runs], "runs_first_s": [r["first_s"] for r in runs]}
+    shares = [r["rows_s"] / (_depth(r) * rg_rows / latency) if _depth(r) else None for r in runs]
+    return {**best, "runs_rows_s": [r["rows_s"] for r in runs], "runs_first_s": [r["first_s"] for r in runs],
+            "runs_of_bound": shares}
 
 
 def bench(path: str, rows: int, prefetch: int | None, ranks: tuple[int, ...], readers: tuple[str, ...] = READERS,
@@ -275,7 +278,7 @@ def bench(path: str, rows: int, prefetch: int | None, ranks: tuple[int, ...], re
                         st = srv.stats()
                         res["requests"], res["max_in_flight"] = st["requests"], st["max_in_flight"]
                         runs.append(res)
-                    res = cond["readers"][reader] = _best(runs)
+                    res = cond["readers"][reader] = _best(runs, rg_rows, latency)
                     line = (f"    {reader:15s} {res['rows_s']:10,.0f} rows/s  first sample {res['first_s']:6.2f} s  "
                             f"{res['requests']:5d} requests  peak RSS {res['peak_rss_mib']:5.0f} MiB")
                     depth = _depth(res)
@@ -283,7 +286,8 @@ def bench(path: str, rows: int, prefetch: int | None, ranks: tuple[int, ...], re
                         bound = depth * rg_rows / latency
                         res["depth"], res["bound_rows_s"], res["of_bound"] = depth, bound, res["rows_s"] / bound
                         pf = res.get("prefetch") or {}
-                        line += (f"  depth {depth} -> bound {bound:,.0f} rows/s ({res['of_bound']:.2f}x of it)")
+                        line += (f"  depth {depth} -> bound {bound:,.0f} rows/s ({res['of_bound']:.2f}x of it; runs "
+                                 + "/".join(f"{x:.2f}" for x in res["runs_of_bound"] if x is not None) + ")")
                         if pf.get("peak_bytes") is not None:
                             busy = max((pf.get("busy_s") or {0: None}).values(), key=lambda v: v or 0)
                             line += (f", {pf['peak_in_flight']} fetches at once, "

@@ -9,10 +9,11 @@ the reader then fetches the shard itself under the usual retries.
 **How far ahead** (the depth) adapts, per partition, to what is measured (Little's law): a fetch takes
 ``fetch_s`` (request latency + transfer + decoding, an average over the last fetches) and the consumer
 spends ``busy_s`` per row group when it does not wait for one (the interval between two hand-overs less
-the time it waited); keeping ``ceil(fetch_s / busy_s) + 1`` fetches ahead then hides the latency. Higher
+the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides the latency. Higher
 latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
 (the pipeline stays full between two windows). Before anything was measured the depth is
-``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
+``FIRST_DEPTH`` until the partition's reader takes its first row group (the first window's requests go out
+alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
 window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
@@ -48,9 +49,11 @@ import pyarrow as pa
 from .metrics import record_prefetch_take
 from .ranged import request_seconds
 
-INITIAL_DEPTH = 24          # fetches ahead per partition before a fetch and 2 windows were measured: a fast
-                            # consumer needs ~20 at 100 ms and 5,000-row row groups, and with 8 it waited through
-                            # the first ~0.3 s (a slow one settles lower after 2 windows; the budget bounds it)
+FIRST_DEPTH = 8             # fetches ahead per partition until the reader takes its first row group: the first
+                            # window's own requests go out alone (24 at once cost its first sample ~0.2 s over S3)
+INITIAL_DEPTH = 24          # ... then until a fetch and 2 windows were measured: a fast consumer needs ~20 at
+                            # 100 ms and 5,000-row row groups, and with 8 it waited through its first ~0.3 s (a
+                            # slow one settles lower after 2 windows; the budget bounds it)
 DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
 MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
 INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
@@ -193,8 +196,12 @@ class Prefetcher:
         state = self._owners.get(owner)
         busy = state.busy_s if state is not None else None
         if self._fetch_s is None or busy is None:
-            return min(self.cap, INITIAL_DEPTH)
-        need = math.ceil(self._fetch_s / max(busy, 1e-4)) + 1      # + 1: the fetch that jitter makes late
+            started = state is not None and (state.window_takes > 0 or len(state.samples) > 0)   # a row group taken
+            return min(self.cap, INITIAL_DEPTH if started else FIRST_DEPTH)
+        # no fetch more for jitter: rounding up leaves up to one consumer interval spare, and each fetch ahead
+        # beyond what the rate needs is a request in flight that buys no rows (+ 1 cost ~5% of the rate's share
+        # of depth x rows / latency at 100 ms, and no measurable rate)
+        need = math.ceil(self._fetch_s / max(busy, 1e-4))
         return max(1, min(self.cap, need))
 
     def _reservation(self, shard: int) -> int:

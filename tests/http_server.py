@@ -182,6 +182,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "rs-test-fileserver/1"
     timeout = 60                       # idle keep-alive connections are closed after this
+    # TCP_NODELAY, as real object stores and CDNs answer: with Nagle's algorithm on, the body's first segment
+    # after the headers' could wait for the client's delayed ACK (40 ms on Linux), a latency no one injected
+    disable_nagle_algorithm = True
     server: _Server
 
     # -- plumbing --------------------------------------------------------------------------
