@@ -13,7 +13,8 @@ the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides
 latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
 (the pipeline stays full between two windows). Before anything was measured the depth is
 ``FIRST_DEPTH`` until the partition's reader takes its first row group (the first window's requests go out
-alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``. ``cap`` bounds the depth (``data.prefetch_blocks``).
+alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``.
+``cap`` bounds the depth (``data.prefetch_blocks``).
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
 window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
@@ -60,7 +61,7 @@ INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the 
 _NET = 32                   # fetches whose network time the depth is taken from
 _NET_QUANTILE = 0.25        # ... which of them: a low one, the link's latency rather than its queueing (the
                             # requests a deeper prefetch adds slow down a busy server: that must not deepen it)
-_WINDOWS = 9                # windows whose consumer time per row group the median is taken over
+_WINDOWS = 9                # windows whose consumer time per row group busy_s averages (outliers clipped)
 WARMUP = 2                  # windows measured before the consumer's rate is trusted
 _OUTLIER = 2.0              # a window's consumer time counts at most this many times the median window's
 _DEPTHS = 4096              # hand-overs whose depth stats() summarises
