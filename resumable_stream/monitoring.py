@@ -1,5 +1,5 @@
-"""Watching the data path during training: the settings (``data.metrics_port``, ``data.data_bound_share``,
-``data.data_bound_steps``) and the data-bound warning.
+"""Watching the data path during training: the settings (``data.metrics_port``, ``data.metrics_addr``,
+``data.data_bound_share``, ``data.data_bound_steps``) and the data-bound warning.
 
 A step is *data-bound* when the training loop spends a large share of it waiting for its batch. Over each
 window of ``data_bound_steps`` optimizer steps the worst rank's share is compared with
@@ -9,7 +9,9 @@ cure (a local block cache, a deeper prefetch, more DataLoader workers, a slow se
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,9 @@ from .metrics import READING_FIELDS, combined
 
 log = logging.getLogger(__name__)
 
-MONITOR_KEYS = ("metrics_port", "data_bound_share", "data_bound_steps")
+MONITOR_KEYS = ("metrics_port", "metrics_addr", "data_bound_share", "data_bound_steps")
 MAX_PORT = 65535
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")   # a label of a host name (RFC 1123)
 SLOW_RESPONSE_MS = 200.0     # a p50 above this: the server (or the link) is slow, whatever we do here
 
 
@@ -27,13 +30,31 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_address(v: Any) -> bool:
+    """An IP address (IPv4, or IPv6 without brackets) or a host name: dot-separated labels of letters, digits
+    and inner hyphens, each at most 63 characters, at most 253 in all, the last one not all digits (so that
+    ``999.1.1.1`` or ``1234`` is not taken for a name)."""
+    if not isinstance(v, str) or not v:
+        return False
+    try:
+        ipaddress.ip_address(v)
+        return True
+    except ValueError:
+        pass
+    name = v[:-1] if v.endswith(".") else v
+    labels = name.split(".")
+    return len(name) <= 253 and all(_HOST_LABEL.match(label) for label in labels) and not labels[-1].isdigit()
+
+
 @dataclass(frozen=True)
 class MonitorSettings:
-    """``metrics_port``: a Prometheus endpoint per rank on port + local rank (null: none);
-    ``data_bound_share``: the share of step time spent waiting for data above which a window is reported
-    (null: never); ``data_bound_steps``: the window, in optimizer steps."""
+    """``metrics_port``: a Prometheus endpoint per rank on port + local rank (null: none); ``metrics_addr``: the
+    address it is served on (null: prometheus_client's default, ``0.0.0.0``: every IPv4 interface; needs
+    ``metrics_port``); ``data_bound_share``: the share of step time spent waiting for data above which a
+    window is reported (null: never); ``data_bound_steps``: the window, in optimizer steps."""
 
     metrics_port: int | None = None
+    metrics_addr: str | None = None
     data_bound_share: float | None = 0.2
     data_bound_steps: int = 50
 
@@ -42,6 +63,16 @@ class MonitorSettings:
         if port is not None and not (_is_int(port) and 1 <= port <= MAX_PORT):
             raise ConfigError(f"data.metrics_port: got {port!r}; allowed: null or a port from 1 to {MAX_PORT} "
                               "(each rank serves on port + its local rank)")
+        addr = self.metrics_addr
+        if addr is not None and not is_address(addr):
+            raise ConfigError(f"data.metrics_addr: got {addr!r}; allowed: null (prometheus_client's default, "
+                              "0.0.0.0: every IPv4 interface) or the address to serve the endpoint on: an IP address "
+                              "(e.g. 127.0.0.1 for this machine only, ::1, 0.0.0.0; IPv6 without brackets) or a host "
+                              "name (e.g. localhost)")
+        if addr is not None and port is None:
+            raise ConfigError(f"data.metrics_addr: got {addr!r} without data.metrics_port; it is the address of the "
+                              "Prometheus endpoint, which only data.metrics_port starts: set data.metrics_port too, "
+                              "or remove data.metrics_addr")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool)
                                       and 0 < share <= 1):
             raise ConfigError(f"data.data_bound_share: got {share!r}; allowed: null (no warning) or a share of "

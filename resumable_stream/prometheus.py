@@ -17,6 +17,7 @@ with a ``rank`` label:
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -86,19 +87,26 @@ class DataPathCollector:
             yield gauge
 
 
-def serve(loader: Any, port: int, rank: int = 0, addr: str = "0.0.0.0"):
+def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
     """Serve ``loader``'s data-path figures on ``http://addr:port/metrics``; returns the server (``shutdown()``
-    stops it)."""
+    stops it). ``addr`` (``data.metrics_addr``): None is prometheus_client's default (``0.0.0.0``, every
+    IPv4 interface); ``127.0.0.1`` keeps the endpoint on this machine."""
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise ConfigError("data.metrics_port needs prometheus_client: pip install 'resumable-stream[metrics]'") from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DataPathCollector(loader.metrics_reading, loader.data_epoch, rank))
+    where = {} if addr is None else {"addr": addr}
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        server, _thread = start_http_server(port, registry=registry, **where)
     except OSError as e:
-        raise ConfigError(f"data.metrics_port: port {port} cannot be served on {addr} ({e}); allowed: a free port "
+        if addr is not None and e.errno not in (errno.EADDRINUSE, errno.EACCES):   # the address, not the port
+            raise ConfigError(f"data.metrics_addr: got {addr!r}; port {port} cannot be served there ({e}); allowed: "
+                              "an address of this machine (e.g. 127.0.0.1, 0.0.0.0) or a host name that resolves "
+                              "to one") from None
+        shown = "prometheus_client's default address" if addr is None else addr
+        raise ConfigError(f"data.metrics_port: port {port} cannot be served on {shown} ({e}); allowed: a free port "
                           "(each rank uses port + its local rank)") from None
-    log.info("data-path metrics of rank %d on http://%s:%d/metrics", rank, addr, port)
+    log.info("data-path metrics of rank %d on http://%s:%d/metrics", rank, server.server_address[0], port)
     return server

@@ -4,7 +4,7 @@ TensorBoard / W&B / ... get them), in ``train_log.jsonl``, and watched for data-
 At each training log (every rank logs at the same steps) each rank reads its counters, takes the difference
 to its previous reading, and the ranks gather these into one tensor (a single ``all_gather``), so that the
 main process reports every rank's figures and the combined ones. The Prometheus endpoint
-(``data.metrics_port``) is started here too, one per rank.
+(``data.metrics_port``, on ``data.metrics_addr``) is started here too, one per rank.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class DataMetricsLog:
             from ..prometheus import serve
 
             local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-            self.server = serve(loader, settings.metrics_port + local_rank, rank)
+            self.server = serve(loader, settings.metrics_port + local_rank, rank, settings.metrics_addr)
 
     def close(self) -> None:
         if self.server is not None:
