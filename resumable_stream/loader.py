@@ -27,7 +27,7 @@ import numpy as np
 from . import checkpoint, metrics, threads
 from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .progress import epoch_position
+from .progress import epoch_position, mean_position
 from .stream_base import Stream, round_robin
 from .torch_compat import IterableDataset, data_loader, worker_info
 from .transforms.errors import TransformError
@@ -342,15 +342,14 @@ class StreamLoader:
 
     def data_epoch(self) -> float | None:
         """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the
-        batches handed out; None when an epoch's size is unknown (e.g. json shards)."""
-        known = []
-        for p in self.stream.partitions:
-            snap = self._consumed.get(p)
-            position = epoch_position(snap if snap is not None else self.stream.partition_state(p))
-            if position is None:
-                return None
-            known.append(position)
-        return round(sum(known) / len(known), 6) if known else None
+        batches handed out; None when an epoch's size is unknown (e.g. json shards).
+
+        Any thread may call it, as :meth:`metrics_reading` and :meth:`data_metrics` (a Prometheus scrape does):
+        it reads the snapshots the consuming thread handed out, and for a partition nothing was handed out from
+        yet the position its reader published, never the readers themselves."""
+        consumed = self._consumed          # replaced whole by load_state_dict: read it once
+        return mean_position([epoch_position(consumed[p]) if p in consumed else self.stream.partition_position(p)
+                              for p in self.stream.partitions])
 
     # ------------------------------------------------------------------ state
     def transform_states(self) -> dict[int, dict]:

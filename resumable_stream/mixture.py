@@ -310,6 +310,13 @@ class MixtureStream(StreamBase):
         return MixturePartitionState(pos.epoch, pos.draws, pos.consumed, list(pos.source_epochs), list(pos.ended),
                                      sources)
 
+    def partition_position(self, partition: int) -> float | None:
+        """The mean of the sources' positions in ``partition`` (see ``ResumableStream.partition_position``; any
+        thread)."""
+        known = [x for x in (views[partition].partition_position(partition) for views in self._views
+                             if partition in views) if x is not None]
+        return sum(known) / len(known) if known else None
+
     def _restore_partition(self, p: int, ps: MixturePartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p``: each source's view from its cursor, the draws from the saved position."""
         labels = self.config.labels

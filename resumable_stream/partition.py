@@ -58,6 +58,25 @@ class Cursor:
                       epoch_start=self.consumed)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """How far a partition's reader stands, as its consuming thread last published it (one attribute store,
+    ``PartitionReader.progress``): what any other thread reads instead of the reader (metrics, Prometheus,
+    ``data_epoch``). ``live`` is the iterator handing out the window's rows (``rows``): the rows handed out are
+    read off its length hint, a read that moves nothing."""
+
+    start: Cursor                  # the current window's start (offset 0)
+    offset: int = 0                # rows of the window consumed, while no iterator hands them out
+    rows: list | None = None
+    live: Iterator | None = None
+
+    @property
+    def consumed(self) -> int:
+        """Samples consumed, all epochs."""
+        done = self.offset if self.live is None else len(self.rows) - self.live.__length_hint__()
+        return self.start.consumed_before + done
+
+
 def _chain(prev: bytes, keys: np.ndarray) -> bytes:
     """The digest chain after the samples ``keys`` ((shard, row) pairs, in order) followed ``prev``.
 
@@ -283,6 +302,10 @@ class PartitionReader:
     def offset(self, value: int) -> None:
         self._live = None
         self._offset = value
+        self.progress = Progress(self._start, value)
+
+    # ``progress`` is the one attribute other threads may read (docs/architecture.md, "One owner per cursor"):
+    # replaced whole, never changed in place, by the thread that consumes (the setters above and ``consume``).
 
     def consume(self, win: Window) -> Iterator[dict]:
         """The rows of ``win`` (the current window) from the offset on; each one it yields counts as consumed
@@ -294,6 +317,7 @@ class PartitionReader:
             next(islice(it, start, start), None)      # skip the rows already consumed
         self._offset = start
         self._live, self._live_rows = it, rows
+        self.progress = Progress(self._start, start, rows, it)
         return it
 
     def set_cursor(self, cursor: Cursor) -> None:

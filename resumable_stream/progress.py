@@ -41,7 +41,19 @@ def epoch_position(state: Any) -> float | None:
     if sources is not None:
         known = [x for x in (epoch_position(s) for s in sources) if x is not None]
         return sum(known) / len(known) if known else None
-    start, rows = state.epoch_start, state.epoch_rows
-    if start is None or not rows:
+    return position(state.epoch, state.consumed, state.epoch_start, state.epoch_rows)
+
+
+def position(epoch: int, consumed: int, epoch_start: int | None, epoch_rows: int | None) -> float | None:
+    """``epoch`` plus the fraction of its ``epoch_rows`` consumed (``consumed`` counts all epochs, of which
+    ``epoch_start`` came before this one); None when either is unknown."""
+    if epoch_start is None or not epoch_rows:
         return None
-    return state.epoch + (state.consumed - start) / rows
+    return epoch + (consumed - epoch_start) / epoch_rows
+
+
+def mean_position(positions: list[float | None]) -> float | None:
+    """The mean of a rank's partition positions, rounded; None when any is unknown (or there are none)."""
+    if not positions or any(p is None for p in positions):
+        return None
+    return round(sum(positions) / len(positions), 6)

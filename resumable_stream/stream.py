@@ -20,6 +20,7 @@ from .growth import layout_generations, stable_fingerprint
 from .job_source import open_job_source
 from .partition import Cursor, PartitionReader, PartitionState, sample_digest
 from .plan import Layout
+from .progress import position
 from .sources.base import Source
 from .sources.open import open_source
 from .stream_base import StreamBase, round_robin
@@ -346,6 +347,16 @@ class ResumableStream(StreamBase):
         else:
             win = reader.window(rollover=True)   # the next sample is needed for its digest
         return reader.state(lambda: sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
+
+    def partition_position(self, partition: int) -> float | None:
+        """Epochs ``partition`` has consumed (its epoch plus the fraction of it), from the progress its reader
+        last published: callable from any thread, it moves and builds nothing (None: unknown)."""
+        reader = self._readers.get(partition)
+        if reader is None:       # the partitions are being re-planned (a resume under another topology)
+            return None
+        progress, layout = reader.progress, self.layout
+        start = progress.start
+        return position(start.epoch, progress.consumed, start.epoch_start, layout.partition_rows(start.epoch, partition))
 
     def _epoch_rows(self, epoch: int, partition: int) -> int | None:
         """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch

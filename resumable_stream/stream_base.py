@@ -22,6 +22,7 @@ from .checks import check_fingerprint, check_topology
 from .errors import ConfigError, StreamMismatchError
 from .limits import MAX_WORLD_SIZE
 from .plan import check_consumers, partition_lanes
+from .progress import mean_position
 from .sidecar import FORMAT_VERSION
 from .torch_compat import IterableDataset, worker_info
 
@@ -57,6 +58,13 @@ class Stream(Protocol):
         ``state_dict()`` holds its ``to_dict()``."""
 
     def partition_epoch(self, partition: int) -> int: ...
+
+    def partition_position(self, partition: int) -> float | None:
+        """Epochs one partition consumed (fractional), from what its consumer published: any thread may call
+        it (it moves and builds nothing); None when unknown."""
+
+    def data_epoch(self) -> float | None:
+        """The mean of this rank's :meth:`partition_position`; any thread."""
 
     def fingerprint(self) -> dict[str, Any]: ...
 
@@ -185,6 +193,12 @@ class StreamBase(IterableDataset):
     def refresh_files(self) -> int | dict[str, int] | None:
         """New files while the job runs (``ResumableStream``, ``MixtureStream``); none here."""
         return None
+
+    def data_epoch(self) -> float | None:
+        """Epochs of data this stream yielded (fractional), the mean over this rank's partitions; None when an
+        epoch's size is unknown (e.g. json shards). Any thread may call it: it reads the progress the consuming
+        thread published, never the readers (docs/architecture.md, "One owner per cursor")."""
+        return mean_position([self.partition_position(p) for p in self.partitions])
 
     def set_endless(self) -> None:
         """Undo ``set_epoch``: iterate endlessly again, each partition rolling over into its next epoch."""
