@@ -108,14 +108,7 @@ def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
         )
     diffs = [(k, saved.get(k), now.get(k)) for k in ("world_size", "num_workers") if saved.get(k) != now.get(k)]
     if not diffs:
-        if saved.get("rank") is not None and saved.get("rank") != now.get("rank"):
-            diffs = [("rank", saved.get("rank"), now.get("rank"))]
-            raise StreamMismatchError(
-                f"{where}: the saved stream state is rank {saved.get('rank')}'s, this is rank {now.get('rank')}; "
-                f"load the matching rank's file (or the stream_state / checkpoint directory). accelerate's "
-                f"register_for_checkpointing saves the main process's state only: save every rank's with "
-                f"save_sidecar(dir) (rank 0 adds checkpoint.finish) and load it with load_sidecar(dir). "
-                f"Differences:\n{_describe(diffs)}", diffs)
+        check_rank(saved.get("rank"), now.get("rank"), where)
         return True
     if not elastic:
         if not compare_partitions and n_saved != n_now:
@@ -128,6 +121,25 @@ def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
             diffs,
         )
     return False
+
+
+_LOAD_THE_MATCHING_RANK = (
+    "load the matching rank's file (or the stream_state / checkpoint directory). accelerate's "
+    "register_for_checkpointing saves the main process's state only: save every rank's with "
+    "save_sidecar(dir) (rank 0 adds checkpoint.finish) and load it with load_sidecar(dir)")
+
+
+def check_rank(saved_rank: Any, rank: Any, where: str, whose: str = "this is",
+               cure: str = _LOAD_THE_MATCHING_RANK, listed: bool = True) -> None:
+    """A rank's saved state is that rank's: the resume's check (:func:`check_topology`: against this
+    process's rank) and ``inspect``'s (against the rank a rank file's name says: ``whose`` and ``cure`` say
+    so; ``listed=False``: one line, without the differences block). A saved rank of None (a state gathered
+    from several ranks' files) is any rank's."""
+    if saved_rank is not None and saved_rank != rank:
+        diffs = [("rank", saved_rank, rank)]
+        tail = f". Differences:\n{_describe(diffs)}" if listed else ""
+        raise StreamMismatchError(f"{where}: the saved stream state is rank {saved_rank}'s, {whose} rank {rank}; "
+                                  f"{cure}{tail}", diffs)
 
 
 def same_topology(saved: dict, now: dict) -> bool:

@@ -17,7 +17,7 @@ from .errors import ConfigError, ResumableStreamError, SidecarError
 from .progress import partition_progress, progress_summary
 from .relocation import describe_files
 from .run_dir import checkpoint_dirs, latest_complete_checkpoint
-from .sidecar import MANIFEST, rank_file_name
+from .sidecar import MANIFEST, rank_file_name, rank_of_file_name
 
 
 def _show(value: Any) -> Any:
@@ -144,6 +144,18 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     return progress_summary([partition_progress(ps) for st in states for ps in st["partitions"].values()])
 
 
+def _check_rank_file(state: dict[str, Any], file: str) -> None:
+    """A rank file holds the state of the rank its name says, checked as a resume checks it
+    (:func:`resumable_stream.checks.check_rank`): one copied or renamed over another rank's is refused."""
+    from .checks import check_rank
+
+    named = rank_of_file_name(os.path.basename(file))
+    if named is not None:
+        check_rank(state["topology"].get("rank"), named, f"sidecar {file!r}", whose="its file name says",
+                   cure="a rank file copied or renamed over another rank's, which a resume refuses too: put that "
+                        "rank's own file back, or use another checkpoint", listed=False)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .job_source import saved_index_file
     from .sidecar import read_manifest, read_rank_state, read_state_file, read_state_fingerprint, state_dir_of
@@ -164,7 +176,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ranks, states = {}, []
         fingerprint = read_state_fingerprint(state_dir, manifest)    # once for every rank file
         for r in range(manifest["world_size"]):   # each file confined to state_dir and checked against its digest
-            states.append(read_rank_state(state_dir, manifest, r, fingerprint)[0])
+            state, file = read_rank_state(state_dir, manifest, r, fingerprint)
+            _check_rank_file(state, file)     # the rank its name says, as a resume checks it
+            states.append(state)
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
         saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
         index = None if saved is None else {"file": manifest["index"]["file"], **_saved_index_brief(saved)}
@@ -179,6 +193,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             result = {"run_dir": args.path, "checkpoint": picked, **result}
     elif os.path.lexists(path):
         state = read_state_file(path)   # verified by its own digest; a FIFO or device is refused unread
+        _check_rank_file(state, path)
         result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
     else:
         raise SidecarError(f"stream state {path!r}: not found")

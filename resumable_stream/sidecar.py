@@ -88,6 +88,13 @@ def rank_file_name(rank: int, generation: int = 0) -> str:
     return f"rank-{rank:05d}.safetensors" if generation == 0 else f"rank-{rank:05d}.g{generation}.safetensors"
 
 
+def rank_of_file_name(name: str) -> int | None:
+    """The rank a sidecar's file name says (``rank-00001.safetensors``, ``rank-00001.g3.safetensors``: 1);
+    None for any other name."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def index_file_name(generation: int = 0) -> str:
     """The dataset index saved with a generation of the state (rank 0 writes it before the manifest)."""
     return shared_file_name("index", generation)
