@@ -243,7 +243,11 @@ class _ProcessState:
         self.pool = None                          # the writer thread
         self.slots = threading.BoundedSemaphore(WRITE_BEHIND_BLOCKS)
         self.pending: set = set()
-        self.dropped: set[str] = set()            # keys found corrupt here, until this process stores them again
+        # A corrupt entry is counted (and warned) once by the first of this process's threads to meet it: the
+        # reader's lookup, or the check of a write queued before that lookup (both may see it, in either order).
+        self.dropped: set[str] = set()            # keys found corrupt here, until this process stores them sound
+        self.fixed: dict[str, int] = {}           # times this process stored a dropped key: a lookup made before
+                                                  # such a store met the old entry (only keys once corrupt)
         self.touched: list[str] = []
         self.touch_queued = False
 
@@ -391,11 +395,12 @@ class BlockStore:
         if key in st.dropped:                   # its deletion may still be queued: never read (nor warn) twice
             self._counters.add(misses=1)
             return None
+        fixed = st.fixed.get(key, 0)
         try:
             data = self._lookup(st, key)
             hit = None if data is None else decode_block(data, key)
         except (UnsafeEntry, CorruptBlock) as e:
-            self._drop(st, shard, block, where, e)
+            self._drop(st, shard, block, where, e, fixed)
             hit = None
         except Exception as e:                  # locked, unreadable: skip the cache a while, read the source
             st.reads_paused_until = time.monotonic() + RETRY_AFTER_S
@@ -424,13 +429,36 @@ class BlockStore:
                     "the source", self.directory, block, shard, f" ({where})" if where else "", err)
         self._counters.add(corrupt=1)
 
-    def _drop(self, st: _ProcessState, shard: int, block: int, where: str, err: Exception) -> None:
-        """Warn, and delete the entry on the writer thread (its file only if inside the directory)."""
-        self._corrupt(shard, block, where, err)
+    def _first_to_meet(self, st: _ProcessState, key: str, fixed: int) -> bool:
+        """Whether this thread is the first here to meet the corrupt entry of ``key`` (then it is dropped:
+        counted, warned, and read again) rather than an entry already counted, or one this process has stored
+        sound since the caller's lookup began (``fixed``: ``st.fixed[key]`` before that lookup)."""
+        with st.lock:
+            if key in st.dropped or st.fixed.get(key, 0) != fixed:
+                return False
+            st.dropped.add(key)
+            return True
+
+    def _stored(self, st: _ProcessState, key: str) -> None:
+        """A sound copy of ``key`` is in the store (written, or found there) by this process."""
+        if key in st.dropped:
+            with st.lock:
+                if key in st.dropped:
+                    st.dropped.discard(key)
+                    st.fixed[key] = st.fixed.get(key, 0) + 1
+
+    def _drop(self, st: _ProcessState, shard: int, block: int, where: str, err: Exception, fixed: int) -> None:
+        """Warn, and delete the entry on the writer thread (its file only if inside the directory); nothing
+        if another thread of this process met it first (a write queued before the lookup checks the entry
+        it replaces)."""
         key = self.key(shard, block)
-        st.dropped.add(key)
+        if not self._first_to_meet(st, key, fixed):
+            return
+        self._corrupt(shard, block, where, err)
 
         def delete():
+            if key not in st.dropped:           # stored sound meanwhile (a write queued before this drop)
+                return
             if self._may_write(st):
                 try:
                     self._writer_cache(st).delete(key)
@@ -464,13 +492,16 @@ class BlockStore:
             self._counters.add(writes_skipped=1)
             return 0
         key = self.key(shard, block)
+        fixed = st.fixed.get(key, 0)
         try:
             existing = self._lookup(st, key)
             if existing is not None:
                 check_block(existing, key)
+                self._stored(st, key)
                 return 0
         except (UnsafeEntry, CorruptBlock) as e:
-            self._corrupt(shard, block, where, e)
+            if self._first_to_meet(st, key, fixed):     # else counted by the lookup that met it first
+                self._corrupt(shard, block, where, e)
         except Exception:                       # unreadable just now: write it anyway
             pass
         parts = encode_block_parts(table, last, key)
@@ -487,6 +518,7 @@ class BlockStore:
             self._write_failed(st, "writing a block", e)
             self._counters.add(writes_skipped=1)
             return 0
+        self._stored(st, key)
         size = sum(memoryview(p).nbytes for p in parts)
         self._counters.add(bytes_written=size, blocks_written=1)
         return size
@@ -522,8 +554,7 @@ class BlockStore:
 
         def write():
             try:
-                self.put(shard, block, table, last, where)
-                st.dropped.discard(self.key(shard, block))
+                self.put(shard, block, table, last, where)     # a dropped key stays dropped until stored sound
             except Exception as e:
                 self._error("writing a block", e)
             finally:
