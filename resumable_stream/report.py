@@ -6,6 +6,11 @@ records plotted and the resume steps, so a picture says what it was drawn from).
 records are skipped and counted; the log is never followed outside RUN_DIR (a ``train_log.jsonl`` symlink out
 of it is refused) and nothing it names (checkpoints, paths) is opened. matplotlib (the ``report`` extra) is
 imported only when the picture is drawn, with its Agg canvas and no pyplot state.
+
+Any number a line holds can be reported: the summary is computed without overflow (a mean or median of values
+near the float maximum included), and a value the picture cannot draw (NaN, an infinity, an int past the float
+range, or beyond +-DRAW_LIMIT, where matplotlib's tick arithmetic overflows) is left out of the picture and named
+in one warning line.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ SIZE_PX = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))   # (width, heigh
 MAX_LOG_BYTES = 2 * 1024**3
 META_PREFIX = "resumable-stream "   # PNG text keys: "resumable-stream log", "... log blake2b", ...
 NOT_RECORDED = "not recorded"
+# The largest magnitude drawn: matplotlib's axis limits and ticks (a span, margins, tick steps up to 100x the
+# scale) overflow for data near the float maximum (1.8e308): `ValueError: arange: cannot compute length`.
+DRAW_LIMIT = 1e300
+# the training-line fields the picture draws (eval_loss, of the evaluation lines, too)
+DRAWN = ("loss", "data_wait_share", "samples_per_s", "data_samples_per_s", "data_tokens_per_s", "data_requests",
+         "data_response_ms_p50", "data_response_ms_p99", "data_cache_hit_rate", "cache_hit_rate")
 
 
 @dataclass
@@ -45,13 +56,21 @@ class RunLog:
     resumes: list[int] = field(default_factory=list)
     damaged: list[int] = field(default_factory=list)   # line numbers skipped
 
-    def series(self, *keys: str) -> tuple[str | None, list[tuple[int, float]]]:
-        """(key, [(step, value)]) of the first of ``keys`` that some training line has as a number."""
+    def series(self, *keys: str, drawn: bool = False) -> tuple[str | None, list[tuple[int, float]]]:
+        """(key, [(step, value)]) of the first of ``keys`` that some training line has as a number (``drawn``:
+        as a number the picture can draw, see :func:`drawable`)."""
+        keep = drawable if drawn else number
         for key in keys:
-            points = [(r["step"], v) for r in self.training if (v := number(r.get(key))) is not None]
+            points = [(r["step"], v) for r in self.training if (v := keep(r.get(key))) is not None]
             if points:
                 return key, points
         return None, []
+
+    def undrawn(self) -> list[tuple[str, int, Any]]:
+        """(field, step, value) of each number of a drawn field that the picture leaves out (not finite, or
+        beyond +-DRAW_LIMIT), in the log's order of steps."""
+        out = [(key, r["step"], r[key]) for r in self.training for key in DRAWN if _not_drawable(r.get(key))]
+        return out + [("eval_loss", r["step"], r["eval_loss"]) for r in self.evals if _not_drawable(r.get("eval_loss"))]
 
 
 MAX_STEP = 10**15
@@ -66,6 +85,17 @@ def number(value) -> float | None:
         return value if math.isfinite(value) else None
     except OverflowError:
         return None
+
+
+def drawable(value) -> float | None:
+    """:func:`number`, if within +-DRAW_LIMIT (what the picture can draw), else None."""
+    v = number(value)
+    return v if v is not None and -DRAW_LIMIT <= v <= DRAW_LIMIT else None
+
+
+def _not_drawable(value) -> bool:
+    """A number (NaN, infinities and ints too large for a float included) that :func:`drawable` refuses."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and drawable(value) is None
 
 
 def _step(rec) -> int | None:
@@ -140,11 +170,23 @@ def read_log(run_dir: str) -> RunLog:
 
 # ------------------------------------------------------------------------------------------------ summary
 def _mean(points):
-    return statistics.fmean(v for _, v in points) if points else None
+    if not points:
+        return None
+    values = [v for _, v in points]
+    try:
+        return statistics.fmean(values)
+    except OverflowError:   # the sum leaves the float range (values near 1.8e308); their mean does not:
+        k = len(values).bit_length() + 1    # summed scaled down by 2**k (exact), which keeps the sum finite
+        return math.ldexp(math.fsum(math.ldexp(v, -k) for v in values) / len(values), k)
 
 
 def _median(points):
-    return statistics.median(v for _, v in points) if points else None
+    """The median; of an even count, the mean of the middle two taken as halves (their sum may overflow)."""
+    if not points:
+        return None
+    values = sorted(v for _, v in points)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else values[mid - 1] / 2 + values[mid] / 2
 
 
 def summarize(log: RunLog) -> dict:
@@ -180,6 +222,9 @@ def _fmt(value) -> str:
         return NOT_RECORDED
     if isinstance(value, float):
         return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool) and not -10**16 < value < 10**16:
+        digits = str(abs(value))             # (an int past the float range cannot go through :g)
+        return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:6]}e+{len(digits) - 1}"
     return str(value)
 
 
@@ -268,16 +313,19 @@ def draw(log: RunLog, png: str) -> None:
     fig.suptitle(f"{name}: {len(log.training)} steps logged, {resumed}")
 
     ax = axes[0]
-    _, loss = log.series("loss")
+    _, loss = log.series("loss", drawn=True)
     _line(ax, loss, "loss", color="tab:blue")
-    evals = [(r["step"], v) for r in log.evals if (v := number(r.get("eval_loss"))) is not None]
+    evals = [(r["step"], v) for r in log.evals if (v := drawable(r.get("eval_loss"))) is not None]
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color="tab:orange", label="eval_loss")
+    if not loss and not evals:
+        ax.text(0.5, 0.5, f"no loss to draw (not finite, or beyond +-{DRAW_LIMIT:g})", transform=ax.transAxes,
+                ha="center", va="center", color="0.4")
     ax.set_ylabel("loss")
     _legend(ax)
 
     ax = axes[1]
-    _, wait = log.series("data_wait_share")
+    _, wait = log.series("data_wait_share", drawn=True)
     if wait:
         _line(ax, wait, "data wait share", color="tab:red")
         ax.set_ylim(0, 1.05)
@@ -287,9 +335,9 @@ def draw(log: RunLog, png: str) -> None:
         ax.set_ylabel("data wait share")
 
     ax = axes[2]
-    _, trainer_rate = log.series("samples_per_s")
-    _, data_rate = log.series("data_samples_per_s")
-    _, tokens = log.series("data_tokens_per_s")
+    _, trainer_rate = log.series("samples_per_s", drawn=True)
+    _, data_rate = log.series("data_samples_per_s", drawn=True)
+    _, tokens = log.series("data_tokens_per_s", drawn=True)
     if trainer_rate or data_rate or tokens:
         _line(ax, trainer_rate, "samples/s (trainer)", color="tab:blue")
         _line(ax, data_rate, "samples/s (data)", color="tab:cyan")
@@ -301,9 +349,9 @@ def draw(log: RunLog, png: str) -> None:
         ax.set_ylabel("throughput")
 
     ax = axes[3]
-    _, requests = log.series("data_requests")
-    _, p50 = log.series("data_response_ms_p50")
-    _, p99 = log.series("data_response_ms_p99")
+    _, requests = log.series("data_requests", drawn=True)
+    _, p50 = log.series("data_response_ms_p50", drawn=True)
+    _, p99 = log.series("data_response_ms_p99", drawn=True)
     if requests or p50 or p99:
         _line(ax, requests, "requests / interval", color="tab:green", drawstyle="steps-mid")
         ax.set_ylabel("requests")
@@ -315,7 +363,7 @@ def draw(log: RunLog, png: str) -> None:
         ax.set_ylabel("requests")
 
     ax = axes[4]
-    key, cache = log.series("data_cache_hit_rate", "cache_hit_rate")
+    key, cache = log.series("data_cache_hit_rate", "cache_hit_rate", drawn=True)
     if cache:
         _line(ax, cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
               color="tab:gray")
@@ -352,6 +400,8 @@ def draw(log: RunLog, png: str) -> None:
         os.replace(tmp, png)
     except OSError as e:
         raise RunLogError(f"-o {png!r}: cannot be written: {e.strerror or e}") from None
+    except (ValueError, OverflowError, FloatingPointError) as e:   # matplotlib could not lay the data out
+        raise RunLogError(f"{log.path!r}: its records cannot be drawn ({type(e).__name__}: {e})") from None
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)
@@ -375,6 +425,11 @@ def report(run_dir: str, png: str | None = None, out=None, err=None) -> dict:
         shown = ", ".join(map(str, log.damaged[:10])) + (", ..." if len(log.damaged) > 10 else "")
         print(f"resumable-stream: warning: {log.path}: {len(log.damaged)} damaged lines skipped (line {shown})",
               file=err)
+    undrawn = log.undrawn()
+    if undrawn:
+        shown = ", ".join(f"{key} at step {step} ({_fmt(value)})" for key, step, value in undrawn[:10])
+        print(f"resumable-stream: warning: {log.path}: {len(undrawn)} values not drawn (not finite, or beyond "
+              f"+-{DRAW_LIMIT:g}): {shown}{', ...' if len(undrawn) > 10 else ''}", file=err)
     draw(log, png)
     summary = summarize(log)
     out.write(format_summary(summary, png))

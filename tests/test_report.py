@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -248,3 +249,96 @@ def test_without_matplotlib_the_report_names_the_extra(tmp_path):
                            "picture: pip install 'resumable-stream[report]'\n")
     assert not os.path.exists(run / "report.png")
 
+
+
+# ------------------------------------------------------------------------------- any number the log holds
+def _train_log(run_dir, lines, resumed_at: int = 0) -> str:
+    """``train_log.jsonl`` written as a training run writes it: by TrainLogCallback itself (its json.dumps
+    writes NaN, Infinity and -Infinity as such), one ``(step, the Trainer's logs)`` per line."""
+    from types import SimpleNamespace
+
+    from resumable_stream.trainer_patch.callbacks import TrainLogCallback
+
+    writer = TrainLogCallback(str(run_dir), samples_per_step=8)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=resumed_at)
+    writer.on_train_begin(None, state, None)
+    for step, logs in lines:
+        state.global_step = step
+        writer.on_log(None, state, None, logs=logs)
+    return writer.path
+
+
+def _reported(run_dir, capsys) -> tuple[dict[str, str], str]:
+    """main(["report", RUN_DIR]) exits 0 and draws the picture: (the summary's rows, stderr)."""
+    capsys.readouterr()
+    code = main(["report", str(run_dir)])
+    captured = capsys.readouterr()
+    assert "unexpected error" not in captured.err and "Traceback" not in captured.err, captured.err
+    assert code == 0, captured.err
+    size, _, colours = _png_info(os.path.join(run_dir, "report.png"))
+    assert size == SIZE_PX and colours >= 8
+    return _summary(captured.out), captured.err
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")    # numpy's overflow warnings would be more stderr lines
+@pytest.mark.parametrize("value", [1e308, -1e308, sys.float_info.max, float("inf"), float("-inf"), float("nan")],
+                         ids=["1e308", "-1e308", "max", "inf", "-inf", "nan"])
+def test_any_number_in_the_log_is_reported_and_what_cannot_be_drawn_is_named(tmp_path, capsys, value):
+    """Issue 35: losses of +-1e308 made matplotlib's ticks overflow (`unexpected error: ValueError: arange`,
+    exit 1). Each drawn field holds ``value`` as a constant series, and the loss goes from ``value`` to
+    ``-value`` between ordinary losses: the picture is drawn from the other points, one warning line names
+    the values left out, and the summary's means and medians do not overflow."""
+    run = tmp_path / "run"
+    plotted = ("data_wait_share", "data_samples_per_s", "data_tokens_per_s", "data_requests",
+               "data_response_ms_p50", "data_response_ms_p99", "data_cache_hit_rate")
+    losses = [1.0, value, -value, 2.0, value, 3.0]
+    lines = [(step, {"loss": loss, "learning_rate": 1e-3, "epoch": 0.1, **{k: value for k in plotted}})
+             for step, loss in enumerate(losses, 1)]
+    path = _train_log(run, [*lines[:3], (3, {"eval_loss": value}), *lines[3:]])
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 7 and records[3] == {"step": 3, "eval_loss": value} or math.isnan(value)
+    assert records[1]["loss"] == value or math.isnan(value) and math.isnan(records[1]["loss"])   # NaN as NaN
+    rows, err = _reported(run, capsys)
+    assert rows["steps"] == "1..6 (6 training records)" and rows["first loss"] == "1" and rows["last loss"] == "3"
+    finite = math.isfinite(value)
+    for name in ("data wait share mean", "data samples/s mean", "data tokens/s mean", "response ms p50",
+                 "response ms p99"):
+        assert rows[name] == (f"{value:.6g}" if finite else "not recorded"), name
+    assert err.count("\n") == 1, err
+    undrawn = 3 + 7 * 6 + 1     # three losses, seven constant fields of six lines, the eval loss
+    shown = f"loss at step 2 ({value:.6g}), data_wait_share at step 2 ({value:.6g})"
+    assert err.startswith(f"resumable-stream: warning: {path}: {undrawn} values not drawn (not finite, or beyond "
+                          "+-1e+300): data_wait_share at step 1"), err
+    assert shown in err and err.endswith(", ...\n"), err
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_single_point_a_constant_series_and_huge_step_numbers_are_drawn(tmp_path, capsys):
+    one = tmp_path / "one"
+    _train_log(one, [(1, {"loss": 2.5, "learning_rate": 0.0})])
+    rows, err = _reported(one, capsys)
+    assert rows["steps"] == "1..1 (1 training records)" and rows["first loss"] == "2.5" and err == ""
+    last = 10**15                                   # the largest step read (MAX_STEP)
+    huge = tmp_path / "huge"
+    steps = [last - 4, last - 3, last - 1, last]
+    _train_log(huge, [(s, {"loss": 1e300, "data_wait_share": 0.0, "data_requests": 7}) for s in steps],
+               resumed_at=last - 5)
+    rows, err = _reported(huge, capsys)
+    assert rows["steps"] == f"{last - 4}..{last} (4 training records)" and err == ""
+    assert rows["first loss"] == rows["last loss"] == "1e+300" and rows["requests total"] == "28"
+    assert rows["resume points"] == str(last - 5)
+
+
+def test_a_picture_that_cannot_be_laid_out_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """Whatever else matplotlib refuses to lay out is exit 2 and one line naming the log, not exit 1."""
+    from matplotlib.figure import Figure
+
+    def refuse(*args, **kwargs):
+        raise ValueError("arange: cannot compute length")
+
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    path = _train_log(tmp_path / "run", [(1, {"loss": 1.0})])
+    _fails(capsys, ["report", str(tmp_path / "run")], f"{path!r}: its records cannot be drawn",
+           "ValueError: arange: cannot compute length")
+    assert os.listdir(tmp_path / "run") == [LOG_NAME]          # no picture, no temporary file left
