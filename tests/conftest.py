@@ -133,7 +133,8 @@ def pytest_runtest_makereport(item, call):
 # tests/lanes.py says what is slow and how the fast lane is kept fast.
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true", help="the fast lane: leave out tests marked slow (training "
-                     f"subprocesses, torchrun); fail over {lanes.FAST_LANE_CPU_BUDGET_S:.0f} s of test CPU time")
+                     f"subprocesses, torchrun); report the costliest tests over {lanes.FAST_LANE_CPU_BUDGET_S:.0f} s "
+                     f"of test CPU time (a failure only with {lanes.STRICT_ENV}=1)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -185,11 +186,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"fast lane: {total:.1f} s of test CPU time (budget "
                                     f"{lanes.FAST_LANE_CPU_BUDGET_S:.0f} s); {lanes.cpu_seconds():.1f} s "
                                     "with collection and imports")
-        over = lanes.over_budget(_COSTS)
-        if over:
-            terminalreporter.write_line(over, red=True)
+        note = lanes.budget_report(_COSTS)
+        if note:
+            terminalreporter.write_line(note, **({"red": True} if lanes.budget_is_strict() else {"yellow": True}))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if session.config.getoption("fast") and lanes.over_budget(_COSTS):
+    # over budget fails the session only when a developer opts in: a busy machine makes a passing suite's CPU
+    # time run high, and make test-fast must not fail on it
+    if session.config.getoption("fast") and lanes.budget_fails(_COSTS):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
