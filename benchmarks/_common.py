@@ -37,7 +37,7 @@ def dataset_dir(data_dir: str, rows: int, files: int, row_group_size: int = ROW_
     marker = os.path.join(path, "COMPLETE")
     if os.path.exists(marker):
         return path
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     os.makedirs(data_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=data_dir)

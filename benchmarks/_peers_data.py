@@ -1,6 +1,6 @@
 """The data of benchmarks/peers.py: one generated dataset, written as parquet (ours, HF), litdata and MDS.
 
-The rows are those of ``resumable_stream.synthetic`` (``id``, ``text``, ``label``) with ``words`` words of
+The rows are those of ``resumable_stream.testing`` (``id``, ``text``, ``label``) with ``words`` words of
 text: 44 words make ~300 bytes a row (int64 id + label + ~284 bytes of text). The parquet files are written
 first (``write_parquet_dataset``); the litdata chunks (``litdata.optimize``) and the MDS shards
 (``streaming.MDSWriter``) are written from those files, file by file in order, so all three hold the same rows.
@@ -37,7 +37,7 @@ def parquet_dir(data_dir: str, rows: int, files: int, row_group_size: int, words
     path = os.path.join(data_dir, name)
     if _complete(path):
         return path
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     os.makedirs(data_dir, exist_ok=True)
     t0 = time.perf_counter()

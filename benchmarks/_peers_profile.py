@@ -58,8 +58,8 @@ def _imports() -> None:
     import pyarrow.parquet  # noqa: F401
     import s3fs  # noqa: F401
 
-    import resumable_stream.stream  # noqa: F401
-    from resumable_stream import sidecar  # noqa: F401
+    import resumable_stream.stream.single  # noqa: F401
+    from resumable_stream.state import sidecar  # noqa: F401
     _common.quiet_logs()
 
 
@@ -101,21 +101,17 @@ def _install(timers: Timers) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from resumable_stream import (
-        checkpoint,
-        index,
-        job_source,
-        parquet_files,
-        partition,
-        plan,
-        row_group_check,
-        sidecar,
-        stream,
-        stream_base,
-    )
+    from resumable_stream import plan
+    from resumable_stream.dataset import job_source
+    from resumable_stream.sources import index, resolve
     from resumable_stream.sources import open as sources_open
     from resumable_stream.sources import parquet as sources_parquet
-    from resumable_stream.sources import resolve
+    from resumable_stream.sources import parquet_checks as row_group_check
+    from resumable_stream.sources import parquet_rows as parquet_files
+    from resumable_stream.state import checkpoint, sidecar
+    from resumable_stream.stream import base as stream_base
+    from resumable_stream.stream import partition
+    from resumable_stream.stream import single as stream
 
     w = timers.wrap
     w(stream, "open_job_source", "open_job_source (the whole source)")

@@ -41,7 +41,7 @@ def _data(data_dir: str, rows: int, files: int) -> str:
     path = os.path.join(data_dir, name)
     if os.path.exists(os.path.join(path, "COMPLETE")):
         return path
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     print(f"  generating {rows:,} rows in {files} files -> {path}", flush=True)
     tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=data_dir)
@@ -76,7 +76,8 @@ def bench_http(path: str, bandwidth: float, latency: float, jobs: int, warm_samp
     from http_server import FileServer
 
     from resumable_stream import ResumableStream, StreamConfig
-    from resumable_stream.cache import CachedSource, run_warmup
+    from resumable_stream.app.warmup import run_warmup
+    from resumable_stream.cache import CachedSource
     from resumable_stream.sources import open_source
 
     files = _common.parquet_files(path)

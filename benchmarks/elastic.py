@@ -116,8 +116,8 @@ def run_child(*args: str) -> dict:
 # ---------------------------------------------------------------------------- main
 def write_checkpoint(cfg, state_dir: str, per_rank: int) -> float:
     from resumable_stream import ResumableStream
-    from resumable_stream.sidecar import write_manifest
     from resumable_stream.sources import open_source
+    from resumable_stream.state.sidecar import write_manifest
 
     source = open_source(cfg)
     t0 = time.perf_counter()

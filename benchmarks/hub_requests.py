@@ -84,7 +84,7 @@ def job_requests(hub, home: str, reader: str, ranks: int, samples: int, work: st
 def make_hub(work: str, files: int, rows_per_file: int):
     from hub_server import HubServer
 
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     write_parquet_dataset(os.path.join(work, "repo", "data"), rows=files * rows_per_file, files=files,
                           row_group_size=max(1, rows_per_file // 4))

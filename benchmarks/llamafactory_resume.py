@@ -80,7 +80,7 @@ def _child(tool: str, config: str, result: str, spawned: float) -> None:
         sys.argv = ["llamafactory-cli", config]
         run_exp(args=read_args(), callbacks=[FirstStep()])
     else:
-        from resumable_stream.llamafactory import run
+        from resumable_stream.app import llamafactory as run
 
         run.train(config, [], callbacks=(FirstStep(),))
     with open(result, "w", encoding="utf-8") as f:

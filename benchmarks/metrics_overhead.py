@@ -29,8 +29,8 @@ def _loader(data_dir: str):
     from transformers import AutoTokenizer
 
     from resumable_stream import ResumableStream, StreamConfig
+    from resumable_stream.config.transforms import TransformConfig
     from resumable_stream.loader import StreamLoader
-    from resumable_stream.transforms.config import TransformConfig
     from resumable_stream.transforms.text import TextProcessor, collate
 
     tok = AutoTokenizer.from_pretrained(os.path.join(TINY, "tokenizer"))
@@ -60,7 +60,11 @@ class _Off:
     """Every recording call of the metrics a no-op (what the loader cost before them)."""
 
     def __enter__(self):
-        from resumable_stream import loader, metrics, parquet_files, prefetch, ranged, source
+        from resumable_stream import loader, source
+        from resumable_stream.io import ranged
+        from resumable_stream.observe import metrics
+        from resumable_stream.sources import parquet_rows as parquet_files
+        from resumable_stream.sources import prefetch
 
         self.saved = []
         noop = lambda *a, **k: None  # noqa: E731
@@ -78,8 +82,8 @@ class _Off:
 
 
 def per_log_seconds(data_dir: str, calls: int = 2000) -> float:
-    from resumable_stream.monitoring import MonitorSettings
-    from resumable_stream.trainer_patch.data_metrics import DataMetricsLog
+    from resumable_stream.integrations.transformers.data_metrics import DataMetricsLog
+    from resumable_stream.observe.monitoring import MonitorSettings
 
     stream, loader = _loader(data_dir)
     it = iter(loader)
@@ -126,7 +130,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of on / off, alternating (the best of each)")
     args = ap.parse_args()
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     with tempfile.TemporaryDirectory() as d:
         write_parquet_dataset(d, rows=200_000, files=4, row_group_size=4096)

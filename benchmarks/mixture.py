@@ -67,7 +67,7 @@ def _open(kind: str, a: str, b: str):
 def child(kind: str, a: str, b: str, rows: int) -> dict:
     import datasets  # noqa: F401  (imports are not timed)
 
-    import resumable_stream.mixture  # noqa: F401
+    import resumable_stream.stream.mixture  # noqa: F401
 
     t0 = time.perf_counter()
     it = _open(kind, a, b)

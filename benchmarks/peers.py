@@ -96,7 +96,7 @@ def _imports(reader: str) -> None:
     if reader == "ours":
         import datasets  # noqa: F401  (the source resolves through it)
 
-        import resumable_stream.stream  # noqa: F401
+        import resumable_stream.stream.single  # noqa: F401
     elif reader == "hf":
         import datasets  # noqa: F401
     elif reader == "litdata":

@@ -28,7 +28,7 @@ bundled tokenizer, packing to 64 tokens, batch 8, shuffle buffer 256):
 Timed processes use one torch intra-op thread (``--threads``; 0 = torch's default): for this tiny model a
 second thread buys little, and on a shared 2-core machine OpenMP spin-waits make multi-thread timings swing
 by 10x. Data: generated rows of the same kind as ``examples/tiny/data`` (same generator,
-``resumable_stream.synthetic.write_parquet_dataset``; row groups of 1000) cached under ``.bench/``:
+``resumable_stream.testing.write_parquet_dataset``; row groups of 1000) cached under ``.bench/``:
 96,000 rows in 8 files (``--quick``: 12,000 in 4), so 2000 steps (~69k rows) are one pass and the stock
 replay never reaches the end of the data (where ``datasets``' interleaved-shard iterator sleeps 5 s on
 shutdown). ``--bundled-data`` uses the 4,000 bundled rows instead (~116 steps).
@@ -123,7 +123,7 @@ def _callback(p: dict, marks: dict):
 
 
 def _model(tokenizer, model_config: dict, seed: int):
-    """Same random init as resumable_stream.trainer_patch.train._load_model (re-stated so the stock child
+    """Same random init as resumable_stream.app.train._load_model (re-stated so the stock child
     never imports resumable_stream)."""
     from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 
@@ -148,8 +148,8 @@ def _tokenizer():
 
 # ---------------------------------------------------------------------------- child side: ours
 def _ours_trainer(p: dict, marks: dict):
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import build_trainer
+    from resumable_stream.app.train import build_trainer
+    from resumable_stream.config.trainer import TrainerConfig
 
     doc = _yaml_doc()
     doc["data"].update(data_files=p["data_glob"], consumed_log=None)
@@ -197,8 +197,8 @@ def _mem_trainer(p: dict, marks: dict):
     import torch
     from transformers import Trainer, default_data_collator
 
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.patch import patch_trainer
+    from resumable_stream.config.trainer import TrainerConfig
+    from resumable_stream.integrations.transformers.patch import patch_trainer
     from resumable_stream.transforms.text import TextProcessor
 
     doc = _yaml_doc()
@@ -266,7 +266,7 @@ def child(kind: str, p: dict) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     if kind != "stock":
-        import resumable_stream.trainer_patch.train  # noqa: F401
+        import resumable_stream.app.train  # noqa: F401
     _quiet()
     marks["imports_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()

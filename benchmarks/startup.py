@@ -64,7 +64,7 @@ def _imports(kind: str) -> None:
     """The reader's own imports (not timed, inside the RSS baseline)."""
     if kind.startswith("ours"):
         import resumable_stream  # noqa: F401
-        import resumable_stream.stream  # noqa: F401
+        import resumable_stream.stream.single  # noqa: F401
     elif kind.startswith("hf"):
         import datasets  # noqa: F401
 

@@ -77,7 +77,7 @@ def _import(kind: str) -> None:
     if kind.startswith("ours"):
         import datasets  # noqa: F401  (open_source imports it lazily)
 
-        import resumable_stream.stream  # noqa: F401  (torch, pyarrow)
+        import resumable_stream.stream.single  # noqa: F401  (torch, pyarrow)
     elif kind.startswith("hf"):
         import datasets  # noqa: F401
     import pyarrow.parquet  # noqa: F401
@@ -86,7 +86,8 @@ def _import(kind: str) -> None:
 def _checks_off() -> None:
     """The byte checks of the read path off (the decoded row group is not compared with its footer, the answer
     not with the index's identity): to measure what they cost. The generated files store no page CRCs."""
-    from resumable_stream import parquet_files, row_group_check
+    from resumable_stream.sources import parquet_checks as row_group_check
+    from resumable_stream.sources import parquet_rows as parquet_files
 
     row_group_check.problem = lambda *a, **k: None
     read_range = parquet_files.read_range

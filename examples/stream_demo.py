@@ -29,7 +29,7 @@ DEFAULT_CONFIG = os.path.join(HERE, "tiny", "stream.yaml")
 def run_child(args: argparse.Namespace) -> None:
     """One 'training' process: every rank takes a batch per step; checkpoints every N steps."""
     from resumable_stream import ResumableStream, StreamConfig
-    from resumable_stream.checkpoint import finish
+    from resumable_stream.state.checkpoint import finish
 
     cfg = StreamConfig.from_yaml(args.config)
     start_step = 0

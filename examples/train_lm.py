@@ -9,7 +9,7 @@ data stream exactly where training left it.
 
 import sys
 
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):

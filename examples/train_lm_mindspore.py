@@ -22,7 +22,7 @@ from mindspore import nn
 from transformers import AutoTokenizer
 
 from resumable_stream import StreamConfig
-from resumable_stream.mindspore import MindSporeSource
+from resumable_stream.integrations.mindspore import MindSporeSource
 from resumable_stream.transforms import TextProcessor, TransformConfig, collate_numpy
 
 COLUMNS = ["input_ids", "labels", "attention_mask"]

@@ -9,7 +9,7 @@ last complete checkpoint, with the data stream (and every skipped bad sample) ex
 
 import sys
 
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):

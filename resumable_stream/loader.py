@@ -24,12 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from . import checkpoint, metrics, threads
-from .checks import same_topology
 from .errors import ConfigError, StreamMismatchError
-from .progress import epoch_position, mean_position
-from .stream_base import Stream, round_robin
-from .torch_compat import IterableDataset, data_loader, worker_info
+from .observe import metrics
+from .observe.progress import epoch_position, mean_position
+from .runtime import threads
+from .runtime.torch_compat import IterableDataset, data_loader, worker_info
+from .state import checkpoint
+from .state.checks import same_topology
+from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
 
 
@@ -117,7 +119,7 @@ class _BatchProducer(IterableDataset):
         together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
         hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
         data.follow_timeout_s."""
-        from .collectives import max_over_ranks
+        from .runtime.collectives import max_over_ranks
 
         self.stream.check_in_step()
 
@@ -267,7 +269,7 @@ class StreamLoader:
     def items(self) -> Iterator[dict[str, Any]]:
         """A new pass's items as they are produced (``batch``, ``partition``, ``snapshot``, ``keys``,
         ``samples``, ``tokens``), none of them counted as consumed: a consumer that hands items out later
-        than it pulls them (a prefetching pipeline, resumable_stream.mindspore) calls :meth:`hand_out` with
+        than it pulls them (a prefetching pipeline, resumable_stream.integrations.mindspore) calls :meth:`hand_out` with
         each one it hands out. Iterating the loader does both."""
         if self._iterated:
             # a new pass continues after the last batch handed out: the readers (and workers' processors)

@@ -18,7 +18,7 @@ import importlib.metadata  # noqa: E402
 import lanes  # noqa: E402
 from helpers import TEST_SEED, seeded_rng  # noqa: E402
 
-from resumable_stream.synthetic import write_parquet_dataset  # noqa: E402
+from resumable_stream.testing import write_parquet_dataset  # noqa: E402
 
 # tests/against_llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds
 # (with LLaMA-Factory's own pins); the main venv does not install it. The installed distribution decides (a

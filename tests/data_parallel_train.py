@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-import resumable_stream.trainer_patch.train as train_module
+import resumable_stream.app.train as train_module
 
 RECORDS = "data_parallel.jsonl"
 

@@ -5,7 +5,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 ROWS, FILES, RG = 400, 4, 25
 

@@ -46,7 +46,7 @@ def resealed(data: bytes, edit) -> bytes:
     from safetensors.numpy import load as st_load
     from safetensors.numpy import save as st_save
 
-    from resumable_stream import sidecar as sc
+    from resumable_stream.state import sidecar as sc
 
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + n])["__metadata__"]
@@ -107,6 +107,6 @@ def run_forked(fn, memory_mb: int = 512, timeout_s: float = 60.0):
 
 def run_cli_forked(argv: list[str], memory_mb: int = 512, timeout_s: float = 60.0):
     """``resumable-stream ARGV`` (``cli.main``) under :func:`run_forked`: ``(exit code, stderr, seconds)``."""
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     return run_forked(lambda: main(argv), memory_mb, timeout_s)

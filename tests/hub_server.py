@@ -190,7 +190,7 @@ def use_hub(hub: HubServer, home: str | os.PathLike, token: str | None = None) -
     import huggingface_hub.constants as hc
     from huggingface_hub import HfFileSystem
 
-    from resumable_stream import ranged
+    from resumable_stream.io import ranged
 
     env = hub_env(hub, home, token)
     patches = [

@@ -28,7 +28,7 @@ STRICT_ENV = "RS_FAST_LANE_BUDGET_STRICT"
 
 _TRAINING_SCRIPT = re.compile(r"(^|/)(train_lm|train_vl|data_parallel_train|slow_manifest_train|paused_train|demo|stream_demo)\.py$")
 _TORCHRUN = re.compile(r"^torch\.distributed\.run$|(^|/)torchrun$")
-_CLI_TRAIN = re.compile(r"(^|\s)(-m resumable_stream(\.cli)?|\S*resumable-stream) train(\s|$)")
+_CLI_TRAIN = re.compile(r"(^|\s)(-m resumable_stream(\.app\.cli|\.cli)?|\S*resumable-stream) train(\s|$)")
 
 
 def training_command(args) -> str | None:

@@ -78,7 +78,7 @@ def copy_data(to: str) -> str:
 
 
 def stream_config(data: str, **kw):
-    from resumable_stream.config import StreamConfig
+    from resumable_stream.config.stream_config import StreamConfig
 
     return StreamConfig.from_dict({"dataset_name_or_path": "parquet", "data_files": os.path.join(data, "a", "*.parquet"),
                                    "shuffle": True, "buffer_size": 16, "block_rows": 5,
@@ -86,7 +86,7 @@ def stream_config(data: str, **kw):
 
 
 def mixture_config(data: str, **kw):
-    from resumable_stream.config import StreamConfig
+    from resumable_stream.config.stream_config import StreamConfig
 
     return StreamConfig.from_dict({
         "shuffle": True, "buffer_size": 16, "block_rows": 5, "num_partitions": NUM_PARTITIONS,
@@ -99,7 +99,7 @@ def mixture_config(data: str, **kw):
 
 def loader(config, rank: int, world_size: int):
     from resumable_stream.loader import StreamLoader
-    from resumable_stream.mixture import open_stream
+    from resumable_stream.stream.mixture import open_stream
 
     stream = open_stream(config, rank=rank, world_size=world_size)
     return StreamLoader(stream, BATCH_SIZE, collate_fn=collate, processor_factory=TripleProcessor)

@@ -39,7 +39,7 @@ def _lock_module():
     package = types.ModuleType("resumable_stream")
     package.__path__ = [os.path.join(ROOT, "resumable_stream")]
     sys.modules["resumable_stream"] = package
-    return importlib.import_module("resumable_stream.output_lock")
+    return importlib.import_module("resumable_stream.runtime.output_lock")
 
 
 def main(mode: str, directory: str) -> int:

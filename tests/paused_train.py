@@ -13,8 +13,8 @@ import time
 
 from transformers import TrainerCallback
 
-import resumable_stream.trainer_patch.train as train_module
-from resumable_stream.cli import main
+import resumable_stream.app.train as train_module
+from resumable_stream.app.cli import main
 
 
 class PauseAt(TrainerCallback):

@@ -12,7 +12,7 @@ import datasets  # noqa: F401  (imported once, before the forks)
 import pyarrow.parquet  # noqa: F401
 import torch  # noqa: F401
 
-from resumable_stream import cli
+from resumable_stream.app import cli
 
 
 def plain(config: str, num: int) -> int:

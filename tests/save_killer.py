@@ -16,8 +16,8 @@ import signal
 import sys
 import time
 
-from resumable_stream import sidecar as sc
 from resumable_stream.errors import SidecarError
+from resumable_stream.state import sidecar as sc
 
 
 def save_from(states: list[dict], first: int, state_dir: str, saved_fd: int) -> None:

@@ -10,8 +10,8 @@ the rank file exists lands between the two. The library itself has no such hook.
 import sys
 import time
 
-from resumable_stream.cli import main
-from resumable_stream.trainer_patch import checkpoints
+from resumable_stream.app.cli import main
+from resumable_stream.integrations.transformers import checkpoints
 
 MANIFEST_DELAY_S = 5
 

@@ -18,7 +18,7 @@ from training_helpers import TINY, Procs, complete_checkpoints, count_lines, wri
 
 from resumable_stream import ResumableStream, SourceError, StreamConfig
 from resumable_stream.sources import open_source
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("hub_offline")]
 

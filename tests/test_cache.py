@@ -19,9 +19,9 @@ from http_server import FileServer
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cache import CachedSource, CorruptBlock, decode_block, encode_block
-from resumable_stream.sidecar import decode_state, encode_state
 from resumable_stream.sources import ShardInfo, Source
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.state.sidecar import decode_state, encode_state
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -376,9 +376,9 @@ def test_http_cold_warm_identical_and_warm_reads_make_no_requests(site, tmp_path
 def test_training_logs_cache_stats(tmp_path):
     import yaml
 
-    from resumable_stream.trainer_patch.callbacks import CacheStatsCallback
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import build_trainer
+    from resumable_stream.app.train import build_trainer
+    from resumable_stream.config.trainer import TrainerConfig
+    from resumable_stream.integrations.transformers.callbacks import CacheStatsCallback
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = os.path.join(root, "examples", "tiny")

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from resumable_stream import ConfigError, StreamConfig
+from resumable_stream.app.cli import main
 from resumable_stream.cache import CachedSource
 from resumable_stream.cache.ownership import MARKER
 from resumable_stream.cache.store import ORPHAN_AGE_S
-from resumable_stream.cli import main
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

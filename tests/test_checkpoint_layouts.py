@@ -12,8 +12,12 @@ import pytest
 from helpers import parquet_config, take_ids
 
 from resumable_stream import ResumableStream
-from resumable_stream.sidecar import STATE_DIR, write_manifest
-from resumable_stream.trainer_patch.checkpoints import is_complete, latest_complete_checkpoint, resume_latest
+from resumable_stream.integrations.transformers.checkpoints import (
+    is_complete,
+    latest_complete_checkpoint,
+    resume_latest,
+)
+from resumable_stream.state.sidecar import STATE_DIR, write_manifest
 
 # the engine's files of a checkpoint (transformers' Trainer with each engine), relative to checkpoint-N
 LAYOUTS = {

@@ -9,7 +9,7 @@ import pytest
 from helpers import take_ids
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def test_peek_fields_and_save_state_then_resume(parquet_small, tmp_path, capsys)
 def test_peek_one_rank_of_several_refuses_to_save_over_a_complete_state(parquet_small, tmp_path, capsys):
     """A rank's new file next to a complete multi-rank state would leave the old manifest in charge (a later
     --resume-from would silently take the old state): refused, and the state stays what it was."""
-    from resumable_stream import sidecar
+    from resumable_stream.state import sidecar
 
     cfg_path = _yaml(tmp_path, parquet_small)
     st = str(tmp_path / "st")
@@ -93,7 +93,7 @@ def test_errors_are_one_line_without_traceback(parquet_small, tmp_path, argv, ne
     cfg_path = _yaml(tmp_path, parquet_small)
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     argv = [a.format(cfg=cfg_path, tmp=tmp_path) for a in argv]
-    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.app.cli", *argv], capture_output=True, text=True)
     assert r.returncode != 0
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -102,7 +102,7 @@ def test_errors_are_one_line_without_traceback(parquet_small, tmp_path, argv, ne
 @pytest.mark.slow
 def test_debug_shows_the_traceback(parquet_small, tmp_path):
     argv = ["--debug", "peek", _yaml(tmp_path, parquet_small), "--fields", "nope"]
-    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.app.cli", *argv], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" in r.stderr and "ConfigError" in r.stderr
 
 
@@ -111,7 +111,7 @@ def test_mismatch_lists_every_difference_on_its_own_line(parquet_small, tmp_path
     cfg_path = _yaml(tmp_path, parquet_small)
     assert main(["peek", cfg_path, "--num", "5", "--save-state", str(tmp_path / "s.safetensors")]) == 0
     other = _yaml(tmp_path, parquet_small, extra="  shuffle_seed: 5\n")
-    r = subprocess.run([sys.executable, "-m", "resumable_stream.cli", "peek", other, "--resume-from",
+    r = subprocess.run([sys.executable, "-m", "resumable_stream.app.cli", "peek", other, "--resume-from",
                         str(tmp_path / "s.safetensors")], capture_output=True, text=True)
     assert r.returncode == 2
     assert "data.shuffle_seed: saved 42, now 5" in r.stderr and "Traceback" not in r.stderr
@@ -224,7 +224,7 @@ def test_remote_peek_with_prefetch_in_flight_exits_cleanly_40_times(tmp_path, hu
     import yaml
     from http_server import FileServer
 
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     www = tmp_path / "www"
     write_parquet_dataset(str(www), rows=12 * 4000, files=12, row_group_size=1000, words=20)

@@ -13,7 +13,7 @@ from resumable_stream import ConfigError, ResumableStream, StreamConfig
 from resumable_stream.sources import open_source
 from resumable_stream.sources.map_style import MapStyleSource
 from resumable_stream.sources.parquet import ParquetSource
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 _MISSING = object()
 BASE = {"dataset_name_or_path": "parquet", "data_files": "data/*.parquet"}
@@ -269,7 +269,7 @@ def test_bad_storage_options_name_the_key(value):
 
 
 def test_storage_options_flat_or_keyed_by_protocol_join_ours():
-    from resumable_stream.sources.net import with_user_options
+    from resumable_stream.io.net import with_user_options
 
     ours = {"http": {"client_kwargs": {"timeout": 5}}}
     flat = with_user_options(ours, {"endpoint_url": "http://e", "client_kwargs": {"region_name": "r"}}, ["s3"])

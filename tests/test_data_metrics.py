@@ -1,4 +1,4 @@
-"""The data path's figures (resumable_stream.metrics): what StreamLoader.data_metrics() and ``--stats`` report
+"""The data path's figures (resumable_stream.observe.metrics): what StreamLoader.data_metrics() and ``--stats`` report
 is checked against the loopback server's own count of requests and bytes, its injected latency and faults,
 and the batches the loop received; the data epoch against the cursors' progress."""
 
@@ -17,10 +17,10 @@ from http_server import FileServer
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
 from resumable_stream.loader import StreamLoader, token_count
-from resumable_stream.metrics import RESPONSE_BUCKETS_MS, percentile_ms
-from resumable_stream.monitoring import DataBoundWatch, MonitorSettings, cures
-from resumable_stream.progress import partition_progress
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.observe.metrics import RESPONSE_BUCKETS_MS, percentile_ms
+from resumable_stream.observe.monitoring import DataBoundWatch, MonitorSettings, cures
+from resumable_stream.observe.progress import partition_progress
+from resumable_stream.testing import write_parquet_dataset
 
 ROWS, FILES, ROW_GROUP = 4000, 4, 100
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ def test_monitor_settings_refuse_bad_values():
 
 
 def _delta(seconds, wait, requests=0, p50_bucket=None):
-    from resumable_stream.metrics import READING_FIELDS
+    from resumable_stream.observe.metrics import READING_FIELDS
 
     d = dict.fromkeys(READING_FIELDS, 0.0)
     d.update(time=seconds, loader_wait_s=wait, loader_batches=1, loader_samples=8, requests=requests)
@@ -233,7 +233,7 @@ def test_peek_stats_report_this_commands_requests(site, tmp_path):
 
 
 def test_llamafactory_section_takes_the_monitoring_keys():
-    from resumable_stream.llamafactory.settings import monitor_settings, split
+    from resumable_stream.integrations.llamafactory.settings import monitor_settings, split
 
     _, ours = split({"stage": "sft", "resumable_stream": {"metrics_port": 9400, "data_bound_share": 0.5}})
     assert monitor_settings(ours) == MonitorSettings(metrics_port=9400, data_bound_share=0.5)
@@ -289,7 +289,7 @@ def test_each_local_rank_serves_on_port_plus_its_local_rank(tmp_path, monkeypatc
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from resumable_stream.trainer_patch.data_metrics import DataMetricsLog
+    from resumable_stream.integrations.transformers.data_metrics import DataMetricsLog
 
     write_parquet_dataset(str(tmp_path), rows=200, files=1, row_group_size=50)
     stream = ResumableStream(StreamConfig(dataset_name_or_path="parquet", data_files=str(tmp_path / "*.parquet")))

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from training_helpers import free_port
 from transformers import TrainerCallback
 
-from resumable_stream.synthetic import write_parquet_dataset
-from resumable_stream.trainer_patch import stream_loader
-from resumable_stream.trainer_patch.config import TrainerConfig
-from resumable_stream.trainer_patch.train import build_trainer
+from resumable_stream.app.train import build_trainer
+from resumable_stream.config.trainer import TrainerConfig
+from resumable_stream.integrations.transformers import stream_loader
+from resumable_stream.testing import write_parquet_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
@@ -75,7 +75,7 @@ def test_slow_server_gets_a_data_bound_warning_per_window_with_figures_and_cure(
         trainer = build_trainer(cfg)
         capture = Capture()
         trainer.add_callback(capture)
-        with caplog.at_level(logging.WARNING, logger="resumable_stream.monitoring"):
+        with caplog.at_level(logging.WARNING, logger="resumable_stream.observe.monitoring"):
             trainer.train()
     finally:
         slow_site.latency_s = 0.0

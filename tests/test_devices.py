@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from resumable_stream import ConfigError, devices
+from resumable_stream import ConfigError
+from resumable_stream.runtime import devices
 
 
 def test_cpu_gloo_without_accelerators(monkeypatch):
@@ -34,7 +35,7 @@ def test_npu_hccl_when_torch_npu_is_installed(monkeypatch):
 
 @pytest.mark.slow
 def test_import_does_not_touch_torch_npu():
-    code = ("import sys, resumable_stream, resumable_stream.trainer_patch, resumable_stream.devices; "
+    code = ("import sys, resumable_stream, resumable_stream.integrations.transformers, resumable_stream.runtime.devices; "
             "print('torch_npu' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"

@@ -20,10 +20,10 @@ import shlex
 import pytest
 import yaml
 
-from resumable_stream.cli import build_parser
-from resumable_stream.config import StreamConfig
+from resumable_stream.app.cli import build_parser
+from resumable_stream.config.stream_config import StreamConfig
+from resumable_stream.config.trainer import TrainerConfig
 from resumable_stream.errors import ConfigError
-from resumable_stream.trainer_patch.config import TrainerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -164,7 +164,7 @@ def _is_llamafactory_yaml(doc: dict) -> bool:
 def _check_llamafactory_yaml(doc: dict) -> None:
     """What `resumable-stream llamafactory train` checks before LLaMA-Factory runs: our section, the keys we
     refuse (LLaMA-Factory's own parser is not installed here; tests/against_llamafactory runs it)."""
-    from resumable_stream.llamafactory import settings
+    from resumable_stream.integrations.llamafactory import settings
 
     args, _ = settings.split(doc)
     settings.refuse_unsupported(args)
@@ -264,9 +264,9 @@ def check_command(argv: list[str]) -> None:
         _parse_cli(args)
         for a in args:
             _check_config_file(a)
-    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.llamafactory ARGS
+    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.integrations.llamafactory ARGS
         module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2:]
-        assert module == "resumable_stream.llamafactory", f"unknown module {module}"
+        assert module == "resumable_stream.integrations.llamafactory", f"unknown module {module}"
         _parse_cli(["llamafactory", *rest])
         for a in rest:
             _check_config_file(a)

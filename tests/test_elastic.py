@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from resumable_stream import ConfigError, ResumableStream, StreamMismatchError
 from resumable_stream.errors import SidecarError
 from resumable_stream.loader import StreamLoader
-from resumable_stream.sidecar import decode_state, encode_state, read_state_file, write_manifest
+from resumable_stream.state.sidecar import decode_state, encode_state, read_state_file, write_manifest
 from resumable_stream.transforms import TextProcessor, TransformConfig, collate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,7 +321,7 @@ def test_partition_state_reports_epoch_progress(cfg):
 
 
 def test_inspect_shows_progress_per_partition_and_a_summary(cfg, tmp_path, capsys):
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     state_dir = str(tmp_path / "ck" / "stream_state")
     # rank 0: its 6 partitions (500 rows each) through epoch 0 and 100 rows into epoch 1; rank 1: half of epoch 0
@@ -351,8 +351,8 @@ def test_inspect_shows_progress_per_partition_and_a_summary(cfg, tmp_path, capsy
 
 def test_progress_without_row_counts_has_no_fraction(tmp_path):
     from resumable_stream import StreamConfig
-    from resumable_stream.progress import partition_progress
-    from resumable_stream.synthetic import write_jsonl_dataset
+    from resumable_stream.observe.progress import partition_progress
+    from resumable_stream.testing import write_jsonl_dataset
 
     write_jsonl_dataset(str(tmp_path), rows=200, files=4)
     c = StreamConfig(dataset_name_or_path="json", data_files=str(tmp_path / "*.jsonl"), num_partitions=2)

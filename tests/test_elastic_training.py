@@ -26,7 +26,7 @@ from training_helpers import (
     write_config,
 )
 
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = pytest.mark.slow
 

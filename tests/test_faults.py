@@ -26,7 +26,7 @@ from http_server import FAULT_KINDS, FileServer
 from resumable_stream import ResumableStream, SourceError, StreamConfig
 from resumable_stream.sources import READ_BATCH_ROWS, open_source
 from resumable_stream.sources.parquet import ParquetSource
-from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 PARQUET_ROWS, PARQUET_FILES, ROW_GROUP = 480, 3, 40      # 12 row groups -> 12 shards
 JSONL_ROWS, JSONL_FILES = 400, 4

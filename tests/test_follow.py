@@ -8,8 +8,8 @@ import pytest
 from growing_data import FILES, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, load, save
 from resumable_stream.errors import ConfigError
+from resumable_stream.state.checkpoint import finish, load, save
 
 
 def _cfg(d: str, **kw) -> StreamConfig:
@@ -65,7 +65,7 @@ def test_follow_with_several_ranks_reads_through_the_loader_under_a_process_grou
 def test_follow_reads_the_known_data_once_then_ends_after_the_timeout(tmp_path, caplog):
     d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, follow_timeout_s=0.3))
-    with caplog.at_level("WARNING", logger="resumable_stream.stream"):
+    with caplog.at_level("WARNING", logger="resumable_stream.stream.single"):
         ids = _ids(s)
     assert sorted(ids) == list(range(ROWS))      # no second epoch over the old files
     assert "follow: no new files" in caplog.text and "follow_timeout_s" in caplog.text
@@ -142,8 +142,8 @@ def _loader_ids(it, batches: int) -> list[int]:
 def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path, partitions):
     """The StreamLoader (what the Trainer reads) waits between rounds too: a file written while it waits is
     read; a loader state saved at the end of the data and one saved inside the new file both resume exactly."""
-    from resumable_stream.checkpoint import read
     from resumable_stream.loader import StreamLoader
+    from resumable_stream.state.checkpoint import read
 
     d = dataset(tmp_path)
     cfg = _cfg(d, follow_timeout_s=20, num_partitions=partitions)

@@ -228,7 +228,7 @@ def test_columns_and_tags_are_in_the_fingerprint(tok):
 
 def test_yaml_data_section_with_a_llamafactory_mapping(tmp_path):
     """The docs' dataset_info.json example, as a data section."""
-    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.config.trainer import TrainerConfig
 
     doc = {"model": {"config": {"model_type": "qwen3"}, "tokenizer": TOK_DIR},
            "data": {"dataset_name_or_path": "json", "data_files": os.path.join(DATA, "sharegpt.jsonl"),
@@ -241,8 +241,8 @@ def test_yaml_data_section_with_a_llamafactory_mapping(tmp_path):
 
 
 def test_trainer_column_check_names_the_formats_column(tmp_path):
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import _check_columns
+    from resumable_stream.app.train import _check_columns
+    from resumable_stream.config.trainer import TrainerConfig
 
     def trainer_cfg(**data):
         return TrainerConfig.from_dict({

@@ -11,9 +11,9 @@ import pytest
 from growing_data import FILES, RG, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, load, save
 from resumable_stream.errors import ConfigError, StreamMismatchError
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.state.checkpoint import finish, load, save
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 
 def _cfg(d: str, **kw) -> StreamConfig:
@@ -152,7 +152,7 @@ def test_new_file_with_other_columns_is_a_mismatch(tmp_path):
 
 
 def test_inspect_shows_each_epochs_file_set(tmp_path, capsys):
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     d = dataset(tmp_path)
     cfg = _cfg(d)
@@ -171,8 +171,8 @@ def test_inspect_shows_each_epochs_file_set(tmp_path, capsys):
 
 
 def test_forged_generations_are_refused(tmp_path):
+    from resumable_stream.dataset.growth import generations
     from resumable_stream.errors import SourceError
-    from resumable_stream.growth import generations
 
     index = {"files": [{"path": "a"}, {"path": "b"}]}
     assert generations(index) == [{"from_epoch": 0, "files": 2, "dropped": []}]
@@ -208,7 +208,7 @@ def _two_source_mixture(tmp_path) -> tuple[str, StreamConfig]:
 
 
 def test_mixture_sources_grow_independently(tmp_path):
-    from resumable_stream.mixture import MixtureStream
+    from resumable_stream.stream.mixture import MixtureStream
 
     a, cfg = _two_source_mixture(tmp_path)
     first = MixtureStream(cfg, rank=0, world_size=1)
@@ -227,9 +227,9 @@ def test_mixture_sources_grow_independently(tmp_path):
 def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch_and_resumes_exactly(tmp_path):
     """A file appended to one source of a running mixture (refresh_files, as the trainer calls at a save) joins
     at that source's next epoch, in that source's index only; a state saved after it resumes exactly."""
-    from resumable_stream.checkpoint import load
-    from resumable_stream.growth import generations
-    from resumable_stream.mixture import MixtureStream
+    from resumable_stream.dataset.growth import generations
+    from resumable_stream.state.checkpoint import load
+    from resumable_stream.stream.mixture import MixtureStream
 
     a, cfg = _two_source_mixture(tmp_path)
     s = MixtureStream(cfg, rank=0, world_size=1)
@@ -260,7 +260,7 @@ def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch
 def test_hub_branch_commit_adding_files_joins_at_the_next_epoch(tmp_path):
     from hub_server import HubServer, use_hub
 
-    from resumable_stream.growth import describe
+    from resumable_stream.dataset.growth import describe
 
     repo = "org/growing"
     src = tmp_path / "repo"

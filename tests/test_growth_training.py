@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from training_helpers import PAUSED_TRAIN, consumed, write_config
 
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.slow
 

@@ -22,15 +22,9 @@ import pytest
 import torch.utils.data
 from http_server import FileServer, file_etag
 
-from resumable_stream import (
-    ConfigError,
-    ResumableStream,
-    SourceError,
-    StreamConfig,
-    StreamMismatchError,
-)
+from resumable_stream import ConfigError, ResumableStream, SourceError, StreamConfig, StreamMismatchError
 from resumable_stream.sources import open_source
-from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 PARQUET_ROWS, PARQUET_FILES, ROW_GROUP = 480, 3, 40      # 12 row groups -> 12 shards
 JSONL_ROWS, JSONL_FILES = 400, 4
@@ -339,8 +333,8 @@ def test_same_size_new_etag_on_resume_raises(fresh_site, tmp_path):
 def test_last_modified_reported_on_one_side_only_is_no_change_when_the_etags_agree():
     """A state / index saved with an fsspec that reports Last-Modified (newer) resumed with one that does not
     (2025.3.0, beside LLaMA-Factory 0.9.5), or the other way round: the ETag and size still decide."""
-    from resumable_stream.checks import fingerprint_diff
-    from resumable_stream.index import changed_files
+    from resumable_stream.sources.index import changed_files
+    from resumable_stream.state.checks import fingerprint_diff
 
     url = "http://127.0.0.1:1/part-00000.parquet"
     newer = {"path": url, "size": 10, "etag": '"a"', "last-modified": "Wed, 21 Oct 2015 07:28:00 GMT"}

@@ -18,7 +18,7 @@ from helpers import take_ids
 from hub_server import HubServer, use_hub
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,7 +75,7 @@ def test_hub_id_streams_the_repo_at_its_commit(hub):
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
     assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
     # identities asked in one batch equal those verify_files asks file by file (else every resume re-indexes)
-    from resumable_stream.hub import file_identities
+    from resumable_stream.io.hub import file_identities
     from resumable_stream.sources.resolve import file_identity
     indexed = {k: v for k, v in stream.source.fingerprint["files"][1].items() if k != "footer"}
     assert file_identities(files)[files[1]] == file_identity(files[1]) == indexed
@@ -210,7 +210,7 @@ def test_retry_after_is_waited_with_jitter(monkeypatch):
         import httpx as httpx2
     from huggingface_hub.utils import hf_raise_for_status
 
-    from resumable_stream.sources import net as source
+    from resumable_stream.io import net as source
 
     request = httpx2.Request("GET", "http://127.0.0.1:1/datasets/org/data/resolve/main/a.parquet")
     limited = httpx2.Response(429, headers={"Retry-After": "3"}, request=request)
@@ -335,7 +335,7 @@ def test_identities_from_datasets_listing_are_those_paths_info_gives(hub, tmp_pa
     LFS sha256. A file not in any listing is asked."""
     from huggingface_hub import HfFileSystem
 
-    from resumable_stream.hub import file_identities, listed_identities
+    from resumable_stream.io.hub import file_identities, listed_identities
 
     hub.reset_stats()
     stream = ResumableStream(hub_config())

@@ -141,17 +141,77 @@ def test_cycles_lists_each_circle_once():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_graph_of_the_package_sees_the_lazy_imports():
+def test_graph_of_the_package_sees_the_imports_in_functions():
     graph = package_graph()
-    assert f"{PACKAGE}.cache.warmup" in graph[f"{PACKAGE}.cache"]          # `from . import warmup`
-    assert f"{PACKAGE}.trainer_patch.train" in graph[f"{PACKAGE}.trainer_patch"]     # in a function
-    assert f"{PACKAGE}.cache" not in graph[f"{PACKAGE}.cache.warmup"]      # its parent package: no edge
+    assert f"{PACKAGE}.runtime.collectives" in graph[f"{PACKAGE}.stream.single"]   # only in check_in_step
+    assert f"{PACKAGE}.stream.mixture" in graph[f"{PACKAGE}.app.cli"]               # only in functions
+    assert f"{PACKAGE}.cache" not in graph[f"{PACKAGE}.cache.store"]               # its parent package: no edge
 
 
 # ------------------------------------------------------------------------------------------------ the package
 def test_no_import_circle():
     found = cycles(package_graph())
     assert not found, "import circles in the package:\n" + "\n".join("  " + " -> ".join(c) for c in found)
+
+
+# The layers of the house, lowest first (docs/architecture.md says what each owns): a module imports its own
+# layer and those below, never one above, at module level or in a function. The package's ``__init__`` (the
+# public names) and ``__main__`` modules (entry points: they run, nothing imports them) stand above them all; only
+# the commands (app) may import the package's public names.
+LAYERS = (("errors", "limits", "plan", "testing"), ("runtime",), ("observe",), ("config",), ("io",), ("sources",),
+          ("state",), ("dataset",), ("cache",), ("transforms",), ("stream",), ("loader",), ("integrations",),
+          ("app",))
+TOP_MODULES_AT_MOST = 8
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of a module's layer (by its first name under the package); None for the entry points."""
+    if module == PACKAGE or module.endswith(".__main__"):
+        return None
+    head = module[len(PACKAGE) + 1:].split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if head in names:
+            return i
+    raise AssertionError(f"{module}: in no layer of LAYERS (tests/test_imports.py); add its package there")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in sorted(graph.items()):
+        here = layer_of(module)
+        if here is None:
+            continue
+        for dep in sorted(deps):
+            there = layer_of(dep)
+            if there is None and dep == PACKAGE and LAYERS[here] == ("app",):
+                continue            # the commands may use the public names (and __version__) of the package
+            if there is None or there > here:
+                found.append(f"{module} ({'/'.join(LAYERS[here])}) imports {dep} "
+                             f"({'the package itself' if there is None else '/'.join(LAYERS[there])})")
+    return found
+
+
+def test_layers_reads_an_upward_import(tmp_path):
+    pkg = _write(tmp_path / PACKAGE, {
+        "__init__.py": "from .app import run\n", "__main__.py": "from .app import run\n",
+        "errors.py": "", "app/__init__.py": "from ..stream import s\nrun = 1\n",
+        "stream/__init__.py": "s = 1\ndef late():\n    from ..app import run\n",
+    })
+    assert upward_imports(import_graph(pkg)) == [
+        f"{PACKAGE}.stream (stream) imports {PACKAGE}.app (app)"]
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    found = upward_imports(package_graph())
+    assert not found, "imports that climb the layers:\n" + "\n".join("  " + f for f in found)
+
+
+def test_the_top_of_the_package_holds_a_handful_of_modules_and_no_lazy_names():
+    top = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert len(top) <= TOP_MODULES_AT_MOST, top
+    lazy = [str(path.relative_to(REPO_ROOT)) for path in module_files(PACKAGE_DIR, PACKAGE).values()
+            if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(path.read_text()).body)]
+    assert not lazy, f"module-level __getattr__ (names imported lazily to dodge a circle): {lazy}"
 
 
 # Optional extras: an import of the package must not need them (blocked in the subprocess below).
@@ -179,8 +239,8 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
 # Without torch: the stream core (config, plan, partitions, sources, sidecars, cache, checkpoint, the loader
 # in this process, the transforms' processors, the MindSpore adapter) imports with torch blocked; only the
 # PyTorch training paths need it. tests/against_mindspore runs the core in a venv that has no torch at all.
-NEEDS_TORCH = (f"{PACKAGE}.devices", f"{PACKAGE}.trainer_patch", f"{PACKAGE}.llamafactory.callbacks",
-               f"{PACKAGE}.llamafactory.run")
+NEEDS_TORCH = (f"{PACKAGE}.runtime.devices", f"{PACKAGE}.integrations.transformers", f"{PACKAGE}.app.train",
+               f"{PACKAGE}.integrations.llamafactory.callbacks", f"{PACKAGE}.app.llamafactory")
 _WITHOUT_TORCH = """
 import importlib, sys
 sys.modules.update(dict.fromkeys({blocked!r}))
@@ -208,8 +268,8 @@ def _import_without(blocked: tuple[str, ...], modules: list[str]) -> subprocess.
 
 def test_the_core_imports_without_torch():
     core = [m for m in sorted(module_files(PACKAGE_DIR, PACKAGE)) if not _needs_torch(m)]
-    assert {PACKAGE, f"{PACKAGE}.stream", f"{PACKAGE}.checkpoint", f"{PACKAGE}.loader",
-            f"{PACKAGE}.transforms.text", f"{PACKAGE}.mindspore"} <= set(core)
+    assert {PACKAGE, f"{PACKAGE}.stream", f"{PACKAGE}.state.checkpoint", f"{PACKAGE}.loader",
+            f"{PACKAGE}.transforms.text", f"{PACKAGE}.integrations.mindspore"} <= set(core)
     result = _import_without(("torch", *OPTIONAL_EXTRAS), core)
     assert result.returncode == 0, f"modules that need torch but are not listed in NEEDS_TORCH:\n{result.stdout}" \
                                    f"{result.stderr[-2000:]}"

@@ -25,10 +25,10 @@ from http_server import FileServer
 from training_helpers import free_port
 
 from resumable_stream import ResumableStream, SidecarError, SourceError, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main as cli_main
-from resumable_stream.index import load_index
+from resumable_stream.app.cli import main as cli_main
 from resumable_stream.sources import open_source
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.sources.index import load_index
+from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]
 
@@ -383,13 +383,13 @@ def test_new_keys_are_validated(key, bad):
 
 
 def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
-    from resumable_stream.synthetic import write_jsonl_dataset
+    from resumable_stream.testing import write_jsonl_dataset
 
     files = write_jsonl_dataset(str(tmp_path / "j"), 20, 2)
     (tmp_path / "data.yaml").write_text(json.dumps({"dataset_name_or_path": "json", "data_files": files}))
     assert cli_main(["index", str(tmp_path / "data.yaml"), "-o", str(tmp_path / "i.json"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "registry.py are indexed" in err and "parquet, webdataset" in err and "'json'" in err
+    assert "config/formats.py are indexed" in err and "parquet, webdataset" in err and "'json'" in err
     assert not (tmp_path / "i.json").exists()
 
 
@@ -401,8 +401,8 @@ def test_trainer_restart_reuses_the_index_saved_with_its_checkpoint(tmp_path):
     the resumed run ends where an uninterrupted one does."""
     import yaml
 
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+    from resumable_stream.app.train import build_trainer, resolve_resume
+    from resumable_stream.config.trainer import TrainerConfig
 
     tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
     data = os.path.join(tiny, "data")

@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main
-from resumable_stream.sidecar import write_manifest
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.app.cli import main
+from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 

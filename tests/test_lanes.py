@@ -19,7 +19,7 @@ from training_helpers import DATA_PARALLEL_TRAIN, PAUSED_TRAIN, SLOW_MANIFEST_TR
     [sys.executable, PAUSED_TRAIN, "run.yaml"],
     [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", DATA_PARALLEL_TRAIN, TRAIN_LM, "x"],
     ["torchrun", "--nproc_per_node=2", "x.py"],
-    [sys.executable, "-m", "resumable_stream.cli", "train", "run.yaml"],
+    [sys.executable, "-m", "resumable_stream.app.cli", "train", "run.yaml"],
     f"{sys.executable} examples/demo.py --steps 40",
 ], ids=["train_lm", "train_vl", "slow_manifest_train", "paused_train", "torch.distributed.run", "torchrun", "cli-train", "shell-demo"])
 def test_a_test_not_marked_slow_cannot_start_a_training(argv):
@@ -28,7 +28,7 @@ def test_a_test_not_marked_slow_cannot_start_a_training(argv):
 
 
 def test_other_subprocesses_run_in_the_fast_lane():
-    for argv in ([sys.executable, "-m", "resumable_stream.cli", "peek", "--help"],
+    for argv in ([sys.executable, "-m", "resumable_stream.app.cli", "peek", "--help"],
                  [sys.executable, "-c", "print('train_lm.py')"]):
         assert lanes.training_command(argv) is None, argv
     r = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True, timeout=60)

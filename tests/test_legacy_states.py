@@ -17,7 +17,7 @@ from legacy_states import (
     stream_config,
 )
 
-from resumable_stream.mixture import open_stream
+from resumable_stream.stream.mixture import open_stream
 
 DIRS = {1: LEGACY_V1, 2: LEGACY_V2}
 EXPECTED = {}
@@ -74,7 +74,7 @@ def test_an_old_version_checkpoint_saved_again_continues_the_same(version, kind,
 @pytest.mark.parametrize("kind", ["stream", "mixture"])
 def test_inspect_reads_an_old_version_checkpoint(version, kind, capsys):
     """7 batches of 3 examples of 3 samples each were consumed per rank before the save."""
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     assert main(["inspect", os.path.join(DIRS[version], kind)]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -8,8 +8,8 @@ from helpers import parquet_config
 
 from resumable_stream import ResumableStream
 from resumable_stream.loader import StreamLoader
-from resumable_stream.sidecar import decode_state, encode_state
 from resumable_stream.sources import open_source
+from resumable_stream.state.sidecar import decode_state, encode_state
 
 
 def _ids(batch):
@@ -83,7 +83,7 @@ def test_two_ranks_with_workers_never_share_a_sample(setup):
 # ------------------------------------------------------------------------------ review regressions
 @pytest.fixture(scope="module")
 def dataset_600(tmp_path_factory):
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     d = tmp_path_factory.mktemp("d600")
     write_parquet_dataset(str(d), rows=600, files=12, row_group_size=25)

@@ -12,7 +12,7 @@ from helpers import parquet_config
 
 from resumable_stream import ConfigError, ResumableStream
 from resumable_stream.loader import StreamLoader
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 MiB = 2**20
 

@@ -13,15 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from resumable_stream import StreamConfig
-from resumable_stream.local_parquet import (
+from resumable_stream.sources import RetryPolicy, open_source
+from resumable_stream.sources.parquet_local import (
     cast_like_datasets,
     resolve_local_parquet,
     simple_features,
     simple_schema,
 )
-from resumable_stream.sources import RetryPolicy, open_source
 from resumable_stream.sources.resolve import builder_args, resolve_files
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 
 def _table(start: int = 0, n: int = 10) -> pa.Table:
@@ -193,7 +193,7 @@ def plain_dir(tmp_path_factory):
 
 def test_the_index_is_the_one_datasets_resolution_builds(plain_dir, monkeypatch):
     """Opened without datasets, or with it (resolution by ``load_dataset_builder``): the same index, tables."""
-    from resumable_stream import local_parquet
+    from resumable_stream.sources import parquet_local as local_parquet
     from resumable_stream.sources import resolve
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(plain_dir, "*.parquet"))
@@ -201,7 +201,7 @@ def test_the_index_is_the_one_datasets_resolution_builds(plain_dir, monkeypatch)
     with monkeypatch.context() as mp:
         mp.setattr(resolve, "resolve_local_parquet", lambda *a: None)
         mp.setattr(local_parquet, "simple_features", lambda schema: None)
-        mp.setattr("resumable_stream.parquet_files.simple_schema", lambda features: None)
+        mp.setattr("resumable_stream.sources.parquet_rows.simple_schema", lambda features: None)
         theirs = open_source(cfg)
     assert json.dumps(ours.index) == json.dumps(theirs.index)
     assert ours.fingerprint == theirs.fingerprint
@@ -245,7 +245,8 @@ def test_row_groups_decode_as_parquet_file_decodes_them(tmp_path, monkeypatch):
     default pool, as the user chose."""
     import pyarrow as pa
 
-    from resumable_stream import arrow_pool, parquet_files
+    from resumable_stream.runtime import arrow_pool
+    from resumable_stream.sources import parquet_rows as parquet_files
 
     table = pa.table({"i": pa.array([1, None, 3] * 40, pa.int64()), "s": ["a", "bb", None] * 40,
                       "l": pa.array([[1, 2], None, []] * 40, pa.list_(pa.int32())),
@@ -274,7 +275,7 @@ def test_rows_pool_falls_back_to_the_system_allocator_without_jemalloc(monkeypat
     rows then come from the system allocator, not an error."""
     import pyarrow as pa
 
-    from resumable_stream import arrow_pool
+    from resumable_stream.runtime import arrow_pool
 
     def no_jemalloc():
         raise NotImplementedError("This Arrow build does not enable jemalloc")
@@ -302,7 +303,7 @@ def test_local_prefetch_depth_keeps_the_next_shards_in_flight_and_no_more(plain_
 @pytest.mark.parametrize("i", range(26))
 def test_the_directory_scan_is_fsspecs_glob(tree, i, monkeypatch):
     """Plain patterns are listed with one os.scandir: the same files as through fsspec's glob."""
-    from resumable_stream import local_parquet
+    from resumable_stream.sources import parquet_local as local_parquet
 
     monkeypatch.chdir(tree)
     patterns = _patterns(tree)[i]

@@ -13,8 +13,8 @@ import pytest
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
 from resumable_stream.loader import StreamLoader
-from resumable_stream.monitoring import MonitorSettings
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.observe.monitoring import MonitorSettings
+from resumable_stream.testing import write_parquet_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")
@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def _log(loader, **settings):
-    from resumable_stream.trainer_patch.data_metrics import DataMetricsLog
+    from resumable_stream.integrations.transformers.data_metrics import DataMetricsLog
 
     return DataMetricsLog(loader, MonitorSettings.from_data(settings), {}, rank=0, world_size=1)
 
@@ -106,8 +106,8 @@ def test_metrics_addr_without_metrics_port_is_a_config_error():
 
 
 def test_metrics_addr_is_read_wherever_metrics_port_is(tmp_path):
-    from resumable_stream.llamafactory.settings import monitor_settings, split
-    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.config.trainer import TrainerConfig
+    from resumable_stream.integrations.llamafactory.settings import monitor_settings, split
 
     # the trainer yaml, with key=value overrides as `resumable-stream train` takes them
     cfg = TrainerConfig.from_yaml(TINY, ["data.metrics_port=9400", "data.metrics_addr=127.0.0.1"])

@@ -44,14 +44,14 @@ from resumable_stream import (
     StreamMismatchError,
     open_stream,
 )
-from resumable_stream.config import STOPPING
+from resumable_stream.config.stream_config import STOPPING
+from resumable_stream.config.trainer import TrainerConfig
 from resumable_stream.errors import SourceError
 from resumable_stream.loader import StreamLoader
-from resumable_stream.mixture import draw_sources, source_counts
-from resumable_stream.sidecar import decode_state, encode_state, write_manifest
 from resumable_stream.sources import Source, open_source
-from resumable_stream.synthetic import synthetic_rows
-from resumable_stream.trainer_patch.config import TrainerConfig
+from resumable_stream.state.sidecar import decode_state, encode_state, write_manifest
+from resumable_stream.stream.mixture import draw_sources, source_counts
+from resumable_stream.testing import synthetic_rows
 
 B_START, C_START = 100_000, 200_000
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
@@ -446,7 +446,7 @@ def test_loader_with_workers_resumes_exactly_and_counts_what_was_consumed(dirs):
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def _cli(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "resumable_stream.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "resumable_stream.app.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -563,7 +563,7 @@ def test_a_source_without_rows_is_named_when_the_state_is_taken(tmp_path):
     import pyarrow.parquet as pq
 
     from resumable_stream.errors import SourceError
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     write_parquet_dataset(str(tmp_path / "a"), rows=100, files=2, row_group_size=25)
     (tmp_path / "z").mkdir()

@@ -17,9 +17,9 @@ from http_server import FileServer
 from training_helpers import free_port
 
 from resumable_stream import ConfigError, SidecarError, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main as cli_main
-from resumable_stream.mixture import MixtureStream, open_stream
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.app.cli import main as cli_main
+from resumable_stream.stream.mixture import MixtureStream, open_stream
+from resumable_stream.testing import write_parquet_dataset
 
 FAST = {"retries": 2, "retry_backoff_s": 0.02, "timeout_s": 5.0}
 
@@ -278,19 +278,19 @@ def test_index_command_writes_one_index_per_source_for_their_index_path(two_site
 
 
 def test_index_command_names_the_source_it_cannot_index(two_sites, tmp_path, capsys):
-    from resumable_stream.synthetic import write_jsonl_dataset
+    from resumable_stream.testing import write_jsonl_dataset
 
     section = _mixture(two_sites.urls)
     section["sources"].append({"label": "notes", "dataset_name_or_path": "json",
                                "data_files": write_jsonl_dataset(str(tmp_path / "j"), 20, 2)})
     assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "data.sources[2].dataset_name_or_path" in err and "registry.py are indexed" in err and "parquet, webdataset" in err
+    assert "data.sources[2].dataset_name_or_path" in err and "config/formats.py are indexed" in err and "parquet, webdataset" in err
     assert not (tmp_path / "idx").exists()         # nothing written unless every source is indexed
 
 
 def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(two_sites, tmp_path, capsys):
-    from resumable_stream.checkpoint import finish
+    from resumable_stream.state.checkpoint import finish
 
     section = _mixture(two_sites.urls, block_rows=8, interleave_shards=1)
     cfg = StreamConfig.from_dict(section)
@@ -338,8 +338,8 @@ def test_trainer_restart_of_a_mixture_reuses_the_indexes_saved_with_its_checkpoi
     run does."""
     import yaml
 
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+    from resumable_stream.app.train import build_trainer, resolve_resume
+    from resumable_stream.config.trainer import TrainerConfig
 
     tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
     names = {"lm": "data", "notes": "data_notes"}

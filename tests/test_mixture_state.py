@@ -10,7 +10,7 @@ from legacy_states import copy_data, mixture_config, stream_config
 from safetensors import safe_open
 
 from resumable_stream import MixtureStream, ResumableStream, SidecarError, StreamMismatchError
-from resumable_stream.partition import Cursor
+from resumable_stream.state.partition_state import Cursor
 
 
 @pytest.fixture(scope="module")

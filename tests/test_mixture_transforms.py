@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from resumable_stream import StreamConfig
 from resumable_stream.errors import ConfigError, StreamMismatchError
 from resumable_stream.loader import StreamLoader
-from resumable_stream.mixture import open_stream
+from resumable_stream.stream.mixture import open_stream
 from resumable_stream.transforms import IGNORE_INDEX, TextProcessor, TransformConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

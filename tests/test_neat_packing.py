@@ -97,7 +97,7 @@ def test_packing_mode_neat_needs_packing():
 
 
 def test_trainer_yaml_accepts_packing_mode(tmp_path):
-    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.config.trainer import TrainerConfig
 
     doc = {"model": {"tokenizer": "t", "config": {"model_type": "qwen3"}},
            "data": {"dataset_name_or_path": "parquet", "data_files": "x/*.parquet", "packing": True,
@@ -332,7 +332,7 @@ def _loader(directory, tok, workers):
 
 @pytest.fixture(scope="module")
 def dataset_600(tmp_path_factory):
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     d = tmp_path_factory.mktemp("d600")
     write_parquet_dataset(str(d), rows=600, files=12, row_group_size=25)
@@ -378,8 +378,8 @@ def test_cli_train_with_neat_packing_learns_from_each_document_alone(tmp_path, t
 
     from training_helpers import train_losses, write_config
 
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import build_trainer
+    from resumable_stream.app.train import build_trainer
+    from resumable_stream.config.trainer import TrainerConfig
 
     data = {"packing_mode": "neat", "max_seq_len": 64}
     if template == "train_sft.yaml":

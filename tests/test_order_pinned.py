@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from resumable_stream import MixtureStream, ResumableStream, StreamConfig
-from resumable_stream.synthetic import synthetic_rows, write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_jsonl_dataset, write_parquet_dataset
 
 
 def _keys_digest(keys: list) -> str:

@@ -19,7 +19,7 @@ from training_helpers import (
     write_config,
 )
 
-from resumable_stream.output_lock import LOCK_FILE
+from resumable_stream.runtime.output_lock import LOCK_FILE
 
 pytestmark = pytest.mark.slow
 

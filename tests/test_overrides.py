@@ -10,9 +10,9 @@ import yaml
 from helpers import take_ids
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
-from resumable_stream.cli import main
-from resumable_stream.overrides import parse
-from resumable_stream.trainer_patch.config import TrainerConfig
+from resumable_stream.app.cli import main
+from resumable_stream.config.overrides import parse
+from resumable_stream.config.trainer import TrainerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_LM = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")

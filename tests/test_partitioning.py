@@ -61,7 +61,7 @@ def test_row_striding_when_fewer_shards_than_partitions(parquet_two_shards, worl
     cfg = parquet_config(parquet_two_shards, shuffle=True, buffer_size=32)
     source = open_source(cfg)
     partitions = world_size * max(1, num_workers)
-    with caplog.at_level(logging.WARNING, logger="resumable_stream.stream"):
+    with caplog.at_level(logging.WARNING, logger="resumable_stream.stream.single"):
         per_rank = _epoch_ids_main_process(cfg, source, world_size, num_workers)
     _assert_exact_cover(per_rank, 300)
     if partitions > 2:

@@ -15,7 +15,7 @@ from http_server import FileServer
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig
 from resumable_stream.sources import open_source
-from resumable_stream.synthetic import write_parquet_dataset
+from resumable_stream.testing import write_parquet_dataset
 
 ROWS, FILES, ROW_GROUP = 48_000, 8, 1000        # 48 row groups of ~14 KB on the wire, ~80 KB decoded
 READ = 24_000
@@ -148,7 +148,7 @@ def test_a_forked_worker_does_not_wait_on_a_lock_its_parent_held_at_the_fork():
 
     import pyarrow as pa
 
-    from resumable_stream.prefetch import Prefetcher
+    from resumable_stream.sources.prefetch import Prefetcher
 
     class Rows:
         def fetch(self, shard):
@@ -197,7 +197,7 @@ def test_a_consumer_pause_does_not_cut_the_depth():
 
     import pyarrow as pa
 
-    from resumable_stream.prefetch import Prefetcher
+    from resumable_stream.sources.prefetch import Prefetcher
 
     latency, per_row_group, window_rows = 0.05, 0.004, 4     # a window opens 4 row groups, then consumes them
 

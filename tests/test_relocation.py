@@ -16,9 +16,9 @@ import pytest
 from helpers import take_ids as _take_column
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main
-from resumable_stream.relocation import dataset_root, relative_paths
-from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.app.cli import main
+from resumable_stream.state.relocation import dataset_root, relative_paths
+from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +73,7 @@ def test_local_copy_without_mtimes_resumes_exactly(saved, tmp_path, caplog):
     a, ref, state = saved
     b = str(tmp_path / "ssd" / "copy")
     _copy_tree(a, b)
-    with caplog.at_level(logging.INFO, logger="resumable_stream.relocation"):
+    with caplog.at_level(logging.INFO, logger="resumable_stream.state.relocation"):
         resumed = ResumableStream(_cfg(b, resume_state_path=state))
     assert resumed.source.fingerprint["files"][0]["mtime"] == 1_000_000_000    # the mtimes did change
     assert take_ids(resumed, AFTER) == ref[K:K + AFTER]
@@ -122,7 +122,7 @@ def test_moved_jsonl_resumes_with_a_warning_and_a_resized_file_is_caught(tmp_pat
     take_ids(first, 90)
     first.save_sidecar(tmp_path / "state")
     _copy_tree(a, b)
-    with caplog.at_level(logging.WARNING, logger="resumable_stream.relocation"):
+    with caplog.at_level(logging.WARNING, logger="resumable_stream.state.relocation"):
         resumed = ResumableStream(_cfg(b, "*.jsonl", builder="json", resume_state_path=str(tmp_path / "state")))
     assert take_ids(resumed, 110) == ref[90:200]
     assert "3 file(s) have no content identity comparable across the move" in caplog.text

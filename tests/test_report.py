@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from resumable_stream.cli import main
-from resumable_stream.report import LOG_NAME, META_PREFIX, SIZE_PX, format_summary, read_log, summarize
+from resumable_stream.app.cli import main
+from resumable_stream.app.report import LOG_NAME, META_PREFIX, SIZE_PX, format_summary, read_log, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -241,7 +241,7 @@ def test_a_log_outside_the_run_dir_or_not_a_regular_file_is_refused(tmp_path, ca
 def test_without_matplotlib_the_report_names_the_extra(tmp_path):
     run = tmp_path / "run"
     _write_log(run, [_data_record(1)])
-    code = ("import sys; sys.modules['matplotlib'] = None; from resumable_stream.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from resumable_stream.app.cli import main; "
             f"sys.exit(main(['report', {str(run)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -257,7 +257,7 @@ def _train_log(run_dir, lines, resumed_at: int = 0) -> str:
     writes NaN, Infinity and -Infinity as such), one ``(step, the Trainer's logs)`` per line."""
     from types import SimpleNamespace
 
-    from resumable_stream.trainer_patch.callbacks import TrainLogCallback
+    from resumable_stream.integrations.transformers.callbacks import TrainLogCallback
 
     writer = TrainLogCallback(str(run_dir), samples_per_step=8)
     state = SimpleNamespace(is_world_process_zero=True, global_step=resumed_at)

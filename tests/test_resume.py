@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resumable_stream import ResumableStream
-from resumable_stream.sidecar import decode_state, encode_state
 from resumable_stream.sources import Source, open_source
+from resumable_stream.state.sidecar import decode_state, encode_state
 
 _SOURCES = {}
 
@@ -143,7 +143,7 @@ def test_resume_reads_one_window_not_the_past(parquet_60, stop):
 
 def _cli(*args, cwd=None):
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "resumable_stream.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "resumable_stream.app.cli", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=300)
 
 

@@ -4,7 +4,7 @@ line's own step: a damaged line costs none of the others."""
 import json
 import logging
 
-from resumable_stream.trainer_patch.callbacks import truncate_jsonl
+from resumable_stream.integrations.transformers.callbacks import truncate_jsonl
 
 
 def _lines(steps):

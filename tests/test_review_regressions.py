@@ -9,9 +9,9 @@ import pytest
 from helpers import parquet_config, take_ids
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 from resumable_stream.loader import StreamLoader
-from resumable_stream.synthetic import write_jsonl_dataset
+from resumable_stream.testing import write_jsonl_dataset
 from resumable_stream.transforms.errors import TransformError
 
 

@@ -22,8 +22,8 @@ import yaml
 from s3_server import S3Server
 
 from resumable_stream import ResumableStream, SourceError, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main
-from resumable_stream.synthetic import synthetic_rows, write_parquet_dataset
+from resumable_stream.app.cli import main
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytest.importorskip("s3fs")
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("hub_offline")]
@@ -95,7 +95,7 @@ def _reference(b: Bucket) -> list[int]:
 
 def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "resumable_stream.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "resumable_stream.app.cli", *argv], capture_output=True, text=True,
                           env=full, timeout=150)
 
 
@@ -154,7 +154,7 @@ def test_requests_to_open_and_read_are_two_listings_plus_one_per_object_then_one
 
 
 def test_identities_from_one_listing_are_those_a_head_of_each_object_gives(bucket):
-    from resumable_stream.ranged import listed_identities
+    from resumable_stream.io.ranged import listed_identities
     from resumable_stream.sources import RetryPolicy
     from resumable_stream.sources.resolve import file_identity
 

@@ -10,7 +10,7 @@ from helpers import take_ids
 from safetensors import safe_open
 
 from resumable_stream import ResumableStream, SidecarError, StreamMismatchError
-from resumable_stream import sidecar as sc
+from resumable_stream.state import sidecar as sc
 
 
 def _saved(cfg, source, tmp_path, n=150, world_size=1, rank=0, num_workers=0):
@@ -108,7 +108,7 @@ def test_consumed_digest_is_kept_up_as_samples_are_consumed(cfg, source, monkeyp
     the previous one (the loader takes one per batch, so its cost must not grow with buffer_size)."""
     import hashlib
 
-    from resumable_stream import partition
+    from resumable_stream.stream import partition
 
     hashed = []
     blake2b = hashlib.blake2b

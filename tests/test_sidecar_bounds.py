@@ -13,11 +13,12 @@ from helpers import resealed, run_cli_forked, run_forked, take_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resumable_stream import ConfigError, ResumableStream, SidecarError, safe_io
-from resumable_stream import index as index_mod
-from resumable_stream import sidecar as sc
-from resumable_stream.cli import main
+from resumable_stream import ConfigError, ResumableStream, SidecarError
+from resumable_stream.app.cli import main
 from resumable_stream.errors import SourceError
+from resumable_stream.io import safe_files as safe_io
+from resumable_stream.sources import index as index_mod
+from resumable_stream.state import sidecar as sc
 
 DEEP = 100_000     # levels of nesting of the deep JSON documents
 

@@ -14,9 +14,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from resumable_stream import ResumableStream, SidecarError
-from resumable_stream import sidecar as sc
-from resumable_stream.cli import main
-from resumable_stream.partition import Cursor
+from resumable_stream.app.cli import main
+from resumable_stream.state import sidecar as sc
+from resumable_stream.state.partition_state import Cursor
 
 
 @pytest.fixture(scope="module")

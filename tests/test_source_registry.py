@@ -18,10 +18,11 @@ import pytest
 from helpers import seeded_rng, take_ids
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig, StreamMismatchError
+from resumable_stream.config import formats as registry
 from resumable_stream.errors import SourceError
-from resumable_stream.index import load_index, save_index
-from resumable_stream.sidecar import decode_state, encode_state, write_manifest
-from resumable_stream.sources import open_source, registry
+from resumable_stream.sources import open_source
+from resumable_stream.sources.index import load_index, save_index
+from resumable_stream.state.sidecar import decode_state, encode_state, write_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES, LINES = 4, 150          # 600 rows; shards of 64 lines: 3 per file (64, 64, 22), 12 in all
@@ -180,7 +181,7 @@ def test_a_sigkilled_reader_resumes_exactly(lines_format, lines_data, tmp_path):
 
 
 def test_resumable_stream_index_writes_a_lines_index_that_is_verified(lines_format, lines_data, tmp_path, capsys):
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     cfg_path = tmp_path / "lines.yaml"
     cfg_path.write_text(json.dumps({"data": {"dataset_name_or_path": "lines",
@@ -252,7 +253,7 @@ def test_a_format_that_claims_anothers_builder_or_extension_is_refused(lines_for
 
 
 def test_a_lines_checkpoint_resumes_from_its_saved_index_and_inspects(lines_format, lines_data, tmp_path, capsys):
-    from resumable_stream.cli import main
+    from resumable_stream.app.cli import main
 
     cfg = lines_config(lines_data, shuffle=True, buffer_size=30)
     first = ResumableStream(cfg)

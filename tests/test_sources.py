@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from resumable_stream import ConfigError, ResumableStream, SourceError, StreamConfig, StreamMismatchError
-from resumable_stream.synthetic import synthetic_rows, write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_jsonl_dataset, write_parquet_dataset
 
 N = 240          # rows of every dataset in the format tests
 FILES = 3        # files they are spread over
@@ -513,8 +513,8 @@ def test_data_dir_narrows_a_dataset_to_one_folder(tmp_path):
     import itertools
 
     from resumable_stream import ResumableStream, StreamConfig
-    from resumable_stream.index import resolution_key
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.sources.index import resolution_key
+    from resumable_stream.testing import write_parquet_dataset
 
     root = tmp_path / "ds"
     write_parquet_dataset(str(root / "big"), rows=300, files=2, row_group_size=50)

@@ -9,7 +9,7 @@ from legacy_states import TripleProcessor, collate, copy_data, mixture_config, s
 
 from resumable_stream import MixtureStream, ResumableStream, Stream
 from resumable_stream.loader import StreamLoader
-from resumable_stream.stream_base import round_robin
+from resumable_stream.stream.base import round_robin
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "resumable_stream"
 PROTOCOL_MEMBERS = {name for name in dir(Stream) if not name.startswith("_")} | set(Stream.__annotations__)
@@ -73,14 +73,14 @@ def test_round_robin_rotates_skips_ended_iterators_and_reports_its_turn():
 
 # Reads of a third-party object's private members that we must override or call: (module, attribute).
 THIRD_PARTY_PRIVATES = {
-    ("trainer_patch/patch.py", "_save_checkpoint"),      # transformers.Trainer: where checkpoints are written
-    ("trainer_patch/patch.py", "_rotate_checkpoints"),   # transformers 4.x: rotation, deferred until complete
-    ("trainer_patch/patch.py", "_get_output_dir"),       # transformers.Trainer: where the checkpoint went
-    ("trainer_patch/patch.py", "_load_optimizer_and_scheduler"),   # transformers.Trainer: optimizer to cpu
-    ("devices.py", "_prepare_backend"),                  # accelerate.PartialState: the gloo backend on CPU
-    ("trainer_patch/train.py", "_exit"),                 # os._exit when the launcher is gone
-    ("trainer_patch/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use
-    ("trainer_patch/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
+    ("integrations/transformers/patch.py", "_save_checkpoint"),      # transformers.Trainer: where checkpoints are written
+    ("integrations/transformers/patch.py", "_rotate_checkpoints"),   # transformers 4.x: rotation, deferred until complete
+    ("integrations/transformers/patch.py", "_get_output_dir"),       # transformers.Trainer: where the checkpoint went
+    ("integrations/transformers/patch.py", "_load_optimizer_and_scheduler"),   # transformers.Trainer: optimizer to cpu
+    ("runtime/devices.py", "_prepare_backend"),                  # accelerate.PartialState: the gloo backend on CPU
+    ("app/train.py", "_exit"),                 # os._exit when the launcher is gone
+    ("app/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use
+    ("app/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
     ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
 }
 

@@ -20,13 +20,7 @@ from safetensors.numpy import save as st_save
 from transformers import AutoTokenizer
 
 from resumable_stream.errors import ConfigError, ResumableStreamError, SidecarError, StreamMismatchError
-from resumable_stream.transforms import (
-    IGNORE_INDEX,
-    TextProcessor,
-    TransformConfig,
-    TransformError,
-    collate,
-)
+from resumable_stream.transforms import IGNORE_INDEX, TextProcessor, TransformConfig, TransformError, collate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")

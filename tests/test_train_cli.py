@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from training_helpers import train_losses, write_config
 
-from resumable_stream import threads
-from resumable_stream.trainer_patch.startup import quiet_tied_weights
+from resumable_stream.app.startup import quiet_tied_weights
+from resumable_stream.runtime import threads
 
 TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 128,

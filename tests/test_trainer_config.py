@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from resumable_stream import ConfigError, StreamConfig
-from resumable_stream.trainer_patch.config import TrainerConfig
+from resumable_stream.config.trainer import TrainerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")

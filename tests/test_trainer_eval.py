@@ -9,8 +9,8 @@ import yaml
 from training_helpers import StopAt
 
 from resumable_stream import ConfigError
-from resumable_stream.trainer_patch.config import TrainerConfig
-from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
+from resumable_stream.app.train import build_trainer, resolve_resume
+from resumable_stream.config.trainer import TrainerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")

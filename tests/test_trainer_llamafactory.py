@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from resumable_stream import StreamConfig, open_stream
-from resumable_stream.trainer_patch import TrainingStream, patch_trainer
-from resumable_stream.transforms.config import TransformConfig
+from resumable_stream.config.transforms import TransformConfig
+from resumable_stream.integrations.transformers import TrainingStream, patch_trainer
 from resumable_stream.transforms.text import TextProcessor
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import torch
 import yaml
 
 from resumable_stream import SidecarError
+from resumable_stream.app.train import build_trainer, resolve_resume
+from resumable_stream.config.trainer import TrainerConfig
+from resumable_stream.integrations.transformers import checkpoints as ck
+from resumable_stream.integrations.transformers import stream_loader
 from resumable_stream.loader import StreamLoader
-from resumable_stream.trainer_patch import checkpoints as ck
-from resumable_stream.trainer_patch import stream_loader
-from resumable_stream.trainer_patch.config import TrainerConfig
-from resumable_stream.trainer_patch.train import build_trainer, resolve_resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")
@@ -101,7 +101,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
 def test_unpatched_datasets_keep_the_trainer_path(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from resumable_stream.trainer_patch import patch_trainer
+    from resumable_stream.integrations.transformers import patch_trainer
 
     patch_trainer(Trainer)
 

@@ -18,7 +18,7 @@ import yaml
 from PIL import Image
 from training_helpers import TINY, TRAIN_VL, write_vl_config
 
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,7 +109,7 @@ def test_wrong_images_column_is_a_config_error(tmp_path, capsys):
 
 
 def test_shipped_vl_yamls_are_valid():
-    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.config.trainer import TrainerConfig
 
     cfg = TrainerConfig.from_yaml(os.path.join(TINY, "train_vl.yaml"))
     assert cfg.transform.format == "vl" and cfg.model.processor == os.path.join(TINY, "vl")
@@ -125,9 +125,9 @@ def test_vl_with_a_text_only_checkpoint_is_a_config_error(tmp_path):
     that holds no model) is a ConfigError naming model.name_or_path, not an unexpected ValueError."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from resumable_stream.app.train import _load_model
+    from resumable_stream.config.trainer import TrainerConfig
     from resumable_stream.errors import ConfigError
-    from resumable_stream.trainer_patch.config import TrainerConfig
-    from resumable_stream.trainer_patch.train import _load_model
     from resumable_stream.transforms.vl import load_processor
 
     processor = load_processor(os.path.join(TINY, "vl"))

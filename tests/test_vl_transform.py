@@ -26,9 +26,9 @@ from safetensors.numpy import save as st_save
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import ConfigError, StreamMismatchError
+from resumable_stream.io import net
+from resumable_stream.io.net import RetryPolicy
 from resumable_stream.loader import StreamLoader
-from resumable_stream.sources import net
-from resumable_stream.sources.net import RetryPolicy
 from resumable_stream.transforms import IGNORE_INDEX, TransformConfig, TransformError, VLProcessor, collate_vl
 from resumable_stream.transforms import vl as vl_module
 from resumable_stream.transforms.vl import load_processor, processor_digest
@@ -212,7 +212,7 @@ def test_a_template_that_rewrites_assistant_text_follows_bad_sample(processor, c
 def test_collate_variable_images_matches_the_model_sample_by_sample(processor):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from resumable_stream.trainer_patch.train import _vl_config_fields
+    from resumable_stream.app.train import _vl_config_fields
 
     proc = make(processor)
     samples = [
@@ -606,7 +606,7 @@ def test_bad_vl_config_values(section, message):
 
 
 def test_trainer_config_vl_needs_a_processor_and_resolves_paths(tmp_path):
-    from resumable_stream.trainer_patch.config import TrainerConfig
+    from resumable_stream.config.trainer import TrainerConfig
 
     with open(os.path.join(TINY, "train_vl.yaml"), encoding="utf-8") as f:
         doc = yaml.safe_load(f)

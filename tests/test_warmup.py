@@ -11,11 +11,12 @@ from helpers import parquet_config, shared_source, take_ids
 from http_server import FileServer
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.cache import CachedSource, plan_warmup, run_warmup
-from resumable_stream.cli import main
-from resumable_stream.sidecar import write_manifest
+from resumable_stream.app.cli import main
+from resumable_stream.app.warmup import plan_warmup, run_warmup
+from resumable_stream.cache import CachedSource
 from resumable_stream.sources import open_source
-from resumable_stream.synthetic import write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,11 +25,12 @@ import pyarrow.parquet as pq
 import pytest
 from wds_data import text_samples, write_tars
 
-from resumable_stream import ResumableStream, StreamConfig, metrics
+from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.loader import StreamLoader
-from resumable_stream.mixture import MixtureStream
-from resumable_stream.prometheus import DataPathCollector, serve
-from resumable_stream.synthetic import synthetic_rows
+from resumable_stream.observe import metrics
+from resumable_stream.observe.prometheus import DataPathCollector, serve
+from resumable_stream.stream.mixture import MixtureStream
+from resumable_stream.testing import synthetic_rows
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,10 +13,10 @@ import pytest
 from wds_data import add, mixed_samples, text_samples, write_tar, write_tars
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 from resumable_stream.errors import ConfigError, SourceError
-from resumable_stream.sidecar import write_manifest
 from resumable_stream.sources import open_source, tar_index
+from resumable_stream.state.sidecar import write_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -235,7 +235,7 @@ def test_a_bad_tar_member_follows_data_bad_sample(tmp_path):
     the source's reason (tar, key, member), not an empty text column."""
     from transformers import AutoTokenizer
 
-    from resumable_stream.transforms.config import TransformConfig
+    from resumable_stream.config.transforms import TransformConfig
     from resumable_stream.transforms.errors import TransformError
     from resumable_stream.transforms.text import TextProcessor
 
@@ -330,7 +330,7 @@ def test_a_malformed_header_is_a_source_error_naming_the_file(tmp_path):
 
 
 def test_index_round_trip_and_forged_entries_are_refused(tmp_path):
-    from resumable_stream.index import decode_index, encode_index
+    from resumable_stream.sources.index import decode_index, encode_index
 
     files = write_tars(tmp_path / "d", 2, 5)
     index = open_source(_cfg(files)).index
@@ -491,7 +491,7 @@ def test_dataloader_workers_resume_exactly(tmp_path):
 
 def test_a_mixture_of_tars_and_parquet_resumes_exactly(tmp_path):
     from resumable_stream import MixtureConfig, open_stream
-    from resumable_stream.synthetic import write_parquet_dataset
+    from resumable_stream.testing import write_parquet_dataset
 
     tars = write_tars(tmp_path / "t", 2, 25)
     pq_dir = str(tmp_path / "p")

@@ -11,7 +11,7 @@ from http_server import FileServer
 from wds_data import mixed_samples, write_tars
 
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.cache import run_warmup
+from resumable_stream.app.warmup import run_warmup
 from resumable_stream.sources import open_source, tar_index
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]

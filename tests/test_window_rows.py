@@ -7,7 +7,7 @@ import pytest
 from helpers import take_ids
 
 from resumable_stream import ResumableStream
-from resumable_stream.partition import _row_maker
+from resumable_stream.stream.partition import _row_maker
 
 
 @pytest.mark.parametrize("names", [
@@ -77,7 +77,7 @@ def test_iterating_again_continues_where_the_last_iterator_stopped(cfg, source):
 def whole_windows(monkeypatch):
     """Windows made whole when built (the first part as big as any window): what the two-part windows below
     must give."""
-    from resumable_stream import partition
+    from resumable_stream.stream import partition
 
     def set_first(n):
         monkeypatch.setattr(partition, "FIRST_ROWS", n)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config import StreamConfig
+from ..config.stream_config import StreamConfig
 from ..sources.base import Source
 from .store import DEFAULT_BLOCK_ROWS, BlockStore, namespace
 

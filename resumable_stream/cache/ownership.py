@@ -18,7 +18,7 @@ import urllib.parse
 from contextlib import closing
 
 from ..errors import ConfigError
-from ..safe_io import FileRefused, read_regular_file
+from ..io.safe_files import FileRefused, read_regular_file
 from .disk import DBNAME
 
 MARKER = "resumable-stream-cache.json"

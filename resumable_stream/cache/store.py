@@ -47,7 +47,7 @@ from typing import Any
 import diskcache
 import pyarrow as pa
 
-from ..metrics import SharedCounters
+from ..observe.metrics import SharedCounters
 from .disk import DBNAME, SafeDisk, UnsafeEntry, read_value, sweep_orphans
 from .ownership import claim
 

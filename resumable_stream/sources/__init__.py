@@ -1,26 +1,17 @@
-"""Where rows come from: readers of datasets cut into shards we can name, and the registry of formats.
+"""Where rows come from: readers of datasets cut into shards we can name.
 
-``base.py`` (the ``Source`` interface), ``net.py`` (retries, timeouts, faults), ``resolve.py`` (resolution,
-identities, fingerprint, index building and checking), one module per reader (``parquet.py``,
-``datasets_stream.py``, ``map_style.py``), ``registry.py`` (the formats we index), ``open.py``
-(``open_source``). Names are imported lazily: ``config.py`` consults the registry, and the readers import
-``config.py``.
+``base.py`` (the ``Source`` interface), one module per reader (``parquet.py``, with the footer, row and
+row-group check modules ``parquet_local.py``, ``parquet_rows.py``, ``parquet_checks.py``; ``webdataset.py``
+with ``tar_index.py``; ``datasets_stream.py`` and ``map_style.py`` for what ``datasets`` reads),
+``prefetch.py``, ``index.py`` (the dataset index a job saves), ``resolve.py`` (which files a config means)
+and ``open.py`` (``open_source``). The registry of the formats we index is
+:mod:`resumable_stream.config.formats`, re-exported here for readers added from outside.
 """
 
-from __future__ import annotations
+from ..config.formats import SourceFormat, register, unregister
+from ..io.net import RetryPolicy
+from .base import READ_BATCH_ROWS, IndexedReader, ShardInfo, Source
+from .open import open_indexed, open_source
 
-import importlib
-
-_NAMES = {
-    "Source": "base", "ShardInfo": "base", "IndexedReader": "base", "READ_BATCH_ROWS": "base",
-    "RetryPolicy": "net", "open_source": "open", "open_indexed": "open",
-    "SourceFormat": "registry", "register": "registry", "unregister": "registry",
-}
-
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["READ_BATCH_ROWS", "IndexedReader", "RetryPolicy", "ShardInfo", "Source", "SourceFormat", "open_indexed",
+           "open_source", "register", "unregister"]

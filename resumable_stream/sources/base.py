@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import ResumableStreamError, SourceError
-from ..prefetch import Prefetcher
-from .net import RetryPolicy, datasets_retries_off
+from ..io.net import RetryPolicy, datasets_retries_off
+from .prefetch import Prefetcher
 
 # Rows per Arrow table handed to the stream while reading a shard.
 READ_BATCH_ROWS = 8192
@@ -83,7 +83,7 @@ class Source:
 
 class FetchesAhead(Source):
     """The prefetch capabilities of a source that fetches whole shards ahead in plan order through a
-    :class:`~resumable_stream.prefetch.Prefetcher` (``_fetch_ahead`` starts it; without it nothing is fetched
+    :class:`~resumable_stream.sources.prefetch.Prefetcher` (``_fetch_ahead`` starts it; without it nothing is fetched
     ahead). Subclasses read a shard's fetch with ``_taken(shard)``."""
 
     _prefetch = None
@@ -204,7 +204,7 @@ class RetriedSource(Source):
 
 
 class IndexedReader:
-    """A format we index and read ourselves (registered in :mod:`~resumable_stream.sources.registry`).
+    """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`).
 
     The index lists, per file, what ``index_file`` returns: the file's identity (given, as listed or asked for
     by the caller) plus the layout the reader needs to cut it into shards without reading it again. Exact

@@ -11,10 +11,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config import StreamConfig
+from ..config.stream_config import StreamConfig
 from ..errors import SourceError
+from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, RetriedSource, ShardInfo
-from .net import RetryPolicy
 
 
 class DatasetsStreamSource(RetriedSource):

@@ -9,10 +9,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config import StreamConfig
+from ..config.stream_config import StreamConfig
 from ..errors import ConfigError, SourceError
+from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, ShardInfo, Source
-from .net import RetryPolicy
 
 # Rows per shard when a dataset is loaded normally.
 MAP_STYLE_SHARD_ROWS = 8192

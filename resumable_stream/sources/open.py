@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config import StreamConfig
-from ..index import map_files
-from . import registry
+from ..config import formats as registry
+from ..config.stream_config import StreamConfig
+from ..io.net import RetryPolicy
+from ..runtime.threads import map_files
 from .base import Source
 from .datasets_stream import open_streaming
 from .map_style import open_local, open_prepared
-from .net import RetryPolicy
 from .resolve import (
     build_index,
     builder_args,

@@ -1,8 +1,8 @@
 """Parquet, indexed: one shard per row group, read with pyarrow as one ranged read of its byte span.
 
 The index entry of a file is its identity plus its footer's digest and row-group layout (``index.py``); the
-row groups are read, decoded and checked by :class:`~resumable_stream.parquet_files.ParquetFiles`, fetched
-ahead by the :class:`~resumable_stream.prefetch.Prefetcher` in the order the plan gives.
+row groups are read, decoded and checked by :class:`~resumable_stream.sources.parquet_rows.ParquetFiles`, fetched
+ahead by the :class:`~resumable_stream.sources.prefetch.Prefetcher` in the order the plan gives.
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config import StreamConfig
+from ..config.stream_config import StreamConfig
 from ..errors import SourceError, StreamMismatchError
-from ..index import (
+from ..io.net import RetryPolicy
+from ..io.ranged import read_range
+from ..limits import is_int
+from ..observe.metrics import record_row_group
+from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
+from .index import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
     features_of,
@@ -24,12 +29,7 @@ from ..index import (
     identity_of,
     split_footer,
 )
-from ..limits import is_int
-from ..metrics import record_row_group
-from ..parquet_files import ParquetFiles, read_checked
-from ..ranged import read_range
-from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
-from .net import RetryPolicy
+from .parquet_rows import ParquetFiles, read_checked
 from .resolve import dataset_fingerprint
 
 
@@ -129,7 +129,7 @@ def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
 
 class ParquetSource(FetchesAhead, RetriedSource):
     """An indexed parquet dataset, one shard per row group read with pyarrow
-    (:class:`~resumable_stream.parquet_files.ParquetFiles`), fetched ahead in plan order."""
+    (:class:`~resumable_stream.sources.parquet_rows.ParquetFiles`), fetched ahead in plan order."""
 
     def __init__(self, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None,
                  parquet: ParquetFiles, index: dict, prefetch_blocks: int | None = 0,

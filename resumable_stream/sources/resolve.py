@@ -17,15 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import StreamConfig
+from ..config import formats as registry
+from ..config.stream_config import StreamConfig
 from ..errors import ConfigError, SourceError, StreamMismatchError
-from ..hub import commit_sha, file_identities, hub_answer, hub_commits, hub_repo_of, pin_commits, probe_answer
-from ..hub import listed_identities as hub_listed_identities
-from ..index import changed_files, describe_changes, make_index, map_files
-from ..local_parquet import resolve_local_parquet
-from ..ranged import listed_identities
-from . import registry
-from .net import (
+from ..io.hub import (
+    commit_sha,
+    file_identities,
+    hub_answer,
+    hub_commits,
+    hub_repo_of,
+    pin_commits,
+    probe_answer,
+)
+from ..io.hub import listed_identities as hub_listed_identities
+from ..io.net import (
     BUCKET_PROTOCOLS,
     GLOB_CHARS,
     RetryPolicy,
@@ -36,6 +41,10 @@ from .net import (
     protocol_options,
     remote_answer,
 )
+from ..io.ranged import listed_identities
+from ..runtime.threads import map_files
+from .index import changed_files, describe_changes, make_index
+from .parquet_local import resolve_local_parquet
 
 # Raw file metadata read to build an index (parquet footers) is kept, and broadcast to the other ranks, up to
 # this many bytes in all; beyond, each process reads the footers of the files it reads, as they come.

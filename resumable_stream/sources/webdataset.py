@@ -27,12 +27,12 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
-from ..index import identity_of
-from ..metrics import record_row_group
-from ..ranged import read_range
+from ..io.net import RetryPolicy
+from ..io.ranged import read_range
+from ..observe.metrics import record_row_group
 from . import tar_index
 from .base import FetchesAhead, IndexedReader, ShardInfo
-from .net import RetryPolicy
+from .index import identity_of
 from .parquet import prefetch_depth
 from .resolve import dataset_fingerprint
 

@@ -1,6 +1,6 @@
 """Transforms from raw rows to training examples (text, chat messages with optional packing, vision-language)."""
 
-from .config import TransformConfig
+from ..config.transforms import TransformConfig
 from .errors import TransformError
 from .text import IGNORE_INDEX, TextProcessor, collate, collate_numpy, tokenizer_digest
 from .vl import VLProcessor, collate_vl, collate_vl_numpy, load_processor

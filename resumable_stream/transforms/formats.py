@@ -18,38 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None}
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": None}
-SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
-COLUMN_KEYS = ("prompt", "query", "response", "system", "history", "messages")
-# the column a format cannot do without; the others may be absent from a row (unless set explicitly)
-REQUIRED = {"alpaca": ("prompt", "response"), "sharegpt": ("messages",)}
-_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "tool", "function_tag": "assistant",
-          "system_tag": "system"}
+from ..config.chat_formats import REQUIRED, ROLES
+
 _PROMPT_TAGS = ("user_tag", "observation_tag")
 _REPLY_TAGS = ("assistant_tag", "function_tag")
 
 
 class BadRow(ValueError):
     """A row that does not have the configured format; the message says what is wrong, naming the column."""
-
-
-def resolved_columns(fmt: str, columns: dict[str, str] | None) -> dict[str, str | None]:
-    """The format's columns: LLaMA-Factory's defaults overridden by ``data.columns``."""
-    defaults = ALPACA_COLUMNS if fmt == "alpaca" else SHAREGPT_COLUMNS
-    return {**defaults, **{k: v for k, v in (columns or {}).items() if k in defaults}}
-
-
-def resolved_tags(tags: dict[str, str] | None) -> dict[str, str]:
-    return {**SHAREGPT_TAGS, **(tags or {})}
-
-
-def same_role_tags(tags: dict[str, str] | None) -> list[str]:
-    """The role tags (user_tag, ...) that share their value with another one, after defaults."""
-    resolved = resolved_tags(tags)
-    values = [resolved[k] for k in _ROLES]
-    return [k for k in _ROLES if values.count(resolved[k]) > 1]
 
 
 def to_messages(fmt: str, row: Any, columns: dict[str, str | None], tags: dict[str, str],
@@ -113,7 +89,7 @@ def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) ->
     if not isinstance(turns, (list, tuple)):
         raise BadRow(f"column {column!r} (data.columns.messages) holds {type(turns).__name__}, expected a list of "
                      f"{{{tags['role_tag']!r}: ..., {tags['content_tag']!r}: ...}}")
-    by_tag = {tags[k]: k for k in _ROLES}
+    by_tag = {tags[k]: k for k in ROLES}
     out = []
     said = 0      # user / observation / assistant / function turns so far: even -> a prompt is due
     for i, turn in enumerate(turns):
@@ -123,7 +99,7 @@ def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) ->
         tag, content = turn.get(tags["role_tag"]), turn.get(tags["content_tag"])
         kind = by_tag.get(tag)
         if kind is None:
-            allowed = ", ".join(repr(tags[k]) for k in _ROLES)
+            allowed = ", ".join(repr(tags[k]) for k in ROLES)
             raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tags['role_tag']!r} is {tag!r}; "
                          f"allowed: {allowed} (data.tags)")
         if not isinstance(content, str):
@@ -141,7 +117,7 @@ def _sharegpt(row: dict, column: str, tags: dict[str, str], has_system: bool) ->
                 raise BadRow(f"column {column!r} (data.columns.messages) turn {i}: {tag!r} out of order; turns "
                              f"alternate {'/'.join(repr(tags[k]) for k in _PROMPT_TAGS)} then "
                              f"{'/'.join(repr(tags[k]) for k in _REPLY_TAGS)}")
-        out.append({"role": _ROLES[kind], "content": content})
+        out.append({"role": ROLES[kind], "content": content})
     if out and out[-1]["role"] not in ("assistant",):
         raise BadRow(f"column {column!r} (data.columns.messages): the conversation ends with a "
                      f"{out[-1]['role']} turn; it must end with a {tags['assistant_tag']!r} or "

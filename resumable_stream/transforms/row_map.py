@@ -15,78 +15,13 @@ read from a sidecar or the cache does.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import inspect
-import re
-from collections.abc import Callable
-from types import CodeType
 from typing import Any
 
-from ..errors import ConfigError
-
-_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+from ..config.user_function import function_identity, load_function
 
 
 class BadMapResult(ValueError):
     """The function raised or returned something that is not a row, a list of rows or None."""
-
-
-def load_function(spec: Any, key: str = "data.map") -> Callable:
-    """The callable ``spec`` ("package.module:function", the function may be dotted, e.g. Class.method)
-    names; ``ConfigError`` naming ``key`` when it cannot be imported or is not callable."""
-    if not (isinstance(spec, str) and _SPEC.match(spec)):
-        raise ConfigError(f"{key}: got {spec!r}; allowed: 'package.module:function' (a module importable from "
-                          "PYTHONPATH, a colon, the function's name)")
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"{key}: got {spec!r}; module {e.name or module_name!r} not found (is its directory on "
-                          "PYTHONPATH?)") from None
-    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say so, as a config error
-        raise ConfigError(f"{key}: got {spec!r}; importing {module_name!r} failed ({type(e).__name__}: {e})") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{key}: got {spec!r}; {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{key}: got {spec!r}; {attr!r} is a {type(obj).__name__}, not callable")
-    return obj
-
-
-def _code_digest(code: CodeType, h: Any) -> None:
-    """Bytecode, names and constants (recursively for nested functions); not the file name or line numbers."""
-    h.update(code.co_code)
-    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            _code_digest(const, h)
-        else:
-            h.update(repr(const).encode())
-
-
-def function_identity(spec: str, fn: Callable, version: str | int | None, key: str = "data.map") -> dict[str, Any]:
-    """What the fingerprint records of the map function (module doc)."""
-    identity: dict[str, Any] = {"function": spec}
-    if version is not None:
-        identity["version"] = version
-        return identity
-    h = hashlib.blake2b(digest_size=16)
-    try:
-        source = inspect.getsource(fn if inspect.isroutine(fn) or inspect.isclass(fn) else type(fn))
-        h.update(source.encode())
-        identity["source_digest"] = h.hexdigest()
-        return identity
-    except (OSError, TypeError):    # no source file (e.g. defined in a REPL or a zip without sources)
-        pass
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        raise ConfigError(f"{key}: {spec!r} has neither source nor a code object to identify it by; set "
-                          "data.map_version to name its version")
-    _code_digest(code, h)
-    identity["code_digest"] = h.hexdigest()
-    return identity
 
 
 class RowMap:

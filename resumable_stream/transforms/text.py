@@ -43,10 +43,11 @@ from typing import Any
 
 import numpy as np
 
+from ..config.chat_formats import resolved_columns, resolved_tags
+from ..config.transforms import TransformConfig
 from ..errors import BAD_SAMPLE_COLUMN, SidecarError, StreamMismatchError
-from .config import TransformConfig
 from .errors import TransformError
-from .formats import BadRow, resolved_columns, resolved_tags, to_messages
+from .formats import BadRow, to_messages
 from .row_map import BadMapResult, RowMap
 
 log = logging.getLogger(__name__)

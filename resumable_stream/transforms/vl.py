@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
+from ..config.transforms import TransformConfig
 from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError
-from ..safe_io import FileRefused, read_regular_file
-from ..sources.net import HttpAnswer, RetryPolicy, fetch_url
-from .config import TransformConfig
+from ..io.net import HttpAnswer, RetryPolicy, fetch_url
+from ..io.safe_files import FileRefused, read_regular_file
 from .errors import TransformError
 from .row_map import BadMapResult, RowMap
 from .text import (

@@ -203,8 +203,8 @@ def test_index_path_with_several_datasets_is_a_directory_of_one_index_per_source
 
     from llamafactory.hparams import DataArguments
 
-    from resumable_stream.config import StreamConfig
-    from resumable_stream.llamafactory.data import stream_section
+    from resumable_stream.config.stream_config import StreamConfig
+    from resumable_stream.integrations.llamafactory.data import stream_section
 
     _, data = assets
     args = DataArguments(dataset="alpaca,sharegpt", dataset_dir=data, mix_strategy="interleave_under",

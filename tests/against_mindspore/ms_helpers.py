@@ -33,7 +33,7 @@ def processor_factory(tok):
 
 
 def mindspore_source(tok=None):
-    from resumable_stream.mindspore import MindSporeSource
+    from resumable_stream.integrations.mindspore import MindSporeSource
 
     tok = tok or tokenizer()
     return MindSporeSource(ResumableStream(stream_config(), rank=0, world_size=1), BATCH, COLUMNS,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from resumable_stream import ConfigError
-from resumable_stream.mindspore import ID_COLUMN, MindSporeSource, mindspore_topology
+from resumable_stream.integrations.mindspore import ID_COLUMN, MindSporeSource, mindspore_topology
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.integrations.mindspore import MindSporeSource
 from resumable_stream.loader import StreamLoader
-from resumable_stream.mindspore import MindSporeSource
 from resumable_stream.transforms import TransformConfig, VLProcessor, collate_vl_numpy, load_processor
 
 DATA = {"dataset_name_or_path": "parquet", "data_files": os.path.join(ms_helpers.TINY, "data_vl", "*.parquet"),

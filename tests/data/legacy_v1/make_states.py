@@ -31,8 +31,8 @@ from legacy_states import (
     stream_config,
 )
 
-from resumable_stream.mixture import open_stream
-from resumable_stream.sidecar import write_manifest
+from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.stream.mixture import open_stream
 
 SAVED_AFTER_BATCHES = 7
 NEXT_BATCHES = 6

@@ -1,0 +1,155 @@
+"""``resumable-stream llamafactory train CONFIG [key=value ...]``: LLaMA-Factory's ``run_exp`` with our stream.
+
+What is patched while it runs (and restored after):
+
+* ``get_dataset`` of the ``pt`` and ``sft`` workflows: the training dataset is our stream (:mod:`.data`);
+* the checkpoint LLaMA-Factory resumes automatically: the newest *complete* one (with ``trainer_state.json``
+  and the stream's manifest), never one a kill cut short (``get_last_checkpoint`` of its argument parser);
+* its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``) through :func:`patch_trainer`: no batch replay,
+  the stream state saved into and restored from every checkpoint, one job per ``output_dir``.
+
+A run whose newest complete checkpoint (or final ``trainer_state.json``) reached ``max_steps`` is finished:
+the command says so and changes nothing (LLaMA-Factory would save the freshly loaded model and an empty state
+over the finished outputs). ``FORCE_TORCHRUN=1`` (or several devices) launches torchrun as
+``llamafactory-cli`` does, with the same environment variables (NNODES, NODE_RANK, NPROC_PER_NODE,
+MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream.integrations.llamafactory``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import ConfigError
+from ..integrations.llamafactory import settings
+from ..integrations.transformers.checkpoints import TRAINER_STATE, latest_complete_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def _global_step(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as f:
+            step = json.load(f).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def finished_at(args: dict[str, Any]) -> int | None:
+    """The step a run on ``args``' output_dir already finished at (>= max_steps), or None."""
+    out = args.get("output_dir")
+    if not out or args.get("overwrite_output_dir") or not os.path.isdir(out):
+        return None
+    explicit = args.get("resume_from_checkpoint")
+    candidates = [explicit] if isinstance(explicit, str) else [latest_complete_checkpoint(out), out]
+    steps = [_global_step(c) for c in candidates if c]
+    done = max((s for s in steps if s is not None), default=None)
+    return done if done is not None and done >= args["max_steps"] else None
+
+
+@contextlib.contextmanager
+def patched(ours: dict[str, Any]) -> Iterator[None]:
+    """LLaMA-Factory's workflows reading our stream, resuming complete checkpoints, with patched trainers."""
+    import llamafactory.hparams.parser as parser
+    import llamafactory.train.pt.workflow as pt_workflow
+    import llamafactory.train.sft.workflow as sft_workflow
+    from llamafactory.train.pt.trainer import CustomTrainer
+    from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
+
+    from ..integrations.llamafactory.data import get_dataset
+    from ..integrations.transformers import patch_trainer
+
+    patch_trainer(CustomSeq2SeqTrainer)
+    patch_trainer(CustomTrainer)
+    saved = [(m, "get_dataset", m.get_dataset) for m in (sft_workflow, pt_workflow)]
+    saved.append((parser, "get_last_checkpoint", parser.get_last_checkpoint))
+    try:
+        for module, name, original in saved[:2]:
+            setattr(module, name, functools.partial(get_dataset, original, ours))
+        parser.get_last_checkpoint = latest_complete_checkpoint
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _callbacks(ours: dict[str, Any]) -> list:
+    from ..integrations.llamafactory.callbacks import ConsumedLog, TrimLogOnResume
+
+    out = [TrimLogOnResume()]
+    if ours.get("consumed_log"):
+        out.append(ConsumedLog(ours["consumed_log"]))
+    return out
+
+
+def _launched() -> bool:
+    """Already one rank of a torchrun job."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _wants_torchrun() -> bool:
+    from llamafactory.extras.misc import get_device_count, is_env_enabled
+
+    return is_env_enabled("FORCE_TORCHRUN") or get_device_count() > 1
+
+
+def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command (and environment) ``llamafactory-cli train`` would run, for our entry point."""
+    from llamafactory.extras.misc import find_available_port, get_device_count, is_env_enabled
+
+    env = dict(os.environ)
+    addr = os.getenv("MASTER_ADDR", "127.0.0.1")
+    port = os.getenv("MASTER_PORT", str(find_available_port()))
+    nproc = os.getenv("NPROC_PER_NODE", str(get_device_count() or 1))
+    if is_env_enabled("OPTIM_TORCH", "1"):        # as llamafactory's launcher sets them
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    rdzv_id = os.getenv("RDZV_ID")
+    if rdzv_id is not None:                       # elastic: torchrun's rendezvous
+        run += ["--nnodes", os.getenv("NNODES", "1"), "--nproc-per-node", nproc, "--rdzv-id", rdzv_id,
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}",
+                "--max-restarts", os.getenv("MAX_RESTARTS", "0")]
+    else:
+        run += ["--nnodes", os.getenv("NNODES", "1"), "--node_rank", os.getenv("NODE_RANK", "0"),
+                "--nproc_per_node", nproc, "--master_addr", addr, "--master_port", port]
+    return run + ["-m", "resumable_stream.integrations.llamafactory", "train", config, *overrides], env
+
+
+def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:
+    """Run (or launch) the training; the exit code. ``callbacks``: more TrainerCallbacks for LLaMA-Factory's
+    trainer (in this process only: torchrun's ranks run the command afresh)."""
+    args, ours = settings.read(config, overrides)
+    settings.refuse_unsupported(args)
+    args["streaming"] = True
+    if not _launched() and _wants_torchrun():
+        command, env = torchrun_command(config, overrides)
+        log.warning("launching %s", " ".join(command))
+        return subprocess.run(command, env=env).returncode
+    done = finished_at(args)
+    if done is not None:
+        print(f"resumable-stream llamafactory: {args['output_dir']} already finished at step {done} (max_steps "
+              f"{args['max_steps']}); nothing to train, outputs left as they are", file=sys.stderr)
+        return 0
+    from llamafactory.train.tuner import run_exp
+
+    from .train import die_with_launcher
+
+    die_with_launcher()
+    with patched(ours):
+        run_exp(args=args, callbacks=[*_callbacks(ours), *callbacks])
+    return 0
+
+
+def check_command(command: str) -> None:
+    if command != "train":
+        raise ConfigError(f"resumable-stream llamafactory {command}: allowed: train (LLaMA-Factory's chat, eval, "
+                          "export and webui run as they are, with llamafactory-cli)")

@@ -1,0 +1,437 @@
+"""``resumable-stream report RUN_DIR``: a picture of a run (a PNG of stacked panels over steps) and a short text
+summary, both from ``RUN_DIR/train_log.jsonl`` alone.
+
+The log is read once, as bytes (their blake2b digest goes into the PNG's text metadata, with the number of
+records plotted and the resume steps, so a picture says what it was drawn from). Lines that do not parse as
+records are skipped and counted; the log is never followed outside RUN_DIR (a ``train_log.jsonl`` symlink out
+of it is refused) and nothing it names (checkpoints, paths) is opened. matplotlib (the ``report`` extra) is
+imported only when the picture is drawn, with its Agg canvas and no pyplot state.
+
+Any number a line holds can be reported: the summary is computed without overflow (a mean or median of values
+near the float maximum included), and a value the picture cannot draw (NaN, an infinity, an int past the float
+range, or beyond +-DRAW_LIMIT, where matplotlib's tick arithmetic overflows) is left out of the picture and named
+in one warning line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, RunLogError
+from ..io.safe_files import FileRefused, read_regular_file
+
+LOG_NAME = "train_log.jsonl"
+DEFAULT_PNG = "report.png"
+FIGSIZE_IN = (10.0, 12.5)
+DPI = 100
+SIZE_PX = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))   # (width, height) of the PNG: 1000 x 1250
+MAX_LOG_BYTES = 2 * 1024**3
+META_PREFIX = "resumable-stream "   # PNG text keys: "resumable-stream log", "... log blake2b", ...
+NOT_RECORDED = "not recorded"
+# The largest magnitude drawn: matplotlib's axis limits and ticks (a span, margins, tick steps up to 100x the
+# scale) overflow for data near the float maximum (1.8e308): `ValueError: arange: cannot compute length`.
+DRAW_LIMIT = 1e300
+# the training-line fields the picture draws (eval_loss, of the evaluation lines, too)
+DRAWN = ("loss", "data_wait_share", "samples_per_s", "data_samples_per_s", "data_tokens_per_s", "data_requests",
+         "data_response_ms_p50", "data_response_ms_p99", "data_cache_hit_rate", "cache_hit_rate")
+
+
+@dataclass
+class RunLog:
+    """The records of one ``train_log.jsonl``: training lines (one per step, by step), evaluation lines, resume
+    points and how many lines were damaged."""
+
+    path: str
+    digest: str                                   # blake2b (64-byte) hex digest of the file's bytes
+    training: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    resumes: list[int] = field(default_factory=list)
+    damaged: list[int] = field(default_factory=list)   # line numbers skipped
+
+    def series(self, *keys: str, drawn: bool = False) -> tuple[str | None, list[tuple[int, float]]]:
+        """(key, [(step, value)]) of the first of ``keys`` that some training line has as a number (``drawn``:
+        as a number the picture can draw, see :func:`drawable`)."""
+        keep = drawable if drawn else number
+        for key in keys:
+            points = [(r["step"], v) for r in self.training if (v := keep(r.get(key))) is not None]
+            if points:
+                return key, points
+        return None, []
+
+    def undrawn(self) -> list[tuple[str, int, Any]]:
+        """(field, step, value) of each number of a drawn field that the picture leaves out (not finite, or
+        beyond +-DRAW_LIMIT), in the log's order of steps."""
+        out = [(key, r["step"], r[key]) for r in self.training for key in DRAWN if _not_drawable(r.get(key))]
+        return out + [("eval_loss", r["step"], r["eval_loss"]) for r in self.evals if _not_drawable(r.get("eval_loss"))]
+
+
+MAX_STEP = 10**15
+
+
+def number(value) -> float | None:
+    """A finite int or float (not a bool), else None: missing and null fields read the same (and so do NaN,
+    Infinity and ints too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:
+        return None
+
+
+def drawable(value) -> float | None:
+    """:func:`number`, if within +-DRAW_LIMIT (what the picture can draw), else None."""
+    v = number(value)
+    return v if v is not None and -DRAW_LIMIT <= v <= DRAW_LIMIT else None
+
+
+def _not_drawable(value) -> bool:
+    """A number (NaN, infinities and ints too large for a float included) that :func:`drawable` refuses."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and drawable(value) is None
+
+
+def _step(rec) -> int | None:
+    step = rec.get("step") if isinstance(rec, dict) else None
+    ok = isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
+    return step if ok else None
+
+
+def log_path(run_dir: str) -> tuple[str, str]:
+    """``RUN_DIR/train_log.jsonl`` and the file it is (symlinks resolved), checked: RUN_DIR a directory, the
+    log inside it."""
+    if not os.path.isdir(run_dir):
+        what = "not a directory" if os.path.lexists(run_dir) else "not found"
+        raise RunLogError(f"run directory {run_dir!r}: {what} (give a train.output_dir holding {LOG_NAME})")
+    path = os.path.join(run_dir, LOG_NAME)
+    if not os.path.lexists(path):
+        raise RunLogError(f"{path!r}: not found (a training run writes it in its train.output_dir)")
+    real_dir, real = os.path.realpath(run_dir), os.path.realpath(path)
+    if os.path.commonpath([real_dir, real]) != real_dir:
+        raise RunLogError(f"{path!r}: a link to {real!r}, outside the run directory; refused")
+    return path, real
+
+
+def _read_bytes(path: str, real: str) -> bytes:
+    """The bytes of ``real`` (``path`` resolved); only a regular file (a FIFO or device is refused, never
+    waited on), at most MAX_LOG_BYTES."""
+    try:
+        return read_regular_file(real, MAX_LOG_BYTES)
+    except FileRefused as e:
+        raise RunLogError(f"{path!r}: {e}; refused") from None
+    except OSError as e:
+        raise RunLogError(f"{path!r}: cannot be read: {e.strerror or e}") from None
+
+
+def _resume_step(name: Any, step: int) -> int:
+    """The step of ``checkpoint-N`` (the resume point); the step before ``step`` when the name says none."""
+    m = re.fullmatch(r"checkpoint-(\d{1,12})", name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else step - 1
+
+
+def read_log(run_dir: str) -> RunLog:
+    """Parse ``RUN_DIR/train_log.jsonl``. A training line has an int ``step`` and a ``loss`` key; the first one
+    after a resume names its checkpoint (``resumed_from: "checkpoint-N"``: a resume point at step N); an
+    evaluation line has ``eval_*`` keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
+    path, real = log_path(run_dir)
+    data = _read_bytes(path, real)
+    log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
+    by_step: dict[int, dict] = {}
+    for number_, raw in enumerate(data.split(b"\n"), 1):   # only "\n" ends a line, as the writer's
+        line = raw.decode("utf-8", errors="replace")
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):   # not JSON; nested too deeply
+            rec = None
+        step = _step(rec)
+        if step is None:
+            log.damaged.append(number_)
+        elif "loss" in rec:
+            by_step[step] = rec
+            if "resumed_from" in rec:
+                at = _resume_step(rec["resumed_from"], step)
+                if at not in log.resumes:
+                    log.resumes.append(at)
+        elif any(isinstance(k, str) and k.startswith("eval_") for k in rec):
+            log.evals.append(rec)
+    log.training = [by_step[s] for s in sorted(by_step)]
+    log.resumes.sort()
+    return log
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def _mean(points):
+    if not points:
+        return None
+    values = [v for _, v in points]
+    try:
+        return statistics.fmean(values)
+    except OverflowError:   # the sum leaves the float range (values near 1.8e308); their mean does not:
+        k = len(values).bit_length() + 1    # summed scaled down by 2**k (exact), which keeps the sum finite
+        return math.ldexp(math.fsum(math.ldexp(v, -k) for v in values) / len(values), k)
+
+
+def _median(points):
+    """The median; of an even count, the mean of the middle two taken as halves (their sum may overflow)."""
+    if not points:
+        return None
+    values = sorted(v for _, v in points)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else values[mid - 1] / 2 + values[mid] / 2
+
+
+def summarize(log: RunLog) -> dict:
+    """The summary's figures (None: not recorded). Means and medians are over the logged intervals that
+    have the field."""
+    steps = [r["step"] for r in log.training]
+    _, loss = log.series("loss")
+    _, wait = log.series("data_wait_share")
+    _, trainer_rate = log.series("samples_per_s")
+    _, data_rate = log.series("data_samples_per_s")
+    _, tokens = log.series("data_tokens_per_s")
+    _, requests = log.series("data_requests")
+    _, p50 = log.series("data_response_ms_p50")
+    _, p99 = log.series("data_response_ms_p99")
+    cache_key, cache = log.series("data_cache_hit_rate", "cache_hit_rate")
+    return {
+        "records": len(log.training), "evaluations": len(log.evals), "damaged_lines": len(log.damaged),
+        "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
+        "first_loss": loss[0][1] if loss else None, "last_loss": loss[-1][1] if loss else None,
+        "wait_share_mean": _mean(wait), "wait_share_max": max(v for _, v in wait) if wait else None,
+        "samples_per_s_mean": _mean(trainer_rate), "data_samples_per_s_mean": _mean(data_rate),
+        "tokens_per_s_mean": _mean(tokens),
+        "requests_total": sum(v for _, v in requests) if requests else None,
+        "response_ms_p50": _median(p50), "response_ms_p99": _median(p99),
+        "cache_hit_rate_end": cache[-1][1] if cache else None, "cache_hit_rate_step": cache[-1][0] if cache else None,
+        "cache_hit_rate_kind": {"data_cache_hit_rate": "per interval", "cache_hit_rate": "cumulative"}.get(cache_key),
+        "resume_steps": list(log.resumes),
+    }
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return NOT_RECORDED
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool) and not -10**16 < value < 10**16:
+        digits = str(abs(value))             # (an int past the float range cannot go through :g)
+        return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:6]}e+{len(digits) - 1}"
+    return str(value)
+
+
+def format_summary(summary: dict, png: str | None) -> str:
+    """The text summary: one ``name: value`` line per figure."""
+    s = summary
+    cache = _fmt(s["cache_hit_rate_end"])
+    if s["cache_hit_rate_end"] is not None:
+        cache += f" ({s['cache_hit_rate_kind']}, step {s['cache_hit_rate_step']})"
+    rows = [
+        ("steps", f"{s['first_step']}..{s['last_step']} ({s['records']} training records)"),
+        ("first loss", _fmt(s["first_loss"])),
+        ("last loss", _fmt(s["last_loss"])),
+        ("data wait share mean", _fmt(s["wait_share_mean"])),
+        ("data wait share max", _fmt(s["wait_share_max"])),
+        ("samples/s mean", _fmt(s["samples_per_s_mean"])),
+        ("data samples/s mean", _fmt(s["data_samples_per_s_mean"])),
+        ("data tokens/s mean", _fmt(s["tokens_per_s_mean"])),
+        ("requests total", _fmt(s["requests_total"])),
+        ("response ms p50", _fmt(s["response_ms_p50"])),
+        ("response ms p99", _fmt(s["response_ms_p99"])),
+        ("cache hit rate at end", cache),
+        ("resume points", ", ".join(map(str, s["resume_steps"])) or "none"),
+        ("damaged lines skipped", str(s["damaged_lines"])),
+    ]
+    if png is not None:
+        rows.append(("png", png))
+    return "\n".join(f"{name + ':':<24}{value}" for name, value in rows) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ picture
+def _matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise ConfigError("resumable-stream report needs matplotlib to draw the picture: "
+                          "pip install 'resumable-stream[report]'") from None
+    return Figure, FigureCanvasAgg, MaxNLocator
+
+
+def _line(ax, points, label, **style):
+    if points:
+        ax.plot([s for s, _ in points], [v for _, v in points], label=label, marker="." if len(points) < 60 else None,
+                linewidth=1.2, **style)
+
+
+def _not_recorded(ax, fields: str) -> None:
+    ax.text(0.5, 0.5, f"{NOT_RECORDED} ({fields} absent from {LOG_NAME})", transform=ax.transAxes,
+            ha="center", va="center", color="0.4")
+    ax.set_yticks([])
+
+
+def _twin(ax, present, ylabel: str, lines, fields: str) -> list:
+    """A second y axis with ``lines`` when ``present``, else a note that ``fields`` were not recorded."""
+    if not present:
+        ax.text(0.01, 0.95, f"{fields}: {NOT_RECORDED}", transform=ax.transAxes, ha="left", va="top",
+                fontsize=8, color="0.4")
+        return []
+    twin = ax.twinx()
+    for points, label, colour in lines:
+        _line(twin, points, label, color=colour)
+    twin.set_ylabel(ylabel)
+    return [twin]
+
+
+def _legend(*axes) -> None:
+    handles, labels = [], []
+    for ax in axes:
+        h, la = ax.get_legend_handles_labels()
+        handles += h
+        labels += la
+    if handles:
+        axes[0].legend(handles, labels, loc="upper right", fontsize=8)
+
+
+def draw(log: RunLog, png: str) -> None:
+    """Write the PNG (atomically): five panels over steps, resume points as dashed vertical lines on each."""
+    Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(5, 1, sharex=True)
+    name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
+    resumed = f"resumed at step {', '.join(map(str, log.resumes))}" if log.resumes else "no resume"
+    fig.suptitle(f"{name}: {len(log.training)} steps logged, {resumed}")
+
+    ax = axes[0]
+    _, loss = log.series("loss", drawn=True)
+    _line(ax, loss, "loss", color="tab:blue")
+    evals = [(r["step"], v) for r in log.evals if (v := drawable(r.get("eval_loss"))) is not None]
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color="tab:orange", label="eval_loss")
+    if not loss and not evals:
+        ax.text(0.5, 0.5, f"no loss to draw (not finite, or beyond +-{DRAW_LIMIT:g})", transform=ax.transAxes,
+                ha="center", va="center", color="0.4")
+    ax.set_ylabel("loss")
+    _legend(ax)
+
+    ax = axes[1]
+    _, wait = log.series("data_wait_share", drawn=True)
+    if wait:
+        _line(ax, wait, "data wait share", color="tab:red")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("data wait / step")
+    else:
+        _not_recorded(ax, "data_wait_share")
+        ax.set_ylabel("data wait share")
+
+    ax = axes[2]
+    _, trainer_rate = log.series("samples_per_s", drawn=True)
+    _, data_rate = log.series("data_samples_per_s", drawn=True)
+    _, tokens = log.series("data_tokens_per_s", drawn=True)
+    if trainer_rate or data_rate or tokens:
+        _line(ax, trainer_rate, "samples/s (trainer)", color="tab:blue")
+        _line(ax, data_rate, "samples/s (data)", color="tab:cyan")
+        ax.set_ylabel("samples/s")
+        _legend(ax, *_twin(ax, tokens, "tokens/s", [(tokens, "tokens/s (data)", "tab:purple")],
+                           "data_tokens_per_s"))
+    else:
+        _not_recorded(ax, "samples_per_s, data_samples_per_s, data_tokens_per_s")
+        ax.set_ylabel("throughput")
+
+    ax = axes[3]
+    _, requests = log.series("data_requests", drawn=True)
+    _, p50 = log.series("data_response_ms_p50", drawn=True)
+    _, p99 = log.series("data_response_ms_p99", drawn=True)
+    if requests or p50 or p99:
+        _line(ax, requests, "requests / interval", color="tab:green", drawstyle="steps-mid")
+        ax.set_ylabel("requests")
+        _legend(ax, *_twin(ax, p50 or p99, "response ms", [(p50, "response p50 ms", "tab:olive"),
+                                                           (p99, "response p99 ms", "tab:brown")],
+                           "data_response_ms_p50/p99"))
+    else:
+        _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
+        ax.set_ylabel("requests")
+
+    ax = axes[4]
+    key, cache = log.series("data_cache_hit_rate", "cache_hit_rate", drawn=True)
+    if cache:
+        _line(ax, cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
+              color="tab:gray")
+        ax.set_ylim(0, 1.05)
+        _legend(ax)
+    else:
+        _not_recorded(ax, "data_cache_hit_rate, cache_hit_rate")
+    ax.set_ylabel("cache hit rate")
+    ax.set_xlabel("step")
+
+    steps = [r["step"] for r in log.training] + log.resumes
+    lo, hi = min(steps), max(steps)
+    pad = max(1.0, (hi - lo) * 0.02)
+    axes[0].set_xlim(lo - pad, hi + pad)
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for i, ax in enumerate(axes):
+        for step in log.resumes:
+            ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, alpha=0.8,
+                       label="resume" if i == 0 and step == log.resumes[0] else None)
+        if i == 0 and log.resumes:
+            _legend(ax)
+        ax.grid(True, alpha=0.3)
+
+    metadata = {
+        "Title": f"resumable-stream report of {name}",
+        META_PREFIX + "log": LOG_NAME,
+        META_PREFIX + "log blake2b": log.digest,
+        META_PREFIX + "records": str(len(log.training)),
+        META_PREFIX + "resume steps": json.dumps(log.resumes),
+    }
+    tmp = os.path.join(os.path.dirname(os.path.abspath(png)), f".{os.path.basename(png)}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI, metadata=metadata)
+        os.replace(tmp, png)
+    except OSError as e:
+        raise RunLogError(f"-o {png!r}: cannot be written: {e.strerror or e}") from None
+    except (ValueError, OverflowError, FloatingPointError) as e:   # matplotlib could not lay the data out
+        raise RunLogError(f"{log.path!r}: its records cannot be drawn ({type(e).__name__}: {e})") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def report(run_dir: str, png: str | None = None, out=None, err=None) -> dict:
+    """Read RUN_DIR's log, draw ``png`` (default RUN_DIR/report.png) and print the summary on ``out`` (and the
+    damaged-line warning on ``err``). Returns the summary's figures."""
+    out, err = out or sys.stdout, err or sys.stderr
+    log = read_log(run_dir)
+    if not log.training:
+        raise RunLogError(f"{log.path!r}: no training lines (records with step and loss) to report"
+                          + (f"; {len(log.damaged)} damaged lines skipped" if log.damaged else ""))
+    png = png or os.path.join(run_dir, DEFAULT_PNG)
+    if os.path.isdir(png):
+        raise RunLogError(f"-o {png!r}: a directory; give a file name such as {os.path.join(png, DEFAULT_PNG)!r}")
+    parent = os.path.dirname(os.path.abspath(png))
+    if not os.path.isdir(parent):
+        raise RunLogError(f"-o {png!r}: its directory {parent!r} does not exist")
+    if log.damaged:
+        shown = ", ".join(map(str, log.damaged[:10])) + (", ..." if len(log.damaged) > 10 else "")
+        print(f"resumable-stream: warning: {log.path}: {len(log.damaged)} damaged lines skipped (line {shown})",
+              file=err)
+    undrawn = log.undrawn()
+    if undrawn:
+        shown = ", ".join(f"{key} at step {step} ({_fmt(value)})" for key, step, value in undrawn[:10])
+        print(f"resumable-stream: warning: {log.path}: {len(undrawn)} values not drawn (not finite, or beyond "
+              f"+-{DRAW_LIMIT:g}): {shown}{', ...' if len(undrawn) > 10 else ''}", file=err)
+    draw(log, png)
+    summary = summarize(log)
+    out.write(format_summary(summary, png))
+    out.flush()
+    return summary

@@ -1,0 +1,484 @@
+"""The ``data:`` section of a trainer yaml, validated into a frozen dataclass.
+
+Every bad value raises ``ConfigError`` naming the key, the value and what is allowed,
+so a typo in a yaml file never turns into a silently different data order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, UnknownKeyError
+from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
+from . import formats as registry
+from . import overrides as override
+
+BACKENDS = ("hf", "local")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
+
+
+def _check_data_files(v: Any) -> bool:
+    if v is None or (isinstance(v, str) and v):
+        return True
+    if _is_str_list(v):
+        return True
+    if isinstance(v, dict) and v:
+        return all(isinstance(k, str) and (isinstance(x, str) and x or _is_str_list(x)) for k, x in v.items())
+    return False
+
+
+# datasets' packaged builders that read files: without data_files they read the working directory
+FILE_BUILDERS = ("parquet", "json", "csv", "text", "arrow", "pandas", "xml", "webdataset", "imagefolder",
+                 "audiofolder", "videofolder")
+
+
+def file_builders() -> tuple[str, ...]:
+    """Builder names that read the files data_files names: datasets' and the registered formats' (sources/)."""
+    return tuple(dict.fromkeys(FILE_BUILDERS + registry.indexed_builders()))
+
+
+# The most data.max_member_bytes may allow: a member is held in memory whole.
+MAX_MEMBER_BYTES = 1 << 32
+
+# key -> (check, what is allowed)
+GROWTH_MODES = ("off", "append", "follow")
+
+_RULES: dict[str, tuple[Any, str]] = {
+    "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
+    "streaming": (lambda v: isinstance(v, bool), "true or false"),
+    "dataset_name_or_path": (lambda v: isinstance(v, str) and v.strip() != "",
+                             "a non-empty string: a hub id, a builder name "
+                             f"({', '.join(dict.fromkeys((*registry.indexed_builders(), *registry.DATASETS_BUILDERS)))}) "
+                             "with data_files, a local directory or file, or an http(s):// / hf:// path"),
+    "name": (lambda v: v is None or (isinstance(v, str) and v), "null or a dataset config (subset) name"),
+    "data_files": (_check_data_files, "null, a path or glob, a non-empty list of them, or a mapping split -> paths"),
+    "revision": (lambda v: v is None or (isinstance(v, str) and v.strip() != "" and not v.startswith("/")),
+                 "null (the repo's main branch) or a Hub revision: a branch, a tag or a commit sha"),
+    "data_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                 "null or a folder of the dataset (datasets' load_dataset data_dir)"),
+    "split": (lambda v: isinstance(v, str) and v.strip() != "", "a split name such as train"),
+    "shuffle": (lambda v: isinstance(v, bool), "true or false"),
+    "shuffle_seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
+    "buffer_size": (lambda v: _is_int(v) and 1 <= v <= 10_000_000, "an integer from 1 to 10000000 (rows)"),
+    "interleave_shards": (lambda v: _is_int(v) and 1 <= v <= MAX_OPEN_SHARDS, f"an integer from 1 to {MAX_OPEN_SHARDS}"),
+    "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
+    "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
+    "cache_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null (off) or a directory"),
+    "cache_size_limit_gb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
+                            "a finite number of gigabytes > 0"),
+    "retries": (lambda v: _is_int(v) and 0 <= v <= 100, "an integer from 0 to 100"),
+    "retry_backoff_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 600,
+                        "a number of seconds from 0 to 600"),
+    "timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 3600,
+                  "a number of seconds > 0 and <= 3600"),
+    "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
+                       "a number of seconds > 0 and <= 86400"),
+    "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_PARTITIONS),
+                       f"null (ranks x DataLoader workers of the first run) or an integer from 1 to {MAX_PARTITIONS}, "
+                       "at least ranks x workers"),
+    "elastic": (lambda v: isinstance(v, bool), "true or false"),
+    "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                   "null or the path of a dataset index file (written by `resumable-stream index`)"),
+    "verify_files": (lambda v: isinstance(v, bool), "true or false"),
+    "prefetch_blocks": (lambda v: v is None or (_is_int(v) and 0 <= v <= 256),
+                        "null (adaptive, at most 64) or an integer from 0 (off) to 256: the most row groups fetched "
+                        "ahead per partition"),
+    "prefetch_memory_mb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+                           and 1 <= v <= 1_048_576,
+                           "a number of MiB from 1 to 1048576: the bytes the row groups fetched ahead may hold, "
+                           "in flight and decoded, per process"),
+    "max_member_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_MEMBER_BYTES,
+                         f"an integer from 1 to {MAX_MEMBER_BYTES} (bytes): the largest WebDataset tar member read; "
+                         "a sample with a larger one is a bad sample"),
+    "growth": (lambda v: v in GROWTH_MODES, "one of off (the files are fixed), append (files that appear join at "
+               "the next epoch), follow (only new files are read: at the end of the known data the stream waits "
+               "for more; see docs/growing-data.md)"),
+    "poll_interval_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0.01 <= v <= 3600,
+                        "a number of seconds from 0.01 to 3600: how often data.growth: follow lists the files while "
+                        "it waits (backing off to 16x that)"),
+    "follow_timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 31_536_000,
+                         "a number of seconds from 0 to 31536000: how long data.growth: follow waits for new files "
+                         "before the stream ends (the run ends with a checkpoint)"),
+    "growth_allow_removal": (lambda v: isinstance(v, bool), "true or false (with data.growth: append, a file that "
+                             "disappeared leaves the epochs after the current one instead of stopping the resume)"),
+    "storage_options": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and k for k in v)),
+                        "null or a mapping of fsspec filesystem options (e.g. endpoint_url for s3://), flat or "
+                        "keyed by protocol"),
+}
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Validated data configuration. Construct with keywords, ``from_dict`` or ``from_yaml``."""
+
+    dataset_name_or_path: str
+    backend: str = "hf"
+    streaming: bool | None = None  # None: true for backend hf, false for local
+    name: str | None = None
+    data_files: str | list[str] | dict[str, Any] | None = None
+    revision: str | None = None         # Hub repo revision (branch, tag, commit sha); None: main
+    data_dir: str | None = None         # a folder of the dataset (load_dataset's data_dir)
+    split: str = "train"
+    shuffle: bool = False
+    shuffle_seed: int = 42
+    buffer_size: int = 16384
+    interleave_shards: int = 4
+    block_rows: int = 1024
+    resume_state_path: str | None = None
+    cache_dir: str | None = None
+    cache_size_limit_gb: float = 50
+    retries: int = 5
+    retry_backoff_s: float = 1.0
+    timeout_s: float = 60.0             # the deadline of one request: connect, headers and body
+    retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see sources/net.py)
+    num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
+    elastic: bool = False               # resume a checkpoint on other ranks / workers
+    index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
+    verify_files: bool = True           # re-check each file's identity against a saved / given index
+    prefetch_blocks: int | None = None  # most parquet row groups fetched ahead per partition (None: adaptive; 0: off)
+    prefetch_memory_mb: float = 256     # what the row groups fetched ahead may hold per process (in flight + decoded)
+    max_member_bytes: int = 64 << 20    # largest WebDataset tar member read (a larger one: a bad sample)
+    growth: str = "off"                 # off: fixed files; append: new files join at the next epoch
+    growth_allow_removal: bool = False  # append: a vanished file leaves the next epochs (else a mismatch)
+    poll_interval_s: float = 10.0       # follow: seconds between listings while waiting (backs off to 16x)
+    follow_timeout_s: float = 3600.0    # follow: a wait longer than this ends the stream
+    storage_options: dict[str, Any] | None = None   # fsspec options of remote files (s3fs: endpoint_url, ...)
+    source_file: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key, (check, allowed) in _RULES.items():
+            value = getattr(self, key)
+            if key == "streaming" and value is None:
+                continue
+            if not check(value):
+                raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+        if self.streaming is None:
+            object.__setattr__(self, "streaming", self.backend == "hf")
+        if self.streaming and self.backend != "hf":
+            raise ConfigError(
+                f"data.streaming: got true with data.backend {self.backend!r}; streaming needs backend 'hf' "
+                "(backend 'local' loads a dataset saved with save_to_disk, set streaming: false)"
+            )
+        if self.backend == "hf" and self.dataset_name_or_path in file_builders() and self.data_files is None:
+            # datasets would read the files of the current working directory
+            raise ConfigError(
+                f"data.data_files: missing with data.dataset_name_or_path {self.dataset_name_or_path!r}; the "
+                f"{self.dataset_name_or_path} builder reads the files data_files names (a path or glob, a list of "
+                "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
+            )
+        path = self.dataset_name_or_path
+        if self.revision is not None and (path in file_builders() or self.backend == "local" or os.path.exists(path)
+                                          or ("://" in path and not path.startswith("hf://"))):
+            raise ConfigError(
+                f"data.revision: got {self.revision!r} with data.dataset_name_or_path {path!r}; a revision "
+                "applies to a Hub repo id (org/name); for hf:// files write it into the path "
+                "(hf://datasets/org/name@revision/...)"
+            )
+        if self.growth != "off" and not (self.backend == "hf" and self.streaming):
+            raise ConfigError(f"data.growth: got {self.growth!r} with data.backend {self.backend!r} and streaming "
+                              f"{self.streaming}; allowed: off, or append / follow with backend 'hf' and streaming: true")
+        if self.backend == "local" and self.data_files is not None:
+            raise ConfigError(
+                f"data.data_files: got {self.data_files!r} with data.backend 'local'; "
+                "backend 'local' reads a save_to_disk directory, remove data_files or use backend 'hf'"
+            )
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "source_file"]
+
+    @classmethod
+    def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None,
+                  extra_keys: tuple[str, ...] | None = None) -> StreamConfig | MixtureConfig:
+        """``extra_keys``: other keys of the ``data:`` section (the transform's), accepted and left out.
+        Default: the text transform's keys, so a trainer yaml's data section reads as a stream config.
+        A section with ``sources`` is a weighted mixture of datasets: a :class:`MixtureConfig`."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
+        if extra_keys is None:
+            from ..observe.monitoring import MONITOR_KEYS
+            from .transforms import TransformConfig
+
+            extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples", "eval")   # eval: the trainer's
+        if "sources" in data:
+            return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
+        known = cls.keys()
+        everything = known + list(extra_keys) + list(MIXTURE_KEYS)
+        for key in data:
+            if key not in everything:
+                raise UnknownKeyError("data", str(key), everything, f" Allowed keys: {', '.join(sorted(everything))}")
+        if "stopping" in data:
+            raise ConfigError(f"data.stopping: got {data['stopping']!r} without data.sources; it only applies to a "
+                              "mixture of datasets (data.sources: [...])")
+        if "dataset_name_or_path" not in data:
+            raise ConfigError("data.dataset_name_or_path: missing; it is required (a hub id, builder name or path)")
+        values = {k: v for k, v in data.items() if k in known}
+        if base_dir is not None:
+            values = _resolve_relative_paths(values, base_dir)
+        return cls(**values, source_file=source_file)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
+        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section
+        (a :class:`MixtureConfig` when it has ``sources``). ``overrides``: ``key=value`` texts merged in
+        first (:mod:`resumable_stream.config.overrides`)."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r}: not found") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path!r}: not UTF-8 text; expected a yaml file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r}: cannot be read ({e.strerror or e})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r}: not valid yaml ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping at the top level, got {type(doc).__name__}")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
+        if "data" not in doc and ({"model", "train"} & set(doc)):
+            raise ConfigError(f"config file {path!r}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
+                              "without a data: section; add one with at least dataset_name_or_path")
+        section = doc["data"] if "data" in doc else doc
+        with override.named(given):
+            return cls.from_dict(section, base_dir=base_dir, source_file=path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.keys()}
+
+    def replace(self, **changes: Any) -> StreamConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _looks_remote(p: str) -> bool:
+    return "://" in p
+
+
+def _resolve_one(p: str, base_dir: str) -> str:
+    """A relative local path that exists next to the yaml file is taken from there."""
+    if _looks_remote(p) or os.path.isabs(p):
+        return p
+    candidate = os.path.join(base_dir, p)
+    if os.path.exists(candidate) or glob.glob(candidate, recursive=True):
+        return os.path.normpath(candidate)
+    return p
+
+
+def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    out = dict(values)
+    dfs = out.get("data_files")
+    if isinstance(dfs, str):
+        out["data_files"] = _resolve_one(dfs, base_dir)
+    elif isinstance(dfs, list):
+        out["data_files"] = [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in dfs]
+    elif isinstance(dfs, dict):
+        out["data_files"] = {
+            k: (_resolve_one(v, base_dir) if isinstance(v, str)
+                else [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in v] if isinstance(v, list) else v)
+            for k, v in dfs.items()
+        }
+    for key in ("resume_state_path", "index_path"):
+        value = out.get(key)
+        if isinstance(value, str) and value:
+            out[key] = _resolve_one(value, base_dir)
+    name = out.get("dataset_name_or_path")
+    if isinstance(name, str) and (name.startswith(".") or os.sep in name) and not _looks_remote(name):
+        out["dataset_name_or_path"] = _resolve_one(name, base_dir)
+    return out
+
+
+# ------------------------------------------------------------------ mixtures of datasets
+STOPPING = ("first_exhausted", "all_exhausted", "never")
+MIXTURE_KEYS = ("sources", "stopping")
+# What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
+# label, and the transform keys a source may set for itself (transforms.config.SOURCE_TRANSFORM_KEYS).
+# Everything else (shuffle_seed, cache, num_partitions, elastic, the other transform keys) is the data
+# section's and applies to every source.
+SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split", "backend", "streaming", "shuffle",
+               "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
+               "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "index_path", "weight",
+               "label")
+_IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
+_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
+_LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    """A weighted mixture of datasets (``data.sources``): one full :class:`StreamConfig` per source.
+
+    ``weights`` are relative (``probabilities`` normalises them); ``labels`` name the sources in sample
+    keys, logs and errors (default ``source0``, ``source1``, ...). ``stopping`` says where a mixture
+    epoch ends (see ``resumable_stream.stream.mixture``). Keys of the ``data:`` section other than the
+    sources' apply to every source; ``resume_state_path`` is the mixture's own.
+    """
+
+    sources: tuple[StreamConfig, ...]
+    weights: tuple[float, ...]
+    labels: tuple[str, ...] | None = None
+    stopping: str = "first_exhausted"
+    resume_state_path: str | None = None
+    source_file: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.sources, (list, tuple)) and self.sources
+                and all(isinstance(s, StreamConfig) for s in self.sources)):
+            raise ConfigError(f"data.sources: got {self.sources!r}; allowed: a non-empty list of sources")
+        if any(src.growth == "follow" for src in self.sources):
+            raise ConfigError("data.growth: got 'follow' with data.sources; allowed: off or append in a mixture "
+                              "(follow mode reads a single dataset)")
+        n = len(self.sources)
+        labels = tuple(self.labels) if self.labels is not None else tuple(f"source{i}" for i in range(n))
+        if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:
+            raise ConfigError(f"data.sources: {n} sources with weights {self.weights!r} and labels {labels!r}; "
+                              "allowed: one weight and one label per source")
+        for i, w in enumerate(self.weights):
+            if not ((_is_int(w) or isinstance(w, float)) and math.isfinite(w) and w > 0):
+                raise ConfigError(f"data.sources[{i}].weight: got {w!r}; allowed: a finite number > 0 (weights are "
+                                  "relative: they are normalised to sum to 1)")
+        for i, label in enumerate(labels):
+            if not (isinstance(label, str) and _LABEL.match(label)):
+                raise ConfigError(f"data.sources[{i}].label: got {label!r}; allowed: 1 to 64 letters, digits, "
+                                  "'_', '-' or '.' (it prefixes the source's sample keys)")
+            if label in labels[:i]:
+                j = labels.index(label)
+                if label == f"source{i}":    # source i has no label of its own: its default clashes
+                    raise ConfigError(f"data.sources[{j}].label: got {label!r}, which is the default label of "
+                                      f"data.sources[{i}]; give data.sources[{i}] a label, or data.sources[{j}] "
+                                      "another one")
+                raise ConfigError(f"data.sources[{i}].label: got {label!r}, the label of data.sources"
+                                  f"[{j}] too; allowed: a label no other source has")
+        if self.stopping not in STOPPING:
+            raise ConfigError(f"data.stopping: got {self.stopping!r}; allowed: one of {', '.join(STOPPING)}")
+        first = self.sources[0]
+        for i, s in enumerate(self.sources):
+            if s.resume_state_path is not None:
+                raise ConfigError(f"data.sources[{i}].resume_state_path: got {s.resume_state_path!r}; allowed: null "
+                                  "(the mixture resumes as a whole from data.resume_state_path)")
+            if s.index_path is not None and s.index_path in [o.index_path for o in self.sources[:i]]:
+                j = [o.index_path for o in self.sources].index(s.index_path)
+                raise ConfigError(f"data.sources[{i}].index_path: got {s.index_path!r}, the index_path of "
+                                  f"data.sources[{j}] too; allowed: a file of its own (an index describes one dataset)")
+            for key in _SHARED_KEYS:
+                if getattr(s, key) != getattr(first, key):
+                    raise ConfigError(f"data.sources[{i}].{key}: got {getattr(s, key)!r}, data.sources[0] has "
+                                      f"{getattr(first, key)!r}; allowed: the same for every source (set it in data:)")
+        if self.resume_state_path is not None and not (isinstance(self.resume_state_path, str)
+                                                       and self.resume_state_path):
+            raise ConfigError(f"data.resume_state_path: got {self.resume_state_path!r}; allowed: null or a sidecar "
+                              "file / directory")
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "weights", tuple(self.weights))
+        object.__setattr__(self, "labels", labels)
+
+    # settings every source shares
+    @property
+    def shuffle_seed(self) -> int:
+        return self.sources[0].shuffle_seed
+
+    @property
+    def cache_dir(self) -> str | None:
+        return self.sources[0].cache_dir
+
+    @property
+    def num_partitions(self) -> int | None:
+        return self.sources[0].num_partitions
+
+    @property
+    def elastic(self) -> bool:
+        return self.sources[0].elastic
+
+    @property
+    def growth(self) -> str:
+        """``data.growth`` of the mixture: a growing source's mode (the key is the data section's), else off."""
+        return next((s.growth for s in self.sources if s.growth != "off"), "off")
+
+    @property
+    def probabilities(self) -> tuple[float, ...]:
+        total = float(sum(self.weights))
+        return tuple(float(w) / total for w in self.weights)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
+                  extra_keys: tuple[str, ...] = ()) -> MixtureConfig:
+        from .transforms import SOURCE_TRANSFORM_KEYS  # not at the top: the transforms import torch
+
+        raw = data["sources"]
+        if not (isinstance(raw, list) and raw):
+            raise ConfigError(f"data.sources: got {raw!r}; allowed: a non-empty list of mappings, each with "
+                              "dataset_name_or_path (and data_files, split, weight, label, ...)")
+        for key in _IDENTITY_KEYS:
+            if key in data:
+                raise ConfigError(f"data.{key}: got {data[key]!r} next to data.sources; allowed: only inside each "
+                                  f"source (data.sources[i].{key})")
+        if data.get("index_path") is not None:     # one file per dataset: each source names its own
+            raise ConfigError(f"data.index_path: got {data['index_path']!r} next to data.sources; allowed: null (a "
+                              "dataset index is per source: set data.sources[i].index_path)")
+        shared = {k: v for k, v in data.items() if k not in MIXTURE_KEYS}
+        # the shared keys, checked under their own names (a placeholder stands in for the dataset)
+        StreamConfig.from_dict({**shared, "dataset_name_or_path": "-"}, extra_keys=extra_keys)
+        base = {k: v for k, v in shared.items() if k in StreamConfig.keys() and k not in ("resume_state_path",
+                                                                                        "index_path")}
+        sources, weights, labels = [], [], []
+        for i, entry in enumerate(raw):
+            at = f"data.sources[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{at}: got {entry!r}; allowed: a mapping with dataset_name_or_path, data_files, "
+                                  "split, weight, label, ...")
+            for key in entry:
+                if key in SOURCE_KEYS or key in SOURCE_TRANSFORM_KEYS:
+                    continue
+                if key in StreamConfig.keys() or key in extra_keys or key in MIXTURE_KEYS:
+                    raise ConfigError(f"{at}.{key}: not a per-source key; set it in the data: section, where it "
+                                      f"applies to every source. Per-source keys: "
+                                      f"{', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
+                raise UnknownKeyError(at, str(key), SOURCE_KEYS + SOURCE_TRANSFORM_KEYS,
+                                      f" Allowed keys: {', '.join(SOURCE_KEYS + SOURCE_TRANSFORM_KEYS)}")
+            if "dataset_name_or_path" not in entry:
+                raise ConfigError(f"{at}.dataset_name_or_path: missing; every source needs one (a hub id, builder "
+                                  "name or path)")
+            weights.append(entry.get("weight", 1.0))
+            labels.append(entry.get("label", f"source{i}"))
+            values = {**base, **{k: v for k, v in entry.items()
+                                 if k not in ("weight", "label") and k not in SOURCE_TRANSFORM_KEYS}}
+            try:
+                sources.append(StreamConfig.from_dict(values, base_dir=base_dir, source_file=source_file,
+                                                      extra_keys=()))
+            except ConfigError as e:
+                raise e.in_source(at, entry) from None
+        resume = shared.get("resume_state_path")
+        if base_dir is not None and isinstance(resume, str) and resume:
+            resume = _resolve_one(resume, base_dir)
+        return cls(tuple(sources), tuple(weights), tuple(labels), data.get("stopping", "first_exhausted"), resume,
+                   source_file=source_file)
+
+    def replace(self, **changes: Any) -> MixtureConfig:
+        """Mixture fields (sources, weights, labels, stopping, resume_state_path) change here; data keys
+        (e.g. cache_dir) change in every source."""
+        own = {k: changes.pop(k) for k in list(changes) if k in ("sources", "weights", "labels", "stopping",
+                                                                 "resume_state_path")}
+        for key in changes:
+            if key not in StreamConfig.keys():
+                raise ConfigError(f"data.{key}: unknown key")
+        if changes:
+            own["sources"] = tuple(s.replace(**changes) for s in own.get("sources", self.sources))
+        return dataclasses.replace(self, **own)

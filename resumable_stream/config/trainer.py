@@ -1,0 +1,266 @@
+"""The trainer yaml: ``model:``, ``data:`` and ``train:`` sections, validated before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, UnknownKeyError
+from ..observe.monitoring import MONITOR_KEYS, MonitorSettings
+from . import overrides as override
+from .stream_config import MixtureConfig, StreamConfig
+from .transforms import TransformConfig
+
+MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# TrainingArguments we set ourselves; a user value would break exact resume.
+_FORCED = {"ignore_data_skip": True, "remove_unused_columns": False}
+_DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10, "save_steps": 100}
+
+
+def _unknown(section: str, key: str, known: list[str]) -> ConfigError:
+    return UnknownKeyError(section, key, known)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str | None = None
+    config: dict | None = None
+    tokenizer: str | None = None
+    processor: str | None = None     # data.format vl: the AutoProcessor (default: name_or_path)
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name_or_path is None and self.config is None:
+            raise ConfigError("model: set model.name_or_path (pretrained weights) or model.config (random init "
+                              "from an inline config with model_type)")
+        if self.name_or_path is not None and not (isinstance(self.name_or_path, str) and self.name_or_path):
+            raise ConfigError(f"model.name_or_path: got {self.name_or_path!r}; allowed: a hub id or a local path")
+        if self.config is not None:
+            if not isinstance(self.config, dict) or not isinstance(self.config.get("model_type"), str):
+                raise ConfigError(f"model.config: got {self.config!r}; allowed: a mapping with model_type "
+                                  "(e.g. qwen3) and the config fields")
+        for key in ("tokenizer", "processor"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ConfigError(f"model.{key}: got {value!r}; allowed: a hub id or a local directory")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError(f"model.trust_remote_code: got {self.trust_remote_code!r}; allowed: true or false")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    model: ModelConfig
+    stream: StreamConfig | MixtureConfig
+    transform: TransformConfig
+    train: dict[str, Any]
+    path: str | None = None
+    eval_stream: StreamConfig | MixtureConfig | None = None   # data.eval: the validation stream
+    eval_samples: int = 0                                      # data.eval.num_samples
+    monitor: MonitorSettings = MonitorSettings()               # data.metrics_port, data.data_bound_*
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Sequence[str] = ()) -> TrainerConfig:
+        """``overrides``: ``key=value`` texts merged into the yaml first (:mod:`resumable_stream.config.overrides`)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r}: not found") from None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+        base_dir = os.path.dirname(os.path.abspath(path))
+        doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+        with override.named(given):
+            return cls._from_doc(doc, base_dir, path)
+
+    @classmethod
+    def _from_doc(cls, doc: dict, base_dir: str, path: str) -> TrainerConfig:
+        for key in doc:
+            if key not in ("model", "data", "train"):
+                raise _unknown("config", str(key), ["model", "data", "train"])
+        for key in ("model", "data", "train"):
+            if not isinstance(doc.get(key), dict):
+                raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
+        return cls.from_dict(doc, base_dir=base_dir, path=path)
+
+    @classmethod
+    def from_dict(cls, doc: dict, base_dir: str | None = None, path: str | None = None) -> TrainerConfig:
+        model_doc = dict(doc["model"])
+        for key in model_doc:
+            if key not in MODEL_KEYS:
+                raise _unknown("model", str(key), list(MODEL_KEYS))
+        for key in ("name_or_path", "tokenizer", "processor"):   # local dirs next to the yaml
+            v = model_doc.get(key)
+            if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
+                model_doc[key] = os.path.normpath(os.path.join(base_dir, v))
+        model = ModelConfig(**model_doc)
+
+        data = dict(doc["data"])
+        if data.get("max_samples") is not None:
+            raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
+                              "and its length unknown in advance; bound training with train.max_steps")
+        data.pop("max_samples", None)
+        monitor = MonitorSettings.from_data(data)
+        for key in MONITOR_KEYS:      # the training's, not the stream's (nor the validation stream's)
+            data.pop(key, None)
+        eval_doc = data.pop("eval", None)
+        transform = TransformConfig.from_dict(data)
+        if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
+                and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
+            transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
+        _check_model_for_format(model, transform)
+        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
+                                       extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
+
+        eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
+        train = dict(doc["train"])
+        _check_train(train, has_eval=eval_stream is not None)
+        return cls(model, stream, transform, train, path, eval_stream, eval_samples, monitor)
+
+    def training_arguments(self, **overrides: Any):
+        """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
+        ConfigErrors naming the train section."""
+        from transformers import TrainingArguments
+
+        values = {**_DEFAULTS, **self.train, **overrides, **_FORCED}
+        try:
+            args = TrainingArguments(**values)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
+        check_data_arguments(args)
+        return args
+
+
+def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
+    """With model.config (random init) the tokenizer, or for data.format vl the processor, must be named."""
+    if transform.format == "vl":
+        if not (model.processor or model.name_or_path):
+            raise ConfigError("model.processor: missing; data.format 'vl' with model.config (random init) needs the "
+                              "processor (a hub id or a local directory with the tokenizer and image processor)")
+    elif model.tokenizer is None and model.name_or_path is None:
+        raise ConfigError("model.tokenizer: missing; with model.config (random init) name the tokenizer (a hub id "
+                          "or a local directory)")
+
+
+# data keys a validation stream does not take from the training one
+_NOT_INHERITED = ("sources", "stopping", "resume_state_path", "elastic", "num_partitions")
+
+
+def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):
+    """``data.eval``: the validation stream's data keys over the training stream's (the transform is the
+    same), plus ``num_samples``: examples per evaluation over all ranks."""
+    if doc is None:
+        return None, 0
+    if not isinstance(doc, dict):
+        raise ConfigError(f"data.eval: got {doc!r}; allowed: a mapping of data keys for the validation stream "
+                          "(e.g. data_files) with num_samples")
+    n = doc.get("num_samples")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(f"data.eval.num_samples: got {n!r}; allowed: an integer > 0 (training examples per "
+                          "evaluation, over all ranks)")
+    for key in doc:
+        if key in TransformConfig.KEYS:
+            raise ConfigError(f"data.eval.{key}: the validation data is transformed like the training data; "
+                              f"set {key} in data:")
+    section = {k: v for k, v in data.items() if k not in TransformConfig.KEYS and k not in _NOT_INHERITED}
+    section.update((k, v) for k, v in doc.items() if k != "num_samples")
+    try:
+        stream = StreamConfig.from_dict(section, base_dir=base_dir, source_file=path)
+    except UnknownKeyError as e:   # named where it was written, so that an override's typo is found
+        raise UnknownKeyError("data.eval", e.key, [*StreamConfig.keys(), "num_samples"]) from None
+    except ConfigError as e:
+        raise ConfigError(f"data.eval: {e}") from None
+    return stream, n
+
+
+def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
+    from transformers import TrainingArguments
+
+    fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    known = list(fields)
+    for key in train:
+        if key not in known:
+            raise _unknown("train", str(key), known)
+    for key, value in list(train.items()):
+        default = fields[key].default
+        if isinstance(default, float) and not isinstance(value, bool):
+            if isinstance(value, str):
+                try:    # yaml reads 3e-4 (no dot) as a string
+                    train[key] = float(value)
+                except ValueError:
+                    raise ConfigError(f"train.{key}: got {value!r}; allowed: a number") from None
+            elif not isinstance(value, (int, float)):
+                raise ConfigError(f"train.{key}: got {value!r}; allowed: a number")
+    for key, forced in _FORCED.items():
+        if key in train and train[key] != forced:
+            raise ConfigError(f"train.{key}: got {train[key]!r}; allowed: {forced!r} (resumable-stream restores the "
+                              "data position from its sidecars instead of replaying batches)")
+    if "output_dir" not in train or not isinstance(train["output_dir"], str) or not train["output_dir"]:
+        raise ConfigError("train.output_dir: missing; checkpoints and logs go there (and a restart resumes from it)")
+    steps = train.get("max_steps")
+    if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ConfigError(f"train.max_steps: got {steps!r}; allowed: an integer > 0. A streaming dataset has no "
+                          "known length, so training length must be set in steps")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "logging_steps"):
+        v = train.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"train.{key}: got {v!r}; allowed: an integer > 0")
+    strategy = train.get("eval_strategy", "no")
+    if strategy not in ("no", "steps"):
+        raise ConfigError(f"train.eval_strategy: got {strategy!r}; allowed: no, steps (a stream has no epochs)")
+    asked = [k for k in ("eval_strategy", "eval_on_start", "do_eval") if train.get(k) not in (None, False, "no")]
+    if asked and not has_eval:
+        raise ConfigError(f"train.{asked[0]}: got {train[asked[0]]!r} but there is no validation data: add a "
+                          "data.eval section (data keys of the validation stream, with num_samples) or leave "
+                          "eval_strategy at 'no'")
+    if has_eval and strategy == "no" and not train.get("eval_on_start"):
+        raise ConfigError("data.eval: set train.eval_strategy: steps (and eval_steps) to evaluate on it; without "
+                          "it the validation data would never be read")
+    workers = train.get("dataloader_num_workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")
+
+
+# Settings of the Trainer's own data loading. Our StreamLoader replaces that loading (it is never
+# passed to accelerate's prepare()), so these would have no effect; the ones of accelerator_config
+# would otherwise change which rank reads what (dispatch_batches: rank 0 reads every batch and sends
+# slices; split_batches: a batch is cut across the ranks; even_batches / use_seedable_sampler: samplers).
+_NO_EFFECT = {
+    "accelerator_config.split_batches": (False, "the stream deals whole batches to every rank"),
+    "accelerator_config.dispatch_batches": ((None, False), "every rank reads its own partitions; nothing is "
+                                                           "dispatched from rank 0"),
+    "accelerator_config.even_batches": (True, "the ranks' partitions are balanced by the plan, not by "
+                                              "repeating samples"),
+    "accelerator_config.use_seedable_sampler": (True, "there is no sampler; the order comes from "
+                                                      "data.shuffle_seed"),
+    "accelerator_config.non_blocking": (False, "batches are not moved by accelerate's data loader"),
+    "data_seed": (None, "the order comes from data.shuffle_seed"),
+    "dataloader_drop_last": (False, "the stream is endless; training length is max_steps"),
+    "dataloader_persistent_workers": (False, "the StreamLoader manages its workers"),
+    "train_sampling_strategy": ("random", "there is no sampler; set data.shuffle"),
+}
+
+
+def check_data_arguments(args, section: str = "train") -> None:
+    """Refuse TrainingArguments that the Trainer's data loading would use but ours does not."""
+    for key, (default, why) in _NO_EFFECT.items():
+        owner, _, name = key.rpartition(".")
+        holder = getattr(args, owner) if owner else args
+        if holder is None or not hasattr(holder, name):   # fields of other transformers versions
+            continue
+        value = getattr(holder, name)
+        allowed = default if isinstance(default, tuple) else (default,)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key}: got {value!r}; not supported with a resumable stream ({why}); "
+                              f"leave it at {allowed[0]!r}")

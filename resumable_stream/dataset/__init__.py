@@ -1,0 +1,1 @@
+"""A dataset resolved once per job: the job's source, its growth."""

@@ -1,0 +1,317 @@
+"""Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
+
+The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
+shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
+"dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
+``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
+checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``follow_wait`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
+from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
+epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. The checkpoint
+saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..config import formats as registry
+from ..errors import ConfigError, SourceError, StreamMismatchError
+from ..io.hub import hub_commits, unpinned
+from ..limits import is_int
+from ..runtime.threads import map_files
+from ..sources.index import changed_files, describe_changes
+
+log = logging.getLogger(__name__)
+
+KEY = "growth"
+
+
+def generations(index: dict) -> list[dict[str, Any]]:
+    """The index's generations, checked (an index may come from a damaged or forged checkpoint); an index
+    written without growth is one generation: all its files from epoch 0."""
+    n = len(index["files"])
+    raw = index.get(KEY)
+    if raw is None:
+        return [{"from_epoch": 0, "files": n, "dropped": []}]
+    gens = raw.get("generations") if isinstance(raw, dict) else None
+    paths = {f["path"] for f in index["files"]}
+    ok = isinstance(gens, list) and 0 < len(gens) <= 100_000
+    last_epoch, last_files = -1, 0
+    for g in gens if ok else []:
+        ok = (isinstance(g, dict) and set(g) == {"from_epoch", "files", "dropped"}
+              and is_int(g["from_epoch"], last_epoch + 1, 2**31 - 1) and is_int(g["files"], max(1, last_files), n)
+              and isinstance(g["dropped"], list) and all(isinstance(p, str) and p in paths for p in g["dropped"]))
+        if not ok:
+            break
+        last_epoch, last_files = g["from_epoch"], g["files"]
+    if not ok or gens[0]["from_epoch"] != 0 or last_files != n:
+        raise SourceError(f"dataset index: malformed {KEY!r}: expected generations {{from_epoch, files, dropped}} "
+                          f"with increasing epochs from 0 and file counts up to the {n} files listed")
+    return gens
+
+
+def with_generations(index: dict, gens: list[dict[str, Any]]) -> dict:
+    return {**index, KEY: {"generations": gens}}
+
+
+def files_of(index: dict, gen: dict[str, Any]) -> list[str]:
+    """The paths a generation reads, in index order."""
+    dropped = set(gen["dropped"])
+    return [f["path"] for f in index["files"][:gen["files"]] if f["path"] not in dropped]
+
+
+def layout_generations(index: dict | None, shards: list) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``plan.Layout.generations``: per generation its first epoch and its shards (global shard ids)."""
+    if index is None:      # a source given to the stream that is not read through an index
+        raise ConfigError("data.growth: got 'append' for a source without a dataset index; allowed: off, or "
+                          "append for indexed formats (parquet, webdataset)")
+    by_file: dict[str, list[int]] = {}
+    for s in shards:
+        by_file.setdefault(s.file, []).append(s.index)
+    out = []
+    for g in generations(index):
+        out.append((g["from_epoch"], tuple(i for p in files_of(index, g) for i in by_file.get(p, ()))))
+    return tuple(out)
+
+
+def stable_fingerprint(dataset_fp: dict, index: dict, mode: str) -> dict:
+    """What a growing dataset's resume check compares: the first generation's files (those a run starts with;
+    the later ones are checked against the index, which the checkpoint carries) and the growth mode."""
+    first = generations(index)[0]["files"]
+    fp = {k: v for k, v in dataset_fp.items() if k not in ("num_shards", "shard_rows")}
+    fp["files"] = list(dataset_fp.get("files", []))[:first]
+    if "hub_commits" in fp:       # the commits the first files come from (later ones: the index's)
+        fp["hub_commits"] = hub_commits([f["path"] for f in index["files"][:first]])
+    fp["growth"] = mode
+    return fp
+
+
+def describe(index: dict) -> list[dict[str, Any]] | None:
+    """Per generation (``inspect``): from which epoch, how many files, those it added and dropped."""
+    if index.get(KEY) is None:
+        return None
+    out, before = [], 0
+    for g in generations(index):
+        entry = {"from_epoch": g["from_epoch"], "files": g["files"] - len(g["dropped"]),
+                 "added": [f["path"] for f in index["files"][before:g["files"]]], "dropped": list(g["dropped"])}
+        commits = hub_commits(entry["added"])      # a Hub branch: the commit that brought the new files
+        if commits:
+            entry["hub_commits"] = commits
+        out.append(entry)
+        before = g["files"]
+    return out
+
+
+# ------------------------------------------------------------------ a resume: the files now
+def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
+    """The furthest epoch any partition of the checkpoint at ``state_path`` has begun (every rank file read:
+    O(partitions)); ``source``: of that source of a mixture (each source has its own epochs). None when it is a
+    bare sidecar file."""
+    from ..state.sidecar import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
+
+    if os.path.isfile(state_path):
+        return None
+    state_dir = find_state_dir(state_path)
+    manifest = read_manifest(state_dir)
+    fingerprint = read_state_fingerprint(state_dir, manifest)
+    furthest = 0
+    for rank in range(int(manifest["world_size"])):
+        state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
+        for ps in state["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
+            if source is not None:                   # a mixture's: {"mixture": ..., "sources": [...]}
+                sources = ps.get("sources") if isinstance(ps, dict) else None
+                ps = sources[source] if isinstance(sources, list) and source < len(sources) else None
+            epoch = ps.get("epoch") if isinstance(ps, dict) else None
+            if not is_int(epoch):
+                raise SourceError(f"stream state {state_dir!r}: rank {rank} has a partition without an epoch; "
+                                  "data.growth needs the epoch of every partition")
+            furthest = max(furthest, epoch)
+    return furthest
+
+
+def joins_at(cfg, index: dict, furthest: int) -> int:
+    """The epoch new files join from, ``furthest`` being the furthest epoch a partition stands in: the next one;
+    in follow mode ``furthest`` itself when no generation starts there or later (that epoch has no files, so
+    no partition has read any of it: the partitions wait at its start for new files)."""
+    if cfg.growth == "follow" and not any(g["from_epoch"] >= furthest for g in generations(index)):
+        return furthest
+    return furthest + 1
+
+
+def _forget_listings(targets: list[str], storage_options: dict) -> None:
+    """Drop the directory listings fsspec keeps per filesystem instance (s3fs, HfFileSystem): a listing made
+    before the data grew would hide the new files from this process's resolution."""
+    import fsspec
+
+    from ..io.net import protocol_options
+
+    for target in targets:
+        if "://" not in target:
+            continue
+        try:
+            fs, _ = fsspec.core.url_to_fs(target, **protocol_options(storage_options, target))
+            fs.invalidate_cache()
+        except Exception:   # nothing cached, or a path fsspec cannot open: the resolution then says why
+            pass
+
+
+# {(repo, revision): (an index's file set, a later commit of the branch at which a full resolution found that
+# same file set)}: a commit that touched no data file (a README) then costs one request at the next refresh too
+_CHECKED_AT: dict[tuple[str, str | None], tuple[tuple, str]] = {}
+
+
+def _file_set(index: dict) -> tuple:
+    return tuple(f["path"] for f in index["files"]), repr(generations(index))
+
+
+def _branch_unmoved(cfg, index: dict) -> bool:
+    """A running job's Hub branch still points to the commit the index's newest files come from, or to a later
+    one this process found to hold the same files (one repo-info request): then no file can have been added,
+    changed or removed, and nothing else needs asking. False for data not on one Hub repo, or when the request
+    fails (the full resolution then says why)."""
+    from ..io.hub import commit_sha
+
+    pinned = [hub_commits([f["path"]]) for f in reversed(index["files"])]
+    repos = {repo for p in pinned for repo in p}
+    if len(repos) != 1:
+        return False
+    repo = repos.pop()
+    newest = next(p[repo] for p in pinned if p)
+    try:
+        now = commit_sha(repo, cfg.revision)
+    except Exception:
+        return False
+    return now == newest or _CHECKED_AT.get((repo, cfg.revision)) == (_file_set(index), now)
+
+
+def _remember_unchanged(cfg, index: dict, files_now: list[str]) -> None:
+    """A full resolution at the branch's commit found the index's files unchanged: remember that commit."""
+    commits = hub_commits(files_now)
+    if len(commits) == 1:
+        repo, sha = next(iter(commits.items()))
+        _CHECKED_AT[(repo, cfg.revision)] = (_file_set(index), sha)
+
+
+def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
+    """``index`` after checking the files it lists and adding those that appeared: a new generation from
+    ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
+    without growth); one that disappeared too, unless ``data.growth_allow_removal``. ``running``: the job that
+    built ``index`` asks again (same config): a Hub branch that has not moved costs one repo-info request."""
+    from ..io.net import RetryPolicy, is_remote
+    from ..io.ranged import listed_identities
+    from ..sources.resolve import (
+        builder_args,
+        explicit_urls,
+        file_identity,
+        hub_identities,
+        remote_targets,
+        resolve_split,
+    )
+
+    path, data_files = builder_args(cfg)
+    targets = remote_targets(path, data_files)
+    retry = RetryPolicy(cfg, remote=bool(targets))
+    reader = registry.format_of_index(index).load()
+    gens = generations(index)
+    reading = files_of(index, gens[-1])
+    listed = {unpinned(f["path"]) for f in index["files"]}
+    now = explicit_urls(cfg, path, data_files)
+    if now is None and running and _branch_unmoved(cfg, index):
+        return with_generations(index, gens)
+    if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
+        _forget_listings(targets, retry.storage_options)
+        now = resolve_split(cfg, path, data_files, targets, retry).files
+    at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
+    removed = [p for p in reading if unpinned(p) not in at_now]
+    if removed and not cfg.growth_allow_removal:
+        raise StreamMismatchError(
+            f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; with "
+            "data.growth: append files may only be added (set data.growth_allow_removal: true to drop them from "
+            "the next epoch on)", [(f"file removed: {p}", p, None) for p in removed])
+    # the files read so far (and still there) must be those the index describes (a Hub file: at the new commit)
+    gone = set(gens[-1]["dropped"])
+    kept = [f for f in index["files"] if unpinned(f["path"]) in at_now and f["path"] not in gone]
+    asked = [at_now[unpinned(f["path"])] for f in kept]
+    known = hub_identities(asked, retry)
+    known.update(listed_identities(asked, retry.storage_options))     # S3: from a listing, no HEAD per object
+
+    def identity(entry: dict) -> dict:
+        where_now = at_now[unpinned(entry["path"])]
+        try:
+            ident = known.get(where_now) or file_identity(where_now, retry)
+        except SourceError as e:
+            return {"path": entry["path"], "error": str(e)}
+        if not is_remote(where_now) and isinstance(ident.get("size"), int):
+            ident.update(reader.local_check(where_now, ident, retry, entry))
+        return {**ident, "path": entry["path"]}     # compared as the file the index lists
+
+    changes = changed_files({**index, "files": kept}, map_files(identity, kept))
+    if changes:
+        raise StreamMismatchError(
+            f"dataset index {where}: files it has read changed (a growing dataset may only gain files):\n"
+            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    added = [p for p in now if unpinned(p) not in listed]
+    if not added and not removed:
+        if running:
+            _remember_unchanged(cfg, index, now)
+        return with_generations(index, gens)
+    new_known = hub_identities(added, retry)
+    new_known.update(listed_identities(added, retry.storage_options))
+    footers: dict[str, bytes] = {}
+    entries = map_files(lambda f: reader.index_file(f, retry, new_known.get(f) or file_identity(f, retry), footers),
+                        added)
+    for f, entry in zip(added, entries):
+        # as build_index infers them (a parquet footer's schema; a tar's first samples)
+        features = reader.infer_features(cfg, entry, footers.get(f), retry)
+        features = features.to_dict() if hasattr(features, "to_dict") else features
+        if features != index["features"]:
+            raise StreamMismatchError(
+                f"data file {f!r} (new since {where}): its columns {sorted(features)} / types differ from the "
+                f"dataset's {sorted(index['features'])}; files added to a growing dataset must match it",
+                [(f"file added: {f} (features)", index["features"], features)])
+    dropped = sorted(set(gens[-1]["dropped"]) | set(removed))
+    # generations no partition has begun yet (added at an earlier resume) are replaced by this one
+    begun = [g for g in gens if g["from_epoch"] < from_epoch] or gens[:1]
+    gen = {"from_epoch": max(from_epoch, begun[-1]["from_epoch"] + 1), "files": len(index["files"]) + len(entries),
+           "dropped": dropped}
+    log.info("data.growth: %d file(s) added, %d dropped; they apply from epoch %d (%s)", len(added), len(removed),
+             gen["from_epoch"], where)
+    grown = {**index, "files": [*index["files"], *entries]}
+    return with_generations(grown, [*begun, gen])
+
+
+
+def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, num_workers: int) -> dict | None:
+    """A running job's ``refresh_files``: the grown index (None: no change), by rank 0 and broadcast; every
+    rank passes the furthest epoch its partitions have begun, the new generation starts after the job's."""
+    import json
+
+    from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
+    from ..sources.index import decode_index, encode_index
+
+    if num_workers:
+        raise ConfigError(f"refresh_files: the stream is read by {num_workers} DataLoader workers, which read ahead "
+                          "with the plan they started with; allowed: with num_workers 0, or take new files in at a "
+                          "resume")
+    shared = shared_over_dist(rank, world_size)
+    if world_size > 1 and not shared:
+        raise ConfigError(f"refresh_files: rank {rank} of {world_size} without an initialized torch.distributed "
+                          "group; the ranks must agree on the epoch the files join from")
+    furthest = max_over_ranks(furthest_here) if shared else furthest_here
+    if shared and rank != 0:
+        message = json.loads(broadcast_bytes(None))
+        if "error" in message:
+            raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
+        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
+    try:
+        grown = grow(cfg, index, joins_at(cfg, index, furthest), "of the running job", running=True)
+    except Exception as e:
+        if shared:
+            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        raise
+    changed = grown[KEY]["generations"] != generations(index) or len(grown["files"]) != len(index["files"])
+    if shared:
+        broadcast_bytes(json.dumps({"index": encode_index(grown).decode() if changed else None}).encode())
+    return grown if changed else None

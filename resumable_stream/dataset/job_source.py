@@ -1,0 +1,143 @@
+"""Open a rank's source so that the whole job resolves its dataset once.
+
+Where the dataset index comes from, in order: the checkpoint being resumed (``stream_state/index.json``,
+verified against the manifest), ``data.index_path`` when that file exists, else it is built (datasets
+resolves the files, then one metadata request and one footer read per file). With
+``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
+metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
+only rank 0 does any of this and broadcasts the index (JSON bytes, no pickle) to the other ranks,
+which then make no request at all to open the stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from typing import Any
+
+from ..config.stream_config import MixtureConfig, StreamConfig
+from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from ..runtime.collectives import broadcast_bytes, shared_over_dist
+from ..sources.base import Source
+from ..sources.index import check_resolution, decode_index, load_index, same_resolution, save_index
+from ..sources.open import open_source
+from ..sources.resolve import verified_index
+from . import growth
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
+
+
+def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
+    """This rank's source of ``cfg``; ``state_path``: a checkpoint being resumed whose saved index may be
+    used (default ``cfg.resume_state_path``)."""
+    return _open_shared([cfg], [None], rank, world_size, state_path or cfg.resume_state_path)[0]
+
+
+def open_job_sources(cfg: MixtureConfig, rank: int = 0, world_size: int = 1,
+                     state_path: str | None = None) -> list[Source]:
+    """This rank's sources of a mixture, one per ``cfg.sources``, each resolved and indexed once per job as
+    :func:`open_job_source` does for one dataset: the saved index of source ``label`` in ``state_path`` (default
+    ``cfg.resume_state_path``), its ``index_path``, else built; under ``torch.distributed`` by rank 0 only, all
+    sources' indexes broadcast in one message."""
+    return _open_shared(list(cfg.sources), list(cfg.labels), rank, world_size, state_path or cfg.resume_state_path)
+
+
+def _indexed(cfg: StreamConfig) -> bool:
+    """Whether ``cfg``'s source may have a dataset index (streamed through ``datasets``' resolution)."""
+    return cfg.backend == "hf" and cfg.streaming
+
+
+def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, world_size: int,
+                 state_path: str | None) -> list[Source]:
+    """The sources of ``cfgs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
+    shared = shared_over_dist(rank, world_size) and any(_indexed(c) for c in cfgs)
+    if shared and rank != 0:
+        message = json.loads(broadcast_bytes(None))
+        if "error" in message:
+            cls = _ERRORS.get(message["error"]["type"], SourceError)
+            raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
+        out = []
+        for c, entry in zip(cfgs, message["sources"]):
+            index = entry["index"] if _indexed(c) else None
+            footers = {p: base64.b64decode(f) for p, f in entry.get("footers", {}).items()}
+            out.append(open_source(c, index=index, footers=footers) if index is not None else open_source(c))
+        return out
+    try:
+        sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if _indexed(c)
+                   else open_source(c) for i, (c, label) in enumerate(zip(cfgs, labels))]
+    except Exception as e:
+        if shared:
+            broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
+        raise
+    if shared:
+        # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
+        entries = [{"index": src.index,
+                    "footers": {p: base64.b64encode(f).decode() for p, f in src.footers.items()}} for src in sources]
+        broadcast_bytes(json.dumps({"sources": entries}).encode())
+    return sources
+
+
+def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None,
+                position: int | None = None) -> Source:
+    """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
+    ``label``: the mixture source whose index the checkpoint saved under that name."""
+    if cfg.growth != "off":
+        return _open_growing(cfg, state_path, label, position)
+    index, where, given = None, None, False
+    saved = saved_index_file(state_path, label) if state_path else None
+    if saved is not None:
+        index, where = saved, f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
+    elif cfg.index_path and os.path.isfile(cfg.index_path):
+        index, where, given = load_index(cfg.index_path), repr(cfg.index_path), True
+        if label is not None:
+            where += f" (source {label!r})"
+    if saved is not None and not same_resolution(index, cfg):
+        index = None        # resolved afresh: the resume check then names what changed in the config
+    if index is not None:
+        check_resolution(index, cfg, where)
+        if cfg.verify_files:
+            index = verified_index(cfg, index, where, given)
+        if index is not None:
+            return open_source(cfg, index=index)
+    src = open_source(cfg)
+    if cfg.index_path and rank == 0 and src.index is not None:
+        save_index(cfg.index_path, src.index)
+    return src
+
+
+def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, position: int | None) -> Source:
+    """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
+    and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
+    start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
+    if cfg.index_path:
+        log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
+                    "grows with the data)", cfg.index_path, cfg.growth)
+    saved = saved_index_file(state_path, label) if state_path else None
+    if saved is not None and same_resolution(saved, cfg):
+        where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
+        furthest = growth.furthest_epoch(state_path, position)
+        return open_source(cfg, index=growth.grow(cfg, saved, growth.joins_at(cfg, saved, furthest or 0), where))
+    src = open_source(cfg)
+    if src.index is None:
+        src.close()
+        raise ConfigError(f"data.growth: got {cfg.growth!r} for {cfg.dataset_name_or_path!r}, which is not read "
+                          "through a dataset index; allowed: off, or append for indexed formats (parquet)")
+    src.index[growth.KEY] = {"generations": growth.generations(src.index)}
+    return src
+
+
+def saved_index_file(state_path: str, label: str | None = None) -> dict[str, Any] | None:
+    """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
+    checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too).
+    ``label``: that of the mixture source ``label`` instead of the single dataset's."""
+    from ..state.sidecar import MANIFEST, read_source_index, read_state_index, state_dir_of
+
+    state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
+    if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
+        return None
+    saved = read_state_index(state_dir) if label is None else read_source_index(state_dir, label)
+    return None if saved is None else decode_index(saved[1], repr(saved[0]))

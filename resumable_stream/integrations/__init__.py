@@ -1,0 +1,1 @@
+"""Our stream inside other frameworks: transformers' Trainer, LLaMA-Factory, MindSpore."""

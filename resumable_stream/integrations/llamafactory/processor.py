@@ -1,0 +1,208 @@
+"""LLaMA-Factory's formatting of rows, as a stateful transform inside the stream.
+
+Each row goes through LLaMA-Factory's converter for its dataset (``formatting`` alpaca / sharegpt / openai with
+the ``columns`` and ``tags`` of dataset_info.json), then its dataset processor (``pt``: the pretrain processor;
+``sft``: supervised, or packed supervised with ``packing`` / ``neat_packing``) turns converted rows into
+examples with its template, exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A
+packing processor works on chunks of ``preprocessing_batch_size`` rows (its greedy knapsack and pt's block
+cutting are per chunk), so the rows of an unfinished chunk are part of the transform's state; without packing
+every row is its own chunk (the outputs are the same, and nothing waits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...errors import SidecarError
+from ...io.safe_files import JSONRefused, parse_json
+from ...transforms.errors import TransformError
+from ...transforms.text import checked_state, tokenizer_digest
+
+STATE_VERSION = 1
+# DatasetAttr fields that decide how a row is converted (columns and tags of dataset_info.json)
+ATTR_FIELDS = ("formatting", "system", "tools", "prompt", "query", "response", "history", "messages",
+                "role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag",
+                "system_tag", "images", "videos", "audios")
+_TEMPLATE_FIELDS = ("format_user", "format_assistant", "format_system", "format_function", "format_observation",
+                    "format_tools", "format_prefix", "default_system", "stop_words", "thought_words",
+                    "tool_call_words", "efficient_eos", "replace_eos", "replace_jinja_template", "enable_thinking",
+                    "preserve_thinking")
+# data arguments the dataset processors read
+_DATA_FIELDS = ("cutoff_len", "train_on_prompt", "mask_history", "packing", "neat_packing", "template",
+                "tool_format", "default_system", "enable_thinking", "preserve_thinking")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able description of a template field (formatters by class, slots and tool format)."""
+    from llamafactory.data.formatter import Formatter
+
+    if isinstance(value, Formatter):
+        return {"class": type(value).__name__, "slots": _plain(value.slots), "tool_format": value.tool_format}
+    if isinstance(value, (set, frozenset)):
+        return {"set": sorted(map(str, value))}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items())}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return {"class": type(value).__name__}
+
+
+def template_digest(template) -> str:
+    """blake2b of what the template renders with: its class, formatters, default system, stop words, flags and
+    media plugin (after ``get_template_and_fix_tokenizer`` applied the data arguments to it)."""
+    desc = {"class": type(template).__name__, **{f: _plain(getattr(template, f, None)) for f in _TEMPLATE_FIELDS}}
+    plugin = getattr(template, "mm_plugin", None)
+    desc["mm_plugin"] = {"class": type(plugin).__name__, **{k: getattr(plugin, k, None) for k in
+                                                           ("image_token", "video_token", "audio_token")}}
+    return hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+@dataclass
+class Formatting:
+    """What formats rows the way LLaMA-Factory does: its template and tokenizer (as ``run_sft`` / ``run_pt``
+    fixed them), data arguments and stage, and the dataset attributes of each source (by label)."""
+
+    template: Any
+    tokenizer: Any
+    data_args: Any
+    stage: str
+    attrs: dict[str, Any]            # source label -> DatasetAttr
+
+    @property
+    def chunk(self) -> int:
+        return max(1, int(self.data_args.preprocessing_batch_size)) if self.packing else 1
+
+    @property
+    def packing(self) -> bool:
+        return bool(self.data_args.packing)
+
+    def fingerprint(self) -> dict[str, Any]:
+        import llamafactory
+
+        fp = {"llamafactory": llamafactory.__version__, "stage": self.stage,
+              "template": template_digest(self.template), "tokenizer": tokenizer_digest(self.tokenizer),
+              "data": {f: getattr(self.data_args, f, None) for f in _DATA_FIELDS},
+              "sources": {label: {f: getattr(attr, f, None) for f in ATTR_FIELDS}
+                          for label, attr in sorted(self.attrs.items())}}
+        if self.packing:
+            fp["data"]["preprocessing_batch_size"] = self.chunk
+        return fp
+
+
+def _dataset_processor(fmt: Formatting):
+    """LLaMA-Factory's dataset processor for the stage, chosen as its loader chooses it."""
+    from llamafactory.data.processor import (
+        PackedSupervisedDatasetProcessor,
+        PretrainDatasetProcessor,
+        SupervisedDatasetProcessor,
+    )
+
+    if fmt.stage == "pt":
+        cls = PretrainDatasetProcessor
+    else:
+        cls = PackedSupervisedDatasetProcessor if fmt.packing else SupervisedDatasetProcessor
+    return cls(template=fmt.template, tokenizer=fmt.tokenizer, processor=None, data_args=fmt.data_args)
+
+
+class LlamaFactoryProcessor:
+    """The transform protocol of :class:`~resumable_stream.loader.StreamLoader` (``feed`` / ``ready`` /
+    ``take`` / ``state`` / ``load_state`` / ``fingerprint``) around LLaMA-Factory's converter and processor."""
+
+    takes_source = True              # a mixture tells each sample's source: its dataset's converter
+
+    def __init__(self, fmt: Formatting):
+        from llamafactory.data.converter import get_dataset_converter
+
+        self.fmt = fmt
+        self._converters = {label: get_dataset_converter(attr.formatting, attr, fmt.data_args)
+                            for label, attr in fmt.attrs.items()}
+        self._default = next(iter(fmt.attrs))
+        self._processor = _dataset_processor(fmt)
+        self._fingerprint = fmt.fingerprint()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rows: list[tuple[str, dict]] = []             # converted rows of the unfinished chunk
+        self._ready: deque[dict] = deque()                  # examples, each with its "keys"
+        self._stats = {"rows": 0, "examples": 0, "dropped": 0}
+
+    def feed(self, sample: dict, key: str, source: str | None = None) -> None:
+        label = source if source in self._converters else self._default
+        try:
+            row = self._converters[label](sample)
+        except KeyError as e:
+            raise TransformError(f"sample {key!r} of dataset {self.fmt.attrs[label].dataset_name!r}: no column {e} "
+                                 "(the columns its dataset_info.json entry names, or the defaults of its "
+                                 f"formatting {self.fmt.attrs[label].formatting!r}); the row has "
+                                 f"{sorted(sample)}", key) from None
+        self._rows.append((key, row))
+        self._stats["rows"] += 1
+        if len(self._rows) >= self.fmt.chunk:
+            self._process()
+
+    def _process(self) -> None:
+        rows, self._rows = self._rows, []
+        batch = {name: [row[name] for _, row in rows] for name in rows[0][1]}
+        out = self._processor.preprocess_dataset(batch)
+        n = len(out.get("input_ids", []))
+        examples = [{name: values[i] for name, values in out.items()} for i in range(n)]
+        keys = [key for key, _ in rows]
+        if not self.fmt.packing:
+            self._stats["dropped"] += len(rows) - n      # invalid conversations, as LLaMA-Factory drops them
+        for i, example in enumerate(examples):
+            # without packing a chunk is one row and one example (or none); packed, its first block carries the
+            # keys of every row of the chunk (which block holds which row is the knapsack's business)
+            example["keys"] = keys if i == 0 else []
+            self._ready.append(example)
+        self._stats["examples"] += n
+
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def take(self) -> dict:
+        if not self._ready:
+            raise IndexError("LlamaFactoryProcessor.take: no finished example; feed more samples (check ready())")
+        return self._ready.popleft()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self._fingerprint)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        pending = json.dumps([[key, row] for key, row in self._rows]).encode()
+        ready = json.dumps(list(self._ready)).encode()
+        return {"tensors": {"pending_rows": np.frombuffer(pending, dtype=np.uint8).copy(),
+                            "ready_examples": np.frombuffer(ready, dtype=np.uint8).copy()},
+                "meta": {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "stats": self.stats()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a ``state()``: StreamMismatchError when it was made with another template, tokenizer, stage,
+        data argument or dataset_info entry; SidecarError when it is malformed."""
+        tensors, meta = checked_state(state, STATE_VERSION, self.fingerprint())
+        try:
+            pending = parse_json(np.asarray(tensors["pending_rows"], dtype=np.uint8).tobytes())
+            ready = parse_json(np.asarray(tensors["ready_examples"], dtype=np.uint8).tobytes())
+            stats = {k: int(meta["stats"][k]) for k in ("rows", "examples", "dropped")}
+            ok = (isinstance(pending, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                    and isinstance(p[1], dict) for p in pending)
+                  and isinstance(ready, list) and all(isinstance(e, dict) and isinstance(e.get("keys"), list)
+                                                      for e in ready))
+        except (KeyError, TypeError, ValueError, JSONRefused) as e:
+            raise SidecarError(f"LLaMA-Factory transform state: missing or malformed field ({e})") from None
+        if not ok or len(pending) >= self.fmt.chunk:
+            raise SidecarError("LLaMA-Factory transform state: malformed pending rows or examples")
+        self._reset()
+        self._rows = [(key, row) for key, row in pending]
+        self._ready.extend(ready)
+        self._stats = stats

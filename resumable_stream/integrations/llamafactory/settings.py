@@ -1,0 +1,111 @@
+"""The yaml ``llamafactory-cli train`` reads, split into LLaMA-Factory's arguments and our section.
+
+LLaMA-Factory's keys go to its own parser unchanged (its errors are its own). Ours live under
+``resumable_stream:`` and are checked here; a LLaMA-Factory key whose meaning we cannot keep exactly with a
+resumable stream is a ConfigError naming the key and why (:func:`refuse_unsupported`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ...errors import ConfigError
+from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
+
+SECTION = "resumable_stream"
+# data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
+STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "block_rows", "cache_dir",
+               "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
+               "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
+               "storage_options", "resume_state_path")
+# consumed_log: a directory, the keys of the samples each step consumed, per rank; the monitoring keys:
+# a Prometheus endpoint per rank, the data-bound warning (resumable_stream.observe.monitoring)
+OWN_KEYS = ("consumed_log", *MONITOR_KEYS)
+
+
+def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(LLaMA-Factory's arguments, our section) of ``config`` with ``key=value`` overrides merged as
+    ``llamafactory-cli`` merges them (OmegaConf: the yaml, then the dotlist)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not os.path.isfile(config):
+        raise ConfigError(f"config file {config!r}: not found")
+    if not config.endswith((".yaml", ".yml")):
+        raise ConfigError(f"config file {config!r}: allowed: a .yaml / .yml file, as llamafactory-cli train takes")
+    try:
+        merged = OmegaConf.merge(OmegaConf.load(os.path.abspath(config)), OmegaConf.from_cli(list(overrides)))
+        args = OmegaConf.to_container(merged)
+    except (OmegaConfBaseException, ValueError, OSError) as e:
+        raise ConfigError(f"config file {config!r} with overrides {overrides!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(args, dict):
+        raise ConfigError(f"config file {config!r}: got {type(args).__name__}; allowed: a mapping of arguments")
+    return split(args)
+
+
+def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(LLaMA-Factory's arguments, our section, checked) of a yaml's mapping."""
+    args = dict(args)
+    ours = args.pop(SECTION, None) or {}
+    if not isinstance(ours, dict):
+        raise ConfigError(f"{SECTION}: got {ours!r}; allowed: a mapping of resumable-stream keys")
+    unknown = sorted(set(ours) - set(STREAM_KEYS) - set(OWN_KEYS))
+    if unknown:
+        raise ConfigError(f"{SECTION}.{unknown[0]}: unknown key; allowed: {', '.join(STREAM_KEYS + OWN_KEYS)}")
+    if ours.get("consumed_log") is not None and not (isinstance(ours["consumed_log"], str) and ours["consumed_log"]):
+        raise ConfigError(f"{SECTION}.consumed_log: got {ours['consumed_log']!r}; allowed: null or a directory")
+    _check_stream_keys(ours)
+    monitor_settings(ours)
+    return args, ours
+
+
+def monitor_settings(ours: dict[str, Any]) -> MonitorSettings:
+    """The section's metrics endpoint and data-bound warning settings (errors name ``resumable_stream.KEY``)."""
+    try:
+        return MonitorSettings.from_data(ours)
+    except ConfigError as e:
+        raise e.in_source(SECTION, set(MONITOR_KEYS)) from None
+
+
+def _check_stream_keys(ours: dict[str, Any]) -> None:
+    """Our data keys checked now, before LLaMA-Factory loads anything (errors name ``resumable_stream.KEY``)."""
+    from ...config.stream_config import StreamConfig
+
+    keys = {k: v for k, v in ours.items() if k in STREAM_KEYS}
+    try:
+        StreamConfig(dataset_name_or_path="org/dataset", **keys)
+    except ConfigError as e:
+        raise e.in_source(SECTION, set(keys)) from None
+
+
+def _why(key: str, value: Any, reason: str) -> ConfigError:
+    return ConfigError(f"{key}: got {value!r}; not supported by resumable-stream llamafactory: {reason}")
+
+
+def refuse_unsupported(args: dict[str, Any]) -> None:
+    """The keys whose LLaMA-Factory meaning a resumable stream cannot keep exactly (before its parser runs)."""
+    stage = args.get("stage", "sft")
+    if stage not in ("pt", "sft"):
+        raise _why("stage", stage, "allowed: pt, sft (the reward, DPO, KTO and PPO stages read pairs or rewards)")
+    if not args.get("do_train", False):
+        raise _why("do_train", args.get("do_train"), "this command trains: set do_train: true "
+                   "(evaluate or predict with llamafactory-cli)")
+    if args.get("streaming") is False:
+        raise _why("streaming", False, "the stream is always streamed; llamafactory-cli's non-streaming order "
+                   "(a sampler over the whole dataset) cannot be resumed exactly: remove the key or set true")
+    if args.get("max_samples") is not None:
+        raise _why("max_samples", args["max_samples"], "refused with streaming, as llamafactory-cli refuses it; "
+                   "bound training with max_steps")
+    if not isinstance(args.get("max_steps"), int) or isinstance(args.get("max_steps"), bool) or args["max_steps"] <= 0:
+        raise _why("max_steps", args.get("max_steps"), "required (an integer > 0): a stream has no length, as "
+                   "llamafactory-cli requires it in streaming mode")
+    if (args.get("val_size") or 0) > 0:
+        raise _why("val_size", args["val_size"], "it would take the first rows of the training stream away from "
+                   "it; give the validation data as eval_dataset")
+    if args.get("tokenized_path"):
+        raise _why("tokenized_path", args["tokenized_path"], "the stream tokenizes as it reads; there is no saved "
+                   "tokenized dataset")
+    if args.get("mix_strategy") == "interleave_once":
+        raise _why("mix_strategy", "interleave_once", "datasets 4.0 (LLaMA-Factory 0.9.5's pin) has no "
+                   "all_exhausted_without_replacement either; use interleave_under or interleave_over")

@@ -1,0 +1,1 @@
+"""Bytes from disk and network: the one network policy, verified ranged reads, the Hub, safe files."""

@@ -1,0 +1,294 @@
+"""Ranged reads that prove they got the bytes they asked for, of the object the index recorded.
+
+``read_range(path, start, end, storage_options, identity)`` returns bytes ``[start, end)`` of a local
+file or an object (http(s)://, s3://, hf://datasets/, any other fsspec protocol) and checks the
+answer before anyone decodes it:
+
+* the length is the one asked for (a short body is an ``OSError``: a network fault, retried);
+* http(s) and S3: the answer is a 206 whose ``Content-Range`` is the range asked for, of an object of
+  the recorded size, with the recorded ETag / Last-Modified where the answer carries them. The
+  request itself says ``If-Match: <ETag>`` (a strong ETag only), so a store that honours it refuses
+  a rewritten object (412) instead of sending its bytes. A local file's size and mtime are checked
+  after the read;
+* a server that ignores ``Range`` (a 200 with the whole file) is :class:`RangeNotSupported` at its
+  first answer, never retried: the whole file is not what was asked for, and asking again cannot help.
+
+An answer of another object than the recorded one is :class:`ObjectChanged` (a
+``StreamMismatchError``), one of the right object but the wrong bytes (another range) is
+:class:`WrongBytes`. ``identity`` is the file's dataset-index entry (``size``, ``etag``,
+``last-modified``, ``mtime``); without one only the length is checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import threading
+import time
+from typing import Any
+
+from ..errors import SourceError, StreamMismatchError
+from ..observe.metrics import record_request
+
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
+_BUCKET_STORES = ("s3", "s3a")
+
+
+class RangeNotSupported(SourceError):
+    """The server answered a byte-range request with the whole object: it does not support ranges."""
+
+
+class ObjectChanged(StreamMismatchError):
+    """The store answered for another version of the object than the one the index recorded."""
+
+
+class WrongBytes(Exception):
+    """The answer is not the bytes asked for (another range, or bytes that fail the footer's checks)."""
+
+
+_FILESYSTEMS: dict[tuple, Any] = {}
+
+
+def filesystem(protocol: str, storage_options: dict):
+    """This process's fsspec filesystem for ``protocol`` (a fresh one after a fork: with some fsspec versions
+    a filesystem made before the fork hangs in a forked DataLoader worker)."""
+    import fsspec
+
+    options = copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
+    key = (os.getpid(), protocol, repr(sorted(options.items())))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        if any(k[0] != key[0] for k in _FILESYSTEMS):
+            _FILESYSTEMS.clear()         # the parent's, unusable here
+            fsspec.asyn.reset_lock()
+        if protocol in _BUCKET_STORES and "session" not in options:
+            session = _session_of_this_process(protocol, options)
+            if session is not None:
+                options["session"] = session
+        fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+        if protocol in _BUCKET_STORES:
+            fs.retries = 1       # s3fs would retry a timed-out call 5 times inside one of our tries
+    return fs
+
+
+def _session_of_this_process(protocol: str, options: dict):
+    """The aiobotocore session of the s3fs filesystem this process already made with the same options (fsspec's
+    cached instance: the one ``datasets`` listed the files with): a client made from it skips loading
+    botocore's service models again (~0.1-0.3 s per new session). The client itself (keys, endpoint, timeouts,
+    retries) is ours. None when there is none yet (a cached instance is made lazily, without connecting)."""
+    import fsspec
+
+    try:
+        shared = fsspec.filesystem(protocol, **copy.deepcopy(options))
+    except Exception:                           # noqa: BLE001 - no sharing, a session of our own
+        return None
+    return getattr(shared, "session", None)
+
+
+def listed_identities(paths: list[str], storage_options: dict) -> dict[str, dict]:
+    """The identities of S3 objects (size and ETag, as a HeadObject gives them) from one fresh listing per
+    directory holding two or more of ``paths``, instead of one HeadObject per object; {} for the others
+    and whenever the listing fails (each is then asked on its own)."""
+    by_dir: dict[str, list[str]] = {}
+    for path in paths:
+        protocol = path.split("://", 1)[0] if "://" in path else ""
+        if protocol in _BUCKET_STORES and "?" not in path:
+            by_dir.setdefault(path.rsplit("/", 1)[0], []).append(path)
+    out: dict[str, dict] = {}
+    for directory, members in by_dir.items():
+        if len(members) < 2:
+            continue
+        protocol = directory.split("://", 1)[0]
+        try:
+            fs = filesystem(protocol, storage_options)
+            listing = fs.ls(directory, detail=True, refresh=True)      # the store's answer now, not a cache
+        except Exception:                       # noqa: BLE001 - HEAD each object instead (with its retries)
+            continue
+        found = {f"{protocol}://{entry['name']}": entry for entry in listing if entry.get("type") == "file"}
+        for path in members:
+            entry = found.get(path)
+            if entry is not None and isinstance(entry.get("size"), int) and entry.get("ETag"):
+                out[path] = {"path": path, "size": entry["size"], "etag": entry["ETag"]}
+    return out
+
+
+_CLOCK = threading.local()
+
+
+def request_seconds() -> float:
+    """Seconds this thread has spent in :func:`read_range` so far (requests: latency and transfer, no
+    decoding): the prefetcher's measure of a fetch's network time."""
+    return getattr(_CLOCK, "seconds", 0.0)
+
+
+def read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``path``, checked as the module docstring says."""
+    if end <= start:
+        return b""
+    t0 = time.monotonic()
+    remote = "://" in path and not path.startswith("file://")
+    ok, nbytes = False, 0
+    try:
+        data = _read_range(path, start, end, storage_options, identity)
+        ok, nbytes = True, len(data)
+        return data
+    finally:
+        took = time.monotonic() - t0
+        _CLOCK.seconds = request_seconds() + took
+        if remote:       # what a slow or failing link looks like: requests, bytes, response times
+            record_request(took, nbytes, ok)
+
+
+def _read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None) -> bytes:
+    if "://" not in path or path.startswith("file://"):
+        data = _read_local(path[len("file://"):] if path.startswith("file://") else path, start, end, identity)
+    else:
+        protocol = path.split("://", 1)[0]
+        if protocol == "hf" and path.startswith("hf://datasets/"):
+            data = _read_hub(path, start, end, identity)
+        elif protocol in ("http", "https"):
+            data = _read_http(filesystem(protocol, storage_options), path, start, end, identity)
+        elif protocol in _BUCKET_STORES:
+            data = _read_s3(filesystem(protocol, storage_options), path, start, end, identity)
+        else:
+            data = filesystem(protocol, storage_options).cat_file(path, start=start, end=end)
+    if len(data) != end - start:
+        raise OSError(f"short read of {path!r}: {len(data)} of {end - start} bytes at {start}")
+    return data
+
+
+def _read_local(path: str, start: int, end: int, identity: dict | None) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+        st = os.fstat(f.fileno())
+    if identity is not None:
+        now = {"size": st.st_size, "mtime": round(st.st_mtime, 6)}
+        changed = [(k, identity[k], now[k]) for k in ("size", "mtime") if identity.get(k) is not None
+                   and identity[k] != now[k]]
+        if changed:
+            raise object_changed(path, changed)
+    return data
+
+
+def object_changed(path: str, changed: list[tuple[str, Any, Any]]) -> ObjectChanged:
+    shown = ", ".join(f"{k}: index {a!r}, now {b!r}" for k, a, b in changed)
+    return ObjectChanged(f"data file {path!r} was modified since the dataset index was made ({shown}); the rows it "
+                         "holds now are not the ones this run was reading",
+                         [(f"file modified: {path} ({k})", a, b) for k, a, b in changed])
+
+
+def check_answer(path: str, start: int, end: int, identity: dict | None, content_range: str | None,
+                 etag: str | None, last_modified: str | None) -> None:
+    """A 206 answer's headers against the range asked for and the recorded identity."""
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is None:
+        raise WrongBytes(f"the answer to a request for bytes {start}-{end - 1} has no valid Content-Range "
+                         f"({content_range!r})")
+    first, last, total = int(m.group(1)), int(m.group(2)), m.group(3)
+    if (first, last) != (start, end - 1):
+        raise WrongBytes(f"asked for bytes {start}-{end - 1}, the answer holds bytes {first}-{last}")
+    identity = identity or {}
+    changed = []
+    if total != "*" and identity.get("size") is not None and int(total) != identity["size"]:
+        changed.append(("size", identity["size"], int(total)))
+    if etag is not None and identity.get("etag") is not None and _etag(etag) != _etag(identity["etag"]):
+        changed.append(("etag", identity["etag"], etag))
+    elif (etag is None and last_modified is not None and identity.get("last-modified") is not None
+          and last_modified != identity["last-modified"]):
+        changed.append(("last-modified", identity["last-modified"], last_modified))
+    if changed:
+        raise object_changed(path, changed)
+
+
+def _etag(value: str) -> str:
+    """An ETag compared weakly (RFC 9110: W/"x" and "x" name the same content for a range read's purpose)."""
+    value = str(value).strip()
+    return value[2:] if value.startswith("W/") else value
+
+
+def _if_match(identity: dict | None) -> dict[str, str]:
+    """``If-Match`` for a strong ETag (a weak one never matches If-Match: every request would be refused)."""
+    etag = (identity or {}).get("etag")
+    return {"If-Match": etag} if isinstance(etag, str) and etag.startswith('"') else {}
+
+
+def _read_http(fs, url: str, start: int, end: int, identity: dict | None) -> bytes:
+    from fsspec.asyn import sync
+
+    async def get() -> bytes:
+        session = await fs.set_session()
+        kw = dict(fs.kwargs)
+        headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}", **_if_match(identity)}
+        async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+            if r.status == 200:
+                raise RangeNotSupported(
+                    f"data file {url!r}: the server answered a request for bytes {start}-{end - 1} with the whole "
+                    "file (HTTP 200, not 206 Partial Content): it ignores byte ranges. resumable-stream reads "
+                    "parquet files row group by row group, so the server must support HTTP Range requests")
+            if r.status in (412, 416):
+                raise object_changed(url, [(f"HTTP {r.status} to If-Match / Range", (identity or {}).get("etag"),
+                                            r.headers.get("ETag"))])
+            if r.status == 404:
+                raise FileNotFoundError(url)
+            r.raise_for_status()
+            data = await r.read()
+            check_answer(url, start, end, identity, r.headers.get("Content-Range"), r.headers.get("ETag"),
+                         r.headers.get("Last-Modified"))
+            return data
+
+    return sync(fs.loop, get)
+
+
+def _read_hub(path: str, start: int, end: int, identity: dict | None) -> bytes:
+    """A file at a pinned commit cannot change: the range and the size are checked, no ETag is asked for."""
+    from .hub import get_range
+
+    response = get_range(path, start, end)
+    if response.status_code == 200:
+        raise RangeNotSupported(f"data file {path!r}: the Hub answered a request for bytes {start}-{end - 1} with "
+                                "the whole file (HTTP 200, not 206): HF_ENDPOINT must support HTTP Range requests")
+    check_answer(path, start, end, {"size": (identity or {}).get("size")}, response.headers.get("Content-Range"),
+                 None, None)
+    return response.content
+
+
+def _read_s3(fs, path: str, start: int, end: int, identity: dict | None) -> bytes:
+    from fsspec.asyn import sync
+
+    bucket, key, version = fs.split_path(path)
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+    if version:
+        kwargs["VersionId"] = version
+    etag = (identity or {}).get("etag")
+    if isinstance(etag, str) and etag:
+        kwargs["IfMatch"] = etag
+
+    try:
+        resp = fs.call_s3("get_object", **kwargs)       # s3fs's public (sync) call: s3fs's error handling
+    except Exception as e:
+        if _precondition_failed(e):
+            raise object_changed(path, [("etag (S3 If-Match refused: HTTP 412)", etag, None)]) from None
+        raise
+    body = resp["Body"]
+    try:
+        data = sync(fs.loop, body.read)                 # the body streams on s3fs's event loop
+    finally:
+        body.close()
+    check_answer(path, start, end, identity, resp.get("ContentRange"), resp.get("ETag"), None)
+    return data
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """An S3 'PreconditionFailed' (412) anywhere in ``e``'s chain (s3fs wraps botocore's ClientError)."""
+    seen = 0
+    while e is not None and seen < 16:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False

@@ -1,0 +1,112 @@
+"""A Prometheus endpoint per rank with the data path's counters (``data.metrics_port``; needs the ``metrics``
+extra: ``prometheus_client``).
+
+Every figure is read when Prometheus scrapes (nothing is done per step), under the prefix ``resumable_stream_``
+with a ``rank`` label:
+
+* counters: ``requests_total``, ``request_errors_total``, ``bytes_read_total``, ``retries_total`` (label
+  ``cause``), ``row_groups_total``, ``rows_decoded_total``, ``batches_total``, ``batch_wait_seconds_total``
+  (its rate is the share of time the training loop waits for data), ``samples_total``, ``tokens_total``,
+  ``cache_hits_total``, ``cache_misses_total``, ``cache_bytes_read_total``, ``prefetch_takes_total`` and
+  ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use);
+* a histogram ``response_seconds`` (buckets: ``metrics.RESPONSE_BUCKETS_MS``);
+* a gauge ``data_epoch`` (epochs of data consumed, fractional).
+
+``examples/grafana/resumable-stream.json`` is a dashboard over them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError
+from .metrics import RESPONSE_BUCKETS_MS, RETRY_CAUSES
+
+log = logging.getLogger(__name__)
+PREFIX = "resumable_stream_"
+
+# reading field -> (metric name, help)
+_COUNTERS = {
+    "requests": ("requests", "Requests to remote stores (ranged reads of data files)"),
+    "request_errors": ("request_errors", "Requests that failed (network faults, bad answers)"),
+    "bytes_read": ("bytes_read", "Bytes received from remote stores"),
+    "row_groups": ("row_groups", "Parquet row groups fetched and decoded"),
+    "rows_decoded": ("rows_decoded", "Rows decoded from fetched row groups"),
+    "loader_batches": ("batches", "Batches handed to the training loop"),
+    "loader_wait_s": ("batch_wait_seconds", "Seconds the training loop waited for its batches"),
+    "loader_samples": ("samples", "Examples in the batches handed to the training loop"),
+    "loader_tokens": ("tokens", "Tokens (attention mask ones) in the batches handed to the training loop"),
+    "cache_hits": ("cache_hits", "Block cache hits"),
+    "cache_misses": ("cache_misses", "Block cache misses"),
+    "cache_bytes_read": ("cache_bytes_read", "Bytes read from the block cache"),
+    "prefetch_takes": ("prefetch_takes", "Row groups handed over by the prefetcher"),
+    "prefetch_depth_sum": ("prefetch_depth_sum", "Sum of the prefetch depth at each hand-over"),
+}
+
+
+class DataPathCollector:
+    """A ``prometheus_client`` collector over ``reading_of()`` (a ``StreamLoader.metrics_reading``) and
+    ``epoch_of()``."""
+
+    def __init__(self, reading_of: Callable[[], dict[str, float]], epoch_of: Callable[[], float | None],
+                 rank: int):
+        self.reading_of, self.epoch_of, self.rank = reading_of, epoch_of, str(rank)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        r = self.reading_of()
+        for field, (name, text) in _COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, text, labels=["rank"])
+            family.add_metric([self.rank], float(r.get(field, 0)))
+            yield family
+        retries = CounterMetricFamily(PREFIX + "retries", "Requests or reads tried again, by cause",
+                                      labels=["rank", "cause"])
+        for cause in RETRY_CAUSES:
+            retries.add_metric([self.rank, cause], float(r.get(f"retry_{cause}", 0)))
+        yield retries
+        buckets, seen = [], 0.0
+        for b in RESPONSE_BUCKETS_MS:
+            seen += r.get(f"response_le_{b}", 0)
+            buckets.append((repr(b / 1000), seen))
+        buckets.append(("+Inf", seen + r.get("response_le_inf", 0)))
+        histogram = HistogramMetricFamily(PREFIX + "response_seconds", "Response time of requests to remote "
+                                          "stores (latency and transfer)", labels=["rank"])
+        histogram.add_metric([self.rank], buckets, sum_value=r.get("response_us", 0) / 1e6)
+        yield histogram
+        try:
+            epoch = self.epoch_of()
+        except Exception:      # read while the training loop moves on: the next scrape has it
+            epoch = None
+        if epoch is not None:
+            gauge = GaugeMetricFamily(PREFIX + "data_epoch", "Epochs of data consumed (fractional)", labels=["rank"])
+            gauge.add_metric([self.rank], float(epoch))
+            yield gauge
+
+
+def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
+    """Serve ``loader``'s data-path figures on ``http://addr:port/metrics``; returns the server (``shutdown()``
+    stops it). ``addr`` (``data.metrics_addr``): None is prometheus_client's default (``0.0.0.0``, every
+    IPv4 interface); ``127.0.0.1`` keeps the endpoint on this machine."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise ConfigError("data.metrics_port needs prometheus_client: pip install 'resumable-stream[metrics]'") from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DataPathCollector(loader.metrics_reading, loader.data_epoch, rank))
+    where = {} if addr is None else {"addr": addr}
+    try:
+        server, _thread = start_http_server(port, registry=registry, **where)
+    except OSError as e:
+        if addr is not None and e.errno not in (errno.EADDRINUSE, errno.EACCES):   # the address, not the port
+            raise ConfigError(f"data.metrics_addr: got {addr!r}; port {port} cannot be served there ({e}); allowed: "
+                              "an address of this machine (e.g. 127.0.0.1, 0.0.0.0) or a host name that resolves "
+                              "to one") from None
+        shown = "prometheus_client's default address" if addr is None else addr
+        raise ConfigError(f"data.metrics_port: port {port} cannot be served on {shown} ({e}); allowed: a free port "
+                          "(each rank uses port + its local rank)") from None
+    log.info("data-path metrics of rank %d on http://%s:%d/metrics", rank, server.server_address[0], port)
+    return server

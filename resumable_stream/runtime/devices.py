@@ -1,0 +1,62 @@
+"""Pick the accelerator and the matching distributed backend: CUDA/nccl, Ascend NPU/hccl, or CPU/gloo.
+
+``torch_npu`` is imported only when it is installed; nothing here needs it to import the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str      # "cuda" | "npu" | "cpu"
+    backend: str   # "nccl" | "hccl" | "gloo"
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def detect_device() -> Device:
+    if torch.cuda.is_available():
+        return Device("cuda", "nccl")
+    if npu_available():
+        return Device("npu", "hccl")
+    return Device("cpu", "gloo")
+
+
+# The collective backends each device kind can run data parallelism with.
+BACKENDS = {"cpu": ("gloo",), "cuda": ("nccl", "gloo"), "npu": ("hccl",)}
+
+
+def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
+    """TrainingArguments values that make every rank of a ``world_size`` job train one model
+    (DistributedDataParallel) on a ``kind`` device, given the user's ``train:`` values.
+
+    accelerate (``PartialState._prepare_backend``) picks MULTI_GPU / MULTI_NPU by itself under torchrun
+    (``LOCAL_RANK`` set, accelerator present), but on CPU it reports ``DistributedType.NO`` unless
+    ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy. With ``deepspeed``
+    DeepSpeed's engine does the data parallelism (also on CPU).
+    """
+    from ..errors import ConfigError
+
+    allowed = BACKENDS[kind]
+    backend = train.get("ddp_backend")
+    if backend is not None and world_size > 1 and backend not in allowed:
+        raise ConfigError(f"train.ddp_backend: got {backend!r}; allowed on {kind}: {', '.join(allowed)}")
+    values = {}
+    # DeepSpeed sets CPU ranks up itself (its CPU accelerator); use_cpu would keep accelerate off its path
+    if kind == "cpu" and not train.get("use_cpu") and not train.get("deepspeed"):
+        values["use_cpu"] = True
+    if world_size > 1 and backend is None:
+        values["ddp_backend"] = allowed[0]
+    return values

@@ -1,0 +1,162 @@
+"""One training job per output directory: an exclusive lock on ``<output_dir>/.resumable-stream.lock``.
+
+Two jobs writing one output_dir interleave their checkpoints and logs, and each removes the other's
+checkpoints as "cut short" when it starts. The job's rank 0 (global process index 0) takes
+``flock(LOCK_EX | LOCK_NB)`` on the lock file and keeps the descriptor open until training returns. The
+kernel drops the lock when the process dies, however it dies, so a SIGKILLed job never blocks its restart
+and no stale-lock heuristics are needed. The holder writes who it is (host, pid, start time, job id) into
+the file, for the message of a job that finds the lock taken. Under ``torch.distributed`` rank 0's outcome
+is broadcast, so every rank of a refused job raises instead of waiting for rank 0 in a collective.
+
+The file is never removed or replaced: a lock lives on an inode, and a new file under the same name would
+let a second job lock it while the first still holds the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timezone
+
+from ..errors import ConfigError, OutputDirLockedError, ResumableStreamError
+from .collectives import broadcast_bytes, shared_over_dist
+
+LOCK_FILE = ".resumable-stream.lock"
+log = logging.getLogger(__name__)
+
+# output dirs this process holds (realpath -> (descriptor or None off rank 0, holding thread)): a nested
+# train() in the same thread (run_training -> the patched train) continues under the outer lock
+_HELD: dict[str, tuple[int | None, int]] = {}
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, OutputDirLockedError)}
+# a filesystem that cannot lock (some NFS / FUSE mounts): train unlocked, with a warning
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str, rank: int = 0, world_size: int = 1) -> Iterator[None]:
+    """Hold ``output_dir`` for this job while the block runs (created if missing). Every rank of the job
+    enters it; only rank 0 locks. Raises :class:`OutputDirLockedError` naming the holder when another job
+    (or another thread of this process) holds it, :class:`ConfigError` when the directory is not writable."""
+    key = os.path.realpath(output_dir)
+    held = _HELD.get(key)
+    if held is not None:
+        if held[1] != threading.get_ident():
+            raise OutputDirLockedError(_refusal(output_dir, {"pid": os.getpid(), "host": socket.gethostname()},
+                                                 " (this process, another thread)"))
+        yield     # nested in the same thread: the outer block holds it and releases it
+        return
+    entry = (_take_for_job(output_dir, rank, world_size), threading.get_ident())
+    _HELD[key] = entry
+    try:
+        yield
+    finally:
+        # a forked child unwinding this block holds nothing (see _forget_in_child): only the holder releases
+        if _HELD.get(key) is entry:
+            del _HELD[key]
+            if entry[0] is not None:
+                _release(entry[0])
+
+
+def _take_for_job(output_dir: str, rank: int, world_size: int) -> int | None:
+    """Rank 0 takes the lock and tells the other ranks how it went; they raise what it raised."""
+    shared = shared_over_dist(rank, world_size)
+    if rank != 0:
+        if shared:
+            outcome = json.loads(broadcast_bytes(None))
+            if "error" in outcome:
+                cls = _ERRORS.get(outcome["error"]["type"], ResumableStreamError)
+                raise cls(f"rank 0: {outcome['error']['message']}")
+        return None
+    try:
+        fd = _take(output_dir)
+    except Exception as e:
+        if shared:
+            broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
+        raise
+    if shared:
+        broadcast_bytes(b"{}")
+    return fd
+
+
+def _take(output_dir: str) -> int | None:
+    path = os.path.join(output_dir, LOCK_FILE)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise ConfigError(f"output_dir {output_dir!r}: cannot create the lock file {LOCK_FILE} in it ({e.strerror}); "
+                          "training writes its checkpoints there: give it a writable directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise OutputDirLockedError(_refusal(output_dir, holder)) from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in _NO_LOCKS:
+            raise ConfigError(f"output_dir {output_dir!r}: cannot lock {path} ({e.strerror})") from None
+        log.warning("output_dir %s: its filesystem cannot lock files (%s); training without the one-job-per-"
+                    "output_dir lock: make sure no other job writes there", output_dir, e.strerror)
+        return None
+    _write_holder(fd, output_dir)
+    return fd
+
+
+def _release(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)    # the holder's details go with the lock: a free lock names nobody
+    os.close(fd)               # drops the flock
+
+
+def _write_holder(fd: int, output_dir: str) -> None:
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    holder = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+              "job": job if job and job != "none" else None, "output_dir": os.path.abspath(output_dir)}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    with contextlib.suppress(OSError):
+        os.fsync(fd)           # on a shared filesystem, so that another node's job can read it
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _refusal(output_dir: str, holder: dict, note: str = "") -> str:
+    if holder.get("pid") is not None:
+        who = f"pid {holder['pid']} on host {holder.get('host', '?')}{note}"
+        if holder.get("started"):
+            who += f", started {holder['started']}"
+        if holder.get("job"):
+            who += f", job {holder['job']}"
+    else:
+        who = "a job that has not written its details yet (it is starting)"
+    return (f"output_dir {output_dir!r} is in use by another training job: {who} (lock file {LOCK_FILE} in it). "
+            "Two jobs writing one output_dir would mix their checkpoints and logs; wait for that job to end or "
+            "stop it, or give this one another output_dir")
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the lock descriptors: the lock then ends with
+    its holder, not with the last child that outlives a killed holder. Closing a copy does not unlock."""
+    for fd, _ in _HELD.values():
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,72 @@
+"""CPU threads per process: the trainer gets its share of the cores, each DataLoader worker one thread.
+
+torch's default (one intra-op thread per core in every process) oversubscribes the cores as soon as several
+ranks, DataLoader workers or other jobs share them, and its OpenMP threads then spin waiting for each other.
+A user's OMP_NUM_THREADS / MKL_NUM_THREADS is always left as it is (torchrun sets OMP_NUM_THREADS=1 for
+several ranks per node unless it is set).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+USER_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def user_setting() -> str | None:
+    """``NAME=value`` of the environment variable the user set, or None."""
+    for name in USER_SETTINGS:
+        if os.environ.get(name, "").strip():
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def cores() -> int:
+    """The cores this process may run on (a cpuset or taskset limits them below os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):   # not on Linux
+        return os.cpu_count() or 1
+
+
+def trainer_threads(local_world_size: int) -> int:
+    return max(1, cores() // max(1, local_world_size))
+
+
+def set_trainer_threads() -> str:
+    """Set torch's intra-op threads of a training process (``LOCAL_WORLD_SIZE`` of them per node, from
+    torchrun) unless the user chose; returns what was decided, for the startup summary."""
+    import torch
+
+    chosen = user_setting()
+    if chosen is not None:
+        return f"{torch.get_num_threads()} ({chosen})"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    torch.set_num_threads(trainer_threads(local))
+    return f"{torch.get_num_threads()} ({cores()} cores / {local} local process{'es' if local > 1 else ''})"
+
+
+def worker_threads(_worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: one intra-op thread per worker unless the user chose."""
+    if user_setting() is None:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None] | None = None) -> list:
+    """``fn`` over ``items`` on up to 16 threads (network-bound), in order; ``progress()`` after each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(x):
+        r = fn(x)
+        if progress is not None:
+            progress()
+        return r
+
+    if len(items) <= 1:
+        return [one(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
+        return list(pool.map(one, items))

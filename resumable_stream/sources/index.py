@@ -1,0 +1,233 @@
+"""The dataset index: what a job needs to read an indexed dataset (parquet, ...) without resolving it again.
+
+One JSON document: the config that resolved it (dataset, builder config, data_files, split), the
+features ``datasets`` would cast to, the format that reads it (``reader``, a name of the source registry;
+absent: parquet, as in every index written before the key), and per data file its identity (size plus every
+version marker the filesystem gives at no extra request: mtime, ETag, Last-Modified, blob id, LFS sha256) and
+what its format records (parquet: the digest of its footer and its row-group layout, rows and the byte range
+of each row group's column chunks). Built once per job (``sources.resolve.build_index``: one metadata request
+and one footer read per file), it can be shared between ranks, saved next to the checkpoints and loaded again,
+so that no rank resolves the dataset or reads a footer at a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..config.formats import format_of_index
+from ..errors import ConfigError, SourceError, StreamMismatchError
+from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
+from ..limits import MAX_INDEX_BYTES, is_int
+
+INDEX_FORMAT = "resumable-stream-index"
+INDEX_VERSION = 1
+# Bytes read from a file's end to get its footer in one request (a bigger footer takes a second one).
+FOOTER_TAIL_BYTES = 64 * 1024
+_MAGIC = b"PAR1"
+
+
+def resolution_key(cfg) -> dict[str, Any]:
+    """The config keys that decide which files an index lists: an index is only used for these."""
+    key = {"dataset_name_or_path": cfg.dataset_name_or_path, "name": cfg.name,
+           "data_files": cfg.data_files, "split": cfg.split}
+    for name in ("revision", "data_dir"):     # only when set: indexes saved before the keys still match
+        if getattr(cfg, name, None) is not None:
+            key[name] = getattr(cfg, name)
+    return key
+
+
+def footer_digest(footer: bytes) -> str:
+    return hashlib.blake2b(footer, digest_size=16).hexdigest()
+
+
+def split_footer(tail: bytes, size: int, path: str) -> int:
+    """The length of the footer (metadata + length + magic) that ``tail``, the end of a file of ``size``
+    bytes, ends with. Raises SourceError when the bytes are no parquet footer."""
+    if len(tail) < 8 or tail[-4:] != _MAGIC:
+        raise SourceError(f"data file {path!r}: not a parquet file (no PAR1 magic at its end)")
+    length = int.from_bytes(tail[-8:-4], "little") + 8
+    if length + 4 > size:
+        raise SourceError(f"data file {path!r}: corrupt parquet footer (footer of {length} bytes in a file of {size})")
+    return length
+
+
+def row_group_layout(metadata: pq.FileMetaData) -> list[list[int]]:
+    """``[rows, first byte, end byte]`` per row group: the span of its column chunks."""
+    out = []
+    for i in range(metadata.num_row_groups):
+        rg = metadata.row_group(i)
+        lo, hi = None, 0
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            start = col.data_page_offset
+            if col.has_dictionary_page and col.dictionary_page_offset:
+                start = min(start, col.dictionary_page_offset)
+            lo = start if lo is None else min(lo, start)
+            hi = max(hi, start + col.total_compressed_size)
+        out.append([rg.num_rows, lo or 0, hi])
+    return out
+
+
+def parse_footer(footer: bytes, path: str) -> pq.FileMetaData:
+    try:
+        return pq.read_metadata(pa.BufferReader(footer))
+    except Exception as e:
+        raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def file_entry(identity: dict, footer: bytes) -> dict[str, Any]:
+    """An index entry: the file's identity plus its footer digest and row-group layout."""
+    md = parse_footer(footer, identity["path"])
+    return {**identity, "footer": footer_digest(footer), "footer_bytes": len(footer),
+            "row_groups": row_group_layout(md)}
+
+
+def features_of(footer: bytes, path: str) -> dict[str, Any]:
+    """The features ``datasets``' parquet builder infers from a file, those of its arrow schema, as a dict
+    (``Features.to_dict()``). Plain columns need no ``datasets`` (``local_parquet.simple_features``)."""
+    from .parquet_local import simple_features
+
+    try:
+        schema = pq.read_schema(pa.BufferReader(footer))
+    except Exception as e:
+        raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    simple = simple_features(schema)
+    if simple is not None:
+        return simple
+    import datasets
+
+    return datasets.Features.from_arrow_schema(schema).to_dict()
+
+
+def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]:
+    """``features``: a ``datasets.Features`` (a dict too) or its ``to_dict()``."""
+    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "resolution": resolution_key(cfg),
+            "builder": builder, "features": features.to_dict() if hasattr(features, "to_dict") else features,
+            "files": files}
+
+
+# The keys of a parquet entry that describe its layout, not the file's identity.
+PARQUET_LAYOUT_KEYS = ("row_groups", "footer_bytes")
+
+
+def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS) -> dict[str, Any]:
+    """The identity part of an index entry (what the stream fingerprint lists per file): all but the layout
+    keys of its format (``IndexedReader.layout_keys``)."""
+    return {k: v for k, v in entry.items() if k not in layout_keys}
+
+
+# ------------------------------------------------------------------------------ files
+def encode_index(index: dict) -> bytes:
+    return json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_index(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and check the shape of an index; a malformed one is a SourceError naming ``where``."""
+    try:
+        index = parse_json(data)
+    except JSONRefused as e:
+        raise SourceError(f"dataset index {where}: {e}") from None
+    problem = _shape_problem(index)
+    if problem:
+        raise SourceError(f"dataset index {where}: {problem}")
+    return index
+
+
+def _shape_problem(index: Any) -> str | None:
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        return f"not a {INDEX_FORMAT} file"
+    version = index.get("version")
+    if type(version) is not int or version != INDEX_VERSION:   # True and 1.0 are no version
+        return f"version {version!r:.40}; this library reads version {INDEX_VERSION}"
+    if not isinstance(index.get("resolution"), dict) or not isinstance(index.get("features"), dict):
+        return "missing 'resolution' or 'features'"
+    files = index.get("files")
+    if not isinstance(files, list) or not files:
+        return "'files' is not a non-empty list"
+    try:
+        reader = format_of_index(index).load()
+    except ConfigError as e:       # a format this process has not registered
+        return str(e)
+    for i, f in enumerate(files):
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))):
+            return f"files[{i}] is malformed (no path and size)"
+        problem = reader.entry_problem(f)      # the format's layout (parquet: footer and row groups)
+        if problem:
+            return f"files[{i}] is {problem}"
+    return None
+
+
+def save_index(path: str, index: dict) -> str:
+    """Write ``index`` to ``path`` atomically (a reader sees the old file or the new one)."""
+    from ..io.safe_files import atomic_write
+
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    atomic_write(path, encode_index(index))
+    return path
+
+
+def load_index(path: str) -> dict[str, Any]:
+    try:
+        data = read_regular_file(path, MAX_INDEX_BYTES)   # a FIFO or device is refused unread
+    except FileRefused as e:
+        raise SourceError(f"dataset index {path!r}: refused: {e}") from None
+    except OSError as e:
+        raise SourceError(f"dataset index {path!r}: cannot be read ({type(e).__name__}: {e})") from None
+    return decode_index(data, repr(path))
+
+
+def same_resolution(index: dict, cfg) -> bool:
+    return index["resolution"] == resolution_key(cfg)
+
+
+def check_resolution(index: dict, cfg, where: str) -> None:
+    """An index made for other data settings is an error naming the keys that differ."""
+    now = resolution_key(cfg)
+    saved = index["resolution"]
+    diffs = [(f"data.{k}", saved.get(k), now[k]) for k in now if saved.get(k) != now[k]]
+    if diffs:
+        lines = "\n".join(f"  {k}: index {a!r}, config {b!r}" for k, a, b in diffs)
+        raise StreamMismatchError(f"dataset index {where} was built for other data settings; rebuild it with "
+                                  f"`resumable-stream index` or drop it. Differences:\n{lines}", diffs)
+
+
+def unreported_validator(key: str, saved: dict, now: dict) -> bool:
+    """Is ``key`` a validator only one side's fsspec reports, with the ETag compared on both sides? fsspec's
+    HTTP info() gives Last-Modified in newer releases only (filesystem_spec#1909): fsspec 2025.3.0, the
+    one beside LLaMA-Factory 0.9.5 (datasets 4.0.0 caps it), gives size and ETag. A state or index saved
+    on the other side of such an upgrade / downgrade is not a different file for that alone."""
+    return (key == "last-modified" and (saved.get(key) is None) != (now.get(key) is None)
+            and saved.get("etag") is not None and now.get("etag") is not None)
+
+
+def changed_files(index: dict, identities: list[dict]) -> list[tuple[str, str, Any, Any]]:
+    """``(path, key, index value, now)`` for every identity field that differs from the index."""
+    reader = format_of_index(index).load()
+    out = []
+    for entry, now in zip(index["files"], identities):
+        saved = identity_of(entry, reader.layout_keys)
+        for key in sorted(set(saved) | set(now)):
+            if key in reader.content_keys and key not in now:
+                continue          # not re-read (remote file, no extra request): the ETag / size vouch for it
+            if unreported_validator(key, saved, now):
+                continue
+            if saved.get(key) != now.get(key):
+                out.append((entry["path"], key, saved.get(key), now.get(key)))
+    return out
+
+
+def describe_changes(changes: list[tuple[str, str, Any, Any]]) -> str:
+    lines = [f"  file modified: {p} ({k}): index {a!r}, now {b!r}" for p, k, a, b in changes[:12]]
+    if len(changes) > 12:
+        lines.append(f"  ... and {len(changes) - 12} more")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,401 @@
+"""Plan-driven prefetch: fetch and decode the row groups a partition will open next, ahead of time.
+
+The plan says which shards a partition opens next, in order; the partition reader hints them here and
+the source starts fetching them on a small thread pool (ranged reads run concurrently, decoding to Arrow
+happens off the consumer's thread). A shard's table is handed over only when the reader opens that
+shard, so rows and their order are the plan's, never arrival order. A failed fetch is simply dropped:
+the reader then fetches the shard itself under the usual retries.
+
+**How far ahead** (the depth) adapts, per partition, to what is measured (Little's law): a fetch takes
+``fetch_s`` (request latency + transfer + decoding, an average over the last fetches) and the consumer
+spends ``busy_s`` per row group when it does not wait for one (the interval between two hand-overs less
+the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides the latency. Higher
+latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
+(the pipeline stays full between two windows). Before anything was measured the depth is
+``FIRST_DEPTH`` until the partition's reader takes its first row group (the first window's requests go out
+alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``.
+``cap`` bounds the depth (``data.prefetch_blocks``).
+
+``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
+window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
+and ``busy_s`` is the mean of the last ``_WINDOWS`` samples, each at most ``_OUTLIER`` times their median.
+A window takes its row groups in a burst and then consumes them, so single hand-over intervals are bursty;
+and a pause of the consumer (a garbage collection, an evaluation, a checkpoint save) is one outlying window
+that counts as a slow one, where a running mean of the intervals took its whole length for consumer time
+and cut the depth, leaving the consumer to wait on every fetch for the next few dozen row groups.
+
+**Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
+starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
+so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
+decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
+than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
+prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
+the budget is not fetched ahead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from ..io.ranged import request_seconds
+from ..observe.metrics import record_prefetch_take
+
+FIRST_DEPTH = 8             # fetches ahead per partition until the reader takes its first row group: the first
+                            # window's own requests go out alone (24 at once cost its first sample ~0.2 s over S3)
+INITIAL_DEPTH = 24          # ... then until a fetch and 2 windows were measured: a fast consumer needs ~20 at
+                            # 100 ms and 5,000-row row groups, and with 8 it waited through its first ~0.3 s (a
+                            # slow one settles lower after 2 windows; the budget bounds it)
+DEFAULT_CAP = 64            # the most fetches ahead per partition when data.prefetch_blocks is null
+MAX_THREADS = 64            # fetch threads per process (a fetch in flight holds one: it waits on its request)
+INITIAL_RATIO = 8.0         # decoded bytes per fetched byte assumed before the first decode
+_NET = 32                   # fetches whose network time the depth is taken from
+_NET_QUANTILE = 0.25        # ... which of them: a low one, the link's latency rather than its queueing (the
+                            # requests a deeper prefetch adds slow down a busy server: that must not deepen it)
+_WINDOWS = 9                # windows whose consumer time per row group busy_s averages (outliers clipped)
+WARMUP = 2                  # windows measured before the consumer's rate is trusted
+_OUTLIER = 2.0              # a window's consumer time counts at most this many times the median window's
+_DEPTHS = 4096              # hand-overs whose depth stats() summarises
+
+
+class Dropped(Exception):
+    """A fetch ahead that was given up (over the budget, or no longer ahead): the reader reads the shard."""
+
+
+def _run(owner: weakref.ref, shard: int, entry: _Entry) -> None:
+    """A queued fetch holds its prefetcher (and so the source) weakly: a dropped source is not kept alive."""
+    if not entry.future.set_running_or_notify_cancel():
+        return
+    me = owner()
+    if me is None:
+        entry.future.set_exception(RuntimeError("the source was closed"))
+        return
+    me.run_fetch(shard, entry)
+
+
+def _shutdown(pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Entry:
+    owner: int
+    future: Future
+    reserved: int               # bytes counted against the budget for this fetch (its real size once decoded)
+    done_at: float | None = None
+    state: str = "pending"      # "taken" by the reader (its bytes are the reader's now), or "dropped"
+
+
+@dataclass
+class _Owner:
+    """One partition's hinted plan and its consumption measurements (see the module docstring)."""
+
+    queue: list[int] = field(default_factory=list)     # hinted shards not yet started, in plan order
+    window_start: float | None = None                  # when the window being measured was hinted
+    window_takes: int = 0                              # row groups taken in it so far
+    window_wait: float = 0.0                           # seconds the reader waited for them
+    window_clean: bool = True                          # False: the reader read a shard itself (network time)
+    samples: deque = field(default_factory=lambda: deque(maxlen=_WINDOWS))   # seconds per row group
+
+    def new_window(self, now: float) -> None:
+        """A window was hinted: the one before it is a sample, if a row group was taken in it."""
+        if self.window_start is not None and self.window_takes == 0:
+            return                                     # nothing taken yet: the sample spans the next one too
+        if self.window_start is not None and self.window_clean:
+            busy = max(0.0, now - self.window_start - self.window_wait)
+            self.samples.append(busy / self.window_takes)
+        self.window_start, self.window_takes, self.window_wait, self.window_clean = now, 0, 0.0, True
+
+    @property
+    def busy_s(self) -> float | None:
+        """Consumer time per row group: the mean over the last ``_WINDOWS`` windows, each at most ``_OUTLIER``
+        times their median (the rate is an average, Little's law wants the mean; a pause is one window far
+        above the median and counts as a slow window, not as its length), None until ``WARMUP`` windows were
+        measured."""
+        if len(self.samples) < WARMUP:
+            return None
+        ordered = sorted(self.samples)
+        ceiling = _OUTLIER * ordered[(len(ordered) - 1) // 2]
+        return sum(min(x, ceiling) for x in ordered) / len(ordered)
+
+
+class Prefetcher:
+    """Futures of the next shards' tables (picklable: a DataLoader worker's copy starts empty).
+
+    ``fetch(shard)`` makes the table; ``size(shard)`` says how many bytes the fetch transfers (the row
+    group's byte span; None: unknown, then only ``cap`` bounds it)."""
+
+    def __init__(self, fetch: Callable[[int], pa.Table], cap: int | None = None, budget: int | None = None,
+                 size: Callable[[int], int | None] | None = None, threads: int | None = None):
+        # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
+        self._fetch = weakref.WeakMethod(fetch)
+        self._size = weakref.WeakMethod(size) if size is not None and hasattr(size, "__self__") else size
+        self.cap = DEFAULT_CAP if cap is None else int(cap)
+        self.budget = budget
+        self._threads = threads or max(1, min(self.cap, MAX_THREADS))
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pending: OrderedDict[int, _Entry] = OrderedDict()
+        self._owners: dict[int, _Owner] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fetch_s: float | None = None        # one fetch's requests (a low quantile of the last _NET fetches)
+        self._net: list[float] = []
+        self._depths: list[int] = []              # the depth at the last _DEPTHS hand-overs
+        self._ratio: float | None = None          # largest decoded / fetched bytes seen
+        self._bytes = 0                           # reserved (in flight) + held (decoded, not taken)
+        self._counts = {"started": 0, "taken": 0, "wasted": 0, "failed": 0, "over_budget": 0,
+                        "peak_bytes": 0, "peak_in_flight": 0,
+                        "waited": 0, "wait_s": 0.0}
+        self._running = 0
+
+    def __getstate__(self) -> dict:
+        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+        return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": size,
+                "threads": self._threads}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"])
+
+    @property
+    def depth(self) -> int:
+        """The most fetches ahead per partition (the cap; ``depth_for`` says what is used now)."""
+        return self.cap
+
+    def _here(self) -> threading.Lock:
+        """This process's lock: a forked DataLoader worker starts afresh first. Its copy of the parent's lock
+        may have been taken by one of the parent's fetch threads at the fork, and no thread here would ever
+        release it."""
+        if self._pid != os.getpid():
+            self._reset()
+        return self._lock
+
+    def _ready(self) -> None:
+        if self._pid != os.getpid():          # a forked DataLoader worker: the parent's threads are not here
+            self._reset()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="rs-prefetch")
+            weakref.finalize(self, _shutdown, self._pool)
+
+    # ------------------------------------------------------------------ the depth
+    def depth_for(self, owner: int) -> int:
+        """Fetches to keep ahead for ``owner`` now: enough to cover one fetch's time at its consumption
+        rate (Little's law), at most the cap."""
+        if self.cap <= 0:
+            return 0
+        state = self._owners.get(owner)
+        busy = state.busy_s if state is not None else None
+        if self._fetch_s is None or busy is None:
+            started = state is not None and (state.window_takes > 0 or len(state.samples) > 0)   # a row group taken
+            return min(self.cap, INITIAL_DEPTH if started else FIRST_DEPTH)
+        # no fetch more for jitter: rounding up leaves up to one consumer interval spare, and each fetch ahead
+        # beyond what the rate needs is a request in flight that buys no rows (+ 1 cost ~5% of the rate's share
+        # of depth x rows / latency at 100 ms, and no measurable rate)
+        need = math.ceil(self._fetch_s / max(busy, 1e-4))
+        return max(1, min(self.cap, need))
+
+    def _reservation(self, shard: int) -> int:
+        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+        n = size(shard) if size is not None else None
+        if n is None:
+            return 0
+        return int(n * (1.0 + (self._ratio if self._ratio is not None else INITIAL_RATIO)))
+
+    # ------------------------------------------------------------------ hints and hand-overs
+    def hint(self, owner: int, shards: list[int]) -> None:
+        """``owner`` (a partition) opens ``shards`` next, in this order: fetch the first of them ahead; its
+        earlier hints that are no longer among them are cancelled (a new epoch, a loaded cursor)."""
+        if self.cap <= 0:
+            return
+        order = list(dict.fromkeys(shards))
+        with self._here():
+            self._ready()
+            state = self._owners.setdefault(owner, _Owner())
+            state.new_window(time.monotonic())
+            wanted = set(order)
+            for shard, entry in list(self._pending.items()):
+                if entry.owner == owner and shard not in wanted:
+                    self._forget(shard, entry, wasted=True)
+            state.queue = [s for s in order if s not in self._pending]
+            self._top_up()
+
+    def _top_up(self) -> None:
+        """Start the next hinted fetches of every partition while its depth and the budget allow (lock held)."""
+        mine: dict[int, int] = {}
+        for entry in self._pending.values():
+            mine[entry.owner] = mine.get(entry.owner, 0) + 1
+        progress = True
+        while progress:                        # round robin over the partitions: one fetch each per turn
+            progress = False
+            for owner, state in self._owners.items():
+                if not state.queue or mine.get(owner, 0) >= self.depth_for(owner):
+                    continue
+                shard = state.queue[0]
+                if shard in self._pending:     # hinted by another partition too (it takes it first)
+                    state.queue.pop(0)
+                    progress = True
+                    continue
+                reserved = self._reservation(shard)
+                if self.budget is not None and (reserved > self.budget or self._bytes + reserved > self.budget):
+                    if reserved > self.budget:     # never fits: the reader fetches this one itself
+                        state.queue.pop(0)
+                        progress = True
+                    continue
+                state.queue.pop(0)
+                future: Future = Future()
+                entry = _Entry(owner, future, reserved)
+                self._pending[shard] = entry
+                self._bytes += reserved
+                self._counts["started"] += 1
+                self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
+                self._pool.submit(_run, weakref.ref(self), shard, entry)
+                mine[owner] = mine.get(owner, 0) + 1
+                progress = True
+
+    def run_fetch(self, shard: int, entry: _Entry) -> None:
+        """One fetch, on a pool thread (see ``_run``): the table, or the error the reader then meets."""
+        method = self._fetch()
+        if method is None:
+            with self._lock:
+                self._release(shard, entry)
+            entry.future.set_exception(RuntimeError("the source was closed"))
+            return
+        with self._lock:
+            self._running += 1
+            self._counts["peak_in_flight"] = max(self._counts["peak_in_flight"], self._running)
+        t0, net0 = time.monotonic(), request_seconds()
+        try:
+            table = method(shard)
+        except BaseException as e:              # handed to the reader, which reads the shard itself
+            self._finished(shard, entry, None, t0, 0.0)
+            entry.future.set_exception(e)
+            return
+        del method
+        net = request_seconds() - net0
+        if self._finished(shard, entry, table, t0, net):
+            entry.future.set_result(table)
+        else:
+            entry.future.set_exception(Dropped(f"the fetch ahead of shard {shard} was dropped"))
+
+    def _finished(self, shard: int, entry: _Entry, table: pa.Table | None, t0: float, net: float) -> bool:
+        """Account a finished fetch; False when its table does not fit the budget (then it is dropped)."""
+        now = time.monotonic()
+        with self._lock:
+            self._running -= 1
+            entry.done_at = now
+            if table is None:
+                self._counts["failed"] += 1
+                self._release(shard, entry)
+                return False
+            took = net if net > 0 else now - t0      # its requests' time (decoding is the consumer side's CPU)
+            self._net.append(took)
+            del self._net[:-_NET]
+            self._fetch_s = sorted(self._net)[int(len(self._net) * _NET_QUANTILE)]
+            size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+            fetched = size(shard) if size is not None else None
+            if fetched:
+                ratio = table.nbytes / fetched
+                self._ratio = ratio if self._ratio is None else max(self._ratio, ratio)
+            if entry.state == "taken":         # the reader waits for it: its bytes are the reader's now
+                return True
+            if entry.state != "pending":       # cancelled meanwhile: nobody takes it
+                return False
+            held = table.nbytes
+            if self.budget is not None and self._bytes - entry.reserved + held > self.budget:
+                self._counts["over_budget"] += 1
+                self._release(shard, entry)
+                return False
+            self._bytes += held - entry.reserved
+            entry.reserved = held
+            self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
+            self._top_up()
+            return True
+
+    def _release(self, shard: int, entry: _Entry) -> None:
+        if self._pending.get(shard) is entry:
+            entry.state = "dropped"
+            del self._pending[shard]
+            self._bytes -= entry.reserved
+            if self._pool is not None:
+                self._top_up()
+
+    def _forget(self, shard: int, entry: _Entry, wasted: bool) -> None:
+        entry.future.cancel()
+        entry.state = "dropped"
+        del self._pending[shard]
+        self._bytes -= entry.reserved
+        if wasted:
+            self._counts["wasted"] += 1
+
+    def take(self, shard: int) -> Future | None:
+        """The fetch of ``shard`` if one was started (it is handed over once); the next hinted fetch starts."""
+        now = time.monotonic()
+        with self._here():
+            entry = self._pending.pop(shard, None)
+            if entry is None:
+                for state in self._owners.values():       # read by the reader itself: no longer ahead
+                    if shard in state.queue:
+                        state.queue.remove(shard)
+                        state.window_clean = False        # its own fetch is no consumer time
+                return None
+            entry.state = "taken"
+            self._bytes -= entry.reserved
+            self._counts["taken"] += 1
+            state = self._owners.get(entry.owner)
+            if state is not None:
+                state.window_takes += 1
+                depth = self.depth_for(entry.owner)
+                self._depths.append(depth)
+                del self._depths[:-_DEPTHS]
+                record_prefetch_take(depth, waited=entry.done_at is None)
+                if entry.done_at is None:          # the reader waits for it: that wait is no consumer time
+                    self._counts["waited"] += 1
+                    entry.future.add_done_callback(lambda _f, s=state, t=now: self._waited(s, t))
+            if self._pool is not None:
+                self._top_up()
+            return entry.future
+
+    def _waited(self, state: _Owner, since: float) -> None:
+        wait = max(0.0, time.monotonic() - since)
+        state.window_wait += wait
+        self._counts["wait_s"] += wait
+
+    def stats(self) -> dict:
+        """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in
+        flight now and at most so far (never above ``budget``), fetches started / taken / wasted / failed /
+        dropped over the budget, the most fetches running at once."""
+        with self._here():
+            return {"cap": self.cap, "budget": self.budget, "fetch_s": self._fetch_s, "ratio": self._ratio,
+                    "depth": {o: self.depth_for(o) for o in self._owners},
+                    "depth_median": sorted(self._depths)[len(self._depths) // 2] if self._depths else None,
+                    "busy_s": {o: s.busy_s for o, s in self._owners.items()},
+                    "bytes": self._bytes, "in_flight": self._running, "pending": len(self._pending),
+                    **self._counts}
+
+    def drop(self) -> None:
+        """Forget every pending fetch (a new epoch / a loaded cursor: the hinted plan is no longer ahead)."""
+        with self._here():
+            for shard, entry in list(self._pending.items()):
+                self._forget(shard, entry, wasted=False)
+            for state in self._owners.values():
+                state.queue = []
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for the fetches running (each bounded by data.timeout_s), so
+        that no thread of ours is still reading or decoding when the interpreter shuts down."""
+        self.drop()
+        with self._here():
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

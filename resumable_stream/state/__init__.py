@@ -1,0 +1,1 @@
+"""Saved state: cursors and partition / mixture states, the sidecar codec, checkpoints, resume checks, relocation."""

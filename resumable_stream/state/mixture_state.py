@@ -1,0 +1,121 @@
+"""The state of one mixture partition (``data.sources``), made by :class:`~resumable_stream.stream.mixture.MixtureStream`.
+
+A mixture partition's own position is its mixture epoch, the draws made in it, the samples it yielded,
+and per source the epoch being read and whether it ended during this mixture epoch; beside it, each
+source's :class:`~resumable_stream.state.partition_state.PartitionState` and the transform's carry. In a sidecar the
+positions are the tensors ``mixture/positions`` (epoch, draws, consumed), ``mixture/source_epochs`` and
+``mixture/ended`` (one column per source), and source i's states are under ``sources/<i>/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import SidecarError
+from ..limits import MAX_EPOCH, is_int
+from ..plan import Layout
+from .fields import require, tensor
+from .partition_state import PartitionState, merge_partitions
+
+MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
+
+
+@dataclass
+class MixturePartitionState:
+    """Where one mixture partition stands (module doc)."""
+
+    epoch: int                        # mixture epoch
+    draws: int                        # draws made (= samples yielded) in this mixture epoch
+    consumed: int                     # samples yielded, all epochs
+    source_epochs: list[int]          # per source: the epoch being read
+    ended: list[bool]                 # per source: ended during this mixture epoch (all_exhausted)
+    sources: list[PartitionState] = field(default_factory=list)
+    extra: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: ``{"mixture": position, "sources": [each source's PartitionState.to_dict()],
+        "extra": the transform's carry}`` (what ``state_dict()`` holds)."""
+        out: dict[str, Any] = {"mixture": {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
+                                           "source_epochs": list(self.source_epochs), "ended": list(self.ended)},
+                               "sources": [ps.to_dict() for ps in self.sources]}
+        if self.extra is not None:
+            out["extra"] = self.extra
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> MixturePartitionState:
+        """The state in ``to_dict``'s form (or a MixturePartitionState itself), every field checked."""
+        if isinstance(d, cls):
+            return d
+        m = d.get("mixture") if isinstance(d, dict) else None
+        sources = d.get("sources") if isinstance(d, dict) else None
+        ok = (isinstance(m, dict) and isinstance(sources, list)
+              and all(is_int(m.get(k)) for k in MIXTURE_POSITION) and m["epoch"] < MAX_EPOCH
+              and isinstance(m.get("source_epochs"), list) and isinstance(m.get("ended"), list)
+              and len(m["source_epochs"]) == len(m["ended"]) == len(sources)
+              and all(is_int(e, 0, MAX_EPOCH - 1) for e in m["source_epochs"])
+              and all(isinstance(b, bool) for b in m["ended"]))
+        if not ok:
+            raise SidecarError(f"{where}: corrupt mixture partition state: got {d!r:.80}; allowed: a mapping with "
+                               "mixture (epoch, draws, consumed, source_epochs, ended) and a state per source")
+        states = [PartitionState.from_dict(ps, f"{where}, source {i}") for i, ps in enumerate(sources)]
+        return cls(m["epoch"], m["draws"], m["consumed"], list(m["source_epochs"]), list(m["ended"]), states,
+                   d.get("extra"))
+
+    # ---------------------------------------------------------------- sidecar arrays
+    @staticmethod
+    def to_arrays(parts: list[int], states: list[MixturePartitionState], prefix: str, tensors: dict,
+                  meta: dict) -> None:
+        n = len(states[0].sources) if states else 0
+        tensors[f"{prefix}mixture/positions"] = np.asarray(
+            [[getattr(ps, f) for f in MIXTURE_POSITION] for ps in states], dtype=np.int64
+        ).reshape(len(parts), len(MIXTURE_POSITION))
+        tensors[f"{prefix}mixture/source_epochs"] = np.asarray([ps.source_epochs for ps in states],
+                                                               dtype=np.int64).reshape(len(parts), n)
+        tensors[f"{prefix}mixture/ended"] = np.asarray([ps.ended for ps in states],
+                                                       dtype=np.uint8).reshape(len(parts), n)
+        for i in range(n):
+            PartitionState.to_arrays(parts, [ps.sources[i] for ps in states], f"{prefix}sources/{i}/", tensors, meta)
+
+    @classmethod
+    def from_arrays(cls, ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
+                    num_sources: int, prefix: str = "") -> dict[int, MixturePartitionState]:
+        """A mixture's partitions from their tensors, every field checked (format versions 2 and 3)."""
+        k, n = len(ids), num_sources
+        positions = tensor(tensors, f"{prefix}mixture/positions", "int64", 2, path)
+        source_epochs = tensor(tensors, f"{prefix}mixture/source_epochs", "int64", 2, path)
+        ended = tensor(tensors, f"{prefix}mixture/ended", "uint8", 2, path)
+        for name, t, shape in (("mixture/positions", positions, (k, len(MIXTURE_POSITION))),
+                               ("mixture/source_epochs", source_epochs, (k, n)), ("mixture/ended", ended, (k, n))):
+            require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape} (partitions, "
+                    f"{'fields' if name == 'mixture/positions' else 'sources'})")
+        sources = [PartitionState.from_arrays(ids, tensors, meta, path, prefix=f"{prefix}sources/{i}/")
+                   for i in range(n)]
+        out = {}
+        for row, p in enumerate(ids):
+            position = dict(zip(MIXTURE_POSITION, (int(v) for v in positions[row].tolist())))
+            require(all(v >= 0 for v in position.values()) and position["draws"] <= position["consumed"]
+                    and position["epoch"] < MAX_EPOCH, path, f"mixture/positions[{p}]", position,
+                    "integers >= 0 with draws <= consumed and epoch < 2**31")
+            epochs = [int(v) for v in source_epochs[row].tolist()]
+            require(all(0 <= e < MAX_EPOCH for e in epochs), path, f"mixture/source_epochs[{p}]", epochs,
+                    "integers in [0, 2**31)")
+            flags = ended[row].tolist()
+            require(all(f in (0, 1) for f in flags), path, f"mixture/ended[{p}]", flags, "0 or 1 per source")
+            out[p] = cls(**position, source_epochs=epochs, ended=[bool(f) for f in flags],
+                         sources=[sources[i][p] for i in range(n)])
+        return out
+
+    def validate(self, layouts: list[Layout], partition: int, where: str, labels: list[str]) -> None:
+        """Each source's cursor points inside its partition's data (``layouts``: one per source)."""
+        for ps, layout, label in zip(self.sources, layouts, labels):
+            ps.validate(layout, partition, f"{where}, source {label!r}")
+
+    @classmethod
+    def merge(cls, rank_states: list[dict[int, MixturePartitionState]],
+              partitions: set[int]) -> dict[int, MixturePartitionState]:
+        """Elastic gathering, as :meth:`PartitionState.merge`: a mixture partition moves whole."""
+        return merge_partitions(rank_states, partitions)

@@ -1,0 +1,239 @@
+"""The position of one partition: its :class:`Cursor` and :class:`PartitionState` (what a sidecar saves
+of it, with its own encoding and bounds); made by the partition reader (:mod:`resumable_stream.stream.partition`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..errors import SidecarError
+from ..limits import MAX_EPOCH, MAX_OPEN_SHARDS, is_int
+from ..plan import Layout
+from .fields import is_hex, json_field, require, tensor
+
+DIGEST_BYTES = 16
+
+
+EMPTY_CHAIN = bytes(DIGEST_BYTES)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    epoch: int = 0
+    window: int = 0
+    offset: int = 0              # rows of the current window already consumed
+    next_shard: int = 0          # position in this epoch's shard list of the next shard to open
+    block_slot: int = 0          # open slot the next block is taken from (blocks rotate over open shards)
+    block_taken: int = 0         # rows of that block already taken
+    consumed_before: int = 0     # samples consumed before the current window (all epochs)
+    slots: tuple[tuple[int, int], ...] = ()   # open shards: (position in shard list, next raw row)
+    chain: bytes = field(default=EMPTY_CHAIN)  # digest of the keys of every sample consumed before the window
+    epoch_start: int | None = 0  # samples consumed before this epoch began (progress only; None: unknown)
+
+    FIELDS = ("epoch", "window", "offset", "next_shard", "block_slot", "block_taken", "consumed_before")
+
+    @property
+    def consumed(self) -> int:
+        return self.consumed_before + self.offset
+
+    def next_epoch(self) -> Cursor:
+        return Cursor(epoch=self.epoch + 1, consumed_before=self.consumed, chain=self.chain,
+                      epoch_start=self.consumed)
+
+
+@dataclass
+class PartitionState:
+    """Where one partition stands after the last sample it yielded: the cursor at the start of its current
+    window plus the samples of that window consumed (so a snapshot after every batch copies nothing), the
+    digests that check a resume, and the transform's carry (``extra``, the loader's: ``meta`` and numpy
+    ``tensors``). It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and its bounds
+    (:meth:`validate`): a new cursor field is a change here (and in :class:`Cursor`) only."""
+
+    start: Cursor                    # offset 0: the window's start
+    offset: int                      # samples of the window consumed
+    consumed_digest: str             # the digest chain of every sample consumed (32 hex digits)
+    next_sample_digest: str          # the content digest of the next sample (16 hex digits)
+    epoch_rows: int | None = None    # rows of the current epoch (progress reports; None: unknown)
+    extra: dict | None = None
+
+    @property
+    def cursor(self) -> Cursor:
+        return replace(self.start, offset=self.offset)
+
+    @property
+    def consumed(self) -> int:
+        return self.start.consumed_before + self.offset
+
+    @property
+    def epoch(self) -> int:
+        return self.start.epoch
+
+    @property
+    def epoch_start(self) -> int | None:
+        return self.start.epoch_start
+
+    # ---------------------------------------------------------------- the public form (state_dict)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (ints, strings, lists; numpy arrays in ``extra``): what ``state_dict()`` holds, safe to
+        store with ``torch.save`` and load with ``weights_only=True``."""
+        c = self.start
+        out = {f: self.offset if f == "offset" else getattr(c, f) for f in Cursor.FIELDS}
+        out.update(slots=[list(s) for s in c.slots], chain=c.chain.hex(), consumed=self.consumed,
+                   consumed_digest=self.consumed_digest, next_sample_digest=self.next_sample_digest,
+                   epoch_start=c.epoch_start, epoch_rows=self.epoch_rows)
+        if self.extra is not None:
+            out["extra"] = self.extra
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> PartitionState:
+        """The state in ``to_dict``'s form (or a PartitionState itself); a malformed one is a SidecarError
+        naming the field."""
+        if isinstance(d, cls):
+            return d
+
+        def field_of(name: str, ok, allowed: str) -> Any:
+            value = d.get(name) if isinstance(d, dict) else None
+            if not ok(value):
+                raise SidecarError(f"{where}: corrupt field {name}: got {value!r:.80}; allowed: {allowed}")
+            return value
+
+        if not isinstance(d, dict):
+            raise SidecarError(f"{where}: got {type(d).__name__}; allowed: a partition state (a mapping)")
+        fields = {f: field_of(f, is_int, "an integer >= 0") for f in Cursor.FIELDS}
+        slots = field_of("slots", lambda v: isinstance(v, (list, tuple)) and all(
+            isinstance(x, (list, tuple)) and len(x) == 2 and all(is_int(i) for i in x) for x in v),
+            "a list of (position, row) pairs of integers >= 0")
+        chain = field_of("chain", lambda v: is_hex(v, 2 * DIGEST_BYTES), f"{2 * DIGEST_BYTES} hex digits")
+        consumed_digest = field_of("consumed_digest", lambda v: is_hex(v, 2 * DIGEST_BYTES),
+                                   f"{2 * DIGEST_BYTES} hex digits")
+        next_digest = field_of("next_sample_digest", lambda v: isinstance(v, str), "16 hex digits")
+        epoch_start = field_of("epoch_start", lambda v: v is None or is_int(v), "null or an integer >= 0")
+        epoch_rows = field_of("epoch_rows", lambda v: v is None or is_int(v), "null or an integer >= 0")
+        offset = fields.pop("offset")
+        start = Cursor(**fields, slots=tuple((int(a), int(b)) for a, b in slots), chain=bytes.fromhex(chain),
+                       epoch_start=epoch_start)
+        return cls(start, offset, consumed_digest, next_digest, epoch_rows, d.get("extra"))
+
+    # ---------------------------------------------------------------- sidecar arrays
+    @staticmethod
+    def to_arrays(parts: list[int], states: list[PartitionState], prefix: str, tensors: dict, meta: dict) -> None:
+        """``states`` (one per partition in ``parts``) as the tensors and metadata under ``prefix``."""
+        k = len(parts)
+        max_slots = max([len(ps.start.slots) for ps in states] + [1])
+        cursors = np.zeros((k, len(Cursor.FIELDS)), dtype=np.int64)
+        slots = np.full((k, max_slots, 2), -1, dtype=np.int64)
+        chains = np.zeros((k, DIGEST_BYTES), dtype=np.uint8)
+        digests, progress = {}, {}
+        for i, (p, ps) in enumerate(zip(parts, states)):
+            c = ps.start
+            cursors[i] = [ps.offset if f == "offset" else getattr(c, f) for f in Cursor.FIELDS]
+            for j, (pos, row) in enumerate(c.slots):
+                slots[i, j] = (pos, row)
+            chains[i] = np.frombuffer(c.chain, dtype=np.uint8)
+            digests[str(p)] = {"next_sample": ps.next_sample_digest, "consumed": ps.consumed_digest,
+                               "consumed_samples": ps.consumed}
+            progress[str(p)] = {"epoch_start": c.epoch_start, "epoch_rows": ps.epoch_rows}
+        tensors.update({f"{prefix}cursors": cursors, f"{prefix}slots": slots, f"{prefix}chains": chains})
+        meta[f"{prefix}digests"] = json.dumps(digests, sort_keys=True)
+        meta[f"{prefix}progress"] = json.dumps(progress, sort_keys=True)
+
+    @classmethod
+    def from_arrays(cls, ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
+                    prefix: str = "", blank_digest_ok: bool = False,
+                    max_slots: int = MAX_OPEN_SHARDS) -> dict[int, PartitionState]:
+        """The states under ``prefix`` (rows aligned with ``ids``), every field checked. Columns are taken by
+        position (``Cursor.FIELDS``; version 1 named some differently, in the same order). ``max_slots``: open
+        shards a cursor may have (a version 1 mixture kept a slot per source in its own entries)."""
+        k = len(ids)
+        cursors = tensor(tensors, f"{prefix}cursors", "int64", 2, path)
+        slots_t = tensor(tensors, f"{prefix}slots", "int64", 3, path)
+        chains = tensor(tensors, f"{prefix}chains", "uint8", 2, path)
+        for name, t, shape in ((f"{prefix}cursors", cursors, (k, len(Cursor.FIELDS))),
+                               (f"{prefix}chains", chains, (k, DIGEST_BYTES))):
+            require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape}")
+        require(slots_t.shape[0] == k and slots_t.shape[1] <= max_slots and slots_t.shape[2] == 2, path,
+                f"tensor {prefix}slots", slots_t.shape,
+                f"shape ({k}, open shards, 2) with at most {max_slots} open shards")
+        digests = json_field(meta, f"{prefix}digests", path)
+        progress = json_field(meta, f"{prefix}progress", path, "{}")
+        for key, value in ((f"{prefix}digests", digests), (f"{prefix}progress", progress)):
+            require(isinstance(value, dict), path, key, value, "a mapping by partition")
+        out = {}
+        for i, p in enumerate(ids):
+            where = f"{prefix}digests[{p}]"
+            d = digests.get(str(p))
+            require(isinstance(d, dict), path, where, d, "a mapping with next_sample, consumed, consumed_samples")
+            require(is_hex(d.get("next_sample"), 16) or (blank_digest_ok and d.get("next_sample") == ""), path,
+                    f"{where}.next_sample", d.get("next_sample"), "16 hex digits")
+            require(is_hex(d.get("consumed"), 32), path, f"{where}.consumed", d.get("consumed"), "32 hex digits")
+            require(is_int(d.get("consumed_samples")), path, f"{where}.consumed_samples", d.get("consumed_samples"),
+                    "an integer >= 0")
+            fields = {f: int(v) for f, v in zip(Cursor.FIELDS, cursors[i].tolist())}
+            for f in Cursor.FIELDS:
+                require(fields[f] >= 0, path, f"{prefix}cursors[{p}].{f}", fields[f], "an integer >= 0")
+            require(fields["consumed_before"] + fields["offset"] == d["consumed_samples"], path,
+                    f"{where}.consumed_samples", d["consumed_samples"],
+                    f"consumed_before + offset = {fields['consumed_before'] + fields['offset']}")
+            pairs = [(int(a), int(b)) for a, b in slots_t[i].tolist()]
+            for a, b in pairs:
+                require((a >= 0 and b >= 0) or (a == b == -1), path, f"{prefix}slots[{p}]", (a, b),
+                        "(position, row) pairs >= 0, or (-1, -1) for an unused slot")
+            pr = progress.get(str(p), {})
+            require(isinstance(pr, dict), path, f"{prefix}progress[{p}]", pr, "a mapping")
+            for key in ("epoch_start", "epoch_rows"):
+                require(pr.get(key) is None or is_int(pr.get(key)), path, f"{prefix}progress[{p}].{key}",
+                        pr.get(key), "null or an integer >= 0")
+            offset = fields.pop("offset")
+            start = Cursor(**fields, slots=tuple((a, b) for a, b in pairs if a >= 0),
+                           chain=bytes(chains[i].tolist()), epoch_start=pr.get("epoch_start"))
+            out[p] = cls(start, offset, d["consumed"], d["next_sample"], pr.get("epoch_rows"))
+        return out
+
+    def validate(self, layout: Layout, partition: int, where: str) -> None:
+        """The cursor points inside ``partition``'s data under ``layout`` (its shards of its epoch, their rows,
+        one window): a corrupt or forged state is a SidecarError naming the field, not an IndexError later."""
+        c, lay = self.start, layout
+
+        def check(ok: bool, field: str, value: Any, allowed: str) -> None:
+            if not ok:
+                raise SidecarError(f"{where}: corrupt field partitions[{partition}].{field}: got {value!r:.80}; "
+                                   f"allowed: {allowed}")
+
+        check(0 <= c.epoch < MAX_EPOCH, "epoch", c.epoch, "an integer in [0, 2**31)")
+        shards = lay.shards_for(c.epoch, partition)
+        check(0 <= c.next_shard <= len(shards), "next_shard", c.next_shard,
+              f"0 .. {len(shards)} (the partition's shards in epoch {c.epoch})")
+        slots = list(c.slots)
+        check(len(slots) <= lay.open_slots, "slots", slots, f"at most {lay.open_slots} open shards")
+        for pos, row in slots:
+            check(0 <= pos < c.next_shard and [q for q, _ in slots].count(pos) == 1, "slots", slots,
+                  f"distinct shard positions below next_shard {c.next_shard}")
+            count = lay.row_counts[shards[pos]]
+            check(0 <= row and (count is None or row <= count), "slots", slots,
+                  f"rows within their shard ({count} rows in shard {shards[pos]})")
+        check(0 <= c.block_slot < max(1, len(slots)), "block_slot", c.block_slot, f"0 .. {max(1, len(slots)) - 1}")
+        check(0 <= c.block_taken < lay.block, "block_taken", c.block_taken, f"0 .. {lay.block - 1}")
+        check(0 <= self.offset <= lay.buffer_size, "offset", self.offset, f"0 .. {lay.buffer_size} (one window)")
+        check(0 <= c.window and 0 <= c.consumed_before, "window", c.window, "an integer >= 0")
+
+    @classmethod
+    def merge(cls, rank_states: list[dict[int, PartitionState]], partitions: set[int]) -> dict[int, PartitionState]:
+        """Elastic gathering: ``partitions``' states from the rank states of one save. A partition moves whole
+        between ranks (its cursor is its own), so each is taken from the rank that held it."""
+        return merge_partitions(rank_states, partitions)
+
+
+def merge_partitions(rank_states: list[dict[int, Any]], partitions: set[int]) -> dict[int, Any]:
+    """Each of ``partitions`` from the one rank state that holds it (a partition held twice is refused)."""
+    merged: dict[int, Any] = {}
+    for states in rank_states:
+        for p, ps in states.items():
+            if p in partitions:
+                if p in merged:
+                    raise SidecarError(f"partition {p} is held by two rank files of one save")
+                merged[p] = ps
+    return merged

@@ -1,0 +1,375 @@
+"""``ResumableStream``: a torch IterableDataset over a HF dataset that saves and resumes exactly.
+
+It implements the :class:`~resumable_stream.stream.base.Stream` protocol on :class:`StreamBase`: each
+virtual partition is a :class:`~resumable_stream.stream.partition.PartitionReader` over the dataset's shards,
+and a partition's state is its reader's cursor plus the digests that check a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import chain, islice
+from typing import Any
+
+from ..cache.cached_source import with_block_cache
+from ..config.stream_config import StreamConfig
+from ..dataset.growth import layout_generations, stable_fingerprint
+from ..dataset.job_source import open_job_source
+from ..errors import ConfigError, StreamMismatchError
+from ..observe.progress import position
+from ..plan import Layout
+from ..sources.base import Source
+from ..sources.open import open_source
+from ..state.partition_state import Cursor, PartitionState
+from .base import StreamBase, round_robin
+from .partition import PartitionReader, sample_digest
+
+log = logging.getLogger(__name__)
+_warned: set[tuple] = set()
+
+
+class ResumableStream(StreamBase):
+    """The samples of one rank, as dicts with the dataset's own columns, in a resumable order.
+
+    The data is cut into ``data.num_partitions`` ordered virtual partitions (default: ranks x
+    DataLoader workers, one per consumer); each rank reads its own, each DataLoader worker one lane
+    of them. ``num_workers`` is the DataLoader worker count the stream will be read with (0: the
+    main process). Iterating in the main process interleaves this rank's partitions sample by sample.
+    """
+
+    kind = "stream"
+    state_type = PartitionState
+
+    def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
+                 num_workers: int = 0, source: Source | None = None, index_from: str | None = None):
+        if not isinstance(config, StreamConfig):
+            raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
+        super().__init__(config, rank, world_size, num_workers)
+        # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
+        opened = source if source is not None else open_job_source(config, self.rank, self.world_size, index_from)
+        self.source = with_block_cache(opened, config)
+        self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
+        self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s
+        self._start()
+
+    def _build_readers(self) -> None:
+        """The layout of ``num_partitions`` virtual partitions and this rank's readers (fresh cursors)."""
+        num_partitions = self.num_partitions
+        self.layout = Layout(
+            num_shards=len(self.source.shards),
+            row_counts=tuple(s.num_rows for s in self.source.shards),
+            num_partitions=num_partitions,
+            seed=self.config.shuffle_seed, shuffle=self.config.shuffle, buffer_size=self.config.buffer_size,
+            interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
+            generations=(layout_generations(self.source.index, self.source.shards)
+                         if self.config.growth != "off" else None),
+            follow=self.config.growth == "follow",
+        )
+        if self.config.growth == "follow" and self.num_workers:
+            raise ConfigError(
+                f"data.growth: got 'follow' with {self.num_workers} DataLoader worker(s); allowed: follow read in "
+                "the main process of each rank (num_workers 0), or append with workers (see docs/growing-data.md)")
+        consumers = self.world_size * max(1, self.num_workers)
+        if self.layout.strided and (note := ("strided", id(self.source), num_partitions)) not in _warned:
+            _warned.add(note)
+            log.warning(
+                "dataset has %d shards for %d partitions: every partition reads every shard and keeps every %d-th "
+                "row; give it more files or row groups to read less",
+                self.layout.num_shards, num_partitions, num_partitions)
+        if num_partitions % consumers and (note := ("uneven", num_partitions, consumers)) not in _warned:
+            _warned.add(note)
+            log.warning("%d virtual partitions over %d consumers (ranks x workers): some read %d partitions, others "
+                        "%d, so they move through an epoch at different speeds", num_partitions, consumers,
+                        -(-num_partitions // consumers), num_partitions // consumers)
+        self._readers = {p: PartitionReader(self.source, self.layout, p) for p in self.partitions}
+        self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
+        self._rows_of: dict[int, tuple[int, int | None]] = {}   # partition -> (epoch, its rows in that epoch)
+
+    # ------------------------------------------------------------------ identity
+    def fingerprint(self) -> dict[str, Any]:
+        c = self.config
+        dataset = self.source.fingerprint
+        if c.growth != "off":    # the first file set: what a run grows from (the later files: the index's)
+            dataset = stable_fingerprint(dataset, self.source.index, c.growth)
+        fp = {
+            "dataset": dataset,
+            "order": {"shuffle": c.shuffle, "seed": c.shuffle_seed, "buffer_size": c.buffer_size,
+                      "interleave": c.interleave_shards, "block_rows": c.block_rows},
+        }
+        if self.transform_fingerprint is not None:
+            fp["transform"] = self.transform_fingerprint
+        return fp
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate epoch ``epoch`` only: continue it if a partition is inside it, else start it.
+
+        Without ``set_epoch`` the stream is endless: each partition moves on to the next epoch by itself.
+        """
+        if not (isinstance(epoch, int) and epoch >= 0):
+            raise ConfigError(f"epoch: got {epoch!r}; allowed: an integer >= 0")
+        self._epoch_limit = epoch
+        for p, reader in self._readers.items():
+            # inside `epoch`: continue; past it: done for this epoch; before it: start it
+            if reader.cursor.epoch < epoch:
+                consumed = reader.cursor.consumed
+                reader.set_cursor(Cursor(epoch=epoch, consumed_before=consumed, chain=reader.cursor.chain,
+                                         epoch_start=consumed))
+                self._expect.pop(p, None)
+
+    def iter_partition(self, partition: int) -> Iterator[tuple[dict, tuple[int, int]]]:
+        """(sample, (shard, row)) pairs of one partition: what the loader's workers read."""
+        return self._samples(partition, with_keys=True)
+
+    def _samples(self, partition: int, with_keys: bool = False) -> Iterator:
+        """The samples of one partition from its cursor (to the end of the epoch after ``set_epoch``);
+        ``with_keys``: (sample, (shard, row)) pairs. Window by window, each window's rows from C iterators
+        (a list's, chained): no Python frame runs per sample."""
+        return chain.from_iterable(self._windows(partition, with_keys))
+
+    def _windows(self, partition: int, with_keys: bool) -> Iterator[Iterator]:
+        """An iterator over the rest of each window's samples, window after window."""
+        reader = self._readers[partition]
+        limit = self._epoch_limit
+        if limit is None and self.config.growth == "follow":    # follow: the round being read (see _follow)
+            limit = self._round()
+        finite = limit is not None
+        while True:
+            if finite and reader.cursor.epoch > limit:
+                return
+            win = reader.window(rollover=not finite)
+            if win is None:
+                return
+            i = reader.offset
+            expected = self._expect.pop(reader.partition, None)
+            if expected is not None:
+                self._verify_first(reader, win.sample(i), expected)
+            # consumed once handed out: a save after a sample resumes after it (the reader counts them)
+            if not with_keys:
+                yield reader.consume(win)
+            else:
+                yield zip(reader.consume(win), islice(win.key_tuples(), i, None))
+
+    # ------------------------------------------------------------------ data.growth: follow
+    def __iter__(self) -> Iterator[dict]:
+        if self.config.growth != "follow" or self._epoch_limit is not None:
+            return super().__iter__()
+        if self.world_size > 1:
+            raise ConfigError(
+                f"data.growth: got 'follow' iterating the stream of rank {self.rank} of {self.world_size} directly; "
+                "allowed: with several ranks read it through a StreamLoader (or the patched Trainer), which keeps "
+                "the ranks in step (see docs/growing-data.md)")
+        return self._follow()
+
+    def _round(self) -> int:
+        """Follow mode reads in rounds: round e is epoch e (generation e's new files), read by every partition
+        of the rank before any starts e + 1; the round is the least epoch of the partitions (one that finished
+        round e stands at the start of e + 1), so a resume is in the same round as the save."""
+        return min(r.epoch for r in self._readers.values())
+
+    @property
+    def follows(self) -> bool:
+        """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
+        the next with :meth:`await_next_round`, or over several ranks in step with :meth:`follow_wait`)."""
+        return self.config.growth == "follow" and self._epoch_limit is None
+
+    def await_next_round(self) -> bool:
+        """Once every partition ended the round: wait for the next one's files (True), or False (and
+        ``follow_ended``) after data.follow_timeout_s."""
+        ok = self._await_round(self._round())
+        self.follow_ended = not ok
+        return ok
+
+    def round_planned(self) -> bool:
+        """The round this rank stands in has its files."""
+        return self._planned(self._round())
+
+    def _planned(self, epoch: int) -> bool:
+        """Epoch ``epoch`` has its files: a generation starts at or after it (an epoch before it is empty)."""
+        return any(first >= epoch for first, _ in self.layout.generations or ())
+
+    def check_in_step(self) -> None:
+        """Follow mode over several ranks needs their process group (the waits are collectives)."""
+        from ..runtime.collectives import shared_over_dist
+
+        if not shared_over_dist(self.rank, self.world_size):
+            raise ConfigError(f"data.growth: got 'follow' on rank {self.rank} of {self.world_size} without an "
+                              "initialized torch.distributed group; allowed: under torchrun with the group set up")
+
+    def follow_wait(self, holding: bool) -> bool:
+        """Several ranks (``StreamLoader`` in step): a collective every rank calls at the same step, once some
+        rank is at the end of its round. ``holding``: this rank still has a batch of its round. Until every rank
+        can go on (holding, or its round planned), rank 0 lists the files (one request per poll for the job,
+        ``growth.refresh``: the grown index broadcast, so every rank adopts the same generation) and every rank
+        sleeps the same backoff (poll_interval_s doubling to 16x). True once every rank can go on; False on every
+        rank (``follow_ended``) once rank 0 has waited data.follow_timeout_s (its decision, all-reduced)."""
+        import time
+
+        from ..dataset.growth import refresh
+        from ..runtime.collectives import max_each_over_ranks
+
+        self.check_in_step()
+        c = self.config
+        waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
+        self.follow_ended = False
+        while True:
+            ready = holding or self.round_planned()
+            timed_out = self.rank == 0 and polled and waited >= c.follow_timeout_s   # after one listing at least
+            not_all_ready, ended = max_each_over_ranks([int(not ready), int(timed_out)])
+            if not not_all_ready:
+                return True
+            if ended:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d (rank %d)", waited, c.follow_timeout_s, self._round(), self.rank)
+                self.follow_ended = True
+                return False
+            furthest = max((r.epoch for r in self._readers.values()), default=0)
+            index = refresh(c, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
+            polled = True
+            if index is not None:
+                first = self.adopt_index(index)
+                log.info("data.growth: follow: new file(s) after %.1f s of waiting; epoch %d reads them", waited,
+                         first)
+                continue
+            time.sleep(max(0.0, min(delay, c.follow_timeout_s - waited)))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+            waited = time.monotonic() - start
+
+    def _follow(self) -> Iterator[dict]:
+        """Round after round (the partitions interleaved as without follow, the rotation saved); after each, wait
+        for the files of the next (``_await_round``); the stream ends when a wait passes data.follow_timeout_s."""
+        parts = self.partitions
+        self.follow_ended = False
+        while True:
+            if len(parts) == 1:
+                yield from self._samples(parts[0])
+            else:
+                yield from round_robin({p: self._samples(p) for p in parts}, parts, self._turn, self._set_turn)
+            if not self._await_round(self._round()):
+                self.follow_ended = True     # the trainer ends the run with a checkpoint
+                return
+
+    def _await_round(self, epoch: int) -> bool:
+        """True once epoch ``epoch`` is planned (a generation starts at or after it; an epoch without one is
+        empty and passes); else list the files every poll_interval_s (backing off to 16x), at most
+        follow_timeout_s in all: False then, with a log line."""
+        import time
+
+        from ..dataset.growth import grow
+
+        c = self.config
+        waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
+        while True:
+            if self._planned(epoch):
+                return True
+            index = grow(c, self.source.index, epoch, "while following the data", running=True)
+            if len(index["files"]) != len(self.source.index["files"]):
+                new = len(index["files"]) - len(self.source.index["files"])
+                self.adopt_index(index)
+                log.info("data.growth: follow: %d new file(s) after %.1f s of waiting; epoch %d reads them", new,
+                         waited, epoch)
+                continue
+            waited = time.monotonic() - start
+            left = c.follow_timeout_s - waited
+            if left <= 0:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d", waited, c.follow_timeout_s, epoch)
+                return False
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+
+    def adopt_index(self, index: dict, source: Source | None = None) -> int:
+        """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
+        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views). Returns
+        the first epoch of the newest generation."""
+        self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
+        self.source = source if source is not None else with_block_cache(open_source(self.config, index=index),
+                                                                          self.config)
+        gens = layout_generations(index, self.source.shards)
+        self.layout = replace(self.layout, num_shards=len(self.source.shards),
+                              row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
+        for reader in self._readers.values():
+            reader.source, reader.layout = self.source, self.layout
+        self._rows_of = {}
+        return gens[-1][0]
+
+    def _verify_first(self, reader: PartitionReader, sample: dict, expected: str) -> None:
+        got = sample_digest(sample)
+        if got != expected:
+            raise StreamMismatchError(
+                f"partition {reader.partition} (rank {self.rank}): the first sample after resume is not the one "
+                f"recorded at save time (digest saved {expected}, now {got}); the data content changed although "
+                "the file list, sizes and versions did not",
+                [("next_sample_digest", expected, got)],
+            )
+
+    def refresh_files(self) -> int | None:
+        """Take in the files that appeared since the job opened (``data.growth: append``) while it runs: they
+        join from the epoch after the furthest one any partition of the job has begun. Collective: every rank
+        calls it at the same point (an epoch boundary of the training loop, a save); the stream must be read in
+        this process (no DataLoader workers: they read ahead with the plan they started with). Returns that
+        epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
+        from ..dataset.growth import refresh
+
+        if self.config.growth == "off":
+            return None
+        furthest = max((r.epoch for r in self._readers.values()), default=0)
+        index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
+        if index is None:
+            return None
+        return self.adopt_index(index)
+
+    # ------------------------------------------------------------------ state
+    def partition_epoch(self, partition: int) -> int:
+        """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
+        return self._readers[partition].epoch
+
+    def close(self) -> None:
+        """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
+        behind it) outlives its use, and wait for the source's fetches ahead. Iterating again reopens the
+        shards where the cursors stand."""
+        for reader in self._readers.values():
+            reader.close()
+        self.source.close()
+        for old in self._retired:
+            old.close()
+        self._retired = []
+
+    def partition_state(self, partition: int) -> PartitionState:
+        """One partition's position after the last sample it yielded, with the digest of the next one (O(1):
+        the loader takes one after every batch)."""
+        reader = self._readers[partition]
+        if self.config.growth == "follow":   # at the end of the known data: no next sample yet (digest "")
+            win = reader.window(rollover=False)
+            if win is None:
+                return reader.state(lambda: "", self._epoch_rows(reader.epoch, partition))
+        else:
+            win = reader.window(rollover=True)   # the next sample is needed for its digest
+        return reader.state(lambda: sample_digest(win.sample(reader.offset)), self._epoch_rows(reader.epoch, partition))
+
+    def partition_position(self, partition: int) -> float | None:
+        """Epochs ``partition`` has consumed (its epoch plus the fraction of it), from the progress its reader
+        last published: callable from any thread, it moves and builds nothing (None: unknown)."""
+        reader = self._readers.get(partition)
+        if reader is None:       # the partitions are being re-planned (a resume under another topology)
+            return None
+        progress, layout = reader.progress, self.layout
+        start = progress.start
+        return position(start.epoch, progress.consumed, start.epoch_start, layout.partition_rows(start.epoch, partition))
+
+    def _epoch_rows(self, epoch: int, partition: int) -> int | None:
+        """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch
+        snapshot asks for it."""
+        known = self._rows_of.get(partition)
+        if known is None or known[0] != epoch:
+            known = self._rows_of[partition] = (epoch, self.layout.partition_rows(epoch, partition))
+        return known[1]
+
+    def _restore_partition(self, p: int, ps: PartitionState, where: str, verify_next_sample: bool) -> None:
+        """Continue partition ``p`` from its saved state (checked to point inside its data first)."""
+        ps.validate(self.layout, p, where)
+        self._readers[p].set_state(ps)
+        if verify_next_sample and ps.next_sample_digest:    # "": saved at the end of the data (follow mode)
+            self._expect[p] = ps.next_sample_digest
