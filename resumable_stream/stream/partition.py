@@ -42,6 +42,7 @@ class Progress:
     offset: int = 0                # rows of the window consumed, while no iterator hands them out
     rows: list | None = None
     live: Iterator | None = None
+    epoch_rows: int | None = None  # rows of the start's epoch in this partition (None: unknown)
 
     @property
     def consumed(self) -> int:
@@ -244,8 +245,12 @@ class _OpenShard:
 class PartitionReader:
     """Yields the rows of one partition in its deterministic order, window by window."""
 
-    def __init__(self, source, layout: Layout, partition: int, cursor: Cursor | None = None):
+    def __init__(self, source, layout: Layout, partition: int, cursor: Cursor | None = None,
+                 epoch_rows: Callable[[int], int | None] | None = None):
+        """``epoch_rows(epoch)``: the partition's rows in an epoch, for the published progress (default: counted
+        from the layout, O(shards) each window; the stream passes its count made once per epoch)."""
         self.source, self.layout, self.partition = source, layout, partition
+        self._count_rows = epoch_rows or (lambda epoch: self.layout.partition_rows(epoch, self.partition))
         self._window: Window | None = None
         self._open: dict[int, _OpenShard] = {}   # shards left open by the last window, by position
         self._hashed: tuple[Window, int, Any] | None = None   # (window, rows hashed, running hash of them)
@@ -275,7 +280,7 @@ class PartitionReader:
     def offset(self, value: int) -> None:
         self._live = None
         self._offset = value
-        self.progress = Progress(self._start, value)
+        self.progress = Progress(self._start, value, epoch_rows=self._count_rows(self._start.epoch))
 
     # ``progress`` is the one attribute other threads may read (docs/architecture.md, "One owner per cursor"):
     # replaced whole, never changed in place, by the thread that consumes (the setters above and ``consume``).
@@ -290,7 +295,7 @@ class PartitionReader:
             next(islice(it, start, start), None)      # skip the rows already consumed
         self._offset = start
         self._live, self._live_rows = it, rows
-        self.progress = Progress(self._start, start, rows, it)
+        self.progress = Progress(self._start, start, rows, it, self._count_rows(self._start.epoch))
         return it
 
     def set_cursor(self, cursor: Cursor) -> None:

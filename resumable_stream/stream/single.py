@@ -83,9 +83,11 @@ class ResumableStream(StreamBase):
             log.warning("%d virtual partitions over %d consumers (ranks x workers): some read %d partitions, others "
                         "%d, so they move through an epoch at different speeds", num_partitions, consumers,
                         -(-num_partitions // consumers), num_partitions // consumers)
-        self._readers = {p: PartitionReader(self.source, self.layout, p) for p in self.partitions}
-        self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
         self._rows_of: dict[int, tuple[int, int | None]] = {}   # partition -> (epoch, its rows in that epoch)
+        self._readers = {p: PartitionReader(self.source, self.layout, p,
+                                            epoch_rows=lambda epoch, p=p: self._epoch_rows(epoch, p))
+                         for p in self.partitions}
+        self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
@@ -355,9 +357,9 @@ class ResumableStream(StreamBase):
         reader = self._readers.get(partition)
         if reader is None:       # the partitions are being re-planned (a resume under another topology)
             return None
-        progress, layout = reader.progress, self.layout
+        progress = reader.progress
         start = progress.start
-        return position(start.epoch, progress.consumed, start.epoch_start, layout.partition_rows(start.epoch, partition))
+        return position(start.epoch, progress.consumed, start.epoch_start, progress.epoch_rows)
 
     def _epoch_rows(self, epoch: int, partition: int) -> int | None:
         """``layout.partition_rows``, counted once per partition and epoch: it is O(shards), and every batch
