@@ -117,7 +117,7 @@ def run_child(*args: str) -> dict:
 def write_checkpoint(cfg, state_dir: str, per_rank: int) -> float:
     from resumable_stream import ResumableStream
     from resumable_stream.sources import open_source
-    from resumable_stream.state.sidecar import write_manifest
+    from resumable_stream.state.checkpoint import write_manifest
 
     source = open_source(cfg)
     t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def dir_bytes(path: str) -> int:
 def state_at_scale(data_dir: str, files_list, ranks_list) -> list[dict]:
     from resumable_stream import ResumableStream, StreamConfig
     from resumable_stream.sources import open_source
-    from resumable_stream.state.sidecar import write_manifest
+    from resumable_stream.state.checkpoint import write_manifest
 
     rows = []
     for files in files_list:

@@ -17,21 +17,21 @@ import sys
 import time
 
 from resumable_stream.errors import SidecarError
-from resumable_stream.state import sidecar as sc
+from resumable_stream.state import checkpoint as ckpt
 
 
 def save_from(states: list[dict], first: int, state_dir: str, saved_fd: int) -> None:
     for state in states[first:]:
-        sc.write_rank_file(state_dir, 0, state)
-        sc.write_manifest(state_dir, 1)
+        ckpt.write_rank_file(state_dir, 0, state)
+        ckpt.write_manifest(state_dir, 1)
         os.write(saved_fd, b".")            # one complete save more
     os._exit(0)
 
 
 def loaded_index(state_dir: str, digests: list[tuple]) -> int | str:
     try:
-        manifest = sc.read_manifest(state_dir)
-        state, _ = sc.read_rank_state(state_dir, manifest, 0)
+        manifest = ckpt.read_manifest(state_dir)
+        state, _ = ckpt.read_rank_state(state_dir, manifest, 0)
     except SidecarError as e:
         return f"error: {e}"
     ps = state["partitions"][0]
@@ -40,13 +40,13 @@ def loaded_index(state_dir: str, digests: list[tuple]) -> int | str:
 
 def main() -> None:
     states_dir, state_dir, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    states = [sc.read_state_file(os.path.join(states_dir, f"{k}.safetensors"))
+    states = [ckpt.read_state_file(os.path.join(states_dir, f"{k}.safetensors"))
               for k in range(len(os.listdir(states_dir)))]
     digests = [(s["partitions"][0]["consumed"], s["partitions"][0]["next_sample_digest"],
                 s["partitions"][0]["consumed_digest"]) for s in states]
     rng = random.Random(seed)
-    sc.write_rank_file(state_dir, 0, states[0])     # the first complete save: from here on there is an old state
-    sc.write_manifest(state_dir, 1)
+    ckpt.write_rank_file(state_dir, 0, states[0])     # the first complete save: from here on there is an old state
+    ckpt.write_manifest(state_dir, 1)
     loaded, last = [], 0
     for _ in range(kills):
         saved_r, saved_w = os.pipe()

@@ -12,12 +12,13 @@ import pytest
 from helpers import parquet_config, take_ids
 
 from resumable_stream import ResumableStream
-from resumable_stream.integrations.transformers.checkpoints import (
+from resumable_stream.state.checkpoint import (
     is_complete,
     latest_complete_checkpoint,
     resume_latest,
+    write_manifest,
 )
-from resumable_stream.state.sidecar import STATE_DIR, write_manifest
+from resumable_stream.state.names import STATE_DIR
 
 # the engine's files of a checkpoint (transformers' Trainer with each engine), relative to checkpoint-N
 LAYOUTS = {

@@ -45,14 +45,14 @@ def test_peek_fields_and_save_state_then_resume(parquet_small, tmp_path, capsys)
 def test_peek_one_rank_of_several_refuses_to_save_over_a_complete_state(parquet_small, tmp_path, capsys):
     """A rank's new file next to a complete multi-rank state would leave the old manifest in charge (a later
     --resume-from would silently take the old state): refused, and the state stays what it was."""
-    from resumable_stream.state import sidecar
+    from resumable_stream.state import checkpoint as ckpt
 
     cfg_path = _yaml(tmp_path, parquet_small)
     st = str(tmp_path / "st")
     for rank in range(2):
         assert main(["peek", cfg_path, "--rank", str(rank), "--world-size", "2", "--num", "2",
                      "--save-state", st]) == 0
-    sidecar.write_manifest(st, 2)
+    ckpt.write_manifest(st, 2)
     before = sorted(os.listdir(st))
     capsys.readouterr()
     assert main(["peek", cfg_path, "--rank", "1", "--world-size", "2", "--num", "6", "--save-state", st]) == 2

@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 from resumable_stream import ConfigError, ResumableStream, StreamMismatchError
 from resumable_stream.errors import SidecarError
 from resumable_stream.loader import StreamLoader
-from resumable_stream.state.sidecar import decode_state, encode_state, read_state_file, write_manifest
+from resumable_stream.state.checkpoint import read_state_file, write_manifest
+from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.transforms import TextProcessor, TransformConfig, collate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import pytest
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
 from resumable_stream.app.cli import main
-from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.state.checkpoint import write_manifest
 from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)

@@ -49,7 +49,8 @@ from resumable_stream.config.trainer import TrainerConfig
 from resumable_stream.errors import SourceError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import Source, open_source
-from resumable_stream.state.sidecar import decode_state, encode_state, write_manifest
+from resumable_stream.state.checkpoint import write_manifest
+from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.stream.mixture import draw_sources, source_counts
 from resumable_stream.testing import synthetic_rows
 

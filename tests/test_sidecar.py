@@ -10,7 +10,7 @@ from helpers import take_ids
 from safetensors import safe_open
 
 from resumable_stream import ResumableStream, SidecarError, StreamMismatchError
-from resumable_stream.state import sidecar as sc
+from resumable_stream.state import checkpoint as ckpt
 
 
 def _saved(cfg, source, tmp_path, n=150, world_size=1, rank=0, num_workers=0):
@@ -162,7 +162,7 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(cfg, source, tmp_path,
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(sc.os, "replace", boom)
+    monkeypatch.setattr(ckpt.os, "replace", boom)
     with pytest.raises(OSError):
         s.save_sidecar(path)
     monkeypatch.undo()
@@ -214,7 +214,7 @@ def test_directory_without_manifest_is_incomplete(cfg, source, tmp_path):
 def test_rank_file_changed_after_manifest_is_refused(cfg, source, tmp_path):
     s, path = _saved(cfg, source, tmp_path)
     take_ids(s, 5)
-    sc.write_state_file(path, s.state_dict())      # rewritten without a new manifest
+    ckpt.write_state_file(path, s.state_dict())      # rewritten without a new manifest
     fresh = ResumableStream(cfg, rank=0, world_size=1, source=source)
     with pytest.raises(SidecarError, match="manifest"):
         fresh.load_sidecar(tmp_path / "state")
@@ -240,7 +240,7 @@ def test_multi_rank_manifest(cfg, source, tmp_path):
         expected[rank] = take_ids(s, 20)
     with pytest.raises(SidecarError, match="manifest.json"):
         ResumableStream(cfg, rank=1, world_size=3, source=source).load_sidecar(state_dir.parent)
-    sc.write_manifest(str(state_dir), 3)
+    ckpt.write_manifest(str(state_dir), 3)
     for rank in range(3):
         r = ResumableStream(cfg, rank=rank, world_size=3, source=source)
         r.load_sidecar(state_dir.parent)
@@ -249,7 +249,7 @@ def test_multi_rank_manifest(cfg, source, tmp_path):
     with pytest.raises(SidecarError, match="missing"):
         ResumableStream(cfg, rank=2, world_size=3, source=source).load_sidecar(state_dir)
     with pytest.raises(SidecarError, match="rank-00002.safetensors missing"):
-        sc.write_manifest(str(state_dir), 3)
+        ckpt.write_manifest(str(state_dir), 3)
 
 
 @pytest.mark.parametrize(
@@ -311,7 +311,7 @@ def test_the_saved_dataset_index_has_its_own_size_limit(cfg, source, tmp_path, m
     s.save_sidecar(str(state))
     index, manifest = (state / "index.json").stat().st_size, (state / "manifest.json").stat().st_size
     assert index > manifest
-    monkeypatch.setattr(sc, "MAX_MANIFEST_BYTES", (index + manifest) // 2)
+    monkeypatch.setattr(ckpt, "MAX_MANIFEST_BYTES", (index + manifest) // 2)
     take_ids(s, 7)
     s.save_sidecar(str(state))                 # the next generation: its manifest names and digests the index
     assert (state / "index.g1.json").is_file()

@@ -18,6 +18,7 @@ from resumable_stream.app.cli import main
 from resumable_stream.errors import SourceError
 from resumable_stream.io import safe_files as safe_io
 from resumable_stream.sources import index as index_mod
+from resumable_stream.state import checkpoint as ckpt
 from resumable_stream.state import sidecar as sc
 
 DEEP = 100_000     # levels of nesting of the deep JSON documents
@@ -59,7 +60,7 @@ def _edit_manifest(state_dir, change):
 def _replace_index(state_dir, data: bytes):
     """index.json replaced by ``data``, the manifest's entry updated to match (only the index checks refuse it)."""
     (state_dir / "index.json").write_bytes(data)
-    _edit_manifest(state_dir, lambda m: m["index"].update(bytes=len(data), blake2b=sc._digest(data)))
+    _edit_manifest(state_dir, lambda m: m["index"].update(bytes=len(data), blake2b=ckpt._digest(data)))
 
 
 def _deep(levels=DEEP) -> str:
@@ -119,7 +120,7 @@ def test_numbers_in_a_manifest_are_bounded(ck, change, field, allowed):
     _, state_dir, _ = ck
     _edit_manifest(state_dir, change)
     with pytest.raises(SidecarError) as e:
-        sc.read_manifest(str(state_dir))
+        ckpt.read_manifest(str(state_dir))
     message = str(e.value)
     assert str(state_dir / "manifest.json") in message and f"field {field}" in message and allowed in message
 
@@ -187,7 +188,7 @@ def _wider_slots(tensors, meta):
 def test_numbers_in_a_sidecar_are_bounded(ck, edit, field, allowed):
     file = str(_rank_file(ck))
     with pytest.raises(SidecarError) as e:
-        sc.decode_state(resealed(open(file, "rb").read(), edit), file, fingerprint=sc.fingerprint_beside(file))
+        sc.decode_state(resealed(open(file, "rb").read(), edit), file, fingerprint=ckpt.fingerprint_beside(file))
     message = str(e.value)
     assert file in message and f"field {field}" in message and allowed in message, message
 

@@ -15,6 +15,7 @@ from safetensors.numpy import save as st_save
 
 from resumable_stream import ResumableStream, SidecarError
 from resumable_stream.app.cli import main
+from resumable_stream.state import checkpoint as ckpt
 from resumable_stream.state import sidecar as sc
 from resumable_stream.state.partition_state import Cursor
 
@@ -98,7 +99,7 @@ def test_a_sidecar_without_self_digest_loads_only_through_a_manifest(cfg, source
     old.write_bytes(_legacy(open(path, "rb").read()))
     with pytest.raises(SidecarError, match="no self-digest .* through its stream_state or checkpoint directory"):
         _stream(cfg, source).load_sidecar(str(old))
-    sc.write_manifest(str(state_dir), 1)   # what the previous version wrote next to it
+    ckpt.write_manifest(str(state_dir), 1)   # what the previous version wrote next to it
     resumed = _stream(cfg, source)
     resumed.load_sidecar(str(tmp_path))
     assert take_ids(resumed, 20) == expected
@@ -246,7 +247,7 @@ def test_inspect_reads_only_the_files_of_its_directory_and_checks_their_digests(
     capsys.readouterr()
     # another valid sidecar copied over the listed one: its own digest holds, the manifest's does not
     (state_dir / "rank-00000.safetensors").write_bytes((outside / "rank-00000.safetensors").read_bytes())
-    assert entry["blake2b"] != sc._digest((state_dir / "rank-00000.safetensors").read_bytes())
+    assert entry["blake2b"] != ckpt._digest((state_dir / "rank-00000.safetensors").read_bytes())
     assert main(["inspect", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert "rank-00000.safetensors" in err and "does not match its manifest entry" in err
@@ -264,7 +265,7 @@ def test_a_fifo_is_refused_without_blocking(cfg, source, tmp_path, capsys, what)
     assert main(["inspect", path]) == 2
     assert "not a regular file (a FIFO)" in capsys.readouterr().err
     with pytest.raises(SidecarError, match="FIFO"):
-        _stream(cfg, source).load_sidecar(path) if what != "bare" else sc.read_state_file(path)
+        _stream(cfg, source).load_sidecar(path) if what != "bare" else ckpt.read_state_file(path)
 
 
 # ------------------------------------------------------------------ file modes

@@ -22,7 +22,8 @@ from resumable_stream.config import formats as registry
 from resumable_stream.errors import SourceError
 from resumable_stream.sources import open_source
 from resumable_stream.sources.index import load_index, save_index
-from resumable_stream.state.sidecar import decode_state, encode_state, write_manifest
+from resumable_stream.state.checkpoint import write_manifest
+from resumable_stream.state.sidecar import decode_state, encode_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES, LINES = 4, 150          # 600 rows; shards of 64 lines: 3 per file (64, 64, 22), 12 in all

@@ -25,7 +25,7 @@ from resumable_stream.app.warmup import run_warmup
 from resumable_stream.cache import CachedSource
 from resumable_stream.sources import open_source
 from resumable_stream.sources import parquet_checks as row_group_check
-from resumable_stream.sources.index import row_group_layout
+from resumable_stream.sources.parquet_footer import row_group_layout
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]
 

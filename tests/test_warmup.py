@@ -15,7 +15,7 @@ from resumable_stream.app.cli import main
 from resumable_stream.app.warmup import plan_warmup, run_warmup
 from resumable_stream.cache import CachedSource
 from resumable_stream.sources import open_source
-from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.state.checkpoint import write_manifest
 from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
 from resumable_stream.app.cli import main
 from resumable_stream.errors import ConfigError, SourceError
 from resumable_stream.sources import open_source, tar_index
-from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.state.checkpoint import write_manifest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,9 +16,9 @@ from ..config.stream_config import StreamConfig
 from ..errors import ConfigError, ResumableStreamError, SidecarError
 from ..observe import metrics
 from ..observe.progress import partition_progress, progress_summary
+from ..state.checkpoint import checkpoint_dirs, latest_complete_checkpoint
+from ..state.names import MANIFEST, rank_file_name, rank_of_file_name
 from ..state.relocation import describe_files
-from ..state.run_dir import checkpoint_dirs, latest_complete_checkpoint
-from ..state.sidecar import MANIFEST, rank_file_name, rank_of_file_name
 
 
 def _show(value: Any) -> Any:
@@ -159,7 +159,7 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..dataset.job_source import saved_index_file
-    from ..state.sidecar import (
+    from ..state.checkpoint import (
         read_manifest,
         read_rank_state,
         read_state_file,

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..integrations.llamafactory import settings
-from ..integrations.transformers.checkpoints import TRAINER_STATE, latest_complete_checkpoint
+from ..state.checkpoint import TRAINER_STATE, latest_complete_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -203,7 +203,7 @@ class WarmupResult:
 
 def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
     """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
-    from ..state.sidecar import find_state_dir, read_manifest, read_state_file, resolve_rank_state
+    from ..state.checkpoint import find_state_dir, read_manifest, read_state_file, resolve_rank_state
 
     if os.path.isfile(state_path):
         topo = read_state_file(state_path)["topology"]

@@ -109,7 +109,7 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     """The furthest epoch any partition of the checkpoint at ``state_path`` has begun (every rank file read:
     O(partitions)); ``source``: of that source of a mixture (each source has its own epochs). None when it is a
     bare sidecar file."""
-    from ..state.sidecar import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
+    from ..state.checkpoint import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
 
     if os.path.isfile(state_path):
         return None

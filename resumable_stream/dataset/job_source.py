@@ -134,7 +134,8 @@ def saved_index_file(state_path: str, label: str | None = None) -> dict[str, Any
     """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
     checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too).
     ``label``: that of the mixture source ``label`` instead of the single dataset's."""
-    from ..state.sidecar import MANIFEST, read_source_index, read_state_index, state_dir_of
+    from ..state.checkpoint import read_source_index, read_state_index, state_dir_of
+    from ..state.names import MANIFEST
 
     state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
     if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):

@@ -47,7 +47,7 @@ MOVED = {
     'resumable_stream.relocation': 'resumable_stream.state.relocation',
     'resumable_stream.report': 'resumable_stream.app.report',
     'resumable_stream.row_group_check': 'resumable_stream.sources.parquet_checks',
-    'resumable_stream.run_dir': 'resumable_stream.state.run_dir',
+    'resumable_stream.run_dir': 'resumable_stream.state.checkpoint',
     'resumable_stream.safe_io': 'resumable_stream.io.safe_files',
     'resumable_stream.sidecar': 'resumable_stream.state.sidecar',
     'resumable_stream.sidecar_v1': 'resumable_stream.state.sidecar_v1',

@@ -20,13 +20,13 @@ from ..io.ranged import read_range
 from ..limits import is_int
 from ..observe.metrics import record_row_group
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
-from .index import (
+from .index import identity_of
+from .parquet_footer import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
     features_of,
     file_entry,
     footer_digest,
-    identity_of,
     split_footer,
 )
 from .parquet_rows import ParquetFiles, read_checked

@@ -30,7 +30,7 @@ from ..io.ranged import ObjectChanged, WrongBytes, read_range
 from ..observe.metrics import record_retry
 from ..runtime.arrow_pool import rows_pool
 from . import parquet_checks as row_group_check
-from .index import footer_digest, parse_footer, row_group_layout
+from .parquet_footer import footer_digest, parse_footer, row_group_layout
 from .parquet_local import cast_like_datasets, simple_schema
 
 log = logging.getLogger(__name__)

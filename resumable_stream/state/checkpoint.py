@@ -1,4 +1,8 @@
-"""A stream's state on disk: a sidecar file, or one save of a ``stream_state`` directory.
+"""The one checkpoint module: a stream's state on disk, a sidecar file or one save of a ``stream_state``
+directory, and a training run's checkpoints. Every integration (the Trainer, LLaMA-Factory, MindSpore), the
+CLI (``inspect``, ``peek``, ``warmup``) and the dataset's growth call it for directories, completeness,
+manifests and the saved index; nothing else reads a manifest. The bytes of a sidecar are
+:mod:`resumable_stream.state.sidecar`'s, the names of the files :mod:`resumable_stream.state.names`'.
 
 A directory save (what a checkpoint holds)::
 
@@ -16,44 +20,62 @@ earlier file instead of writing it again (a hard link; a copy where links are no
 Reading a directory checks every file against the manifest, and after a change of ranks or workers
 (``data.elastic``) gathers the partitions a rank reads now from the files of the ranks that read them.
 Streams only have ``state_dict`` / ``load_state_dict``; their ``save_sidecar`` / ``load_sidecar`` and the
-loader's and Trainer integration's saves come here. The file format is :mod:`resumable_stream.state.sidecar`.
+loader's and Trainer integration's saves come here.
+
+A run's ``output_dir`` holds ``checkpoint-N/`` directories; one is complete when it has the Trainer's
+``trainer_state.json`` and a ``stream_state/`` whose manifest loads (:func:`check_complete`,
+:func:`latest_complete_checkpoint`); a restart removes the newer ones a kill cut short (:func:`resume_latest`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
+import re
 import secrets
+import shutil
 from typing import Any
 
 from ..errors import SidecarError
-from ..io.safe_files import atomic_write
+from ..io.safe_files import FileRefused, JSONRefused, atomic_write, parse_json, read_regular_file
+from ..limits import (
+    MAX_GENERATION,
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_SIDECAR_BYTES,
+    MAX_WORLD_SIZE,
+    is_int,
+)
 from ..plan import partition_owner
 from ..sources.index import encode_index
-from .sidecar import (
-    find_state_dir,
-    fingerprint_bytes,
-    generation_of,
+from .fields import is_hex as _is_hex
+from .names import (
+    MANIFEST,
+    RANK_FILE,
+    SHARED_FILES,
+    SOURCE_INDEX_FILE,
+    STATE_DIR,
     rank_file_name,
-    read_manifest,
-    read_rank_state,
-    read_state_file,
-    read_state_fingerprint,
     shared_file_name,
     source_index_file_name,
-    write_manifest,
-    write_rank_file,
-    write_state_file,
+)
+from .sidecar import (
+    FORMAT,
+    FORMAT_VERSION,
+    READ_VERSIONS,
+    decode_state,
+    encode_state,
+    fingerprint_bytes,
+    read_header_metadata,
 )
 
+log = logging.getLogger(__name__)
 TOPOLOGY_KEYS = ("world_size", "num_workers", "num_partitions")
 
 # (what, blake2b of the bytes) -> (path, size, mtime_ns) of the last file this process wrote with them
 _written: dict[tuple[str, str], tuple[str, int, int]] = {}
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 # ------------------------------------------------------------------ saving
@@ -205,3 +227,357 @@ def load(stream: Any, path: str | os.PathLike) -> None:
     """Restore ``stream`` from a sidecar file, a stream_state directory or a checkpoint directory."""
     state, where = read(stream, path)
     stream.load_state_dict(state, where=where)
+
+
+# ------------------------------------------------------------------ files, manifests, directories
+def _source_index_files(state_dir: str, generation: int) -> dict[str, str]:
+    """label -> file name of the mixture source indexes of ``generation`` in ``state_dir``."""
+    out = {}
+    for name in _listdir(state_dir):
+        m = SOURCE_INDEX_FILE.match(name)
+        if m is not None and int(m.group(1) or 0) == generation:
+            out[m.group(2)] = name
+    return out
+
+
+def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
+    try:
+        return read_regular_file(path, max_bytes)
+    except FileNotFoundError:
+        raise SidecarError(f"{what} {path!r}: not found") from None
+    except FileRefused as e:
+        raise SidecarError(f"{what} {path!r}: refused: {e}") from None
+    except OSError as e:
+        raise SidecarError(f"{what} {path!r}: cannot be read ({e})") from None
+
+
+def write_state_file(path: str, state: dict[str, Any]) -> str:
+    atomic_write(path, encode_state(state))
+    return path
+
+
+def read_state_file(path: str) -> dict[str, Any]:
+    """A sidecar file, verified by its self-digest. A rank file that holds only the digest of its dataset
+    fingerprint takes the fingerprint from its stream_state directory (checked against the manifest there)."""
+    data = _read_bytes(path, "sidecar", MAX_SIDECAR_BYTES)
+    meta, _ = read_header_metadata(data, path)
+    shared = fingerprint_beside(path) if "fingerprint_digest" in meta else None
+    return decode_state(data, path, fingerprint=shared)
+
+
+def fingerprint_beside(path: str) -> tuple[dict[str, Any], str] | None:
+    """The fingerprint of the stream_state directory a rank file is in, if the manifest there lists it."""
+    state_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(os.path.join(state_dir, MANIFEST)):
+        return None
+    manifest = read_manifest(state_dir)
+    if os.path.basename(path) not in {e.get("file", name) for name, e in manifest["files"].items()}:
+        raise SidecarError(f"sidecar {path!r}: is not a file of the save its directory's {MANIFEST} describes (an "
+                           "older or unfinished save); load the directory")
+    return read_state_fingerprint(state_dir, manifest)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# A save into a directory that holds a state writes the next generation's rank files next to the current
+# ones, then replaces manifest.json (one atomic rename) with one that names them, then removes the old
+# files: a reader finds either the complete old or the complete new state, whenever the writer is killed.
+def generation_of(state_dir: str) -> int:
+    """The generation of the state in ``state_dir`` (-1: none, or its manifest does not load)."""
+    if not os.path.exists(os.path.join(state_dir, MANIFEST)):
+        return -1
+    try:
+        return read_manifest(state_dir).get("generation", 0)
+    except SidecarError:
+        return -1
+
+
+def write_rank_file(state_dir: str, rank: int, state: dict[str, Any], fingerprint_digest: str | None = None) -> str:
+    """This rank's sidecar for the next save into ``state_dir``; the save is complete once rank 0 wrote the
+    manifest (:func:`write_manifest`) after every rank wrote its file. With ``fingerprint_digest`` the file
+    holds only that digest: rank 0 writes the fingerprint once, as the generation's ``fingerprint.json``."""
+    path = os.path.join(state_dir, rank_file_name(rank, generation_of(state_dir) + 1))
+    atomic_write(path, encode_state(state, fingerprint_digest))
+    return path
+
+
+def write_manifest(state_dir: str, world_size: int) -> str:
+    """Rank 0, after every rank wrote its file: record them all. Missing files are an error. Without any
+    file of a new save, the current generation's manifest is written again."""
+    generation = current = generation_of(state_dir)
+    if current < 0 or any(os.path.lexists(os.path.join(state_dir, rank_file_name(r, current + 1)))
+                          for r in range(world_size)):
+        generation = current + 1
+    files = {}
+    for r in range(world_size):
+        name = rank_file_name(r, generation)
+        p = os.path.join(state_dir, name)
+        if not os.path.isfile(p):
+            raise SidecarError(f"stream state {state_dir!r}: {name} missing; cannot write the manifest")
+        data = _read_bytes(p, "sidecar", MAX_SIDECAR_BYTES)
+        files[rank_file_name(r)] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size,
+                "generation": generation, "files": files}
+    for what in SHARED_FILES:   # the dataset's index and fingerprint saved with this generation: verified before use
+        name = shared_file_name(what, generation)
+        shared = os.path.join(state_dir, name)
+        if os.path.isfile(shared):
+            data = _read_bytes(shared, f"dataset {what}", MAX_INDEX_BYTES)
+            manifest[what] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    indexes = {}
+    for label, name in sorted(_source_index_files(state_dir, generation).items()):   # a mixture's, per source
+        data = _read_bytes(os.path.join(state_dir, name), f"dataset index of source {label!r}", MAX_INDEX_BYTES)
+        indexes[label] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+    if indexes:
+        manifest["indexes"] = indexes
+    path = os.path.join(state_dir, MANIFEST)
+    atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    current = ({e["file"] for e in files.values()} | {shared_file_name(w, generation) for w in SHARED_FILES}
+               | {e["file"] for e in indexes.values()})
+    for name in _listdir(state_dir):   # the previous generation (and files of a save that was cut short)
+        if (RANK_FILE.match(name) or any(rx.match(name) for _, rx in SHARED_FILES.values())
+                or SOURCE_INDEX_FILE.match(name)) and name not in current:
+            try:
+                os.unlink(os.path.join(state_dir, name))
+            except OSError:
+                pass
+    return path
+
+
+def _check_manifest_entry(name: str, entry: Any, path: str) -> None:
+    ok = (isinstance(entry, dict) and is_int(entry.get("bytes"), 0, MAX_SIDECAR_BYTES)
+          and _is_hex(entry.get("blake2b"), 32))
+    if not ok:
+        raise SidecarError(f"manifest {path!r}: corrupt field files[{name!r}]: got {entry!r:.80}; allowed: a mapping "
+                           f"with bytes (an integer from 0 to {MAX_SIDECAR_BYTES}) and blake2b (32 hex digits)")
+    file = entry.get("file", name)
+    m = RANK_FILE.match(file) if isinstance(file, str) else None
+    if m is None or m.group(1) != RANK_FILE.match(name).group(1):   # confined to this directory
+        raise SidecarError(f"manifest {path!r}: corrupt field files[{name!r}].file: got {file!r:.80}; allowed: "
+                           f"a file name like {name} or {name[:10]}.gN.safetensors in the same directory")
+
+
+def read_manifest(state_dir: str) -> dict[str, Any]:
+    path = os.path.join(state_dir, MANIFEST)
+    if not os.path.lexists(path):
+        raise SidecarError(f"stream state {state_dir!r}: no {MANIFEST}; the checkpoint was not completely written "
+                           "and is not resumed from")
+    try:
+        manifest = parse_json(_read_bytes(path, "manifest", MAX_MANIFEST_BYTES))
+    except JSONRefused as e:
+        raise SidecarError(f"manifest {path!r}: corrupt ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest")
+    version = manifest.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:   # True and 2.0 are no version
+        raise SidecarError(f"manifest {path!r}: format version {version!r:.40}; this library reads versions "
+                           f"{', '.join(map(str, READ_VERSIONS))} (upgrade resumable-stream or resume with the "
+                           "version that wrote it)")
+    world_size, files = manifest.get("world_size"), manifest.get("files")
+    if not is_int(world_size, 1, MAX_WORLD_SIZE):
+        raise SidecarError(f"manifest {path!r}: corrupt field world_size: got {world_size!r:.80}; allowed: an "
+                           f"integer from 1 to {MAX_WORLD_SIZE}")
+    if not is_int(manifest.get("generation", 0), 0, MAX_GENERATION):
+        raise SidecarError(f"manifest {path!r}: corrupt field generation: got {manifest['generation']!r:.80}; "
+                           f"allowed: an integer from 0 to {MAX_GENERATION}")
+    # the entries are counted before the names of world_size ranks are made
+    if not isinstance(files, dict) or len(files) != world_size \
+            or set(files) != {rank_file_name(r) for r in range(world_size)}:
+        raise SidecarError(f"manifest {path!r}: corrupt field files: expected entries for "
+                           f"rank-00000 .. rank-{world_size - 1:05d} (world_size {world_size})")
+    for name, entry in files.items():
+        _check_manifest_entry(name, entry, path)
+    for what, (base, pattern) in SHARED_FILES.items():
+        entry = manifest.get(what)
+        if entry is not None and not (isinstance(entry, dict) and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
+                                      and _is_hex(entry.get("blake2b"), 32) and isinstance(entry.get("file"), str)
+                                      and pattern.match(entry["file"])):
+            raise SidecarError(f"manifest {path!r}: corrupt field {what}: got {entry!r:.80}; allowed: a mapping with "
+                               f"file ({base} or {base[:-5]}.gN.json in the same directory), bytes (an integer from "
+                               f"0 to {MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
+    indexes = manifest.get("indexes", {})
+    if not isinstance(indexes, dict):
+        raise SidecarError(f"manifest {path!r}: corrupt field indexes: got {indexes!r:.80}; allowed: a mapping of "
+                           "mixture source labels to their index files")
+    for label, entry in indexes.items():
+        m = isinstance(entry, dict) and isinstance(entry.get("file"), str) and SOURCE_INDEX_FILE.match(entry["file"])
+        if not (m and m.group(2) == label and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
+                and _is_hex(entry.get("blake2b"), 32)):
+            raise SidecarError(f"manifest {path!r}: corrupt field indexes[{label!r:.80}]: got {entry!r:.80}; allowed: "
+                               f"a mapping with file (index-<label>.json or index.gN-<label>.json of that label, in "
+                               f"the same directory), bytes (an integer from 0 to {MAX_INDEX_BYTES}) and blake2b "
+                               "(32 hex digits)")
+    return manifest
+
+
+def read_shared_file(state_dir: str, manifest: dict[str, Any], what: str) -> tuple[str, bytes] | None:
+    """(path, bytes) of the dataset ``index`` or ``fingerprint`` saved with the state in ``state_dir`` (None
+    without one), checked against the manifest's entry: a file the manifest does not list, or that differs
+    from its entry, is never used."""
+    return _read_listed(state_dir, manifest.get(what), f"dataset {what}")
+
+
+def _read_listed(state_dir: str, entry: dict[str, Any] | None, what: str) -> tuple[str, bytes] | None:
+    """(path, bytes) of the file a (checked) manifest entry names, if it matches the entry's size and digest."""
+    if entry is None:
+        return None
+    file = os.path.join(state_dir, entry["file"])
+    data = _read_bytes(file, what, MAX_INDEX_BYTES)
+    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
+        raise SidecarError(f"{what} {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    return file, data
+
+
+def read_state_fingerprint(state_dir: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """(fingerprint, digest) saved once for every rank file of ``state_dir`` (None: the files carry their own,
+    format versions 1 and 2)."""
+    saved = read_shared_file(state_dir, manifest, "fingerprint")
+    if saved is None:
+        return None
+    file, data = saved
+    try:
+        fingerprint = parse_json(data)
+    except JSONRefused as e:
+        raise SidecarError(f"dataset fingerprint {file!r}: corrupt ({e})") from None
+    if not isinstance(fingerprint, dict):
+        raise SidecarError(f"dataset fingerprint {file!r}: corrupt: got {type(fingerprint).__name__}; allowed: "
+                           "a mapping")
+    return fingerprint, _digest(data)
+
+
+def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
+    """The dataset index saved with the state in ``state_dir`` (None without one), checked against the
+    manifest's entry (:func:`read_shared_file`)."""
+    return read_shared_file(state_dir, read_manifest(state_dir), "index")
+
+
+def read_source_index(state_dir: str, label: str, manifest: dict[str, Any] | None = None) -> tuple[str, bytes] | None:
+    """The dataset index of mixture source ``label`` saved with the state in ``state_dir`` (None without one:
+    a single dataset's state, or a mixture's written before mixtures saved their indexes), checked against the
+    manifest's entry."""
+    manifest = read_manifest(state_dir) if manifest is None else manifest
+    return _read_listed(state_dir, manifest.get("indexes", {}).get(label), f"dataset index of source {label!r}")
+
+
+def state_dir_of(path: str) -> str | None:
+    """The stream_state directory at ``path``: itself, or ``path/stream_state``."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) or any(RANK_FILE.match(f) for f in _listdir(path)):
+        return path
+    sub = os.path.join(path, STATE_DIR)
+    if os.path.isdir(sub):
+        return sub
+    return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def find_state_dir(path: str) -> str:
+    """The stream_state directory of a stream_state dir or a checkpoint dir, or a clear error."""
+    if not os.path.isdir(path):
+        raise SidecarError(f"stream state {path!r}: not found")
+    state_dir = state_dir_of(path)
+    if state_dir is None:
+        raise SidecarError(f"stream state {path!r}: expected a rank-NNNNN.safetensors file, a stream_state directory "
+                           "or a checkpoint directory containing stream_state/")
+    return state_dir
+
+
+def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int,
+                    fingerprint: tuple[dict[str, Any], str] | None = None) -> tuple[dict[str, Any], str]:
+    """(state, file) of ``rank`` in a stream_state directory, checked against its manifest entry (read once,
+    so what is checked is what is decoded). ``fingerprint``: the directory's (:func:`read_state_fingerprint`,
+    read once by a caller that reads several ranks), read here when not given."""
+    entry = manifest["files"].get(rank_file_name(rank))
+    if entry is None:
+        raise SidecarError(f"stream state {state_dir!r}: written by {manifest['world_size']} ranks, has no file for "
+                           f"rank {rank}")
+    file = os.path.join(state_dir, entry.get("file", rank_file_name(rank)))
+    if not os.path.lexists(file):
+        raise SidecarError(f"sidecar {file!r}: listed in the manifest but missing")
+    data = _read_bytes(file, "sidecar", MAX_SIDECAR_BYTES)
+    if len(data) != entry["bytes"] or _digest(data) != entry["blake2b"]:
+        raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
+    if fingerprint is None:
+        fingerprint = read_state_fingerprint(state_dir, manifest)
+    return decode_state(data, file, verified=True, fingerprint=fingerprint), file
+
+
+def resolve_rank_state(path: str, rank: int) -> tuple[dict[str, Any], str]:
+    """A sidecar file, a stream_state directory or a checkpoint directory -> (state, file) of this rank."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return read_state_file(path), path
+    state_dir = find_state_dir(path)
+    return read_rank_state(state_dir, read_manifest(state_dir), rank)
+
+
+# ------------------------------------------------------------------ a training run's checkpoints
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+def checkpoint_step(path: str) -> int | None:
+    m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return sorted(found)
+
+
+def is_complete(checkpoint: str) -> bool:
+    """Complete = the Trainer's state and a stream-state manifest (written last) are both there."""
+    return (os.path.isfile(os.path.join(checkpoint, TRAINER_STATE))
+            and os.path.isfile(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        if is_complete(path):
+            return path
+    return None
+
+
+def check_complete(checkpoint: str) -> None:
+    if not os.path.isdir(checkpoint):
+        raise SidecarError(f"checkpoint {checkpoint!r}: not found")
+    if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
+        raise SidecarError(f"checkpoint {checkpoint!r}: no {TRAINER_STATE}; it was not completely written")
+    state_dir = os.path.join(checkpoint, STATE_DIR)
+    if not os.path.isdir(state_dir):
+        raise SidecarError(f"checkpoint {checkpoint!r}: no {STATE_DIR}/ with the data stream's state; it was not "
+                           "written by a resumable-stream trainer, so the data position cannot be restored exactly")
+    read_manifest(state_dir)   # raises when incomplete
+
+
+def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
+    """Delete checkpoints newer than ``keep`` that were cut short (rank 0, before training resumes)."""
+    keep_step = checkpoint_step(keep) if keep else -1
+    removed = []
+    for step, path in checkpoint_dirs(output_dir):
+        if step > keep_step and not is_complete(path):
+            log.warning("removing incomplete checkpoint %s (interrupted while it was written)", path)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def resume_latest(output_dir: str, is_main: bool, barrier) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (None: start afresh); rank 0 first removes the
+    newer ones a kill cut short, so that the run writes its next checkpoints into clean directories."""
+    latest = latest_complete_checkpoint(output_dir)
+    if is_main:
+        remove_incomplete_after(output_dir, latest)
+    barrier()
+    return latest

@@ -31,7 +31,7 @@ from legacy_states import (
     stream_config,
 )
 
-from resumable_stream.state.sidecar import write_manifest
+from resumable_stream.state.checkpoint import write_manifest
 from resumable_stream.stream.mixture import open_stream
 
 SAVED_AFTER_BATCHES = 7
