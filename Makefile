@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check resumable_stream tests examples benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# the fast lane: all but the slow tests (trainings in subprocesses, torchrun); see tests/lanes.py
+# the fast lane: all but the slow tests (trainings in subprocesses, torchrun); see tests/_support/lanes.py
 test-fast: $(VENV)/.installed
 	$(PY) -m ruff check resumable_stream tests examples benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider --fast

@@ -376,8 +376,8 @@ if __name__ == "__main__":
 
 
 def run_s3(main_p: dict, repeats: int = 3) -> dict:
-    """Ours' first sample over moto's S3 (tests/s3_server.py), with the requests the server saw."""
-    sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+    """Ours' first sample over moto's S3 (tests/_support/s3_server.py), with the requests the server saw."""
+    sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
     from s3_server import S3Server
 
     out: dict = {}

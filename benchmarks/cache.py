@@ -28,7 +28,7 @@ import time
 
 import _common  # (sets HF_DATASETS_CACHE before datasets is imported)
 
-sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
 
 BUFFER = 16384
 ROW_GROUP = 16384

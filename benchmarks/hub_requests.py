@@ -29,8 +29,8 @@ import textwrap
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.join(REPO_ROOT, "tests") not in sys.path:
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
+if os.path.join(REPO_ROOT, "tests", "_support") not in sys.path:
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "_support"))
 
 REPO = "bench/data"
 BUFFER = 100

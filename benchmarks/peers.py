@@ -31,7 +31,7 @@ Each measurement runs in a fresh process; the libraries are imported before the 
   and a gloo process group, each reading one epoch (ours: ``set_epoch(0)``; HF:
   ``split_dataset_by_node``; litdata and MosaicML: their own rank detection). Reported: rows per rank,
   rows seen once / more than once / never.
-* **S3**: the same three datasets uploaded to moto's S3 server on 127.0.0.1 (``tests/s3_server.py``);
+* **S3**: the same three datasets uploaded to moto's S3 server on 127.0.0.1 (``tests/_support/s3_server.py``);
   time to first sample from a cold local cache (ours: no block cache; litdata / MosaicML: an empty cache
   directory, which they need).
 
@@ -63,7 +63,7 @@ import _common  # noqa: E402,I001  (sets HF_DATASETS_CACHE before datasets is im
 import _peers_data as data
 import _peers_mem
 
-sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
 
 BUFFER = 16384
 SEED = 42

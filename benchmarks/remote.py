@@ -44,7 +44,7 @@ import time
 
 import _common  # (sets HF_DATASETS_CACHE before datasets is imported)
 
-sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
 
 BUFFER = 16384
 CONDITIONS = ((0.1, 100e6), (0.03, 20e6))      # (latency s, bandwidth bytes/s)
@@ -193,7 +193,7 @@ os._exit(0)
 
 
 def s3_first_sample(path: str, repeat: int, readers: tuple[str, ...] = ("ours", "hf_plain")) -> dict:
-    """Time to first sample over moto's S3 server (tests/s3_server.py, authentication on) on 127.0.0.1, each
+    """Time to first sample over moto's S3 server (tests/_support/s3_server.py, authentication on) on 127.0.0.1, each
     reader in a fresh process (imports excluded), best of ``repeat``; the requests of the best run by kind."""
     from collections import Counter
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Resuming inside a WebDataset tar: time to the first resumed sample and bytes read, ours vs datasets.
 
-A ~200 MB tar (random-noise PNG + txt members) served by the loopback server (``tests/http_server.py``) with
+A ~200 MB tar (random-noise PNG + txt members) served by the loopback server (``tests/_support/http_server.py``) with
 50 ms of latency per request. A stream positioned after ~80% of the tar resumes:
 
 * ours: the tar index saved with the state (no resolving, no re-indexing), the window around the position
@@ -28,7 +28,7 @@ import time
 
 import _common  # noqa: F401  (sets HF_DATASETS_CACHE before datasets is imported)
 
-sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests"))
+sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
 
 SIDE = 256                 # a 256x256 noise PNG is ~197 KB
 

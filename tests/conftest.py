@@ -1,10 +1,13 @@
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_support"))   # servers, scripts, data builders
 
 # Keep datasets' caches inside a temp dir and never reach the hub from tests.
 _CACHE = tempfile.mkdtemp(prefix="rs-hf-cache-")
@@ -130,7 +133,7 @@ def pytest_runtest_makereport(item, call):
 
 
 # ------------------------------------------------------------------------------- the fast lane (make test-fast)
-# tests/lanes.py says what is slow and how the fast lane is kept fast.
+# tests/_support/lanes.py says what is slow and how the fast lane is kept fast.
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true", help="the fast lane: leave out tests marked slow (training "
                      f"subprocesses, torchrun); report the costliest tests over {lanes.FAST_LANE_CPU_BUDGET_S:.0f} s "

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from repo_paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 
 @pytest.mark.slow

@@ -19,13 +19,14 @@ import shlex
 
 import pytest
 import yaml
+from repo_paths import REPO_ROOT
 
 from resumable_stream.app.cli import build_parser
 from resumable_stream.config.stream_config import StreamConfig
 from resumable_stream.config.trainer import TrainerConfig
 from resumable_stream.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 DOCS = os.path.join(ROOT, "docs")
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(DOCS) if f.endswith(".md"))
 README_LIMIT_BYTES = 12 * 1024

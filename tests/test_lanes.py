@@ -1,6 +1,6 @@
 """The test lanes themselves: a test not marked slow cannot start a training, tests using ``procs`` are slow
 and never in the fast lane, and the fast lane's CPU budget is reported, failing the session only when a developer
-opts in with RS_FAST_LANE_BUDGET_STRICT=1 (tests/lanes.py, conftest.py)."""
+opts in with RS_FAST_LANE_BUDGET_STRICT=1 (tests/_support/lanes.py, conftest.py)."""
 
 import os
 import subprocess
@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import lanes
 import pytest
+from repo_paths import TESTS_DIR
 from training_helpers import DATA_PARALLEL_TRAIN, PAUSED_TRAIN, SLOW_MANIFEST_TRAIN, TRAIN_LM, TRAIN_VL
 
 
@@ -63,7 +64,7 @@ def test_the_budget_names_the_costliest_tests():
 
 def _conftest(config):
     """This directory's conftest.py, as pytest loaded it (its hooks run at the end of every session)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+    path = os.path.join(TESTS_DIR, "conftest.py")
     return next(p for p in config.pluginmanager.get_plugins() if getattr(p, "__file__", None) == path)
 
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 from helpers import parquet_config
+from repo_paths import REPO_ROOT
 
 from resumable_stream import ResumableStream
 from resumable_stream.loader import StreamLoader
@@ -98,7 +99,7 @@ def _packing_loader(directory, num_workers):
     from resumable_stream import StreamConfig
     from resumable_stream.transforms import TextProcessor, TransformConfig, collate
 
-    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "examples", "tiny",
+    tok = AutoTokenizer.from_pretrained(os.path.join(REPO_ROOT, "examples", "tiny",
                                                      "tokenizer"))
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(directory, "*.parquet"),
                        shuffle=True, buffer_size=16, num_partitions=2)
@@ -208,7 +209,7 @@ def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     script = os.path.join(root, "examples", "torch_loop.py")
     with open(script, encoding="utf-8") as f:
         code = f.read()

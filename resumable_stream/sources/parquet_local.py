@@ -19,7 +19,7 @@ everything else (then ``datasets`` does it, as before):
 * :func:`cast_like_datasets`: ``datasets.table.table_cast`` for a table whose columns already have the
   target's names and types (in any order); None when a real cast is needed.
 
-``tests/test_local_parquet.py`` compares each with ``datasets`` itself on the same inputs.
+``tests/sources/test_local_parquet.py`` compares each with ``datasets`` itself on the same inputs.
 """
 
 from __future__ import annotations

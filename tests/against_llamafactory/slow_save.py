@@ -1,5 +1,5 @@
 """``python -m resumable_stream llamafactory train`` with a pause before each checkpoint's manifest, for the
-kill-in-the-middle-of-a-save test (tests/slow_manifest_train.py does the same for ``resumable-stream train``).
+kill-in-the-middle-of-a-save test (tests/_support/slow_manifest_train.py does the same for ``resumable-stream train``).
 
     python tests/against_llamafactory/slow_save.py CONFIG
 """
@@ -7,7 +7,7 @@ kill-in-the-middle-of-a-save test (tests/slow_manifest_train.py does the same fo
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_support"))   # tests/
 
 from slow_manifest_train import slow  # noqa: E402
 

@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def torch_side(torch_python, tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), ms_helpers.ROOT])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "_support"), ms_helpers.ROOT])}
     done = subprocess.run([torch_python, os.path.join(HERE, "torch_side.py"), str(out), *map(str, args)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

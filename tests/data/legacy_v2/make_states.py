@@ -8,7 +8,7 @@ shard ids then the row ids of a window).
 Over the datasets of ``tests/data/legacy_v1/data`` (the same files):
 
 * ``stream/stream_state``, ``mixture/stream_state``: checkpoints of a shuffled stream and of a 2-source
-  mixture, 2 ranks x 4 partitions, read by a StreamLoader with a carrying transform (tests/legacy_states.py),
+  mixture, 2 ranks x 4 partitions, read by a StreamLoader with a carrying transform (tests/_support/legacy_states.py),
   saved after 7 batches per rank;
 * ``stream.safetensors``, ``mixture.safetensors``: a bare stream's sidecar file (1 rank, 4 partitions) after
   17 samples;
