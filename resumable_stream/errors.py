@@ -41,6 +41,12 @@ class SourceError(ResumableStreamError):
     """The dataset could not be opened or read (missing files, unreadable data)."""
 
 
+class IncompleteFileError(SourceError):
+    """A data file that is not complete (yet): a tar without its end-of-archive blocks or cut inside a member
+    or header, a parquet file without its footer. A growing dataset (``data.growth``) leaves such a file out
+    and lists it again at its next refresh or resume; elsewhere it is the SourceError it is."""
+
+
 class SidecarError(ResumableStreamError):
     """A stream-state sidecar is missing, corrupt, truncated or incomplete."""
 

@@ -6,7 +6,9 @@ shard ids of the old ones never change), and ``growth.generations``: ``{"from_ep
 ``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
 checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``follow_wait`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
 from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
-epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. The checkpoint
+epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. A file not complete
+yet (a tar without its end-of-archive blocks, a parquet file without its footer: still being written) is not
+added; it is listed again at the next refresh or resume. The checkpoint
 saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
 """
 
@@ -206,6 +208,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
         explicit_urls,
         file_identity,
         hub_identities,
+        index_entry,
         remote_targets,
         resolve_split,
     )
@@ -260,8 +263,12 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
     new_known = hub_identities(added, retry)
     new_known.update(listed_identities(added, retry.storage_options))
     footers: dict[str, bytes] = {}
-    entries = map_files(lambda f: reader.index_file(f, retry, new_known.get(f) or file_identity(f, retry), footers),
-                        added)
+    entries = map_files(lambda f: index_entry(reader, f, retry, new_known.get(f) or file_identity(f, retry), footers,
+                                              growing=True), added)
+    # a file not complete yet (still being written) is not added: it is listed again at the next refresh
+    added, entries = [f for f, e in zip(added, entries) if e is not None], [e for e in entries if e is not None]
+    if not added and not removed:
+        return with_generations(index, gens)
     for f, entry in zip(added, entries):
         # as build_index infers them (a parquet footer's schema; a tar's first samples)
         features = reader.infer_features(cfg, entry, footers.get(f), retry)

@@ -219,6 +219,12 @@ class IndexedReader:
         metadata read that readers may reuse (checked against the entry when they do)."""
         raise NotImplementedError
 
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        """``index_file`` for a growing dataset (``data.growth``): a file not complete yet (still being written)
+        raises IncompleteFileError, and the dataset lists it again later. By default ``index_file``."""
+        return self.index_file(path, retry, identity, footers)
+
     def features(self, path: str, footer: bytes | None) -> dict:
         """The features of the data when ``datasets`` gives none (``Features.to_dict()`` form)."""
         raise SourceError(f"data file {path!r}: its features are unknown")

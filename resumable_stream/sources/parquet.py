@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..config.stream_config import StreamConfig
-from ..errors import SourceError, StreamMismatchError
+from ..errors import IncompleteFileError, SourceError, StreamMismatchError
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..limits import is_int
@@ -35,11 +35,17 @@ from .resolve import dataset_fingerprint
 
 def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None, identity: dict | None = None) -> bytes:
     """The footer of a parquet file of ``size`` bytes (and ``identity``, checked on every answer): one ranged
-    read of its tail (two when the footer is bigger than FOOTER_TAIL_BYTES)."""
+    read of its tail (two when the footer is bigger than FOOTER_TAIL_BYTES). A file that begins as parquet
+    does (or is shorter than that) but does not end with its magic has no footer yet: IncompleteFileError."""
     options = retry.storage_options if retry else {}
 
     def fetch() -> bytes:
         tail = read_range(path, max(0, size - FOOTER_TAIL_BYTES), size, options, identity)
+        if tail[-4:] != b"PAR1":        # a parquet writer writes the magic first and again after the footer, last
+            head = tail if len(tail) == size else read_range(path, 0, 4, options, identity)
+            if b"PAR1".startswith(head[:4]):
+                raise IncompleteFileError(f"data file {path!r}: not a complete parquet file (its {size} bytes "
+                                          "begin as parquet but do not end with its footer and PAR1 magic)")
         length = split_footer(tail, size, path)
         if length > len(tail):
             tail = read_range(path, size - length, size - len(tail), options, identity) + tail

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 from ..config import formats as registry
 from ..config.stream_config import StreamConfig
-from ..errors import ConfigError, SourceError, StreamMismatchError
+from ..errors import ConfigError, IncompleteFileError, SourceError, StreamMismatchError
 from ..io.hub import (
     commit_sha,
     file_identities,
@@ -41,10 +42,12 @@ from ..io.net import (
     protocol_options,
     remote_answer,
 )
-from ..io.ranged import listed_identities
+from ..io.ranged import ObjectChanged, listed_identities
 from ..runtime.threads import map_files
 from .index import changed_files, describe_changes, make_index
 from .parquet_local import resolve_local_parquet
+
+log = logging.getLogger(__name__)
 
 # Raw file metadata read to build an index (parquet footers) is kept, and broadcast to the other ranks, up to
 # this many bytes in all; beyond, each process reads the footers of the files it reads, as they come.
@@ -310,16 +313,39 @@ def resolve_split(cfg: StreamConfig, path: str, data_files, targets: list[str], 
     return Resolved(files, fmt, builder)
 
 
+def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, footers: dict[str, bytes],
+                growing: bool) -> dict | None:
+    """``reader``'s index entry of ``path``. ``growing`` (data.growth): None, logged, for a file not complete
+    yet (still being written: IncompleteFileError, or it changed while read), which the dataset lists again at
+    its next refresh or resume."""
+    if not growing:
+        return reader.index_file(path, retry, identity, footers)
+    try:
+        return reader.index_complete(path, retry, identity, footers)
+    except (IncompleteFileError, ObjectChanged) as e:
+        log.warning("data.growth: %s; the file is left out until it is complete (tried again at the next "
+                    "refresh or resume)", e)
+        return None
+
+
 def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str], features, retry: RetryPolicy | None,
                 progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the
-    reader's, from the first file). ``footers``: filled with what the reader read that it may reuse."""
+    reader's, from the first file). ``footers``: filled with what the reader read that it may reuse. A growing
+    dataset leaves out the files not complete yet (``index_entry``)."""
     reader = fmt.load()
     known = hub_identities(files, retry)
     known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
     read: dict[str, bytes] = {}
-    entries = map_files(lambda f: reader.index_file(f, retry, known.get(f) or file_identity(f, retry), read),
-                        files, progress)
+    growing = cfg.growth != "off"
+    entries = map_files(lambda f: index_entry(reader, f, retry, known.get(f) or file_identity(f, retry), read,
+                                              growing), files, progress)
+    if growing:
+        if files and not any(entries):
+            raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "
+                              f"{files[0]!r}); start the job once one is")
+        files = [f for f, e in zip(files, entries) if e is not None]
+        entries = [e for e in entries if e is not None]
     if features is None:
         features = reader.infer_features(cfg, entries[0], read.get(files[0]), retry)
     if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:

@@ -8,8 +8,11 @@ data is what a reader checks again, so a tar whose layout changed is noticed bef
 
 Member names are only ever strings here: a key of ``../x`` or ``/etc/x`` is never a path.
 Headers are parsed by ``tarfile`` over a reader that refuses any single read larger than
-``MAX_HEADER_READ`` (a forged extended header cannot make us allocate its claimed size) and only moves
-forward (one pass; a remote tar is fetched in ``SCAN_CHUNK`` ranged reads, chunks holding no header skipped).
+``MAX_HEADER_READ`` (a forged extended header cannot make us allocate its claimed size, nor feed tarfile's
+pax parser, quadratic on some Pythons, more than it parses quickly) and only moves forward (one pass; a
+remote tar is fetched in ``SCAN_CHUNK`` ranged reads, chunks holding no header skipped); a header whose size
+would not move the scan forward is refused. A sparse member (``tar --sparse``) is indexed with the bytes
+the tar stores of it and marked ``SPARSE``: a bad sample, never read.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ import tarfile
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import IncompleteFileError, SourceError
 from ..limits import is_int
 
 BLOCK = tarfile.BLOCKSIZE
-# The longest extended header (pax records, a GNU long name) we read: real ones are a few hundred bytes.
-MAX_HEADER_READ = 1 << 20
+# The longest extended header (pax records, a GNU long name) we read: real ones are a few hundred bytes, a
+# name of PATH_MAX (4096) fits. tarfile's pax parser is quadratic before CPython 3.11.10 / 3.12.6: on 3.11.7 a
+# forged 8 KiB header takes 0.1-0.2 s (0.4 s after a global header naming GNU.sparse.size), 256 KiB 111 s
+# (docs/webdataset.md has the measurement).
+MAX_HEADER_READ = 8 << 10
+# The mark of a sparse member in the index (a fourth field): its stored bytes are not its content.
+SPARSE = "sparse"
 # Bytes per ranged read while scanning a remote tar.
 SCAN_CHUNK = 8 << 20
 # A shard is a run of consecutive samples of one tar, cut at whichever comes first: a read unit like a
@@ -57,6 +65,7 @@ class _Forward(io.RawIOBase):
         super().__init__()
         self.path, self.size, self._fetch, self._chunk = path, size, fetch, chunk
         self._pos, self._lo, self._data = 0, 0, b""
+        self.ended = False        # a read came up short: the file ends before what tarfile asked for
 
     def readable(self) -> bool:
         return True
@@ -89,6 +98,7 @@ class _Forward(io.RawIOBase):
             out += piece
             self._pos += len(piece)
             n -= len(piece)
+        self.ended = self.ended or n > 0
         return out
 
     def readinto(self, buffer) -> int:
@@ -97,38 +107,66 @@ class _Forward(io.RawIOBase):
         return len(data)
 
 
-def scan_tar(path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int = SCAN_CHUNK) -> list[list]:
+def scan_tar(path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int = SCAN_CHUNK,
+             whole: bool = False) -> list[list]:
     """The samples of the tar at ``path`` of ``size`` bytes: ``[key, [[suffix, data offset, size], ...]]`` in
-    file order. Raises SourceError naming the file for a malformed or compressed tar, or a duplicate member."""
+    file order (a sparse member: ``[suffix, data offset, bytes stored, SPARSE]``). Raises SourceError naming the
+    file for a malformed or compressed tar, or a duplicate member. A tar cut short inside a member gives the
+    samples up to that one (its size runs past the end: a bad sample). ``whole``: a tar that is not complete
+    (cut inside a member or a header, or without its two end-of-archive blocks: still being written) raises
+    IncompleteFileError instead."""
     reader = _Forward(path, size, fetch, chunk)
     samples: list[list] = []
+
+    def incomplete(why: str) -> IncompleteFileError:
+        return IncompleteFileError(f"data file {path!r}: not a complete tar ({why}; a tar being written is "
+                                   "complete once it ends with two zero blocks)")
+
     try:
         tar = tarfile.open(fileobj=reader, mode="r:")        # "r:": uncompressed only (ranged reads need it)
         for info in tar:
             tar.members = []                                 # one pass: keep nothing of what tarfile saw
+            # tar.offset: where tarfile reads the next header; behind the data (a negative size) it reads the
+            # same headers again, for ever
+            if info.size < 0 or tar.offset < info.offset_data:
+                raise SourceError(f"data file {path!r}: malformed tar header at byte {info.offset} (a member of "
+                                  f"{info.size} bytes, the next header at byte {tar.offset}; allowed: a size "
+                                  "of 0 or more, the next header after the member's data)")
+            # a sparse member's size is the file's, holes included; the tar stores less: up to the next header
+            stored = tar.offset - info.offset_data if info.issparse() else info.size
+            if whole and tar.offset > size:
+                raise incomplete(f"member {info.name[:200]!r} is cut short by the end of the file at byte {size}")
+            cut = info.offset_data + stored > size
             if not info.isreg() or info.name.rsplit("/", 1)[-1].startswith((".", "__")):
                 continue
             key, suffix = base_plus_ext(info.name)
             if key is None:
                 continue
+            member = [suffix, info.offset_data, stored, *([SPARSE] if info.issparse() else [])]
             if samples and samples[-1][0] == key:
                 if any(m[0] == suffix for m in samples[-1][1]):
                     raise SourceError(f"data file {path!r}: member {info.name!r} appears twice in sample {key!r} "
                                       "(datasets' webdataset builder refuses it too)")
-                samples[-1][1].append([suffix, info.offset_data, info.size])
+                samples[-1][1].append(member)
             else:
-                samples.append([key, [[suffix, info.offset_data, info.size]]])
-            if info.offset_data + info.size > size:
+                samples.append([key, [member]])
+            if cut:
                 return samples                               # a truncated last member: nothing after it
         # tarfile ends an archive quietly at a header it cannot parse: only zero blocks (or nothing) may follow
-        if tar.offset < size:
-            reader.seek(tar.offset)
-            if reader.read(BLOCK).strip(b"\0"):
-                raise SourceError(f"data file {path!r}: malformed tar header at byte {tar.offset} (not a tar "
-                                  "header, and not the end of the archive)")
+        reader.seek(tar.offset)
+        last = reader.read(BLOCK)
+        if last.strip(b"\0"):
+            if whole and reader.ended:
+                raise incomplete(f"it ends inside a header at byte {tar.offset}")
+            raise SourceError(f"data file {path!r}: malformed tar header at byte {tar.offset} (not a tar "
+                              "header, and not the end of the archive)")
+        if whole and last + reader.read(BLOCK) != bytes(2 * BLOCK):
+            raise incomplete(f"no end-of-archive blocks after its last member, at byte {tar.offset}")
     except SourceError:
         raise
-    except (tarfile.TarError, EOFError, ValueError, UnicodeError) as e:
+    except (tarfile.TarError, EOFError, ValueError, UnicodeError, RecursionError) as e:
+        if whole and reader.ended:
+            raise incomplete(f"it ends at byte {size}, inside a header or a member") from None
         if not samples and isinstance(e, tarfile.ReadError) and reader.tell() <= BLOCK:
             raise SourceError(f"data file {path!r}: not an uncompressed tar ({e}); WebDataset shards are read "
                               "by byte ranges, so .tar.gz and other compressed archives are not indexed") from None
@@ -173,9 +211,11 @@ def entry_problem(entry: Any) -> str | None:
                 and isinstance(sample[1], list) and sample[1]):
             return "a sample is not [key, members]"
         for m in sample[1]:
-            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and is_int(m[1], BLOCK)
+            if not (isinstance(m, list) and (len(m) == 3 or len(m) == 4 and m[3] == SPARSE)
+                    and isinstance(m[0], str) and is_int(m[1], BLOCK)
                     and is_int(m[2], 0) and m[1] >= last + BLOCK and m[1] <= entry["size"]):
-                return f"a member of sample {sample[0][:80]!r} is not [suffix, offset, size] rising in the file"
+                return (f"a member of sample {sample[0][:80]!r} is not [suffix, offset, size] (or [..., "
+                        f"{SPARSE!r}]) rising in the file")
             last = m[1] + m[2]
     shards = entry["shards"]
     if entry["samples"] and not (shards and shards[0] == 0 and all(is_int(s) for s in shards)

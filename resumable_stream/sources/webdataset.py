@@ -8,7 +8,7 @@ data is used. The samples are made by ``datasets``' own webdataset builder code 
 compressed members), then filled and wrapped as its ``_generate_examples`` does and encoded with the
 dataset's features, so they come out as ``load_dataset("webdataset", ..., streaming=True)`` gives them.
 
-A bad sample (a member over the limit, cut short by the end of the tar, or that its decoder refuses) comes
+A bad sample (a member over the limit, cut short by the end of the tar, sparse, or that its decoder refuses) comes
 out with every member column None (``__key__`` and ``__url__`` kept) and the column ``__bad_sample__``
 (:data:`~resumable_stream.errors.BAD_SAMPLE_COLUMN`; None in a good row) saying why, naming the tar, the key
 and the member: the row count of a shard never changes, and the transform's ``data.bad_sample`` skips the row
@@ -51,8 +51,9 @@ def _builder():
 
 
 # ------------------------------------------------------------------------------ index
-def index_file(path: str, retry: RetryPolicy | None, identity: dict) -> dict:
-    """One tar's index entry: its ``identity`` and one pass over it."""
+def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool = False) -> dict:
+    """One tar's index entry: its ``identity`` and one pass over it; ``whole``: IncompleteFileError for a tar
+    not complete yet (``tar_index.scan_tar``)."""
     if not isinstance(identity.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a tar needs one to be indexed")
     options = retry.storage_options if retry else {}
@@ -63,7 +64,7 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict) -> dict:
             return retry.call(lambda: read_range(path, start, end, options, identity), what, [path])
         return read_range(path, start, end, options, identity)
 
-    return tar_index.tar_entry(identity, tar_index.scan_tar(path, identity["size"], fetch))
+    return tar_index.tar_entry(identity, tar_index.scan_tar(path, identity["size"], fetch, whole=whole))
 
 
 def infer_features(entry: dict, retry: RetryPolicy | None, max_member_bytes: int):
@@ -102,13 +103,17 @@ def infer_features(entry: dict, retry: RetryPolicy | None, max_member_bytes: int
 
 def check_local(entry: dict, retry: RetryPolicy | None) -> str:
     """A local tar against its entry at no network cost: the header before the first member of each shard
-    (and of the last sample). ``entry['layout']`` when they match, else what differs."""
+    (and of the last sample; a sparse member's is not checked: it is never read). ``entry['layout']`` when
+    they match, else what differs."""
     path = entry["path"]
     picks = sorted({*entry["shards"], len(entry["samples"]) - 1} - {-1})
     try:
         with open(path, "rb") as f:
             for i in picks:
-                _, offset, size = entry["samples"][i][1][0]
+                member = next((m for m in entry["samples"][i][1] if len(m) == 3), None)
+                if member is None:
+                    continue
+                _, offset, size = member
                 f.seek(offset - tar_index.BLOCK)
                 problem = tar_index.header_problem(f.read(tar_index.BLOCK), size)
                 if problem is not None:
@@ -127,12 +132,12 @@ class _Reader:
 
     def spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Byte ranges covering samples [lo, hi): each member's header and data, coalesced; a member over the
-        limit (never fetched) cuts the range."""
+        limit or sparse (never fetched) cuts the range."""
         out: list[list[int]] = []
         size = self.entry["size"]
         for _, members in self.entry["samples"][lo:hi]:
-            for _, offset, n in members:
-                if n > self.max_bytes:
+            for _, offset, n, *sparse in members:
+                if n > self.max_bytes or sparse:
                     out.append([])
                     continue
                 start, end = offset - tar_index.BLOCK, min(offset + n, size)
@@ -153,9 +158,12 @@ class _Reader:
         size = self.entry["size"]
         for key, members in self.entry["samples"][lo:hi]:
             items, why = [], None
-            for suffix, offset, n in members:
+            for suffix, offset, n, *sparse in members:
                 ext = suffix.rsplit(".", 1)[-1].lower()
-                if n > self.max_bytes:
+                if sparse:
+                    why = (f"member .{suffix} is a sparse file (tar --sparse): the tar holds its data without its "
+                           "holes, and sparse members are not read")
+                elif n > self.max_bytes:
                     why = f"member .{suffix} of {n} bytes is over data.max_member_bytes ({self.max_bytes})"
                 elif offset + n > size:
                     why = f"member .{suffix} is cut short by the end of the tar ({size - offset} of {n} bytes)"
@@ -199,8 +207,8 @@ class _Reader:
     def _header_problem(self, data: bytes, start: int, lo: int, hi: int) -> str | None:
         end = start + len(data)
         for key, members in self.entry["samples"][lo:hi]:
-            for suffix, offset, n in members:
-                if start <= offset - tar_index.BLOCK and offset <= end:
+            for suffix, offset, n, *sparse in members:
+                if not sparse and start <= offset - tar_index.BLOCK and offset <= end:
                     block = data[offset - tar_index.BLOCK - start:offset - start]
                     problem = tar_index.header_problem(block, n)
                     if problem is not None:
@@ -360,6 +368,10 @@ class WebDatasetReader(IndexedReader):
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
                    footers: dict[str, bytes] | None = None) -> dict:
         return index_file(path, retry, identity)
+
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        return index_file(path, retry, identity, whole=True)
 
     def infer_features(self, cfg, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(entry, retry, cfg.max_member_bytes)
