@@ -265,9 +265,10 @@ def check_command(argv: list[str]) -> None:
         _parse_cli(args)
         for a in args:
             _check_config_file(a)
-    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.integrations.llamafactory ARGS
+    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.llamafactory ARGS
         module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2:]
-        assert module == "resumable_stream.integrations.llamafactory", f"unknown module {module}"
+        # the documented command; its module is resumable_stream.integrations.llamafactory (runtime/moved_modules.py)
+        assert module == "resumable_stream.llamafactory", f"unknown module {module}"
         _parse_cli(["llamafactory", *rest])
         for a in rest:
             _check_config_file(a)

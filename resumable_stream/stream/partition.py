@@ -250,7 +250,7 @@ class PartitionReader:
         """``epoch_rows(epoch)``: the partition's rows in an epoch, for the published progress (default: counted
         from the layout, O(shards) each window; the stream passes its count made once per epoch)."""
         self.source, self.layout, self.partition = source, layout, partition
-        self._count_rows = epoch_rows or (lambda epoch: self.layout.partition_rows(epoch, self.partition))
+        self._epoch_rows = epoch_rows       # picklable (a spawned DataLoader worker gets a copy): no lambda
         self._window: Window | None = None
         self._open: dict[int, _OpenShard] = {}   # shards left open by the last window, by position
         self._hashed: tuple[Window, int, Any] | None = None   # (window, rows hashed, running hash of them)
@@ -280,7 +280,12 @@ class PartitionReader:
     def offset(self, value: int) -> None:
         self._live = None
         self._offset = value
-        self.progress = Progress(self._start, value, epoch_rows=self._count_rows(self._start.epoch))
+        self.progress = Progress(self._start, value, epoch_rows=self._rows_in(self._start.epoch))
+
+    def _rows_in(self, epoch: int) -> int | None:
+        if self._epoch_rows is not None:
+            return self._epoch_rows(epoch)
+        return self.layout.partition_rows(epoch, self.partition)
 
     # ``progress`` is the one attribute other threads may read (docs/architecture.md, "One owner per cursor"):
     # replaced whole, never changed in place, by the thread that consumes (the setters above and ``consume``).
@@ -295,7 +300,7 @@ class PartitionReader:
             next(islice(it, start, start), None)      # skip the rows already consumed
         self._offset = start
         self._live, self._live_rows = it, rows
-        self.progress = Progress(self._start, start, rows, it, self._count_rows(self._start.epoch))
+        self.progress = Progress(self._start, start, rows, it, self._rows_in(self._start.epoch))
         return it
 
     def set_cursor(self, cursor: Cursor) -> None:

@@ -7,6 +7,7 @@ and a partition's state is its reader's cursor plus the digests that check a res
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
@@ -85,7 +86,7 @@ class ResumableStream(StreamBase):
                         -(-num_partitions // consumers), num_partitions // consumers)
         self._rows_of: dict[int, tuple[int, int | None]] = {}   # partition -> (epoch, its rows in that epoch)
         self._readers = {p: PartitionReader(self.source, self.layout, p,
-                                            epoch_rows=lambda epoch, p=p: self._epoch_rows(epoch, p))
+                                            epoch_rows=functools.partial(self._epoch_rows, partition=p))
                          for p in self.partitions}
         self._expect: dict[int, str] = {}   # partition -> digest its next sample must have (after a load)
 

@@ -14,6 +14,7 @@ import textwrap
 import pyarrow.parquet as pq
 import pytest
 from http_server import FileServer
+from repo_paths import REPO_ROOT
 from training_helpers import free_port
 
 from resumable_stream import ConfigError, SidecarError, StreamConfig, StreamMismatchError
@@ -341,7 +342,7 @@ def test_trainer_restart_of_a_mixture_reuses_the_indexes_saved_with_its_checkpoi
     from resumable_stream.app.train import build_trainer, resolve_resume
     from resumable_stream.config.trainer import TrainerConfig
 
-    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny")
+    tiny = os.path.join(REPO_ROOT, "examples", "tiny")
     names = {"lm": "data", "notes": "data_notes"}
     files = {label: sorted(f for f in os.listdir(os.path.join(tiny, d)) if f.endswith(".parquet"))
              for label, d in names.items()}
