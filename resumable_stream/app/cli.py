@@ -57,11 +57,18 @@ def _print_stats(before: dict[str, float], samples: int | None, cache: dict | No
     print(json.dumps({"stats": shown}), file=sys.stderr)
 
 
+def _data_config(args: argparse.Namespace):
+    """The data of peek / warmup / index, with every key of the yaml checked as train checks it."""
+    from ..config.trainer import data_config_from_yaml
+
+    return data_config_from_yaml(args.config, args.overrides)
+
+
 def cmd_peek(args: argparse.Namespace) -> int:
     from ..stream.mixture import open_stream
 
     before = metrics.reading()
-    cfg = StreamConfig.from_yaml(args.config, args.overrides)
+    cfg = _data_config(args)
     if args.resume_from:
         resume = args.resume_from
         # a directory written by `peek --save-state DIR` for one rank of several has no manifest: take the file
@@ -239,7 +246,7 @@ def _parse_ranks(text: str) -> list[int] | None:
 def cmd_warmup(args: argparse.Namespace) -> int:
     from .warmup import run_warmup
 
-    cfg = StreamConfig.from_yaml(args.config, args.overrides)     # a mixture: every source's blocks
+    cfg = _data_config(args)     # a mixture: every source's blocks
     before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
@@ -258,7 +265,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_index(args: argparse.Namespace) -> int:
     from ..sources.index import save_index
 
-    cfg = StreamConfig.from_yaml(args.config, args.overrides)
+    cfg = _data_config(args)
     if isinstance(cfg, StreamConfig):
         source = _build_index(cfg, args, "data.")
         save_index(args.output, source.index)

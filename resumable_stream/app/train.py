@@ -17,6 +17,7 @@ import sys
 
 from ..config.chat_formats import REQUIRED as FORMAT_REQUIRED
 from ..config.chat_formats import resolved_columns
+from ..config.model_config import field_error
 from ..config.stream_config import MixtureConfig
 from ..config.trainer import TrainerConfig
 from ..errors import ConfigError
@@ -136,9 +137,8 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int, processor=None):
             fields.setdefault(name, getattr(tokenizer, name))
     try:
         config = AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"model.config: model_type {model_type!r} with these fields is not a transformers "
-                          f"config ({type(e).__name__}: {e})") from None
+    except Exception as e:   # checked with the yaml already; here the fields taken from the tokenizer too
+        raise field_error(model_type, fields, e) from None
     set_seed(seed)   # the random init is part of what a rerun must reproduce
     try:
         model = auto.from_config(config)

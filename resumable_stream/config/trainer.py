@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +15,11 @@ import yaml
 from ..errors import ConfigError, UnknownKeyError
 from ..observe.monitoring import MONITOR_KEYS, MonitorSettings
 from . import overrides as override
+from .model_config import check_local_paths, check_model_config
 from .stream_config import MixtureConfig, StreamConfig
 from .transforms import TransformConfig
 
+SECTIONS = ("model", "data", "train")
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TrainingArguments we set ourselves; a user value would break exact resume.
@@ -70,63 +74,20 @@ class TrainerConfig:
     @classmethod
     def from_yaml(cls, path: str, overrides: Sequence[str] = ()) -> TrainerConfig:
         """``overrides``: ``key=value`` texts merged into the yaml first (:mod:`resumable_stream.config.overrides`)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r}: not found") from None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
-        if not isinstance(doc, dict):
-            raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+        doc = _read_yaml(path)
         base_dir = os.path.dirname(os.path.abspath(path))
         doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
         with override.named(given):
-            return cls._from_doc(doc, base_dir, path)
-
-    @classmethod
-    def _from_doc(cls, doc: dict, base_dir: str, path: str) -> TrainerConfig:
-        for key in doc:
-            if key not in ("model", "data", "train"):
-                raise _unknown("config", str(key), ["model", "data", "train"])
-        for key in ("model", "data", "train"):
-            if not isinstance(doc.get(key), dict):
-                raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
-        return cls.from_dict(doc, base_dir=base_dir, path=path)
+            _check_sections(doc, path, required=("model", "data", "train"))
+            return cls.from_dict(doc, base_dir=base_dir, path=path)
 
     @classmethod
     def from_dict(cls, doc: dict, base_dir: str | None = None, path: str | None = None) -> TrainerConfig:
-        model_doc = dict(doc["model"])
-        for key in model_doc:
-            if key not in MODEL_KEYS:
-                raise _unknown("model", str(key), list(MODEL_KEYS))
-        for key in ("name_or_path", "tokenizer", "processor"):   # local dirs next to the yaml
-            v = model_doc.get(key)
-            if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
-                model_doc[key] = os.path.normpath(os.path.join(base_dir, v))
-        model = ModelConfig(**model_doc)
-
-        data = dict(doc["data"])
-        if data.get("max_samples") is not None:
-            raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
-                              "and its length unknown in advance; bound training with train.max_steps")
-        data.pop("max_samples", None)
-        monitor = MonitorSettings.from_data(data)
-        for key in MONITOR_KEYS:      # the training's, not the stream's (nor the validation stream's)
-            data.pop(key, None)
-        eval_doc = data.pop("eval", None)
-        transform = TransformConfig.from_dict(data)
-        if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
-                and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
-            transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
-        _check_model_for_format(model, transform)
-        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
-                                       extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
-
-        eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
+        data = _DataSection.from_dict(doc["data"], base_dir, path)
+        model = _model_section(doc["model"], base_dir, data.transform)
         train = dict(doc["train"])
-        _check_train(train, has_eval=eval_stream is not None)
-        return cls(model, stream, transform, train, path, eval_stream, eval_samples, monitor)
+        _check_train(train, has_eval=data.eval_stream is not None)
+        return cls(model, data.stream, data.transform, train, path, data.eval_stream, data.eval_samples, data.monitor)
 
     def training_arguments(self, **overrides: Any):
         """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
@@ -140,6 +101,102 @@ class TrainerConfig:
             raise ConfigError(f"train: TrainingArguments rejected the values ({e})") from None
         check_data_arguments(args)
         return args
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r}: not found") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+    return doc
+
+
+def _check_sections(doc: dict, path: str, required: Sequence[str]) -> None:
+    for key in doc:
+        if key not in SECTIONS:
+            raise _unknown("config", str(key), list(SECTIONS))
+    for key in SECTIONS:
+        if (key in required or key in doc) and not isinstance(doc.get(key), dict):
+            raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
+
+
+@dataclass(frozen=True)
+class _DataSection:
+    """The ``data:`` section, every key checked: the stream's, the transform's, the monitoring's, data.eval."""
+    stream: StreamConfig | MixtureConfig
+    transform: TransformConfig
+    monitor: MonitorSettings
+    eval_stream: StreamConfig | MixtureConfig | None
+    eval_samples: int
+
+    @classmethod
+    def from_dict(cls, section: Any, base_dir: str | None, path: str | None) -> _DataSection:
+        data = dict(section)
+        if data.get("max_samples") is not None:
+            raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
+                              "and its length unknown in advance; bound training with train.max_steps")
+        data.pop("max_samples", None)
+        monitor = MonitorSettings.from_data(data)
+        for key in MONITOR_KEYS:      # the training's, not the stream's (nor the validation stream's)
+            data.pop(key, None)
+        eval_doc = data.pop("eval", None)
+        transform = TransformConfig.from_dict(data)
+        if transform.image_dir and base_dir and not os.path.isabs(transform.image_dir) \
+                and os.path.isdir(os.path.join(base_dir, transform.image_dir)):
+            transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
+        stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
+                                       extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
+        eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
+        return cls(stream, transform, monitor, eval_stream, eval_samples)
+
+
+def _model_section(section: dict, base_dir: str | None, transform: TransformConfig) -> ModelConfig:
+    model_doc = dict(section)
+    for key in model_doc:
+        if key not in MODEL_KEYS:
+            raise _unknown("model", str(key), list(MODEL_KEYS))
+    for key in ("name_or_path", "tokenizer", "processor"):   # local dirs next to the yaml
+        v = model_doc.get(key)
+        if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
+            model_doc[key] = os.path.normpath(os.path.join(base_dir, v))
+    check_local_paths(model_doc)
+    for key in ("name_or_path", "tokenizer", "processor"):   # transformers does not expand ~
+        if isinstance(model_doc.get(key), str) and model_doc[key].startswith("~"):
+            model_doc[key] = os.path.expanduser(model_doc[key])
+    model = ModelConfig(**model_doc)
+    _check_model_for_format(model, transform)
+    if model.config is not None:
+        check_model_config(model.config, vl=transform.format == "vl")
+    return model
+
+
+def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
+    """The data of ``peek``, ``index`` and ``warmup``, with every key of the yaml checked as ``train`` checks
+    it (the same errors), though these commands read only the data: a trainer yaml's model: and train:
+    sections, a data section's transform, monitoring and eval keys. A yaml that is only data keys is the data
+    section. Overrides are data keys only (:func:`resumable_stream.config.overrides.apply`)."""
+    doc = _read_yaml(path)
+    base_dir = os.path.dirname(os.path.abspath(path))
+    doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
+    with override.named(given):
+        if not set(SECTIONS) & set(doc):
+            return _DataSection.from_dict(doc, base_dir, path).stream
+        if "data" not in doc:
+            raise ConfigError(f"config file {path!r}: a trainer yaml (it has "
+                              f"{', '.join(sorted({'model', 'train'} & set(doc)))}) without a data: section; add one "
+                              "with at least dataset_name_or_path")
+        _check_sections(doc, path, required=("data",))
+        data = _DataSection.from_dict(doc["data"], base_dir, path)
+        if "model" in doc:
+            _model_section(doc["model"], base_dir, data.transform)
+        if "train" in doc:
+            _check_train(dict(doc["train"]), has_eval=data.eval_stream is not None)
+        return data.stream
 
 
 def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
@@ -202,6 +259,9 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
                     raise ConfigError(f"train.{key}: got {value!r}; allowed: a number") from None
             elif not isinstance(value, (int, float)):
                 raise ConfigError(f"train.{key}: got {value!r}; allowed: a number")
+        choices = _enum_values(fields[key])
+        if choices and isinstance(value, str) and value not in choices:   # what TrainingArguments would refuse
+            raise ConfigError(f"train.{key}: got {value!r}; allowed: {', '.join(choices)}")
     for key, forced in _FORCED.items():
         if key in train and train[key] != forced:
             raise ConfigError(f"train.{key}: got {train[key]!r}; allowed: {forced!r} (resumable-stream restores the "
@@ -231,6 +291,14 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")
 
+
+
+def _enum_values(field: dataclasses.Field) -> list[str]:
+    """The values of a TrainingArguments field typed with an enum (lr_scheduler_type, optim, *_strategy)."""
+    for t in typing.get_args(field.type) or (field.type,):
+        if isinstance(t, type) and issubclass(t, enum.Enum):
+            return [str(m.value) for m in t]
+    return []
 
 # Settings of the Trainer's own data loading. Our StreamLoader replaces that loading (it is never
 # passed to accelerate's prepare()), so these would have no effect; the ones of accelerator_config

@@ -100,9 +100,13 @@ def test_unknown_section_and_missing_section(tmp_path):
 
 def test_training_arguments_errors_name_the_section(tmp_path):
     doc = _doc()
-    doc["train"]["lr_scheduler_type"] = "sideways"
+    doc["train"]["lr_scheduler_type"] = "sideways"       # a value of an enum field: refused with the yaml
+    with pytest.raises(ConfigError, match=r"train.lr_scheduler_type: got 'sideways'; allowed: linear, cosine, "):
+        TrainerConfig.from_yaml(_write(tmp_path, doc))
+    doc["train"]["lr_scheduler_type"] = "linear"
+    doc["train"]["load_best_model_at_end"] = True         # refused by TrainingArguments itself
     cfg = TrainerConfig.from_yaml(_write(tmp_path, doc))
-    with pytest.raises(ConfigError, match="train: TrainingArguments rejected .*sideways"):
+    with pytest.raises(ConfigError, match="train: TrainingArguments rejected .*load_best_model_at_end"):
         cfg.training_arguments()
 
 
