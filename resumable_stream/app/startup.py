@@ -59,8 +59,20 @@ def startup_summary(cfg: TrainerConfig, args, checkpoint: str | None, threads: s
         f"  format {t.format}, max_seq_len {t.max_seq_len}, packing {t.packing}; batch size per device "
         f"{args.per_device_train_batch_size} x gradient accumulation {args.gradient_accumulation_steps} x "
         f"{args.world_size} rank(s) = {per_step} per step; dataloader_num_workers {args.dataloader_num_workers}",
+        _metrics_line(cfg.monitor, args.world_size),
     ]
     return "\n".join(lines)
+
+
+def _metrics_line(monitor, world_size: int) -> str:
+    """Where the Prometheus endpoint is (data.metrics_port, data.metrics_addr), or that there is none."""
+    if monitor.metrics_port is None:
+        return "  metrics endpoint off (data.metrics_port)"
+    from ..observe.prometheus import metrics_url
+
+    served = monitor.metrics_addr or "0.0.0.0, every IPv4 interface"
+    others = "; another rank on the port + its local rank" if world_size > 1 else ""
+    return f"  metrics {metrics_url(monitor.metrics_port, monitor.metrics_addr)} (served on {served}{others})"
 
 
 _MISSING = re.compile(r"missing keys in the checkpoint model loaded: (\[.*\])")

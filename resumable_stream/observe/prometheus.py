@@ -10,7 +10,11 @@ with a ``rank`` label:
   ``cache_hits_total``, ``cache_misses_total``, ``cache_bytes_read_total``, ``prefetch_takes_total`` and
   ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use);
 * a histogram ``response_seconds`` (buckets: ``metrics.RESPONSE_BUCKETS_MS``);
-* a gauge ``data_epoch`` (epochs of data consumed, fractional).
+* a gauge ``data_epoch`` (epochs of data consumed, fractional);
+
+and prometheus_client's default collectors of the process, unprefixed and without the ``rank`` label (each rank's
+endpoint is its own process): ``process_*`` (CPU seconds, resident memory, open files, start time),
+``python_gc_*`` and ``python_info``.
 
 ``examples/grafana/resumable-stream.json`` is a dashboard over them.
 """
@@ -92,11 +96,19 @@ def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
     stops it). ``addr`` (``data.metrics_addr``): None is prometheus_client's default (``0.0.0.0``, every
     IPv4 interface); ``127.0.0.1`` keeps the endpoint on this machine."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import (
+            CollectorRegistry,
+            GCCollector,
+            PlatformCollector,
+            ProcessCollector,
+            start_http_server,
+        )
     except ImportError:
         raise ConfigError("data.metrics_port needs prometheus_client: pip install 'resumable-stream[metrics]'") from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DataPathCollector(loader.metrics_reading, loader.data_epoch, rank))
+    for default in (ProcessCollector, PlatformCollector, GCCollector):   # what prometheus_client's REGISTRY serves
+        default(registry=registry)
     where = {} if addr is None else {"addr": addr}
     try:
         server, _thread = start_http_server(port, registry=registry, **where)
@@ -108,5 +120,16 @@ def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
         shown = "prometheus_client's default address" if addr is None else addr
         raise ConfigError(f"data.metrics_port: port {port} cannot be served on {shown} ({e}); allowed: a free port "
                           "(each rank uses port + its local rank)") from None
-    log.info("data-path metrics of rank %d on http://%s:%d/metrics", rank, server.server_address[0], port)
+    log.info("data-path metrics of rank %d on %s", rank, metrics_url(port, server.server_address[0]))
     return server
+
+
+def metrics_url(port: int, addr: str | None) -> str:
+    """Where to scrape ``port`` served on ``addr`` (None: prometheus_client's default, every IPv4 interface):
+    an address of every interface is reached by this machine's name."""
+    if addr in (None, "", "0.0.0.0", "::"):
+        import socket
+
+        addr = socket.gethostname()
+    host = f"[{addr}]" if ":" in addr else addr     # an IPv6 address in a URL
+    return f"http://{host}:{port}/metrics"

@@ -3,14 +3,18 @@ output_dir (also after a resume with nothing left to train), no tied-weights war
 
 import logging
 import os
+import socket
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from repo_paths import REPO_ROOT
 from safetensors.torch import load_file
 from training_helpers import train_losses, write_config
 
-from resumable_stream.app.startup import quiet_tied_weights
+from resumable_stream.app.startup import quiet_tied_weights, startup_summary
+from resumable_stream.config.trainer import TrainerConfig
 from resumable_stream.runtime import threads
 
 TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -108,3 +112,21 @@ def test_trainer_threads_are_the_cores_per_local_process_unless_the_user_set_the
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_startup_summary_names_the_metrics_url():
+    yaml_path = os.path.join(REPO_ROOT, "examples", "tiny", "train_lm.yaml")
+    args = SimpleNamespace(max_steps=4, output_dir="run", world_size=1, device="cpu", ddp_backend=None,
+                           per_device_train_batch_size=8, gradient_accumulation_steps=1, dataloader_num_workers=0)
+
+    def summary(*overrides):
+        return startup_summary(TrainerConfig.from_yaml(yaml_path, overrides), args, None, "1").splitlines()
+
+    assert "  metrics endpoint off (data.metrics_port)" in summary()
+    assert "  metrics http://127.0.0.1:9400/metrics (served on 127.0.0.1)" in summary(
+        "data.metrics_port=9400", "data.metrics_addr=127.0.0.1")
+    assert f"  metrics http://{socket.gethostname()}:9400/metrics (served on 0.0.0.0, every IPv4 interface)" in \
+        summary("data.metrics_port=9400")
+    args.world_size = 2
+    assert "  metrics http://[::1]:9400/metrics (served on ::1; another rank on the port + its local rank)" in \
+        summary("data.metrics_port=9400", "data.metrics_addr=::1")

@@ -58,6 +58,25 @@ def test_metrics_addr_127_0_0_1_serves_on_loopback_only(loader, monkeypatch):
     assert 'resumable_stream_batches_total{rank="0"} 2.0' in text
 
 
+def test_the_endpoint_serves_the_process_and_platform_collectors_too(loader, monkeypatch):
+    """Besides ours, what prometheus_client's default registry serves: process_*, python_gc_*, python_info."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    port = _free_port()
+    log = _log(loader, metrics_port=port, metrics_addr="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        log.close()
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+                 "process_start_time_seconds", "python_info", "python_gc_collections_total",
+                 "resumable_stream_batches_total"):
+        assert name in samples, (name, sorted(samples))
+    rss = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("process_resident_memory_bytes"))
+    assert rss > 10e6          # this very process: a Python with pyarrow loaded holds more than 10 MB
+
+
 def test_without_metrics_addr_the_endpoint_is_where_prometheus_client_puts_it(loader, monkeypatch):
     from prometheus_client import start_http_server
 
