@@ -8,8 +8,12 @@ and no stale-lock heuristics are needed. The holder writes who it is (host, pid,
 the file, for the message of a job that finds the lock taken. Under ``torch.distributed`` rank 0's outcome
 is broadcast, so every rank of a refused job raises instead of waiting for rank 0 in a collective.
 
-The file is never removed or replaced: a lock lives on an inode, and a new file under the same name would
-let a second job lock it while the first still holds the old one.
+A lock lives on an inode, and a new file under the same name would let a second job lock it while the first
+still holds the old one. So the file is never replaced, and removed only by a job that created it and leaves
+nothing else in the directory (a start refused by a config error, a model that does not load): it unlinks the
+file and the directories it made while it still holds the lock, and a job that takes a lock checks that the
+name still leads to the inode it locked (else it opens the name again), so that a lock on an unlinked file is
+never taken for the directory's.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def output_dir_lock(output_dir: str, rank: int = 0, world_size: int = 1) -> Iter
                                                  " (this process, another thread)"))
         yield     # nested in the same thread: the outer block holds it and releases it
         return
+    made = _missing_dirs(output_dir) if rank == 0 else []
+    lock_was_there = os.path.lexists(os.path.join(output_dir, LOCK_FILE))
     entry = (_take_for_job(output_dir, rank, world_size), threading.get_ident())
     _HELD[key] = entry
     try:
@@ -61,7 +67,31 @@ def output_dir_lock(output_dir: str, rank: int = 0, world_size: int = 1) -> Iter
         if _HELD.get(key) is entry:
             del _HELD[key]
             if entry[0] is not None:
+                if not lock_was_there:
+                    _remove_if_unused(output_dir, made)
                 _release(entry[0])
+
+
+def _missing_dirs(output_dir: str) -> list[str]:
+    """The directories of ``output_dir`` that do not exist yet, deepest first (the lock creates them)."""
+    missing, path = [], os.path.abspath(output_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_if_unused(output_dir: str, made: list[str]) -> None:
+    """A job that leaves nothing but the lock file it created (its start was refused) takes it away, with
+    the directories it made, so that no output_dir holds only a lock. Called while the lock is still held."""
+    try:
+        if os.listdir(output_dir) != [LOCK_FILE]:
+            return
+        os.unlink(os.path.join(output_dir, LOCK_FILE))
+        for path in made:            # deepest first; one that another process wrote into stays
+            os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _take_for_job(output_dir: str, rank: int, world_size: int) -> int | None:
@@ -86,6 +116,24 @@ def _take_for_job(output_dir: str, rank: int, world_size: int) -> int | None:
 
 
 def _take(output_dir: str) -> int | None:
+    for _ in range(100):     # the file was unlinked between our open and our lock: open the name again
+        fd = _take_once(output_dir)
+        if fd is None or _still_named(fd, os.path.join(output_dir, LOCK_FILE)):
+            return fd
+        os.close(fd)
+    raise ConfigError(f"output_dir {output_dir!r}: its lock file {LOCK_FILE} keeps being removed and created "
+                      "again; another program is cleaning the directory")
+
+
+def _still_named(fd: int, path: str) -> bool:
+    try:
+        named, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _take_once(output_dir: str) -> int | None:
     path = os.path.join(output_dir, LOCK_FILE)
     try:
         os.makedirs(output_dir, exist_ok=True)

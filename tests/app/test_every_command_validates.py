@@ -28,11 +28,7 @@ def _trainer_doc():
 def _run(capsys, tmp_path, command, doc, *overrides):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(doc))
-    argv = [a.format(cfg=cfg, tmp=tmp_path) for a in COMMANDS[command]]
-    if command == "train":   # train takes any key; the data commands take data keys
-        argv = [*argv[:2], *overrides, *argv[2:]]
-    else:
-        argv = [*argv, *overrides]
+    argv = [*(a.format(cfg=cfg, tmp=tmp_path) for a in COMMANDS[command]), *overrides]
     capsys.readouterr()
     code = main(argv)
     err = capsys.readouterr().err
@@ -111,3 +107,12 @@ def test_a_valid_trainer_yaml_still_peeks_and_indexes(capsys, tmp_path):
     assert code == 0
     code, _ = _run(capsys, tmp_path, "index", _trainer_doc())
     assert code == 0 and os.path.isfile(tmp_path / "index.json")
+
+
+def test_a_train_refused_after_it_took_the_output_dir_leaves_no_directory(capsys, tmp_path):
+    """A tokenizer that does not load is found after the lock was taken (it creates the output_dir)."""
+    (tmp_path / "not_a_tokenizer").mkdir()
+    doc = _edit(_trainer_doc(), "model.tokenizer", str(tmp_path / "not_a_tokenizer"))
+    code, err = _run(capsys, tmp_path, "train", doc, f"train.output_dir={tmp_path}/runs/a")
+    assert code == 2 and "model.tokenizer: " in err and "cannot be loaded as a tokenizer" in err, err
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "run")

@@ -11,6 +11,7 @@ import pytest
 from lock_probe import REFUSED, start_holder, try_lock
 
 from resumable_stream.errors import ConfigError, OutputDirLockedError
+from resumable_stream.runtime import output_lock
 from resumable_stream.runtime.output_lock import LOCK_FILE, output_dir_lock
 from resumable_stream.state.checkpoint import checkpoint_dirs
 
@@ -99,3 +100,47 @@ def test_a_read_only_output_dir_is_a_config_error(tmp_path):
                 pass
     finally:
         out.chmod(0o755)
+
+
+def test_a_refused_start_leaves_no_directory_holding_only_the_lock(tmp_path):
+    """What the block created it takes away when nothing else was written; anything else stays."""
+    out = tmp_path / "runs" / "a"
+    with pytest.raises(ConfigError):          # e.g. a model that does not load, after the lock was taken
+        with output_dir_lock(str(out)):
+            assert (out / LOCK_FILE).exists()
+            raise ConfigError("model.tokenizer: cannot be loaded")
+    assert os.listdir(tmp_path) == [], "the directories the lock made are left behind"
+
+    given = tmp_path / "given"                # a directory the user made: kept, without our lock file
+    given.mkdir()
+    with output_dir_lock(str(given)):
+        pass
+    assert given.is_dir() and os.listdir(given) == []
+
+    with output_dir_lock(str(out)):           # something written: everything stays
+        (out / "train_log.jsonl").write_text("{}\n")
+    assert sorted(os.listdir(out)) == [LOCK_FILE, "train_log.jsonl"]
+    os.remove(out / "train_log.jsonl")
+    with output_dir_lock(str(out)):           # a lock file from an earlier job is never removed
+        pass
+    assert os.listdir(out) == [LOCK_FILE]
+
+
+def test_a_lock_file_unlinked_while_it_is_being_locked_is_opened_again(tmp_path, monkeypatch):
+    """The lock another job takes on a file that was just unlinked (its cleanup) is not the directory's: the
+    taker opens the name again and locks the file the name leads to."""
+    out = tmp_path / "out"
+    real_flock, unlinked = output_lock.fcntl.flock, []
+
+    def flock_after_a_cleanup(fd, op):
+        if not unlinked:
+            os.unlink(out / LOCK_FILE)
+            unlinked.append(os.fstat(fd).st_ino)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(output_lock.fcntl, "flock", flock_after_a_cleanup)
+    with output_dir_lock(str(out)):
+        (out / "checkpoint-1").mkdir()
+        assert unlinked
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()   # written to the named file
+        assert try_lock(str(out)).returncode == REFUSED, "the lock held is not the one the name leads to"
