@@ -30,15 +30,21 @@ from ..io.safe_files import FileRefused, read_regular_file
 
 LOG_NAME = "train_log.jsonl"
 DEFAULT_PNG = "report.png"
-FIGSIZE_IN = (10.0, 12.5)
+FIGSIZE_IN = (10.0, 15.0)
 DPI = 100
-SIZE_PX = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))   # (width, height) of the PNG: 1000 x 1250
+SIZE_PX = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))   # (width, height) of the PNG: 1000 x 1500
 MAX_LOG_BYTES = 2 * 1024**3
 META_PREFIX = "resumable-stream "   # PNG text keys: "resumable-stream log", "... log blake2b", ...
 NOT_RECORDED = "not recorded"
 # The largest magnitude drawn: matplotlib's axis limits and ticks (a span, margins, tick steps up to 100x the
 # scale) overflow for data near the float maximum (1.8e308): `ValueError: arange: cannot compute length`.
 DRAW_LIMIT = 1e300
+RESUME_COLOUR = "tab:red"     # the resume lines; no series has it
+# one colour per series, none of them the resume lines
+COLOURS = {"loss": "tab:blue", "eval_loss": "tab:orange", "data_wait_share": "tab:purple",
+           "samples_per_s": "tab:cyan", "data_samples_per_s": "tab:green", "data_tokens_per_s": "tab:pink",
+           "data_requests": "tab:gray", "data_response_ms_p50": "tab:olive", "data_response_ms_p99": "tab:brown",
+           "cache_hit_rate": "black"}
 # the training-line fields the picture draws (eval_loss, of the evaluation lines, too)
 DRAWN = ("loss", "data_wait_share", "samples_per_s", "data_samples_per_s", "data_tokens_per_s", "data_requests",
          "data_response_ms_p50", "data_response_ms_p99", "data_cache_hit_rate", "cache_hit_rate")
@@ -302,22 +308,44 @@ def _legend(*axes) -> None:
         axes[0].legend(handles, labels, loc="upper right", fontsize=8)
 
 
-def draw(log: RunLog, png: str) -> None:
-    """Write the PNG (atomically): five panels over steps, resume points as dashed vertical lines on each."""
+def _title(log: RunLog, name: str) -> str:
+    """How many records, over which steps (a record is logged every logging_steps), and the resumes."""
+    n, first, last = len(log.training), log.training[0]["step"], log.training[-1]["step"]
+    records = f"1 log record at step {first}" if n == 1 else f"{n} log records over steps {first}..{last}"
+    resumed = f"resumed at step {', '.join(map(str, log.resumes))}" if log.resumes else "no resume"
+    return f"{name}: {records}, {resumed}"
+
+
+ZERO_MARGIN = 0.03    # below 0, as a share of the axis: a line of zeros shows above the frame, not on it
+
+
+def _from_zero(ax, top: float | None = None) -> None:
+    """A panel of quantities that are never negative starts at 0 (``top``: its fixed top, else the data's); one
+    of zeros only gets 0..1, not matplotlib's -0.04..0.04 around its constant."""
+    values = [v for line in ax.get_lines() for v in line.get_ydata()]
+    if not values or min(values) < 0:
+        return
+    if top is None:
+        top = 1.0 if max(values) == 0 else ax.get_ylim()[1]
+    ax.set_ylim(-ZERO_MARGIN * top, top)
+
+
+def figure(log: RunLog):
+    """The picture as a matplotlib Figure (Agg canvas): six panels over steps, resume points as dashed
+    vertical lines on each."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(5, 1, sharex=True)
+    axes = fig.subplots(6, 1, sharex=True)
     name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
-    resumed = f"resumed at step {', '.join(map(str, log.resumes))}" if log.resumes else "no resume"
-    fig.suptitle(f"{name}: {len(log.training)} steps logged, {resumed}")
+    fig.suptitle(_title(log, name))
 
     ax = axes[0]
     _, loss = log.series("loss", drawn=True)
-    _line(ax, loss, "loss", color="tab:blue")
+    _line(ax, loss, "loss", color=COLOURS["loss"])
     evals = [(r["step"], v) for r in log.evals if (v := drawable(r.get("eval_loss"))) is not None]
     if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color="tab:orange", label="eval_loss")
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color=COLOURS["eval_loss"], label="eval_loss")
     if not loss and not evals:
         ax.text(0.5, 0.5, f"no loss to draw (not finite, or beyond +-{DRAW_LIMIT:g})", transform=ax.transAxes,
                 ha="center", va="center", color="0.4")
@@ -327,47 +355,59 @@ def draw(log: RunLog, png: str) -> None:
     ax = axes[1]
     _, wait = log.series("data_wait_share", drawn=True)
     if wait:
-        _line(ax, wait, "data wait share", color="tab:red")
-        ax.set_ylim(0, 1.05)
+        _line(ax, wait, "data wait share", color=COLOURS["data_wait_share"])
+        _from_zero(ax, top=1.05)
         ax.set_ylabel("data wait / step")
     else:
         _not_recorded(ax, "data_wait_share")
         ax.set_ylabel("data wait share")
 
-    ax = axes[2]
+    ax = axes[2]     # the trainer's and the data path's samples/s: the same quantity, one axis
     _, trainer_rate = log.series("samples_per_s", drawn=True)
     _, data_rate = log.series("data_samples_per_s", drawn=True)
-    _, tokens = log.series("data_tokens_per_s", drawn=True)
-    if trainer_rate or data_rate or tokens:
-        _line(ax, trainer_rate, "samples/s (trainer)", color="tab:blue")
-        _line(ax, data_rate, "samples/s (data)", color="tab:cyan")
-        ax.set_ylabel("samples/s")
-        _legend(ax, *_twin(ax, tokens, "tokens/s", [(tokens, "tokens/s (data)", "tab:purple")],
-                           "data_tokens_per_s"))
+    if trainer_rate or data_rate:
+        _line(ax, trainer_rate, "samples/s (trainer)", color=COLOURS["samples_per_s"])
+        _line(ax, data_rate, "samples/s (data)", color=COLOURS["data_samples_per_s"], linestyle="--")
+        _from_zero(ax)
+        _legend(ax)
     else:
-        _not_recorded(ax, "samples_per_s, data_samples_per_s, data_tokens_per_s")
-        ax.set_ylabel("throughput")
+        _not_recorded(ax, "samples_per_s, data_samples_per_s")
+    ax.set_ylabel("samples/s")
 
-    ax = axes[3]
+    ax = axes[3]     # its own panel: tokens/s follows samples/s, on a twin axis it would cover that line
+    _, tokens = log.series("data_tokens_per_s", drawn=True)
+    if tokens:
+        _line(ax, tokens, "tokens/s (data)", color=COLOURS["data_tokens_per_s"])
+        _from_zero(ax)
+        _legend(ax)
+    else:
+        _not_recorded(ax, "data_tokens_per_s")
+    ax.set_ylabel("tokens/s")
+
+    ax = axes[4]
     _, requests = log.series("data_requests", drawn=True)
     _, p50 = log.series("data_response_ms_p50", drawn=True)
     _, p99 = log.series("data_response_ms_p99", drawn=True)
     if requests or p50 or p99:
-        _line(ax, requests, "requests / interval", color="tab:green", drawstyle="steps-mid")
+        _line(ax, requests, "requests / interval", color=COLOURS["data_requests"], drawstyle="steps-mid")
+        _from_zero(ax)
         ax.set_ylabel("requests")
-        _legend(ax, *_twin(ax, p50 or p99, "response ms", [(p50, "response p50 ms", "tab:olive"),
-                                                           (p99, "response p99 ms", "tab:brown")],
-                           "data_response_ms_p50/p99"))
+        twins = _twin(ax, p50 or p99, "response ms", [(p50, "response p50 ms", COLOURS["data_response_ms_p50"]),
+                                                      (p99, "response p99 ms", COLOURS["data_response_ms_p99"])],
+                      "data_response_ms_p50/p99")
+        for twin in twins:
+            _from_zero(twin)
+        _legend(ax, *twins)
     else:
         _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
         ax.set_ylabel("requests")
 
-    ax = axes[4]
+    ax = axes[5]
     key, cache = log.series("data_cache_hit_rate", "cache_hit_rate", drawn=True)
     if cache:
         _line(ax, cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
-              color="tab:gray")
-        ax.set_ylim(0, 1.05)
+              color=COLOURS["cache_hit_rate"])
+        _from_zero(ax, top=1.05)
         _legend(ax)
     else:
         _not_recorded(ax, "data_cache_hit_rate, cache_hit_rate")
@@ -381,12 +421,18 @@ def draw(log: RunLog, png: str) -> None:
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     for i, ax in enumerate(axes):
         for step in log.resumes:
-            ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, alpha=0.8,
+            ax.axvline(step, color=RESUME_COLOUR, linestyle="--", linewidth=1, alpha=0.8,
                        label="resume" if i == 0 and step == log.resumes[0] else None)
         if i == 0 and log.resumes:
             _legend(ax)
         ax.grid(True, alpha=0.3)
+    return fig
 
+
+def draw(log: RunLog, png: str) -> None:
+    """Write the PNG of :func:`figure` (atomically), with what it was drawn from in its text metadata."""
+    fig = figure(log)
+    name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
     metadata = {
         "Title": f"resumable-stream report of {name}",
         META_PREFIX + "log": LOG_NAME,

@@ -19,7 +19,16 @@ import pytest
 from repo_paths import REPO_ROOT
 
 from resumable_stream.app.cli import main
-from resumable_stream.app.report import LOG_NAME, META_PREFIX, SIZE_PX, format_summary, read_log, summarize
+from resumable_stream.app.report import (
+    LOG_NAME,
+    META_PREFIX,
+    RESUME_COLOUR,
+    SIZE_PX,
+    figure,
+    format_summary,
+    read_log,
+    summarize,
+)
 
 ROOT = REPO_ROOT
 
@@ -108,7 +117,7 @@ def test_report_of_a_killed_and_resumed_training_run(procs, tmp_path, capsys):
     captured = capsys.readouterr()
     png = os.path.join(out, "report.png")
     size, info, colours = _png_info(png)
-    assert size == SIZE_PX == (1000, 1250)
+    assert size == SIZE_PX == (1000, 1500)
     assert colours >= 8, f"only {colours} colours: a blank picture"
     training = [r for r in records if "loss" in r]
     # the resumed run marked its first line with the checkpoint it started from
@@ -343,3 +352,70 @@ def test_a_picture_that_cannot_be_laid_out_is_a_one_line_error(tmp_path, capsys,
     _fails(capsys, ["report", str(tmp_path / "run")], f"{path!r}: its records cannot be drawn",
            "ValueError: arange: cannot compute length")
     assert os.listdir(tmp_path / "run") == [LOG_NAME]          # no picture, no temporary file left
+
+
+# ------------------------------------------------------------------------------------------ the figure itself
+def _local_run(run_dir):
+    """20 records over steps 5..100 (logging_steps 5), resumed from checkpoint-50; a local run: 0 requests."""
+    recs = []
+    for step in range(5, 101, 5):
+        rec = {**_data_record(step), "data_requests": 0, "data_response_ms_p50": None,
+               "data_response_ms_p90": None, "data_response_ms_p99": None}
+        if step == 55:
+            rec["resumed_from"] = "checkpoint-50"
+        recs.append(rec)
+    _write_log(run_dir, recs)
+    return figure(read_log(str(run_dir)))
+
+
+def _series(fig):
+    """(axes, label, colour) of every drawn series (not the resume lines)."""
+    from matplotlib.colors import to_rgba
+
+    return [(ax, line.get_label(), to_rgba(line.get_color())) for ax in fig.axes for line in ax.get_lines()
+            if line.get_label() != "resume" and not line.get_label().startswith("_")]
+
+
+def test_the_title_counts_records_over_steps(tmp_path):
+    fig = _local_run(tmp_path / "run")
+    assert fig.get_suptitle() == "run: 20 log records over steps 5..100, resumed at step 50"
+    _write_log(tmp_path / "one", [_data_record(7)])
+    assert figure(read_log(str(tmp_path / "one"))).get_suptitle() == "one: 1 log record at step 7, no resume"
+
+
+def test_an_all_zero_panel_gets_an_axis_from_zero_and_rates_start_at_zero(tmp_path):
+    fig = _local_run(tmp_path / "run")
+    by_label = {label: ax for ax, label, _ in _series(fig)}
+    assert by_label["requests / interval"].get_ylim() == (-0.03, 1.0)         # not -0.04..0.04
+    assert by_label["data wait share"].get_ylim() == (-0.03 * 1.05, 1.05)     # a share, all zeros here too
+    for label, most in (("samples/s (data)", 200 + 100), ("tokens/s (data)", 12_800 + 10 * 100)):
+        low, high = by_label[label].get_ylim()
+        assert low == -0.03 * high and high >= most, (label, low, high)
+
+
+def test_data_samples_and_tokens_per_s_are_in_panels_of_their_own(tmp_path):
+    """Proportional series on twin axes lie on one another: tokens/s gets its own panel."""
+    fig = _local_run(tmp_path / "run")
+    by_label = {label: ax for ax, label, _ in _series(fig)}
+    samples, tokens = by_label["samples/s (data)"], by_label["tokens/s (data)"]
+    assert samples is by_label["samples/s (trainer)"]
+    assert samples.get_position().bounds != tokens.get_position().bounds, "the two share a panel"
+    assert by_label["samples/s (data)"].get_lines()[1].get_linestyle() == "--"   # over the trainer's, visible
+
+
+def test_every_series_has_its_own_colour_and_none_the_resume_lines(tmp_path):
+    from matplotlib.colors import to_rgba
+
+    recs = [_data_record(s) for s in range(1, 21)]
+    recs[10]["resumed_from"] = "checkpoint-10"
+    _write_log(tmp_path / "run", [*recs, {"step": 20, "eval_loss": 5.0}])
+    fig = figure(read_log(str(tmp_path / "run")))
+    series = _series(fig)
+    labels = [label for _, label, _ in series]
+    assert {"loss", "eval_loss", "data wait share", "samples/s (trainer)", "samples/s (data)", "tokens/s (data)",
+            "requests / interval", "response p50 ms", "response p99 ms"} <= set(labels), labels
+    colours = [colour for _, _, colour in series]
+    assert len(set(colours)) == len(colours), list(zip(labels, colours))
+    assert to_rgba(RESUME_COLOUR) not in colours
+    resume_lines = [line for ax in fig.axes for line in ax.get_lines() if line.get_color() == RESUME_COLOUR]
+    assert len(resume_lines) == 6 and all(list(line.get_xdata()) == [10, 10] for line in resume_lines)
