@@ -16,10 +16,12 @@ the figures of the steps in between.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 # why a request or a read was tried again (RetryPolicy.failed, read_checked, the HTTP request retries)
@@ -33,22 +35,41 @@ SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
 
 
 class SharedCounters:
-    """Integer counters in shared memory (inherited by forked or spawned DataLoader workers)."""
+    """Integer counters in shared memory (inherited by forked or spawned DataLoader workers).
+
+    The memory is a ``RawArray`` (an unlinked file: nothing to clean up, whatever ends the process). The lock
+    is one without a name (a fork-context semaphore), inherited by forked workers: a named one is registered with
+    multiprocessing's resource tracker, which outlives a SIGKILLed process and reports it as "leaked semaphore
+    objects". A spawned or forkserver worker cannot open a lock without a name, so the first one started gets a
+    named lock, made then; from then on this process takes both (forked workers the first, spawned ones the
+    second). Workers of both kinds alive at once in one rank could lose an addition to each other."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
         self._index = {name: i for i, name in enumerate(names)}
+        self._spawn_lock = None
         try:
-            # a spawn-context lock can go to forked, spawned and forkserver workers alike
-            self._arr = multiprocessing.get_context("spawn").Array("q", len(names))
-        except (OSError, ImportError):     # no shared memory available: this process only
-            self._arr = None
+            self._arr = multiprocessing.RawArray("q", len(names))
+            self._fork_lock = multiprocessing.get_context("fork").Lock()
+        except (OSError, ImportError, ValueError):     # no shared memory (or no fork): this process only
+            self._arr, self._fork_lock = None, None
         self._local = [0] * len(names)
         self._lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        locks = [lock for lock in (self._fork_lock, self._spawn_lock) if lock is not None]   # always in this order
+        for lock in locks:
+            lock.acquire()
+        try:
+            yield
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
     def add(self, **deltas: int) -> None:
         if self._arr is not None:
-            with self._arr.get_lock():
+            with self._locked():
                 for name, d in deltas.items():
                     self._arr[self._index[name]] += d
         else:
@@ -58,7 +79,7 @@ class SharedCounters:
 
     def snapshot(self) -> dict[str, int]:
         if self._arr is not None:
-            with self._arr.get_lock():
+            with self._locked():
                 values = self._arr[:]
         else:
             with self._lock:
@@ -68,15 +89,18 @@ class SharedCounters:
     def __getstate__(self) -> dict[str, Any]:
         from multiprocessing.context import get_spawning_popen
 
-        if self._arr is not None and get_spawning_popen() is not None:
-            return {"names": self.names, "arr": self._arr}    # handed to a worker being started: keep sharing
+        if self._arr is not None and get_spawning_popen() is not None:   # handed to a worker being started
+            with self._lock:
+                if self._spawn_lock is None:
+                    self._spawn_lock = multiprocessing.get_context("spawn").Lock()
+            return {"names": self.names, "arr": self._arr, "lock": self._spawn_lock}
         # pickled for anything else (a copy of the stream): start a private set of counters
-        return {"names": self.names, "arr": None}
+        return {"names": self.names, "arr": None, "lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.names = state["names"]
         self._index = {name: i for i, name in enumerate(self.names)}
-        self._arr = state["arr"]
+        self._arr, self._fork_lock, self._spawn_lock = state["arr"], None, state["lock"]
         self._local = [0] * len(self.names)
         self._lock = threading.Lock()
 
