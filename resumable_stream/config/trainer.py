@@ -103,7 +103,7 @@ class TrainerConfig:
         return args
 
 
-def _read_yaml(path: str) -> dict:
+def _read_yaml(path: str, expected: str = "a mapping with model, data and train sections") -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
@@ -112,7 +112,7 @@ def _read_yaml(path: str) -> dict:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path!r}: expected a mapping with model, data and train sections")
+        raise ConfigError(f"config file {path!r}: expected {expected}, got {type(doc).__name__}")
     return doc
 
 
@@ -180,7 +180,7 @@ def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamCon
     it (the same errors), though these commands read only the data: a trainer yaml's model: and train:
     sections, a data section's transform, monitoring and eval keys. A yaml that is only data keys is the data
     section. Overrides are data keys only (:func:`resumable_stream.config.overrides.apply`)."""
-    doc = _read_yaml(path)
+    doc = _read_yaml(path, "a mapping with a data: section (and model: and train:), or of data keys")
     base_dir = os.path.dirname(os.path.abspath(path))
     doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
     with override.named(given):
