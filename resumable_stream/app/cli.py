@@ -294,7 +294,7 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     _check_indexable(cfg, args, key)
     desc = "indexing" if label is None else f"indexing {label}"
     with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
-        source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
+        source = open_source(cfg.source_spec, progress=lambda: bar.update(1))
     index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "

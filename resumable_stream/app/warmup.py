@@ -220,7 +220,8 @@ def _open_cached(config: StreamConfig, source: Source | None, block_rows: int | 
                           "local directory")
     if isinstance(source, CachedSource):
         return source
-    return CachedSource(source if source is not None else open_source(config), config, block_rows=block_rows)
+    return CachedSource(source if source is not None else open_source(config.source_spec), config.cache_spec,
+                        block_rows=block_rows)
 
 
 def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = None,
@@ -260,7 +261,8 @@ def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int 
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     if not config.cache_dir:
         _open_cached(config.sources[0], None, block_rows)       # the error naming data.cache_dir
-    opened = sources if sources is not None else open_job_sources(config, state_path=state_path)
+    opened = sources if sources is not None else open_job_sources(
+        [s.source_spec for s in config.sources], list(config.labels), state_path=state_path or config.resume_state_path)
     cached = [_open_cached(scfg, src, block_rows) for scfg, src in zip(config.sources, opened)]
     planners = [_PlanningSource(c) for c in cached]
     written_before = [c.store.stats()["blocks_written"] for c in cached]

@@ -7,6 +7,7 @@ so a typo in a yaml file never turns into a silently different data order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -21,6 +22,7 @@ from ..errors import ConfigError, UnknownKeyError
 from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
 from . import formats as registry
 from . import overrides as override
+from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
 
 BACKENDS = ("hf", "local")
 
@@ -264,6 +266,25 @@ class StreamConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
+
+    # ----------------------------------------------------------------- the specs of the stages (config/specs.py)
+    @functools.cached_property
+    def source_spec(self) -> SourceSpec:
+        """What opening this dataset needs (resolution, network, readers, growth, index), built once."""
+        return SourceSpec(
+            data=DataSpec(self.dataset_name_or_path, self.backend, bool(self.streaming), self.name, self.data_files,
+                          self.revision, self.data_dir, self.split),
+            net=NetPolicy(self.retries, self.retry_backoff_s, self.timeout_s, self.retry_budget_s,
+                          self.storage_options),
+            read=ReadSpec(self.interleave_shards, self.prefetch_blocks, self.prefetch_memory_mb,
+                          self.max_member_bytes),
+            growth=GrowthSpec(self.growth, self.growth_allow_removal, self.poll_interval_s, self.follow_timeout_s),
+            index=IndexSpec(self.index_path, self.verify_files))
+
+    @functools.cached_property
+    def cache_spec(self) -> CacheSpec:
+        """The block cache's settings (``directory`` None: no cache)."""
+        return CacheSpec(self.cache_dir, self.cache_size_limit_gb)
 
     def replace(self, **changes: Any) -> StreamConfig:
         return dataclasses.replace(self, **changes)
