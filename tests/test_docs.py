@@ -376,3 +376,56 @@ def test_python_examples_compile_and_their_imports_exist(page, line, body):
             for alias in node.names:
                 if alias.name.startswith("resumable_stream"):
                     importlib.import_module(alias.name)
+
+
+# Every name the prose shows (inline `from resumable_stream.x import y`, or a dotted `resumable_stream.x.y`) still
+# imports: the house moved modules, and docs must not point at a name that is gone.
+_INLINE_IMPORT = re.compile(r"from (resumable_stream[\w.]*) import ([\w, ]+)")
+_DOTTED = re.compile(r"\bresumable_stream(?:\.\w+)+")
+
+
+def _named_in_prose() -> list[tuple[str, str, tuple[str, ...]]]:
+    found = []
+    for page in PAGES:
+        text = _read(page)
+        for m in _INLINE_IMPORT.finditer(text):
+            found.append((page, m.group(1), tuple(n.strip() for n in m.group(2).split(",") if n.strip())))
+        for m in _DOTTED.finditer(text):
+            found.append((page, m.group(0), ()))
+    return sorted(set(found))
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` is a module, or a name reached from the longest module prefix of it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+NAMED = _named_in_prose()
+
+
+def test_there_are_names_in_prose_to_check():
+    assert len(NAMED) > 20, NAMED
+
+
+@pytest.mark.parametrize("page,dotted,names", NAMED, ids=[f"{p}:{d}" for p, d, _ in NAMED])
+def test_every_name_the_docs_show_imports(page, dotted, names):
+    assert _resolves(dotted), f"{page}: {dotted} does not import"
+    for name in names:
+        assert _resolves(f"{dotted}.{name}"), f"{page}: from {dotted} import {name} fails"
+
+
+def test_the_name_check_catches_a_missing_name():
+    assert _resolves("resumable_stream.state.checkpoint.save")
+    assert not _resolves("resumable_stream.state.checkpoint.no_such_name")
+    assert not _resolves("resumable_stream.no_such_module")
