@@ -373,7 +373,19 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
                jobs: int = 8, progress: bool = True, source: Source | None = None,
                block_rows: int | None = None) -> WarmupResult:
     """Plan (see :func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch. Warming a warm cache fetches
-    nothing. A mixture's result sums its sources'."""
+    nothing. A mixture's result sums its sources'.
+
+    Args:
+        config: the data section, with ``cache_dir`` set.
+        samples: how many samples each rank will read next.
+        world_size, ranks, num_workers, state_path, block_rows: as :func:`plan_warmup`.
+        jobs: fetches in flight at once.
+        progress: show a progress bar (stderr).
+        source: an opened source to warm (default: opened as the job opens it).
+    Returns:
+        planned, already cached and fetched blocks, bytes, times, and the blocks still not cached after the
+        fetch with the cache's reason (``not_cached`` / ``why``: a full disk, an eviction, a locked cache).
+    """
     keys = dict(world_size=world_size, ranks=ranks, num_workers=num_workers, state_path=state_path,
                 block_rows=block_rows)
     if isinstance(config, MixtureConfig):

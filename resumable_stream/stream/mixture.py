@@ -382,8 +382,19 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
                 num_workers: int = 0, index_from: str | None = None) -> ResumableStream | MixtureStream:
-    """A :class:`MixtureStream` for a config with ``sources``, else a :class:`ResumableStream`.
-    ``index_from``: a checkpoint to be resumed whose saved dataset indexes the stream reuses."""
+    """The stream of a ``data:`` config: a :class:`MixtureStream` for one with ``sources``, else a
+    :class:`ResumableStream`.
+
+    Args:
+        config: ``StreamConfig.from_yaml(...)``'s result.
+        rank, world_size: this process among the job's (default: torch.distributed, else $RANK / $WORLD_SIZE).
+        num_workers: the DataLoader workers the stream will be read with (0: the main process).
+        index_from: a checkpoint about to be resumed, whose saved dataset indexes the stream reuses (nothing
+            is resolved again); the position itself is restored by ``load_sidecar`` / a loader.
+    Returns:
+        the stream, opened (the dataset resolved once per job) at its fresh position or at
+        ``data.resume_state_path``'s.
+    """
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                              index_from=index_from)
