@@ -1,5 +1,6 @@
 """Installing: .ci/install-torch tries the PyTorch CPU index first and falls back at once when it does not
-answer; the demo installs the package without the dev extra. No network: the "indexes" are local sockets and pip is a stub that logs its arguments."""
+answer; the demo installs the package without the dev extra; pyproject.toml builds without a setuptools
+deprecation warning. No network: the "indexes" are local sockets and pip is a stub that logs its arguments."""
 
 import functools
 import http.server
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 from repo_paths import REPO_ROOT
@@ -145,3 +147,13 @@ def test_the_demo_installs_the_package_without_the_dev_extra_and_the_tests_with_
     test = _make_dry_run("test", tmp_path / "venv")
     assert ".ci/install-torch" in test and "pip install -q -e '.[dev]'" in test
 
+
+def test_pyproject_builds_without_a_setuptools_deprecation_warning():
+    pytest.importorskip("setuptools", minversion="77")     # the first release that reads an SPDX `license`
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # setuptools' deprecations are warnings: fail on any
+        dist = apply_configuration(Distribution(), os.path.join(REPO_ROOT, "pyproject.toml"))
+    assert dist.metadata.license_expression == "Apache-2.0"
