@@ -254,12 +254,53 @@ def test_no_stage_below_config_takes_the_whole_config():
         "  " + f for f in found)
 
 
+# The one module-level __getattr__ allowed: the package's own, for its public names (PEP 562), which load torch,
+# pyarrow and datasets; it is about startup time (`resumable-stream --help` answers at once,
+# tests/app/test_cli_startup.py), not about a circle: the graph above reads its imports all the same.
+LAZY_NAMES_ALLOWED = ["resumable_stream/__init__.py"]
+
+
 def test_the_top_of_the_package_holds_a_handful_of_modules_and_no_lazy_names():
     top = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
     assert len(top) <= TOP_MODULES_AT_MOST, top
-    lazy = [str(path.relative_to(REPO_ROOT)) for path in module_files(PACKAGE_DIR, PACKAGE).values()
+    lazy = [path.relative_to(REPO_ROOT).as_posix() for path in module_files(PACKAGE_DIR, PACKAGE).values()
             if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(path.read_text()).body)]
-    assert not lazy, f"module-level __getattr__ (names imported lazily to dodge a circle): {lazy}"
+    assert lazy == LAZY_NAMES_ALLOWED, f"module-level __getattr__ (names imported lazily to dodge a circle): {lazy}"
+
+
+_PUBLIC_NAMES = """
+import sys
+import resumable_stream as rs
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "datasets", "pyarrow", "numpy", "yaml"})
+listed = sorted(set(rs.__all__) - set(dir(rs)))
+ns = {}
+exec("from resumable_stream import *", ns)
+star = sorted(set(rs.__all__) - set(ns))
+from resumable_stream.config.stream_config import MixtureConfig, StreamConfig
+from resumable_stream.stream.base import Stream
+from resumable_stream.stream.mixture import MixtureStream, open_stream
+from resumable_stream.stream.single import ResumableStream
+same = all(getattr(rs, n) is globals()[n] for n in
+           ("StreamConfig", "MixtureConfig", "Stream", "MixtureStream", "open_stream", "ResumableStream"))
+try:
+    rs.no_such_name
+    missing = "no error"
+except AttributeError as e:
+    missing = str(e)
+print(repr((heavy, listed, star, same, missing)))
+"""
+
+
+def test_the_public_names_load_on_first_use_and_are_the_modules_own():
+    result = subprocess.run([sys.executable, "-c", _PUBLIC_NAMES], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                             os.environ.get("PYTHONPATH")]))})
+    assert result.returncode == 0, result.stderr
+    heavy, listed, star, same, missing = ast.literal_eval(result.stdout.strip())
+    assert heavy == [], f"`import resumable_stream` imports {heavy}"
+    assert listed == [] and star == [], f"names of __all__ missing from dir(): {listed}, from `import *`: {star}"
+    assert same
+    assert missing == "module 'resumable_stream' has no attribute 'no_such_name'"
 
 
 # Optional extras: an import of the package must not need them (blocked in the subprocess below).

@@ -1,5 +1,9 @@
 """``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache,
-index a dataset."""
+index a dataset.
+
+At module level only what the parser needs: each command imports its own modules (torch, pyarrow, datasets
+come with the streams), so that ``--help``, ``--version`` and a mistyped argument answer at once
+(tests/app/test_cli_startup.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +13,13 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..config.stream_config import StreamConfig
 from ..errors import ConfigError, ResumableStreamError, SidecarError
-from ..observe import metrics
-from ..observe.progress import partition_progress, progress_summary
-from ..state.checkpoint import checkpoint_dirs, latest_complete_checkpoint
-from ..state.names import MANIFEST, rank_file_name, rank_of_file_name
-from ..state.relocation import describe_files
+
+if TYPE_CHECKING:
+    from ..config.stream_config import StreamConfig
 
 
 def _show(value: Any) -> Any:
@@ -43,6 +44,8 @@ def _positive(name: str, minimum: int):
 
 def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
     """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
+    from ..observe import metrics
+
     d = metrics.delta(before, metrics.reading(cache=cache))
     d["loader_samples"] = samples or 0
     f = metrics.figures(d)
@@ -58,6 +61,9 @@ def _print_stats(before: dict[str, float], samples: int | None, cache: dict | No
 
 
 def cmd_peek(args: argparse.Namespace) -> int:
+    from ..config.stream_config import StreamConfig
+    from ..observe import metrics
+    from ..state.names import MANIFEST, rank_file_name
     from ..stream.mixture import open_stream
 
     before = metrics.reading()
@@ -111,6 +117,9 @@ def cmd_peek(args: argparse.Namespace) -> int:
 
 
 def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
+    from ..observe.progress import partition_progress
+    from ..state.relocation import describe_files
+
     fp = state["fingerprint"]
     if state["kind"] == "mixture":   # data.sources: per-partition and per-source progress
         from ..stream.mixture import describe_state
@@ -138,6 +147,8 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
 
 def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
+    from ..observe.progress import partition_progress, progress_summary
+
     if any(st["kind"] == "mixture" for st in states):   # data.sources: per source
         from ..stream.mixture import mixture_progress
 
@@ -149,6 +160,7 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
     """A rank file holds the state of the rank its name says, checked as a resume checks it
     (:func:`resumable_stream.state.checks.check_rank`): one copied or renamed over another rank's is refused."""
     from ..state.checks import check_rank
+    from ..state.names import rank_of_file_name
 
     named = rank_of_file_name(os.path.basename(file))
     if named is not None:
@@ -160,12 +172,15 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..dataset.job_source import saved_index_file
     from ..state.checkpoint import (
+        checkpoint_dirs,
+        latest_complete_checkpoint,
         read_manifest,
         read_rank_state,
         read_state_file,
         read_state_fingerprint,
         state_dir_of,
     )
+    from ..state.names import rank_file_name
 
     path, picked = args.path, None
     if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
@@ -237,6 +252,8 @@ def _parse_ranks(text: str) -> list[int] | None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
+    from ..config.stream_config import StreamConfig
+    from ..observe import metrics
     from .warmup import run_warmup
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)     # a mixture: every source's blocks
@@ -256,6 +273,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    from ..config.stream_config import StreamConfig
     from ..sources.index import save_index
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
@@ -294,7 +312,11 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     _check_indexable(cfg, args, key)
     desc = "indexing" if label is None else f"indexing {label}"
     with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
-        source = open_source(cfg.source_spec, progress=lambda: bar.update(1))
+        def file_done(total: int) -> None:
+            bar.total = total       # known once datasets resolved the files
+            bar.update(1)
+
+        source = open_source(cfg.source_spec, progress=file_done)
     index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
@@ -359,8 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     peek = sub.add_parser("peek", help="print the next samples a rank will read, as JSON lines")
     peek.add_argument("config", help="yaml file with a data: section (or only data keys)")
     _add_overrides(peek, "data keys to override")
-    peek.add_argument("--rank", type=_positive("--rank", 0), default=0)
-    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1)
+    peek.add_argument("--rank", type=_positive("--rank", 0), default=0,
+                      help="the rank whose samples to print, 0 .. W-1 (default 0)")
+    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1,
+                      help="ranks W of the run the state is for (default 1)")
     peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0,
                       help="DataLoader workers per rank the state is for (default 0)")
     peek.add_argument("--num", type=_positive("--num", 0), default=10, help="how many samples (default 10)")

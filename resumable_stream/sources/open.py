@@ -21,19 +21,20 @@ from .resolve import (
 )
 
 
-def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[[], None] | None = None,
+def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[[int], None] | None = None,
                 footers: dict[str, bytes] | None = None) -> Source:
     """Open a dataset split. Raises ConfigError / SourceError with the reason.
 
     Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
     own) with ``data.timeout_s`` on every HTTP connection and read. Files of a registered format (parquet)
     are read from their dataset index: ``index`` when given (checked against the config; nothing is resolved
-    then), otherwise built here (``progress()`` after each file). Anything else is read by ``datasets``.
+    then), otherwise built here (``progress(number of files)`` after each file). Anything else is read by
+    ``datasets``.
 
     Args:
         spec: the dataset's ``StreamConfig.source_spec``.
         index: a dataset index of it (from a checkpoint, a file or rank 0); None: resolve and build one.
-        progress: called after each file indexed.
+        progress: called after each file indexed, with the number of files (a progress bar's total).
         footers: the raw metadata (parquet footers) of the index's files already read elsewhere (path -> bytes,
             checked against the index).
     Returns:

@@ -340,17 +340,19 @@ def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, fo
 
 
 def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], features, retry: RetryPolicy | None,
-                progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
+                progress: Callable[[int], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the
     reader's, from the first file). ``footers``: filled with what the reader read that it may reuse. A growing
-    dataset leaves out the files not complete yet (``index_entry``)."""
+    dataset leaves out the files not complete yet (``index_entry``). ``progress(len(files))`` after each file
+    (the total, for a progress bar)."""
     reader = fmt.load()
     known = hub_identities(files, retry)
     known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
     read: dict[str, bytes] = {}
     growing = spec.growth.growing
     entries = map_files(lambda f: index_entry(reader, f, retry, known.get(f) or file_identity(f, retry), read,
-                                              growing), files, progress)
+                                              growing), files,
+                        progress and (lambda: progress(len(files))))
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "
