@@ -70,12 +70,26 @@ def _anchors(page: str) -> set[str]:
 
 # ------------------------------------------------------------------------------ structure and links
 
-def test_readme_is_short_and_links_every_docs_page():
+def _readme_section(title: str) -> str:
+    return _read("README.md").split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_is_short_and_its_doc_table_links_every_docs_page_and_command():
     size = len(_read("README.md").encode())
     assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes; the limit is {README_LIMIT_BYTES}"
-    linked = {os.path.normpath(t) for t in LINK.findall(_read("README.md"))}
+    table = _readme_section("Documentation")
+    linked = {os.path.normpath(t.partition("#")[0]) for t in LINK.findall(table)}
     missing = [p for p in PAGES[1:] if os.path.normpath(p) not in linked]
-    assert not missing, f"docs pages the README does not link: {missing}"
+    assert not missing, f"docs pages the README's documentation table does not link: {missing}"
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    unnamed = [c for c in commands if f"`{c}`" not in table]
+    assert not unnamed, f"commands the README's documentation table does not name: {unnamed}"
+
+
+def test_readme_install_lists_every_extra():
+    listed = set(re.findall(r"'\.\[([\w-]+)\]'", _readme_section("Install")))
+    assert listed == _extras(), f"README lists {sorted(listed)}; pyproject.toml has {sorted(_extras())}"
 
 
 def test_readme_quick_start_is_exactly_two_commands():
