@@ -64,10 +64,11 @@ def cmd_peek(args: argparse.Namespace) -> int:
     from ..config.stream_config import StreamConfig
     from ..observe import metrics
     from ..state.names import MANIFEST, rank_file_name
-    from ..stream.mixture import open_stream
+
+    cfg = StreamConfig.from_yaml(args.config, args.overrides)
+    from ..stream.mixture import open_stream  # torch, pyarrow, datasets: after the config passed
 
     before = metrics.reading()
-    cfg = StreamConfig.from_yaml(args.config, args.overrides)
     if args.resume_from:
         resume = args.resume_from
         # a directory written by `peek --save-state DIR` for one rank of several has no manifest: take the file
@@ -254,9 +255,9 @@ def _parse_ranks(text: str) -> list[int] | None:
 def cmd_warmup(args: argparse.Namespace) -> int:
     from ..config.stream_config import StreamConfig
     from ..observe import metrics
-    from .warmup import run_warmup
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)     # a mixture: every source's blocks
+    from .warmup import run_warmup  # the readers: after the config passed
     before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
@@ -274,9 +275,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from ..config.stream_config import StreamConfig
-    from ..sources.index import save_index
 
     cfg = StreamConfig.from_yaml(args.config, args.overrides)
+    from ..sources.index import save_index  # the readers: after the config passed
     if isinstance(cfg, StreamConfig):
         source = _build_index(cfg, args, "data.")
         save_index(args.output, source.index)

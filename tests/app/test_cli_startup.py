@@ -14,6 +14,8 @@ from repo_paths import REPO_ROOT
 from resumable_stream.app.cli import build_parser, main
 from resumable_stream.testing import write_parquet_dataset
 
+STREAM_YAML = os.path.join(REPO_ROOT, "examples", "tiny", "stream.yaml")
+
 # what takes seconds to import (torch alone ~1.5 s on 2 cores); none is needed to parse a command line
 HEAVY = {"torch", "datasets", "transformers", "accelerate", "pyarrow", "numpy", "pandas", "huggingface_hub",
          "safetensors", "matplotlib", "tqdm"}
@@ -45,6 +47,10 @@ def _imported_modules(args: list[str]) -> tuple[int, set[str], str]:
     (["peek"], 2, "the following arguments are required: config"),
     (["peek", "cfg.yaml", "--num", "-1"], 2, "--num: got -1; allowed: an integer >= 0"),
     (["no-such-command"], 2, "invalid choice: 'no-such-command'"),
+    # a mistyped key: the config is checked before the readers are imported
+    (["peek", STREAM_YAML, "data.bufer_size=3"], 2, "unknown key data.bufer_size; did you mean data.buffer_size?"),
+    (["warmup", STREAM_YAML, "data.shuffle_seed=x"], 2, "data.shuffle_seed"),
+    (["index", STREAM_YAML, "-o", "i.json", "data.split=3"], 2, "data.split"),
 ])
 def test_help_version_and_argument_errors_import_no_heavy_library(args, code, says):
     returncode, imported, stderr = _imported_modules(args)
