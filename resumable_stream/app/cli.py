@@ -374,58 +374,61 @@ def _add_overrides(parser: argparse.ArgumentParser, what: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
-                                description="Exactly resumable HuggingFace streaming datasets for training.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+                                description="Exactly resumable HuggingFace streaming datasets for training.",
+                                epilog="`resumable-stream COMMAND --help` for a command's options; examples and "
+                                       "their output: docs/cli.md")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the package version and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 
     peek = sub.add_parser("peek", help="print the next samples a rank will read, as JSON lines")
-    peek.add_argument("config", help="yaml file with a data: section (or only data keys)")
+    peek.add_argument("config", metavar="CONFIG", help="yaml file with a data: section (or only data keys)")
     _add_overrides(peek, "data keys to override")
-    peek.add_argument("--rank", type=_positive("--rank", 0), default=0,
+    peek.add_argument("--rank", type=_positive("--rank", 0), default=0, metavar="R",
                       help="the rank whose samples to print, 0 .. W-1 (default 0)")
-    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1,
+    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1, metavar="W",
                       help="ranks W of the run the state is for (default 1)")
-    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0,
+    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0, metavar="K",
                       help="DataLoader workers per rank the state is for (default 0)")
-    peek.add_argument("--num", type=_positive("--num", 0), default=10, help="how many samples (default 10)")
-    peek.add_argument("--resume-from", help="a sidecar file, stream_state dir or checkpoint dir to start from")
-    peek.add_argument("--save-state", help="write the state after the printed samples (file.safetensors or dir)")
-    peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
+    peek.add_argument("--num", type=_positive("--num", 0), default=10, metavar="N", help="how many samples (default 10)")
+    peek.add_argument("--resume-from", metavar="PATH", help="a sidecar file, stream_state dir or checkpoint dir to start from")
+    peek.add_argument("--save-state", metavar="PATH", help="write the state after the printed samples (file.safetensors or dir)")
+    peek.add_argument("--fields", metavar="a,b", help="comma-separated columns to print (default: all)")
     peek.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
                                                              "response times, retries, cache) as JSON on stderr")
     peek.set_defaults(func=cmd_peek)
 
     train = sub.add_parser("train", help="train a model from one yaml (model/data/train; text, or vision-language "
                                          "with data.format vl); torchrun-compatible")
-    train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
+    train.add_argument("config", metavar="CONFIG", help="trainer yaml with model:, data: and train: sections")
     _add_overrides(train, "keys of the yaml to override, e.g. train.max_steps=5 data.shuffle_seed=7")
     train.set_defaults(func=cmd_train)
 
     lf = sub.add_parser("llamafactory", help="train with LLaMA-Factory (its yaml, template, callbacks and saves) "
                                              "from a resumable stream: llamafactory train CONFIG [key=value ...]")
     lf.add_argument("lf_command", metavar="train", help="train (as llamafactory-cli train)")
-    lf.add_argument("config", help="the yaml llamafactory-cli train takes, plus an optional resumable_stream: "
+    lf.add_argument("config", metavar="CONFIG", help="the yaml llamafactory-cli train takes, plus an optional resumable_stream: "
                                    "section")
     lf.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
                     help="overrides, as llamafactory-cli takes them (OmegaConf dotlist)")
     lf.set_defaults(func=cmd_llamafactory)
 
     warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
-    warm.add_argument("config", help="yaml file with a data: section that sets cache_dir")
+    warm.add_argument("config", metavar="CONFIG", help="yaml file with a data: section that sets cache_dir")
     _add_overrides(warm, "data keys to override")
     warm.add_argument("--from", dest="from_", metavar="CHECKPOINT",
                       help="start from these cursors (checkpoint dir, stream_state dir or sidecar file); "
                            "default data.resume_state_path, else a fresh start")
-    warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000,
+    warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000, metavar="N",
                       help="samples per rank to warm (default 100000)")
-    warm.add_argument("--world-size", type=_positive("--world-size", 1), default=None,
+    warm.add_argument("--world-size", type=_positive("--world-size", 1), default=None, metavar="W",
                       help="ranks of the run (default: the checkpoint's, else 1)")
-    warm.add_argument("--ranks", type=_parse_ranks, default=None,
+    warm.add_argument("--ranks", type=_parse_ranks, default=None, metavar="RANKS",
                       help="all (default) or a comma-separated list, e.g. 0,3 (the ranks of this node)")
-    warm.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None,
+    warm.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None, metavar="K",
                       help="DataLoader workers per rank (default: the checkpoint's, else 0)")
-    warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, help="parallel fetches (default 8)")
+    warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, metavar="J", help="parallel fetches (default 8)")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
     warm.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
                                                              "response times, retries, cache) as JSON on stderr")
@@ -433,16 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     idx = sub.add_parser("index", help="resolve a parquet dataset (or each source of a mixture) once and write its "
                                        "dataset index (files, identities, row-group layout) for data.index_path")
-    idx.add_argument("config", help="yaml file with a data: section")
+    idx.add_argument("config", metavar="CONFIG", help="yaml file with a data: section")
     _add_overrides(idx, "data keys to override")
-    idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON); for a mixture a "
+    idx.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the index (JSON); for a mixture a "
                                                             "directory, one LABEL.json per source")
     idx.add_argument("--no-progress", action="store_true", help="no progress bar")
     idx.set_defaults(func=cmd_index)
 
     insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON, with each "
                                           "partition's epoch and fraction of it consumed")
-    insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
+    insp.add_argument("path", metavar="PATH", help="a rank-NNNNN.safetensors file, a stream_state dir, a checkpoint dir or a run's output_dir")
     insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
     insp.set_defaults(func=cmd_inspect)
 

@@ -44,7 +44,7 @@ def _imported_modules(args: list[str]) -> tuple[int, set[str], str]:
     (["peek", "--help"], 0, ""),
     (["report", "--help"], 0, ""),     # (`train --help` too, but the lane guard takes it for a training)
     (["llamafactory", "--help"], 0, ""),
-    (["peek"], 2, "the following arguments are required: config"),
+    (["peek"], 2, "the following arguments are required: CONFIG"),
     (["peek", "cfg.yaml", "--num", "-1"], 2, "--num: got -1; allowed: an integer >= 0"),
     (["no-such-command"], 2, "invalid choice: 'no-such-command'"),
     # a mistyped key: the config is checked before the readers are imported
