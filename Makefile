@@ -5,18 +5,26 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore bench bench-peers clean
 
-$(VENV)/.installed: pyproject.toml
+TORCH ?= 2.13.0
+
+# The package and the CPU build of torch, first (.ci/install-torch: the PyTorch CPU index if it answers, else
+# pip's configured index; an unpinned torch from PyPI is the multi-GB CUDA build): all the demos need.
+$(VENV)/.base: pyproject.toml .ci/install-torch
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU build first: an unpinned torch would pull a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	.ci/install-torch $(PY) $(TORCH)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# + the dev extra (pytest, ruff, hypothesis, moto, s3fs, torchdata, ...): the tests and benchmarks
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.base
 	$(PY) examples/demo.py
 
-stream-demo: $(VENV)/.installed
+stream-demo: $(VENV)/.base
 	$(PY) examples/stream_demo.py
 
 test: $(VENV)/.installed

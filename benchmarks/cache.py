@@ -90,12 +90,12 @@ def bench_http(path: str, bandwidth: float, latency: float, jobs: int, warm_samp
             cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url(f) for f in files],
                                shuffle=True, buffer_size=BUFFER)
             t0 = time.perf_counter()
-            src = open_source(cfg)
+            src = open_source(cfg.source_spec)
             out["open_s"] = time.perf_counter() - t0
             total = sum(s.num_rows for s in src.shards)
 
             def cached(name):
-                return CachedSource(src, cfg.replace(cache_dir=os.path.join(work, name)))
+                return CachedSource(src, cfg.replace(cache_dir=os.path.join(work, name)).cache_spec)
 
             srv.reset_stats()
             rows, secs, _ = _epoch(cfg, src, 0)
@@ -147,7 +147,7 @@ def bench_local(path: str, repeats: int) -> dict:
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=_common.parquet_glob(path), shuffle=True,
                        buffer_size=BUFFER)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     work = tempfile.mkdtemp(prefix="rs-bench-cache-local-")
     best = {"off": 0.0, "cold": 0.0, "warm": 0.0}
     try:
@@ -155,9 +155,9 @@ def bench_local(path: str, repeats: int) -> dict:
             rows, secs, _ = _epoch(cfg, src, 0)
             best["off"] = max(best["off"], rows / secs)
             d = os.path.join(work, f"c{r}")
-            rows, secs, _ = _epoch(cfg, CachedSource(src, cfg.replace(cache_dir=d)), 0)
+            rows, secs, _ = _epoch(cfg, CachedSource(src, cfg.replace(cache_dir=d).cache_spec), 0)
             best["cold"] = max(best["cold"], rows / secs)
-            rows, secs, _ = _epoch(cfg, CachedSource(src, cfg.replace(cache_dir=d)), 1)
+            rows, secs, _ = _epoch(cfg, CachedSource(src, cfg.replace(cache_dir=d).cache_spec), 1)
             best["warm"] = max(best["warm"], rows / secs)
             shutil.rmtree(d, ignore_errors=True)
     finally:

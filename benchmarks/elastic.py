@@ -70,7 +70,7 @@ def child_ours(path: str, buffer: int, checkpoint: str, world: int, rank: int) -
     _common.quiet_logs()
     cfg = make_config(path, buffer)
     t0 = time.perf_counter()
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     t1 = time.perf_counter()
     stream = ResumableStream(cfg, rank=rank, world_size=world, source=source)
     stream.load_sidecar(checkpoint)
@@ -119,7 +119,7 @@ def write_checkpoint(cfg, state_dir: str, per_rank: int) -> float:
     from resumable_stream.sources import open_source
     from resumable_stream.state.checkpoint import write_manifest
 
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     t0 = time.perf_counter()
     for rank in range(SAVED_WORLD):
         stream = ResumableStream(cfg, rank=rank, world_size=SAVED_WORLD, source=source)

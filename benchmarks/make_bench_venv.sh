@@ -4,8 +4,8 @@
 #
 #   benchmarks/make_bench_venv.sh [VENV]        (or: make bench-peers-venv)
 #
-# * torch==2.13.0 is installed first and then pinned with a constraints file: the peers' own torch requirements
-#   would otherwise let pip pick another (multi-GB CUDA) torch build.
+# * torch==2.13.0 is installed first (the CPU build: .ci/install-torch) and then pinned with a constraints file:
+#   the peers' own torch requirements would otherwise let pip pick another (multi-GB CUDA) torch build.
 # * mosaicml-streaming 0.13.0 requires transformers<5 (hence huggingface-hub<1), which no datasets 5.x allows,
 #   and the dev extra's s3fs pins an fsspec that datasets 4.x refuses: `pip install .[dev,bench]` has no
 #   solution. Its reader does not need transformers (only its text converters and its dataloader's type
@@ -18,12 +18,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-bench}"
 PYTHON="${PYTHON:-python3}"
-TORCH="torch==2.13.0"
+TORCH_VERSION=2.13.0
+TORCH="torch==$TORCH_VERSION"
 
 "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "$TORCH"
+"$ROOT/.ci/install-torch" "$PY" "$TORCH_VERSION"
 CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
 printf '%s\n' "$TORCH" "numpy<2.2.0" > "$CONSTRAINTS"

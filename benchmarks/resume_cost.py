@@ -81,7 +81,7 @@ def child(path: str, sidecar: str) -> dict:
     resume = sidecar or None
     cfg = make_config(path, resume)
     t0 = time.perf_counter()
-    source = open_source(cfg)              # what ResumableStream(cfg) does when no source is given
+    source = open_source(cfg.source_spec)              # what ResumableStream(cfg) does when no source is given
     t1 = time.perf_counter()
     stream = ResumableStream(cfg, rank=0, world_size=1, source=source)   # loads the sidecar
     t2 = time.perf_counter()
@@ -135,7 +135,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="rs-bench-resume-")
     try:
         cfg = make_config(path)
-        source = CountingSource(open_source(cfg))
+        source = CountingSource(open_source(cfg.source_spec))
         budget = BUFFER + _common.ROW_GROUP_SIZE
         points = {"early": args.early, "late": late}
         sidecars, counts, checks = {}, {}, {}

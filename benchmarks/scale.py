@@ -78,7 +78,7 @@ def state_at_scale(data_dir: str, files_list, ranks_list) -> list[dict]:
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=_common.parquet_glob(path), shuffle=True,
                            buffer_size=64)
         t0 = time.perf_counter()
-        source = open_source(cfg)
+        source = open_source(cfg.source_spec)
         opened = time.perf_counter() - t0
         for world in ranks_list:
             out = tempfile.mkdtemp(prefix="rs-scale-")
@@ -148,7 +148,7 @@ def per_batch_cost(data_dir: str, rows: int, repeats: int) -> dict:
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=_common.parquet_glob(many_shards(data_dir)),
                        shuffle=True, buffer_size=16384)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
 
     # rows per CPU-second (process time): on a shared machine wall time measures the neighbours
     def bare() -> float:

@@ -76,7 +76,7 @@ def main() -> int:
         cfg = StreamConfig(dataset_name_or_path="webdataset", data_files=[url], buffer_size=256)
         srv.latency_s = args.latency_ms / 1000
         t0 = time.perf_counter()
-        src = open_source(cfg)
+        src = open_source(cfg.source_spec)
         index_s, index_bytes = time.perf_counter() - t0, srv.stats()["bytes_sent"]
         srv.latency_s = 0.0
         stream = ResumableStream(cfg, source=src)
@@ -87,7 +87,7 @@ def main() -> int:
         srv.latency_s = args.latency_ms / 1000
         srv.reset_stats()
         t0 = time.perf_counter()
-        resumed = ResumableStream(cfg, source=open_source(cfg, index=src.index))
+        resumed = ResumableStream(cfg, source=open_source(cfg.source_spec, index=src.index))
         resumed.load_state_dict(state)
         first = next(iter(resumed))
         ours_s, ours = time.perf_counter() - t0, srv.stats()

@@ -317,7 +317,12 @@ class StreamLoader:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
 
     def pop_consumed_keys(self) -> list[str]:
-        """Keys of the samples in the batches handed out since the last call (needs ``keep_keys``)."""
+        """Keys of the samples in the batches handed out since the last call (needs ``keep_keys``).
+
+        Returns:
+            the keys (``key_fn``'s; by default ``"shard:row"``, ``"label/shard:row"`` in a mixture), in hand-out
+            order; the loader forgets them.
+        """
         if not self.keep_keys:
             raise ConfigError("pop_consumed_keys: this StreamLoader does not keep the keys of the samples it hands "
                               "out (they would pile up with every batch); create it with keep_keys=True, or set "
@@ -386,7 +391,15 @@ class StreamLoader:
         return snap
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
-        """Restore cursors and transform carries; same ranks and workers also restore the batch rotation."""
+        """Restore cursors and transform carries; same ranks and workers also restore the batch rotation.
+
+        Args:
+            state: a :meth:`state_dict` (of this rank; or, after an elastic change, gathered by
+                ``load_sidecar``).
+            where: how the state is named in errors.
+        Raises:
+            StreamMismatchError: other data, transform, order settings or topology than the saved ones (named).
+        """
         self.stream.load_state_dict(state, where)
         mine = {int(p): ps for p, ps in state["partitions"].items() if int(p) in self.stream.partitions}
         if self.processor_factory is None and any(ps.get("extra") for ps in mine.values()):

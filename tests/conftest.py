@@ -85,7 +85,7 @@ def source(cfg):
     """``cfg``'s source, opened once per module."""
     from resumable_stream.sources import open_source
 
-    return open_source(cfg)
+    return open_source(cfg.source_spec)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ resolved; the CLI reference against the parser's options; every relative link an
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import copy
@@ -69,12 +70,26 @@ def _anchors(page: str) -> set[str]:
 
 # ------------------------------------------------------------------------------ structure and links
 
-def test_readme_is_short_and_links_every_docs_page():
+def _readme_section(title: str) -> str:
+    return _read("README.md").split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_is_short_and_its_doc_table_links_every_docs_page_and_command():
     size = len(_read("README.md").encode())
     assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes; the limit is {README_LIMIT_BYTES}"
-    linked = {os.path.normpath(t) for t in LINK.findall(_read("README.md"))}
+    table = _readme_section("Documentation")
+    linked = {os.path.normpath(t.partition("#")[0]) for t in LINK.findall(table)}
     missing = [p for p in PAGES[1:] if os.path.normpath(p) not in linked]
-    assert not missing, f"docs pages the README does not link: {missing}"
+    assert not missing, f"docs pages the README's documentation table does not link: {missing}"
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    unnamed = [c for c in commands if f"`{c}`" not in table]
+    assert not unnamed, f"commands the README's documentation table does not name: {unnamed}"
+
+
+def test_readme_install_lists_every_extra():
+    listed = set(re.findall(r"'\.\[([\w-]+)\]'", _readme_section("Install")))
+    assert listed == _extras(), f"README lists {sorted(listed)}; pyproject.toml has {sorted(_extras())}"
 
 
 def test_readme_quick_start_is_exactly_two_commands():
@@ -309,41 +324,119 @@ def test_the_command_check_catches_a_wrong_command(argv):
         check_command(argv)
 
 
-def _cli_options() -> dict[str, list[set[str]]]:
-    """Per subcommand, the option strings of each of its options (e.g. {"-o", "--output"})."""
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    return {name: [set(a.option_strings) for a in p._actions if a.option_strings and a.dest != "help"]
-            for name, p in sub.choices.items()}
+    return next(a for a in parser._actions if a.dest == "command").choices
 
 
-def _cli_synopses(text: str) -> dict[str, set[str]]:
-    """The options named in each ``resumable-stream CMD ...`` synopsis of docs/cli.md (the command line and
-    its deeply indented continuation lines, not the prose under it)."""
-    documented: dict[str, set[str]] = {}
-    current = None
-    for line in text.splitlines():
-        m = re.match(r"^resumable-stream (\w+)", line)
-        if m:
-            current = m.group(1)
-            documented.setdefault(current, set())
-        elif not line.startswith(" " * 8):
-            current = None
-        if current:
-            documented[current] |= set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", line[len("resumable-stream"):]))
-    return documented
+def _cli_sections(text: str) -> dict[str, str]:
+    """docs/cli.md's one-word ``## COMMAND`` sections: command -> its text (up to the next ``## ``)."""
+    parts = re.split(r"^## (\S+)[ \t]*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1].split("\n## ", 1)[0] for i in range(1, len(parts), 2)}
 
 
-def test_cli_reference_documents_every_command_and_option_and_nothing_else():
-    documented = _cli_synopses(_read("docs/cli.md"))
-    options = _cli_options()
-    assert set(documented) == set(options), f"documented {sorted(documented)}, parser has {sorted(options)}"
-    for name, opts in options.items():
-        missing = [sorted(o) for o in opts if not o & documented[name]]
-        assert not missing, f"docs/cli.md: resumable-stream {name}: options not documented: {missing}"
-        known = set().union(*opts) if opts else set()
-        assert documented[name] <= known, f"resumable-stream {name}: documented options it does not have: " \
-                                          f"{sorted(documented[name] - known)}"
+def _table_rows(section: str) -> list[list[str]]:
+    """The cells of every table row of a section, outside its fenced blocks (``\\|`` is a | in a cell)."""
+    rows = []
+    for line in FENCE.sub("", section).splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-|\s]+\|$", line):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows[1:] if rows else rows       # less the header
+
+
+def _option_strings(cell: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", cell))
+
+
+def cli_table_problems(name: str, section: str, parser) -> list[str]:
+    """What the section of command ``name`` gets wrong about ``parser``'s arguments: an option or positional
+    argument missing from its table, an option the parser does not have, a default the parser does not use."""
+    rows = _table_rows(section)
+    first = {i: _option_strings(r[0]) for i, r in enumerate(rows)}
+    problems = []
+    known = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if not action.option_strings:                       # positional: by its metavar or name
+            shown = action.metavar or action.dest.upper()
+            if not any(f"`{shown}" in r[0] for r in rows):
+                problems.append(f"argument {shown} not in the table")
+            continue
+        known |= set(action.option_strings)
+        hits = [i for i, opts in first.items() if opts & set(action.option_strings)]
+        if not hits:
+            problems.append(f"option {'/'.join(action.option_strings)} not in the table")
+        elif not set(action.option_strings) <= first[hits[0]]:
+            problems.append(f"option {'/'.join(action.option_strings)}: the table names only "
+                            f"{sorted(first[hits[0]])}")
+        elif action.default not in (None, False) and str(action.default) not in rows[hits[0]][1]:
+            problems.append(f"option {action.option_strings[-1]}: the parser's default is {action.default!r}, "
+                            f"the table says {rows[hits[0]][1]!r}")
+    stray = set().union(*first.values()) - known if first else set()
+    problems += [f"option {o} in the table, not in the parser" for o in sorted(stray)]
+    return problems
+
+
+def test_cli_reference_has_a_section_per_command_and_no_other():
+    sections = _cli_sections(_read("docs/cli.md"))
+    assert set(sections) == set(_subcommands()), f"sections {sorted(sections)}, commands {sorted(_subcommands())}"
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_cli_reference_tables_every_argument_of_a_command_with_its_default(name):
+    section = _cli_sections(_read("docs/cli.md")).get(name, "")
+    problems = cli_table_problems(name, section, _subcommands()[name])
+    assert not problems, f"docs/cli.md, ## {name}: {problems}"
+
+
+@pytest.mark.parametrize("name", sorted(_subcommands()))
+def test_cli_reference_shows_each_command_with_an_example_and_its_output(name):
+    section = _cli_sections(_read("docs/cli.md")).get(name, "")
+    fences = [(m.group(1), m.group(2)) for m in FENCE.finditer(section)]
+    synopsis = [body for lang, body in fences if lang == "text" and body.startswith(f"resumable-stream {name} ")]
+    assert synopsis, f"## {name}: no synopsis block (```text, starting 'resumable-stream {name} ')"
+    known = set().union(*(a.option_strings for a in _subcommands()[name]._actions))
+    assert _option_strings(synopsis[0].replace(f"resumable-stream {name}", "")) <= known, synopsis[0]
+    example = next((i for i, (lang, body) in enumerate(fences)
+                    if lang == "bash" and re.search(rf"^resumable-stream {name}\b", body, re.M)), None)
+    assert example is not None, f"## {name}: no ```bash example running resumable-stream {name}"
+    assert any(lang == "text" and body.strip() for lang, body in fences[example + 1:]), \
+        f"## {name}: no ```text block with the example's output after it"
+
+
+def test_cli_reference_peek_example_prints_what_the_page_shows(tmp_path, monkeypatch, capsys):
+    """The peek example's output on the page is peek's: the same samples, the state saved and resumed."""
+    from resumable_stream.app.cli import main
+
+    section = _cli_sections(_read("docs/cli.md"))["peek"]
+    fences = [(m.group(1), m.group(2)) for m in FENCE.finditer(section)]
+    i = next(i for i, (lang, body) in enumerate(fences) if lang == "bash")
+    commands = [shlex.split(line) for line in fences[i][1].splitlines() if line.strip()]
+    shown = [group.splitlines() for group in fences[i + 1][1].strip().split("\n\n")]
+    assert len(commands) == len(shown) == 3
+    monkeypatch.chdir(tmp_path)            # runs/peek-state is written here
+    for argv, lines in zip(commands, shown):
+        argv = [os.path.join(ROOT, a) if a.startswith("examples/") else a for a in argv]
+        assert main(argv[1:]) == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines() == [x for x in lines if not x.startswith(('{"stats"', "saved "))]
+        assert [x for x in err.splitlines() if x.startswith("saved ")] == [x for x in lines if x.startswith("saved ")]
+
+
+def test_the_cli_table_check_catches_a_missing_option_a_stray_one_and_a_wrong_default():
+    peek = _subcommands()["peek"]
+    good = _cli_sections(_read("docs/cli.md"))["peek"]
+    assert cli_table_problems("peek", good, peek) == []
+    bad = good.replace("| `--stats` |", "| `--statz` |").replace("| `--num N` | 10 |", "| `--num N` | 20 |")
+    bad = bad.replace("| `--fields a,b` |", "| `--columns a,b` |").replace("| `CONFIG` |", "| config |")
+    assert cli_table_problems("peek", bad, peek) == [
+        "argument CONFIG not in the table",
+        "option --num: the parser's default is 10, the table says '20'",
+        "option --fields not in the table",
+        "option --stats not in the table",
+        "option --columns in the table, not in the parser",
+        "option --statz in the table, not in the parser"]
 
 
 def test_cli_reference_documents_the_global_options():
@@ -352,11 +445,6 @@ def test_cli_reference_documents_the_global_options():
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             assert any(f"resumable-stream {o}" in text for o in action.option_strings), action.option_strings
-
-
-def test_the_cli_reference_check_catches_a_missing_and_a_stray_option():
-    documented = _cli_synopses("resumable-stream index CONFIG --output PATH --bogus\n")
-    assert documented == {"index": {"--output", "--bogus"}}
 
 
 # ------------------------------------------------------------------------------ python
@@ -376,3 +464,56 @@ def test_python_examples_compile_and_their_imports_exist(page, line, body):
             for alias in node.names:
                 if alias.name.startswith("resumable_stream"):
                     importlib.import_module(alias.name)
+
+
+# Every name the prose shows (inline `from resumable_stream.x import y`, or a dotted `resumable_stream.x.y`) still
+# imports: the house moved modules, and docs must not point at a name that is gone.
+_INLINE_IMPORT = re.compile(r"from (resumable_stream[\w.]*) import ([\w, ]+)")
+_DOTTED = re.compile(r"\bresumable_stream(?:\.\w+)+")
+
+
+def _named_in_prose() -> list[tuple[str, str, tuple[str, ...]]]:
+    found = []
+    for page in PAGES:
+        text = _read(page)
+        for m in _INLINE_IMPORT.finditer(text):
+            found.append((page, m.group(1), tuple(n.strip() for n in m.group(2).split(",") if n.strip())))
+        for m in _DOTTED.finditer(text):
+            found.append((page, m.group(0), ()))
+    return sorted(set(found))
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` is a module, or a name reached from the longest module prefix of it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+NAMED = _named_in_prose()
+
+
+def test_there_are_names_in_prose_to_check():
+    assert len(NAMED) > 20, NAMED
+
+
+@pytest.mark.parametrize("page,dotted,names", NAMED, ids=[f"{p}:{d}" for p, d, _ in NAMED])
+def test_every_name_the_docs_show_imports(page, dotted, names):
+    assert _resolves(dotted), f"{page}: {dotted} does not import"
+    for name in names:
+        assert _resolves(f"{dotted}.{name}"), f"{page}: from {dotted} import {name} fails"
+
+
+def test_the_name_check_catches_a_missing_name():
+    assert _resolves("resumable_stream.state.checkpoint.save")
+    assert not _resolves("resumable_stream.state.checkpoint.no_such_name")
+    assert not _resolves("resumable_stream.no_such_module")

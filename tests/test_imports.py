@@ -206,12 +206,101 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
     assert not found, "imports that climb the layers:\n" + "\n".join("  " + f for f in found)
 
 
+# Below config/ each stage takes the small spec it needs (config/specs.py: DataSpec, NetPolicy, ReadSpec, GrowthSpec,
+# IndexSpec, SourceSpec, CacheSpec), never the whole StreamConfig: the streams' public constructors
+# (ResumableStream(cfg), MixtureStream(cfg), open_stream(cfg)) take it and build the specs once; the loader, the
+# integrations and the app sit above and hand it to them (docs/architecture.md, "Specs, not the whole config").
+WHOLE_CONFIG = (f"{PACKAGE}.config", f"{PACKAGE}.config.stream_config")
+PUBLIC_CONSTRUCTORS = (f"{PACKAGE}.stream.single", f"{PACKAGE}.stream.mixture")
+
+
+def whole_config_takers(package_dir: Path = PACKAGE_DIR, package: str = PACKAGE) -> list[str]:
+    """Modules of the stages between config/ and the streams' constructors that import the whole config, and
+    their functions with a parameter annotated StreamConfig / MixtureConfig or an untyped ``cfg`` / ``config``."""
+    graph, files = import_graph(package_dir, package), module_files(package_dir, package)
+    lo, hi = LAYERS.index(("config",)), LAYERS.index(("loader",))
+    found = []
+    for module, path in sorted(files.items()):
+        layer = layer_of(module) if module in graph else None
+        if layer is None or not lo < layer < hi:
+            continue
+        if module not in PUBLIC_CONSTRUCTORS:
+            found += [f"{module} imports {dep}" for dep in sorted(graph[module]) if dep.startswith(WHOLE_CONFIG)
+                      and dep in WHOLE_CONFIG]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name == "__init__" and \
+                    module in PUBLIC_CONSTRUCTORS or node.name == "open_stream":
+                continue
+            for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                ann = ast.unparse(a.annotation) if a.annotation else ""
+                if "StreamConfig" in ann or "MixtureConfig" in ann or (not ann and a.arg in ("cfg", "config")):
+                    found.append(f"{module}.{node.name}({a.arg}{': ' + ann if ann else ''})")
+    return found
+
+
+def test_whole_config_takers_reads_an_import_and_a_parameter(tmp_path):
+    pkg = _write(tmp_path / PACKAGE, {
+        "__init__.py": "", "errors.py": "", "config/__init__.py": "", "config/stream_config.py": "S = 1\n",
+        "sources/__init__.py": "", "sources/a.py": "from ..config.stream_config import S\ndef f(x: int): pass\n",
+        "dataset/__init__.py": "", "dataset/b.py": "def g(spec, cfg): pass\n",
+    })
+    assert whole_config_takers(pkg) == [f"{PACKAGE}.dataset.b.g(cfg)", f"{PACKAGE}.sources.a imports "
+                                        f"{PACKAGE}.config.stream_config"]
+
+
+def test_no_stage_below_config_takes_the_whole_config():
+    found = whole_config_takers()
+    assert not found, "the whole StreamConfig below config/ (take a spec of config/specs.py):\n" + "\n".join(
+        "  " + f for f in found)
+
+
+# The one module-level __getattr__ allowed: the package's own, for its public names (PEP 562), which load torch,
+# pyarrow and datasets; it is about startup time (`resumable-stream --help` answers at once,
+# tests/app/test_cli_startup.py), not about a circle: the graph above reads its imports all the same.
+LAZY_NAMES_ALLOWED = ["resumable_stream/__init__.py"]
+
+
 def test_the_top_of_the_package_holds_a_handful_of_modules_and_no_lazy_names():
     top = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
     assert len(top) <= TOP_MODULES_AT_MOST, top
-    lazy = [str(path.relative_to(REPO_ROOT)) for path in module_files(PACKAGE_DIR, PACKAGE).values()
+    lazy = [path.relative_to(REPO_ROOT).as_posix() for path in module_files(PACKAGE_DIR, PACKAGE).values()
             if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(path.read_text()).body)]
-    assert not lazy, f"module-level __getattr__ (names imported lazily to dodge a circle): {lazy}"
+    assert lazy == LAZY_NAMES_ALLOWED, f"module-level __getattr__ (names imported lazily to dodge a circle): {lazy}"
+
+
+_PUBLIC_NAMES = """
+import sys
+import resumable_stream as rs
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "datasets", "pyarrow", "numpy", "yaml"})
+listed = sorted(set(rs.__all__) - set(dir(rs)))
+ns = {}
+exec("from resumable_stream import *", ns)
+star = sorted(set(rs.__all__) - set(ns))
+from resumable_stream.config.stream_config import MixtureConfig, StreamConfig
+from resumable_stream.stream.base import Stream
+from resumable_stream.stream.mixture import MixtureStream, open_stream
+from resumable_stream.stream.single import ResumableStream
+same = all(getattr(rs, n) is globals()[n] for n in
+           ("StreamConfig", "MixtureConfig", "Stream", "MixtureStream", "open_stream", "ResumableStream"))
+try:
+    rs.no_such_name
+    missing = "no error"
+except AttributeError as e:
+    missing = str(e)
+print(repr((heavy, listed, star, same, missing)))
+"""
+
+
+def test_the_public_names_load_on_first_use_and_are_the_modules_own():
+    result = subprocess.run([sys.executable, "-c", _PUBLIC_NAMES], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                             os.environ.get("PYTHONPATH")]))})
+    assert result.returncode == 0, result.stderr
+    heavy, listed, star, same, missing = ast.literal_eval(result.stdout.strip())
+    assert heavy == [], f"`import resumable_stream` imports {heavy}"
+    assert listed == [] and star == [], f"names of __all__ missing from dir(): {listed}, from `import *`: {star}"
+    assert same
+    assert missing == "module 'resumable_stream' has no attribute 'no_such_name'"
 
 
 # Optional extras: an import of the package must not need them (blocked in the subprocess below).

@@ -26,7 +26,7 @@ def _make(cfg, source, num_workers, world_size=1, rank=0, batch_size=8, keep_key
 @pytest.fixture(scope="module")
 def setup(parquet_small):
     cfg = parquet_config(parquet_small, shuffle=True, buffer_size=40)
-    return cfg, open_source(cfg)
+    return cfg, open_source(cfg.source_spec)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -1,5 +1,9 @@
 """``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache,
-index a dataset."""
+index a dataset.
+
+At module level only what the parser needs: each command imports its own modules (torch, pyarrow, datasets
+come with the streams), so that ``--help``, ``--version`` and a mistyped argument answer at once
+(tests/app/test_cli_startup.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +13,13 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..config.stream_config import StreamConfig
 from ..errors import ConfigError, ResumableStreamError, SidecarError
-from ..observe import metrics
-from ..observe.progress import partition_progress, progress_summary
-from ..state.checkpoint import checkpoint_dirs, latest_complete_checkpoint
-from ..state.names import MANIFEST, rank_file_name, rank_of_file_name
-from ..state.relocation import describe_files
+
+if TYPE_CHECKING:
+    from ..config.stream_config import StreamConfig
 
 
 def _show(value: Any) -> Any:
@@ -43,6 +44,8 @@ def _positive(name: str, minimum: int):
 
 def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
     """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
+    from ..observe import metrics
+
     d = metrics.delta(before, metrics.reading(cache=cache))
     d["loader_samples"] = samples or 0
     f = metrics.figures(d)
@@ -65,10 +68,13 @@ def _data_config(args: argparse.Namespace):
 
 
 def cmd_peek(args: argparse.Namespace) -> int:
-    from ..stream.mixture import open_stream
+    from ..observe import metrics
+    from ..state.names import MANIFEST, rank_file_name
+
+    cfg = _data_config(args)
+    from ..stream.mixture import open_stream  # torch, pyarrow, datasets: after the config passed
 
     before = metrics.reading()
-    cfg = _data_config(args)
     if args.resume_from:
         resume = args.resume_from
         # a directory written by `peek --save-state DIR` for one rank of several has no manifest: take the file
@@ -118,6 +124,9 @@ def cmd_peek(args: argparse.Namespace) -> int:
 
 
 def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
+    from ..observe.progress import partition_progress
+    from ..state.relocation import describe_files
+
     fp = state["fingerprint"]
     if state["kind"] == "mixture":   # data.sources: per-partition and per-source progress
         from ..stream.mixture import describe_state
@@ -145,6 +154,8 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
 
 def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
+    from ..observe.progress import partition_progress, progress_summary
+
     if any(st["kind"] == "mixture" for st in states):   # data.sources: per source
         from ..stream.mixture import mixture_progress
 
@@ -156,6 +167,7 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
     """A rank file holds the state of the rank its name says, checked as a resume checks it
     (:func:`resumable_stream.state.checks.check_rank`): one copied or renamed over another rank's is refused."""
     from ..state.checks import check_rank
+    from ..state.names import rank_of_file_name
 
     named = rank_of_file_name(os.path.basename(file))
     if named is not None:
@@ -167,12 +179,15 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..dataset.job_source import saved_index_file
     from ..state.checkpoint import (
+        checkpoint_dirs,
+        latest_complete_checkpoint,
         read_manifest,
         read_rank_state,
         read_state_file,
         read_state_fingerprint,
         state_dir_of,
     )
+    from ..state.names import rank_file_name
 
     path, picked = args.path, None
     if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
@@ -244,9 +259,10 @@ def _parse_ranks(text: str) -> list[int] | None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from .warmup import run_warmup
+    from ..observe import metrics
 
     cfg = _data_config(args)     # a mixture: every source's blocks
+    from .warmup import run_warmup  # the readers: after the config passed
     before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
                         num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
@@ -263,9 +279,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from ..sources.index import save_index
+    from ..config.stream_config import StreamConfig
 
     cfg = _data_config(args)
+    from ..sources.index import save_index  # the readers: after the config passed
     if isinstance(cfg, StreamConfig):
         source = _build_index(cfg, args, "data.")
         save_index(args.output, source.index)
@@ -301,7 +318,11 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     _check_indexable(cfg, args, key)
     desc = "indexing" if label is None else f"indexing {label}"
     with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
-        source = open_source(cfg.replace(resume_state_path=None), progress=lambda: bar.update(1))
+        def file_done(total: int) -> None:
+            bar.total = total       # known once datasets resolved the files
+            bar.update(1)
+
+        source = open_source(cfg.source_spec, progress=file_done)
     index = source.index
     if index is None:
         raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
@@ -358,56 +379,61 @@ def _add_overrides(parser: argparse.ArgumentParser, what: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resumable-stream",
-                                description="Exactly resumable HuggingFace streaming datasets for training.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+                                description="Exactly resumable HuggingFace streaming datasets for training.",
+                                epilog="`resumable-stream COMMAND --help` for a command's options; examples and "
+                                       "their output: docs/cli.md")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the package version and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
 
     peek = sub.add_parser("peek", help="print the next samples a rank will read, as JSON lines")
-    peek.add_argument("config", help="yaml file with a data: section (or only data keys)")
+    peek.add_argument("config", metavar="CONFIG", help="yaml file with a data: section (or only data keys)")
     _add_overrides(peek, "data keys to override")
-    peek.add_argument("--rank", type=_positive("--rank", 0), default=0)
-    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1)
-    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0,
+    peek.add_argument("--rank", type=_positive("--rank", 0), default=0, metavar="R",
+                      help="the rank whose samples to print, 0 .. W-1 (default 0)")
+    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1, metavar="W",
+                      help="ranks W of the run the state is for (default 1)")
+    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0, metavar="K",
                       help="DataLoader workers per rank the state is for (default 0)")
-    peek.add_argument("--num", type=_positive("--num", 0), default=10, help="how many samples (default 10)")
-    peek.add_argument("--resume-from", help="a sidecar file, stream_state dir or checkpoint dir to start from")
-    peek.add_argument("--save-state", help="write the state after the printed samples (file.safetensors or dir)")
-    peek.add_argument("--fields", help="comma-separated columns to print (default: all)")
+    peek.add_argument("--num", type=_positive("--num", 0), default=10, metavar="N", help="how many samples (default 10)")
+    peek.add_argument("--resume-from", metavar="PATH", help="a sidecar file, stream_state dir or checkpoint dir to start from")
+    peek.add_argument("--save-state", metavar="PATH", help="write the state after the printed samples (file.safetensors or dir)")
+    peek.add_argument("--fields", metavar="a,b", help="comma-separated columns to print (default: all)")
     peek.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
                                                              "response times, retries, cache) as JSON on stderr")
     peek.set_defaults(func=cmd_peek)
 
     train = sub.add_parser("train", help="train a model from one yaml (model/data/train; text, or vision-language "
                                          "with data.format vl); torchrun-compatible")
-    train.add_argument("config", help="trainer yaml with model:, data: and train: sections")
+    train.add_argument("config", metavar="CONFIG", help="trainer yaml with model:, data: and train: sections")
     _add_overrides(train, "keys of the yaml to override, e.g. train.max_steps=5 data.shuffle_seed=7")
     train.set_defaults(func=cmd_train)
 
     lf = sub.add_parser("llamafactory", help="train with LLaMA-Factory (its yaml, template, callbacks and saves) "
                                              "from a resumable stream: llamafactory train CONFIG [key=value ...]")
     lf.add_argument("lf_command", metavar="train", help="train (as llamafactory-cli train)")
-    lf.add_argument("config", help="the yaml llamafactory-cli train takes, plus an optional resumable_stream: "
+    lf.add_argument("config", metavar="CONFIG", help="the yaml llamafactory-cli train takes, plus an optional resumable_stream: "
                                    "section")
     lf.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key=value",
                     help="overrides, as llamafactory-cli takes them (OmegaConf dotlist)")
     lf.set_defaults(func=cmd_llamafactory)
 
     warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
-    warm.add_argument("config", help="yaml file with a data: section that sets cache_dir")
+    warm.add_argument("config", metavar="CONFIG", help="yaml file with a data: section that sets cache_dir")
     _add_overrides(warm, "data keys to override")
     warm.add_argument("--from", dest="from_", metavar="CHECKPOINT",
                       help="start from these cursors (checkpoint dir, stream_state dir or sidecar file); "
                            "default data.resume_state_path, else a fresh start")
-    warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000,
+    warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000, metavar="N",
                       help="samples per rank to warm (default 100000)")
-    warm.add_argument("--world-size", type=_positive("--world-size", 1), default=None,
+    warm.add_argument("--world-size", type=_positive("--world-size", 1), default=None, metavar="W",
                       help="ranks of the run (default: the checkpoint's, else 1)")
-    warm.add_argument("--ranks", type=_parse_ranks, default=None,
+    warm.add_argument("--ranks", type=_parse_ranks, default=None, metavar="RANKS",
                       help="all (default) or a comma-separated list, e.g. 0,3 (the ranks of this node)")
-    warm.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None,
+    warm.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None, metavar="K",
                       help="DataLoader workers per rank (default: the checkpoint's, else 0)")
-    warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, help="parallel fetches (default 8)")
+    warm.add_argument("--jobs", type=_positive("--jobs", 1), default=8, metavar="J", help="parallel fetches (default 8)")
     warm.add_argument("--no-progress", action="store_true", help="no progress bar")
     warm.add_argument("--stats", action="store_true", help="print the data path's figures (requests, bytes, "
                                                              "response times, retries, cache) as JSON on stderr")
@@ -415,16 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     idx = sub.add_parser("index", help="resolve a parquet dataset (or each source of a mixture) once and write its "
                                        "dataset index (files, identities, row-group layout) for data.index_path")
-    idx.add_argument("config", help="yaml file with a data: section")
+    idx.add_argument("config", metavar="CONFIG", help="yaml file with a data: section")
     _add_overrides(idx, "data keys to override")
-    idx.add_argument("-o", "--output", required=True, help="where to write the index (JSON); for a mixture a "
+    idx.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the index (JSON); for a mixture a "
                                                             "directory, one LABEL.json per source")
     idx.add_argument("--no-progress", action="store_true", help="no progress bar")
     idx.set_defaults(func=cmd_index)
 
     insp = sub.add_parser("inspect", help="show a sidecar or a checkpoint's stream state as JSON, with each "
                                           "partition's epoch and fraction of it consumed")
-    insp.add_argument("path", help="a rank-NNNNN.safetensors file, a stream_state dir or a checkpoint dir")
+    insp.add_argument("path", metavar="PATH", help="a rank-NNNNN.safetensors file, a stream_state dir, a checkpoint dir or a run's output_dir")
     insp.add_argument("--full", action="store_true", help="list every data file of the fingerprint")
     insp.set_defaults(func=cmd_inspect)
 

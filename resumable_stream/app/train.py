@@ -204,7 +204,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     if vl:
         # image URLs under the data's retries and timeouts (a mixture's are the same for every source)
         net = cfg.stream.sources[0] if isinstance(cfg.stream, MixtureConfig) else cfg.stream
-        processor_factory = functools.partial(VLProcessor, processor, cfg.transform, RetryPolicy(net, remote=True))
+        processor_factory = functools.partial(VLProcessor, processor, cfg.transform, RetryPolicy(net.source_spec.net, remote=True))
         collate_fn = functools.partial(collate_vl, pad_token_id=tokenizer.pad_token_id)
     else:
         processor_factory = functools.partial(TextProcessor, tokenizer, cfg.transform)

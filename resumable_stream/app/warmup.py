@@ -220,7 +220,8 @@ def _open_cached(config: StreamConfig, source: Source | None, block_rows: int | 
                           "local directory")
     if isinstance(source, CachedSource):
         return source
-    return CachedSource(source if source is not None else open_source(config), config, block_rows=block_rows)
+    return CachedSource(source if source is not None else open_source(config.source_spec), config.cache_spec,
+                        block_rows=block_rows)
 
 
 def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = None,
@@ -260,7 +261,8 @@ def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int 
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     if not config.cache_dir:
         _open_cached(config.sources[0], None, block_rows)       # the error naming data.cache_dir
-    opened = sources if sources is not None else open_job_sources(config, state_path=state_path)
+    opened = sources if sources is not None else open_job_sources(
+        [s.source_spec for s in config.sources], list(config.labels), state_path=state_path or config.resume_state_path)
     cached = [_open_cached(scfg, src, block_rows) for scfg, src in zip(config.sources, opened)]
     planners = [_PlanningSource(c) for c in cached]
     written_before = [c.store.stats()["blocks_written"] for c in cached]
@@ -371,7 +373,19 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
                jobs: int = 8, progress: bool = True, source: Source | None = None,
                block_rows: int | None = None) -> WarmupResult:
     """Plan (see :func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch. Warming a warm cache fetches
-    nothing. A mixture's result sums its sources'."""
+    nothing. A mixture's result sums its sources'.
+
+    Args:
+        config: the data section, with ``cache_dir`` set.
+        samples: how many samples each rank will read next.
+        world_size, ranks, num_workers, state_path, block_rows: as :func:`plan_warmup`.
+        jobs: fetches in flight at once.
+        progress: show a progress bar (stderr).
+        source: an opened source to warm (default: opened as the job opens it).
+    Returns:
+        planned, already cached and fetched blocks, bytes, times, and the blocks still not cached after the
+        fetch with the cache's reason (``not_cached`` / ``why``: a full disk, an eviction, a locked cache).
+    """
     keys = dict(world_size=world_size, ranks=ranks, num_workers=num_workers, state_path=state_path,
                 block_rows=block_rows)
     if isinstance(config, MixtureConfig):

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config.stream_config import StreamConfig
+from ..config.specs import CacheSpec
 from ..sources.base import Source
 from .store import DEFAULT_BLOCK_ROWS, BlockStore, namespace
 
@@ -26,27 +26,28 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)   # zero-copy: chunks stay chunks
 
 
-def with_block_cache(source: Source, config: StreamConfig) -> Source:
-    """``source`` behind the local block cache when ``config.cache_dir`` is set (it never changes results)."""
-    if not config.cache_dir or source.is_cached:
+def with_block_cache(source: Source, cache: CacheSpec) -> Source:
+    """``source`` behind the local block cache when ``cache.directory`` is set (it never changes results)."""
+    if not cache.directory or source.is_cached:
         return source
-    return CachedSource(source, config)
+    return CachedSource(source, cache)
 
 
 class CachedSource(Source):
-    """Read-through local block cache; ``config.cache_dir`` / ``config.cache_size_limit_gb``."""
+    """Read-through local block cache: ``cache`` (``data.cache_dir`` / ``data.cache_size_limit_gb``), or the
+    keywords ``cache_dir`` / ``size_limit_gb`` (default 50 GB); ``block_rows``: rows per cached block."""
 
     is_cached = True
 
-    def __init__(self, source: Source, config: StreamConfig | None = None, *, cache_dir: str | None = None,
+    def __init__(self, source: Source, cache: CacheSpec | None = None, *, cache_dir: str | None = None,
                  size_limit_gb: float | None = None, block_rows: int | None = None):
-        directory = cache_dir or (config.cache_dir if config is not None else None)
+        directory = cache_dir or (cache.directory if cache is not None else None)
         if not directory:
             from ..errors import ConfigError
 
             raise ConfigError("data.cache_dir: got null; the block cache needs a directory")
         limit_gb = size_limit_gb if size_limit_gb is not None else (
-            config.cache_size_limit_gb if config is not None else 50)
+            cache.size_limit_gb if cache is not None else 50)
         self.inner = source
         self.shards = source.shards
         self.fingerprint = source.fingerprint

@@ -7,6 +7,7 @@ so a typo in a yaml file never turns into a silently different data order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -21,6 +22,7 @@ from ..errors import ConfigError, UnknownKeyError
 from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
 from . import formats as registry
 from . import overrides as override
+from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
 
 BACKENDS = ("hf", "local")
 
@@ -207,9 +209,21 @@ class StreamConfig:
     @classmethod
     def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None,
                   extra_keys: tuple[str, ...] | None = None) -> StreamConfig | MixtureConfig:
-        """``extra_keys``: other keys of the ``data:`` section (the transform's), accepted and left out.
-        Default: the text transform's keys, so a trainer yaml's data section reads as a stream config.
-        A section with ``sources`` is a weighted mixture of datasets: a :class:`MixtureConfig`."""
+        """The ``data:`` section as a validated config.
+
+        Args:
+            data: the section's mapping (a ``sources`` list makes it a weighted mixture of datasets).
+            base_dir: where relative paths (data_files, index_path, resume_state_path, a local dataset) are
+                looked for first: the yaml's directory.
+            source_file: the yaml it came from (named in errors; not compared).
+            extra_keys: other keys of the ``data:`` section (the transform's), accepted and left out. Default:
+                the text transform's keys, so a trainer yaml's data section reads as a stream config.
+        Returns:
+            a :class:`StreamConfig`, or a :class:`MixtureConfig` for a section with ``sources``.
+        Raises:
+            ConfigError: naming the key, the value and what is allowed (UnknownKeyError for a key no stage
+                reads, with the closest known key).
+        """
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
         if extra_keys is None:
@@ -236,9 +250,17 @@ class StreamConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
-        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section
-        (a :class:`MixtureConfig` when it has ``sources``). ``overrides``: ``key=value`` texts merged in
-        first (:mod:`resumable_stream.config.overrides`)."""
+        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section.
+
+        Args:
+            path: the yaml file; relative paths in it are taken from its directory first.
+            overrides: ``key=value`` texts merged in first (:mod:`resumable_stream.config.overrides`), e.g.
+                ``data.shuffle_seed=7``.
+        Returns:
+            a :class:`StreamConfig`, or a :class:`MixtureConfig` when the section has ``sources``.
+        Raises:
+            ConfigError: the file cannot be read or parsed, or a key has a wrong value (named).
+        """
         path = os.fspath(path)
         try:
             with open(path, encoding="utf-8") as f:
@@ -265,7 +287,27 @@ class StreamConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
 
+    # ----------------------------------------------------------------- the specs of the stages (config/specs.py)
+    @functools.cached_property
+    def source_spec(self) -> SourceSpec:
+        """What opening this dataset needs (resolution, network, readers, growth, index), built once."""
+        return SourceSpec(
+            data=DataSpec(self.dataset_name_or_path, self.backend, bool(self.streaming), self.name, self.data_files,
+                          self.revision, self.data_dir, self.split),
+            net=NetPolicy(self.retries, self.retry_backoff_s, self.timeout_s, self.retry_budget_s,
+                          self.storage_options),
+            read=ReadSpec(self.interleave_shards, self.prefetch_blocks, self.prefetch_memory_mb,
+                          self.max_member_bytes),
+            growth=GrowthSpec(self.growth, self.growth_allow_removal, self.poll_interval_s, self.follow_timeout_s),
+            index=IndexSpec(self.index_path, self.verify_files))
+
+    @functools.cached_property
+    def cache_spec(self) -> CacheSpec:
+        """The block cache's settings (``directory`` None: no cache)."""
+        return CacheSpec(self.cache_dir, self.cache_size_limit_gb)
+
     def replace(self, **changes: Any) -> StreamConfig:
+        """A copy with ``changes`` (data keys), validated again."""
         return dataclasses.replace(self, **changes)
 
 

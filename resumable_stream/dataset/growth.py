@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from ..config import formats as registry
+from ..config.specs import DataSpec, GrowthSpec, SourceSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.hub import hub_commits, unpinned
 from ..limits import is_int
@@ -133,11 +134,11 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     return furthest
 
 
-def joins_at(cfg, index: dict, furthest: int) -> int:
+def joins_at(growth: GrowthSpec, index: dict, furthest: int) -> int:
     """The epoch new files join from, ``furthest`` being the furthest epoch a partition stands in: the next one;
     in follow mode ``furthest`` itself when no generation starts there or later (that epoch has no files, so
     no partition has read any of it: the partitions wait at its start for new files)."""
-    if cfg.growth == "follow" and not any(g["from_epoch"] >= furthest for g in generations(index)):
+    if growth.mode == "follow" and not any(g["from_epoch"] >= furthest for g in generations(index)):
         return furthest
     return furthest + 1
 
@@ -168,7 +169,7 @@ def _file_set(index: dict) -> tuple:
     return tuple(f["path"] for f in index["files"]), repr(generations(index))
 
 
-def _branch_unmoved(cfg, index: dict) -> bool:
+def _branch_unmoved(data: DataSpec, index: dict) -> bool:
     """A running job's Hub branch still points to the commit the index's newest files come from, or to a later
     one this process found to hold the same files (one repo-info request): then no file can have been added,
     changed or removed, and nothing else needs asking. False for data not on one Hub repo, or when the request
@@ -182,21 +183,21 @@ def _branch_unmoved(cfg, index: dict) -> bool:
     repo = repos.pop()
     newest = next(p[repo] for p in pinned if p)
     try:
-        now = commit_sha(repo, cfg.revision)
+        now = commit_sha(repo, data.revision)
     except Exception:
         return False
-    return now == newest or _CHECKED_AT.get((repo, cfg.revision)) == (_file_set(index), now)
+    return now == newest or _CHECKED_AT.get((repo, data.revision)) == (_file_set(index), now)
 
 
-def _remember_unchanged(cfg, index: dict, files_now: list[str]) -> None:
+def _remember_unchanged(data: DataSpec, index: dict, files_now: list[str]) -> None:
     """A full resolution at the branch's commit found the index's files unchanged: remember that commit."""
     commits = hub_commits(files_now)
     if len(commits) == 1:
         repo, sha = next(iter(commits.items()))
-        _CHECKED_AT[(repo, cfg.revision)] = (_file_set(index), sha)
+        _CHECKED_AT[(repo, data.revision)] = (_file_set(index), sha)
 
 
-def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
+def grow(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
     """``index`` after checking the files it lists and adding those that appeared: a new generation from
     ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
     without growth); one that disappeared too, unless ``data.growth_allow_removal``. ``running``: the job that
@@ -213,22 +214,23 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
         resolve_split,
     )
 
-    path, data_files = builder_args(cfg)
+    data = spec.data
+    path, data_files = builder_args(data)
     targets = remote_targets(path, data_files)
-    retry = RetryPolicy(cfg, remote=bool(targets))
+    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
     reader = registry.format_of_index(index).load()
     gens = generations(index)
     reading = files_of(index, gens[-1])
     listed = {unpinned(f["path"]) for f in index["files"]}
-    now = explicit_urls(cfg, path, data_files)
-    if now is None and running and _branch_unmoved(cfg, index):
+    now = explicit_urls(data, path, data_files)
+    if now is None and running and _branch_unmoved(data, index):
         return with_generations(index, gens)
     if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
         _forget_listings(targets, retry.storage_options)
-        now = resolve_split(cfg, path, data_files, targets, retry).files
+        now = resolve_split(spec, path, data_files, targets, retry).files
     at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
     removed = [p for p in reading if unpinned(p) not in at_now]
-    if removed and not cfg.growth_allow_removal:
+    if removed and not spec.growth.allow_removal:
         raise StreamMismatchError(
             f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; with "
             "data.growth: append files may only be added (set data.growth_allow_removal: true to drop them from "
@@ -258,7 +260,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
     added = [p for p in now if unpinned(p) not in listed]
     if not added and not removed:
         if running:
-            _remember_unchanged(cfg, index, now)
+            _remember_unchanged(data, index, now)
         return with_generations(index, gens)
     new_known = hub_identities(added, retry)
     new_known.update(listed_identities(added, retry.storage_options))
@@ -271,7 +273,7 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
         return with_generations(index, gens)
     for f, entry in zip(added, entries):
         # as build_index infers them (a parquet footer's schema; a tar's first samples)
-        features = reader.infer_features(cfg, entry, footers.get(f), retry)
+        features = reader.infer_features(spec, entry, footers.get(f), retry)
         features = features.to_dict() if hasattr(features, "to_dict") else features
         if features != index["features"]:
             raise StreamMismatchError(
@@ -290,7 +292,8 @@ def grow(cfg, index: dict, from_epoch: int, where: str, running: bool = False) -
 
 
 
-def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, num_workers: int) -> dict | None:
+def refresh(spec: SourceSpec, index: dict, furthest_here: int, rank: int, world_size: int,
+            num_workers: int) -> dict | None:
     """A running job's ``refresh_files``: the grown index (None: no change), by rank 0 and broadcast; every
     rank passes the furthest epoch its partitions have begun, the new generation starts after the job's."""
     import json
@@ -313,7 +316,7 @@ def refresh(cfg, index: dict, furthest_here: int, rank: int, world_size: int, nu
             raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
         return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
     try:
-        grown = grow(cfg, index, joins_at(cfg, index, furthest), "of the running job", running=True)
+        grown = grow(spec, index, joins_at(spec.growth, index, furthest), "of the running job", running=True)
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from ..config.stream_config import MixtureConfig, StreamConfig
+from ..config.specs import SourceSpec
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..runtime.collectives import broadcast_bytes, shared_over_dist
 from ..sources.base import Source
@@ -31,44 +31,39 @@ log = logging.getLogger(__name__)
 _ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
 
 
-def open_job_source(cfg: StreamConfig, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
-    """This rank's source of ``cfg``; ``state_path``: a checkpoint being resumed whose saved index may be
-    used (default ``cfg.resume_state_path``)."""
-    return _open_shared([cfg], [None], rank, world_size, state_path or cfg.resume_state_path)[0]
+def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
+    """This rank's source of one dataset; ``state_path``: a checkpoint being resumed whose saved index may be
+    used (``data.resume_state_path`` or a loader's / trainer's ``index_from``)."""
+    return _open_shared([spec], [None], rank, world_size, state_path)[0]
 
 
-def open_job_sources(cfg: MixtureConfig, rank: int = 0, world_size: int = 1,
+def open_job_sources(specs: list[SourceSpec], labels: list[str], rank: int = 0, world_size: int = 1,
                      state_path: str | None = None) -> list[Source]:
-    """This rank's sources of a mixture, one per ``cfg.sources``, each resolved and indexed once per job as
-    :func:`open_job_source` does for one dataset: the saved index of source ``label`` in ``state_path`` (default
-    ``cfg.resume_state_path``), its ``index_path``, else built; under ``torch.distributed`` by rank 0 only, all
-    sources' indexes broadcast in one message."""
-    return _open_shared(list(cfg.sources), list(cfg.labels), rank, world_size, state_path or cfg.resume_state_path)
+    """This rank's sources of a mixture, one per spec (``labels``: the mixture's source labels), each resolved
+    and indexed once per job as :func:`open_job_source` does for one dataset: the saved index of source
+    ``label`` in ``state_path``, its ``index_path``, else built; under ``torch.distributed`` by rank 0 only,
+    all sources' indexes broadcast in one message."""
+    return _open_shared(list(specs), list(labels), rank, world_size, state_path)
 
 
-def _indexed(cfg: StreamConfig) -> bool:
-    """Whether ``cfg``'s source may have a dataset index (streamed through ``datasets``' resolution)."""
-    return cfg.backend == "hf" and cfg.streaming
-
-
-def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, world_size: int,
+def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, world_size: int,
                  state_path: str | None) -> list[Source]:
-    """The sources of ``cfgs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
-    shared = shared_over_dist(rank, world_size) and any(_indexed(c) for c in cfgs)
+    """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
+    shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
         message = json.loads(broadcast_bytes(None))
         if "error" in message:
             cls = _ERRORS.get(message["error"]["type"], SourceError)
             raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
         out = []
-        for c, entry in zip(cfgs, message["sources"]):
-            index = entry["index"] if _indexed(c) else None
+        for c, entry in zip(specs, message["sources"]):
+            index = entry["index"] if c.data.indexed else None
             footers = {p: base64.b64decode(f) for p, f in entry.get("footers", {}).items()}
             out.append(open_source(c, index=index, footers=footers) if index is not None else open_source(c))
         return out
     try:
-        sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if _indexed(c)
-                   else open_source(c) for i, (c, label) in enumerate(zip(cfgs, labels))]
+        sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if c.data.indexed
+                   else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
     except Exception as e:
         if shared:
             broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
@@ -81,50 +76,52 @@ def _open_shared(cfgs: list[StreamConfig], labels: list[str | None], rank: int, 
     return sources
 
 
-def _open_first(cfg: StreamConfig, rank: int, state_path: str | None, label: str | None = None,
+def _open_first(spec: SourceSpec, rank: int, state_path: str | None, label: str | None = None,
                 position: int | None = None) -> Source:
     """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
     ``label``: the mixture source whose index the checkpoint saved under that name."""
-    if cfg.growth != "off":
-        return _open_growing(cfg, state_path, label, position)
+    if spec.growth.growing:
+        return _open_growing(spec, state_path, label, position)
+    index_path = spec.index.path
     index, where, given = None, None, False
     saved = saved_index_file(state_path, label) if state_path else None
     if saved is not None:
         index, where = saved, f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
-    elif cfg.index_path and os.path.isfile(cfg.index_path):
-        index, where, given = load_index(cfg.index_path), repr(cfg.index_path), True
+    elif index_path and os.path.isfile(index_path):
+        index, where, given = load_index(index_path), repr(index_path), True
         if label is not None:
             where += f" (source {label!r})"
-    if saved is not None and not same_resolution(index, cfg):
+    if saved is not None and not same_resolution(index, spec.data):
         index = None        # resolved afresh: the resume check then names what changed in the config
     if index is not None:
-        check_resolution(index, cfg, where)
-        if cfg.verify_files:
-            index = verified_index(cfg, index, where, given)
+        check_resolution(index, spec.data, where)
+        if spec.index.verify_files:
+            index = verified_index(spec, index, where, given)
         if index is not None:
-            return open_source(cfg, index=index)
-    src = open_source(cfg)
-    if cfg.index_path and rank == 0 and src.index is not None:
-        save_index(cfg.index_path, src.index)
+            return open_source(spec, index=index)
+    src = open_source(spec)
+    if index_path and rank == 0 and src.index is not None:
+        save_index(index_path, src.index)
     return src
 
 
-def _open_growing(cfg: StreamConfig, state_path: str | None, label: str | None, position: int | None) -> Source:
+def _open_growing(spec: SourceSpec, state_path: str | None, label: str | None, position: int | None) -> Source:
     """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
     and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
     start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
-    if cfg.index_path:
+    if spec.index.path:
         log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
-                    "grows with the data)", cfg.index_path, cfg.growth)
+                    "grows with the data)", spec.index.path, spec.growth.mode)
     saved = saved_index_file(state_path, label) if state_path else None
-    if saved is not None and same_resolution(saved, cfg):
+    if saved is not None and same_resolution(saved, spec.data):
         where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
         furthest = growth.furthest_epoch(state_path, position)
-        return open_source(cfg, index=growth.grow(cfg, saved, growth.joins_at(cfg, saved, furthest or 0), where))
-    src = open_source(cfg)
+        return open_source(spec, index=growth.grow(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
+                                                   where))
+    src = open_source(spec)
     if src.index is None:
         src.close()
-        raise ConfigError(f"data.growth: got {cfg.growth!r} for {cfg.dataset_name_or_path!r}, which is not read "
+        raise ConfigError(f"data.growth: got {spec.growth.mode!r} for {spec.data.dataset_name_or_path!r}, which is not read "
                           "through a dataset index; allowed: off, or append for indexed formats (parquet)")
     src.index[growth.KEY] = {"generations": growth.generations(src.index)}
     return src

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..config.stream_config import StreamConfig
+from ..config.specs import DataSpec, NetPolicy
 from ..errors import ConfigError, ResumableStreamError, SourceError
 from ..observe.metrics import record_retry, retry_cause
 from ..runtime.threads import map_files
@@ -224,9 +224,9 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     return options
 
 
-def _data_protocols(cfg: StreamConfig) -> list[str]:
-    """The protocols of the config's remote paths (s3, gs, hf, http, ...), in order of appearance."""
-    paths = [cfg.dataset_name_or_path, *flat_files(cfg.data_files)]
+def _data_protocols(data: DataSpec) -> list[str]:
+    """The protocols of the data's remote paths (s3, gs, hf, http, ...), in order of appearance."""
+    paths = [data.dataset_name_or_path, *flat_files(data.data_files)]
     return list(dict.fromkeys(p.split("://", 1)[0] for p in paths if is_remote(p)))
 
 
@@ -363,21 +363,21 @@ class RetryPolicy:
     def of(cls, retries: int = 5, retry_backoff_s: float = 1.0, timeout_s: float = 60.0,
            retry_budget_s: float = 180.0) -> RetryPolicy:
         """A remote policy from the four ``data.*`` values alone (the defaults: StreamConfig's)."""
-        settings = StreamConfig(dataset_name_or_path="parquet", data_files="x.parquet", retries=retries,
-                                retry_backoff_s=retry_backoff_s, timeout_s=timeout_s, retry_budget_s=retry_budget_s)
-        return cls(settings, remote=True)
+        return cls(NetPolicy(retries, retry_backoff_s, timeout_s, retry_budget_s), remote=True)
 
-    def __init__(self, cfg: StreamConfig, remote: bool):
-        self.retries = cfg.retries
-        self.backoff_s = float(cfg.retry_backoff_s)
-        self.timeout_s = float(cfg.timeout_s)
-        self.budget_s = float(cfg.retry_budget_s)
+    def __init__(self, net: NetPolicy, remote: bool, data: DataSpec | None = None):
+        """``net``: the data section's network settings; ``remote``: whether the source reads over the network;
+        ``data``: the dataset, whose paths' protocols receive flat ``data.storage_options``."""
+        self.retries = net.retries
+        self.backoff_s = float(net.retry_backoff_s)
+        self.timeout_s = float(net.timeout_s)
+        self.budget_s = float(net.retry_budget_s)
         self.remote = remote
         self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
                                                  self.backoff_s) if remote else {})
-        if remote and cfg.storage_options:
-            self.storage_options = with_user_options(self.storage_options, cfg.storage_options,
-                                                     _data_protocols(cfg))
+        if remote and net.storage_options:
+            self.storage_options = with_user_options(self.storage_options, net.storage_options,
+                                                     _data_protocols(data) if data is not None else [])
 
     def applies(self, path: str) -> bool:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config.specs import SourceSpec
 from ..errors import ResumableStreamError, SourceError
 from ..io.net import RetryPolicy, datasets_retries_off
 from .prefetch import Prefetcher
@@ -229,9 +230,9 @@ class IndexedReader:
         """The features of the data when ``datasets`` gives none (``Features.to_dict()`` form)."""
         raise SourceError(f"data file {path!r}: its features are unknown")
 
-    def infer_features(self, cfg: Any, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
+    def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
         """What ``build_index`` asks when ``datasets`` gives no features: the first file's entry, its raw
-        metadata (``footers``), the config and the retries. By default :meth:`features` of its path and
+        metadata (``footers``), the source's spec and the retries. By default :meth:`features` of its path and
         metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
         return self.features(entry["path"], footer)
 
@@ -248,6 +249,7 @@ class IndexedReader:
         """Whether ``datasets``' builder (config) reads the files whole, as our reader would."""
         return True
 
-    def open_indexed(self, cfg: Any, index: dict, retry: RetryPolicy, footers: dict[str, bytes] | None) -> Source:
+    def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,
+                     footers: dict[str, bytes] | None) -> Source:
         """The source of an index this reader built (the shard list a pure function of the index)."""
         raise NotImplementedError

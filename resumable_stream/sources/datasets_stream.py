@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config.stream_config import StreamConfig
+from ..config.specs import SourceSpec
 from ..errors import SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, RetriedSource, ShardInfo
@@ -44,21 +44,21 @@ class DatasetsStreamSource(RetriedSource):
             tables.close()   # a shard left mid-way: end datasets' reader (and its pyarrow scan) now
 
 
-def open_streaming(cfg: StreamConfig, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
+def open_streaming(spec: SourceSpec, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
                    identities: list[dict]) -> DatasetsStreamSource:
     """``builder``'s split as a stream; ``identities``: its files'."""
     from .resolve import dataset_fingerprint, where_of
 
     try:
-        ids = retry.call(lambda: builder.as_streaming_dataset(split=cfg.split),
-                         f"{where_of(cfg, targets)}: opening the stream", files or targets)
+        ids = retry.call(lambda: builder.as_streaming_dataset(split=spec.data.split),
+                         f"{where_of(spec.data, targets)}: opening the stream", files or targets)
     except SourceError:
         raise
     except Exception as e:
-        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: streaming failed "
+        raise SourceError(f"data.dataset_name_or_path {spec.data.dataset_name_or_path!r}: streaming failed "
                           f"({type(e).__name__}: {e})") from None
     n = ids.num_shards
     names = files if len(files) == n else [""] * n
     shards = [ShardInfo(i, f, None, None) for i, f in enumerate(names)]
-    return DatasetsStreamSource(ids, shards, dataset_fingerprint(cfg, builder.name, identities, shards),
+    return DatasetsStreamSource(ids, shards, dataset_fingerprint(spec, builder.name, identities, shards),
                                 retry if retry.remote else None)

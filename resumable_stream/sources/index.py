@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from ..config.formats import format_of_index
+from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
@@ -28,19 +29,19 @@ INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1
 
 
-def resolution_key(cfg) -> dict[str, Any]:
+def resolution_key(data: DataSpec) -> dict[str, Any]:
     """The config keys that decide which files an index lists: an index is only used for these."""
-    key = {"dataset_name_or_path": cfg.dataset_name_or_path, "name": cfg.name,
-           "data_files": cfg.data_files, "split": cfg.split}
+    key = {"dataset_name_or_path": data.dataset_name_or_path, "name": data.name,
+           "data_files": data.data_files, "split": data.split}
     for name in ("revision", "data_dir"):     # only when set: indexes saved before the keys still match
-        if getattr(cfg, name, None) is not None:
-            key[name] = getattr(cfg, name)
+        if getattr(data, name) is not None:
+            key[name] = getattr(data, name)
     return key
 
 
-def make_index(cfg, builder: str, features, files: list[dict]) -> dict[str, Any]:
+def make_index(data: DataSpec, builder: str, features, files: list[dict]) -> dict[str, Any]:
     """``features``: a ``datasets.Features`` (a dict too) or its ``to_dict()``."""
-    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "resolution": resolution_key(cfg),
+    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "resolution": resolution_key(data),
             "builder": builder, "features": features.to_dict() if hasattr(features, "to_dict") else features,
             "files": files}
 
@@ -113,13 +114,13 @@ def load_index(path: str) -> dict[str, Any]:
     return decode_index(data, repr(path))
 
 
-def same_resolution(index: dict, cfg) -> bool:
-    return index["resolution"] == resolution_key(cfg)
+def same_resolution(index: dict, data: DataSpec) -> bool:
+    return index["resolution"] == resolution_key(data)
 
 
-def check_resolution(index: dict, cfg, where: str) -> None:
+def check_resolution(index: dict, data: DataSpec, where: str) -> None:
     """An index made for other data settings is an error naming the keys that differ."""
-    now = resolution_key(cfg)
+    now = resolution_key(data)
     saved = index["resolution"]
     diffs = [(f"data.{k}", saved.get(k), now[k]) for k in now if saved.get(k) != now[k]]
     if diffs:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config.stream_config import StreamConfig
+from ..config.specs import SourceSpec
 from ..errors import ConfigError, SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, ShardInfo, Source
@@ -42,32 +42,32 @@ class MapStyleSource(Source):
             pos = end
 
 
-def open_prepared(cfg: StreamConfig, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
+def open_prepared(spec: SourceSpec, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
                   fingerprint: dict) -> MapStyleSource:
     """``builder``'s split downloaded and prepared by ``datasets`` (``streaming: false``)."""
     from .resolve import where_of
 
     def load():
         builder.download_and_prepare()
-        return builder.as_dataset(split=cfg.split)
+        return builder.as_dataset(split=spec.data.split)
 
     try:
-        ds = retry.call(load, f"{where_of(cfg, targets)}: downloading and preparing", files or targets)
+        ds = retry.call(load, f"{where_of(spec.data, targets)}: downloading and preparing", files or targets)
     except SourceError:
         raise
     except Exception as e:
-        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: loading without streaming "
+        raise SourceError(f"data.dataset_name_or_path {spec.data.dataset_name_or_path!r}: loading without streaming "
                           f"failed ({type(e).__name__}: {e})") from None
     return MapStyleSource(ds, fingerprint)
 
 
-def open_local(cfg: StreamConfig) -> MapStyleSource:
+def open_local(spec: SourceSpec) -> MapStyleSource:
     """``backend: local``: a directory written by ``save_to_disk``."""
     import datasets
 
     from .resolve import dataset_fingerprint, file_identity
 
-    path = cfg.dataset_name_or_path
+    path = spec.data.dataset_name_or_path
     if not os.path.isdir(path):
         raise SourceError(f"data.dataset_name_or_path {path!r}: backend 'local' needs a directory written by "
                           "Dataset.save_to_disk / DatasetDict.save_to_disk")
@@ -77,13 +77,13 @@ def open_local(cfg: StreamConfig) -> MapStyleSource:
         raise SourceError(f"data.dataset_name_or_path {path!r}: not a save_to_disk directory "
                           f"({type(e).__name__}: {e})") from None
     if isinstance(loaded, datasets.DatasetDict):
-        if cfg.split not in loaded:
-            raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(loaded)}")
-        ds = loaded[cfg.split]
+        if spec.data.split not in loaded:
+            raise ConfigError(f"data.split: got {spec.data.split!r}; this dataset has the splits: {', '.join(loaded)}")
+        ds = loaded[spec.data.split]
     else:
         ds = loaded
     files = sorted(
         os.path.join(root, f) for root, _, names in os.walk(path) for f in names
         if f.endswith(".arrow") or f in ("state.json", "dataset_info.json")
     )
-    return MapStyleSource(ds, dataset_fingerprint(cfg, None, [file_identity(f) for f in files]))
+    return MapStyleSource(ds, dataset_fingerprint(spec, None, [file_identity(f) for f in files]))

@@ -1,11 +1,11 @@
-"""``open_source``: a config's split as a :class:`~resumable_stream.sources.base.Source`, by way of the registry."""
+"""``open_source``: a dataset split as a :class:`~resumable_stream.sources.base.Source`, by way of the registry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..config import formats as registry
-from ..config.stream_config import StreamConfig
+from ..config.specs import SourceSpec
 from ..io.net import RetryPolicy
 from ..runtime.threads import map_files
 from .base import Source
@@ -21,35 +21,45 @@ from .resolve import (
 )
 
 
-def open_source(cfg: StreamConfig, index: dict | None = None, progress: Callable[[], None] | None = None,
+def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[[int], None] | None = None,
                 footers: dict[str, bytes] | None = None) -> Source:
-    """Open ``cfg``'s dataset split. Raises ConfigError / SourceError with the reason.
+    """Open a dataset split. Raises ConfigError / SourceError with the reason.
 
     Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
     own) with ``data.timeout_s`` on every HTTP connection and read. Files of a registered format (parquet)
     are read from their dataset index: ``index`` when given (checked against the config; nothing is resolved
-    then), otherwise built here (``progress()`` after each file). ``footers``: the raw metadata (parquet
-    footers) of the index's files already read elsewhere (path -> bytes, checked against the index; the
-    source's ``footers``). Anything else is read by ``datasets``."""
-    if cfg.backend == "local":
-        return open_local(cfg)
-    path, data_files = builder_args(cfg)
+    then), otherwise built here (``progress(number of files)`` after each file). Anything else is read by
+    ``datasets``.
+
+    Args:
+        spec: the dataset's ``StreamConfig.source_spec``.
+        index: a dataset index of it (from a checkpoint, a file or rank 0); None: resolve and build one.
+        progress: called after each file indexed, with the number of files (a progress bar's total).
+        footers: the raw metadata (parquet footers) of the index's files already read elsewhere (path -> bytes,
+            checked against the index).
+    Returns:
+        the source; its ``footers`` hold what it read to build the index.
+    """
+    data = spec.data
+    if data.backend == "local":
+        return open_local(spec)
+    path, data_files = builder_args(data)
     targets = remote_targets(path, data_files)
-    retry = RetryPolicy(cfg, remote=bool(targets))
-    if index is not None and cfg.streaming:
-        return open_indexed(cfg, index, retry, footers)
-    resolved = resolve_split(cfg, path, data_files, targets, retry)
+    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
+    if index is not None and data.streaming:
+        return open_indexed(spec, index, retry, footers)
+    resolved = resolve_split(spec, path, data_files, targets, retry)
     if resolved.format is not None:
         footers = {}
-        index = build_index(resolved.format, cfg, resolved.files, resolved.features, retry, progress, footers)
-        return resolved.format.load().open_indexed(cfg, index, retry, footers)
+        index = build_index(resolved.format, spec, resolved.files, resolved.features, retry, progress, footers)
+        return resolved.format.load().open_indexed(spec, index, retry, footers)
     files, builder = resolved.files, resolved.builder
     identities = map_files(lambda f: file_identity(f, retry), files)
-    if cfg.streaming:
-        return open_streaming(cfg, builder, files, targets, retry, identities)
-    return open_prepared(cfg, builder, files, targets, retry, dataset_fingerprint(cfg, builder.name, identities))
+    if data.streaming:
+        return open_streaming(spec, builder, files, targets, retry, identities)
+    return open_prepared(spec, builder, files, targets, retry, dataset_fingerprint(spec, builder.name, identities))
 
 
-def open_indexed(cfg: StreamConfig, index: dict, retry: RetryPolicy, footers: dict[str, bytes] | None = None) -> Source:
+def open_indexed(spec: SourceSpec, index: dict, retry: RetryPolicy, footers: dict[str, bytes] | None = None) -> Source:
     """The source of a dataset index, read by the format the index names."""
-    return registry.format_of_index(index).load().open_indexed(cfg, index, retry, footers)
+    return registry.format_of_index(index).load().open_indexed(spec, index, retry, footers)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config.stream_config import StreamConfig
+from ..config.specs import ReadSpec, SourceSpec
 from ..errors import IncompleteFileError, SourceError, StreamMismatchError
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
@@ -64,15 +64,15 @@ def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None, ident
         raise SourceError(f"data file {path!r}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def prefetch_depth(cfg: StreamConfig, remote: bool) -> int | None:
+def prefetch_depth(read: ReadSpec, remote: bool) -> int | None:
     """The most row groups fetched ahead per partition: ``data.prefetch_blocks`` (None: adaptive, up to the
     prefetcher's own cap); for local files at most what keeps the decoding threads busy and the row groups a
     window opens next in flight (one per core, at least ``interleave_shards``): there is no latency to hide,
     and each one ahead is a decoded row group held."""
-    if remote or cfg.prefetch_blocks == 0:
-        return cfg.prefetch_blocks
-    local = max(os.cpu_count() or 1, cfg.interleave_shards)
-    return local if cfg.prefetch_blocks is None else min(cfg.prefetch_blocks, local)
+    if remote or read.prefetch_blocks == 0:
+        return read.prefetch_blocks
+    local = max(os.cpu_count() or 1, read.interleave_shards)
+    return local if read.prefetch_blocks is None else min(read.prefetch_blocks, local)
 
 
 class ParquetReader(IndexedReader):
@@ -113,24 +113,25 @@ class ParquetReader(IndexedReader):
         return (getattr(builder.config, "columns", None) is None
                 and getattr(builder.config, "filters", None) is None)
 
-    def open_indexed(self, cfg: StreamConfig, index: dict, retry: RetryPolicy,
+    def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,
                      footers: dict[str, bytes] | None = None) -> ParquetSource:
-        return source_from_index(cfg, index, retry, footers)
+        return source_from_index(spec, index, retry, footers)
 
 
 READER = ParquetReader()
 
 
-def source_from_index(cfg: StreamConfig, index: dict, retry: RetryPolicy,
+def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
                       footers: dict[str, bytes] | None = None) -> ParquetSource:
     """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
     files = index["files"]
     shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
     shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
-    fingerprint = dataset_fingerprint(cfg, index["builder"], [identity_of(f) for f in files], shards)
+    fingerprint = dataset_fingerprint(spec, index["builder"], [identity_of(f) for f in files], shards)
     return ParquetSource(shards, fingerprint, retry if retry.remote else None,
                          ParquetFiles(index, retry.storage_options, footers), index,
-                         prefetch_blocks=prefetch_depth(cfg, retry.remote), prefetch_memory_mb=cfg.prefetch_memory_mb)
+                         prefetch_blocks=prefetch_depth(spec.read, retry.remote),
+                         prefetch_memory_mb=spec.read.prefetch_memory_mb)
 
 
 class ParquetSource(FetchesAhead, RetriedSource):

@@ -32,6 +32,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config.specs import DataSpec
+
 # datasets.data_files.FILES_TO_IGNORE
 FILES_TO_IGNORE = ("README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dummy_data.zip",
                    "dataset_dict.json")
@@ -145,16 +147,17 @@ def _resolve_pattern(pattern: str, base_path: str) -> list[str]:
     return out
 
 
-def resolve_local_parquet(cfg, path: str, data_files: Any, builders: tuple[str, ...] = ("parquet",)) -> list[str] | None:
-    """The files of ``cfg.split`` when ``path`` / ``data_files`` (``builder_args(cfg)``) name local parquet
+def resolve_local_parquet(data: DataSpec, path: str, data_files: Any, builders: tuple[str, ...] = ("parquet",),
+                          storage_options: dict | None = None) -> list[str] | None:
+    """The files of ``data.split`` when ``path`` / ``data_files`` (``builder_args(data)``) name local parquet
     files for datasets' packaged parquet builder, as it resolves them; None when out of scope (module doc).
     ``builders``: the builder names resolved so (the registered formats': datasets' rules for data_files
-    patterns do not depend on the builder)."""
-    if (path not in builders or cfg.name is not None or cfg.data_dir is not None or cfg.revision is not None
-            or cfg.storage_options or cfg.backend != "hf" or not cfg.streaming or data_files is None):
+    patterns do not depend on the builder); ``storage_options``: the user's (``datasets`` resolves then)."""
+    if (path not in builders or data.name is not None or data.data_dir is not None or data.revision is not None
+            or storage_options or data.backend != "hf" or not data.streaming or data_files is None):
         return None
     splits = _split_patterns(data_files)
-    if splits is None or cfg.split not in splits:
+    if splits is None or data.split not in splits:
         return None
     base_path = Path("").expanduser().resolve().as_posix()
     resolved: dict[str, list[str]] = {}
@@ -169,7 +172,7 @@ def resolve_local_parquet(cfg, path: str, data_files: Any, builders: tuple[str, 
                 return None
             files.extend(found)
         resolved[split] = files
-    return resolved[cfg.split]
+    return resolved[data.split]
 
 
 # ------------------------------------------------------------------------------ features

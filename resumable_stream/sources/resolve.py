@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import formats as registry
-from ..config.stream_config import StreamConfig
+from ..config.specs import DataSpec, SourceSpec
 from ..errors import ConfigError, IncompleteFileError, SourceError, StreamMismatchError
 from ..io.hub import (
     commit_sha,
@@ -54,9 +54,9 @@ log = logging.getLogger(__name__)
 KEPT_FOOTERS_MAX_BYTES = 64 << 20
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
-def builder_args(cfg: StreamConfig) -> tuple[str, object]:
+def builder_args(data: DataSpec) -> tuple[str, object]:
     """Map ``dataset_name_or_path`` (+ ``data_files``) to load_dataset's (path, data_files)."""
-    path, data_files = cfg.dataset_name_or_path, cfg.data_files
+    path, data_files = data.dataset_name_or_path, data.data_files
     if path.startswith("hf://") and registry.builder_for_path(path) is None:
         # LLaMA-Factory style "hf://org/name" or fsspec "hf://datasets/org/name": a hub id.
         path = path[len("hf://"):]
@@ -147,11 +147,11 @@ def remote_targets(path: str, data_files: object) -> list[str]:
     return [path] if hub_id else []
 
 
-def explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
+def explicit_urls(data: DataSpec, path: str, data_files) -> list[str] | None:
     """The split's files when the config lists files of a registered format (parquet) by plain http(s) URL: then there is nothing
     to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
     otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
-    if registry.format_for_builder(path) is None or cfg.name is not None or cfg.data_dir is not None or data_files is None:
+    if registry.format_for_builder(path) is None or data.name is not None or data.data_dir is not None or data_files is None:
         return None
     splits = data_files if isinstance(data_files, dict) else {"train": data_files}
     splits = {str(k): [v] if isinstance(v, str) else v for k, v in splits.items()}
@@ -159,15 +159,15 @@ def explicit_urls(cfg: StreamConfig, path: str, data_files) -> list[str] | None:
                                                  and not GLOB_CHARS.search(f) for f in v)
                for v in splits.values()):
         return None
-    if cfg.split not in splits:
-        raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
-    return list(splits[cfg.split])
+    if data.split not in splits:
+        raise ConfigError(f"data.split: got {data.split!r}; this dataset has the splits: {', '.join(splits)}")
+    return list(splits[data.split])
 
 
-def where_of(cfg: StreamConfig, targets: list[str]) -> str:
+def where_of(data: DataSpec, targets: list[str]) -> str:
     """The config key naming the data, with the remote paths it means, for messages."""
-    where = f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
-    if targets and targets != [cfg.dataset_name_or_path]:
+    where = f"data.dataset_name_or_path {data.dataset_name_or_path!r}"
+    if targets and targets != [data.dataset_name_or_path]:
         where += f" ({describe_targets(targets)})"
     return where
 
@@ -180,57 +180,57 @@ def _hub_not_found(e: BaseException) -> bool:
     return "doesn't exist on the Hub" in text or ("doesn't exist for dataset" in text and "on the Hub" in text)
 
 
-def resolve_files(cfg: StreamConfig, path: str, data_files, targets: list[str],
+def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
                   retry: RetryPolicy) -> tuple[Any, list[str]]:
     """``datasets``' builder for the config and the resolved files of its split."""
     import datasets
 
-    where = where_of(cfg, targets)
+    where = where_of(data, targets)
     # a copy: datasets adds to the dict it is given
     options = {"storage_options": copy.deepcopy(retry.storage_options)} if retry.remote else {}
-    if cfg.revision is not None:
-        options["revision"] = cfg.revision
-    if cfg.data_dir is not None:
-        options["data_dir"] = cfg.data_dir
+    if data.revision is not None:
+        options["revision"] = data.revision
+    if data.data_dir is not None:
+        options["data_dir"] = data.data_dir
     try:
-        builder = retry.call(lambda: datasets.load_dataset_builder(path, cfg.name, data_files=data_files, **options),
+        builder = retry.call(lambda: datasets.load_dataset_builder(path, data.name, data_files=data_files, **options),
                              f"{where}: resolving the dataset", targets)
     except (ConfigError, SourceError):
         raise
     except Exception as e:
-        answer = hub_answer(error_chain(e), where, cfg.revision)      # the repo / revision / token, named
+        answer = hub_answer(error_chain(e), where, data.revision)      # the repo / revision / token, named
         repo = hub_repo_of(path) if targets else None
         if answer is None and repo is not None and _hub_not_found(e):
-            answer = probe_answer(repo, cfg.revision, where)
+            answer = probe_answer(repo, data.revision, where)
         if answer is not None:
             raise SourceError(answer) from None
         answer = remote_answer(e)
         if answer is not None:
-            raise SourceError(f"{_data_key(cfg)}: the object store refused ({answer})") from None
+            raise SourceError(f"{_data_key(data)}: the object store refused ({answer})") from None
         if isinstance(e, FileNotFoundError):
-            raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r} / data.data_files "
-                              f"{cfg.data_files!r}: {e}") from None
-        raise SourceError(f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}: cannot be loaded by datasets "
+            raise SourceError(f"data.dataset_name_or_path {data.dataset_name_or_path!r} / data.data_files "
+                              f"{data.data_files!r}: {e}") from None
+        raise SourceError(f"data.dataset_name_or_path {data.dataset_name_or_path!r}: cannot be loaded by datasets "
                           f"({type(e).__name__}: {e})") from None
 
     resolved = builder.config.data_files
     splits = [str(s) for s in (resolved if resolved else (builder.info.splits or {}))]
-    if splits and cfg.split not in splits:
-        raise ConfigError(f"data.split: got {cfg.split!r}; this dataset has the splits: {', '.join(splits)}")
-    files = [str(f) for f in resolved[cfg.split]] if resolved else []
+    if splits and data.split not in splits:
+        raise ConfigError(f"data.split: got {data.split!r}; this dataset has the splits: {', '.join(splits)}")
+    files = [str(f) for f in resolved[data.split]] if resolved else []
     if resolved and not files:
         why = _why_nothing_listed(flat_files(data_files), retry.storage_options)
-        raise SourceError(f"data.data_files {cfg.data_files or cfg.dataset_name_or_path!r}: matches no file for "
-                          f"split {cfg.split!r}" + (f" ({why})" if why else ""))
+        raise SourceError(f"data.data_files {data.data_files or data.dataset_name_or_path!r}: matches no file for "
+                          f"split {data.split!r}" + (f" ({why})" if why else ""))
     # hf:// files on a branch: read the commit it points to now, the same for every rank and restart
     files = pin_commits(files, lambda repo, rev: retry.call(
         lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
 
 
-def _data_dir(cfg: StreamConfig) -> dict:
+def _data_dir(data: DataSpec) -> dict:
     """``data_dir`` in the fingerprint when set (fingerprints saved before the key still match)."""
-    return {"data_dir": cfg.data_dir} if cfg.data_dir is not None else {}
+    return {"data_dir": data.data_dir} if data.data_dir is not None else {}
 
 
 def _hub_fingerprint(files: list[str]) -> dict:
@@ -239,11 +239,11 @@ def _hub_fingerprint(files: list[str]) -> dict:
     return {"hub_commits": commits} if commits else {}
 
 
-def _data_key(cfg: StreamConfig) -> str:
+def _data_key(data: DataSpec) -> str:
     """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
-    if cfg.data_files is not None:
-        return f"data.data_files {cfg.data_files!r}"
-    return f"data.dataset_name_or_path {cfg.dataset_name_or_path!r}"
+    if data.data_files is not None:
+        return f"data.data_files {data.data_files!r}"
+    return f"data.dataset_name_or_path {data.dataset_name_or_path!r}"
 
 
 def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | None:
@@ -262,20 +262,22 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
     return None
 
 
-def dataset_fingerprint(cfg: StreamConfig, builder: str | None, identities: list[dict],
+def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict],
                         shards: list | None = None, **extra: Any) -> dict:
-    """What determines a source's content, the one place it is made: the config that names the data, the
-    builder, every file's identity (and the Hub commits they come from), the shard count and row counts;
-    ``extra``: what a reader adds (map-style: its row count and slice size)."""
-    local = cfg.backend == "local"     # a save_to_disk directory: no builder config, never streamed
-    fp: dict[str, Any] = {"dataset": cfg.dataset_name_or_path, "name": None if local else cfg.name,
-                          "split": cfg.split, "backend": cfg.backend, "streaming": False if local else cfg.streaming}
+    """What determines a source's content, the one place it is made: the keys that name the data
+    (``spec.data``), the builder, every file's identity (and the Hub commits they come from), the shard count
+    and row counts; ``extra``: what a reader adds (map-style: its row count and slice size). A reader passes
+    on the spec its ``open_indexed`` was given."""
+    data = spec.data
+    local = data.backend == "local"     # a save_to_disk directory: no builder config, never streamed
+    fp: dict[str, Any] = {"dataset": data.dataset_name_or_path, "name": None if local else data.name,
+                          "split": data.split, "backend": data.backend, "streaming": False if local else data.streaming}
     if builder is not None:
         fp["builder"] = builder
     fp["files"] = identities
     if not local:
         fp.update(_hub_fingerprint([i["path"] for i in identities]))
-        fp.update(_data_dir(cfg))
+        fp.update(_data_dir(data))
     if shards is not None:
         fp["num_shards"] = len(shards)
         fp["shard_rows"] = _digest([s.num_rows for s in shards])
@@ -297,17 +299,26 @@ class Resolved:
         return self.builder.info.features if self.builder is not None else None
 
 
-def resolve_split(cfg: StreamConfig, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
-    """The files of ``cfg``'s split: explicit http(s) URLs and local files of a registered format need no
+def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
+    """The files of ``spec``'s split: explicit http(s) URLs and local files of a registered format need no
     ``datasets`` (nothing to resolve, or resolved by its rules without importing it); else ``datasets``
-    resolves them (hub ids, hf://, patterns, builder configs)."""
-    files = explicit_urls(cfg, path, data_files) if cfg.streaming else None
+    resolves them (hub ids, hf://, patterns, builder configs).
+
+    Args:
+        spec: the source; ``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote paths.
+    Returns:
+        the files, the registered format that reads them (None: ``datasets`` does) and ``datasets``' builder
+        when it resolved them.
+    """
+    data = spec.data
+    files = explicit_urls(data, path, data_files) if data.streaming else None
     if files is None and not targets:
-        files = resolve_local_parquet(cfg, path, data_files, registry.indexed_builders())
+        files = resolve_local_parquet(data, path, data_files, registry.indexed_builders(),
+                                      spec.net.storage_options)
     if files is not None:
         return Resolved(files, registry.format_for_builder(path))
-    builder, files = resolve_files(cfg, path, data_files, targets, retry)
-    fmt = registry.format_for_builder(builder.name) if cfg.streaming and files else None
+    builder, files = resolve_files(data, path, data_files, targets, retry)
+    fmt = registry.format_for_builder(builder.name) if data.streaming and files else None
     if fmt is not None and not fmt.load().indexable(builder):
         fmt = None
     return Resolved(files, fmt, builder)
@@ -328,18 +339,20 @@ def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, fo
         return None
 
 
-def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str], features, retry: RetryPolicy | None,
-                progress: Callable[[], None] | None = None, footers: dict | None = None) -> dict:
+def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], features, retry: RetryPolicy | None,
+                progress: Callable[[int], None] | None = None, footers: dict | None = None) -> dict:
     """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the
     reader's, from the first file). ``footers``: filled with what the reader read that it may reuse. A growing
-    dataset leaves out the files not complete yet (``index_entry``)."""
+    dataset leaves out the files not complete yet (``index_entry``). ``progress(len(files))`` after each file
+    (the total, for a progress bar)."""
     reader = fmt.load()
     known = hub_identities(files, retry)
     known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
     read: dict[str, bytes] = {}
-    growing = cfg.growth != "off"
+    growing = spec.growth.growing
     entries = map_files(lambda f: index_entry(reader, f, retry, known.get(f) or file_identity(f, retry), read,
-                                              growing), files, progress)
+                                              growing), files,
+                        progress and (lambda: progress(len(files))))
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "
@@ -347,26 +360,27 @@ def build_index(fmt: registry.SourceFormat, cfg: StreamConfig, files: list[str],
         files = [f for f, e in zip(files, entries) if e is not None]
         entries = [e for e in entries if e is not None]
     if features is None:
-        features = reader.infer_features(cfg, entries[0], read.get(files[0]), retry)
+        features = reader.infer_features(spec, entries[0], read.get(files[0]), retry)
     if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, read[f]) for f in files if f in read)
-    index = make_index(cfg, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
+    index = make_index(spec.data, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
     index[registry.INDEX_READER_KEY] = fmt.name     # the format that reads it (absent in older ones: parquet)
     return index
 
 
-def verified_index(cfg: StreamConfig, index: dict, where: str, given: bool) -> dict | None:
+def verified_index(spec: SourceSpec, index: dict, where: str, given: bool) -> dict | None:
     """``index`` if it still describes the data: the same files (patterns and repositories are listed again
     by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
     given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
     dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
-    path, data_files = builder_args(cfg)
+    data = spec.data
+    path, data_files = builder_args(data)
     targets = remote_targets(path, data_files)
-    retry = RetryPolicy(cfg, remote=bool(targets))
+    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
     listed = [f["path"] for f in index["files"]]
     reader = registry.format_of_index(index).load()
-    if explicit_urls(cfg, path, data_files) is None:
-        files = resolve_split(cfg, path, data_files, targets, retry).files
+    if explicit_urls(data, path, data_files) is None:
+        files = resolve_split(spec, path, data_files, targets, retry).files
         if files != listed:
             if not given:
                 return None

@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config.specs import SourceSpec
 from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
@@ -237,14 +238,14 @@ def _bad(path: str, key: str, why: str) -> str:
 class WebDatasetSource(FetchesAhead):
     """Indexed WebDataset tars: one shard per run of samples, read by byte ranges (picklable)."""
 
-    def __init__(self, cfg, index: dict, retry: RetryPolicy, footers: dict | None = None):
+    def __init__(self, spec: SourceSpec, index: dict, retry: RetryPolicy, footers: dict | None = None):
         self.index = index
         self._features_dict = index["features"]
         self._features = None
         self._files = index["files"]
         self._retry = retry if retry.remote else None
         self._policy = retry
-        self._max_bytes = cfg.max_member_bytes
+        self._max_bytes = spec.read.max_member_bytes
         shards = []
         for f, entry in enumerate(self._files):
             cuts = [*entry["shards"], len(entry["samples"])]
@@ -252,12 +253,12 @@ class WebDatasetSource(FetchesAhead):
         self._runs = shards
         self.shards = [ShardInfo(i, self._files[f]["path"], j, b - a)
                        for i, (j, (f, a, b)) in enumerate(_numbered(shards))]
-        self.fingerprint = dataset_fingerprint(cfg, index["builder"],
+        self.fingerprint = dataset_fingerprint(spec, index["builder"],
                                                [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
-                                               self.shards, max_member_bytes=cfg.max_member_bytes)
+                                               self.shards, max_member_bytes=spec.read.max_member_bytes)
         self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
         self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
-        self._fetch_ahead(self._fetch_shard, prefetch_depth(cfg, retry.remote), cfg.prefetch_memory_mb,
+        self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
                           self._shard_bytes, remote=retry.remote)
 
     def __getstate__(self) -> dict:
@@ -373,8 +374,8 @@ class WebDatasetReader(IndexedReader):
                        footers: dict[str, bytes] | None = None) -> dict:
         return index_file(path, retry, identity, whole=True)
 
-    def infer_features(self, cfg, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
-        return infer_features(entry, retry, cfg.max_member_bytes)
+    def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
+        return infer_features(entry, retry, spec.read.max_member_bytes)
 
     def entry_problem(self, entry: dict) -> str | None:
         return tar_index.entry_problem(entry)
@@ -382,9 +383,9 @@ class WebDatasetReader(IndexedReader):
     def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         return {"layout": check_local(entry, retry)}
 
-    def open_indexed(self, cfg, index: dict, retry: RetryPolicy,
+    def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,
                      footers: dict[str, bytes] | None = None) -> WebDatasetSource:
-        return WebDatasetSource(cfg, index, retry, footers)
+        return WebDatasetSource(spec, index, retry, footers)
 
 
 READER = WebDatasetReader()

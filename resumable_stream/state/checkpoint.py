@@ -116,7 +116,16 @@ def _encoded_fingerprint(fingerprint: dict[str, Any]) -> tuple[bytes, str]:
 
 
 def finish(state_dir: str, world_size: int) -> str:
-    """Rank 0, after every rank wrote its file: the manifest that completes the save."""
+    """Rank 0, after every rank wrote its file: the manifest that completes the save.
+
+    Args:
+        state_dir: the stream_state directory the ranks' files were written into.
+        world_size: how many rank files it must hold.
+    Returns:
+        the manifest's path.
+    Raises:
+        SidecarError: a rank's file is missing or does not belong to this save.
+    """
     return write_manifest(state_dir, world_size)
 
 
@@ -543,6 +552,8 @@ def is_complete(checkpoint: str) -> bool:
 
 
 def latest_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` of a run that was completely written (trainer state and stream state with
+    its manifest), or None: a save cut short by a kill is passed over, the one before it resumes."""
     for _, path in reversed(checkpoint_dirs(output_dir)):
         if is_complete(path):
             return path

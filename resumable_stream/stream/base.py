@@ -229,7 +229,12 @@ class StreamBase(IterableDataset):
     def state_dict(self, partitions: dict[int, dict] | None = None) -> dict[str, Any]:
         """The position after the last sample this stream yielded: the envelope plus a state per partition.
 
-        ``partitions`` replaces the per-partition states (the loader passes what training consumed)."""
+        Args:
+            partitions: per-partition states to save instead of the stream's own (the loader passes what
+                training consumed, which may lag what its workers read ahead).
+        Returns:
+            ``{"format_version", "kind", "fingerprint", "topology", "turn", "partitions": {p: state}}``: plain
+            values only; :meth:`load_state_dict` takes it back, ``save_sidecar`` writes it as safetensors."""
         if partitions is None and self._read_by_workers.value and worker_info() is None:
             # inside a worker the copy's state is that worker's own, exact (torchdata's StatefulDataLoader)
             raise ConfigError(
@@ -309,12 +314,23 @@ class StreamBase(IterableDataset):
         return checkpoint.read(self, path)
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
-        """Restore from a sidecar file, a stream_state directory or a checkpoint directory."""
+        """Restore from a sidecar file, a stream_state directory or a checkpoint directory.
+
+        Raises:
+            StreamMismatchError: the state was saved for other data, order settings or topology (named);
+            SidecarError: the file is damaged, forged, incomplete or not a stream state.
+        """
         checkpoint.load(self, path)
 
     def save_sidecar(self, path: str | os.PathLike) -> str:
-        """Write this rank's state. ``path`` is a ``.safetensors`` file or a directory (then
-        ``rank-NNNNN.safetensors`` inside it, plus the manifest when world_size is 1)."""
+        """Write this rank's state.
+
+        Args:
+            path: a ``.safetensors`` file, or a directory (then ``rank-NNNNN.safetensors`` inside it, plus the
+                manifest when world_size is 1; a multi-rank job completes it with ``checkpoint.finish``).
+        Returns:
+            the path of the file written.
+        """
         return checkpoint.save(self, path, self.state_dict())
 
     def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:

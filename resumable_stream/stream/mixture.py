@@ -150,8 +150,9 @@ class MixtureStream(StreamBase):
         # each source opened once per process (every partition's view reads it) and resolved once per job;
         # index_from: a checkpoint about to be resumed, whose saved indexes may be reused
         if sources is None:
-            sources = open_job_sources(config, self.rank, self.world_size, index_from)
-        opened = [with_block_cache(src, scfg) for src, scfg in zip(sources, config.sources)]
+            sources = open_job_sources([s.source_spec for s in config.sources], list(config.labels), self.rank,
+                                       self.world_size, index_from or config.resume_state_path)
+        opened = [with_block_cache(src, scfg.cache_spec) for src, scfg in zip(sources, config.sources)]
         self.source = MixtureSources(opened, config.labels)
         self._probabilities = np.asarray(config.probabilities, dtype=np.float64)
         self._start()
@@ -224,14 +225,14 @@ class MixtureStream(StreamBase):
             furthest = max((max(self._pos[p].source_epochs[i], views[p].partition_epoch(p)) for p in self.partitions),
                            default=0)
             try:
-                index = refresh(scfg, self.source.sources[i].index, furthest, self.rank, self.world_size,
+                index = refresh(scfg.source_spec, self.source.sources[i].index, furthest, self.rank, self.world_size,
                                 self.num_workers)
             except StreamMismatchError as e:
                 raise StreamMismatchError(f"data.sources[{i}] ({label!r}): {e}", e.differences) from e
             if index is None:
                 continue
             # one source over the grown index for every partition's view (they share it, as at the start)
-            source = with_block_cache(open_source(scfg, index=index), scfg)
+            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
             for view in views.values():
                 joins[label] = view.adopt_index(index, source)
             self.source.sources[i] = source
@@ -381,8 +382,19 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
                 num_workers: int = 0, index_from: str | None = None) -> ResumableStream | MixtureStream:
-    """A :class:`MixtureStream` for a config with ``sources``, else a :class:`ResumableStream`.
-    ``index_from``: a checkpoint to be resumed whose saved dataset indexes the stream reuses."""
+    """The stream of a ``data:`` config: a :class:`MixtureStream` for one with ``sources``, else a
+    :class:`ResumableStream`.
+
+    Args:
+        config: ``StreamConfig.from_yaml(...)``'s result.
+        rank, world_size: this process among the job's (default: torch.distributed, else $RANK / $WORLD_SIZE).
+        num_workers: the DataLoader workers the stream will be read with (0: the main process).
+        index_from: a checkpoint about to be resumed, whose saved dataset indexes the stream reuses (nothing
+            is resolved again); the position itself is restored by ``load_sidecar`` / a loader.
+    Returns:
+        the stream, opened (the dataset resolved once per job) at its fresh position or at
+        ``data.resume_state_path``'s.
+    """
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                              index_from=index_from)

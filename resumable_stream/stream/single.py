@@ -49,8 +49,11 @@ class ResumableStream(StreamBase):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
         super().__init__(config, rank, world_size, num_workers)
         # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
-        opened = source if source is not None else open_job_source(config, self.rank, self.world_size, index_from)
-        self.source = with_block_cache(opened, config)
+        # the stages below take the specs they need (config/specs.py), built once by the config
+        self.spec, self.cache = config.source_spec, config.cache_spec
+        opened = source if source is not None else open_job_source(self.spec, self.rank, self.world_size,
+                                                                   index_from or config.resume_state_path)
+        self.source = with_block_cache(opened, self.cache)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
         self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s
         self._start()
@@ -229,7 +232,7 @@ class ResumableStream(StreamBase):
                 self.follow_ended = True
                 return False
             furthest = max((r.epoch for r in self._readers.values()), default=0)
-            index = refresh(c, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
+            index = refresh(self.spec, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
             polled = True
             if index is not None:
                 first = self.adopt_index(index)
@@ -267,7 +270,7 @@ class ResumableStream(StreamBase):
         while True:
             if self._planned(epoch):
                 return True
-            index = grow(c, self.source.index, epoch, "while following the data", running=True)
+            index = grow(self.spec, self.source.index, epoch, "while following the data", running=True)
             if len(index["files"]) != len(self.source.index["files"]):
                 new = len(index["files"]) - len(self.source.index["files"])
                 self.adopt_index(index)
@@ -288,8 +291,8 @@ class ResumableStream(StreamBase):
         ``source``: already opened over ``index`` (a mixture opens a source's once for all its views). Returns
         the first epoch of the newest generation."""
         self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
-        self.source = source if source is not None else with_block_cache(open_source(self.config, index=index),
-                                                                          self.config)
+        self.source = source if source is not None else with_block_cache(open_source(self.spec, index=index),
+                                                                          self.cache)
         gens = layout_generations(index, self.source.shards)
         self.layout = replace(self.layout, num_shards=len(self.source.shards),
                               row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
@@ -319,7 +322,7 @@ class ResumableStream(StreamBase):
         if self.config.growth == "off":
             return None
         furthest = max((r.epoch for r in self._readers.values()), default=0)
-        index = refresh(self.config, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
+        index = refresh(self.spec, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
         if index is None:
             return None
         return self.adopt_index(index)

@@ -24,7 +24,7 @@ def shared_source(cfg: StreamConfig):
 
     key = (str(cfg.data_files), cfg.streaming)
     if key not in _SOURCES:
-        _SOURCES[key] = open_source(cfg)
+        _SOURCES[key] = open_source(cfg.source_spec)
     return _SOURCES[key]
 
 

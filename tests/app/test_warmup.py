@@ -69,7 +69,7 @@ def test_plan_is_exactly_the_blocks_the_stream_reads(parquet_60, tmp_path, world
         return s
 
     # a cold cached read stores exactly the blocks it pulls: the planned ones
-    cold = CachedSource(src, cfg.replace(cache_dir=str(tmp_path / "cold")), block_rows=block_rows)
+    cold = CachedSource(src, cfg.replace(cache_dir=str(tmp_path / "cold")).cache_spec, block_rows=block_rows)
     s = stream(cold)
     ids = take_ids(s, n)
     s.state_dict()                              # what a checkpoint after the n-th sample reads
@@ -82,7 +82,7 @@ def test_plan_is_exactly_the_blocks_the_stream_reads(parquet_60, tmp_path, world
                         num_workers=workers, state_path=ckpt, source=src, block_rows=block_rows, jobs=3,
                         progress=False)
     assert result.fetched_blocks == len(plan.blocks) and result.already_cached == 0
-    warm = CachedSource(src, cfg.replace(cache_dir=str(tmp_path / "warm")), block_rows=block_rows)
+    warm = CachedSource(src, cfg.replace(cache_dir=str(tmp_path / "warm")).cache_spec, block_rows=block_rows)
     looked_up = []
     get = warm.store.get
     warm.store.get = lambda shard, block, where="": looked_up.append((shard, block)) or get(shard, block, where)
@@ -118,7 +118,7 @@ def test_cli_warmup_from_checkpoint_then_reading_makes_no_requests(site, tmp_pat
     srv, urls, _ = site
     cfg = _http_cfg(urls)
     cached_cfg = cfg.replace(cache_dir=str(tmp_path / "cache"))
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     ckpt = _save_checkpoint(cfg, str(tmp_path), 2, 2, 130, src)
     n = 200
     references = []
@@ -148,7 +148,7 @@ def test_elastic_warmup_for_another_world_size_then_reading_makes_no_requests(si
     srv, urls, _ = site
     cfg = _http_cfg(urls, num_partitions=6, elastic=True)
     cached_cfg = cfg.replace(cache_dir=str(tmp_path / "cache"))
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     ckpt = _save_checkpoint(cfg, str(tmp_path), 2, 2, 130, src)
     n = 150
     references = []
@@ -173,7 +173,7 @@ def test_elastic_warmup_for_another_world_size_then_reading_makes_no_requests(si
 def test_warming_a_warm_cache_is_a_fast_noop(site, tmp_path, capsys):
     srv, urls, _ = site
     cfg = _http_cfg(urls, cache_dir=str(tmp_path / "cache"))
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     first = run_warmup(cfg, 300, world_size=2, source=src, progress=False)
     assert first.fetched_blocks == first.planned_blocks > 0
     srv.reset_stats()
@@ -182,7 +182,7 @@ def test_warming_a_warm_cache_is_a_fast_noop(site, tmp_path, capsys):
     assert again.fetched_blocks == 0 and again.already_cached == again.planned_blocks == first.planned_blocks
     # the CLI too: nothing fetched; it only opens the dataset (file metadata, parquet footers)
     srv.reset_stats()
-    open_source(cfg)
+    open_source(cfg.source_spec)
     opening = srv.stats()["requests"]
     srv.reset_stats()
     assert main(["warmup", _yaml(tmp_path, cfg), "--samples", "300", "--world-size", "2", "--no-progress"]) == 0
@@ -205,7 +205,7 @@ def test_warmup_of_some_ranks_only(site, tmp_path):
 def test_warmup_of_unknown_length_shards_reads_them_through_the_cache(site, tmp_path):
     srv, _, jsonl = site
     cfg = _http_cfg(jsonl, builder="json", buffer_size=50, cache_dir=str(tmp_path / "cache"))
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     assert all(s.num_rows is None for s in src.shards)
     reference = take_ids(ResumableStream(cfg.replace(cache_dir=None), rank=1, world_size=2, source=src), 120)
     result = run_warmup(cfg, 120, world_size=2, ranks=[1], source=src, progress=False)
@@ -221,7 +221,7 @@ def test_unknown_length_shards_interleaved_by_a_partition_download_in_parallel(s
     interleaved and a slow server, requests overlap (read one after another, they never would)."""
     srv, _, jsonl = site
     cfg = _http_cfg(jsonl, builder="json", buffer_size=50, interleave_shards=4, cache_dir=str(tmp_path / "c"))
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     reference = take_ids(ResumableStream(cfg.replace(cache_dir=None), source=src), 150)
     srv.reset_stats()
     srv.latency_s = 0.2
@@ -260,7 +260,7 @@ def test_plan_with_workers_matches_a_dataloader(parquet_60, tmp_path):
                          cache_dir=str(tmp_path / "c"))
     src = _source(cfg)
     run_warmup(cfg, 300, world_size=2, ranks=[0], num_workers=2, source=src, progress=False, block_rows=32)
-    cached = CachedSource(src, cfg, block_rows=32)
+    cached = CachedSource(src, cfg.cache_spec, block_rows=32)
     stream = ResumableStream(cfg, rank=0, world_size=2, num_workers=2, source=cached)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
     got = [int(r["id"]) for r in itertools.islice(loader, 300)]

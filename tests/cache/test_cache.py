@@ -30,7 +30,7 @@ _source = shared_source
 
 
 def _cached(cfg: StreamConfig, cache_dir, block_rows: int = 32, **kw) -> CachedSource:
-    return CachedSource(_source(cfg), cfg.replace(cache_dir=str(cache_dir), **kw), block_rows=block_rows)
+    return CachedSource(_source(cfg), cfg.replace(cache_dir=str(cache_dir), **kw).cache_spec, block_rows=block_rows)
 
 
 def _stream(cfg, source, **kw) -> ResumableStream:
@@ -262,7 +262,7 @@ def test_fully_cached_shard_reads_nothing_from_the_source(tmp_path, known):
 def test_size_limit_evicts_least_recently_used(parquet_60, tmp_path):
     cfg = parquet_config(parquet_60, shuffle=True, buffer_size=256)
     limit_gb = 0.3 / 1024                       # ~0.3 MB; each 100-row block is ~9 KB
-    c = CachedSource(_source(cfg), cfg.replace(cache_dir=str(tmp_path), cache_size_limit_gb=limit_gb),
+    c = CachedSource(_source(cfg), cfg.replace(cache_dir=str(tmp_path), cache_size_limit_gb=limit_gb).cache_spec,
                      block_rows=100)
     cache = c.store.diskcache()
     assert cache.eviction_policy == "least-recently-used" and cache.size_limit == int(limit_gb * 2**30)
@@ -272,7 +272,7 @@ def test_size_limit_evicts_least_recently_used(parquet_60, tmp_path):
     assert c.stats()["blocks_written"] == 60
     assert len(cache) < 60                      # culled
     # the blocks read last survive; reading the epoch again still gives the same samples
-    again = CachedSource(_source(cfg), cfg.replace(cache_dir=str(tmp_path), cache_size_limit_gb=limit_gb),
+    again = CachedSource(_source(cfg), cfg.replace(cache_dir=str(tmp_path), cache_size_limit_gb=limit_gb).cache_spec,
                          block_rows=100)
     assert take_ids(_stream(cfg, again), 6000) == reference
     assert again.stats()["misses"] > 0

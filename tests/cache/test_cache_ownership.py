@@ -65,7 +65,7 @@ def test_another_diskcache_directory_is_refused_and_left_whole(data, tmp_path):
     _aged(stray)
     before = _tree(other)
     with pytest.raises(ConfigError) as err:
-        CachedSource(open_plain(data), _cfg(data, other))
+        CachedSource(open_plain(data), _cfg(data, other).cache_spec)
     assert str(other) in str(err.value) and MARKER in str(err.value) and "not empty" in str(err.value)
     assert _tree(other) == before
     assert main(["warmup", _yaml(tmp_path, data, other), "--samples", "100", "--no-progress"]) == 2
@@ -75,7 +75,7 @@ def test_another_diskcache_directory_is_refused_and_left_whole(data, tmp_path):
 def open_plain(data: str):
     from resumable_stream.sources import open_source
 
-    return open_source(StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet")))
+    return open_source(StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet")).source_spec)
 
 
 def test_a_directory_of_user_files_is_refused(data, tmp_path):
@@ -83,7 +83,7 @@ def test_a_directory_of_user_files_is_refused(data, tmp_path):
     home.mkdir()
     (home / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):
-        CachedSource(open_plain(data), _cfg(data, home))
+        CachedSource(open_plain(data), _cfg(data, home).cache_spec)
     assert os.listdir(home) == ["notes.txt"]
 
 
@@ -91,7 +91,7 @@ def test_a_cache_dir_that_is_a_file_is_an_error(data, tmp_path, capsys):
     f = tmp_path / "cache"
     f.write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
-        CachedSource(open_plain(data), _cfg(data, f))
+        CachedSource(open_plain(data), _cfg(data, f).cache_spec)
     assert main(["warmup", _yaml(tmp_path, data, f), "--samples", "100", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "data.cache_dir" in err and str(f) in err and "is a file" in err
@@ -101,28 +101,28 @@ def test_a_new_or_empty_directory_is_marked_and_reused(data, tmp_path):
     for d in (tmp_path / "new", tmp_path / "empty"):
         if d.name == "empty":
             d.mkdir()
-        cached = CachedSource(open_plain(data), _cfg(data, d))
+        cached = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
         assert list(cached.read(0)) and json.loads((d / MARKER).read_text())["format"]
         cached.close()
-        again = CachedSource(open_plain(data), _cfg(data, d))       # ours now: not refused
+        again = CachedSource(open_plain(data), _cfg(data, d).cache_spec)       # ours now: not refused
         assert sum(t.num_rows for t in again.read(0)) == 250 and again.stats()["hits"] > 0
         again.close()
 
 
 def test_a_cache_made_before_the_marker_is_adopted(data, tmp_path):
     d = tmp_path / "legacy"
-    cached = CachedSource(open_plain(data), _cfg(data, d))
+    cached = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
     list(cached.read(0))
     cached.close()
     (d / MARKER).unlink()                                   # as an earlier version left it
-    again = CachedSource(open_plain(data), _cfg(data, d))
+    again = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
     assert (d / MARKER).exists() and sum(t.num_rows for t in again.read(0)) == 250
     assert again.stats()["hits"] > 0
 
 
 def test_the_sweep_deletes_only_value_files_the_cache_writes(data, tmp_path):
     d = tmp_path / "c"
-    cached = CachedSource(open_plain(data), _cfg(data, d))
+    cached = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
     list(cached.read(0))
     cached.close()
     (d / "ab" / "cd").mkdir(parents=True)
@@ -130,7 +130,7 @@ def test_the_sweep_deletes_only_value_files_the_cache_writes(data, tmp_path):
     for f in (theirs, ours):
         f.write_bytes(b"x")
         _aged(f)
-    again = CachedSource(open_plain(data), _cfg(data, d))
+    again = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
     list(again.read(1))                                     # the first write of this process sweeps
     again.flush()
     assert theirs.exists() and not ours.exists()

@@ -36,7 +36,7 @@ ROOT = REPO_ROOT
 
 
 def _cached(cfg, cache_dir) -> CachedSource:
-    return CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(cache_dir)), block_rows=16)
+    return CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(cache_dir)).cache_spec, block_rows=16)
 
 
 def _ids(cfg, source, n=1500) -> list:          # 1500 samples: every block of the 1000-row dataset
@@ -123,7 +123,7 @@ def test_a_corrupt_block_met_by_a_lookup_and_by_its_pending_write_is_counted_onc
     as that write's own check. Whichever of the two meets it first, it is one corrupt block: counted and
     warned once, and the block is stored sound (not stored, then deleted by the lookup's queued drop)."""
     d = tmp_path / "c"
-    c = CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(d)), block_rows=32)   # 2 blocks a shard
+    c = CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(d)).cache_spec, block_rows=32)   # 2 blocks a shard
     assert _ids(cfg, c) == reference
     c.close()
     first, second = c.store.key(0, 0), c.store.key(0, 1)
@@ -131,7 +131,7 @@ def test_a_corrupt_block_met_by_a_lookup_and_by_its_pending_write_is_counted_onc
         con.execute("DELETE FROM Cache WHERE key = ?", (first,))             # a miss: shard 0 is read through
         con.execute("UPDATE Cache SET mode = 4, filename = NULL, value = ? WHERE key = ?",
                     (pickle.dumps(_Marker(str(tmp_path / "pwned"))), second))
-    again = CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(d)), block_rows=32)
+    again = CachedSource(shared_source(cfg), cfg.replace(cache_dir=str(d)).cache_spec, block_rows=32)
     store = again.store
     held = threading.Event()
     store._behind(store._proc(), held.wait)      # the writer thread busy: what is handed to it waits

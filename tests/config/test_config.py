@@ -431,7 +431,7 @@ def _split_config(paths, split):
 
 @pytest.mark.parametrize("opener", [
     pytest.param(lambda cfg: ResumableStream(cfg, rank=0, world_size=1), id="ResumableStream"),
-    pytest.param(open_source, id="open_source"),
+    pytest.param(lambda cfg: open_source(cfg.source_spec), id="open_source"),
 ])
 def test_unknown_split_lists_existing_splits(split_dir, opener):
     with pytest.raises(ConfigError) as info:
@@ -445,7 +445,7 @@ def test_unknown_split_lists_existing_splits(split_dir, opener):
 def test_unknown_split_with_list_data_files(split_dir):
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=list(split_dir), split="validation")
     with pytest.raises(ConfigError, match=r"data\.split: got 'validation'.*train"):
-        open_source(cfg)
+        open_source(cfg.source_spec)
 
 
 def test_existing_split_reads_only_its_files(split_dir):
@@ -483,7 +483,7 @@ def test_non_streaming_gives_the_same_ids_as_streaming(data_500, shuffle):
 
 def test_non_streaming_unknown_split(data_500):
     with pytest.raises(ConfigError, match=r"data\.split: got 'validation'"):
-        open_source(parquet_config(data_500, streaming=False, split="validation"))
+        open_source(parquet_config(data_500, streaming=False, split="validation").source_spec)
 
 
 # ---------------------------------------------------------------------------- numeric edge

@@ -73,7 +73,7 @@ def ids_of(stream, n):
 
 
 def test_the_doc_module_is_registered_and_reads_every_line(lines_format, lines_data):
-    src = open_source(lines_config(lines_data))
+    src = open_source(lines_config(lines_data).source_spec)
     assert type(src).__name__ == "LinesSource" and src.index["reader"] == "lines"
     assert [s.num_rows for s in src.shards] == [64, 64, 22] * FILES
     assert src.fingerprint["builder"] == "lines" and len(src.fingerprint["files"]) == FILES
@@ -87,7 +87,7 @@ def test_the_doc_module_is_registered_and_reads_every_line(lines_format, lines_d
 @pytest.mark.parametrize("world_size,interleave", [(1, 2), (2, 1), (3, 2)])
 def test_exact_resume_at_random_points(lines_format, lines_data, world_size, interleave):
     cfg = lines_config(lines_data, shuffle=True, buffer_size=50, interleave_shards=interleave, num_partitions=6)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     rng = seeded_rng(f"lines-resume-{world_size}-{interleave}")
     for rank in range(world_size):
         def make():
@@ -112,7 +112,7 @@ def test_exact_resume_at_random_points(lines_format, lines_data, world_size, int
 
 def test_elastic_re_partition_reads_each_row_once(lines_format, lines_data, tmp_path):
     cfg = lines_config(lines_data, shuffle=True, buffer_size=40, num_partitions=6, elastic=True)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     rng = seeded_rng("lines-elastic")
     ids, resume_from = [], None
     for step, world in enumerate((2, 3)):
@@ -204,7 +204,7 @@ def test_resumable_stream_index_writes_a_lines_index_that_is_verified(lines_form
     for name in os.listdir(lines_data):
         (moved / name).write_bytes(open(os.path.join(lines_data, name), "rb").read())
     copied = lines_config(str(moved))
-    save_index(out, open_source(copied).index)
+    save_index(out, open_source(copied.source_spec).index)
     target = moved / "part-2.lines"
     st = os.stat(target)
     data = target.read_bytes()
@@ -230,15 +230,15 @@ def test_an_unregistered_format_is_a_config_error_listing_the_registered_ones(li
 def test_an_index_without_a_reader_is_parquet(parquet_small, tmp_path):
     """Indexes written before formats were registered have no "reader": they are parquet's."""
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(parquet_small, "*.parquet"))
-    index = open_source(cfg).index
+    index = open_source(cfg.source_spec).index
     assert index["reader"] == "parquet"
     del index["reader"]
     save_index(str(tmp_path / "old.json"), index)
     old = load_index(str(tmp_path / "old.json"))
     assert registry.format_of_index(old).name == "parquet"
-    src = open_source(cfg, index=old)
-    assert [s.num_rows for s in src.shards] == [s.num_rows for s in open_source(cfg).shards]
-    reference = ResumableStream(cfg, source=open_source(cfg))
+    src = open_source(cfg.source_spec, index=old)
+    assert [s.num_rows for s in src.shards] == [s.num_rows for s in open_source(cfg.source_spec).shards]
+    reference = ResumableStream(cfg, source=open_source(cfg.source_spec))
     assert ids_of_column(ResumableStream(cfg.replace(index_path=str(tmp_path / "old.json"))), 50) == \
         ids_of_column(reference, 50)
 

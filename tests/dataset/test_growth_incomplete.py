@@ -122,11 +122,11 @@ def test_a_parquet_file_being_written_joins_a_running_job_once_its_footer_is_the
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 10)
     with pytest.raises(IncompleteFileError, match="part-00009.parquet.*not a complete parquet file"):
-        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=path))
+        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=path).source_spec)
     with open(path, "wb") as f:
         f.write(b"not parquet at all")
     with pytest.raises(SourceError, match="not a parquet file") as e:
-        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=path))
+        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=path).source_spec)
     assert not isinstance(e.value, IncompleteFileError)
 
 
@@ -168,7 +168,7 @@ def test_growth_leaves_out_an_incomplete_file_at_the_first_start_and_a_static_da
     assert "not a complete tar" in caplog.text
     assert [f["path"] for f in s.source.index["files"]] == [str(d / "shard-000.tar")]
     assert len(_keys(s, 10)) == 10
-    static = open_source(StreamConfig(dataset_name_or_path="webdataset", data_files=str(d / "*.tar")))
+    static = open_source(StreamConfig(dataset_name_or_path="webdataset", data_files=str(d / "*.tar")).source_spec)
     rows = [r for i in range(len(static.shards)) for t in static.read(i) for r in t.to_pylist()]
     assert len(rows) == 20 and "is cut short by the end of the tar" in rows[-1]["__bad_sample__"]
     new.write_bytes(whole)

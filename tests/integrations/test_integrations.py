@@ -19,7 +19,7 @@ def ids(rows):
 @pytest.fixture(scope="module")
 def setup(parquet_small):
     cfg = parquet_config(parquet_small, shuffle=True, buffer_size=40)
-    return cfg, open_source(cfg)
+    return cfg, open_source(cfg.source_spec)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

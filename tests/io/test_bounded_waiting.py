@@ -86,7 +86,7 @@ def test_a_read_stuck_mid_stream_fails_within_the_budget(tmp_path):
         url = srv.url("part-00000.parquet")
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[url], timeout_s=1.0, retry_budget_s=2.0,
                            retries=100, retry_backoff_s=0.1, prefetch_blocks=0, interleave_shards=1)
-        stream = ResumableStream(cfg, source=open_source(cfg))
+        stream = ResumableStream(cfg, source=open_source(cfg.source_spec))
         it = iter(stream)
         for _ in range(150):
             next(it)

@@ -290,7 +290,7 @@ def test_resolution_survives_faults_on_every_request_type(sites, fmt):
     try:
         ref = _reference(site)
         site.srv.set_faults(rate=1.0, kinds=("reset", "503", "500", "truncate"), seed=3, first=12)
-        src = open_source(site.config())
+        src = open_source(site.config().source_spec)
         assert site.srv.stats()["faults_injected"] >= 12
         stream = ResumableStream(site.config(), rank=0, world_size=1, source=src)
         assert _take(stream, 100) == ref[:100]
@@ -304,7 +304,7 @@ def test_stalled_responses_time_out_and_are_retried(sites):
     site.healthy()
     try:
         ref = _reference(site)
-        src = open_source(site.config(prefetch_blocks=0))     # one read at a time: the two stalls in a row
+        src = open_source(site.config(prefetch_blocks=0).source_spec)     # one read at a time: the two stalls in a row
         # A stalled body (headers sent, then nothing for 30 s) must not hang the reader.
         site.srv.reset_stats()
         site.srv.set_faults(rate=1.0, kinds=("stall",), methods=("GET",), first=2, stall_s=30)
@@ -313,7 +313,7 @@ def test_stalled_responses_time_out_and_are_retried(sites):
         # both stalled responses are still stalling: the reader gave up on them (timeout_s = 1), not waited
         assert stats["faults"]["stall"] == 2 and stats["in_flight"] == 2, stats
         # Without retries, the first stalled read is an error (a timeout, long before the stall ends).
-        src = open_source(site.config(retries=0))
+        src = open_source(site.config(retries=0).source_spec)
         site.srv.set_faults(rate=1.0, kinds=("stall",), stall_s=30)
         with pytest.raises(SourceError, match="Timeout"):
             _take(ResumableStream(site.config(retries=0), source=src), 10)
@@ -351,7 +351,7 @@ def test_outage_while_opening_names_the_url(sites, caplog):
         site.srv.set_faults(rate=1.0, kinds=("503", "reset"))
         with caplog.at_level(logging.WARNING, logger="resumable_stream.sources"):
             with pytest.raises(SourceError) as info:
-                open_source(site.config(retries=2))
+                open_source(site.config(retries=2).source_spec)
         assert any(url in str(info.value) for url in site.urls) and "failed after 3 attempt(s)" in str(info.value)
         # the waits between tries are the configured backoff (0.02 s, doubled), not datasets' own 5-60 s
         waits = [float(m) for r in caplog.records for m in re.findall(r"retry \d+ of \d+ in ([\d.]+) s",
@@ -367,7 +367,7 @@ def test_mid_shard_fault_reopens_at_the_next_row_not_yet_yielded(tmp_path, monke
     write_parquet_dataset(str(tmp_path), rows=20_000, files=1, row_group_size=20_000)
     with FileServer(tmp_path) as srv:
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url("part-00000.parquet")], **FAST)
-        src = open_source(cfg)
+        src = open_source(cfg.source_spec)
         assert isinstance(src, ParquetSource) and len(src.shards) == 1
         clean = pa.concat_tables(src.read(0, 5))
         opened: list[int] = []
@@ -393,7 +393,7 @@ def test_local_missing_files_fail_fast(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="resumable_stream.sources")
     missing = str(tmp_path / "pq" / "nope.parquet")
     with pytest.raises(SourceError) as info:
-        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=[files[0], missing]))
+        open_source(StreamConfig(dataset_name_or_path="parquet", data_files=[files[0], missing]).source_spec)
     assert missing in str(info.value)
     # ... and so is one that vanishes while streaming
     stream = ResumableStream(StreamConfig(dataset_name_or_path="parquet", data_files=files, buffer_size=8))
@@ -411,7 +411,7 @@ def test_missing_remote_file_fails_fast_with_default_retries(sites, caplog):
     site.srv.reset_stats()
     caplog.set_level(logging.WARNING, logger="resumable_stream.sources")
     with pytest.raises(SourceError) as info:
-        open_source(StreamConfig(dataset_name_or_path="json", data_files=[*site.urls, missing]))
+        open_source(StreamConfig(dataset_name_or_path="json", data_files=[*site.urls, missing]).source_spec)
     assert missing in str(info.value)
     assert not [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
     asked = [r for r in site.srv.requests if r.path.endswith("/gone.jsonl")]

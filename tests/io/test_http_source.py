@@ -105,7 +105,7 @@ def _site(request, fmt: str) -> Site:
 def _shared_source(site: Site):
     """One opened Source per site, reused where a test does not exercise opening itself."""
     if site.source is None:
-        site.source = open_source(site.config())
+        site.source = open_source(site.config().source_spec)
     return site.source
 
 

@@ -217,7 +217,8 @@ def test_retry_after_is_waited_with_jitter(monkeypatch):
     limited = httpx2.Response(429, headers={"Retry-After": "3"}, request=request)
     with pytest.raises(Exception) as info:
         hf_raise_for_status(limited)
-    retry = source.RetryPolicy(hub_config(retry_backoff_s=0.5), remote=True)
+    spec = hub_config(retry_backoff_s=0.5).source_spec
+    retry = source.RetryPolicy(spec.net, remote=True, data=spec.data)
     waits = [retry.delay(0, info.value) for _ in range(200)]
     assert all(3.0 <= w <= 3.0 * (1 + source._JITTER) for w in waits)     # at least Retry-After
     assert len(set(waits)) > 100                                          # jittered: ranks do not retry together

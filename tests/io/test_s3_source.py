@@ -160,7 +160,8 @@ def test_identities_from_one_listing_are_those_a_head_of_each_object_gives(bucke
     from resumable_stream.sources.resolve import file_identity
 
     urls = [f"s3://data/ds/{os.path.basename(p)}" for p in sorted(bucket.local)]
-    retry = RetryPolicy(bucket.config(), remote=True)
+    spec = bucket.config().source_spec
+    retry = RetryPolicy(spec.net, remote=True, data=spec.data)
     options = retry.storage_options
     before = len(bucket.srv.requests)
     listed = listed_identities(urls, options)

@@ -66,7 +66,7 @@ def _ranged_gets(srv: FileServer) -> list:
 
 def test_another_files_bytes_are_refused_naming_file_and_row_group(site):
     srv, _ = site
-    source = open_source(_config(srv, prefetch_blocks=0))          # the index (footers) from the true file
+    source = open_source(_config(srv, prefetch_blocks=0).source_spec)          # the index (footers) from the true file
     srv.ranges_from = {"a.parquet": "b.parquet"}
     before = len(_ranged_gets(srv))
     stream = ResumableStream(_config(srv, prefetch_blocks=0), source=source)
@@ -83,7 +83,7 @@ def test_another_files_bytes_are_refused_naming_file_and_row_group(site):
 
 def test_one_wrong_answer_is_read_again_and_every_row_is_right(site):
     srv, _ = site
-    source = open_source(_config(srv, prefetch_blocks=0))
+    source = open_source(_config(srv, prefetch_blocks=0).source_spec)
     gets = []
 
     def lie_once(rec):               # the proxy lies to the first ranged GET only (faults run before answering)
@@ -102,7 +102,7 @@ def test_one_wrong_answer_is_read_again_and_every_row_is_right(site):
 
 def test_prefetched_wrong_bytes_are_refused_too(site):
     srv, _ = site
-    source = open_source(_config(srv, prefetch_blocks=4))
+    source = open_source(_config(srv, prefetch_blocks=4).source_spec)
     srv.ranges_from = {"a.parquet": "b.parquet"}
     with pytest.raises(SourceError, match="row group"):
         list(itertools.islice(ResumableStream(_config(srv, prefetch_blocks=4), source=source), ROWS))
@@ -111,10 +111,10 @@ def test_prefetched_wrong_bytes_are_refused_too(site):
 def test_a_warmup_through_a_lying_proxy_caches_nothing_wrong(site, tmp_path):
     srv, _ = site
     cfg = _config(srv, cache_dir=str(tmp_path / "cache"))
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     srv.ranges_from = {"a.parquet": "b.parquet"}
     with pytest.raises(SourceError, match="row group"):
-        run_warmup(cfg, ROWS, source=CachedSource(source, cfg), progress=False)
+        run_warmup(cfg, ROWS, source=CachedSource(source, cfg.cache_spec), progress=False)
     srv.ranges_from = {}                                           # the server is fixed
     ids = [r["id"] for r in itertools.islice(ResumableStream(cfg, source=source), ROWS)]
     assert ids == list(range(ROWS))
@@ -272,7 +272,7 @@ def test_a_corrupt_page_of_a_local_file_is_refused_after_one_more_read(tmp_path)
     path = str(tmp_path / "a.parquet")
     _write(path, 0, write_page_checksum=True)
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[path], shuffle=False, prefetch_blocks=0)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     _, start, end = source.index["files"][0]["row_groups"][2]
     st = os.stat(path)
     with open(path, "r+b") as f:                 # one flipped byte in row group 2's data, size and mtime kept
@@ -296,13 +296,13 @@ def test_blocks_cached_by_an_older_format_are_not_served(tmp_path, monkeypatch):
     _write(path, 0)
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[path], shuffle=False,
                        cache_dir=str(tmp_path / "cache"))
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     with monkeypatch.context() as m:
         m.setattr(store, "FORMAT", "rs-block-v2")
-        old = CachedSource(source, cfg)
+        old = CachedSource(source, cfg.cache_spec)
         old.store.put(0, 0, _table(5_000_000).slice(0, old.block_rows), False)
         old.close()
-    fresh = CachedSource(source, cfg)
+    fresh = CachedSource(source, cfg.cache_spec)
     assert fresh.store.ns != old.store.ns
     ids = [r["id"] for r in itertools.islice(ResumableStream(cfg, source=fresh), 10)]
     assert ids == list(range(10)) and fresh.stats()["hits"] == 0

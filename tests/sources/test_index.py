@@ -77,7 +77,7 @@ def test_rows_are_those_of_datasets_streaming_without_reshard(tmp_path, monkeypa
         raise AssertionError("reshard called")
 
     monkeypatch.setattr(datasets.IterableDataset, "reshard", no_reshard, raising=False)
-    src = open_source(StreamConfig(dataset_name_or_path="parquet", data_files=files))
+    src = open_source(StreamConfig(dataset_name_or_path="parquet", data_files=files).source_spec)
     assert [s.num_rows for s in src.shards] == [70, 70, 70, 70, 20] * 2     # one shard per row group
     ours = [row for s in range(len(src.shards)) for t in src.read(s) for row in t.to_pylist()]
     assert ours == hf_rows
@@ -90,13 +90,13 @@ def test_steady_state_reads_one_request_per_row_group(site):
     """Opening costs one HEAD and one footer read per file; reading, one ranged GET per row group (the
     footers read to build the index are kept); a source opened from a given index reads each footer once."""
     cfg = site.config(shuffle=False)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     assert _count(site) == {("HEAD", "whole"): FILES, ("GET", "ranged"): FILES}
     site.reset_stats()
     assert sorted(_ids(ResumableStream(cfg, source=src), ROWS)) == list(range(ROWS))
     assert _count(site) == {("GET", "ranged"): len(src.shards)}
     site.reset_stats()
-    given = open_source(cfg, index=src.index)
+    given = open_source(cfg.source_spec, index=src.index)
     assert sorted(_ids(ResumableStream(cfg, source=given), ROWS)) == list(range(ROWS))
     assert _count(site) == {("GET", "ranged"): len(src.shards) + FILES}
 
@@ -126,11 +126,11 @@ def test_index_command_then_index_path_opens_without_requests(site, tmp_path, ca
 def test_an_indexed_source_hands_on_every_footer_it_read_and_a_source_given_them_reads_none(site):
     """What rank 0 broadcasts with the index (job_source): the footers it read, so the other ranks read none."""
     cfg = site.config(prefetch_blocks=0)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     assert sorted(src.footers) == sorted(cfg.data_files)
     assert all(f.endswith(b"PAR1") for f in src.footers.values())
     site.reset_stats()
-    other = open_source(cfg, index=src.index, footers=src.footers)
+    other = open_source(cfg.source_spec, index=src.index, footers=src.footers)
     rows = [next(other.read(s)).num_rows for s in range(len(other.shards))]
     assert rows == [GROUP] * (ROWS // GROUP)
     assert _count(site) == {("GET", "ranged"): ROWS // GROUP}          # one per row group, no footer read
@@ -309,13 +309,13 @@ def test_prefetch_fetches_concurrently_and_hands_over_in_plan_order(site):
     import random
 
     cfg = site.config(interleave_shards=2, timeout_s=30.0)     # no client timeout while a GET waits
-    src = open_source(cfg.replace(prefetch_blocks=0))
+    src = open_source(cfg.replace(prefetch_blocks=0).source_spec)
     reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0), source=src), ROWS + 100)
     jitter = random.Random(5)
     site.faults.append(lambda rec: time.sleep(jitter.random() * 0.02))
     try:
         for depth, concurrent in ((0, False), (8, True)):
-            src = open_source(cfg.replace(prefetch_blocks=depth))      # the index: read before the barrier
+            src = open_source(cfg.replace(prefetch_blocks=depth).source_spec)      # the index: read before the barrier
             together, meet = _first_two_gets_meet()
             site.faults.insert(0, meet)
             stream = ResumableStream(cfg.replace(prefetch_blocks=depth), source=src)
@@ -336,7 +336,7 @@ def test_prefetch_fills_the_block_cache_and_skips_what_it_holds(site, tmp_path, 
     reference = _ids(ResumableStream(cfg.replace(prefetch_blocks=0)), ROWS + 100)
     for depth, concurrent in ((0, False), (8, True)):
         cached = cfg.replace(prefetch_blocks=depth, cache_dir=str(tmp_path / f"cache{depth}"))
-        src = open_source(cached)                       # the index: read before the barrier
+        src = open_source(cached.source_spec)                       # the index: read before the barrier
         together, meet = _first_two_gets_meet()
         site.faults.append(meet)
         try:
@@ -348,7 +348,7 @@ def test_prefetch_fills_the_block_cache_and_skips_what_it_holds(site, tmp_path, 
         assert not [r for r in caplog.records if "lookup" in r.getMessage()]   # (a cache.db being created)
         assert together.broken is not concurrent
         cold.source.flush()
-        warm = ResumableStream(cached, source=open_source(cached))
+        warm = ResumableStream(cached, source=open_source(cached.source_spec))
         site.reset_stats()
         assert _ids(warm, ROWS + 100) == reference
         assert site.requests == [], _count(site)        # every row group came from the cache, none prefetched

@@ -83,9 +83,9 @@ def _patterns(root: str) -> list:
 
 
 def _datasets_files(cfg):
-    path, data_files = builder_args(cfg)
+    path, data_files = builder_args(cfg.source_spec.data)
     try:
-        return resolve_files(cfg, path, data_files, [], RetryPolicy(cfg, remote=False))[1]
+        return resolve_files(cfg.source_spec.data, path, data_files, [], RetryPolicy(cfg.source_spec.net, remote=False))[1]
     except Exception as e:      # noqa: BLE001  (what datasets says then is its answer; ours must be None)
         return e
 
@@ -96,7 +96,7 @@ def test_files_resolve_as_datasets_resolves_them(tree, i, split, monkeypatch):
     monkeypatch.chdir(tree)
     data_files = _patterns(tree)[i]
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=data_files, split=split)
-    ours = resolve_local_parquet(cfg, *builder_args(cfg))
+    ours = resolve_local_parquet(cfg.source_spec.data, *builder_args(cfg.source_spec.data))
     theirs = _datasets_files(cfg)
     if ours is not None:
         assert ours == theirs, f"{data_files!r}: resolved {ours}, datasets resolves {theirs}"
@@ -107,7 +107,7 @@ def test_files_resolve_as_datasets_resolves_them(tree, i, split, monkeypatch):
 
 def test_a_named_file_resolves_as_datasets_resolves_it(tree):
     cfg = StreamConfig(dataset_name_or_path=os.path.join(tree, "a", "p-0.parquet"))
-    assert resolve_local_parquet(cfg, *builder_args(cfg)) == _datasets_files(cfg) == [
+    assert resolve_local_parquet(cfg.source_spec.data, *builder_args(cfg.source_spec.data)) == _datasets_files(cfg) == [
         os.path.join(tree, "a", "p-0.parquet")]
 
 
@@ -115,7 +115,8 @@ def test_a_named_file_resolves_as_datasets_resolves_it(tree):
                                 {"storage_options": {"anon": True}}, {"streaming": False}])
 def test_other_settings_are_left_to_datasets(tree, kw):
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(tree, "a", "*.parquet"), **kw)
-    assert resolve_local_parquet(cfg, *builder_args(cfg)) is None
+    spec = cfg.source_spec
+    assert resolve_local_parquet(spec.data, *builder_args(spec.data), storage_options=spec.net.storage_options) is None
 
 
 _PLAIN = {"b": pa.bool_(), "i8": pa.int8(), "i16": pa.int16(), "i32": pa.int32(), "i64": pa.int64(),
@@ -197,12 +198,12 @@ def test_the_index_is_the_one_datasets_resolution_builds(plain_dir, monkeypatch)
     from resumable_stream.sources import resolve
 
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(plain_dir, "*.parquet"))
-    ours = open_source(cfg)
+    ours = open_source(cfg.source_spec)
     with monkeypatch.context() as mp:
         mp.setattr(resolve, "resolve_local_parquet", lambda *a: None)
         mp.setattr(local_parquet, "simple_features", lambda schema: None)
         mp.setattr("resumable_stream.sources.parquet_rows.simple_schema", lambda features: None)
-        theirs = open_source(cfg)
+        theirs = open_source(cfg.source_spec)
     assert json.dumps(ours.index) == json.dumps(theirs.index)
     assert ours.fingerprint == theirs.fingerprint
     for shard in range(len(ours.shards)):
@@ -293,7 +294,7 @@ def test_rows_pool_falls_back_to_the_system_allocator_without_jemalloc(monkeypat
 def test_local_prefetch_depth_keeps_the_next_shards_in_flight_and_no_more(plain_dir, blocks, interleave):
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(plain_dir, "*.parquet"),
                        prefetch_blocks=blocks, interleave_shards=interleave)
-    src = open_source(cfg)
+    src = open_source(cfg.source_spec)
     want = min(blocks, max(os.cpu_count() or 1, interleave))
     assert src.prefetch_depth == want
     assert src._prefetch is None if not blocks else src._prefetch._threads == min(blocks, os.cpu_count() or 1)

@@ -47,7 +47,7 @@ def reference(site):
 
 def _read(srv, latency: float, **kw) -> tuple[list[int], dict, dict]:
     srv.latency_s = 0.0
-    source = open_source(_config(srv, **kw))             # opening is not what is measured
+    source = open_source(_config(srv, **kw).source_spec)             # opening is not what is measured
     srv.latency_s = latency
     srv.reset_stats()
     try:
@@ -115,7 +115,7 @@ def test_a_row_group_larger_than_the_budget_is_read_by_the_reader_itself(tmp_pat
     with FileServer(tmp_path) as srv:
         srv.urls = [srv.url(os.path.basename(p)) for p in paths]
         reference = [r["id"] for r in itertools.islice(ResumableStream(_config(srv, prefetch_blocks=0)), 40_000)]
-        source = open_source(_config(srv, prefetch_memory_mb=1))
+        source = open_source(_config(srv, prefetch_memory_mb=1).source_spec)
         try:
             ids = [r["id"] for r in itertools.islice(ResumableStream(_config(srv, prefetch_memory_mb=1),
                                                                      source=source), 40_000)]

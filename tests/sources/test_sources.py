@@ -525,5 +525,5 @@ def test_data_dir_narrows_a_dataset_to_one_folder(tmp_path):
     rows = list(itertools.islice(stream, 1000))
     assert len(rows) == 40
     assert all("/small/" in f["path"] for f in stream.source.fingerprint["files"])
-    assert stream.source.fingerprint["data_dir"] == "small" and resolution_key(cfg)["data_dir"] == "small"
-    assert "data_dir" not in resolution_key(cfg.replace(data_dir=None))   # unset: keys saved before it still match
+    assert stream.source.fingerprint["data_dir"] == "small" and resolution_key(cfg.source_spec.data)["data_dir"] == "small"
+    assert "data_dir" not in resolution_key(cfg.replace(data_dir=None).source_spec.data)   # unset: keys saved before it still match

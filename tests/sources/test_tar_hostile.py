@@ -117,7 +117,7 @@ def test_a_sparse_member_is_a_bad_sample_and_every_row_after_it_is_there(tmp_pat
     why = (f"data file {path!r}: sample 'k6': member .txt is a sparse file (tar --sparse): the tar holds its data "
            "without its holes, and sparse members are not read")
     for kw in ({}, {"max_member_bytes": 1 << 20}):
-        src = open_source(_cfg([path], **kw))
+        src = open_source(_cfg([path], **kw).source_spec)
         rows = _rows(src)
         assert [r["__key__"] for r in rows] == [f"k{i}" for i in range(10)]
         assert [r["txt"] for r in rows] == [None if i == 6 else f"text {i}" for i in range(10)]
@@ -130,7 +130,7 @@ def test_a_sparse_tar_resumes_and_its_local_check_skips_the_sparse_members(tmp_p
     """A resume checks a local tar's headers at its shard starts and its last sample: a sparse member's data
     does not follow its header (extension blocks, a sparse map), so it is not among them."""
     path = _crafted_sparse_tar(str(tmp_path / "sparse.tar"), sparse=(6, 9))
-    entry = open_source(_cfg([path])).index["files"][0]
+    entry = open_source(_cfg([path]).source_spec).index["files"][0]
     assert READER.local_check(path, {}, None, entry)["layout"] == entry["layout"]
     assert tar_index.entry_problem(entry) is None
     forged = json.loads(json.dumps(entry))
@@ -188,7 +188,7 @@ for tar in sys.argv[2:]:
             f.write(f"data:\n  dataset_name_or_path: webdataset\n  data_files: [{json.dumps(tar)}]\n")
         return main(["index", f"{work}/{name}.yaml", "-o", f"{work}/{name}.index.json"])
     def open_and_read():
-        src = open_source(StreamConfig(dataset_name_or_path="webdataset", data_files=[tar]))
+        src = open_source(StreamConfig(dataset_name_or_path="webdataset", data_files=[tar]).source_spec)
         return sum(t.num_rows for s in range(len(src.shards)) for t in src.read(s))
     def growth():
         d = f"{work}/grow-{name}"

@@ -57,7 +57,7 @@ def test_peek_reads_tars_of_txt_and_json_members(tmp_path, capsys):
 
 def test_samples_equal_datasets_row_by_row(tmp_path):
     files = write_tars(tmp_path / "d", 2, 40, mixed_samples)
-    src = open_source(_cfg(files))
+    src = open_source(_cfg(files).source_spec)
     expected, features = _datasets_rows(files)
     assert src.features == features
     assert src.column_names == [*features, "__bad_sample__"]
@@ -73,7 +73,7 @@ def test_samples_equal_datasets_row_by_row(tmp_path):
 def test_a_shard_is_a_run_of_samples_and_reads_only_its_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(tar_index, "SHARD_MAX_SAMPLES", 16)
     files = write_tars(tmp_path / "d", 1, 50)
-    src = open_source(_cfg(files))
+    src = open_source(_cfg(files).source_spec)
     assert [s.num_rows for s in src.shards] == [16, 16, 16, 2]
     entry = src.index["files"][0]
     reads = []
@@ -187,7 +187,7 @@ def test_a_member_over_max_member_bytes_is_a_bad_sample_never_read(tmp_path, mon
     samples = text_samples(0, 9)
     samples[6][1]["txt"] = b"x" * 5000
     path = write_tar(str(tmp_path / "big.tar"), samples)
-    src = open_source(_cfg([path], max_member_bytes=4096))
+    src = open_source(_cfg([path], max_member_bytes=4096).source_spec)
     entry = src.index["files"][0]
     big = entry["samples"][6][1][0]
     reads = []
@@ -215,7 +215,7 @@ def _bad_tars(tmp_path) -> tuple[str, str, list[dict]]:
     cut = str(tmp_path / "cut.tar")
     with open(cut, "wb") as f:
         f.write(data[:last[1] + 3])                       # the last member cut short
-    return path, cut, _rows(open_source(_cfg([path, cut])))
+    return path, cut, _rows(open_source(_cfg([path, cut]).source_spec))
 
 
 def test_a_corrupt_or_truncated_member_is_a_bad_sample(tmp_path):
@@ -270,7 +270,7 @@ def _shift_members(path: str) -> None:
 
 def test_a_tar_whose_layout_changed_is_a_mismatch_naming_it(tmp_path):
     path = write_tar(str(tmp_path / "a.tar"), text_samples(0, 10))
-    src = open_source(_cfg([path]))
+    src = open_source(_cfg([path]).source_spec)
     _shift_members(path)
     with pytest.raises(StreamMismatchError, match="a.tar.*member layout"):
         _rows(src)
@@ -312,7 +312,7 @@ def test_a_malformed_header_is_a_source_error_naming_the_file(tmp_path):
     bad = tmp_path / "bad.tar"
     bad.write_bytes(bytes(data[:2048]) + b"\x07" * 512 + bytes(data[2560:]))
     with pytest.raises(SourceError, match="bad.tar.*malformed tar"):
-        open_source(_cfg([bad]))
+        open_source(_cfg([bad]).source_spec)
     # a pax header that claims 8 GB: refused, nothing of that size allocated
     huge = io.BytesIO()
     with tarfile.open(fileobj=huge, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -322,19 +322,19 @@ def test_a_malformed_header_is_a_source_error_naming_the_file(tmp_path):
     forged = tmp_path / "forged.tar"
     forged.write_bytes(head.tobuf(tarfile.USTAR_FORMAT) + huge.getvalue())
     with pytest.raises(SourceError, match="forged.tar.*malformed tar header"):
-        open_source(_cfg([forged]))
+        open_source(_cfg([forged]).source_spec)
     gz = tmp_path / "c.tar"
     with tarfile.open(gz, "w:gz") as tar:
         add(tar, "a.txt", b"hello")
     with pytest.raises(SourceError, match="c.tar.*not an uncompressed tar"):
-        open_source(_cfg([gz]))
+        open_source(_cfg([gz]).source_spec)
 
 
 def test_index_round_trip_and_forged_entries_are_refused(tmp_path):
     from resumable_stream.sources.index import decode_index, encode_index
 
     files = write_tars(tmp_path / "d", 2, 5)
-    index = open_source(_cfg(files)).index
+    index = open_source(_cfg(files).source_spec).index
     assert decode_index(encode_index(index), "x") == index
     forged = json.loads(encode_index(index))
     forged["files"][0]["samples"][1][1][0][1] = 10**12

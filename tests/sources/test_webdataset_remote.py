@@ -46,7 +46,7 @@ def test_http_samples_equal_datasets_row_by_row(site):
 
     srv, urls = site
     srv.clear_faults()
-    src = open_source(_cfg(urls))
+    src = open_source(_cfg(urls).source_spec)
     assert len(src.shards) == FILES * 4
     ours = [r for s in range(len(src.shards)) for t in src.read(s) for r in t.to_pylist()]
     theirs = list(datasets.load_dataset("webdataset", data_files=urls, split="train", streaming=True).decode(False))
@@ -79,7 +79,7 @@ def test_warmup_then_reading_makes_no_request(site, tmp_path):
     cfg = _cfg(urls, shuffle=True, buffer_size=16, cache_dir=str(tmp_path / "cache"))
     reference = [r["__key__"] for r in _take(ResumableStream(_cfg(urls, shuffle=True, buffer_size=16)), 50)]
     run_warmup(cfg, 50, ranks=[0], world_size=1, progress=False)
-    stream = ResumableStream(cfg, source=open_source(cfg))     # opening indexes the tars again (no saved index)
+    stream = ResumableStream(cfg, source=open_source(cfg.source_spec))     # opening indexes the tars again (no saved index)
     before = len(srv.requests)
     assert [r["__key__"] for r in _take(stream, 50)] == reference
     assert srv.requests[before:] == []                         # every sample came from the block cache

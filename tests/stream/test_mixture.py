@@ -91,7 +91,7 @@ def sources_of(cfg: MixtureConfig) -> list:
     for s in cfg.sources:
         key = (str(s.data_files), s.streaming)
         if key not in _OPENED:
-            _OPENED[key] = open_source(s)
+            _OPENED[key] = open_source(s.source_spec)
         out.append(_OPENED[key])
     return out
 

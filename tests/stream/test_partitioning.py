@@ -46,7 +46,7 @@ def _assert_exact_cover(per_rank, total):
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_shard_assignment_covers_epoch_exactly_once(parquet_60, world_size, num_workers, shuffle):
     cfg = parquet_config(parquet_60, shuffle=shuffle, buffer_size=128)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     per_rank = _epoch_ids_main_process(cfg, source, world_size, num_workers)
     _assert_exact_cover(per_rank, 6000)
     # balanced by row count: 60 equal row groups over P partitions
@@ -59,7 +59,7 @@ def test_shard_assignment_covers_epoch_exactly_once(parquet_60, world_size, num_
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_row_striding_when_fewer_shards_than_partitions(parquet_two_shards, world_size, num_workers, caplog):
     cfg = parquet_config(parquet_two_shards, shuffle=True, buffer_size=32)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     partitions = world_size * max(1, num_workers)
     with caplog.at_level(logging.WARNING, logger="resumable_stream.stream.single"):
         per_rank = _epoch_ids_main_process(cfg, source, world_size, num_workers)
@@ -72,7 +72,7 @@ def test_row_striding_when_fewer_shards_than_partitions(parquet_two_shards, worl
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_dataloader_workers_cover_epoch_exactly_once(parquet_60, world_size):
     cfg = parquet_config(parquet_60, shuffle=True, buffer_size=128)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     per_rank = _epoch_ids_dataloader(cfg, source, world_size, num_workers=2)
     _assert_exact_cover(per_rank, 6000)
     # the DataLoader reads each worker's partition: same rows as the main-process read of that rank
@@ -93,7 +93,7 @@ def test_dataloader_with_other_worker_count_is_refused(parquet_small):
 @pytest.mark.slow
 def test_endless_stream_resets_epochs_in_a_new_reproducible_order(parquet_small):
     cfg = parquet_config(parquet_small, shuffle=True, buffer_size=100)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     a = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), 2500)
     b = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), 2500)
     assert a == b, "same config must give the same order"
@@ -138,12 +138,12 @@ def _spearman(x, y):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_shuffle_decorrelates_order(parquet_60, world_size):
     cfg = parquet_config(parquet_60, shuffle=True, buffer_size=500)
-    source = open_source(cfg)
+    source = open_source(cfg.source_spec)
     for ids in _epoch_ids_main_process(cfg, source, world_size, 0):
         rho = _spearman(np.arange(len(ids)), np.asarray(ids))
         assert abs(rho) < 0.1, f"Spearman {rho:.3f}"
     # and without shuffle the order is the original one (rho = 1): the check can fail
-    plain = _epoch_ids_main_process(parquet_config(parquet_60), open_source(parquet_config(parquet_60)), 1, 0)[0]
+    plain = _epoch_ids_main_process(parquet_config(parquet_60), open_source(parquet_config(parquet_60).source_spec), 1, 0)[0]
     assert _spearman(np.arange(len(plain)), np.asarray(plain)) > 0.99
 
 

@@ -21,7 +21,7 @@ _SOURCES = {}
 def _source(cfg):
     key = (cfg.data_files, cfg.streaming)
     if key not in _SOURCES:
-        _SOURCES[key] = open_source(cfg)
+        _SOURCES[key] = open_source(cfg.source_spec)
     return _SOURCES[key]
 
 

@@ -331,7 +331,8 @@ def test_unreachable_url_is_an_error_even_when_skipping(processor, monkeypatch):
 
 
 def _url_policy(**kw) -> RetryPolicy:
-    return RetryPolicy(StreamConfig(dataset_name_or_path="parquet", data_files="x.parquet", **kw), remote=True)
+    return RetryPolicy(StreamConfig(dataset_name_or_path="parquet", data_files="x.parquet", **kw).source_spec.net,
+                       remote=True)
 
 
 @pytest.mark.parametrize("failures,retries", [(2, 2), (3, 2), (1, 0)])
