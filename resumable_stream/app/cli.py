@@ -346,6 +346,9 @@ def _index_summary(path: str, source) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..config.trainer import TrainerConfig
+
+    TrainerConfig.from_yaml(args.config, args.overrides)   # a bad key answers before the trainer's imports
     from .train import run_training
 
     run_training(args.config, args.overrides)

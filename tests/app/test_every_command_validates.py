@@ -3,6 +3,9 @@ same ConfigError and exit 2, also the keys the command does not use; model.confi
 paths that do not exist are ConfigErrors too, found before anything loads."""
 
 import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -116,3 +119,16 @@ def test_a_train_refused_after_it_took_the_output_dir_leaves_no_directory(capsys
     code, err = _run(capsys, tmp_path, "train", doc, f"train.output_dir={tmp_path}/runs/a")
     assert code == 2 and "model.tokenizer: " in err and "cannot be loaded as a tokenizer" in err, err
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow    # not a training, but the lane guard takes any `resumable_stream train` for one
+def test_train_refuses_a_bad_key_before_it_imports_torch_or_transformers(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(_edit(_trainer_doc(), "model.tokenizer", "/nonexistent/tokenizer")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "resumable_stream", "train", str(cfg),
+                        f"train.output_dir={tmp_path}/run"], capture_output=True, text=True, timeout=120, env=env)
+    imported = {m.group(1).split(".")[0] for m in re.finditer(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", r.stderr)}
+    assert r.returncode == 2 and "model.tokenizer: got '/nonexistent/tokenizer': no such file" in r.stderr
+    assert "resumable_stream" in imported and not imported & {"torch", "transformers", "datasets", "pyarrow"}
+    assert not os.path.exists(tmp_path / "run")
