@@ -19,7 +19,9 @@ from .transforms import TransformConfig
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TrainingArguments we set ourselves; a user value would break exact resume.
-_FORCED = {"ignore_data_skip": True, "remove_unused_columns": False}
+# ignore_data_skip: nothing is replayed either way (the patched Trainer's skip is a no-op); True would only make
+# the Trainer forget the steps already trained in its epoch count
+_FORCED = {"ignore_data_skip": False, "remove_unused_columns": False}
 _DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10, "save_steps": 100}
 
 

@@ -32,7 +32,7 @@ def test_tiny_config_parses_into_sections():
     assert cfg.stream.shuffle and cfg.stream.buffer_size == 256
     assert cfg.transform.packing and cfg.transform.max_seq_len == 64
     args = cfg.training_arguments()
-    assert args.max_steps == 200 and args.ignore_data_skip is True and args.remove_unused_columns is False
+    assert args.max_steps == 200 and args.ignore_data_skip is False and args.remove_unused_columns is False
     # peek / StreamConfig.from_yaml read the same file's data section (transform keys are tolerated)
     assert StreamConfig.from_yaml(TINY).data_files == cfg.stream.data_files
 
@@ -56,7 +56,7 @@ _DELETE = object()
         ("train.max_steps", "100", "train.max_steps: got '100'"),
         ("train.output_dir", _DELETE, "train.output_dir: missing"),
         ("train.learning_rat", 0.1, "did you mean 'learning_rate'"),
-        ("train.ignore_data_skip", False, "train.ignore_data_skip: got False"),
+        ("train.ignore_data_skip", True, "train.ignore_data_skip: got True"),
         ("train.per_device_train_batch_size", 0, "train.per_device_train_batch_size: got 0"),
         ("train.dataloader_num_workers", -1, "train.dataloader_num_workers: got -1"),
         ("data.max_samples", 1000, "data.max_samples: got 1000"),
