@@ -275,8 +275,9 @@ def _patch_skip(trainer_cls) -> None:
         return
     import transformers.trainer as trainer_module
 
-    if not getattr(trainer_module.skip_first_batches, "_resumable_stream_skip", False):
-        trainer_module.skip_first_batches = _skip_first_batches(trainer_module.skip_first_batches)
+    skip = getattr(trainer_module, "skip_first_batches", None)
+    if skip is not None and not getattr(skip, "_resumable_stream_skip", False):
+        trainer_module.skip_first_batches = _skip_first_batches(skip)
 
 
 def _log(original):
