@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# OUT=dir keeps the demo's runs there (default: a temporary directory, removed)
 demo: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(if $(OUT),--out $(OUT))
 
 stream-demo: $(VENV)/.installed
 	$(PY) examples/stream_demo.py
