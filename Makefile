@@ -8,12 +8,13 @@ PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
 
 # The package and the CPU build of torch, first (.ci/install-torch: the PyTorch CPU index if it answers, else
-# pip's configured index; an unpinned torch from PyPI is the multi-GB CUDA build): all the demos need.
+# pip's configured index; an unpinned torch from PyPI is the multi-GB CUDA build): all the demos need, with
+# the report extra (matplotlib) for the `resumable-stream report` commands the demo ends with.
 $(VENV)/.base: pyproject.toml .ci/install-torch
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	.ci/install-torch $(PY) $(TORCH)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[report]'
 	touch $@
 
 # + the dev extra (pytest, ruff, hypothesis, moto, s3fs, torchdata, ...): the tests and benchmarks
@@ -21,8 +22,9 @@ $(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# OUT=dir keeps the demo's runs there (default: a temporary directory, removed)
 demo: $(VENV)/.base
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(if $(OUT),--out $(OUT))
 
 stream-demo: $(VENV)/.base
 	$(PY) examples/stream_demo.py

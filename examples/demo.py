@@ -1,6 +1,7 @@
 """Quick-start main job: train the tiny model on the bundled data, SIGKILL it mid-run, resume, compare.
 
     python examples/demo.py [--config examples/tiny/train_lm.yaml] [--steps 120] [--save-steps 40] [--workers 0]
+                            [--out DIR]          # make demo OUT=DIR
 
 1. an uninterrupted training run (the reference);
 2. the same run, killed with SIGKILL at a random step after its first checkpoint;
@@ -8,6 +9,9 @@
 Then the samples consumed at every step (data.consumed_log) and the per-step losses of 2+3 are
 compared with 1, and the sample keys (shard:row) the killed and the resumed run consumed around the
 resume point are printed beside the reference run's. The exit code is 0 only if they are identical.
+With ``--out DIR`` the runs stay in DIR (``DIR/uninterrupted``, ``DIR/killed-and-resumed``) and the demo ends
+with the ``resumable-stream inspect`` / ``report`` commands for them; without it they are in a temporary
+directory, removed at the end.
 
 The trainings run with one torch thread (OMP_NUM_THREADS=1 unless set): the model is tiny, and on a busy
 machine more threads only wait for each other.
@@ -16,9 +20,11 @@ machine more threads only wait for each other.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,7 +44,7 @@ def write_config(base: str, out: str, args) -> str:
     base_dir = os.path.dirname(os.path.abspath(base))
     cfg["model"]["tokenizer"] = os.path.join(base_dir, cfg["model"]["tokenizer"])
     cfg["data"]["data_files"] = os.path.join(base_dir, cfg["data"]["data_files"])
-    cfg["data"]["consumed_log"] = os.path.join(out, "consumed")
+    cfg["data"]["consumed_log"] = True        # the run's own output_dir/consumed
     cfg["train"].update(output_dir=out, max_steps=args.steps, save_steps=args.save_steps, logging_steps=1,
                         dataloader_num_workers=args.workers, disable_tqdm=True)
     path = out + ".yaml"
@@ -109,15 +115,47 @@ def print_around_resume(killed: dict, run: dict, ref: dict, resumed_at: int) -> 
         previous = step
 
 
+def command_line() -> str:
+    """How to call the command line from where the demo was started: the console script beside this Python
+    (``.venv/bin/resumable-stream`` after ``make demo``), else ``python -m resumable_stream``."""
+    script = os.path.join(os.path.dirname(sys.executable), "resumable-stream")
+    if os.path.isfile(script):
+        return shlex.quote(shown_path(script))
+    return f"{shlex.quote(shown_path(sys.executable))} -m resumable_stream"
+
+
+def shown_path(path: str) -> str:
+    """``path`` relative to the current directory when it is below it (shorter to copy), else absolute."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return os.path.abspath(path) if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+
+def print_next_steps(ref_out: str, run_out: str) -> None:
+    """The commands that look into the kept runs: the stream state of the newest complete checkpoint, and
+    the picture of each run (the resumed one marks where it resumed)."""
+    cli = command_line()
+    lines = [(f"{cli} inspect {shlex.quote(shown_path(run_out))}", "the newest checkpoint's stream state")]
+    lines += [(f"{cli} report {shlex.quote(shown_path(out))}", f"-> {shown_path(os.path.join(out, 'report.png'))}")
+              for out in (run_out, ref_out)]
+    width = max(len(command) for command, _ in lines)
+    print("  the runs are kept; look into them with:")
+    for command, what in lines:
+        print(f"    {command:<{width}}  # {what}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("    (report draws with matplotlib: pip install 'resumable-stream[report]')")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(HERE, "tiny", "train_lm.yaml"))
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-steps", type=int, default=40)
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
-    p.add_argument("--out", help="work directory (default: a temp dir, removed afterwards)")
+    p.add_argument("--out", help="keep the runs in this directory (make demo OUT=DIR); default: a temporary "
+                                 "directory, removed afterwards")
     args = p.parse_args()
     work = args.out or tempfile.mkdtemp(prefix="resumable-stream-demo-")
+    os.makedirs(work, exist_ok=True)
     ref_out, run_out = os.path.join(work, "uninterrupted"), os.path.join(work, "killed-and-resumed")
     for d in (ref_out, run_out):
         shutil.rmtree(d, ignore_errors=True)
@@ -153,8 +191,12 @@ def main() -> int:
     print(f"  per-step losses: largest difference {worst:.2e}")
     exact = same_data and worst <= 1e-6
     print("RESULT: the resumed run consumed exactly what an uninterrupted one would" if exact else "RESULT: MISMATCH")
-    if not args.out:
+    if args.out:
+        print_next_steps(ref_out, run_out)
+    else:
         shutil.rmtree(work, ignore_errors=True)
+        print("  the runs were in a temporary directory, now removed; make demo OUT=DIR (examples/demo.py --out "
+              "DIR) keeps them to inspect and report on")
     return 0 if exact else 1
 
 

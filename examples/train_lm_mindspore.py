@@ -113,7 +113,9 @@ def main(config_path: str) -> None:
         ms.load_param_into_net(optimizer, ms.load_checkpoint(os.path.join(ckpt, "optimizer.ckpt")))
         source.load_sidecar(os.path.join(ckpt, "stream_state"))
         print(f"resumed from {ckpt}", flush=True)
-    log_path = os.path.join(data.get("consumed_log") or os.path.join(output_dir, "consumed"), "rank-00000.jsonl")
+    log_dir = data.get("consumed_log")   # a path as written; else (true, unset) the run's own output_dir/consumed
+    log_dir = log_dir if isinstance(log_dir, str) else os.path.join(output_dir, "consumed")
+    log_path = os.path.join(log_dir, "rank-00000.jsonl")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     trim_log(log_path, step)
 

@@ -143,7 +143,7 @@ def _make_dry_run(target: str, venv) -> str:
 def test_the_demo_installs_the_package_without_the_dev_extra_and_the_tests_with_it(tmp_path):
     demo = _make_dry_run("demo", tmp_path / "venv")
     assert f".ci/install-torch {tmp_path}/venv/bin/python 2.13.0" in demo
-    assert "pip install -q -e .\n" in demo and "[dev]" not in demo
+    assert "pip install -q -e '.[report]'\n" in demo and "[dev]" not in demo
     test = _make_dry_run("test", tmp_path / "venv")
     assert ".ci/install-torch" in test and "pip install -q -e '.[dev]'" in test
 

@@ -85,8 +85,9 @@ def _callbacks(ours: dict[str, Any]) -> list:
     from ..integrations.llamafactory.callbacks import ConsumedLog, TrimLogOnResume
 
     out = [TrimLogOnResume()]
-    if ours.get("consumed_log"):
-        out.append(ConsumedLog(ours["consumed_log"]))
+    log_dir = ours.get("consumed_log")
+    if log_dir:   # true: the run's output_dir/consumed, known when training begins
+        out.append(ConsumedLog(None if log_dir is True else log_dir))
     return out
 
 

@@ -47,6 +47,8 @@ from .startup import quiet_tied_weights, startup_summary
 
 log = logging.getLogger(__name__)
 
+RUN_RESULTS = ("trainer_state.json", "train_results.json", "all_results.json")   # as HF's scripts end a run
+
 
 class ColumnKey:
     """Sample key from a column (``data.id_column``); picklable for DataLoader workers."""
@@ -284,6 +286,7 @@ def run_training(config_path: str, overrides=(), **argument_overrides):
         with quiet_tied_weights(trainer.model):
             result = trainer.train(resume_from_checkpoint=checkpoint)
             save_final_model(trainer, checkpoint if nothing_left else None)
+        save_results(trainer, result.metrics, nothing_left)
         return result
 
 
@@ -293,6 +296,19 @@ def _finished(checkpoint: str | None, max_steps: int) -> bool:
     if not checkpoint:
         return False
     return TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step >= max_steps
+
+
+def save_results(trainer, metrics: dict, nothing_left: bool) -> None:
+    """End a run as HF's example scripts and LLaMA-Factory do, with the Trainer's own writers (main process):
+    ``train_results.json`` and ``all_results.json`` (``save_metrics``) and ``trainer_state.json`` with the whole
+    ``log_history`` (``save_state``). A rerun with nothing left to train keeps those of the run that trained
+    (its metrics are those of no step, its state the last checkpoint's, without the final summary)."""
+    out = trainer.args.output_dir
+    if nothing_left and all(os.path.isfile(os.path.join(out, name)) for name in RUN_RESULTS):
+        return
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
 
 
 def save_final_model(trainer, finished_checkpoint: str | None) -> None:

@@ -23,7 +23,9 @@ SECTIONS = ("model", "data", "train")
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # TrainingArguments we set ourselves; a user value would break exact resume.
-_FORCED = {"ignore_data_skip": True, "remove_unused_columns": False}
+# ignore_data_skip: nothing is replayed either way (the patched Trainer's skip is a no-op); True would only make
+# the Trainer forget the steps already trained in its epoch count
+_FORCED = {"ignore_data_skip": False, "remove_unused_columns": False}
 _DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10, "save_steps": 100}
 
 
@@ -87,7 +89,9 @@ class TrainerConfig:
         model = _model_section(doc["model"], base_dir, data.transform)
         train = dict(doc["train"])
         _check_train(train, has_eval=data.eval_stream is not None)
-        return cls(model, data.stream, data.transform, train, path, data.eval_stream, data.eval_samples, data.monitor)
+        transform = data.transform.replace(consumed_log=consumed_log_dir(data.transform.consumed_log,
+                                                                         train["output_dir"]))
+        return cls(model, data.stream, transform, train, path, data.eval_stream, data.eval_samples, data.monitor)
 
     def training_arguments(self, **overrides: Any):
         """TrainingArguments from ``train:``, with our forced values; TrainingArguments' own errors become
@@ -239,6 +243,14 @@ def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):
     except ConfigError as e:
         raise ConfigError(f"data.eval: {e}") from None
     return stream, n
+
+
+def consumed_log_dir(value: str | bool | None, output_dir: str) -> str | None:
+    """``data.consumed_log``: true is the run's own ``output_dir/consumed`` (so that a run given another
+    output_dir never appends to another run's log); a path is taken as written; null / false: off."""
+    if value is True:
+        return os.path.join(output_dir, "consumed")
+    return value or None
 
 
 def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:

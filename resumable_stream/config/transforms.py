@@ -55,7 +55,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "empty": (lambda v: v in EMPTY, f"one of {', '.join(EMPTY)}"),
     "add_eos": (lambda v: isinstance(v, bool), "true or false"),
     "id_column": (lambda v: v is None or _name(v), "null or a non-empty column name"),
-    "consumed_log": (lambda v: v is None or _name(v), "null or a file path"),
+    "consumed_log": (lambda v: v is None or isinstance(v, bool) or _name(v),
+                     "null or false (off), true (train.output_dir/consumed) or a directory"),
     "images_column": (_name, "a non-empty column name"),
     "image_dir": (lambda v: v is None or _name(v), "null or a directory"),
     "bad_sample": (lambda v: v in BAD_SAMPLE, f"one of {', '.join(BAD_SAMPLE)}"),
@@ -88,7 +89,8 @@ class TransformConfig:
     - ``add_eos``: append the tokenizer's EOS to every ``text`` document (``messages`` end with the
       template's own end-of-turn token).
     - ``id_column``: column the loader takes sample keys from (null: the stream's (shard, row) key).
-    - ``consumed_log``: file the loader logs consumed sample keys to (null: off); never changes outputs.
+    - ``consumed_log``: directory the loader logs consumed sample keys to (null / false: off; true: the run's
+      ``train.output_dir/consumed``, resolved by the trainer config); never changes outputs.
     - ``format: vl``: ``messages`` with ``<image>`` placeholders plus ``images_column`` (a list of images:
       HF ``Image`` structs, bytes, local paths relative to ``image_dir``, or http(s) URLs), run through the
       model's processor. ``bad_sample`` decides what an undecodable / missing / unsupported image, a
@@ -119,7 +121,7 @@ class TransformConfig:
     empty: str = "skip"
     add_eos: bool = True
     id_column: str | None = None
-    consumed_log: str | None = None
+    consumed_log: str | bool | None = None
     images_column: str = "images"
     image_dir: str | None = None
     bad_sample: str = "error"

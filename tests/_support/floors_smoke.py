@@ -101,9 +101,16 @@ def main(work: str) -> None:
                 assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-6, f"step {step}: loss {a[step]} / {b[step]}"
             else:
                 assert a[step] == b[step], f"{name} step {step}: {a[step]} / {b[step]}"
+    # the Trainer's epoch after the resume is the uninterrupted run's (a run of 4 steps: N / 4), also where
+    # transformers' skip of trained batches is accelerate's skip_first_batches (4.x)
+    epochs = [{s: r["epoch"] for s, r in lines(os.path.join(d, "train_log.jsonl")).items()} for d in (ref, out)]
+    assert [epochs[0][s] for s in (3, 4)] == [epochs[1][s] for s in (3, 4)] == [0.75, 1.0], f"epochs {epochs}"
+    for name in ("trainer_state.json", "train_results.json", "all_results.json"):   # save_state / save_metrics
+        assert os.path.isfile(os.path.join(out, name)), f"{name}: missing in {out}"
     assert os.path.isdir(os.path.join(out, "checkpoint-4", "stream_state"))
     assert not os.path.exists(os.path.join(out, "checkpoint-2")), "checkpoint-2 was not rotated away"
-    print("2. tiny LM: 2 steps + restart to 4 = 4 uninterrupted steps (samples and losses), old checkpoint rotated")
+    print("2. tiny LM: 2 steps + restart to 4 = 4 uninterrupted steps (samples, losses, epochs), old checkpoint "
+          "rotated, the run's results in output_dir")
 
     config, out = write(work, "train_vl.yaml", "vl", 1)
     run("-m", "resumable_stream", "train", config)

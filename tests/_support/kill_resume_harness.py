@@ -20,6 +20,8 @@ from training_helpers import (
     consumed,
     count_lines,
     printed_steps,
+    run_results,
+    train_epochs,
     train_log_records,
     train_losses,
 )
@@ -78,6 +80,15 @@ def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
         f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{MAX_STEPS} {note}"
     bad = [(s, ref_losses[s], losses[s]) for s in ref_losses if abs(ref_losses[s] - losses[s]) > LOSS_TOL]
     assert not bad, f"{len(bad)} step losses differ (step, reference, resumed): {bad[:5]} {note}"
+    # the Trainer's own epoch continues through the resume (it restarted from 0 when its skip was turned off)
+    ref_epochs, epochs = train_epochs(ref_out), train_epochs(out)
+    assert epochs == ref_epochs, f"the Trainer's epoch differs: {first_difference(ref_epochs, epochs)} {note}"
+    # the run ends as HF's: trainer_state.json with the whole log history, train_results / all_results.json
+    ref_results, results = run_results(ref_out), run_results(out)
+    history = {h["step"]: h["epoch"] for h in results["trainer_state.json"]["log_history"] if "loss" in h}
+    assert history == ref_epochs, f"output_dir/trainer_state.json: {first_difference(ref_epochs, history)} {note}"
+    for name in ("train_results.json", "all_results.json"):
+        assert results[name]["epoch"] == ref_results[name]["epoch"] == 1.0, f"{name}: {results[name]} {note}"
     for rank in range(ranks):
         ref_keys, keys = consumed(ref_out, rank), consumed(out, rank)
         assert sorted(ref_keys) == list(range(1, MAX_STEPS + 1)), f"reference rank {rank} consumed log {note}"

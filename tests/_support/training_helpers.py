@@ -253,6 +253,26 @@ def train_losses(out: str) -> dict[int, float]:
     return losses
 
 
+def train_epochs(out: str) -> dict[int, float]:
+    """step -> the Trainer's epoch from ``train_log.jsonl`` (training lines)."""
+    return {rec["step"]: rec["epoch"] for rec in _jsonl(os.path.join(out, "train_log.jsonl")) if "loss" in rec}
+
+
+RUN_RESULTS = ("trainer_state.json", "train_results.json", "all_results.json")   # what a run ends with, as HF's
+
+
+def run_results(out: str) -> dict[str, dict]:
+    """The end-of-run files of ``out`` (``save_state``, ``save_metrics("train", ...)``), parsed; an absent one
+    is an AssertionError naming it."""
+    found = {}
+    for name in RUN_RESULTS:
+        path = os.path.join(out, name)
+        assert os.path.isfile(path), f"{path}: missing; a run ends with {', '.join(RUN_RESULTS)} in output_dir"
+        with open(path, encoding="utf-8") as f:
+            found[name] = json.load(f)
+    return found
+
+
 def consumed(out: str, rank: int = 0) -> dict[int, list[str]]:
     """step -> sample keys from ``consumed/rank-NNNNN.jsonl``; a step logged twice is an error."""
     steps: dict[int, list[str]] = {}

@@ -142,6 +142,27 @@ def test_quick_start_training_demo_resumes_exactly(tmp_path):
     assert "killed with SIGKILL" in r.stdout and "resumed from checkpoint-" in r.stdout
     assert "RESULT: the resumed run consumed exactly what an uninterrupted one would" in r.stdout
     _check_ids_around_resume(r.stdout, tmp_path)
+    _check_printed_commands(r.stdout, tmp_path)
+
+
+def _check_printed_commands(stdout, work):
+    """The demo ends with the inspect / report commands for the runs it kept (--out): each one runs, on
+    those runs."""
+    import shlex
+
+    commands = [shlex.split(line.split("#")[0]) for line in stdout.split("look into them with:", 1)[1].splitlines()
+                if " inspect " in line or " report " in line]
+    kinds = sorted(c[1] if c[0].endswith("resumable-stream") else c[3] for c in commands)
+    assert kinds == ["inspect", "report", "report"], stdout
+    for command in commands:
+        r = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (command, r.stdout, r.stderr)
+        if "inspect" in command:   # the newest complete checkpoint of the resumed run: its last one
+            state = json.loads(r.stdout)
+            assert state["checkpoint"] == str(work / "killed-and-resumed" / "checkpoint-40"), state["checkpoint"]
+            assert state["world_size"] == 1 and state["progress"], state
+    for run in ("killed-and-resumed", "uninterrupted"):
+        assert (work / run / "report.png").stat().st_size > 0, f"report did not draw {run}"
 
 
 def _consumed_log(path):

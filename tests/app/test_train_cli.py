@@ -1,5 +1,6 @@
-"""``resumable-stream train``: overrides on the command line, the startup summary, the final model in
-output_dir (also after a resume with nothing left to train), no tied-weights warning on resume, threads."""
+"""``resumable-stream train``: overrides on the command line, the startup summary, the final model and the
+run's results in output_dir (also after a resume with nothing left to train), per-run paths under output_dir,
+no tied-weights warning on resume, threads."""
 
 import logging
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 from repo_paths import REPO_ROOT
 from safetensors.torch import load_file
-from training_helpers import train_losses, write_config
+from training_helpers import consumed, run_results, train_losses, write_config
 
 from resumable_stream.app.startup import quiet_tied_weights, startup_summary
 from resumable_stream.config.trainer import TrainerConfig
@@ -32,6 +33,11 @@ def _weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+def _mtimes(top):
+    return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime_ns
+            for root, _, names in os.walk(top) for name in names}
+
+
 def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -42,7 +48,8 @@ def test_train_takes_overrides_prints_a_summary_and_saves_the_final_model(procs,
 
     config, _ = write_config(str(tmp_path), "yaml_out", max_steps=50, save_steps=50)
     out = str(tmp_path / "run")          # train.output_dir=run below: relative to the current directory
-    common = ["train.output_dir=run", "train.save_steps=2", "data.shuffle_seed=7", f"data.consumed_log={out}/consumed"]
+    # data.consumed_log true (as the example yamls have it): output_dir/consumed, whatever output_dir is given
+    common = ["train.output_dir=run", "train.save_steps=2", "data.shuffle_seed=7", "data.consumed_log=true"]
     first = _train(procs, config, "first", "train.max_steps=4", *common)
     err = first.stderr
     assert "resumable-stream train: starting afresh (no complete checkpoint in output_dir), 4 steps" in err, err
@@ -50,6 +57,13 @@ def test_train_takes_overrides_prints_a_summary_and_saves_the_final_model(procs,
     assert "shuffle seed 7, buffer 256" in err and "batch size per device 8" in err
     assert "cache_dir off" in err and "prefetch_blocks adaptive" in err and "dataloader_num_workers 0" in err
     assert sorted(train_losses(out)) == [1, 2, 3, 4] and not os.path.exists(tmp_path / "yaml_out")
+    assert sorted(consumed(out)) == [1, 2, 3, 4]
+    # the end of an HF / LLaMA-Factory run: save_state and save_metrics("train", ...) in output_dir
+    results = run_results(out)
+    state = results["trainer_state.json"]
+    assert state["global_step"] == 4 and [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]
+    assert results["train_results.json"]["epoch"] == 1.0 and "train_loss" in results["train_results.json"]
+    assert results["all_results.json"] == results["train_results.json"]
 
     final = _weights(out)       # the final model and tokenizer, loadable; the weights of the last step
     assert _same(final, _weights(os.path.join(out, "checkpoint-4")))
@@ -60,12 +74,24 @@ def test_train_takes_overrides_prints_a_summary_and_saves_the_final_model(procs,
     again = _train(procs, config, "again", "train.max_steps=4", *common)
     assert "resuming from run/checkpoint-4 (step 4 of 4)" in again.stderr, again.stderr
     assert _same(_weights(out), final), "not the checkpoint's model"
+    assert run_results(out) == results, "a rerun that trained nothing replaced the results of the run that did"
 
     more = _train(procs, config, "more", "train.max_steps=6", *common)
     assert "resuming from run/checkpoint-4 (step 4 of 6)" in more.stderr
     assert "missing keys" not in more.stderr, more.stderr          # lm_head.weight: tied to the embeddings
     assert sorted(train_losses(out)) == [1, 2, 3, 4, 5, 6]
     assert _same(_weights(out), _weights(os.path.join(out, "checkpoint-6")))
+    assert sorted(consumed(out)) == [1, 2, 3, 4, 5, 6]
+    state = run_results(out)["trainer_state.json"]   # the epoch goes on from the checkpoint: 5/6, 6/6
+    assert [(h["step"], h["epoch"]) for h in state["log_history"] if "loss" in h][-2:] == [(5, 5 / 6), (6, 1.0)]
+
+    # another output_dir, the same yaml and overrides: nothing of the first run is written again
+    before = _mtimes(out)
+    _train(procs, config, "other", "train.max_steps=2", *[o for o in common if "output_dir" not in o],
+           "train.output_dir=run2")
+    assert sorted(consumed(str(tmp_path / "run2"))) == [1, 2]
+    after = _mtimes(out)
+    assert after == before, "a run with another output_dir wrote into the first run's"
 
 
 def _missing_warning(keys):

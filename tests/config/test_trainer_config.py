@@ -1,6 +1,7 @@
 """The trainer yaml (model / data / train) is validated before anything loads."""
 
 import copy
+import glob
 import os
 
 import pytest
@@ -32,7 +33,7 @@ def test_tiny_config_parses_into_sections():
     assert cfg.stream.shuffle and cfg.stream.buffer_size == 256
     assert cfg.transform.packing and cfg.transform.max_seq_len == 64
     args = cfg.training_arguments()
-    assert args.max_steps == 200 and args.ignore_data_skip is True and args.remove_unused_columns is False
+    assert args.max_steps == 200 and args.ignore_data_skip is False and args.remove_unused_columns is False
     # peek / StreamConfig.from_yaml read the same file's data section (transform keys are tolerated)
     assert StreamConfig.from_yaml(TINY).data_files == cfg.stream.data_files
 
@@ -56,7 +57,7 @@ _DELETE = object()
         ("train.max_steps", "100", "train.max_steps: got '100'"),
         ("train.output_dir", _DELETE, "train.output_dir: missing"),
         ("train.learning_rat", 0.1, "did you mean 'learning_rate'"),
-        ("train.ignore_data_skip", False, "train.ignore_data_skip: got False"),
+        ("train.ignore_data_skip", True, "train.ignore_data_skip: got True"),
         ("train.per_device_train_batch_size", 0, "train.per_device_train_batch_size: got 0"),
         ("train.dataloader_num_workers", -1, "train.dataloader_num_workers: got -1"),
         ("data.max_samples", 1000, "data.max_samples: got 1000"),
@@ -147,3 +148,61 @@ def test_data_loading_arguments_the_stream_replaces_are_refused(tmp_path, key, v
     if owner:   # the same keys at their defaults are fine
         doc["train"]["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
         assert TrainerConfig.from_yaml(_write(tmp_path, doc)).training_arguments().accelerator_config
+
+
+# ------------------------------------------------------------------------------ per-run paths follow output_dir
+EXAMPLE_YAMLS = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.yaml"), recursive=True))
+
+
+def _strings(value, where=""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+@pytest.mark.parametrize("path", EXAMPLE_YAMLS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_example_yaml_writes_a_run_file_outside_its_output_dir(path):
+    """A path under the yaml's output_dir written out (``consumed_log: runs/tiny_lm/consumed``) stays where it
+    is when a user overrides only ``train.output_dir``: two runs would append to one log."""
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    out = (doc.get("train") or {}).get("output_dir") or doc.get("output_dir")
+    if not out:
+        return   # not a training yaml (examples/tiny/stream.yaml)
+    fixed = [(key, v) for key, v in _strings(doc) if v != out and os.path.normpath(v).startswith(out.rstrip("/") + "/")]
+    assert not fixed, f"{path}: {fixed} hard-code(s) {out!r}; use data.consumed_log: true (output_dir/consumed)"
+
+
+def test_consumed_log_true_is_the_runs_own_output_dir(tmp_path):
+    runs = {name: TrainerConfig.from_yaml(TINY, [f"train.output_dir={tmp_path / name}"]) for name in ("a", "b")}
+    assert {n: c.transform.consumed_log for n, c in runs.items()} == \
+        {n: os.path.join(str(tmp_path / n), "consumed") for n in runs}, "examples/tiny/train_lm.yaml has consumed_log: true"
+    explicit = TrainerConfig.from_yaml(TINY, [f"train.output_dir={tmp_path / 'a'}", "data.consumed_log=logs/mine"])
+    assert explicit.transform.consumed_log == "logs/mine"          # a directory of the user's: as written
+    off = TrainerConfig.from_yaml(TINY, [f"train.output_dir={tmp_path / 'a'}", "data.consumed_log=false"])
+    assert off.transform.consumed_log is None
+
+
+def test_llamafactory_consumed_log_true_is_output_dir_consumed(tmp_path):
+    from types import SimpleNamespace
+
+    from resumable_stream.integrations.llamafactory.callbacks import ConsumedLog
+    from resumable_stream.integrations.llamafactory.settings import split
+
+    assert split({"output_dir": "x", "resumable_stream": {"consumed_log": True}})[1] == {"consumed_log": True}
+    with pytest.raises(ConfigError, match=r"resumable_stream.consumed_log: got 3; allowed: null or false"):
+        split({"resumable_stream": {"consumed_log": 3}})
+    paths = []
+    for name in ("a", "b"):
+        log = ConsumedLog(None)
+        args = SimpleNamespace(output_dir=str(tmp_path / name), process_index=0)
+        log.on_train_begin(args, SimpleNamespace(global_step=0), None, train_dataloader=SimpleNamespace())
+        log.on_train_end(args, None, None)
+        paths.append(log.path)
+    assert paths == [str(tmp_path / n / "consumed" / "rank-00000.jsonl") for n in ("a", "b")]
+    assert all(os.path.isfile(p) for p in paths)

@@ -91,7 +91,7 @@ BAD_VALUES = [
     ("add_eos", None, "true or false"),
     ("id_column", "", "null or a non-empty column name"),
     ("id_column", 5, "null or a non-empty column name"),
-    ("consumed_log", 0, "null or a file path"),
+    ("consumed_log", 0, "null or false (off), true (train.output_dir/consumed) or a directory"),
 ]
 
 

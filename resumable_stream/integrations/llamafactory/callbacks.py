@@ -22,14 +22,16 @@ class TrimLogOnResume(TrainerCallback):
 
 
 class ConsumedLog(ConsumedLogCallback):
-    """``DIR/rank-{r:05d}.jsonl`` (see ConsumedLogCallback), the loader taken from the callback arguments."""
+    """``DIR/rank-{r:05d}.jsonl`` (see ConsumedLogCallback), the loader taken from the callback arguments;
+    ``directory`` None: the run's ``output_dir/consumed``."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str | None):
         self.directory = directory
         self._loader = None
-        super().__init__(directory, 0, lambda: self._loader)
+        super().__init__(directory or "", 0, lambda: self._loader)
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._loader = train_dataloader
-        self.path = os.path.join(self.directory, f"rank-{args.process_index:05d}.jsonl")
+        directory = self.directory or os.path.join(args.output_dir, "consumed")
+        self.path = os.path.join(directory, f"rank-{args.process_index:05d}.jsonl")
         super().on_train_begin(args, state, control, **kwargs)

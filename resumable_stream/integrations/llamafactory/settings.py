@@ -19,7 +19,7 @@ STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "b
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
                "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
                "storage_options", "resume_state_path")
-# consumed_log: a directory, the keys of the samples each step consumed, per rank; the monitoring keys:
+# consumed_log: a directory (true: output_dir/consumed), the keys of the samples each step consumed, per rank; the monitoring keys:
 # a Prometheus endpoint per rank, the data-bound warning (resumable_stream.observe.monitoring)
 OWN_KEYS = ("consumed_log", *MONITOR_KEYS)
 
@@ -53,8 +53,10 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     unknown = sorted(set(ours) - set(STREAM_KEYS) - set(OWN_KEYS))
     if unknown:
         raise ConfigError(f"{SECTION}.{unknown[0]}: unknown key; allowed: {', '.join(STREAM_KEYS + OWN_KEYS)}")
-    if ours.get("consumed_log") is not None and not (isinstance(ours["consumed_log"], str) and ours["consumed_log"]):
-        raise ConfigError(f"{SECTION}.consumed_log: got {ours['consumed_log']!r}; allowed: null or a directory")
+    log_dir = ours.get("consumed_log")
+    if not (log_dir is None or isinstance(log_dir, bool) or (isinstance(log_dir, str) and log_dir.strip())):
+        raise ConfigError(f"{SECTION}.consumed_log: got {log_dir!r}; allowed: null or false (off), true "
+                          "(output_dir/consumed) or a directory")
     _check_stream_keys(ours)
     monitor_settings(ours)
     return args, ours

@@ -9,10 +9,11 @@ When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
 
 * uses our rank-aware :class:`StreamLoader` as its train dataloader (no accelerate dispatch, no
   ``IterableDatasetShard`` re-sharding on top of ours);
-* skips no batches on resume (``ignore_data_skip``): the stream is restored from the checkpoint's
-  ``stream_state/`` sidecars instead (with ``data.elastic``, also on another number of ranks or workers:
-  each rank gathers its virtual partitions from the files that hold them), and a checkpoint without
-  complete sidecars is refused;
+* replays no batches on resume: the stream is restored from the checkpoint's ``stream_state/`` sidecars
+  instead (with ``data.elastic``, also on another number of ranks or workers: each rank gathers its virtual
+  partitions from the files that hold them), and a checkpoint without complete sidecars is refused; the
+  Trainer's skip of the trained batches hands the restored loader back unchanged, so that it still counts
+  them (its ``epoch`` continues as in an uninterrupted run);
 * writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
   then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint);
 * holds ``output_dir`` for the job while ``train()`` runs (:mod:`resumable_stream.runtime.output_lock`): a second
@@ -221,7 +222,10 @@ def _train(original):
             elif resume_from_checkpoint:
                 check_complete(resume_from_checkpoint)   # refuse half-written checkpoints
             self._rs_resume_checkpoint = resume_from_checkpoint or None
-            self.args.ignore_data_skip = True            # no replay: the stream state is restored instead
+            # The Trainer counts the batches trained so far only when it is to skip them (its epoch at step N is
+            # epoch + trained-or-skipped / steps_in_epoch); the skip is ours and a no-op (_patch_skip), so that
+            # is what it must do: with ignore_data_skip its epoch would restart from 0 at the checkpoint.
+            self.args.ignore_data_skip = False
             done = _finished_step(resume_from_checkpoint, self.args.max_steps)
             if done is not None:
                 # Without a dataset length the Trainer would run one more step past max_steps. The trainer's
@@ -233,7 +237,7 @@ def _train(original):
                 logger.warning("checkpoint %s is already at step %d >= max_steps %d: nothing left to train",
                                resume_from_checkpoint, done, self.args.max_steps)
                 self.state = TrainerState.load_from_json(os.path.join(resume_from_checkpoint, "trainer_state.json"))
-                return TrainOutput(done, 0.0, {})
+                return TrainOutput(done, 0.0, {"epoch": self.state.epoch})
             try:
                 return original(self, resume_from_checkpoint or None, *args, **kwargs)
             finally:
@@ -241,6 +245,39 @@ def _train(original):
                 if metrics_log is not None:      # the metrics endpoint ends with the training
                     metrics_log.close()
     return train
+
+
+def _get_resumed_dataloader(original):
+    # transformers 5: the Trainer's skip of the batches a resumed run already trained. Our loader is restored
+    # from the checkpoint's sidecars at the first batch not trained: it is handed back as it is.
+    @functools.wraps(original)
+    def get_resumed_dataloader(self, dataloader, num_batches):
+        if isinstance(dataloader, StreamLoader):
+            return dataloader
+        return original(self, dataloader, num_batches)
+    return get_resumed_dataloader
+
+
+def _skip_first_batches(original):
+    # transformers 4.x: the same skip is the function train() imported from accelerate
+    @functools.wraps(original)
+    def skip_first_batches(dataloader, num_batches=0):
+        if isinstance(dataloader, StreamLoader):
+            return dataloader
+        return original(dataloader, num_batches)
+    skip_first_batches._resumable_stream_skip = True
+    return skip_first_batches
+
+
+def _patch_skip(trainer_cls) -> None:
+    if hasattr(trainer_cls, "get_resumed_dataloader"):
+        trainer_cls.get_resumed_dataloader = _get_resumed_dataloader(trainer_cls.get_resumed_dataloader)
+        return
+    import transformers.trainer as trainer_module
+
+    skip = getattr(trainer_module, "skip_first_batches", None)
+    if skip is not None and not getattr(skip, "_resumable_stream_skip", False):
+        trainer_module.skip_first_batches = _skip_first_batches(skip)
 
 
 def _log(original):
@@ -340,6 +377,7 @@ def patch_trainer(trainer_cls=None):
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
     trainer_cls.log = _log(trainer_cls.log)
+    _patch_skip(trainer_cls)
     if hasattr(trainer_cls, "_load_optimizer_and_scheduler"):
         trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler(
             trainer_cls._load_optimizer_and_scheduler)
