@@ -109,7 +109,6 @@ def test_another_template_on_resume_is_a_mismatch(assets, procs, tmp_path):
     ({"max_samples": 100}, "max_samples: got 100"),
     ({"streaming": False}, "streaming: got False"),
     ({"max_steps": None}, "max_steps: got None"),
-    ({"val_size": 10}, "val_size: got 10"),
     ({"dataset": "alpaca,other", "mix_strategy": "interleave_once"}, "mix_strategy: got 'interleave_once'"),
     ({"dataset": "alpaca,sharegpt"}, "mix_strategy: got 'concat'"),
     ({"resumable_stream": {"bogus": 1}}, "resumable_stream.bogus: unknown key"),

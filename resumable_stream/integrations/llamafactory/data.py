@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 from ...errors import ConfigError
+from .held_out import check_val_size, hold_out
 from .processor import Formatting, LlamaFactoryProcessor
 from .settings import STREAM_KEYS, monitor_settings
 
@@ -149,6 +150,10 @@ def get_dataset(original, ours: dict[str, Any], template, model_args, data_args,
         raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor; "
                           "resumable-stream llamafactory trains text models (pt, sft)")
     module = {"train_dataset": train_stream(template, data_args, training_args, tokenizer, stage, ours)}
+    val_size = check_val_size({"val_size": data_args.val_size})
+    if val_size:                 # the first val_size rows: the evaluation set, never trained on (held_out.py)
+        module["eval_dataset"] = hold_out(module["train_dataset"], val_size, template, tokenizer, data_args,
+                                          training_args, stage)
     if data_args.eval_dataset:
         eval_args = copy.copy(data_args)
         eval_args.dataset = None

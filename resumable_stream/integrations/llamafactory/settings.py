@@ -12,6 +12,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
+from .held_out import check_val_size
 
 SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
@@ -102,9 +103,7 @@ def refuse_unsupported(args: dict[str, Any]) -> None:
     if not isinstance(args.get("max_steps"), int) or isinstance(args.get("max_steps"), bool) or args["max_steps"] <= 0:
         raise _why("max_steps", args.get("max_steps"), "required (an integer > 0): a stream has no length, as "
                    "llamafactory-cli requires it in streaming mode")
-    if (args.get("val_size") or 0) > 0:
-        raise _why("val_size", args["val_size"], "it would take the first rows of the training stream away from "
-                   "it; give the validation data as eval_dataset")
+    check_val_size(args)         # an integer: the first rows held out (held_out.py)
     if args.get("tokenized_path"):
         raise _why("tokenized_path", args["tokenized_path"], "the stream tokenizes as it reads; there is no saved "
                    "tokenized dataset")

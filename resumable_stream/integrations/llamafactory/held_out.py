@@ -1,0 +1,149 @@
+"""``val_size: N``: the first N rows of the dataset are the evaluation set, and the training stream never yields them.
+
+LLaMA-Factory 0.9.5 in streaming mode (``data_utils.split_dataset``) splits the converted *rows*, before its
+dataset processor runs: ``eval = dataset.take(N)``, ``train = dataset.skip(N)``, then each is processed on its
+own (so packing never joins a held-out row with a training one). Here the first N rows are those of the dataset
+in shard order (shard 0 row 0, 1, ..., then shard 1, ...), whatever the shuffle, seed, epoch or topology; the
+*cut* is the (shard, row) after them. The evaluation set is those rows through LLaMA-Factory's converter and the
+processor it evaluates with, held in memory as a ``datasets.Dataset``; the training transform is fed only the
+rows at or after the cut (:class:`WithoutHeldOut`), and the cut is part of its fingerprint, so resuming with
+another ``val_size`` is a StreamMismatchError naming ``transform.held_out``.
+
+The rows are dropped by key, not by a source that starts at the cut, so sample keys stay the dataset's own
+``shard:row`` (the consumed log and the digests compare with the data) and nothing below the transform (plan,
+block cache, index) changes; the cost is reading the N held-out rows once per epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ConfigError
+
+
+def _why(value: Any, reason: str) -> ConfigError:
+    return ConfigError(f"val_size: got {value!r}; not supported by resumable-stream llamafactory: {reason}")
+
+
+def check_val_size(args: dict[str, Any]) -> int:
+    """The number of held-out rows a yaml's ``val_size`` asks for (0: none), or a ConfigError naming why not."""
+    value = args.get("val_size")
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e-6):
+        return 0                     # LLaMA-Factory's own threshold: val_size <= 1e-6 is no split
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _why(value, "allowed: an integer >= 1, the number of first rows held out for evaluation")
+    if value < 1:
+        raise _why(value, "a fraction of a stream has no size (llamafactory-cli refuses it in streaming mode too: "
+                          "'Streaming mode should have an integer val size'); allowed: an integer >= 1")
+    if value != int(value):
+        raise _why(value, "allowed: an integer >= 1, the number of first rows held out for evaluation")
+    if args.get("eval_dataset"):
+        raise _why(value, f"given with eval_dataset {args['eval_dataset']!r} (llamafactory-cli refuses both "
+                          "together too); give one of them")
+    names = [n for n in str(args.get("dataset") or "").split(",") if n.strip()]
+    strategy = args.get("mix_strategy", "concat")
+    if len(names) > 1 and strategy != "concat":
+        raise _why(value, f"with mix_strategy {strategy!r}: the first rows of a random mixture are no fixed set; "
+                          "allowed: one dataset, or several with mix_strategy: concat (read as one dataset)")
+    return int(value)
+
+
+def first_rows(source, n: int) -> tuple[list[dict], tuple[int, int]]:
+    """(the first ``n`` rows of ``source`` in shard order, the cut: (shard, row) of the first row after them).
+    ConfigError when no row is left after them: nothing would be trained on."""
+    rows: list[dict] = []
+    for shard in range(len(source.shards)):
+        taken = 0
+        tables = source.read(shard, 0)
+        try:
+            for table in tables:
+                if len(rows) == n:
+                    if table.num_rows:
+                        return rows, (shard, taken)
+                    continue
+                part = table.slice(0, n - len(rows)).to_pylist()
+                rows.extend(part)
+                taken += len(part)
+                if len(rows) == n and table.num_rows > len(part):
+                    return rows, (shard, taken)
+        finally:
+            tables.close()
+    raise ConfigError(f"val_size: got {n}; the dataset has {len(rows)} rows, none would be left to train on; "
+                      "allowed: fewer than the dataset's rows")
+
+
+def eval_dataset(rows: list[dict], attr, template, tokenizer, data_args, training_args, stage: str):
+    """The held-out rows as LLaMA-Factory's evaluation set: its converter for the dataset's entry, then the
+    processor its loader picks for evaluation, over chunks of ``preprocessing_batch_size`` rows (its ``map``)."""
+    from datasets import Dataset
+    from llamafactory.data.converter import get_dataset_converter
+    from llamafactory.data.loader import _get_dataset_processor
+
+    convert = get_dataset_converter(attr.formatting, attr, data_args)
+    converted = [convert(row) for row in rows]
+    processor = _get_dataset_processor(data_args, stage, template, tokenizer, None,
+                                       do_generate=bool(training_args.predict_with_generate))
+    chunk = max(1, int(data_args.preprocessing_batch_size))
+    columns: dict[str, list] = {}
+    for lo in range(0, len(converted), chunk):
+        part = converted[lo:lo + chunk]
+        out = processor.preprocess_dataset({name: [r[name] for r in part] for name in part[0]})
+        for name, values in out.items():
+            columns.setdefault(name, []).extend(values)
+    if not columns.get("input_ids"):
+        raise ConfigError(f"val_size: got {len(rows)}; the first {len(rows)} rows make no evaluation example "
+                          "(LLaMA-Factory's processor dropped them all); allowed: more rows")
+    return Dataset.from_dict(columns)
+
+
+class WithoutHeldOut:
+    """The training transform, fed only the rows at or after the cut: a held-out row is dropped before it,
+    whichever partition (rank, worker) reads it, in every epoch."""
+
+    def __init__(self, factory, val_size: int, cut: tuple[int, int]):
+        self._inner = factory()
+        self.takes_source = getattr(self._inner, "takes_source", False)
+        self._val_size, self._cut = val_size, tuple(cut)
+
+    def feed(self, sample: dict, key: str, source: str | None = None) -> None:
+        # one dataset (mixtures are refused with val_size): the loader's key is "shard:row"
+        shard, row = key.rsplit(":", 1)
+        if (int(shard), int(row)) < self._cut:
+            return
+        if source is None:
+            self._inner.feed(sample, key)
+        else:
+            self._inner.feed(sample, key, source=source)
+
+    def ready(self) -> int:
+        return self._inner.ready()
+
+    def take(self) -> dict:
+        return self._inner.take()
+
+    def stats(self) -> dict[str, int]:
+        return self._inner.stats()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**self._inner.fingerprint(), "held_out": {"val_size": self._val_size, "cut": list(self._cut)}}
+
+    def state(self) -> dict[str, Any]:
+        return self._inner.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._inner.load_state(state)
+
+
+def hold_out(train, val_size: int, template, tokenizer, data_args, training_args, stage: str):
+    """Take the first ``val_size`` rows of the training stream ``train`` (a TrainingStream over one dataset)
+    away from it; the evaluation dataset they make."""
+    import functools
+
+    from llamafactory.data.parser import get_dataset_list
+
+    rows, cut = first_rows(train.stream.source, val_size)
+    # one dataset, or a concat of datasets of one formatting (stream_section checked it): the first one's converter
+    attr = get_dataset_list(data_args.dataset, data_args.dataset_dir)[0]
+    dataset = eval_dataset(rows, attr, template, tokenizer, data_args, training_args, stage)
+    train.processor_factory = functools.partial(WithoutHeldOut, train.processor_factory, val_size, cut)
+    return dataset
