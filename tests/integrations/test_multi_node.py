@@ -27,6 +27,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
@@ -121,10 +122,13 @@ class Job:
         return out
 
 
-def _scrape_rank(port: int) -> str:
-    """The ``rank`` label of the data-path metrics served on ``port``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+def _scrape_rank(port: int) -> str | None:
+    """The ``rank`` label of the data-path metrics served on ``port`` (None: nothing serves it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except urllib.error.URLError:
+        return None
     for line in text.splitlines():
         if line.startswith("resumable_stream_batches_total{"):
             return line.split('rank="', 1)[1].split('"', 1)[0]
@@ -183,7 +187,8 @@ def test_two_nodes_killed_on_one_node_resume_like_an_uninterrupted_run(procs, tm
     # each node's endpoints: its metrics_port + local rank, labelled with the global rank
     served = {port + local: _scrape_rank(port + local) for port in ports for local in range(PER_NODE)}
     ranks = killed.ranks_of_nodes()
-    assert served == {ports[n] + local: str(ranks[n][local]) for n in range(NODES) for local in range(PER_NODE)}
+    expected = {ports[n] + local: str(ranks[n][local]) for n in range(NODES) for local in range(PER_NODE)}
+    assert served == expected, f"port -> rank served (None: nothing) {served}, expected {expected}"
 
     node1.wait_until(lambda: count_lines(log) >= KILL_AFTER and complete_checkpoints(out), "a checkpoint")
     node1.kill()                                        # a lost node: its launcher, ranks and workers at once
