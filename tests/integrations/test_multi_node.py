@@ -254,3 +254,39 @@ def test_two_nodes_resumed_on_one_node_of_three_ranks_read_every_row_once(procs,
     twice = sorted(k for k, c in counts.items() if c > 1)
     missing = sorted(set(range(FILES * ROWS_PER_FILE)) - set(counts))
     assert not twice and not missing, f"read twice {twice[:10]}, never read {missing[:10]}"
+
+
+# ------------------------------------------------------------------------------- the ranks agree on the order
+_RANK_SCRIPT = """
+import sys
+import torch.distributed as dist
+from resumable_stream import ConfigError, ResumableStream, StreamConfig
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+seed = 7 if rank == 1 else 42            # node 1's yaml says another shuffle_seed
+cfg = StreamConfig(dataset_name_or_path="parquet", data_files=sys.argv[1], shuffle=True, shuffle_seed=seed)
+try:
+    ResumableStream(cfg, rank=rank, world_size=world)
+except ConfigError as e:
+    print(f"rank {rank}: ConfigError: {e}", flush=True)
+    sys.exit(3)
+print(f"rank {rank}: opened", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_other_order_settings_are_refused_on_every_rank(tmp_path):
+    """One yaml per node makes it easy for nodes to disagree; a rank reading another shuffle order would
+    read rows twice and skip others, silently. Every rank raises instead, the differing one naming the key."""
+    write_parquet_dataset(str(tmp_path / "d"), rows=200, files=4, row_group_size=50)
+    (tmp_path / "rank.py").write_text(_RANK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(tmp_path / "rank.py"),
+                           str(tmp_path / "d" / "*.parquet")], env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "opened" not in proc.stdout, out[-3000:]
+    assert "rank 1: ConfigError: the ranks of this job read the data with different settings: " \
+           "data.shuffle_seed: rank 0 42, rank 1 7;" in proc.stdout, out[-3000:]
+    assert "rank 0: ConfigError: the ranks of this job read the data with different settings" in proc.stdout, \
+        out[-3000:]
