@@ -6,7 +6,9 @@ resolves the files, then one metadata request and one footer read per file). Wit
 ``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
 metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
 only rank 0 does any of this and broadcasts the index (JSON bytes, no pickle) to the other ranks,
-which then make no request at all to open the stream.
+which then make no request at all to open the stream. Rank 0 sends its order settings with it (``agree``:
+seed, buffer, partitions, ...), and a rank whose own differ (on several nodes each node reads its own yaml)
+makes every rank raise a ConfigError naming them, before any sample is read in two orders.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from ..config.specs import SourceSpec
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
-from ..runtime.collectives import broadcast_bytes, shared_over_dist
+from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..sources.base import Source
 from ..sources.index import check_resolution, decode_index, load_index, same_resolution, save_index
 from ..sources.open import open_source
@@ -31,23 +33,25 @@ log = logging.getLogger(__name__)
 _ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
 
 
-def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, state_path: str | None = None) -> Source:
+def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, state_path: str | None = None,
+                    agree: dict[str, Any] | None = None) -> Source:
     """This rank's source of one dataset; ``state_path``: a checkpoint being resumed whose saved index may be
-    used (``data.resume_state_path`` or a loader's / trainer's ``index_from``)."""
-    return _open_shared([spec], [None], rank, world_size, state_path)[0]
+    used (``data.resume_state_path`` or a loader's / trainer's ``index_from``); ``agree``: settings (key ->
+    JSON value) every rank must have the same, checked against rank 0's when the index is shared."""
+    return _open_shared([spec], [None], rank, world_size, state_path, agree)[0]
 
 
 def open_job_sources(specs: list[SourceSpec], labels: list[str], rank: int = 0, world_size: int = 1,
-                     state_path: str | None = None) -> list[Source]:
+                     state_path: str | None = None, agree: dict[str, Any] | None = None) -> list[Source]:
     """This rank's sources of a mixture, one per spec (``labels``: the mixture's source labels), each resolved
     and indexed once per job as :func:`open_job_source` does for one dataset: the saved index of source
     ``label`` in ``state_path``, its ``index_path``, else built; under ``torch.distributed`` by rank 0 only,
-    all sources' indexes broadcast in one message."""
-    return _open_shared(list(specs), list(labels), rank, world_size, state_path)
+    all sources' indexes broadcast in one message (``agree``: as :func:`open_job_source`)."""
+    return _open_shared(list(specs), list(labels), rank, world_size, state_path, agree)
 
 
 def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, world_size: int,
-                 state_path: str | None) -> list[Source]:
+                 state_path: str | None, agree: dict[str, Any] | None = None) -> list[Source]:
     """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
     shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
@@ -55,6 +59,7 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
         if "error" in message:
             cls = _ERRORS.get(message["error"]["type"], SourceError)
             raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
+        _check_agreement(message.get("agree") or {}, agree or {}, rank)
         out = []
         for c, entry in zip(specs, message["sources"]):
             index = entry["index"] if c.data.indexed else None
@@ -72,8 +77,25 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
         entries = [{"index": src.index,
                     "footers": {p: base64.b64encode(f).decode() for p, f in src.footers.items()}} for src in sources]
-        broadcast_bytes(json.dumps({"sources": entries}).encode())
+        broadcast_bytes(json.dumps({"sources": entries, "agree": agree or {}}).encode())
+        _check_agreement(agree or {}, agree or {}, rank)     # the collective the others are in
     return sources
+
+
+def _check_agreement(first: dict[str, Any], mine: dict[str, Any], rank: int) -> None:
+    """Every rank (a collective): a ConfigError on all of them when some rank's settings differ from rank 0's
+    ``first``; the ranks that differ name the keys."""
+    first, mine = json.loads(json.dumps(first)), json.loads(json.dumps(mine))   # as sent: tuples are lists
+    diffs = [(k, first.get(k), mine.get(k)) for k in sorted(set(first) | set(mine)) if first.get(k) != mine.get(k)]
+    if max_over_ranks(1 if diffs else 0) == 0:
+        return
+    if diffs:
+        shown = "; ".join(f"{k}: rank 0 {a!r}, rank {rank} {b!r}" for k, a, b in diffs)
+        raise ConfigError(f"the ranks of this job read the data with different settings: {shown}; allowed: the same "
+                          "value on every rank (on several nodes, give every node the same data and order keys; only "
+                          "cache_dir, cache_size_limit_gb, metrics_port and metrics_addr may differ per node)")
+    raise ConfigError("the ranks of this job read the data with different settings (the ranks that differ name "
+                      "them); allowed: the same data and order keys on every rank")
 
 
 def _open_first(spec: SourceSpec, rank: int, state_path: str | None, label: str | None = None,

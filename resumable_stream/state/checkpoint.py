@@ -324,7 +324,10 @@ def write_manifest(state_dir: str, world_size: int) -> str:
         name = rank_file_name(r, generation)
         p = os.path.join(state_dir, name)
         if not os.path.isfile(p):
-            raise SidecarError(f"stream state {state_dir!r}: {name} missing; cannot write the manifest")
+            # on several nodes the usual cause: each node writes into a directory of its own
+            raise SidecarError(f"stream state {state_dir!r}: {name} missing; cannot write the manifest. Every rank "
+                               "writes its file there and rank 0 records them all, so with several nodes "
+                               "train.output_dir must be one directory every node sees (a shared filesystem)")
         data = _read_bytes(p, "sidecar", MAX_SIDECAR_BYTES)
         files[rank_file_name(r)] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size,

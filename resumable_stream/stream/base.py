@@ -91,6 +91,15 @@ class Stream(Protocol):
     def close(self) -> None: ...
 
 
+# the data: keys that decide which rows a partition reads, in which order: the same on every rank of a job
+ORDER_KEYS = ("shuffle", "shuffle_seed", "buffer_size", "interleave_shards", "block_rows", "num_partitions", "elastic")
+
+
+def order_settings(config: Any, prefix: str = "data.") -> dict[str, Any]:
+    """``config``'s :data:`ORDER_KEYS` as ``{"data.shuffle_seed": 42, ...}`` (what ranks must agree on)."""
+    return {prefix + k: getattr(config, k) for k in ORDER_KEYS}
+
+
 def _default_topology() -> tuple[int, int]:
     try:
         import torch.distributed as dist

@@ -48,7 +48,7 @@ from ..plan import counter_hashes, derive_seed
 from ..sources.base import Source
 from ..state.mixture_state import MixturePartitionState
 from ..state.relocation import describe_files
-from .base import StreamBase
+from .base import StreamBase, order_settings
 from .partition import MAX_EMPTY_EPOCHS
 from .single import ResumableStream
 
@@ -150,8 +150,11 @@ class MixtureStream(StreamBase):
         # each source opened once per process (every partition's view reads it) and resolved once per job;
         # index_from: a checkpoint about to be resumed, whose saved indexes may be reused
         if sources is None:
+            agree = {"data.sources.weights": list(config.weights), "data.stopping": config.stopping}
+            for label, scfg in zip(config.labels, config.sources):
+                agree.update(order_settings(scfg, f"data.sources[{label}]."))
             sources = open_job_sources([s.source_spec for s in config.sources], list(config.labels), self.rank,
-                                       self.world_size, index_from or config.resume_state_path)
+                                       self.world_size, index_from or config.resume_state_path, agree)
         opened = [with_block_cache(src, scfg.cache_spec) for src, scfg in zip(sources, config.sources)]
         self.source = MixtureSources(opened, config.labels)
         self._probabilities = np.asarray(config.probabilities, dtype=np.float64)

@@ -24,7 +24,7 @@ from ..plan import Layout
 from ..sources.base import Source
 from ..sources.open import open_source
 from ..state.partition_state import Cursor, PartitionState
-from .base import StreamBase, round_robin
+from .base import StreamBase, order_settings, round_robin
 from .partition import PartitionReader, sample_digest
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class ResumableStream(StreamBase):
         # the stages below take the specs they need (config/specs.py), built once by the config
         self.spec, self.cache = config.source_spec, config.cache_spec
         opened = source if source is not None else open_job_source(self.spec, self.rank, self.world_size,
-                                                                   index_from or config.resume_state_path)
+                                                                   index_from or config.resume_state_path,
+                                                                   agree=order_settings(config))
         self.source = with_block_cache(opened, self.cache)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
         self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s

@@ -7,6 +7,10 @@ Every Trainer it builds gets a callback that, at each logging step, gathers what
 ``Trainer._maybe_log_save_evaluate``), and at the end of training gathers each rank's sum of parameters.
 Rank 0 appends both to ``output_dir/data_parallel.jsonl``; ``training_helpers.assert_data_parallel``
 checks them. Ranks that each trained their own copy of the model end with different parameters.
+
+With ``RS_TEST_RECORD=PATH`` each process also appends to PATH one line when it starts (its RANK,
+LOCAL_RANK, GROUP_RANK and run tag: which launcher got which ranks) and one each time it resolves a dataset
+(lists its files and builds the index): what "resolved once per job" is counted with.
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ class DataParallelCheck(TrainerCallback):
         self._write(args, state, {"step": state.global_step, "parameter_sums": _gather(total.to(args.device))})
 
 
+def _record(path: str, event: str) -> None:
+    env = os.environ
+    line = {"event": event, "rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "group_rank": int(env.get("GROUP_RANK", 0)), "run": env.get("RS_TEST_RUN"), "pid": os.getpid()}
+    with open(path, "a", encoding="utf-8") as f:      # one short write per line: lines of processes never mix
+        f.write(json.dumps(line) + "\n")
+
+
+def _count_resolutions(path: str) -> None:
+    import resumable_stream.sources.open as opening
+
+    original = opening.resolve_split
+
+    def resolve_split(*args, **kwargs):
+        _record(path, "resolve")
+        return original(*args, **kwargs)
+
+    opening.resolve_split = resolve_split
+
+
 def _build_checked(original):
     def build_trainer(*args, **kwargs):
         trainer = original(*args, **kwargs)
@@ -77,6 +101,9 @@ def _build_checked(original):
 
 if __name__ == "__main__":
     script, config = sys.argv[1:]
+    if os.environ.get("RS_TEST_RECORD"):
+        _record(os.environ["RS_TEST_RECORD"], "start")
+        _count_resolutions(os.environ["RS_TEST_RECORD"])
     train_module.build_trainer = _build_checked(train_module.build_trainer)
     sys.argv = [script, config]
     runpy.run_path(script, run_name="__main__")

@@ -11,7 +11,7 @@ import os
 import pytest
 from helpers import parquet_config, take_ids
 
-from resumable_stream import ResumableStream
+from resumable_stream import ResumableStream, SidecarError
 from resumable_stream.state.checkpoint import (
     is_complete,
     latest_complete_checkpoint,
@@ -76,3 +76,18 @@ def test_the_stream_state_completes_a_checkpoint_of_any_engine_and_resumes_from_
     for r in (0, 1):
         resumed = ResumableStream(cfg.replace(resume_state_path=ten), rank=r, world_size=2)
         assert take_ids(resumed, 30) == expected[r]
+
+
+def test_a_rank_file_rank_0_cannot_see_is_named_with_the_shared_output_dir_it_needs(parquet_small, tmp_path):
+    """Two nodes writing a checkpoint into output_dirs of their own: rank 0 finds only its own node's files."""
+    state_dir = os.path.join(str(tmp_path), "checkpoint-4", STATE_DIR)
+    cfg = parquet_config(parquet_small)
+    for rank in (0, 1):              # node 0's ranks of 4; ranks 2 and 3 wrote on another machine
+        s = ResumableStream(cfg, rank=rank, world_size=4)
+        take_ids(s, 3)
+        s.save_sidecar(os.path.join(state_dir, f"rank-{rank:05d}.safetensors"))
+    with pytest.raises(SidecarError) as e:
+        write_manifest(state_dir, 4)
+    assert "rank-00002.safetensors missing" in str(e.value)
+    assert "train.output_dir must be one directory every node sees" in str(e.value)
+    assert not is_complete(os.path.dirname(state_dir))
