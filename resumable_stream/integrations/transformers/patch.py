@@ -258,6 +258,9 @@ def _get_resumed_dataloader(original):
     return get_resumed_dataloader
 
 
+_OUR_SKIPS: set = set()    # the skip_first_batches wrappers made here (a module patched twice keeps one)
+
+
 def _skip_first_batches(original):
     # transformers 4.x: the same skip is the function train() imported from accelerate
     @functools.wraps(original)
@@ -265,7 +268,7 @@ def _skip_first_batches(original):
         if isinstance(dataloader, StreamLoader):
             return dataloader
         return original(dataloader, num_batches)
-    skip_first_batches._resumable_stream_skip = True
+    _OUR_SKIPS.add(skip_first_batches)
     return skip_first_batches
 
 
@@ -276,7 +279,7 @@ def _patch_skip(trainer_cls) -> None:
     import transformers.trainer as trainer_module
 
     skip = getattr(trainer_module, "skip_first_batches", None)
-    if skip is not None and not getattr(skip, "_resumable_stream_skip", False):
+    if skip is not None and skip not in _OUR_SKIPS:
         trainer_module.skip_first_batches = _skip_first_batches(skip)
 
 
