@@ -73,12 +73,14 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 
     from ..integrations.llamafactory.data import get_dataset
+    from ..integrations.llamafactory.reward import patch_load_from_checkpoint
     from ..integrations.transformers import patch_trainer
 
     # trl's DPO / KTO trainers: LLaMA-Factory turns precompute_ref_log_probs off, so their
     # get_train_dataloader is the Trainer's (ours, patched here), and _save_checkpoint calls the Trainer's
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
         patch_trainer(trainer)
+    patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
     workflows = (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)
     saved = [(m, "get_dataset", m.get_dataset) for m in workflows]
     saved.append((parser, "get_last_checkpoint", parser.get_last_checkpoint))
