@@ -72,3 +72,23 @@ def test_what_a_preference_stage_cannot_take_is_refused_naming_it(assets, procs,
     run = procs.start(config, "refused", env=ENV, command=ours(config))
     assert run.wait(300) == 2, run.describe()
     assert message in run.stderr, run.describe()
+
+
+def test_dpo_on_two_ranks_killed_after_a_checkpoint_continues_exactly(assets, procs, tmp_path):
+    """FORCE_TORCHRUN=1 on 2 CPU ranks (gloo): every rank's samples and the losses of a killed and restarted run
+    are those of an uninterrupted one, and the ranks read different samples."""
+    model, data = assets
+    force = {**ENV, "FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"}
+    keys = {**STAGES["dpo"], "max_steps": 12, "save_steps": 4, "buffer_size": 16, "ddp_backend": "gloo"}
+    ref_yaml, ref_out = write_yaml(str(tmp_path), "reference", model, data, consumed_log=True, **keys)
+    procs.start(ref_yaml, "reference", env=force, command=ours(ref_yaml)).wait_ok(600)
+    config, out = write_yaml(str(tmp_path), "killed", model, data, consumed_log=True, **keys)
+    run = procs.start(config, "killed", env=force, command=ours(config))
+    log = os.path.join(out, "trainer_log.jsonl")
+    run.wait_until(lambda: 4 in complete_checkpoints(out) and count_lines(log) >= 7, "checkpoint-4 + 3 steps")
+    run.kill()
+    procs.start(config, "restart", env=force, command=ours(config)).wait_ok(600)
+    assert_losses_equal(losses(ref_out), losses(out), 0.0, "[dpo, 2 ranks, killed after checkpoint-4]")
+    for rank in (0, 1):
+        assert consumed(ref_out, rank) == consumed(out, rank)
+    assert set(consumed(out, 0)[1]).isdisjoint(consumed(out, 1)[1])
