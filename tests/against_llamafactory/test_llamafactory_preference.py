@@ -63,8 +63,9 @@ def test_a_sigkilled_run_started_again_continues_exactly(assets, procs, tmp_path
 
 @pytest.mark.parametrize(("keys", "message"), [
     ({"stage": "ppo", "dataset": "alpaca", "reward_model": "x"}, "stage: got 'ppo'"),
-    ({"stage": "dpo", "dataset": "alpaca"}, "dataset 'alpaca' (dataset_info.json): got ranking: false"),
-    ({"stage": "sft", "dataset": "pairs"}, "dataset 'pairs' (dataset_info.json): got ranking: true"),
+    ({"stage": "dpo", "dataset": "alpaca"}, "dataset 'alpaca.jsonl' (dataset_info.json): got ranking: false"),
+    ({"stage": "sft", "dataset": "pairs"}, "dataset 'pairs.jsonl' (dataset_info.json): got ranking: true"),
+    ({"stage": "kto", "dataset": "alpaca"}, "dataset 'alpaca.jsonl' (dataset_info.json): no kto_tag column"),
 ])
 def test_what_a_preference_stage_cannot_take_is_refused_naming_it(assets, procs, tmp_path, keys, message):
     model, data = assets

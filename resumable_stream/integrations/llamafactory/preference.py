@@ -28,6 +28,10 @@ def check_stage(attrs: dict[str, Any], stage: str) -> None:
             raise ConfigError(f"dataset {attr.dataset_name!r} (dataset_info.json): got ranking: "
                               f"{str(bool(attr.ranking)).lower()} for a {'dpo / rm' if stage == 'rm' else stage} "
                               f"stage; allowed: {allowed}")
+        if stage == "kto" and not attr.kto_tag:
+            # every row would be dropped by the feedback processor (it needs a desirable / undesirable response)
+            raise ConfigError(f"dataset {attr.dataset_name!r} (dataset_info.json): no kto_tag column for stage kto; "
+                              "allowed: a dataset whose columns name kto_tag (a boolean: desirable or not)")
 
 
 def fingerprint(attr) -> dict[str, Any]:
