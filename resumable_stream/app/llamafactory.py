@@ -76,8 +76,8 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     from ..integrations.llamafactory.reward import patch_load_from_checkpoint
     from ..integrations.transformers import patch_trainer
 
-    # trl's DPO / KTO trainers: LLaMA-Factory turns precompute_ref_log_probs off, so their
-    # get_train_dataloader is the Trainer's (ours, patched here), and _save_checkpoint calls the Trainer's
+    # trl's DPO / KTO trainers: our patched get_train_dataloader stands in for trl's, which adds only
+    # precompute_ref_log_probs (LLaMA-Factory turns it off); their _save_checkpoint ends in the Trainer's
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
         patch_trainer(trainer)
     patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
