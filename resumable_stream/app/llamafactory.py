@@ -2,10 +2,12 @@
 
 What is patched while it runs (and restored after):
 
-* ``get_dataset`` of the ``pt`` and ``sft`` workflows: the training dataset is our stream (:mod:`.data`);
+* ``get_dataset`` of the ``pt``, ``sft``, ``dpo``, ``kto`` and ``rm`` workflows: the training dataset is our
+  stream (:mod:`.data`; the preference stages: :mod:`.preference`);
 * the checkpoint LLaMA-Factory resumes automatically: the newest *complete* one (with ``trainer_state.json``
   and the stream's manifest), never one a kill cut short (``get_last_checkpoint`` of its argument parser);
-* its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``) through :func:`patch_trainer`: no batch replay,
+* its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``, ``CustomDPOTrainer``, ``CustomKTOTrainer``,
+  ``PairwiseTrainer``) through :func:`patch_trainer`: no batch replay,
   the stream state saved into and restored from every checkpoint, one job per ``output_dir``.
 
 A run whose newest complete checkpoint (or final ``trainer_state.json``) reached ``max_steps`` is finished:
@@ -59,20 +61,31 @@ def finished_at(args: dict[str, Any]) -> int | None:
 def patched(ours: dict[str, Any]) -> Iterator[None]:
     """LLaMA-Factory's workflows reading our stream, resuming complete checkpoints, with patched trainers."""
     import llamafactory.hparams.parser as parser
+    import llamafactory.train.dpo.workflow as dpo_workflow
+    import llamafactory.train.kto.workflow as kto_workflow
     import llamafactory.train.pt.workflow as pt_workflow
+    import llamafactory.train.rm.workflow as rm_workflow
     import llamafactory.train.sft.workflow as sft_workflow
+    from llamafactory.train.dpo.trainer import CustomDPOTrainer
+    from llamafactory.train.kto.trainer import CustomKTOTrainer
     from llamafactory.train.pt.trainer import CustomTrainer
+    from llamafactory.train.rm.trainer import PairwiseTrainer
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 
     from ..integrations.llamafactory.data import get_dataset
+    from ..integrations.llamafactory.reward import patch_load_from_checkpoint
     from ..integrations.transformers import patch_trainer
 
-    patch_trainer(CustomSeq2SeqTrainer)
-    patch_trainer(CustomTrainer)
-    saved = [(m, "get_dataset", m.get_dataset) for m in (sft_workflow, pt_workflow)]
+    # trl's DPO / KTO trainers: our patched get_train_dataloader stands in for trl's, which adds only
+    # precompute_ref_log_probs (LLaMA-Factory turns it off); their _save_checkpoint ends in the Trainer's
+    for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
+        patch_trainer(trainer)
+    patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
+    workflows = (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)
+    saved = [(m, "get_dataset", m.get_dataset) for m in workflows]
     saved.append((parser, "get_last_checkpoint", parser.get_last_checkpoint))
     try:
-        for module, name, original in saved[:2]:
+        for module, name, original in saved[:-1]:
             setattr(module, name, functools.partial(get_dataset, original, ours))
         parser.get_last_checkpoint = latest_complete_checkpoint
         yield

@@ -74,9 +74,39 @@ def make_data(directory: str) -> str:
             "sharegpt": {"file_name": "sharegpt.jsonl", "formatting": "sharegpt",
                          "columns": {"messages": "conversations"}},
             "pt": {"file_name": "pt.jsonl", "columns": {"prompt": "text"}}}
+    info.update(_preference_data(directory))
     with open(os.path.join(directory, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
     return directory
+
+
+def _preference_data(directory: str) -> dict:
+    """Pairwise alpaca (200 rows) and sharegpt (120, some multi-turn) for dpo / rm, kto feedback (200 rows,
+    2 in 3 desirable); their dataset_info.json entries."""
+    _jsonl(os.path.join(directory, "pairs.jsonl"), [
+        {"instruction": f"Pick {i}: {_words(i, 4)}", "input": _words(i + 4, 2) if i % 4 else "",
+         "chosen": f"Good {i}: {_words(i + 1, 3 + i % 4)}", "rejected": f"Bad {i}: {_words(i + 6, 2 + i % 5)}"}
+        for i in range(200)])
+    chats = []
+    for i in range(120):
+        turns = [{"from": "human", "value": f"Ask {i}: {_words(i, 3)}"}]
+        if i % 3 == 0:
+            turns += [{"from": "gpt", "value": f"Sure {_words(i + 2, 2)}"},
+                      {"from": "human", "value": f"More {i}: {_words(i + 8, 3)}"}]
+        chats.append({"conversations": turns, "chosen": {"from": "gpt", "value": f"Fine {_words(i + 3, 4)}"},
+                      "rejected": {"from": "gpt", "value": f"Poor {_words(i + 5, 3)}"}})
+    _jsonl(os.path.join(directory, "pairs_sharegpt.jsonl"), chats)
+    _jsonl(os.path.join(directory, "feedback.jsonl"), [
+        {"instruction": f"Rate {i}: {_words(i, 4)}", "input": "", "output": f"Said {i}: {_words(i + 2, 3 + i % 3)}",
+         "label": i % 3 != 0} for i in range(200)])
+    return {"pairs": {"file_name": "pairs.jsonl", "ranking": True,
+                      "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                                  "rejected": "rejected"}},
+            "pairs_sharegpt": {"file_name": "pairs_sharegpt.jsonl", "formatting": "sharegpt", "ranking": True,
+                               "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+            "feedback": {"file_name": "feedback.jsonl",
+                         "columns": {"prompt": "instruction", "query": "input", "response": "output",
+                                     "kto_tag": "label"}}}
 
 
 BASE = {

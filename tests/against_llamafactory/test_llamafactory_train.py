@@ -105,7 +105,6 @@ def test_another_template_on_resume_is_a_mismatch(assets, procs, tmp_path):
 
 
 @pytest.mark.parametrize(("keys", "message"), [
-    ({"stage": "dpo"}, "stage: got 'dpo'"),
     ({"max_samples": 100}, "max_samples: got 100"),
     ({"streaming": False}, "streaming: got False"),
     ({"max_steps": None}, "max_steps: got None"),

@@ -24,6 +24,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from .held_out import check_val_size, hold_out
+from .preference import check_stage
 from .processor import Formatting, LlamaFactoryProcessor
 from .settings import STREAM_KEYS, monitor_settings
 
@@ -41,8 +42,6 @@ def _source(attr, data_args) -> dict[str, Any]:
     from llamafactory.extras.constants import FILEEXT2TYPE
 
     name = attr.dataset_name
-    if attr.ranking:
-        raise _refused(name, "ranking: true (pairwise data is for the rm / dpo stages)")
     media = [c for c in ("images", "videos", "audios") if getattr(attr, c, None)]
     if media:
         raise _refused(name, f"media columns {media} (multimodal data)")
@@ -78,9 +77,10 @@ def _label(i: int, name: str) -> str:
 
 
 def _same_formatting(a, b) -> bool:
+    from .preference import ATTR_FIELDS as PREFERENCE_FIELDS
     from .processor import ATTR_FIELDS
 
-    return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS)
+    return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS + PREFERENCE_FIELDS)
 
 
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -132,6 +132,7 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     from ..transformers import TrainingStream
 
     section, attrs = stream_section(data_args, training_args, ours)
+    check_stage(attrs, stage)
     cfg = StreamConfig.from_dict(section, extra_keys=())
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
@@ -148,7 +149,7 @@ def get_dataset(original, ours: dict[str, Any], template, model_args, data_args,
     is LLaMA-Factory's own (``original``), which needs no resume."""
     if processor is not None:
         raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor; "
-                          "resumable-stream llamafactory trains text models (pt, sft)")
+                          "resumable-stream llamafactory trains text models")
     module = {"train_dataset": train_stream(template, data_args, training_args, tokenizer, stage, ours)}
     val_size = check_val_size({"val_size": data_args.val_size})
     if val_size:                 # the first val_size rows: the evaluation set, never trained on (held_out.py)

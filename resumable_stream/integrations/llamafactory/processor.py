@@ -23,6 +23,7 @@ from ...errors import SidecarError
 from ...io.safe_files import JSONRefused, parse_json
 from ...transforms.errors import TransformError
 from ...transforms.text import checked_state, tokenizer_digest
+from . import preference
 
 STATE_VERSION = 1
 # DatasetAttr fields that decide how a row is converted (columns and tags of dataset_info.json)
@@ -78,11 +79,15 @@ class Formatting:
 
     @property
     def chunk(self) -> int:
+        rows = preference.chunk(self.stage, self.data_args)
+        if rows is not None:
+            return rows
         return max(1, int(self.data_args.preprocessing_batch_size)) if self.packing else 1
 
     @property
     def packing(self) -> bool:
-        return bool(self.data_args.packing)
+        # the pairwise and feedback processors do not pack (LLaMA-Factory ignores packing there)
+        return bool(self.data_args.packing) and self.stage in ("pt", "sft")
 
     def fingerprint(self) -> dict[str, Any]:
         import llamafactory
@@ -90,9 +95,10 @@ class Formatting:
         fp = {"llamafactory": llamafactory.__version__, "stage": self.stage,
               "template": template_digest(self.template), "tokenizer": tokenizer_digest(self.tokenizer),
               "data": {f: getattr(self.data_args, f, None) for f in _DATA_FIELDS},
-              "sources": {label: {f: getattr(attr, f, None) for f in ATTR_FIELDS}
+              "sources": {label: {**{f: getattr(attr, f, None) for f in ATTR_FIELDS},
+                                  **preference.fingerprint(attr)}
                           for label, attr in sorted(self.attrs.items())}}
-        if self.packing:
+        if self.packing or self.stage == "kto":      # the chunk decides the blocks / kto's KL pairs
             fp["data"]["preprocessing_batch_size"] = self.chunk
         return fp
 
@@ -107,8 +113,10 @@ def _dataset_processor(fmt: Formatting):
 
     if fmt.stage == "pt":
         cls = PretrainDatasetProcessor
-    else:
+    elif fmt.stage == "sft":
         cls = PackedSupervisedDatasetProcessor if fmt.packing else SupervisedDatasetProcessor
+    else:
+        cls = preference.processor_class(fmt.stage)
     return cls(template=fmt.template, tokenizer=fmt.tokenizer, processor=None, data_args=fmt.data_args)
 
 
@@ -152,15 +160,16 @@ class LlamaFactoryProcessor:
         rows, self._rows = self._rows, []
         batch = {name: [row[name] for _, row in rows] for name in rows[0][1]}
         out = self._processor.preprocess_dataset(batch)
-        n = len(out.get("input_ids", []))
+        n = len(next(iter(out.values()), []))     # input_ids, or chosen_input_ids (pairwise)
         examples = [{name: values[i] for name, values in out.items()} for i in range(n)]
         keys = [key for key, _ in rows]
-        if not self.fmt.packing:
+        per_example = preference.example_keys(self.fmt.stage, rows, n)
+        if not self.fmt.packing or per_example is not None:
             self._stats["dropped"] += len(rows) - n      # invalid conversations, as LLaMA-Factory drops them
         for i, example in enumerate(examples):
             # without packing a chunk is one row and one example (or none); packed, its first block carries the
             # keys of every row of the chunk (which block holds which row is the knapsack's business)
-            example["keys"] = keys if i == 0 else []
+            example["keys"] = per_example[i] if per_example is not None else keys if i == 0 else []
             self._ready.append(example)
         self._stats["examples"] += n
 

@@ -89,8 +89,11 @@ def _why(key: str, value: Any, reason: str) -> ConfigError:
 def refuse_unsupported(args: dict[str, Any]) -> None:
     """The keys whose LLaMA-Factory meaning a resumable stream cannot keep exactly (before its parser runs)."""
     stage = args.get("stage", "sft")
-    if stage not in ("pt", "sft"):
-        raise _why("stage", stage, "allowed: pt, sft (the reward, DPO, KTO and PPO stages read pairs or rewards)")
+    if stage == "ppo":
+        raise _why("stage", stage, "PPO trains on responses it samples from the policy as it goes, so there is no "
+                   "fixed sequence of batches to resume; allowed: pt, sft, rm, dpo, kto")
+    if stage not in ("pt", "sft", "rm", "dpo", "kto"):
+        raise _why("stage", stage, "allowed: pt, sft, rm, dpo, kto")
     if not args.get("do_train", False):
         raise _why("do_train", args.get("do_train"), "this command trains: set do_train: true "
                    "(evaluate or predict with llamafactory-cli)")

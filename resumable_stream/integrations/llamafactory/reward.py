@@ -1,0 +1,49 @@
+"""Resuming LLaMA-Factory's reward model (``stage: rm`` with LoRA) from a checkpoint.
+
+Its model is trl's value-head wrapper around a PeftModel; a checkpoint holds the adapter
+(``adapter_model.safetensors``) and the value head (``value_head.safetensors``, LLaMA-Factory's
+FixValueHeadModelCallback). The Trainer's own loading looks for a full model or a top-level PeftModel and fails
+("Can't find a checkpoint index"), so ``llamafactory-cli`` cannot resume it; this loads both files in place.
+LLaMA-Factory does not resume a full / freeze reward model at all (its argument parser drops the checkpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+ADAPTER = "adapter_model.safetensors"
+VALUE_HEAD = "value_head.safetensors"
+
+
+def load_value_head_checkpoint(model, checkpoint: str) -> bool:
+    """Load the adapter and value head of ``checkpoint`` into ``model`` (copied into its parameters: their
+    dtype and device stay); False when ``model`` is not a LoRA value-head model or the files are missing."""
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    pretrained, head = getattr(model, "pretrained_model", None), getattr(model, "v_head", None)
+    files = [os.path.join(checkpoint, name) for name in (ADAPTER, VALUE_HEAD)]
+    if not isinstance(pretrained, PeftModel) or head is None or not all(map(os.path.isfile, files)):
+        return False
+    result = set_peft_model_state_dict(pretrained, load_file(files[0]))
+    if result.unexpected_keys:
+        raise ValueError(f"{files[0]}: weights of another adapter ({result.unexpected_keys[:3]} ...)")
+    head.load_state_dict({k.removeprefix("v_head."): v for k, v in load_file(files[1]).items()})
+    return True
+
+
+def patch_load_from_checkpoint(trainer_cls) -> None:
+    """``trainer_cls._load_from_checkpoint`` loading a LoRA value-head checkpoint (idempotent)."""
+    original = trainer_cls._load_from_checkpoint
+    if getattr(original, "_rs_value_head", False):
+        return
+
+    @functools.wraps(original)
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if not load_value_head_checkpoint(target, resume_from_checkpoint):
+            original(self, resume_from_checkpoint, model)
+
+    _load_from_checkpoint._rs_value_head = True
+    trainer_cls._load_from_checkpoint = _load_from_checkpoint
