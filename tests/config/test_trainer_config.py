@@ -206,3 +206,15 @@ def test_llamafactory_consumed_log_true_is_output_dir_consumed(tmp_path):
         paths.append(log.path)
     assert paths == [str(tmp_path / n / "consumed" / "rank-00000.jsonl") for n in ("a", "b")]
     assert all(os.path.isfile(p) for p in paths)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Y"])
+def test_llamafactory_on_ray_is_refused_naming_use_ray(value):
+    """LLaMA-Factory's Ray workers (USE_RAY=1) train through its own get_dataset: our stream would not be read."""
+    from resumable_stream.integrations.llamafactory.settings import refuse_unsupported
+
+    args = {"stage": "sft", "do_train": True, "max_steps": 10}
+    with pytest.raises(ConfigError, match=rf"USE_RAY: got '{value}'.*FORCE_TORCHRUN"):
+        refuse_unsupported(args, {"USE_RAY": value})
+    refuse_unsupported(args, {"USE_RAY": "0"})     # off: accepted
+    refuse_unsupported(args, {})

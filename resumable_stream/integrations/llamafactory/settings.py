@@ -8,6 +8,7 @@ resumable stream is a ConfigError naming the key and why (:func:`refuse_unsuppor
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
@@ -86,8 +87,13 @@ def _why(key: str, value: Any, reason: str) -> ConfigError:
     return ConfigError(f"{key}: got {value!r}; not supported by resumable-stream llamafactory: {reason}")
 
 
-def refuse_unsupported(args: dict[str, Any]) -> None:
-    """The keys whose LLaMA-Factory meaning a resumable stream cannot keep exactly (before its parser runs)."""
+def refuse_unsupported(args: dict[str, Any], environ: Mapping[str, str] = os.environ) -> None:
+    """The keys whose LLaMA-Factory meaning a resumable stream cannot keep exactly (before its parser runs);
+    ``environ``: the environment LLaMA-Factory reads its launch switches from."""
+    if environ.get("USE_RAY", "0").lower() in ("true", "y", "1"):     # LLaMA-Factory's is_env_enabled
+        raise ConfigError(f"USE_RAY: got {environ['USE_RAY']!r}; not supported by resumable-stream llamafactory: "
+                          "LLaMA-Factory's Ray workers run its training afresh, with its own get_dataset instead "
+                          "of our stream; allowed: unset or 0 (launch several ranks with FORCE_TORCHRUN=1)")
     stage = args.get("stage", "sft")
     if stage == "ppo":
         raise _why("stage", stage, "PPO trains on responses it samples from the policy as it goes, so there is no "
