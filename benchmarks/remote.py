@@ -55,7 +55,8 @@ READERS = ("ours", "hf_plain", "hf_shuffled", "ours_cold_cache", "ours_warm")
 def _child(args: argparse.Namespace) -> None:
     import datasets  # noqa: F401  (imports before the clock: first sample = open + read)
 
-    import resumable_stream  # noqa: F401
+    # the stream's modules themselves: the package's public names load on first use (its __init__)
+    import resumable_stream.stream.mixture  # noqa: F401
 
     # The first full garbage collection after importing datasets and torch (~240k objects) stops every thread
     # for 130-180 ms; left to chance it lands in a reader's first second. Done before the clock, for every
@@ -159,7 +160,7 @@ def _startup_requests(srv, urls: list[str], ranks: int, work: str) -> int:
 _S3_CHILD = """
 import json, os, sys, time
 import datasets, s3fs  # noqa: F401  (imports before the clock)
-import resumable_stream  # noqa: F401
+import resumable_stream.stream.mixture  # noqa: F401  (the public names load on first use)
 import gc; gc.collect()  # the first full collection after the imports, before the clock (see _child)
 t0 = time.perf_counter()
 reader, endpoint = sys.argv[1], sys.argv[2]
