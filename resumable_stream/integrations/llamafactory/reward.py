@@ -33,10 +33,13 @@ def load_value_head_checkpoint(model, checkpoint: str) -> bool:
     return True
 
 
+_PATCHED: set = set()    # the loaders made here: a trainer class patched twice keeps one
+
+
 def patch_load_from_checkpoint(trainer_cls) -> None:
     """``trainer_cls._load_from_checkpoint`` loading a LoRA value-head checkpoint (idempotent)."""
     original = trainer_cls._load_from_checkpoint
-    if getattr(original, "_rs_value_head", False):
+    if original in _PATCHED:
         return
 
     @functools.wraps(original)
@@ -45,5 +48,5 @@ def patch_load_from_checkpoint(trainer_cls) -> None:
         if not load_value_head_checkpoint(target, resume_from_checkpoint):
             original(self, resume_from_checkpoint, model)
 
-    _load_from_checkpoint._rs_value_head = True
+    _PATCHED.add(_load_from_checkpoint)
     trainer_cls._load_from_checkpoint = _load_from_checkpoint
