@@ -83,6 +83,20 @@ def _same_formatting(a, b) -> bool:
     return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS + PREFERENCE_FIELDS)
 
 
+def lf_concat_order(sources: list, seed: int) -> list:
+    """The datasets of ``mix_strategy: concat`` in the order llamafactory-cli reads them in its first epoch.
+
+    Its ``split_dataset`` shuffles the concatenated stream even with ``buffer_size: 1``, and datasets'
+    ``VerticallyConcatenatedMultiSourcesExamplesIterable.shuffle_data_sources`` permutes the datasets with the
+    shuffle's generator, ``numpy.random.default_rng(seed)``. Its later epochs permute them again (by an epoch
+    seed); ours keep this order (docs/llamafactory.md)."""
+    import numpy as np
+
+    order = list(range(len(sources)))
+    np.random.default_rng(seed).shuffle(order)
+    return [sources[i] for i in order]
+
+
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the ``data:`` section of our stream, source label -> DatasetAttr) of LLaMA-Factory's data arguments."""
     from llamafactory.data.parser import get_dataset_list
@@ -109,6 +123,8 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
                               "allowed: concat of local files of one type and one formatting (read as one "
                               "dataset); set mix_strategy: interleave_under or interleave_over (with "
                               "interleave_probs) to mix other datasets")
+        if not order["shuffle"]:
+            sources = lf_concat_order(sources, training_args.seed)
         files = [f for s in sources for f in s["data_files"]]
         return {**sources[0], "data_files": files, **order, **stream_keys}, {labels[0]: attrs[0]}
     if strategy not in _STRATEGIES:
