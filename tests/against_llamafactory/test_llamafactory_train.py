@@ -25,7 +25,7 @@ SAME_AS_CLI = {
     "sft-alpaca-packing-train_on_prompt": {"packing": True, "train_on_prompt": True, "cutoff_len": 128},
     "sft-sharegpt-neat_packing": {"dataset": "sharegpt", "neat_packing": True, "cutoff_len": 128},
     "pt": {"stage": "pt", "dataset": "pt", "cutoff_len": 64},
-    # issue 38: past the end of the data (other.jsonl, 80 rows: its end at step 13 and 17), and two datasets
+    # issue 38: past the end of the data (other.jsonl, 80 rows: pt reaches its end at step 13), and two datasets
     # concatenated (llamafactory-cli reads other.jsonl first with seed 42)
     "pt-across-the-end-of-the-data": {"stage": "pt", "dataset": "other", "cutoff_len": 32},
     "sft-neat_packing-chunks-of-1000-across-the-end": {"dataset": "other", "neat_packing": True, "cutoff_len": 128,
