@@ -33,8 +33,8 @@ def _template(model_args, data_args):
     return get_template_and_fix_tokenizer(tokenizer, data_args), tokenizer
 
 
-def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[list[list[int]]], int]:
-    """(input_ids of each batch, examples in epoch 0) of llamafactory-cli's training data: its get_dataset,
+def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[list[dict]], int]:
+    """(the examples of each batch, examples in epoch 0) of llamafactory-cli's training data: its get_dataset,
     epoch after epoch (set_epoch, as the Trainer's DataLoader calls it), each batched by
     per_device_train_batch_size."""
     from llamafactory.data import get_dataset
@@ -46,25 +46,34 @@ def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[
     size, out, sizes = training_args.per_device_train_batch_size, [], []
     while len(out) < batches:
         dataset.set_epoch(len(sizes))
-        ids = [ex["input_ids"] for ex in dataset]
+        ids = [_fields(ex) for ex in dataset]
         out += [ids[i:i + size] for i in range(0, len(ids), size)]
         sizes.append(len(ids))
     return out[:batches], sizes[0]
 
 
-def _our_loader(assets, tmp_path, **keys):
+def _our_loaders(assets, tmp_path, **keys):
+    """A function making fresh loaders of our stream (LLaMA-Factory's arguments and template made once)."""
     from resumable_stream.integrations.llamafactory.data import train_stream
     from resumable_stream.loader import StreamLoader
 
     model_args, data_args, training_args = _args(assets, tmp_path, **keys)
     template, tokenizer = _template(model_args, data_args)
-    train = train_stream(template, data_args, training_args, tokenizer, keys.get("stage", "sft"), {})
-    return StreamLoader(train.stream, batch_size=training_args.per_device_train_batch_size, collate_fn=list,
-                        processor_factory=train.processor_factory)
+
+    def loader():
+        train = train_stream(template, data_args, training_args, tokenizer, keys.get("stage", "sft"), {})
+        return StreamLoader(train.stream, batch_size=training_args.per_device_train_batch_size, collate_fn=list,
+                            processor_factory=train.processor_factory)
+    return loader
 
 
-def _ids(batch) -> list[list[int]]:
-    return [list(ex["input_ids"]) for ex in batch]
+def _fields(example: dict) -> dict[str, list[int]]:
+    """What the collator makes a batch of: input_ids, labels, attention_mask (neat packing: sequence ids)."""
+    return {k: list(example[k]) for k in ("input_ids", "labels", "attention_mask") if k in example}
+
+
+def _ids(batch) -> list[dict[str, list[int]]]:
+    return [_fields(ex) for ex in batch]
 
 
 CASES = {   # each runs past the end of its data at least twice within 40 batches (other.jsonl: 80 rows)
@@ -84,7 +93,8 @@ def test_batches_equal_llamafactorys_across_epochs_and_resume_after_every_batch(
     reference, epoch_size = _llamafactory_batches(assets, tmp_path, n, **keys)
     examples = sum(map(len, reference))
     assert (epoch_size > examples) if concat else (2 * epoch_size < examples), (epoch_size, examples)
-    loader = _our_loader(assets, tmp_path, **keys)
+    make_loader = _our_loaders(assets, tmp_path, **keys)
+    loader = make_loader()
     items = loader.items()
     got, states = [], []
     for _ in range(n):
@@ -94,7 +104,7 @@ def test_batches_equal_llamafactorys_across_epochs_and_resume_after_every_batch(
         states.append(copy.deepcopy(loader.state_dict()))
     assert got == reference
     for k in range(n - 1):           # resumed from the state after batch k: batches k+1.. as before
-        resumed = _our_loader(assets, tmp_path, **keys)
+        resumed = make_loader()
         resumed.load_state_dict(copy.deepcopy(states[k]))
         it = resumed.items()
         assert [_ids(next(it)["batch"]) for _ in range(min(4, n - 1 - k))] == got[k + 1:k + 5], f"resumed at {k}"
