@@ -82,17 +82,25 @@ CASES = {   # each runs past the end of its data at least twice within 40 batche
                                     "preprocessing_batch_size": 1000},
     "concat-packing-chunks-of-33": {"dataset": "alpaca,other", "packing": True, "cutoff_len": 64,
                                     "preprocessing_batch_size": 33},
+    # interleaved: datasets.interleave_datasets' draws; under: before other.jsonl ends (~draw 110 at 0.7);
+    # over, in turn: other.jsonl ends at draw 160 and restarts (~210 rows in 24 batches)
+    "interleave_under-probs": {"dataset": "alpaca,other", "mix_strategy": "interleave_under",
+                               "interleave_probs": "0.3,0.7", "per_device_train_batch_size": 3},
+    "interleave_over-in-turn-packing": {"dataset": "alpaca,other", "mix_strategy": "interleave_over",
+                                        "packing": True, "cutoff_len": 128, "preprocessing_batch_size": 10,
+                                        "per_device_train_batch_size": 6},
 }
+FIRST_EPOCH_ONLY = ("concat", "interleave")     # llamafactory-cli starts its next epochs otherwise
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batches_equal_llamafactorys_across_epochs_and_resume_after_every_batch(assets, tmp_path, case):
     keys = CASES[case]
-    concat = case.startswith("concat")       # concat: its first epoch (llamafactory-cli re-permutes later ones)
-    n = 24 if concat else 40
+    first_epoch = case.startswith(FIRST_EPOCH_ONLY)
+    n = 24 if first_epoch else 40
     reference, epoch_size = _llamafactory_batches(assets, tmp_path, n, **keys)
     examples = sum(map(len, reference))
-    assert (epoch_size > examples) if concat else (2 * epoch_size < examples), (epoch_size, examples)
+    assert (epoch_size > examples) if first_epoch else (2 * epoch_size < examples), (epoch_size, examples)
     make_loader = _our_loaders(assets, tmp_path, **keys)
     loader = make_loader()
     items = loader.items()

@@ -97,6 +97,15 @@ def lf_concat_order(sources: list, seed: int) -> list:
     return [sources[i] for i in order]
 
 
+def mixture_draws(data_args) -> str:
+    """An interleaved mixture read in file order (``buffer_size: 1``) draws its datasets in the sequence of
+    ``datasets.interleave_datasets``, as llamafactory-cli's (in turn without ``interleave_probs``, numpy's choice
+    with them); shuffled, our own draws (the order is ours anyway)."""
+    if data_args.buffer_size > 1:
+        return "hash"
+    return "datasets_choice" if data_args.interleave_probs else "datasets_cycle"
+
+
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the ``data:`` section of our stream, source label -> DatasetAttr) of LLaMA-Factory's data arguments."""
     from llamafactory.data.parser import get_dataset_list
@@ -152,7 +161,7 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     cfg = StreamConfig.from_dict(section, extra_keys=())
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
-                         index_from=training_args.resume_from_checkpoint)
+                         index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
     fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs)
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)
     return TrainingStream(stream, None, functools.partial(LlamaFactoryProcessor, fmt),
