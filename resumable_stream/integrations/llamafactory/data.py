@@ -4,8 +4,8 @@
 |---|---|
 | a ``file_name`` entry (a file, or a directory of files of one type) | its files, by the builder of their extension |
 | an ``hf_hub_url`` entry (with ``subset``, ``folder``, ``split``) | that Hub dataset (``name``, ``data_dir``, ``split``) |
-| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` |
-| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting |
+| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` (``buffer_size: 1``: drawn in datasets' sequence, :func:`mixture_draws`) |
+| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting (``buffer_size: 1``: in LF's order, :func:`lf_concat_order`) |
 | ``buffer_size``, ``seed`` | ``shuffle: buffer_size > 1``, ``buffer_size``, ``shuffle_seed: seed`` (our window shuffle) |
 | ``dataloader_num_workers`` | the stream's DataLoader workers |
 | ``eval_dataset`` | LLaMA-Factory's own evaluation dataset (it needs no resume) |
