@@ -150,6 +150,12 @@ class _BatchProducer(IterableDataset):
         epoch_of_last_example = self.stream.partition_epoch(partition)
         # a mixture with per-source transform settings: the processor is told each sample's source
         source_of = self.stream.source_label if getattr(proc, "takes_source", False) else None
+        # a processor whose chunks end with the data's epoch (LLaMA-Factory's map restarts with every epoch)
+        epoch_bound = callable(getattr(proc, "end_epoch", None))
+        if epoch_bound:
+            if proc.data_epoch is None:
+                proc.data_epoch = self.stream.partition_epoch(partition)
+            yield from self._epoch_tail(partition, proc)     # a resume between the batches of an epoch's end
         if proc is None and not self.keep_keys:    # raw samples, nobody asks for their keys: the lean loop
             for sample, _ in self.stream.iter_partition(partition):
                 examples.append(sample)
@@ -168,10 +174,15 @@ class _BatchProducer(IterableDataset):
                     yield self._item(partition, examples, keys, None)
                     examples, keys = [], []
                 continue
+            ended = epoch_bound and self.stream.partition_epoch(partition) != proc.data_epoch
+            if ended:      # the sample is the first of the next epoch: the ended one's last chunk is processed
+                proc.end_epoch(self.stream.partition_epoch(partition))
             if source_of is None:
                 proc.feed(sample, key)
             else:
                 proc.feed(sample, key, source=source_of(where))
+            if ended:      # after the feed, so each batch's snapshot (cursor past the sample) holds the sample
+                yield from self._epoch_tail(partition, proc)
             if proc.ready():
                 starved = 0
             else:
@@ -192,6 +203,13 @@ class _BatchProducer(IterableDataset):
             batch = [proc.take() for _ in range(proc.ready())]
             batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
             yield self._item(partition, batch, batch_keys, proc)
+
+    def _epoch_tail(self, partition: int, proc) -> Iterator[dict[str, Any]]:
+        """The examples of an ended epoch still in the processor, batched apart from the next epoch's (the last
+        batch shorter), as a DataLoader over one epoch batches them."""
+        while proc.epoch_tail():
+            batch = [proc.take() for _ in range(min(self.batch_size, proc.epoch_tail()))]
+            yield self._item(partition, batch, [k for ex in batch for k in ex.pop("keys", [])], proc)
 
     def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
         """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""

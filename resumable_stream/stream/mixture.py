@@ -49,6 +49,8 @@ from ..sources.base import Source
 from ..state.mixture_state import MixturePartitionState
 from ..state.relocation import describe_files
 from .base import StreamBase, order_settings
+from .datasets_draws import MODES as DATASETS_MODES
+from .datasets_draws import DatasetsDraws
 from .partition import MAX_EMPTY_EPOCHS
 from .single import ResumableStream
 
@@ -141,9 +143,16 @@ class MixtureStream(StreamBase):
     state_type = MixturePartitionState
 
     def __init__(self, config: MixtureConfig, rank: int | None = None, world_size: int | None = None,
-                 num_workers: int = 0, sources: list[Source] | None = None, index_from: str | None = None):
+                 num_workers: int = 0, sources: list[Source] | None = None, index_from: str | None = None,
+                 draws: str = "hash"):
         if not isinstance(config, MixtureConfig):
             raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
+        if draws not in ("hash", *DATASETS_MODES):
+            raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
+        # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)
+        self.draws = draws
+        self._datasets_draws = (DatasetsDraws(draws, config.weights, config.shuffle_seed) if draws != "hash"
+                                else None)
         if sources is not None and len(sources) != len(config.sources):
             raise ConfigError(f"sources: got {len(sources)} opened sources for {len(config.sources)} in the config")
         super().__init__(config, rank, world_size, num_workers)
@@ -187,6 +196,8 @@ class MixtureStream(StreamBase):
             "sources": {label: {"weight": w, **next(iter(views.values())).fingerprint()}
                         for label, w, views in zip(c.labels, c.probabilities, self._views)},
         }
+        if self.draws != "hash":        # only then: the fingerprints of hash mixtures stay as they were
+            fp["mixture"]["draws"] = self.draws
         if self.transform_fingerprint is not None:
             fp["transform"] = self.transform_fingerprint
         return fp
@@ -267,9 +278,13 @@ class MixtureStream(StreamBase):
                 return
             j = pos.draws - block_at[1]
             if block_at[0] != pos.epoch or not 0 <= j < len(block):
-                block = draw_sources(self._probabilities, self.config.shuffle_seed, pos.epoch, p, pos.draws,
-                                     DRAW_BLOCK).tolist()
-                block_at, j = (pos.epoch, pos.draws), 0
+                if self._datasets_draws is not None:
+                    first, block = self._datasets_draws.block(pos.epoch, p, pos.draws)
+                    block_at, j = (pos.epoch, first), pos.draws - first
+                else:
+                    block = draw_sources(self._probabilities, self.config.shuffle_seed, pos.epoch, p, pos.draws,
+                                         DRAW_BLOCK).tolist()
+                    block_at, j = (pos.epoch, pos.draws), 0
             i = block[j]
             it = pos.iters[i]
             if it is None:    # read source i's current epoch only: its end must not consume the next epoch
@@ -384,7 +399,8 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
-                num_workers: int = 0, index_from: str | None = None) -> ResumableStream | MixtureStream:
+                num_workers: int = 0, index_from: str | None = None,
+                mixture_draws: str = "hash") -> ResumableStream | MixtureStream:
     """The stream of a ``data:`` config: a :class:`MixtureStream` for one with ``sources``, else a
     :class:`ResumableStream`.
 
@@ -394,12 +410,14 @@ def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, w
         num_workers: the DataLoader workers the stream will be read with (0: the main process).
         index_from: a checkpoint about to be resumed, whose saved dataset indexes the stream reuses (nothing
             is resolved again); the position itself is restored by ``load_sidecar`` / a loader.
+        mixture_draws: a mixture's draws: ``hash`` (ours), or ``datasets_cycle`` / ``datasets_choice``
+            (``datasets.interleave_datasets``' sequence without / with probabilities; :mod:`.datasets_draws`).
     Returns:
         the stream, opened (the dataset resolved once per job) at its fresh position or at
         ``data.resume_state_path``'s.
     """
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
-                             index_from=index_from)
+                             index_from=index_from, draws=mixture_draws)
     return ResumableStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                            index_from=index_from)

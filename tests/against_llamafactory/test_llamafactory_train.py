@@ -25,6 +25,13 @@ SAME_AS_CLI = {
     "sft-alpaca-packing-train_on_prompt": {"packing": True, "train_on_prompt": True, "cutoff_len": 128},
     "sft-sharegpt-neat_packing": {"dataset": "sharegpt", "neat_packing": True, "cutoff_len": 128},
     "pt": {"stage": "pt", "dataset": "pt", "cutoff_len": 64},
+    # issue 38: past the end of the data (other.jsonl, 80 rows: pt reaches its end at step 13), and two datasets
+    # concatenated (llamafactory-cli reads other.jsonl first with seed 42); neat packing in chunks of 1000
+    # rows past the end: test_llamafactory_epochs.py
+    "pt-across-the-end-of-the-data": {"stage": "pt", "dataset": "other", "cutoff_len": 32},
+    "sft-concat-two-datasets-packing": {"dataset": "alpaca,other", "packing": True, "cutoff_len": 128},
+    "sft-interleave_under-probs": {"dataset": "alpaca,other", "mix_strategy": "interleave_under",
+                                   "interleave_probs": "0.3,0.7"},
 }
 
 

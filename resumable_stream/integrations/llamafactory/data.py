@@ -4,8 +4,8 @@
 |---|---|
 | a ``file_name`` entry (a file, or a directory of files of one type) | its files, by the builder of their extension |
 | an ``hf_hub_url`` entry (with ``subset``, ``folder``, ``split``) | that Hub dataset (``name``, ``data_dir``, ``split``) |
-| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` |
-| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting |
+| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` (``buffer_size: 1``: drawn in datasets' sequence, :func:`mixture_draws`) |
+| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting (``buffer_size: 1``: in LF's order, :func:`lf_concat_order`) |
 | ``buffer_size``, ``seed`` | ``shuffle: buffer_size > 1``, ``buffer_size``, ``shuffle_seed: seed`` (our window shuffle) |
 | ``dataloader_num_workers`` | the stream's DataLoader workers |
 | ``eval_dataset`` | LLaMA-Factory's own evaluation dataset (it needs no resume) |
@@ -83,6 +83,29 @@ def _same_formatting(a, b) -> bool:
     return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS + PREFERENCE_FIELDS)
 
 
+def lf_concat_order(sources: list, seed: int) -> list:
+    """The datasets of ``mix_strategy: concat`` in the order llamafactory-cli reads them in its first epoch.
+
+    Its ``split_dataset`` shuffles the concatenated stream even with ``buffer_size: 1``, and datasets'
+    ``VerticallyConcatenatedMultiSourcesExamplesIterable.shuffle_data_sources`` permutes the datasets with the
+    shuffle's generator, ``numpy.random.default_rng(seed)``. Its later epochs permute them again (by an epoch
+    seed); ours keep this order (docs/llamafactory.md)."""
+    import numpy as np
+
+    order = list(range(len(sources)))
+    np.random.default_rng(seed).shuffle(order)
+    return [sources[i] for i in order]
+
+
+def mixture_draws(data_args) -> str:
+    """An interleaved mixture read in file order (``buffer_size: 1``) draws its datasets in the sequence of
+    ``datasets.interleave_datasets``, as llamafactory-cli's (in turn without ``interleave_probs``, numpy's choice
+    with them); shuffled, our own draws (the order is ours anyway)."""
+    if data_args.buffer_size > 1:
+        return "hash"
+    return "datasets_choice" if data_args.interleave_probs else "datasets_cycle"
+
+
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the ``data:`` section of our stream, source label -> DatasetAttr) of LLaMA-Factory's data arguments."""
     from llamafactory.data.parser import get_dataset_list
@@ -109,6 +132,8 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
                               "allowed: concat of local files of one type and one formatting (read as one "
                               "dataset); set mix_strategy: interleave_under or interleave_over (with "
                               "interleave_probs) to mix other datasets")
+        if not order["shuffle"]:
+            sources = lf_concat_order(sources, training_args.seed)
         files = [f for s in sources for f in s["data_files"]]
         return {**sources[0], "data_files": files, **order, **stream_keys}, {labels[0]: attrs[0]}
     if strategy not in _STRATEGIES:
@@ -136,7 +161,7 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     cfg = StreamConfig.from_dict(section, extra_keys=())
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
-                         index_from=training_args.resume_from_checkpoint)
+                         index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
     fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs)
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)
     return TrainingStream(stream, None, functools.partial(LlamaFactoryProcessor, fmt),

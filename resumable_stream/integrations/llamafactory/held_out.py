@@ -115,6 +115,20 @@ class WithoutHeldOut:
         else:
             self._inner.feed(sample, key, source=source)
 
+    @property
+    def data_epoch(self) -> int | None:
+        return self._inner.data_epoch
+
+    @data_epoch.setter
+    def data_epoch(self, epoch: int | None) -> None:
+        self._inner.data_epoch = epoch
+
+    def end_epoch(self, epoch: int) -> None:
+        self._inner.end_epoch(epoch)
+
+    def epoch_tail(self) -> int:
+        return self._inner.epoch_tail()
+
     def ready(self) -> int:
         return self._inner.ready()
 

@@ -7,6 +7,11 @@ examples with its template, exactly as ``llamafactory-cli`` does with ``dataset.
 packing processor works on chunks of ``preprocessing_batch_size`` rows (its greedy knapsack and pt's block
 cutting are per chunk), so the rows of an unfinished chunk are part of the transform's state; without packing
 every row is its own chunk (the outputs are the same, and nothing waits).
+
+``llamafactory-cli`` maps each epoch of its data afresh, so a chunk never spans the end of the data (the last one
+of an epoch is shorter) and its DataLoader's last batch of an epoch is shorter too: :meth:`end_epoch` (called by
+the loader on the first row of the next epoch) processes the ended epoch's unfinished chunk, and the examples of
+the ended epoch still waiting (:meth:`epoch_tail`) are batched apart from the next epoch's.
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ class LlamaFactoryProcessor:
     def _reset(self) -> None:
         self._rows: list[tuple[str, dict]] = []             # converted rows of the unfinished chunk
         self._ready: deque[dict] = deque()                  # examples, each with its "keys"
+        self._tail = 0                                      # the first examples of _ready: an ended epoch's
+        self.data_epoch: int | None = None                  # the epoch of the rows fed (set by the loader)
         self._stats = {"rows": 0, "examples": 0, "dropped": 0}
 
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
@@ -173,12 +180,24 @@ class LlamaFactoryProcessor:
             self._ready.append(example)
         self._stats["examples"] += n
 
+    def end_epoch(self, epoch: int) -> None:
+        """The rows fed so far end the data's epoch; the next ones are of ``epoch``."""
+        if self._rows:
+            self._process()
+        self._tail = len(self._ready)
+        self.data_epoch = epoch
+
+    def epoch_tail(self) -> int:
+        """How many of the ready examples are of the ended epoch (to be batched apart)."""
+        return self._tail
+
     def ready(self) -> int:
         return len(self._ready)
 
     def take(self) -> dict:
         if not self._ready:
             raise IndexError("LlamaFactoryProcessor.take: no finished example; feed more samples (check ready())")
+        self._tail = max(0, self._tail - 1)
         return self._ready.popleft()
 
     def stats(self) -> dict[str, int]:
@@ -193,7 +212,8 @@ class LlamaFactoryProcessor:
         ready = json.dumps(list(self._ready)).encode()
         return {"tensors": {"pending_rows": np.frombuffer(pending, dtype=np.uint8).copy(),
                             "ready_examples": np.frombuffer(ready, dtype=np.uint8).copy()},
-                "meta": {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "stats": self.stats()}}
+                "meta": {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "stats": self.stats(),
+                         "data_epoch": self.data_epoch, "epoch_tail": self._tail}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a ``state()``: StreamMismatchError when it was made with another template, tokenizer, stage,
@@ -203,15 +223,21 @@ class LlamaFactoryProcessor:
             pending = parse_json(np.asarray(tensors["pending_rows"], dtype=np.uint8).tobytes())
             ready = parse_json(np.asarray(tensors["ready_examples"], dtype=np.uint8).tobytes())
             stats = {k: int(meta["stats"][k]) for k in ("rows", "examples", "dropped")}
+            # states saved before epochs bounded the chunks have neither (the loader then asks the stream)
+            data_epoch, tail = meta.get("data_epoch"), meta.get("epoch_tail", 0)
             ok = (isinstance(pending, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                                                     and isinstance(p[1], dict) for p in pending)
                   and isinstance(ready, list) and all(isinstance(e, dict) and isinstance(e.get("keys"), list)
                                                       for e in ready))
         except (KeyError, TypeError, ValueError, JSONRefused) as e:
             raise SidecarError(f"LLaMA-Factory transform state: missing or malformed field ({e})") from None
+        ok = ok and (data_epoch is None or (type(data_epoch) is int and data_epoch >= 0)) \
+            and type(tail) is int and 0 <= tail <= len(ready)
         if not ok or len(pending) >= self.fmt.chunk:
-            raise SidecarError("LLaMA-Factory transform state: malformed pending rows or examples")
+            raise SidecarError("LLaMA-Factory transform state: malformed pending rows, examples, data_epoch or "
+                               "epoch_tail")
         self._reset()
         self._rows = [(key, row) for key, row in pending]
         self._ready.extend(ready)
         self._stats = stats
+        self.data_epoch, self._tail = data_epoch, tail

@@ -1,0 +1,131 @@
+"""The batches of our LLaMA-Factory stream against those of LLaMA-Factory's own ``get_dataset`` (its streaming
+``IterableDataset``, one epoch per ``set_epoch``, batched as the Trainer's DataLoader batches it), in process:
+across the end of the data (a processing chunk and a batch never span it), several datasets concatenated (in
+the order llamafactory-cli reads them), and a resume from the state after every batch, also between the
+batches of an epoch's end. No training: the examples themselves are compared, so this runs in seconds."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from lf_helpers import BASE
+
+LF_STREAMING = {"streaming": True, "buffer_size": 1, "dataloader_num_workers": 1, "report_to": "none"}
+
+
+def _args(assets, tmp_path, **keys):
+    from llamafactory.hparams import get_train_args
+
+    model, data = assets
+    args = {**BASE, **LF_STREAMING, "model_name_or_path": model, "dataset_dir": data,
+            "output_dir": str(tmp_path / "out"), **keys}
+    model_args, data_args, training_args, _, _ = get_train_args(args)
+    return model_args, data_args, training_args
+
+
+def _template(model_args, data_args):
+    from llamafactory.data import get_template_and_fix_tokenizer
+    from llamafactory.model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_args)["tokenizer"]
+    return get_template_and_fix_tokenizer(tokenizer, data_args), tokenizer
+
+
+def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[list[dict]], int]:
+    """(the examples of each batch, examples in epoch 0) of llamafactory-cli's training data: its get_dataset,
+    epoch after epoch (set_epoch, as the Trainer's DataLoader calls it), each batched by
+    per_device_train_batch_size."""
+    from llamafactory.data import get_dataset
+
+    model_args, data_args, training_args = _args(assets, tmp_path, **keys)
+    template, tokenizer = _template(model_args, data_args)
+    dataset = get_dataset(template, model_args, data_args, training_args, stage=keys.get("stage", "sft"),
+                          tokenizer=tokenizer)["train_dataset"]
+    size, out, sizes = training_args.per_device_train_batch_size, [], []
+    while len(out) < batches:
+        dataset.set_epoch(len(sizes))
+        ids = [_fields(ex) for ex in dataset]
+        out += [ids[i:i + size] for i in range(0, len(ids), size)]
+        sizes.append(len(ids))
+    return out[:batches], sizes[0]
+
+
+def _our_loaders(assets, tmp_path, **keys):
+    """A function making fresh loaders of our stream (LLaMA-Factory's arguments and template made once)."""
+    from resumable_stream.integrations.llamafactory.data import train_stream
+    from resumable_stream.loader import StreamLoader
+
+    model_args, data_args, training_args = _args(assets, tmp_path, **keys)
+    template, tokenizer = _template(model_args, data_args)
+
+    def loader():
+        train = train_stream(template, data_args, training_args, tokenizer, keys.get("stage", "sft"), {})
+        return StreamLoader(train.stream, batch_size=training_args.per_device_train_batch_size, collate_fn=list,
+                            processor_factory=train.processor_factory)
+    return loader
+
+
+def _fields(example: dict) -> dict[str, list[int]]:
+    """What the collator makes a batch of: input_ids, labels, attention_mask (neat packing: sequence ids)."""
+    return {k: list(example[k]) for k in ("input_ids", "labels", "attention_mask") if k in example}
+
+
+def _ids(batch) -> list[dict[str, list[int]]]:
+    return [_fields(ex) for ex in batch]
+
+
+CASES = {   # each runs past the end of its data at least twice within 40 batches (other.jsonl: 80 rows)
+    "pt": {"stage": "pt", "dataset": "other", "cutoff_len": 32, "per_device_train_batch_size": 3},
+    "neat_packing-chunks-of-1000": {"dataset": "other", "per_device_train_batch_size": 3, "packing": True, "neat_packing": True, "cutoff_len": 128,
+                                    "preprocessing_batch_size": 1000},
+    "concat-packing-chunks-of-33": {"dataset": "alpaca,other", "packing": True, "cutoff_len": 64,
+                                    "preprocessing_batch_size": 33},
+    # interleaved: datasets.interleave_datasets' draws; under: before other.jsonl ends (~draw 110 at 0.7);
+    # over, in turn: other.jsonl ends at draw 160 and restarts (~210 rows in 24 batches)
+    "interleave_under-probs": {"dataset": "alpaca,other", "mix_strategy": "interleave_under",
+                               "interleave_probs": "0.3,0.7", "per_device_train_batch_size": 3},
+    "interleave_over-in-turn-packing": {"dataset": "alpaca,other", "mix_strategy": "interleave_over",
+                                        "packing": True, "cutoff_len": 128, "preprocessing_batch_size": 10,
+                                        "per_device_train_batch_size": 6},
+}
+FIRST_EPOCH_ONLY = ("concat", "interleave")     # llamafactory-cli starts its next epochs otherwise
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batches_equal_llamafactorys_across_epochs_and_resume_after_every_batch(assets, tmp_path, case):
+    keys = CASES[case]
+    first_epoch = case.startswith(FIRST_EPOCH_ONLY)
+    n = 24 if first_epoch else 40
+    reference, epoch_size = _llamafactory_batches(assets, tmp_path, n, **keys)
+    examples = sum(map(len, reference))
+    assert (epoch_size > examples) if first_epoch else (2 * epoch_size < examples), (epoch_size, examples)
+    make_loader = _our_loaders(assets, tmp_path, **keys)
+    loader = make_loader()
+    items = loader.items()
+    got, states = [], []
+    for _ in range(n):
+        item = next(items)
+        loader.hand_out(item)
+        got.append(_ids(item["batch"]))
+        states.append(copy.deepcopy(loader.state_dict()))
+    assert got == reference
+    for k in range(n - 1):           # resumed from the state after batch k: batches k+1.. as before
+        resumed = make_loader()
+        resumed.load_state_dict(copy.deepcopy(states[k]))
+        it = resumed.items()
+        assert [_ids(next(it)["batch"]) for _ in range(min(4, n - 1 - k))] == got[k + 1:k + 5], f"resumed at {k}"
+
+
+def test_concatenated_datasets_are_read_in_llamafactorys_order(assets, tmp_path):
+    """llamafactory-cli shuffles the concatenation even with buffer_size 1: its datasets come in the order
+    numpy.random.default_rng(seed) permutes them (seed 42: other, then alpaca)."""
+    from resumable_stream.integrations.llamafactory.data import stream_section
+
+    _, data_args, training_args = _args(assets, tmp_path, dataset="alpaca,other")
+    section, _ = stream_section(data_args, training_args, {})
+    assert [os.path.basename(f) for f in section["data_files"]] == ["other.jsonl", "alpaca.jsonl"]
+    _, data_args, training_args = _args(assets, tmp_path, dataset="alpaca,other", seed=0)
+    section, _ = stream_section(data_args, training_args, {})
+    assert [os.path.basename(f) for f in section["data_files"]] == ["alpaca.jsonl", "other.jsonl"]
