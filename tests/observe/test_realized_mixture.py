@@ -308,3 +308,37 @@ def test_report_draws_target_and_realized_weights_per_source(tmp_path, capsys):
     assert "realized mixture:" in capsys.readouterr().out
     with Image.open(tmp_path / "run" / "report.png") as png:
         assert png.size == MIXTURE_SIZE_PX
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_training_logs_the_realized_mixture_and_the_loss_per_source(tmp_path):
+    """examples/tiny/train_mix.yaml with packing, a DataLoader worker, a log every 2 steps and
+    ``data.log_source_loss``: each line's interval samples are the differences of the cumulative
+    ``source_samples``, its tokens fill exactly its 2 steps' blocks (2 x 8 x 64), the targets are the yaml's
+    weights, the realized weights the interval's shares, and the per-source losses, weighted by their labelled
+    tokens, give the Trainer's own logged loss."""
+    from training_helpers import Procs, write_config
+
+    procs = Procs(str(tmp_path))
+    try:
+        config, out = write_config(str(tmp_path), "mix", max_steps=8, save_steps=8, template="train_mix.yaml",
+                                   packing=True, workers=1, logging_steps=2, data={"log_source_loss": True})
+        procs.start(config, "mix").wait_ok()
+    finally:
+        procs.cleanup()
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as f:
+        lines = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in lines] == [2, 4, 6, 8]
+    previous = {"lm": 0, "notes": 0}
+    for r in lines:
+        samples = r["source_interval_samples"]
+        assert samples == {k: r["source_samples"][k] - previous[k] for k in previous}, r
+        previous = r["source_samples"]
+        assert sum(r["source_interval_tokens"].values()) == 2 * 8 * 64 and min(r["source_interval_tokens"].values()) > 0
+        assert r["source_target_weights"] == {"lm": 0.7, "notes": 0.3}
+        assert r["source_realized_weights"] == {k: round(n / sum(samples.values()), 6) for k, n in samples.items()}
+        losses, tokens = r["source_loss"], r["source_loss_tokens"]
+        assert sum(tokens.values()) == 2 * 8 * 63             # every token but each row's first is predicted
+        weighted = sum(losses[k] * tokens[k] for k in tokens) / sum(tokens.values())
+        assert weighted == pytest.approx(r["loss"], abs=1e-3), r

@@ -97,7 +97,7 @@ class SourceCountsCallback(TrainerCallback):
     * ``source_target_weights``: the mixture's target weights at the log (``MixtureStream.current_weights``);
     * ``source_realized_weights``: each source's share of the interval's samples;
     * ``source_loss`` (``data.log_source_loss``): each source's mean training loss per labelled token over the
-      interval (None for a source without labelled tokens in it)."""
+      interval (None for a source without labelled tokens in it), ``source_loss_tokens`` those tokens."""
 
     def __init__(self, loader_of, loss_of=None):
         self.loader_of = loader_of   # () -> the trainer's StreamLoader
@@ -135,7 +135,9 @@ class SourceCountsCallback(TrainerCallback):
             "source_realized_weights": realized_shares(dict(zip(labels, map(int, samples)))),
         }
         if losses is not None:
-            self.latest["source_loss"] = source_means(values[3 * n:4 * n], [int(v) for v in values[4 * n:]], labels)
+            labelled = [int(v) for v in values[4 * n:]]
+            self.latest["source_loss"] = source_means(values[3 * n:4 * n], labelled, labels)
+            self.latest["source_loss_tokens"] = dict(zip(labels, labelled))
 
     def fields(self) -> dict:
         return dict(self.latest)
