@@ -299,8 +299,10 @@ def _compute_loss(original):
     # data.log_source_loss: the batch's source_ids are not the model's input; the loss is the Trainer's own
     @functools.wraps(original)
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        source_ids = inputs.pop("source_ids", None) if isinstance(inputs, dict) else None
-        sums = _SOURCE_LOSS.get(self) if source_ids is not None and model.training else None
+        if not (_uses_stream(self) and isinstance(inputs, dict) and "source_ids" in inputs):
+            return original(self, model, inputs, return_outputs=return_outputs, **kwargs)
+        source_ids = inputs.pop("source_ids")
+        sums = _SOURCE_LOSS.get(self) if model.training else None
         if sums is None or "labels" not in inputs:
             return original(self, model, inputs, return_outputs=return_outputs, **kwargs)
         labels = inputs["labels"]
