@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 NO_SOURCE = -1      # in a batch's source_ids: padding, or a token whose source is not known
 
 
@@ -56,9 +58,10 @@ def tokens_by_source(runs: list[list[tuple[int, int]]], sources: int) -> list[in
     return out
 
 
-def source_id_rows(runs: list[list[tuple[int, int]]]) -> list[list[int]]:
+def source_id_rows(runs: list[list[tuple[int, int]]]) -> list[np.ndarray]:
     """Per example, the source of each of its tokens (a batch's ``source_ids`` before padding)."""
-    return [[i for i, n in example for _ in range(n)] for example in runs]
+    return [np.repeat(np.asarray([i for i, _ in example], dtype=np.int64), [n for _, n in example])
+            for example in runs]
 
 
 def realized_shares(counts: dict[str, int]) -> dict[str, float | None]:
