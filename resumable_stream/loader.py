@@ -17,6 +17,7 @@ every partition continues from its cursor and the rotations start afresh.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -26,6 +27,14 @@ import numpy as np
 
 from .errors import ConfigError, StreamMismatchError
 from .observe import metrics
+from .observe.mixture_counts import (
+    NO_SOURCE,
+    consumed_by_source,
+    example_runs,
+    mixture_labels,
+    source_id_rows,
+    tokens_by_source,
+)
 from .observe.progress import epoch_position, mean_position
 from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
@@ -61,17 +70,36 @@ def shard_row_key(sample: dict, where: tuple[int, int]) -> str:
     return f"{where[0]}:{where[1]}"
 
 
+def _add_source_ids(collated: Any, runs: list[list[tuple[int, int]]]) -> None:
+    """``collated["source_ids"]``: the source (index in ``data.sources``) of every token, NO_SOURCE on padding,
+    shaped and typed as its ``input_ids`` (for the per-source loss, ``data.log_source_loss``)."""
+    ids = collated.get("input_ids") if isinstance(collated, dict) else None
+    if not _is_array(ids) or len(ids.shape) != 2 or ids.shape[0] != len(runs):
+        raise ConfigError("data.log_source_loss: the batches need input_ids of shape (examples, tokens) to carry "
+                          "each token's source; this collate_fn makes none")
+    table = np.full(tuple(ids.shape), NO_SOURCE, dtype=np.int64)
+    for r, row in enumerate(source_id_rows(runs)):
+        row = row[:ids.shape[1]]
+        table[r, :len(row)] = row
+    collated["source_ids"] = ids.new_tensor(table) if hasattr(ids, "new_tensor") else table
+
+
 class _BatchProducer(IterableDataset):
     """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
                  processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
-                 lane_turns: list[int], keep_keys: bool = True):
+                 lane_turns: list[int], keep_keys: bool = True, source_ids: bool = False):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
         self.processor_factory, self.key_fn, self.keep_keys = processor_factory, key_fn, keep_keys
         self.carries, self.turn, self.lane_turns = carries, turn, lane_turns
         self.counters = metrics.source_counters()   # a spawned worker records into its rank's counters
+        # a mixture: every batch says what each source put into it (observe.mixture_counts)
+        self.labels = mixture_labels(stream)
+        self.source_index = {label: i for i, label in enumerate(self.labels or ())}
+        self.source_ids = source_ids and self.labels is not None
+        self._source_consumed: dict[int, list[int]] = {}    # partition -> per source, at its last batch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         lanes = self.stream.lanes
@@ -144,6 +172,11 @@ class _BatchProducer(IterableDataset):
         proc = self.processor_factory() if self.processor_factory is not None else None
         if proc is not None and partition in self.carries:
             proc.load_state(self.carries[partition])
+        if self.labels is not None:
+            self._source_consumed[partition] = consumed_by_source(self.stream.partition_state(partition))
+        # the tokens each sample put into an example, for the per-source token counts (with packing: its part)
+        take = functools.partial(proc.take, with_key_tokens=True) \
+            if self.labels is not None and getattr(proc, "counts_key_tokens", False) else getattr(proc, "take", None)
         examples: list[Any] = []
         keys: list[str] = []
         starved = 0
@@ -191,18 +224,14 @@ class _BatchProducer(IterableDataset):
                     self._check_not_starved(partition, proc, epoch_of_last_example)
             # examples made but not yet batched stay inside the processor, so they are in its state
             while proc.ready() >= self.batch_size:
-                batch = [proc.take() for _ in range(self.batch_size)]
-                batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
-                yield self._item(partition, batch, batch_keys, proc)
+                yield self._processed_item(partition, [take() for _ in range(self.batch_size)], proc)
         # the partition's epoch ended (finite mode, set_epoch): what is left is one shorter batch; packed
         # tokens not yet in a block stay in the processor's state and carry over to the next epoch
         if proc is None:
             if examples:
                 yield self._item(partition, examples, keys, None)
         elif proc.ready():
-            batch = [proc.take() for _ in range(proc.ready())]
-            batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
-            yield self._item(partition, batch, batch_keys, proc)
+            yield self._processed_item(partition, [take() for _ in range(proc.ready())], proc)
 
     def _epoch_tail(self, partition: int, proc) -> Iterator[dict[str, Any]]:
         """The examples of an ended epoch still in the processor, batched apart from the next epoch's (the last
@@ -220,13 +249,30 @@ class _BatchProducer(IterableDataset):
                 f"skipped them all ({proc.stats()}); check data.text_column / data.messages_column / data.format "
                 "and the skip policies", None)
 
-    def _item(self, partition: int, batch: list, keys: list[str], proc) -> dict[str, Any]:
+    def _processed_item(self, partition: int, batch: list[dict], proc) -> dict[str, Any]:
+        """The item of a batch of the transform's examples (their keys and key_tokens taken out of them)."""
+        runs = [example_runs(ex, self.source_index) for ex in batch] if self.labels is not None else None
+        for ex in batch:
+            ex.pop("key_tokens", None)
+        batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
+        return self._item(partition, batch, batch_keys, proc, runs)
+
+    def _item(self, partition: int, batch: list, keys: list[str], proc,
+              runs: list[list[tuple[int, int]]] | None = None) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
         if proc is not None:     # a state of its own (the stream's may be handed out again while unmoved)
             snapshot = replace(snapshot, extra=proc.state())
         collated = self.collate_fn(batch)
-        return {"batch": collated, "partition": partition, "snapshot": snapshot, "keys": keys,
+        item = {"batch": collated, "partition": partition, "snapshot": snapshot, "keys": keys,
                 "samples": len(batch), "tokens": token_count(collated)}
+        if self.labels is not None:
+            now = consumed_by_source(snapshot)
+            item["source_samples"] = [a - b for a, b in zip(now, self._source_consumed[partition])]
+            self._source_consumed[partition] = now
+            item["source_tokens"] = tokens_by_source(runs or [], len(self.labels))
+            if self.source_ids and runs is not None:
+                _add_source_ids(collated, runs)
+        return item
 
 
 class StreamLoader:
@@ -245,7 +291,7 @@ class StreamLoader:
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
                  processor_factory: Callable | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
-                 timeout: float = 0, keep_keys: bool = False):
+                 timeout: float = 0, keep_keys: bool = False, source_ids: bool = False):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ConfigError(f"batch_size: got {batch_size!r}; allowed: an integer >= 1")
         num_workers = stream.num_workers if num_workers is None else num_workers
@@ -264,6 +310,7 @@ class StreamLoader:
         self._turn = 0                              # lane the next batch comes from
         self._lane_turns: list[int] = []           # per lane: partition (index in the lane) of its next batch
         self.keep_keys = keep_keys
+        self.source_ids = source_ids
         self._pending_keys: list[list[str]] = []   # only with keep_keys: emptied by pop_consumed_keys
         self.batches_consumed = 0
         self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
@@ -280,7 +327,8 @@ class StreamLoader:
             item = next(items, None)   # the time the training loop waits for its batch
             if item is None:
                 return
-            counters.batch(clock() - asked, item["samples"], item["tokens"])
+            counters.batch(clock() - asked, item["samples"], item["tokens"], item.get("source_samples"),
+                           item.get("source_tokens"))
             self.hand_out(item)
             yield item["batch"]
 
@@ -306,7 +354,7 @@ class StreamLoader:
                 self._consumed.setdefault(p, self._start_snapshot(p))
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
                                   self.key_fn, dict(self._carries), self._turn, list(self._lane_turns),
-                                  self.keep_keys)
+                                  self.keep_keys, self.source_ids)
         kwargs: dict[str, Any] = {"batch_size": None, "collate_fn": _identity, "num_workers": self.num_workers,
                                   "pin_memory": self.pin_memory, "timeout": self.timeout}
         if self.num_workers > 0 and self.prefetch_factor is not None:
@@ -364,6 +412,18 @@ class StreamLoader:
         out = metrics.figures(metrics.delta(since or self._first_reading, now))
         out["epoch"] = self.data_epoch()
         return out
+
+    def source_figures(self) -> dict[str, Any] | None:
+        """Of a mixture: ``labels``, per source the ``samples`` and ``tokens`` of the batches handed out by this
+        loader, and the ``target`` weights now (``MixtureStream.current_weights``); None for a single dataset.
+        Any thread may call it (a Prometheus scrape does): it reads counters and moves no reader."""
+        labels = mixture_labels(self.stream)
+        if labels is None:
+            return None
+        counts = self.counters.per_source()
+        zeros = (0,) * len(labels)
+        return {"labels": labels, "samples": counts["samples"] or zeros, "tokens": counts["tokens"] or zeros,
+                "target": self.stream.current_weights()}
 
     def data_epoch(self) -> float | None:
         """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the

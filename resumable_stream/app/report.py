@@ -33,6 +33,12 @@ DEFAULT_PNG = "report.png"
 FIGSIZE_IN = (10.0, 15.0)
 DPI = 100
 SIZE_PX = (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))   # (width, height) of the PNG: 1000 x 1500
+# a mixture's log (source_target_weights / source_realized_weights) gets a seventh panel, 2.5 in taller
+MIXTURE_FIGSIZE_IN = (10.0, 17.5)
+MIXTURE_SIZE_PX = (int(MIXTURE_FIGSIZE_IN[0] * DPI), int(MIXTURE_FIGSIZE_IN[1] * DPI))   # 1000 x 1750
+MAX_SOURCES_DRAWN = 16        # the mixture panel's sources (the others are named as left out)
+# one colour per source of a mixture: its realized share solid, its target dashed; none of them in COLOURS
+SOURCE_COLOURS = ("navy", "darkgoldenrod", "teal", "darkviolet", "saddlebrown", "darkgreen", "deeppink", "steelblue")
 MAX_LOG_BYTES = 2 * 1024**3
 META_PREFIX = "resumable-stream "   # PNG text keys: "resumable-stream log", "... log blake2b", ...
 NOT_RECORDED = "not recorded"
@@ -71,6 +77,22 @@ class RunLog:
             if points:
                 return key, points
         return None, []
+
+    def sources(self) -> list[str]:
+        """The labels of a mixture's sources, in the order the log first names them (target or realized
+        weights); empty for a single dataset's log."""
+        seen: dict[str, None] = {}
+        for r in self.training:
+            for key in ("source_target_weights", "source_realized_weights"):
+                value = r.get(key)
+                if isinstance(value, dict):
+                    seen.update(dict.fromkeys(k for k in value if isinstance(k, str)))
+        return list(seen)
+
+    def source_series(self, key: str, label: str) -> list[tuple[int, float]]:
+        """(step, value) of source ``label`` in the mapping field ``key``, where drawable."""
+        return [(r["step"], v) for r in self.training
+                if isinstance(r.get(key), dict) and (v := drawable(r[key].get(label))) is not None]
 
     def undrawn(self) -> list[tuple[str, int, Any]]:
         """(field, step, value) of each number of a drawn field that the picture leaves out (not finite, or
@@ -220,7 +242,29 @@ def summarize(log: RunLog) -> dict:
         "cache_hit_rate_end": cache[-1][1] if cache else None, "cache_hit_rate_step": cache[-1][0] if cache else None,
         "cache_hit_rate_kind": {"data_cache_hit_rate": "per interval", "cache_hit_rate": "cumulative"}.get(cache_key),
         "resume_steps": list(log.resumes),
+        **_mixture_summary(log),
     }
+
+
+def _mixture_summary(log: RunLog) -> dict:
+    """A mixture's realized share of each source over every logged interval (their samples summed), and its
+    target weights at the last line; empty for a single dataset's log."""
+    totals: dict[str, float] = {}
+    target: dict[str, float] = {}
+    for r in log.training:
+        counts = r.get("source_interval_samples")
+        if isinstance(counts, dict):
+            for label, n in counts.items():
+                if isinstance(label, str) and (v := number(n)) is not None and v >= 0:
+                    totals[label] = totals.get(label, 0) + v
+        weights = r.get("source_target_weights")
+        if isinstance(weights, dict):
+            target = {k: v for k, w in weights.items() if isinstance(k, str) and (v := number(w)) is not None}
+    if not totals and not target:
+        return {}
+    total = math.fsum(totals.values())
+    realized = {k: (n / total if total else None) for k, n in totals.items()}
+    return {"source_realized_weights": realized, "source_target_weights_last": target}
 
 
 def _fmt(value) -> str:
@@ -256,6 +300,11 @@ def format_summary(summary: dict, png: str | None) -> str:
         ("resume points", ", ".join(map(str, s["resume_steps"])) or "none"),
         ("damaged lines skipped", str(s["damaged_lines"])),
     ]
+    if "source_realized_weights" in s:
+        realized, target = s["source_realized_weights"], s["source_target_weights_last"]
+        rows.append(("realized mixture", ", ".join(
+            f"{label} {_fmt(share)} (target {_fmt(target.get(label))})" for label, share in realized.items())
+            or NOT_RECORDED))
     if png is not None:
         rows.append(("png", png))
     return "\n".join(f"{name + ':':<24}{value}" for name, value in rows) + "\n"
@@ -331,12 +380,13 @@ def _from_zero(ax, top: float | None = None) -> None:
 
 
 def figure(log: RunLog):
-    """The picture as a matplotlib Figure (Agg canvas): six panels over steps, resume points as dashed
-    vertical lines on each."""
+    """The picture as a matplotlib Figure (Agg canvas): six panels over steps (seven for a mixture: its target
+    and realized weights per source), resume points as dashed vertical lines on each."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
-    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    sources = log.sources()
+    fig = Figure(figsize=MIXTURE_FIGSIZE_IN if sources else FIGSIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(6, 1, sharex=True)
+    axes = fig.subplots(7 if sources else 6, 1, sharex=True)
     name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
     fig.suptitle(_title(log, name))
 
@@ -412,7 +462,9 @@ def figure(log: RunLog):
     else:
         _not_recorded(ax, "data_cache_hit_rate, cache_hit_rate")
     ax.set_ylabel("cache hit rate")
-    ax.set_xlabel("step")
+    if sources:
+        _mixture_panel(axes[6], log, sources)
+    axes[-1].set_xlabel("step")
 
     steps = [r["step"] for r in log.training] + log.resumes
     lo, hi = min(steps), max(steps)
@@ -427,6 +479,23 @@ def figure(log: RunLog):
             _legend(ax)
         ax.grid(True, alpha=0.3)
     return fig
+
+
+def _mixture_panel(ax, log: RunLog, sources: list[str]) -> None:
+    """Per source of a mixture: its realized share of each interval's samples (solid) and its target weight
+    (dashed steps), in one colour."""
+    for i, label in enumerate(sources[:MAX_SOURCES_DRAWN]):
+        colour = SOURCE_COLOURS[i % len(SOURCE_COLOURS)]
+        shown = label.replace("$", r"\$")      # a log's label is text, never matplotlib math
+        _line(ax, log.source_series("source_realized_weights", label), f"{shown} realized", color=colour)
+        _line(ax, log.source_series("source_target_weights", label), f"{shown} target", color=colour,
+              linestyle="--", drawstyle="steps-post")
+    if len(sources) > MAX_SOURCES_DRAWN:
+        ax.text(0.01, 0.95, f"{len(sources) - MAX_SOURCES_DRAWN} more sources not drawn", transform=ax.transAxes,
+                ha="left", va="top", fontsize=8, color="0.4")
+    _from_zero(ax, top=1.05)
+    ax.set_ylabel("mixture weight")
+    _legend(ax)
 
 
 def draw(log: RunLog, png: str) -> None:

@@ -35,6 +35,7 @@ from ..integrations.transformers.patch import (
     barrier,
     data_metrics_log,
     patch_trainer,
+    source_loss,
     stream_loader,
 )
 from ..loader import shard_row_key
@@ -234,7 +235,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
         trainer.add_callback(cache_stats)
         extras.append(cache_stats.fields)
     if isinstance(stream, MixtureStream):   # samples per source: source_samples in train_log.jsonl
-        source_samples = SourceCountsCallback(lambda: stream_loader(trainer))
+        source_samples = SourceCountsCallback(lambda: stream_loader(trainer), lambda: source_loss(trainer))
         trainer.add_callback(source_samples)
         extras.append(source_samples.fields)
     if getattr(cfg.stream, "growth", "off") == "follow":     # the data stopped arriving: end with a checkpoint

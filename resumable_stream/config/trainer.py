@@ -155,6 +155,9 @@ class _DataSection:
             transform = transform.replace(image_dir=os.path.normpath(os.path.join(base_dir, transform.image_dir)))
         stream = StreamConfig.from_dict(data, base_dir=base_dir, source_file=path,
                                        extra_keys=(*TransformConfig.KEYS, "eval", *MONITOR_KEYS))   # for the hint
+        if monitor.log_source_loss and not isinstance(stream, MixtureConfig):
+            raise ConfigError("data.log_source_loss: got true without data.sources; allowed: true only for a "
+                              "mixture (the loss of each of its sources), else false")
         eval_stream, eval_samples = _eval_section(eval_doc, data, base_dir, path)
         return cls(stream, transform, monitor, eval_stream, eval_samples)
 

@@ -215,22 +215,39 @@ def _quantiles(counts: list[float], qs: tuple[float, ...]) -> list[float | None]
 
 class LoaderCounters:
     """What the training loop saw of one loader, in the main process: batches, the seconds it waited for
-    them, samples and tokens."""
+    them, samples and tokens; of a mixture, samples and tokens per source too (``observe.mixture_counts``)."""
 
     def __init__(self):
         self.batches = 0
         self.wait_s = 0.0
         self.samples = 0
         self.tokens = 0
+        self.source_samples: tuple[int, ...] = ()     # per source of a mixture (empty: none counted yet)
+        self.source_tokens: tuple[int, ...] = ()
 
-    def batch(self, waited_s: float, samples: int, tokens: int) -> None:
+    def batch(self, waited_s: float, samples: int, tokens: int, source_samples: list[int] | None = None,
+              source_tokens: list[int] | None = None) -> None:
         self.batches += 1
         self.wait_s += waited_s
         self.samples += samples
         self.tokens += tokens
+        # new tuples, never changed in place: another thread (a Prometheus scrape) reads them whole
+        if source_samples is not None:
+            self.source_samples = _added(self.source_samples, source_samples)
+        if source_tokens is not None:
+            self.source_tokens = _added(self.source_tokens, source_tokens)
+
+    def per_source(self) -> dict[str, tuple[int, ...]]:
+        """``{"samples": per source, "tokens": per source}`` since this loader was made (empty before a
+        mixture's first batch)."""
+        return {"samples": self.source_samples, "tokens": self.source_tokens}
 
     def snapshot(self) -> dict[str, float]:
         return {"batches": self.batches, "wait_s": self.wait_s, "samples": self.samples, "tokens": self.tokens}
+
+
+def _added(total: tuple[int, ...], more: list[int]) -> tuple[int, ...]:
+    return tuple(more) if not total else tuple(a + int(b) for a, b in zip(total, more))
 
 
 LOADER_FIELDS = ("loader_batches", "loader_wait_s", "loader_samples", "loader_tokens")

@@ -20,7 +20,7 @@ from .metrics import READING_FIELDS, combined
 
 log = logging.getLogger(__name__)
 
-MONITOR_KEYS = ("metrics_port", "metrics_addr", "data_bound_share", "data_bound_steps")
+MONITOR_KEYS = ("metrics_port", "metrics_addr", "data_bound_share", "data_bound_steps", "log_source_loss")
 MAX_PORT = 65535
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")   # a label of a host name (RFC 1123)
 SLOW_RESPONSE_MS = 200.0     # a p50 above this: the server (or the link) is slow, whatever we do here
@@ -51,12 +51,14 @@ class MonitorSettings:
     """``metrics_port``: a Prometheus endpoint per rank on port + local rank (null: none); ``metrics_addr``: the
     address it is served on (null: prometheus_client's default, ``0.0.0.0``: every IPv4 interface; needs
     ``metrics_port``); ``data_bound_share``: the share of step time spent waiting for data above which a
-    window is reported (null: never); ``data_bound_steps``: the window, in optimizer steps."""
+    window is reported (null: never); ``data_bound_steps``: the window, in optimizer steps; ``log_source_loss``:
+    a mixture's training loss per source in ``train_log.jsonl`` (``source_loss``)."""
 
     metrics_port: int | None = None
     metrics_addr: str | None = None
     data_bound_share: float | None = 0.2
     data_bound_steps: int = 50
+    log_source_loss: bool = False
 
     def __post_init__(self) -> None:
         port, share, steps = self.metrics_port, self.data_bound_share, self.data_bound_steps
@@ -77,6 +79,9 @@ class MonitorSettings:
                                       and 0 < share <= 1):
             raise ConfigError(f"data.data_bound_share: got {share!r}; allowed: null (no warning) or a share of "
                               "step time above 0 and at most 1, e.g. 0.2")
+        if not isinstance(self.log_source_loss, bool):
+            raise ConfigError(f"data.log_source_loss: got {self.log_source_loss!r}; allowed: true or false (a "
+                              "mixture's training loss per source in train_log.jsonl)")
         if not (_is_int(steps) and steps >= 1):
             raise ConfigError(f"data.data_bound_steps: got {steps!r}; allowed: an integer >= 1 (optimizer steps "
                               "per window)")

@@ -11,6 +11,10 @@ with a ``rank`` label:
   ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use);
 * a histogram ``response_seconds`` (buckets: ``metrics.RESPONSE_BUCKETS_MS``);
 * a gauge ``data_epoch`` (epochs of data consumed, fractional);
+* of a mixture (``data.sources``), with a ``source`` label too: counters ``source_samples_total`` and
+  ``source_tokens_total`` (what each source put into the batches handed to the training loop, since the process
+  started: ``observe.mixture_counts``) and a gauge ``source_target_weight`` (the mixture's target weight now); the
+  realized share of a source is its ``rate(source_samples_total)`` over their sum;
 
 and prometheus_client's default collectors of the process, unprefixed and without the ``rank`` label (each rank's
 endpoint is its own process): ``process_*`` (CPU seconds, resident memory, open files, start time),
@@ -56,8 +60,9 @@ class DataPathCollector:
     ``epoch_of()``."""
 
     def __init__(self, reading_of: Callable[[], dict[str, float]], epoch_of: Callable[[], float | None],
-                 rank: int):
+                 rank: int, sources_of: Callable[[], dict[str, Any] | None] | None = None):
         self.reading_of, self.epoch_of, self.rank = reading_of, epoch_of, str(rank)
+        self.sources_of = sources_of     # a StreamLoader.source_figures (None: not a mixture)
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -89,6 +94,30 @@ class DataPathCollector:
             gauge = GaugeMetricFamily(PREFIX + "data_epoch", "Epochs of data consumed (fractional)", labels=["rank"])
             gauge.add_metric([self.rank], float(epoch))
             yield gauge
+        yield from self._sources()
+
+    def _sources(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        try:
+            figures = self.sources_of() if self.sources_of is not None else None
+        except Exception:      # read while the training loop moves on: the next scrape has it
+            figures = None
+        if not figures:
+            return
+        for name, text in (("samples", "Samples each source of the mixture put into the batches handed to the "
+                                        "training loop"),
+                           ("tokens", "Tokens (padding excluded) each source of the mixture put into the batches "
+                                      "handed to the training loop")):
+            family = CounterMetricFamily(PREFIX + "source_" + name, text, labels=["rank", "source"])
+            for label, value in zip(figures["labels"], figures[name]):
+                family.add_metric([self.rank, label], float(value))
+            yield family
+        gauge = GaugeMetricFamily(PREFIX + "source_target_weight", "Target weight of each source of the mixture",
+                                  labels=["rank", "source"])
+        for label, weight in figures["target"].items():
+            gauge.add_metric([self.rank, label], float(weight))
+        yield gauge
 
 
 def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
@@ -106,7 +135,7 @@ def serve(loader: Any, port: int, rank: int = 0, addr: str | None = None):
     except ImportError:
         raise ConfigError("data.metrics_port needs prometheus_client: pip install 'resumable-stream[metrics]'") from None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DataPathCollector(loader.metrics_reading, loader.data_epoch, rank))
+    registry.register(DataPathCollector(loader.metrics_reading, loader.data_epoch, rank, loader.source_figures))
     for default in (ProcessCollector, PlatformCollector, GCCollector):   # what prometheus_client's REGISTRY serves
         default(registry=registry)
     where = {} if addr is None else {"addr": addr}

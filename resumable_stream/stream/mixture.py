@@ -262,6 +262,10 @@ class MixtureStream(StreamBase):
         for i, sample, (shard, row) in self._draw(partition):
             yield sample, (f"{labels[i]}/{shard}", row)
 
+    def current_weights(self) -> dict[str, float]:
+        """The target weights of the next draw, by source label (normalised to sum to 1)."""
+        return {label: float(w) for label, w in zip(self.config.labels, self._probabilities)}
+
     def source_label(self, where: tuple[str, int]) -> str:
         """The label of the source a sample came from, given its ``where`` from :meth:`iter_partition`."""
         return where[0].split("/", 1)[0]

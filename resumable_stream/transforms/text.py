@@ -97,6 +97,7 @@ class TextProcessor:
             self._settings[label] = (scfg, RowMap(scfg.map, scfg.map_version, f"data.sources[{i}].map")
                                      if scfg.map else None)
         self.takes_source = bool(cfg.sources)   # the loader passes feed() the sample's source label
+        self.counts_key_tokens = True           # take(with_key_tokens=True) says each key's tokens
         self._fingerprint = self._compute_fingerprint()
         self._eos = tokenizer.eos_token_id
         self._neat = cfg.packing and cfg.packing_mode == "neat"
@@ -117,6 +118,8 @@ class TextProcessor:
     def _reset(self) -> None:
         # finished examples: (input_ids, labels, keys, segment lengths; None unless packing_mode is neat)
         self._pending: deque[tuple[list[int], list[int], list[str], list[int] | None]] = deque()
+        # per finished example, the tokens of each of its keys (None: unknown, from a state saved without them)
+        self._pending_key_tokens: deque[list[int] | None] = deque()
         # packing carry: flat token/label lists from _carry_start on, [key, n_tokens] per contributing sample
         self._carry_ids: list[int] = []
         self._carry_labels: list[int] = []
@@ -186,13 +189,18 @@ class TextProcessor:
         """Number of finished examples waiting to be taken."""
         return len(self._pending)
 
-    def take(self) -> Example:
+    def take(self, with_key_tokens: bool = False) -> Example:
         """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists), plus
-        ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``."""
+        ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``, and with
+        ``with_key_tokens`` ``key_tokens``: the tokens each key put in it (packing: a sample's part of the
+        block), None when not known (an example restored from a state saved without them)."""
         if not self._pending:
             raise IndexError("TextProcessor.take: no finished example; feed more samples (check ready())")
         ids, labels, keys, segments = self._pending.popleft()
+        key_tokens = self._pending_key_tokens.popleft()
         example = {"input_ids": ids, "labels": labels, "keys": keys}
+        if with_key_tokens:
+            example["key_tokens"] = key_tokens
         if segments is not None:
             example["position_ids"] = [p for n in segments for p in range(n)]
         return example
@@ -239,6 +247,8 @@ class TextProcessor:
             "pending_keys": [k for _, _, keys, _ in pending for k in keys],
             "stats": self.stats(),
         }
+        if all(n is not None for n in self._pending_key_tokens):    # the realized mixture's token counts
+            meta["pending_key_tokens"] = [int(n) for ns in self._pending_key_tokens for n in ns]
         return {"tensors": tensors, "meta": meta}
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -276,6 +286,8 @@ class TextProcessor:
                                   pending_keys[kpos:kpos + nk], segs))
             pos += n
             kpos += nk
+        self._pending_key_tokens = deque(_split_key_tokens(meta.get("pending_key_tokens"), t["pending_key_counts"],
+                                                           t["pending_lengths"]))
         self._stats = stats
 
     # ------------------------------------------------------------------ internals
@@ -321,6 +333,7 @@ class TextProcessor:
                 labels[start] = IGNORE_INDEX
                 start += n
         self._pending.append((ids, labels, [k for k, _ in parts], segments))
+        self._pending_key_tokens.append([n for _, n in parts])
         self._stats["examples"] += 1
 
     def _cut_blocks(self) -> None:
@@ -582,6 +595,23 @@ def _split_segments(segments: dict[str, list[int]], lengths: list[int]) -> list[
             raise SidecarError("transform state: inconsistent segment lengths (truncated or corrupt state)")
         out.append(segs)
         pos += count
+    return out
+
+
+def _split_key_tokens(flat: Any, key_counts: list[int], lengths: list[int]) -> list[list[int] | None]:
+    """Per pending example, its keys' tokens from a state's ``pending_key_tokens``; all None when the state has
+    none (saved before they were kept) or they do not add up to the examples (they only feed the metrics)."""
+    unknown: list[list[int] | None] = [None] * len(lengths)
+    if not (isinstance(flat, list) and len(flat) == sum(key_counts)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in flat)):
+        return unknown
+    out, pos = [], 0
+    for nk, n in zip(key_counts, lengths):
+        part = flat[pos:pos + nk]
+        pos += nk
+        if sum(part) != n:
+            return unknown
+        out.append(part)
     return out
 
 

@@ -533,6 +533,16 @@ def test_trainer_logs_source_counts_and_resumes_exactly_after_sigkill(tmp_path, 
             running.update(k.split("/")[0] for k in keys[step])
             assert counts[step] == {"lm": running["lm"], "notes": running["notes"]}, f"step {step} {note}"
         assert 0.2 < running["notes"] / sum(running.values()) < 0.4
+
+        def interval_samples(directory):       # the realized mixture: each line's own step, counted once
+            with open(os.path.join(directory, "train_log.jsonl"), encoding="utf-8") as f:
+                return {rec["step"]: rec["source_interval_samples"] for rec in map(json.loads, f)}
+
+        per_step = interval_samples(out)
+        assert per_step == interval_samples(ref_out), note
+        for step in range(1, max_steps + 1):
+            labels = collections.Counter(k.split("/")[0] for k in keys[step])
+            assert per_step[step] == {"lm": labels["lm"], "notes": labels["notes"]}, f"step {step} {note}"
     finally:
         procs.cleanup()
 

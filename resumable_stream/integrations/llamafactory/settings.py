@@ -55,6 +55,10 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     unknown = sorted(set(ours) - set(STREAM_KEYS) - set(OWN_KEYS))
     if unknown:
         raise ConfigError(f"{SECTION}.{unknown[0]}: unknown key; allowed: {', '.join(STREAM_KEYS + OWN_KEYS)}")
+    if ours.get("log_source_loss"):
+        raise ConfigError(f"{SECTION}.log_source_loss: got {ours['log_source_loss']!r}; not supported with "
+                          "LLaMA-Factory (its trainers compute their own losses); allowed: false, or train with "
+                          "`resumable-stream train`")
     log_dir = ours.get("consumed_log")
     if not (log_dir is None or isinstance(log_dir, bool) or (isinstance(log_dir, str) and log_dir.strip())):
         raise ConfigError(f"{SECTION}.consumed_log: got {log_dir!r}; allowed: null or false (off), true "

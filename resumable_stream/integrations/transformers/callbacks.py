@@ -86,33 +86,79 @@ def transform_stats(loader) -> dict:
 
 
 class SourceCountsCallback(TrainerCallback):
-    """A mixture's (``data.sources``) samples per source, summed over ranks, for ``train_log.jsonl``.
+    """A mixture's (``data.sources``) figures per source for ``train_log.jsonl``, summed over ranks:
 
-    Counted from the loader's state of what the training loop consumed (the batch snapshots, not what
-    workers prefetched): the samples each source's cursors moved past, including with packing those
-    whose tokens are still carried over to the next batch. A resumed run continues the counts."""
+    * ``source_samples``: the samples each source contributed since the run began, from the loader's state of
+      what the training loop consumed (the batch snapshots, not what workers prefetched), including with packing
+      those whose tokens are still carried over to the next batch; a resumed run continues the counts;
+    * ``source_interval_samples`` / ``source_interval_tokens``: the same samples, and the tokens (padding
+      excluded), of the logging interval (the batches handed out since the previous log; after a resume, since
+      the checkpoint), counted with each batch (``observe.mixture_counts``);
+    * ``source_target_weights``: the mixture's target weights at the log (``MixtureStream.current_weights``);
+    * ``source_realized_weights``: each source's share of the interval's samples;
+    * ``source_loss`` (``data.log_source_loss``): each source's mean training loss per labelled token over the
+      interval (None for a source without labelled tokens in it), ``source_loss_tokens`` those tokens."""
 
-    def __init__(self, loader_of):
+    def __init__(self, loader_of, loss_of=None):
         self.loader_of = loader_of   # () -> the trainer's StreamLoader
-        self.latest: dict[str, int] = {}
+        self.loss_of = loss_of       # () -> its SourceLoss (data.log_source_loss), or None
+        self.latest: dict[str, dict] = {}
+        self._counted: tuple = (None, {})    # (the loader, its per-source counters at the last log)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:   # the training logs, which every rank makes at the same steps
             return
-        import torch
-        import torch.distributed as dist
-
+        from ...observe.mixture_counts import realized_shares
         from ...stream.mixture import source_counts
+        from .source_loss import source_means
 
-        counts = source_counts(self.loader_of().state_dict())
-        if args.world_size > 1 and dist.is_available() and dist.is_initialized():
-            total = torch.tensor(list(counts.values()), dtype=torch.int64, device=args.device)
-            dist.all_reduce(total)
-            counts = dict(zip(counts, total.tolist()))
-        self.latest = counts
+        loader = self.loader_of()
+        labels = tuple(loader.stream.config.labels)
+        n = len(labels)
+        before_loader, before = self._counted
+        now = loader.counters.per_source()
+        if before_loader is not loader:     # a new loader (a resumed run): its counters start at zero
+            before = {}
+        self._counted = (loader, now)
+        interval = {k: _minus(now[k], before.get(k, ()), n) for k in ("samples", "tokens")}
+        losses = self.loss_of() if self.loss_of is not None else None
+        loss_sums, loss_tokens = losses.take() if losses is not None else ([], [])
+        counts = list(source_counts(loader.state_dict()).values())
+        values = _summed_over_ranks(args, [*counts, *interval["samples"], *interval["tokens"], *loss_sums,
+                                           *loss_tokens])
+        counts, samples, tokens = values[:n], values[n:2 * n], values[2 * n:3 * n]
+        self.latest = {
+            "source_samples": dict(zip(labels, map(int, counts))),
+            "source_interval_samples": dict(zip(labels, map(int, samples))),
+            "source_interval_tokens": dict(zip(labels, map(int, tokens))),
+            "source_target_weights": {k: round(v, 6) for k, v in loader.stream.current_weights().items()},
+            "source_realized_weights": realized_shares(dict(zip(labels, map(int, samples)))),
+        }
+        if losses is not None:
+            labelled = [int(v) for v in values[4 * n:]]
+            self.latest["source_loss"] = source_means(values[3 * n:4 * n], labelled, labels)
+            self.latest["source_loss_tokens"] = dict(zip(labels, labelled))
 
     def fields(self) -> dict:
-        return {"source_samples": dict(self.latest)}
+        return dict(self.latest)
+
+
+def _minus(now: tuple[int, ...], before: tuple[int, ...], n: int) -> list[int]:
+    """Per source, ``now - before`` (either empty: nothing counted yet)."""
+    now, before = now or (0,) * n, before or (0,) * n
+    return [a - b for a, b in zip(now, before)]
+
+
+def _summed_over_ranks(args, values: list[float]) -> list[float]:
+    """``values`` summed over every rank (one all_reduce; as they are without torch.distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    if args.world_size > 1 and dist.is_available() and dist.is_initialized():
+        total = torch.tensor(values, dtype=torch.float64, device=args.device)
+        dist.all_reduce(total)
+        return total.tolist()
+    return [float(v) for v in values]
 
 
 class TrainLogCallback(TrainerCallback):

@@ -46,6 +46,7 @@ from ...state.checkpoint import check_complete, resume_latest
 from ...stream.base import Stream
 from .checkpoints import refresh_stream_files, save_stream_state
 from .data_metrics import DataMetricsLog
+from .source_loss import SourceLoss
 
 _PATCHED = "_resumable_stream_patched"
 logger = logging.getLogger(__name__)
@@ -53,11 +54,18 @@ logger = logging.getLogger(__name__)
 
 _LOADERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # trainer -> the StreamLoader it reads
 _DATA_METRICS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # trainer -> its DataMetricsLog
+_SOURCE_LOSS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # trainer -> its SourceLoss
 
 
 def stream_loader(trainer) -> StreamLoader | None:
     """The :class:`StreamLoader` a patched trainer trains from (None until it built its train dataloader)."""
     return _LOADERS.get(trainer)
+
+
+def source_loss(trainer) -> SourceLoss | None:
+    """The per-source loss sums of a patched trainer (``data.log_source_loss`` on a mixture; None otherwise or
+    until it built its train dataloader)."""
+    return _SOURCE_LOSS.get(trainer)
 
 
 def data_metrics_log(trainer) -> DataMetricsLog | None:
@@ -165,12 +173,16 @@ def _get_train_dataloader(original):
         if ts.stream.num_workers != args.dataloader_num_workers:
             raise ConfigError(f"train.dataloader_num_workers: {args.dataloader_num_workers}, but the stream was "
                               f"created for {ts.stream.num_workers} workers; they must match")
+        labels = getattr(getattr(ts.stream, "config", None), "labels", None)
+        per_source_loss = bool(ts.monitor.log_source_loss and labels)
         loader = StreamLoader(
             ts.stream, batch_size=self._train_batch_size, collate_fn=ts.collate_fn or self.data_collator,
             processor_factory=ts.processor_factory, key_fn=ts.key_fn, num_workers=args.dataloader_num_workers,
             prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
-            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(), source_ids=per_source_loss,
         )
+        if per_source_loss:
+            _SOURCE_LOSS[self] = SourceLoss(len(labels))
         # the checkpoint being resumed wins; data.resume_state_path only seeds a fresh run
         source = getattr(self, "_rs_resume_checkpoint", None) or ts.resume_state_path
         if source:
@@ -283,6 +295,24 @@ def _patch_skip(trainer_cls) -> None:
         trainer_module.skip_first_batches = _skip_first_batches(skip)
 
 
+def _compute_loss(original):
+    # data.log_source_loss: the batch's source_ids are not the model's input; the loss is the Trainer's own
+    @functools.wraps(original)
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        if not (_uses_stream(self) and isinstance(inputs, dict) and "source_ids" in inputs):
+            return original(self, model, inputs, return_outputs=return_outputs, **kwargs)
+        source_ids = inputs.pop("source_ids")
+        sums = _SOURCE_LOSS.get(self) if model.training else None
+        if sums is None or "labels" not in inputs:
+            return original(self, model, inputs, return_outputs=return_outputs, **kwargs)
+        labels = inputs["labels"]
+        loss, outputs = original(self, model, inputs, return_outputs=True, **kwargs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        sums.add(source_ids, logits, labels)
+        return (loss, outputs) if return_outputs else loss
+    return compute_loss
+
+
 def _log(original):
     @functools.wraps(original)
     def log(self, logs, *args, **kwargs):
@@ -380,6 +410,7 @@ def patch_trainer(trainer_cls=None):
     trainer_cls.train = _train(trainer_cls.train)
     trainer_cls._save_checkpoint = _save_checkpoint(trainer_cls._save_checkpoint)
     trainer_cls.log = _log(trainer_cls.log)
+    trainer_cls.compute_loss = _compute_loss(trainer_cls.compute_loss)
     _patch_skip(trainer_cls)
     if hasattr(trainer_cls, "_load_optimizer_and_scheduler"):
         trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler(

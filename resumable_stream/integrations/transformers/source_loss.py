@@ -1,0 +1,55 @@
+"""``data.log_source_loss``: the training loss of each source of a mixture, for ``train_log.jsonl``.
+
+The batches carry ``source_ids`` (the source of every token, -1 on padding; ``StreamLoader(source_ids=True)``).
+The patched Trainer's ``compute_loss`` takes them out of the batch before the model sees it, lets the Trainer
+compute the loss as always, and adds up, without gradients, each source's summed next-token cross-entropy and
+its number of labelled tokens from the model's logits (the causal-LM loss: the logits at token t predict the
+label of token t+1, whose source it counts for). At each training log the sums of every rank give each source's
+mean loss per labelled token over the interval.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IGNORE_INDEX = -100
+
+
+class SourceLoss:
+    """Per source: summed token cross-entropy and labelled tokens since the last :meth:`take`."""
+
+    def __init__(self, sources: int):
+        self.sources = sources
+        self.sums = [0.0] * sources
+        self.tokens = [0] * sources
+
+    def add(self, source_ids: Any, logits: Any, labels: Any) -> None:
+        """One micro-batch: ``source_ids`` and ``labels`` (examples, tokens), ``logits`` (examples, tokens, vocab)."""
+        import torch
+        import torch.nn.functional as F
+
+        with torch.no_grad():
+            target = labels[:, 1:].to(logits.device)
+            source = source_ids[:, 1:].to(logits.device)
+            scores = logits[:, :-1, :].float()
+            loss = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), target.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="none")
+            counted = (target.reshape(-1) != IGNORE_INDEX) & (source.reshape(-1) >= 0)
+            index = source.reshape(-1)[counted]
+            sums = torch.zeros(self.sources, dtype=torch.float64, device=loss.device)
+            sums.index_add_(0, index, loss[counted].double())
+            tokens = torch.bincount(index, minlength=self.sources)
+        for i, (s, n) in enumerate(zip(sums.tolist(), tokens.tolist())):
+            self.sums[i] += s
+            self.tokens[i] += int(n)
+
+    def take(self) -> tuple[list[float], list[int]]:
+        """The sums and token counts so far; starts a new interval."""
+        out = (self.sums, self.tokens)
+        self.sums, self.tokens = [0.0] * self.sources, [0] * self.sources
+        return out
+
+
+def source_means(sums: list[float], tokens: list[int], labels: tuple[str, ...]) -> dict[str, float | None]:
+    """Each source's mean loss per labelled token (None: none of its tokens in the interval)."""
+    return {label: (round(s / n, 6) if n else None) for label, s, n in zip(labels, sums, tokens)}

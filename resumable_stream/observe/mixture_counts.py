@@ -1,0 +1,70 @@
+"""The realized mixture: what each source of a mixture (``data.sources``) put into the batches the training loop
+consumed, next to the target weights.
+
+Counted where a batch is built (a DataLoader worker or the main process) and carried with the batch, so that the
+loader adds up exactly the batches it hands out (prefetched ones never count) and the main process has every
+worker's figures without sharing anything:
+
+* ``source_samples``: per source, the samples its cursor moved past since the partition's previous batch (the
+  per-source ``consumed`` of the partition's state: the same count as ``source_samples`` in ``train_log.jsonl``;
+  with packing it includes samples whose tokens are still carried over to the next batch);
+* ``source_tokens``: per source, the tokens (padding excluded) of the batch's examples, by the sample each token
+  came from (with packing a block's tokens are split between the samples that fill it).
+
+A sample's source is the label its key starts with (``label/shard:row`` or ``label/<id>``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NO_SOURCE = -1      # in a batch's source_ids: padding, or a token whose source is not known
+
+
+def mixture_labels(stream: Any) -> tuple[str, ...] | None:
+    """The source labels of a mixture stream, in order; None for a single dataset."""
+    if getattr(stream, "kind", None) != "mixture":
+        return None
+    return tuple(stream.config.labels)
+
+
+def consumed_by_source(snapshot: Any) -> list[int]:
+    """Per source, the samples a mixture partition's state (``MixturePartitionState``) has consumed."""
+    return [int(s.consumed) for s in snapshot.sources]
+
+
+def example_runs(example: dict, index: dict[str, int]) -> list[tuple[int, int]]:
+    """``(source, tokens)`` of each sample in a training example, in token order (source NO_SOURCE: a key of no
+    known source). ``key_tokens`` (TextProcessor.take(with_key_tokens=True)) splits a packed block between its
+    samples; without it the example's tokens are its first sample's."""
+    keys = example.get("keys") or []
+    ids = example.get("input_ids")
+    total = len(ids) if ids is not None else 0
+    per_key = example.get("key_tokens")
+    if per_key is None or len(per_key) != len(keys):
+        per_key = [total] + [0] * (len(keys) - 1) if keys else []
+    return [(index.get(str(key).split("/", 1)[0], NO_SOURCE), int(n)) for key, n in zip(keys, per_key) if n]
+
+
+def tokens_by_source(runs: list[list[tuple[int, int]]], sources: int) -> list[int]:
+    """Per source, the tokens of a batch whose examples have these :func:`example_runs`."""
+    out = [0] * sources
+    for example in runs:
+        for i, n in example:
+            if i != NO_SOURCE:
+                out[i] += n
+    return out
+
+
+def source_id_rows(runs: list[list[tuple[int, int]]]) -> list[np.ndarray]:
+    """Per example, the source of each of its tokens (a batch's ``source_ids`` before padding)."""
+    return [np.repeat(np.asarray([i for i, _ in example], dtype=np.int64), [n for _, n in example])
+            for example in runs]
+
+
+def realized_shares(counts: dict[str, int]) -> dict[str, float | None]:
+    """Each source's share of ``counts`` (None for all when there are none)."""
+    total = sum(counts.values())
+    return {label: (round(n / total, 6) if total else None) for label, n in counts.items()}
