@@ -59,7 +59,7 @@ def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict
             raise ConfigError(f"{key}.points[{j}]: got {point!r}; allowed: [position, weight], a position >= 0 "
                               f"({unit}) and a finite weight >= 0")
         if out and point[0] <= out[-1][0]:
-            raise ConfigError(f"{key}.points[{j}]: position {point[0]!r} after {out[-1][0]!r}; allowed: positions "
+            raise ConfigError(f"{key}.points[{j}]: position {point[0]!r} after {points[j - 1][0]!r}; allowed: positions "
                               "strictly increasing (a step change is two points: [[99, 1.0], [100, 0.0]] with "
                               "schedule: linear, or schedule: constant)")
         out.append([float(point[0]), float(point[1])])

@@ -556,9 +556,19 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                           "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
-    return {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
-            "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
-            "partitions": partitions, "sources": sources}
+    out = {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
+           "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
+           "partitions": partitions, "sources": sources}
+    history = mix.get("history")
+    if history:      # each entry with the draw it starts at in each partition (the first: draw 0)
+        out["mixture"]["weight_history"] = [
+            {**entry, "starts": {str(p): (ps["mixture"].get("changes") or [0] * len(history))[j - 1] if j else 0
+                                 for p, ps in parts}}
+            for j, entry in enumerate(history)]
+    for key in ("retired", "samples_per_step"):
+        if key in mix:
+            out["mixture"][key] = mix[key]
+    return out
 
 
 def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:

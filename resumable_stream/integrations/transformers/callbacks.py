@@ -115,6 +115,36 @@ class SourceCountsCallback(TrainerCallback):
         return {"source_samples": dict(self.latest)}
 
 
+def weight_changes(stream) -> dict:
+    """``mixture_changes`` for train_log.jsonl: the changes of a mixture's weights made since the last line (a
+    resume with data.mixture_change: allow, a set_weights), each with its weights; nothing when none."""
+    events = stream.pop_weight_events()
+    return {"mixture_changes": events} if events else {}
+
+
+class MixtureWeightsCallback(TrainerCallback):
+    """The hook for a mixture's weights decided by code during training: override :meth:`new_weights`.
+
+    After every optimizer step it is asked for new weights; weights it returns apply from the next batch on
+    (``StreamLoader.set_weights``: each partition after the last sample handed out, the batches prefetched
+    under the old weights dropped), are recorded in the weight history saved with the next checkpoint and
+    logged in train_log.jsonl, so a resumed run replays the same samples. Every rank must return weights
+    at the same steps (decide from the step, or from values every rank has); rank 0's values apply."""
+
+    def new_weights(self, args, state, current: dict[str, float]) -> dict[str, float] | None:
+        """The weights (label -> number >= 0, or a schedule) from the next batch on, or None to keep them.
+        ``current``: the target weights of the next draw (normalised)."""
+        return None
+
+    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+        loader = train_dataloader
+        if loader is None or not hasattr(loader, "set_weights") or not hasattr(loader.stream, "current_weights"):
+            return
+        weights = self.new_weights(args, state, loader.stream.current_weights())
+        if weights is not None:
+            loader.set_weights(weights, step=state.global_step)
+
+
 class TrainLogCallback(TrainerCallback):
     """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s, the Trainer's
     epoch and the data's (``data_epoch``), the data path's figures of the interval (``data_*``, every rank's
