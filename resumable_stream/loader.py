@@ -331,6 +331,13 @@ class StreamLoader:
         self._consumed = {p: replace(snap, changes=[*snap.changes, starts[p]]) for p, snap in self._consumed.items()}
         self._restart = self._iterated
 
+    def current_weights(self) -> dict[str, float]:
+        """A mixture's target weights (normalised, by label) of the next draw after what training consumed, in
+        this rank's first partition (``MixtureStream.current_weights``; the stream's own readers, or its
+        DataLoader workers, may be ahead)."""
+        p = self.stream.partitions[0]
+        return self.stream.current_weights(p, self._consumed.get(p) or self._start_snapshot(p))
+
     def set_epoch(self, epoch: int) -> None:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
 

@@ -275,7 +275,8 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def run_training(config_path: str, overrides=(), **argument_overrides):
+def run_training(config_path: str, overrides=(), callbacks=(), **argument_overrides):
+    """Train as the yaml says; ``callbacks``: more ``TrainerCallback``s (e.g. a MixtureWeightsCallback)."""
     die_with_launcher()
     cfg = TrainerConfig.from_yaml(config_path, overrides)
     threads = set_trainer_threads()
@@ -284,6 +285,8 @@ def run_training(config_path: str, overrides=(), **argument_overrides):
     # second job fails in seconds); the trainer's train() holds it again inside, nested
     with output_dir_lock(args.output_dir, args.process_index, args.world_size):
         trainer = build_trainer(cfg, args, **argument_overrides)
+        for callback in callbacks:
+            trainer.add_callback(callback)
         checkpoint = resolve_resume(cfg, trainer)
         if args.process_index == 0:
             log.warning("%s", startup_summary(cfg, args, checkpoint, threads))

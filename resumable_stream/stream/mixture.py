@@ -222,10 +222,12 @@ class MixtureStream(StreamBase):
             self._samples_per_step = samples
             self._changed()
 
-    def current_weights(self, partition: int | None = None) -> dict[str, float]:
-        """label -> target weight (normalised) of the next draw of ``partition`` (default: this rank's first)."""
+    def current_weights(self, partition: int | None = None,
+                        state: MixturePartitionState | None = None) -> dict[str, float]:
+        """label -> target weight (normalised) of the next draw of ``partition`` (default: this rank's first),
+        from where its reader is, or from ``state`` (its state after what training consumed: the loader's)."""
         p = self.partitions[0] if partition is None else partition
-        pos = self._pos[p]
+        pos = state if state is not None else self._pos[p]
         got = self._weight_plan().weights_now(pos.consumed, pos.changes)
         return {label: got.get(label, 0.0) for label in self.config.labels}
 

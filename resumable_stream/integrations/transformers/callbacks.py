@@ -131,16 +131,17 @@ class MixtureWeightsCallback(TrainerCallback):
     logged in train_log.jsonl, so a resumed run replays the same samples. Every rank must return weights
     at the same steps (decide from the step, or from values every rank has); rank 0's values apply."""
 
-    def new_weights(self, args, state, current: dict[str, float]) -> dict[str, float] | None:
+    def new_weights(self, args, state, current: dict[str, float], **kwargs) -> dict[str, float] | None:
         """The weights (label -> number >= 0, or a schedule) from the next batch on, or None to keep them.
-        ``current``: the target weights of the next draw (normalised)."""
+        ``current``: the target weights of the next draw (normalised); ``kwargs``: the callback's (model,
+        processing_class, optimizer, ...)."""
         return None
 
     def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
         loader = train_dataloader
         if loader is None or not hasattr(loader, "set_weights") or not hasattr(loader.stream, "current_weights"):
             return
-        weights = self.new_weights(args, state, loader.stream.current_weights())
+        weights = self.new_weights(args, state, loader.current_weights(), **kwargs)
         if weights is not None:
             loader.set_weights(weights, step=state.global_step)
 
