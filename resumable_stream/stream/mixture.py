@@ -422,13 +422,11 @@ class MixtureStream(StreamBase):
                 "sources": {label: {k: v for k, v in (sources.get(label) or {}).items() if weights or k != "weight"}
                             for label in labels}}
 
-    def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
-        """Take the saved weight history (and samples_per_step, removed sources), compare the mixture with the
-        saved one, and return the state in this mixture's form: its sources' columns in this order (a removed
-        one's kept after them, an added one from its start) and, after a change, a history entry from each
-        partition's next draw."""
-        saved_fp, mine = state["fingerprint"], self.fingerprint()
-        mix = saved_fp["mixture"]
+    def _compare(self, saved_fp: dict[str, Any], where: str) -> tuple[bool, list[str]]:
+        """(whether the saved mixture has other weights or sources than this one, the saved labels then those
+        a change removed). Any other difference, or that one without ``data.mixture_change: allow``, is a
+        StreamMismatchError naming it."""
+        mix, mine = saved_fp["mixture"], self.fingerprint()
         saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
         saved_retired = mix.get("retired", [])
         if not isinstance(saved_retired, list):
@@ -446,6 +444,31 @@ class MixtureStream(StreamBase):
         if changed:     # only the weights and the set of sources may differ
             kept = [label for label in labels if label in every]
             check_fingerprint(self._core(saved_fp, kept, weights=False), self._core(mine, kept, weights=False), where)
+        return changed, every
+
+    def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
+        """As ``StreamBase.check_saved_identity``, with the mixture compared by :meth:`_compare` (other weights
+        or sources pass with ``data.mixture_change: allow``; the weight history is the saved state's)."""
+        fp = state.get("fingerprint")
+        if state.get("kind", "stream") != self.kind or not (isinstance(fp, dict) and isinstance(fp.get("mixture"), dict)):
+            super().check_saved_identity(state, where)
+            return
+        self._compare(fp, where)
+        ours = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
+        if "transform" in fp:
+            ours["transform"] = fp["transform"]
+        super().check_saved_identity({**state, "fingerprint": ours}, where)     # the kind and the transform
+
+    def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """Take the saved weight history (and samples_per_step, removed sources), compare the mixture with the
+        saved one, and return the state in this mixture's form: its sources' columns in this order (a removed
+        one's kept after them, an added one from its start) and, after a change, a history entry from each
+        partition's next draw."""
+        saved_fp = state["fingerprint"]
+        mix = saved_fp["mixture"]
+        saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
+        changed, every = self._compare(saved_fp, where)
+        labels = list(self.config.labels)
         if "history" in mix:
             history = history_from_json(mix["history"], f"{where}: fingerprint.mixture.history")
         elif changed:     # saved before histories: its configured weights (normalised) from draw 0

@@ -233,20 +233,22 @@ def test_other_weights_on_resume_are_refused_without_mixture_change_allow(dirs):
         make(mix(dirs, [1, 1, 1], labels=("a", "b", "c"))).load_state_dict(reload(first))
 
 
-def test_allowed_weight_change_applies_from_the_resume_point_and_sources_keep_their_cursors(dirs):
+def test_allowed_weight_change_applies_from_the_resume_point_and_sources_keep_their_cursors(dirs, tmp_path):
     first = make(mix(dirs, [0.5, 0.5]))
     head = ids(first, 80)
+    first.save_sidecar(str(tmp_path / "before"))          # a stream_state directory, read as a checkpoint's
     # a paused from here on (a schedule of weight 0), b alone
     changed = make(mix(dirs, [constant([[0, 0]]), 1.0], mixture_change="allow"))
-    changed.load_state_dict(reload(first))
+    changed.load_sidecar(str(tmp_path / "before"))
     tail = ids(changed, 60)
     assert [src(x) for x in tail] == [1] * 60
     assert own_order(head + tail, 0) and own_order(head + tail, 1)
     assert changed.current_weights() == {"a": 0.0, "b": 1.0}
     # resumed again with the same yaml (no allow needed): the history is replayed, not the config alone
     state = reload(changed)
+    changed.save_sidecar(str(tmp_path / "after"))
     again = make(mix(dirs, [constant([[0, 0]]), 1.0]))
-    again.load_state_dict(state)
+    again.load_sidecar(str(tmp_path / "after"))
     assert [src(x) for x in ids(again, 20)] == [1] * 20
     history = describe_state(state)["mixture"]["weight_history"]
     assert [(h["from"], h["starts"]) for h in history] == [("config", {"0": 0}), ("resume", {"0": 80})]
@@ -287,7 +289,7 @@ def test_fixed_weights_keep_the_fingerprint_of_before_histories(dirs):
 
 
 # ------------------------------------------------------------------------------------------------ set_weights
-def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_and_resumes_exactly(dirs):
+def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_and_resumes_exactly(dirs, tmp_path):
     cfg = mix(dirs, [1, 1])
 
     def run(n_before, n_after, state=None):
@@ -317,8 +319,9 @@ def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_a
     state = decode_state(encode_state(first.state_dict()))
     assert state["fingerprint"]["mixture"]["history"][1] == {"from": "set_weights", "step": 3,
                                                             "weights": {"a": 0.0, "b": 1.0}}
+    first.save_sidecar(str(tmp_path / "state"))
     resumed = StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2)
-    resumed.load_state_dict(state)
+    resumed.load_sidecar(str(tmp_path / "state"))
     assert _batches(resumed, 4) == tail[2:6]
     with pytest.raises(ConfigError, match=r"set_weights: got weights for \['a'\]; allowed: a mapping with a weight "
                                           r"for every source: a, b"):
