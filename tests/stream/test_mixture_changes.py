@@ -336,8 +336,9 @@ def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_a
 def test_torchrun_two_ranks_with_workers_and_packing_resume_a_ramp_and_code_changes_exactly_after_sigkill(tmp_path):
     """examples/online_mixing.py on examples/tiny/train_mix.yaml with a ramp (notes 0.1 -> 0.9 over 18 steps) and
     the callback reweighting at steps 9 and 18: 2 gloo ranks, a DataLoader worker each, packing. SIGKILLed once
-    checkpoint-6 is complete (inside the ramp, before the first change from code), restarted: every step's
-    sample keys on both ranks, losses and the logged changes equal an uninterrupted run's."""
+    checkpoint-6 is complete (inside the ramp, before the first change from code), restarted, SIGKILLed again
+    after checkpoint-12 (after that change), restarted: every step's sample keys on both ranks, losses and the
+    logged changes equal an uninterrupted run's."""
     max_steps, save_steps = 18, 6
     script = os.path.join(os.path.dirname(TINY), "online_mixing.py")
     sources = [{"label": "lm", "dataset_name_or_path": "parquet", "data_files": os.path.join(TINY, "data", "*.parquet"),
@@ -366,7 +367,13 @@ def test_torchrun_two_ranks_with_workers_and_packing_resume_a_ramp_and_code_chan
         run.kill()
         assert run.proc.returncode == -signal.SIGKILL and count_lines(log) < 9, run.describe()
         assert complete_checkpoints(out)[-1] == 6
-        procs.start(runs["run"][0], "restart", command=command(runs["run"][0])).wait_ok(timeout=600)
+        # killed again after checkpoint-12, which holds the change made from code at step 9
+        again = procs.start(runs["run"][0], "restart", command=command(runs["run"][0]))
+        again.wait_until(lambda: count_lines(log) >= 13 and complete_checkpoints(out)[-1:] == [12],
+                         "step 13 and checkpoint-12", timeout=600)
+        again.kill()
+        assert count_lines(log) < 18, again.describe()
+        procs.start(runs["run"][0], "restart2", command=command(runs["run"][0])).wait_ok(timeout=600)
         ref.wait_ok(timeout=600)
         ref_out = runs["ref"][1]
         for rank in (0, 1):
