@@ -17,7 +17,8 @@ Format version 2 has one schema per kind of stream (metadata ``kind``), rows ali
 * ``stream``: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
   shards), ``chains`` (digest of the keys consumed), metadata ``digests`` and ``progress`` per partition;
 * ``mixture``: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
-  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source), plus source i's cursors
+  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source, then per removed source kept),
+  ``mixture/changes`` (with a weight history: where each change starts), plus source i's cursors
   under ``sources/<i>/`` with the same tensors and metadata as a stream's.
 
 Both: a transform's carry per partition under ``extra/<partition>/<name>`` (metadata ``extra``), the

@@ -7,6 +7,10 @@ of the source picked by a counter-based hash of (seed, e, p, k) against the cumu
 sampler therefore has no state to save but (e, k); a partition's state is that, per source the
 epoch of it being read and whether it ended during this mixture epoch, and each source's own cursor.
 
+The weights may follow schedules and change on resume (``data.mixture_change: allow``) or from code
+(:meth:`MixtureStream.set_weights`): a weight history whose weight at a draw is a pure function of the
+draw's index (``resumable_stream.stream.weights``); fixed weights draw exactly as they always did.
+
 A source *ends* when its partition *p* has yielded all of its current epoch. ``stopping`` says what
 happens then:
 
@@ -426,7 +430,7 @@ class MixtureStream(StreamBase):
         """(whether the saved mixture has other weights or sources than this one, the saved labels then those
         a change removed). Any other difference, or that one without ``data.mixture_change: allow``, is a
         StreamMismatchError naming it."""
-        mix, mine = saved_fp["mixture"], self.fingerprint()
+        mix, mine = saved_fp["mixture"], self.state_fingerprint()
         saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
         saved_retired = mix.get("retired", [])
         if not isinstance(saved_retired, list):
