@@ -315,6 +315,7 @@ class StreamLoader:
         self.batches_consumed = 0
         self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
         self._iterated = False
+        self._restart = False     # set_weights: the running pass starts again from the batches handed out
         self._place: dict[int, tuple[int, int]] = {}   # partition -> (lane, index in it), set by items()
         self._first_reading = self.metrics_reading()
 
@@ -323,6 +324,9 @@ class StreamLoader:
         items = self.items()
         clock, counters = time.perf_counter, self.counters
         while True:
+            if self._restart:      # new weights: what the readers (workers) prefetched is dropped
+                self._restart = False
+                items = self.items()
             asked = clock()
             item = next(items, None)   # the time the training loop waits for its batch
             if item is None:
@@ -379,6 +383,27 @@ class StreamLoader:
             self._pending_keys.append(item["keys"])
         self.batches_consumed += 1
 
+    def set_weights(self, weights: dict[str, Any], step: int | None = None) -> None:
+        """A mixture's new weights (``MixtureStream.set_weights``) from the next batch on: each partition's
+        change starts after the last sample handed out, and the running pass reads again from there (what its
+        readers or DataLoader workers prefetched under the old weights is dropped). Collective under
+        torch.distributed, as the stream's."""
+        if not hasattr(self.stream, "set_weights"):
+            raise ConfigError(f"set_weights: the stream is a {type(self.stream).__name__}; weights are a mixture's "
+                              "(data.sources)")
+        snaps = {p: self._consumed.get(p) or self._start_snapshot(p) for p in self.stream.partitions}
+        starts = {p: snap.consumed for p, snap in snaps.items()}
+        self.stream.set_weights(weights, starts=starts, step=step)
+        self._consumed = {p: replace(snap, changes=[*snap.changes, starts[p]]) for p, snap in self._consumed.items()}
+        self._restart = self._iterated
+
+    def current_weights(self) -> dict[str, float]:
+        """A mixture's target weights (normalised, by label) of the next draw after what training consumed, in
+        this rank's first partition (``MixtureStream.current_weights``; the stream's own readers, or its
+        DataLoader workers, may be ahead)."""
+        p = self.stream.partitions[0]
+        return self.stream.current_weights(p, self._consumed.get(p) or self._start_snapshot(p))
+
     def set_epoch(self, epoch: int) -> None:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
 
@@ -415,7 +440,7 @@ class StreamLoader:
 
     def source_figures(self) -> dict[str, Any] | None:
         """Of a mixture: ``labels``, per source the ``samples`` and ``tokens`` of the batches handed out by this
-        loader, and the ``target`` weights now (``MixtureStream.current_weights``); None for a single dataset.
+        loader, and the ``target`` weights now (``current_weights``: after what training consumed); None for a single dataset.
         Any thread may call it (a Prometheus scrape does): it reads counters and moves no reader."""
         labels = mixture_labels(self.stream)
         if labels is None:
@@ -423,7 +448,7 @@ class StreamLoader:
         counts = self.counters.per_source()
         zeros = (0,) * len(labels)
         return {"labels": labels, "samples": counts["samples"] or zeros, "tokens": counts["tokens"] or zeros,
-                "target": self.stream.current_weights()}
+                "target": self.current_weights()}
 
     def data_epoch(self) -> float | None:
         """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the

@@ -28,6 +28,7 @@ from ..integrations.transformers.callbacks import (
     SourceCountsCallback,
     TrainLogCallback,
     transform_stats,
+    weight_changes,
 )
 from ..integrations.transformers.patch import (
     EvalStream,
@@ -204,6 +205,9 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
+    if isinstance(stream, MixtureStream):   # schedules in steps: draws per step, fixed now (a resume keeps its own)
+        stream.set_samples_per_step(args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                    * args.world_size)
     if vl:
         # image URLs under the data's retries and timeouts (a mixture's are the same for every source)
         net = cfg.stream.sources[0] if isinstance(cfg.stream, MixtureConfig) else cfg.stream
@@ -238,6 +242,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
         source_samples = SourceCountsCallback(lambda: stream_loader(trainer), lambda: source_loss(trainer))
         trainer.add_callback(source_samples)
         extras.append(source_samples.fields)
+        extras.append(lambda: weight_changes(stream))     # mixture_changes: a change of weights, when one was made
     if getattr(cfg.stream, "growth", "off") == "follow":     # the data stopped arriving: end with a checkpoint
         trainer.add_callback(FollowEndCallback(stream))
     trainer.add_callback(TrainLogCallback(args.output_dir, per_step,
@@ -271,7 +276,8 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def run_training(config_path: str, overrides=(), **argument_overrides):
+def run_training(config_path: str, overrides=(), callbacks=(), **argument_overrides):
+    """Train as the yaml says; ``callbacks``: more ``TrainerCallback``s (e.g. a MixtureWeightsCallback)."""
     die_with_launcher()
     cfg = TrainerConfig.from_yaml(config_path, overrides)
     threads = set_trainer_threads()
@@ -280,6 +286,8 @@ def run_training(config_path: str, overrides=(), **argument_overrides):
     # second job fails in seconds); the trainer's train() holds it again inside, nested
     with output_dir_lock(args.output_dir, args.process_index, args.world_size):
         trainer = build_trainer(cfg, args, **argument_overrides)
+        for callback in callbacks:
+            trainer.add_callback(callback)
         checkpoint = resolve_resume(cfg, trainer)
         if args.process_index == 0:
             log.warning("%s", startup_summary(cfg, args, checkpoint, threads))

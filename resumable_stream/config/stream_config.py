@@ -23,6 +23,7 @@ from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
 from . import formats as registry
 from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
+from .weight_schedule import check_weights, weight_at
 
 BACKENDS = ("hf", "local")
 
@@ -238,9 +239,10 @@ class StreamConfig:
         for key in data:
             if key not in everything:
                 raise UnknownKeyError("data", str(key), everything, f" Allowed keys: {', '.join(sorted(everything))}")
-        if "stopping" in data:
-            raise ConfigError(f"data.stopping: got {data['stopping']!r} without data.sources; it only applies to a "
-                              "mixture of datasets (data.sources: [...])")
+        for key in ("stopping", "mixture_change"):
+            if key in data:
+                raise ConfigError(f"data.{key}: got {data[key]!r} without data.sources; it only applies to a "
+                                  "mixture of datasets (data.sources: [...])")
         if "dataset_name_or_path" not in data:
             raise ConfigError("data.dataset_name_or_path: missing; it is required (a hub id, builder name or path)")
         values = {k: v for k, v in data.items() if k in known}
@@ -350,7 +352,8 @@ def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, 
 
 # ------------------------------------------------------------------ mixtures of datasets
 STOPPING = ("first_exhausted", "all_exhausted", "never")
-MIXTURE_KEYS = ("sources", "stopping")
+MIXTURE_KEYS = ("sources", "stopping", "mixture_change")
+MIXTURE_CHANGE = ("refuse", "allow")
 # What one entry of data.sources may set: which dataset it is, how it is read and ordered, its weight and
 # label, and the transform keys a source may set for itself (transforms.config.SOURCE_TRANSFORM_KEYS).
 # Everything else (shuffle_seed, cache, num_partitions, elastic, the other transform keys) is the data
@@ -380,6 +383,7 @@ class MixtureConfig:
     stopping: str = "first_exhausted"
     resume_state_path: str | None = None
     source_file: str | None = field(default=None, compare=False, repr=False)
+    mixture_change: str = "refuse"      # allow: a resume with other weights / sources applies them from there
 
     def __post_init__(self) -> None:
         if not (isinstance(self.sources, (list, tuple)) and self.sources
@@ -393,10 +397,10 @@ class MixtureConfig:
         if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:
             raise ConfigError(f"data.sources: {n} sources with weights {self.weights!r} and labels {labels!r}; "
                               "allowed: one weight and one label per source")
-        for i, w in enumerate(self.weights):
-            if not ((_is_int(w) or isinstance(w, float)) and math.isfinite(w) and w > 0):
-                raise ConfigError(f"data.sources[{i}].weight: got {w!r}; allowed: a finite number > 0 (weights are "
-                                  "relative: they are normalised to sum to 1)")
+        weights = check_weights(list(self.weights), list(labels), lambda i: f"data.sources[{i}].weight")
+        if self.mixture_change not in MIXTURE_CHANGE:
+            raise ConfigError(f"data.mixture_change: got {self.mixture_change!r}; allowed: refuse (default: resuming "
+                              "with other weights or sources is an error) or allow (they apply from the resume point)")
         for i, label in enumerate(labels):
             if not (isinstance(label, str) and _LABEL.match(label)):
                 raise ConfigError(f"data.sources[{i}].label: got {label!r}; allowed: 1 to 64 letters, digits, "
@@ -429,7 +433,7 @@ class MixtureConfig:
             raise ConfigError(f"data.resume_state_path: got {self.resume_state_path!r}; allowed: null or a sidecar "
                               "file / directory")
         object.__setattr__(self, "sources", tuple(self.sources))
-        object.__setattr__(self, "weights", tuple(self.weights))
+        object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "labels", labels)
 
     # settings every source shares
@@ -456,8 +460,10 @@ class MixtureConfig:
 
     @property
     def probabilities(self) -> tuple[float, ...]:
-        total = float(sum(self.weights))
-        return tuple(float(w) / total for w in self.weights)
+        """The weights normalised to sum to 1 (schedules: at position 0)."""
+        at_start = [weight_at(w, 0.0) for w in self.weights]
+        total = float(sum(at_start))
+        return tuple(float(w) / total for w in at_start)
 
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
@@ -511,13 +517,13 @@ class MixtureConfig:
         if base_dir is not None and isinstance(resume, str) and resume:
             resume = _resolve_one(resume, base_dir)
         return cls(tuple(sources), tuple(weights), tuple(labels), data.get("stopping", "first_exhausted"), resume,
-                   source_file=source_file)
+                   source_file=source_file, mixture_change=data.get("mixture_change", "refuse"))
 
     def replace(self, **changes: Any) -> MixtureConfig:
         """Mixture fields (sources, weights, labels, stopping, resume_state_path) change here; data keys
         (e.g. cache_dir) change in every source."""
         own = {k: changes.pop(k) for k in list(changes) if k in ("sources", "weights", "labels", "stopping",
-                                                                 "resume_state_path")}
+                                                                 "resume_state_path", "mixture_change")}
         for key in changes:
             if key not in StreamConfig.keys():
                 raise ConfigError(f"data.{key}: unknown key")

@@ -218,7 +218,7 @@ def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> N
 
 
 # data keys a validation stream does not take from the training one
-_NOT_INHERITED = ("sources", "stopping", "resume_state_path", "elastic", "num_partitions")
+_NOT_INHERITED = ("sources", "stopping", "mixture_change", "resume_state_path", "elastic", "num_partitions")
 
 
 def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):

@@ -5,6 +5,11 @@ and per source the epoch being read and whether it ended during this mixture epo
 source's :class:`~resumable_stream.state.partition_state.PartitionState` and the transform's carry. In a sidecar the
 positions are the tensors ``mixture/positions`` (epoch, draws, consumed), ``mixture/source_epochs`` and
 ``mixture/ended`` (one column per source), and source i's states are under ``sources/<i>/``.
+
+With a weight history (resumable_stream.stream.weights) a partition also holds ``changes``: the draw index
+(its ``consumed`` then) where each history entry after the first starts for it, the tensor
+``mixture/changes`` (written only when there are some). Sources removed by a change of mixture keep their
+columns after the mixture's own (their labels: ``fingerprint.mixture.retired``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from .partition_state import PartitionState, merge_partitions
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
 
 
+def _changes_ok(changes: Any, consumed: int) -> bool:
+    """Where a partition's weight history entries start: draw indexes, non-decreasing, none past consumed."""
+    return (isinstance(changes, list) and all(is_int(c) for c in changes)
+            and all(0 <= a <= b for a, b in zip([0, *changes], changes)) and (not changes or changes[-1] <= consumed))
+
+
 @dataclass
 class MixturePartitionState:
     """Where one mixture partition stands (module doc)."""
@@ -34,6 +45,7 @@ class MixturePartitionState:
     ended: list[bool]                 # per source: ended during this mixture epoch (all_exhausted)
     sources: list[PartitionState] = field(default_factory=list)
     extra: dict | None = None
+    changes: list[int] = field(default_factory=list)   # per weight history entry after the first: its first draw
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: ``{"mixture": position, "sources": [each source's PartitionState.to_dict()],
@@ -41,6 +53,8 @@ class MixturePartitionState:
         out: dict[str, Any] = {"mixture": {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
                                            "source_epochs": list(self.source_epochs), "ended": list(self.ended)},
                                "sources": [ps.to_dict() for ps in self.sources]}
+        if self.changes:
+            out["mixture"]["changes"] = list(self.changes)
         if self.extra is not None:
             out["extra"] = self.extra
         return out
@@ -57,13 +71,15 @@ class MixturePartitionState:
               and isinstance(m.get("source_epochs"), list) and isinstance(m.get("ended"), list)
               and len(m["source_epochs"]) == len(m["ended"]) == len(sources)
               and all(is_int(e, 0, MAX_EPOCH - 1) for e in m["source_epochs"])
-              and all(isinstance(b, bool) for b in m["ended"]))
+              and all(isinstance(b, bool) for b in m["ended"])
+              and _changes_ok(m.get("changes", []), m["consumed"]))
         if not ok:
             raise SidecarError(f"{where}: corrupt mixture partition state: got {d!r:.80}; allowed: a mapping with "
-                               "mixture (epoch, draws, consumed, source_epochs, ended) and a state per source")
+                               "mixture (epoch, draws, consumed, source_epochs, ended, optional changes: draws "
+                               "non-decreasing up to consumed) and a state per source")
         states = [PartitionState.from_dict(ps, f"{where}, source {i}") for i, ps in enumerate(sources)]
         return cls(m["epoch"], m["draws"], m["consumed"], list(m["source_epochs"]), list(m["ended"]), states,
-                   d.get("extra"))
+                   d.get("extra"), list(m.get("changes", [])))
 
     # ---------------------------------------------------------------- sidecar arrays
     @staticmethod
@@ -77,6 +93,12 @@ class MixturePartitionState:
                                                                dtype=np.int64).reshape(len(parts), n)
         tensors[f"{prefix}mixture/ended"] = np.asarray([ps.ended for ps in states],
                                                        dtype=np.uint8).reshape(len(parts), n)
+        m = len(states[0].changes) if states else 0
+        if m:
+            if any(len(ps.changes) != m for ps in states):
+                raise SidecarError(f"mixture states with weight histories of {sorted({len(ps.changes) for ps in states})}"
+                                   " changes; allowed: the same history in every partition")
+            tensors[f"{prefix}mixture/changes"] = np.asarray([ps.changes for ps in states], dtype=np.int64)
         for i in range(n):
             PartitionState.to_arrays(parts, [ps.sources[i] for ps in states], f"{prefix}sources/{i}/", tensors, meta)
 
@@ -92,6 +114,11 @@ class MixturePartitionState:
                                ("mixture/source_epochs", source_epochs, (k, n)), ("mixture/ended", ended, (k, n))):
             require(t.shape == shape, path, f"tensor {name}", t.shape, f"shape {shape} (partitions, "
                     f"{'fields' if name == 'mixture/positions' else 'sources'})")
+        changes = None
+        if f"{prefix}mixture/changes" in tensors:
+            changes = tensor(tensors, f"{prefix}mixture/changes", "int64", 2, path)
+            require(changes.shape[0] == k and changes.shape[1] >= 1, path, "tensor mixture/changes", changes.shape,
+                    f"shape ({k}, changes) (partitions, weight history entries after the first)")
         sources = [PartitionState.from_arrays(ids, tensors, meta, path, prefix=f"{prefix}sources/{i}/")
                    for i in range(n)]
         out = {}
@@ -105,8 +132,11 @@ class MixturePartitionState:
                     "integers in [0, 2**31)")
             flags = ended[row].tolist()
             require(all(f in (0, 1) for f in flags), path, f"mixture/ended[{p}]", flags, "0 or 1 per source")
+            drawn = [] if changes is None else [int(v) for v in changes[row].tolist()]
+            require(_changes_ok(drawn, position["consumed"]), path, f"mixture/changes[{p}]", drawn,
+                    "draw indexes >= 0, non-decreasing, at most the partition's consumed")
             out[p] = cls(**position, source_epochs=epochs, ended=[bool(f) for f in flags],
-                         sources=[sources[i][p] for i in range(n)])
+                         sources=[sources[i][p] for i in range(n)], changes=drawn)
         return out
 
     def validate(self, layouts: list[Layout], partition: int, where: str, labels: list[str]) -> None:

@@ -17,7 +17,8 @@ Format version 2 has one schema per kind of stream (metadata ``kind``), rows ali
 * ``stream``: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
   shards), ``chains`` (digest of the keys consumed), metadata ``digests`` and ``progress`` per partition;
 * ``mixture``: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
-  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source), plus source i's cursors
+  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source, then per removed source kept),
+  ``mixture/changes`` (with a weight history: where each change starts), plus source i's cursors
   under ``sources/<i>/`` with the same tensors and metadata as a stream's.
 
 Both: a transform's carry per partition under ``extra/<partition>/<name>`` (metadata ``extra``), the
@@ -63,6 +64,7 @@ FORMAT_VERSION = 3
 # a manifest as an integer (each exactly so: another type is not a version).
 READ_VERSIONS = (1, 2, 3)
 KINDS = ("stream", "mixture")
+MAX_RETIRED = 1024          # sources a mixture may have removed and kept the cursors of
 STATE_TYPES = {"stream": PartitionState, "mixture": MixturePartitionState}   # a partition's state, by kind
 
 
@@ -209,6 +211,14 @@ def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
     return labels
 
 
+def _mixture_slots(fingerprint: dict, path: str) -> int:
+    """The source columns of a mixture state: its sources', then those a change of mixture removed (kept)."""
+    retired = fingerprint["mixture"].get("retired", [])
+    _require(isinstance(retired, list) and len(retired) <= MAX_RETIRED and all(isinstance(x, str) for x in retired),
+             path, "fingerprint.mixture.retired", retired, f"a list of at most {MAX_RETIRED} source labels")
+    return len(_mixture_labels(fingerprint, path)) + len(retired)
+
+
 def _fingerprint_of(meta: dict[str, str], version: str, shared: tuple[dict[str, Any], str] | None,
                     path: str) -> dict[str, Any]:
     """A sidecar's dataset fingerprint: its own, or (a version 3 rank file) the one of its directory, which
@@ -307,8 +317,7 @@ def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
             follows = isinstance(dataset, dict) and dataset.get("growth") == "follow"
             partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=follows)
         else:
-            partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path,
-                                                           len(_mixture_labels(fingerprint, path)))
+            partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path, _mixture_slots(fingerprint, path))
     _check_rank_partitions(topology, len(partitions), path)
     for p, extra in _decode_extra(ids, tensors, meta, path).items():
         if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries

@@ -7,6 +7,10 @@ of the source picked by a counter-based hash of (seed, e, p, k) against the cumu
 sampler therefore has no state to save but (e, k); a partition's state is that, per source the
 epoch of it being read and whether it ended during this mixture epoch, and each source's own cursor.
 
+The weights may follow schedules and change on resume (``data.mixture_change: allow``) or from code
+(:meth:`MixtureStream.set_weights`): a weight history whose weight at a draw is a pure function of the
+draw's index (``resumable_stream.stream.weights``); fixed weights draw exactly as they always did.
+
 A source *ends* when its partition *p* has yielded all of its current epoch. ``stopping`` says what
 happens then:
 
@@ -37,15 +41,14 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
-import numpy as np
-
 from ..cache.cached_source import with_block_cache
 from ..config.stream_config import MixtureConfig, StreamConfig
+from ..config.weight_schedule import check_weights
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..observe.progress import partition_progress, progress_summary
-from ..plan import counter_hashes, derive_seed
 from ..sources.base import Source
+from ..state.checks import check_fingerprint, fingerprint_diff
 from ..state.mixture_state import MixturePartitionState
 from ..state.relocation import describe_files
 from .base import StreamBase, order_settings
@@ -53,19 +56,9 @@ from .datasets_draws import MODES as DATASETS_MODES
 from .datasets_draws import DatasetsDraws
 from .partition import MAX_EMPTY_EPOCHS
 from .single import ResumableStream
+from .weights import TAG_MIXTURE, Segment, WeightPlan, draw_sources, history_from_json, history_unit  # noqa: F401
 
-TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
 DRAW_BLOCK = 4096          # draws computed at once
-
-
-def draw_sources(probabilities: np.ndarray, seed: int, epoch: int, partition: int, start: int,
-                 count: int) -> np.ndarray:
-    """The sources of draws ``start .. start+count-1`` of (partition, epoch): a pure function of its arguments."""
-    key = derive_seed(TAG_MIXTURE, seed, epoch, partition)
-    bits = counter_hashes(key, start, count)
-    uniform = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-    picks = np.searchsorted(np.cumsum(probabilities), uniform, side="right")
-    return np.minimum(picks, len(probabilities) - 1)
 
 
 @dataclass
@@ -77,6 +70,7 @@ class _Position:
     epoch: int = 0                    # mixture epoch
     draws: int = 0                    # draws made (= samples yielded) in this mixture epoch
     consumed: int = 0                 # samples yielded, all epochs
+    changes: list[int] = field(default_factory=list)    # where each weight history entry after the first starts
     iters: list = field(default_factory=list, repr=False)   # live source iterators (not state)
 
 
@@ -151,6 +145,9 @@ class MixtureStream(StreamBase):
             raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
         # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)
         self.draws = draws
+        if draws != "hash" and not all(isinstance(w, (int, float)) for w in config.weights):
+            raise ConfigError(f"draws {draws!r} (datasets.interleave_datasets' own sequence) take fixed weights; got "
+                              f"{list(config.weights)!r}; allowed: numbers, or schedules with draws 'hash'")
         self._datasets_draws = (DatasetsDraws(draws, config.weights, config.shuffle_seed) if draws != "hash"
                                 else None)
         if sources is not None and len(sources) != len(config.sources):
@@ -166,7 +163,13 @@ class MixtureStream(StreamBase):
                                        self.world_size, index_from or config.resume_state_path, agree)
         opened = [with_block_cache(src, scfg.cache_spec) for src, scfg in zip(sources, config.sources)]
         self.source = MixtureSources(opened, config.labels)
-        self._probabilities = np.asarray(config.probabilities, dtype=np.float64)
+        # the weight history (stream/weights.py): the configured weights from draw 0, then each change
+        self._history: list[Segment] = [Segment(config.labels, config.weights)]
+        self._history_version = 0           # bumped by every change: live draw blocks are recomputed
+        self._plan: tuple[tuple, WeightPlan] | None = None
+        self._samples_per_step: int | None = None
+        self._retired: dict[str, dict] = {}   # label -> saved fingerprint of a source a change removed
+        self._events: list[dict] = []        # changes of weights not yet logged (train_log.jsonl)
         self._start()
 
     def _view(self, i: int, partition: int) -> ResumableStream:
@@ -180,7 +183,9 @@ class MixtureStream(StreamBase):
     def _build_readers(self) -> None:
         n = len(self.config.sources)
         self._views = [{p: self._view(i, p) for p in self.partitions} for i in range(n)]
-        self._pos = {p: _Position([0] * n, [False] * n, iters=[None] * n) for p in self.partitions}
+        self._pos = {p: _Position([0] * n, [False] * n, changes=[0] * (len(self._history) - 1), iters=[None] * n)
+                     for p in self.partitions}
+        self._kept: dict[int, list] = {p: [] for p in self.partitions}   # per partition: removed sources' columns
 
     def close(self) -> None:
         """Close every source's open shards (see ResumableStream.close)."""
@@ -190,17 +195,99 @@ class MixtureStream(StreamBase):
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> dict[str, Any]:
+        """Labels, stopping, seed, per source its weight (normalised when every weight is fixed, else as
+        written), dataset and order; with a weight history that is more than the configured weights, the
+        history (and samples_per_step for schedules in steps), and the sources a change removed."""
         c = self.config
+        fixed = not any(isinstance(w, dict) for w in c.weights)
+        weights = c.probabilities if fixed else c.weights
         fp: dict[str, Any] = {
             "mixture": {"labels": list(c.labels), "stopping": c.stopping, "seed": c.shuffle_seed},
             "sources": {label: {"weight": w, **next(iter(views.values())).fingerprint()}
-                        for label, w, views in zip(c.labels, c.probabilities, self._views)},
+                        for label, w, views in zip(c.labels, weights, self._views)},
         }
         if self.draws != "hash":        # only then: the fingerprints of hash mixtures stay as they were
             fp["mixture"]["draws"] = self.draws
+        if self._history != [Segment(c.labels, c.weights)]:
+            fp["mixture"]["history"] = [s.to_json() for s in self._history]
+        if self._samples_per_step is not None and history_unit(self._history) == "steps":
+            fp["mixture"]["samples_per_step"] = self._samples_per_step
+        if self._retired:
+            fp["mixture"]["retired"] = list(self._retired)
+            fp["sources"].update(self._retired)
         if self.transform_fingerprint is not None:
             fp["transform"] = self.transform_fingerprint
         return fp
+
+    # ------------------------------------------------------------------ weights
+    def _weight_plan(self) -> WeightPlan:
+        key = (self._history_version, self.num_partitions, self._samples_per_step)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, WeightPlan(self._history, self.config.labels, self.num_partitions,
+                                          self._samples_per_step))
+        return self._plan[1]
+
+    def _changed(self) -> None:
+        if self._datasets_draws is not None and len(self._history) > 1:
+            raise ConfigError(f"mixture draws {self.draws!r} (datasets.interleave_datasets' own sequence, read in "
+                              "file order: LLaMA-Factory's buffer_size 1) take fixed weights; got a change of "
+                              "weights; allowed: changes of weights with shuffled reading (buffer_size > 1)")
+        self._history_version += 1
+        self._fingerprint = None
+
+    def set_samples_per_step(self, samples: int) -> None:
+        """Samples of the whole job per optimizer step (batch x gradient accumulation x ranks): how schedules in
+        steps map to draws (stream/weights.py). Fixed when the run starts; a resumed run keeps the saved one."""
+        if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
+            raise ConfigError(f"samples_per_step: got {samples!r}; allowed: an integer >= 1")
+        if self._samples_per_step is None:
+            self._samples_per_step = samples
+            self._changed()
+
+    def current_weights(self, partition: int | None = None,
+                        state: MixturePartitionState | None = None) -> dict[str, float]:
+        """label -> target weight (normalised) of the next draw of ``partition`` (default: this rank's first),
+        from where its reader is, or from ``state`` (its state after what training consumed: the loader's)."""
+        p = self.partitions[0] if partition is None else partition
+        pos = state if state is not None else self._pos[p]
+        got = self._weight_plan().weights_now(pos.consumed, pos.changes)
+        return {label: got.get(label, 0.0) for label in self.config.labels}
+
+    @property
+    def weight_history(self) -> list[dict[str, Any]]:
+        """The weight history entries (from, weights, step) in order (plain values)."""
+        return [s.to_json() for s in self._history]
+
+    def pop_weight_events(self) -> list[dict[str, Any]]:
+        """Changes of weights made in this process since the last call (for train_log.jsonl)."""
+        events, self._events = self._events, []
+        return events
+
+    def set_weights(self, weights: dict[str, Any], starts: dict[int, int] | None = None,
+                    step: int | None = None) -> None:
+        """Draw with ``weights`` (label -> number >= 0 or schedule, every source of the mixture) from each
+        partition's next draw on (``starts``: partition -> draw index, default where this process's reader
+        is; the StreamLoader passes what training consumed). Recorded in the weight history, so a resume
+        draws the same samples. Collective under torch.distributed: every rank calls it at the same point and
+        rank 0's weights apply everywhere."""
+        labels = self.config.labels
+        if not isinstance(weights, dict) or sorted(weights) != sorted(labels):
+            raise ConfigError(f"set_weights: got weights for {sorted(weights) if isinstance(weights, dict) else weights!r}; "
+                              f"allowed: a mapping with a weight for every source: {', '.join(labels)}")
+        values = check_weights([weights[label] for label in labels], list(labels),
+                               lambda i: f"set_weights: weights[{labels[i]!r}]", allow_zero=True)
+        from ..runtime.collectives import broadcast_bytes, shared_over_dist
+        if shared_over_dist(self.rank, self.world_size):     # one history on every rank
+            import json
+            mine = json.dumps(list(values)).encode() if self.rank == 0 else None
+            values = tuple(json.loads(broadcast_bytes(mine)))
+        self._history.append(Segment(labels, values, "set_weights", step))
+        for p in self.partitions:
+            pos = self._pos[p]
+            pos.changes.append(int(starts[p]) if starts and p in starts else pos.consumed)
+        self._changed()
+        self._events.append({"from": "set_weights", **({"step": step} if step is not None else {}),
+                             "weights": dict(zip(labels, values))})
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
@@ -262,10 +349,6 @@ class MixtureStream(StreamBase):
         for i, sample, (shard, row) in self._draw(partition):
             yield sample, (f"{labels[i]}/{shard}", row)
 
-    def current_weights(self) -> dict[str, float]:
-        """The target weights of the next draw, by source label (normalised to sum to 1)."""
-        return {label: float(w) for label, w in zip(self.config.labels, self._probabilities)}
-
     def source_label(self, where: tuple[str, int]) -> str:
         """The label of the source a sample came from, given its ``where`` from :meth:`iter_partition`."""
         return where[0].split("/", 1)[0]
@@ -276,19 +359,21 @@ class MixtureStream(StreamBase):
         n, stopping = len(views), self.config.stopping
         block: list[int] = []
         block_at = (-1, 0)        # the draws in ``block``: (epoch, first draw)
+        version = -1              # of the weight history the block was drawn with
         empty, got = [0] * n, [False] * n
         while True:
             if self._epoch_limit is not None and pos.epoch > self._epoch_limit:
                 return
             j = pos.draws - block_at[1]
-            if block_at[0] != pos.epoch or not 0 <= j < len(block):
-                if self._datasets_draws is not None:
+            if self._datasets_draws is not None:      # datasets' own sequence: fixed weights (checked)
+                if block_at[0] != pos.epoch or not 0 <= j < len(block):
                     first, block = self._datasets_draws.block(pos.epoch, p, pos.draws)
                     block_at, j = (pos.epoch, first), pos.draws - first
-                else:
-                    block = draw_sources(self._probabilities, self.config.shuffle_seed, pos.epoch, p, pos.draws,
-                                         DRAW_BLOCK).tolist()
-                    block_at, j = (pos.epoch, pos.draws), 0
+            elif block_at[0] != pos.epoch or not 0 <= j < len(block) or version != self._history_version:
+                plan, version = self._weight_plan(), self._history_version
+                block = plan.picks(self.config.shuffle_seed, pos.epoch, p, pos.draws, pos.consumed, pos.changes,
+                                   DRAW_BLOCK)
+                block_at, j = (pos.epoch, pos.draws), 0
             i = block[j]
             it = pos.iters[i]
             if it is None:    # read source i's current epoch only: its end must not consume the next epoch
@@ -312,7 +397,9 @@ class MixtureStream(StreamBase):
                     pos.epoch, pos.draws = pos.epoch + 1, 0
                 elif stopping == "all_exhausted":
                     pos.ended[i] = True
-                    if all(pos.ended):
+                    # a source of weight 0 now is not drawn: the epoch does not wait for it
+                    now = self._weight_plan().weights_now(pos.consumed, pos.changes)
+                    if all(e or now.get(label, 0.0) == 0 for e, label in zip(pos.ended, self.config.labels)):
                         pos.epoch, pos.draws, pos.ended = pos.epoch + 1, 0, [False] * n
                 continue
             got[i] = True
@@ -329,9 +416,10 @@ class MixtureStream(StreamBase):
                 sources.append(views[partition].partition_state(partition))
             except SourceError as e:      # e.g. a source with no rows: say which one
                 raise SourceError(f"data.sources[{i}] ({self.config.labels[i]!r}): {e}") from e
-        pos = self._pos[partition]
-        return MixturePartitionState(pos.epoch, pos.draws, pos.consumed, list(pos.source_epochs), list(pos.ended),
-                                     sources)
+        pos, kept = self._pos[partition], self._kept[partition]
+        return MixturePartitionState(pos.epoch, pos.draws, pos.consumed, list(pos.source_epochs) + [k[0] for k in kept],
+                                     list(pos.ended) + [k[1] for k in kept], sources + [k[2] for k in kept],
+                                     changes=list(pos.changes))
 
     def partition_position(self, partition: int) -> float | None:
         """The mean of the sources' positions in ``partition`` (see ``ResumableStream.partition_position``; any
@@ -340,12 +428,145 @@ class MixtureStream(StreamBase):
                              if partition in views) if x is not None]
         return sum(known) / len(known) if known else None
 
+    def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
+                        verify_next_sample: bool = True) -> None:
+        """As ``StreamBase.load_state_dict``; the saved weight history is taken over, and with
+        ``data.mixture_change: allow`` other weights or sources than the saved ones apply from each partition's
+        next draw on (the state is first put in this mixture's form: see :meth:`_take_over`)."""
+        fp = state.get("fingerprint") if isinstance(state, dict) else None
+        if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
+            state = self._take_over(state, where)
+        super().load_state_dict(state, where, verify_next_sample)
+
+    def _core(self, fp: dict[str, Any], labels: list[str], weights: bool = True) -> dict[str, Any]:
+        """What must agree for a state to resume here: the mixture's labels, stopping and seed, its sources'
+        entries (without their weights when ``weights`` is False: a change of mixture)."""
+        mix = fp["mixture"]
+        sources = fp.get("sources") if isinstance(fp.get("sources"), dict) else {}
+        core_mix = {k: mix.get(k) for k in (("labels", "stopping", "seed") if weights else ("stopping", "seed"))}
+        return {"mixture": core_mix,
+                "sources": {label: {k: v for k, v in (sources.get(label) or {}).items() if weights or k != "weight"}
+                            for label in labels}}
+
+    def _compare(self, saved_fp: dict[str, Any], where: str) -> tuple[bool, list[str]]:
+        """(whether the saved mixture has other weights or sources than this one, the saved labels then those
+        a change removed). Any other difference, or that one without ``data.mixture_change: allow``, is a
+        StreamMismatchError naming it."""
+        mix, mine = saved_fp["mixture"], self.state_fingerprint()
+        saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
+        saved_retired = mix.get("retired", [])
+        if not isinstance(saved_retired, list):
+            raise SidecarError(f"{where}: corrupt fingerprint.mixture.retired {saved_retired!r:.80}")
+        every = list(saved_labels) + list(saved_retired)
+        labels = list(self.config.labels)
+        changed = bool(fingerprint_diff(self._core(saved_fp, saved_labels), self._core(mine, labels)))
+        if changed and self.config.mixture_change != "allow":
+            try:
+                check_fingerprint(self._core(saved_fp, saved_labels), self._core(mine, labels), where)
+            except StreamMismatchError as e:
+                raise StreamMismatchError(
+                    f"{e}\nTo resume with other weights or sources on purpose (they apply from the resume point, "
+                    "the samples before it stay as they were), set data.mixture_change: allow", e.differences) from None
+        if changed:     # only the weights and the set of sources may differ
+            kept = [label for label in labels if label in every]
+            check_fingerprint(self._core(saved_fp, kept, weights=False), self._core(mine, kept, weights=False), where)
+        return changed, every
+
+    def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
+        """As ``StreamBase.check_saved_identity``, with the mixture compared by :meth:`_compare` (other weights
+        or sources pass with ``data.mixture_change: allow``; the weight history is the saved state's)."""
+        fp = state.get("fingerprint")
+        if state.get("kind", "stream") != self.kind or not (isinstance(fp, dict) and isinstance(fp.get("mixture"), dict)):
+            super().check_saved_identity(state, where)
+            return
+        self._compare(fp, where)
+        ours = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
+        if "transform" in fp:
+            ours["transform"] = fp["transform"]
+        super().check_saved_identity({**state, "fingerprint": ours}, where)     # the kind and the transform
+
+    def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """Take the saved weight history (and samples_per_step, removed sources), compare the mixture with the
+        saved one, and return the state in this mixture's form: its sources' columns in this order (a removed
+        one's kept after them, an added one from its start) and, after a change, a history entry from each
+        partition's next draw."""
+        saved_fp = state["fingerprint"]
+        mix = saved_fp["mixture"]
+        saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
+        changed, every = self._compare(saved_fp, where)
+        labels = list(self.config.labels)
+        if "history" in mix:
+            history = history_from_json(mix["history"], f"{where}: fingerprint.mixture.history")
+        elif changed:     # saved before histories: its configured weights (normalised) from draw 0
+            history = [Segment(tuple(saved_labels), tuple(float(saved_fp["sources"][label]["weight"])
+                                                          if not isinstance(saved_fp["sources"][label]["weight"], dict)
+                                                          else saved_fp["sources"][label]["weight"]
+                                                          for label in saved_labels))]
+        else:
+            history = [Segment(self.config.labels, self.config.weights)]
+        if changed:
+            history.append(Segment(self.config.labels, self.config.weights, "resume"))
+        retired = {label: saved_fp["sources"][label] for label in every if label not in labels}
+        sps = mix.get("samples_per_step")
+        if sps is not None and not (isinstance(sps, int) and sps >= 1):
+            raise SidecarError(f"{where}: corrupt fingerprint.mixture.samples_per_step {sps!r}")
+        topology = state.get("topology") or {}
+        partitions = {p: self._reorder(MixturePartitionState.from_dict(ps, f"{where}: partition {p}"), every,
+                                       len(history) - 1 - changed, changed, int(p),
+                                       topology.get("num_partitions", self.num_partitions), where)
+                      for p, ps in state["partitions"].items()}
+        self._history, self._retired = history, retired
+        if sps is not None:
+            self._samples_per_step = sps
+        self._changed()
+        if changed:
+            self._events.append({"from": "resume", "weights": dict(zip(labels, self.config.weights)),
+                                 "added": [label for label in labels if label not in every],
+                                 "removed": [label for label in saved_labels if label not in labels]})
+        fp = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
+        if "transform" in saved_fp:
+            fp["transform"] = saved_fp["transform"]
+        return {**state, "fingerprint": fp, "partitions": partitions}
+
+    def _reorder(self, ps: MixturePartitionState, every: list[str], changes: int, changed: bool, p: int,
+                 num_partitions: int, where: str) -> dict[str, Any]:
+        """One partition's saved state with its sources' columns in this mixture's order (see _take_over)."""
+        if len(ps.sources) != len(every) or len(ps.changes) != changes:
+            raise SidecarError(f"{where}: partition {p}: the state of {len(ps.sources)} sources and {len(ps.changes)} "
+                               f"weight changes; its fingerprint lists {len(every)} sources ({', '.join(every)}) and "
+                               f"{changes} changes")
+        if not changed:
+            return ps.to_dict()
+        labels = list(self.config.labels)
+        order = labels + [label for label in every if label not in labels]
+        epochs, ended, sources = [], [], []
+        for label in order:
+            if label in every:
+                j = every.index(label)
+                epochs.append(ps.source_epochs[j])
+                ended.append(ps.ended[j])
+                sources.append(ps.sources[j])
+            else:      # added: from its start
+                i = labels.index(label)
+                scfg = self.config.sources[i].replace(num_partitions=num_partitions)
+                fresh = ResumableStream(scfg, rank=p, world_size=num_partitions, num_workers=0,
+                                        source=self.source.sources[i])
+                epochs.append(0)
+                ended.append(False)
+                sources.append(fresh.partition_state(p))
+        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources, ps.extra,
+                                    [*ps.changes, ps.consumed])
+        return out.to_dict()
+
     def _restore_partition(self, p: int, ps: MixturePartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p``: each source's view from its cursor, the draws from the saved position."""
-        labels = self.config.labels
-        if len(ps.sources) != len(labels):
+        labels, n = self.config.labels, len(self.config.labels)
+        if len(ps.sources) != n + len(self._retired):
             raise SidecarError(f"{where}: partition {p}: the state of {len(ps.sources)} sources; this mixture has "
-                               f"{len(labels)} ({', '.join(labels)})")
+                               f"{len(labels)} ({', '.join(labels)}) and keeps {len(self._retired)} removed ones")
+        if len(ps.changes) != len(self._history) - 1:
+            raise SidecarError(f"{where}: partition {p}: starts of {len(ps.changes)} weight changes; the weight history "
+                               f"has {len(self._history) - 1}")
         for i, label in enumerate(labels):
             view = self._views[i][p]
             view.set_endless()       # the source epoch to read is set again when the view is next iterated
@@ -353,8 +574,10 @@ class MixtureStream(StreamBase):
             view.load_state_dict(state, where=f"{where}, source {label!r}", verify_next_sample=verify_next_sample)
         pos = self._pos[p]
         pos.epoch, pos.draws, pos.consumed = ps.epoch, ps.draws, ps.consumed
-        pos.source_epochs, pos.ended = list(ps.source_epochs), list(ps.ended)
-        pos.iters = [None] * len(labels)
+        pos.source_epochs, pos.ended = list(ps.source_epochs[:n]), list(ps.ended[:n])
+        pos.changes = list(ps.changes)
+        pos.iters = [None] * n
+        self._kept[p] = [(ps.source_epochs[i], ps.ended[i], ps.sources[i]) for i in range(n, len(ps.sources))]
 
 
 def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
@@ -384,9 +607,19 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                           "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
-    return {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
-            "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
-            "partitions": partitions, "sources": sources}
+    out = {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
+           "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
+           "partitions": partitions, "sources": sources}
+    history = mix.get("history")
+    if history:      # each entry with the draw it starts at in each partition (the first: draw 0)
+        out["mixture"]["weight_history"] = [
+            {**entry, "starts": {str(p): (ps["mixture"].get("changes") or [0] * len(history))[j - 1] if j else 0
+                                 for p, ps in parts}}
+            for j, entry in enumerate(history)]
+    for key in ("retired", "samples_per_step"):
+        if key in mix:
+            out["mixture"][key] = mix[key]
+    return out
 
 
 def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -222,3 +222,34 @@ def test_index_path_with_several_datasets_is_a_directory_of_one_index_per_source
     cfg = StreamConfig.from_dict(section, extra_keys=())
     assert [s.index_path for s in cfg.sources] == [os.path.join(index_dir, "alpaca.json"),
                                                   os.path.join(index_dir, "sharegpt.json")]
+
+
+def test_interleave_probs_change_on_resume_only_with_mixture_change_allow(assets, procs, tmp_path):
+    """10 steps at 0.9 / 0.1, resumed for 10 more at 0.1 / 0.9: refused without resumable_stream.mixture_change,
+    applied from step 11 with it; the first 10 steps and each dataset's cursor are kept."""
+    import json
+
+    model, data = assets
+    keys = {"max_steps": 10, "save_steps": 10, "buffer_size": 64, "dataset": "alpaca,sharegpt",
+            "mix_strategy": "interleave_under", "interleave_probs": "0.9,0.1"}
+    config, out = write_yaml(str(tmp_path), "run", model, data, consumed_log=True, **keys)
+    procs.start(config, "first", env=ENV, command=ours(config)).wait_ok(600)
+    before = consumed(out)
+    changed = ("max_steps=20", "interleave_probs=0.1,0.9")
+    refused = procs.start(config, "refused", env=ENV, command=ours(config, *changed))
+    assert refused.wait(600) == 2, refused.describe()
+    assert "sources.alpaca.weight: saved 0.9, now 0.1" in refused.stderr
+    assert "set data.mixture_change: allow" in refused.stderr
+    procs.start(config, "allowed", env=ENV,
+                command=ours(config, *changed, "resumable_stream.mixture_change=allow")).wait_ok(600)
+    after = consumed(out)
+    assert {s: after[s] for s in before} == before and sorted(after) == list(range(1, 21))
+    keys_of = [[k for s in steps for k in after[s]] for steps in (range(1, 11), range(11, 21))]
+    share = [sum(k.startswith("sharegpt/") for k in ks) / len(ks) for ks in keys_of]
+    assert share[0] < 0.35 and share[1] > 0.65, share
+    every = keys_of[0] + keys_of[1]
+    assert len(every) == len(set(every))           # nothing a dataset gave is given again
+    with open(os.path.join(out, "checkpoint-20", "stream_state", "fingerprint.json"), encoding="utf-8") as f:
+        history = json.load(f)["mixture"]["history"]
+    assert [h["from"] for h in history] == ["config", "resume"]
+    assert history[1]["weights"] == {"alpaca": 0.1, "sharegpt": 0.9}

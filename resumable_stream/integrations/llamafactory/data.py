@@ -146,7 +146,8 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
         # MIX.yaml -o DIR` writes it (a dataset index describes one dataset)
         for s in mixture:
             s["index_path"] = os.path.join(index_dir, f"{s['label']}.json")
-    return ({"sources": mixture, "stopping": _STRATEGIES[strategy], **order, **stream_keys},
+    return ({"sources": mixture, "stopping": _STRATEGIES[strategy], **order, **stream_keys,
+             "mixture_change": ours.get("mixture_change", "refuse")},
             dict(zip(labels, attrs)))
 
 
@@ -162,6 +163,9 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
                          index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
+    if hasattr(stream, "set_samples_per_step"):   # a mixture: weight schedules in steps map to draws with it
+        stream.set_samples_per_step(training_args.per_device_train_batch_size
+                                    * training_args.gradient_accumulation_steps * training_args.world_size)
     fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs)
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)
     return TrainingStream(stream, None, functools.partial(LlamaFactoryProcessor, fmt),

@@ -21,9 +21,11 @@ STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "b
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
                "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
                "storage_options", "resume_state_path")
+# mixture_change: allow lets a resume change interleave_probs or the datasets of a mixture (data.mixture_change)
+MIXTURE_KEYS = ("mixture_change",)
 # consumed_log: a directory (true: output_dir/consumed), the keys of the samples each step consumed, per rank; the monitoring keys:
 # a Prometheus endpoint per rank, the data-bound warning (resumable_stream.observe.monitoring)
-OWN_KEYS = ("consumed_log", *MONITOR_KEYS)
+OWN_KEYS = ("consumed_log", *MIXTURE_KEYS, *MONITOR_KEYS)
 
 
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -64,6 +66,10 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ConfigError(f"{SECTION}.consumed_log: got {log_dir!r}; allowed: null or false (off), true "
                           "(output_dir/consumed) or a directory")
     _check_stream_keys(ours)
+    change = ours.get("mixture_change", "refuse")
+    if change not in ("refuse", "allow"):
+        raise ConfigError(f"{SECTION}.mixture_change: got {change!r}; allowed: refuse (default: resuming with other "
+                          "interleave_probs or datasets is an error) or allow (they apply from the resume point)")
     monitor_settings(ours)
     return args, ours
 

@@ -131,7 +131,7 @@ class SourceCountsCallback(TrainerCallback):
             "source_samples": dict(zip(labels, map(int, counts))),
             "source_interval_samples": dict(zip(labels, map(int, samples))),
             "source_interval_tokens": dict(zip(labels, map(int, tokens))),
-            "source_target_weights": {k: round(v, 6) for k, v in loader.stream.current_weights().items()},
+            "source_target_weights": {k: round(v, 6) for k, v in loader.current_weights().items()},
             "source_realized_weights": realized_shares(dict(zip(labels, map(int, samples)))),
         }
         if losses is not None:
@@ -159,6 +159,37 @@ def _summed_over_ranks(args, values: list[float]) -> list[float]:
         dist.all_reduce(total)
         return total.tolist()
     return [float(v) for v in values]
+
+
+def weight_changes(stream) -> dict:
+    """``mixture_changes`` for train_log.jsonl: the changes of a mixture's weights made since the last line (a
+    resume with data.mixture_change: allow, a set_weights), each with its weights; nothing when none."""
+    events = stream.pop_weight_events()
+    return {"mixture_changes": events} if events else {}
+
+
+class MixtureWeightsCallback(TrainerCallback):
+    """The hook for a mixture's weights decided by code during training: override :meth:`new_weights`.
+
+    After every optimizer step it is asked for new weights; weights it returns apply from the next batch on
+    (``StreamLoader.set_weights``: each partition after the last sample handed out, the batches prefetched
+    under the old weights dropped), are recorded in the weight history saved with the next checkpoint and
+    logged in train_log.jsonl, so a resumed run replays the same samples. Every rank must return weights
+    at the same steps (decide from the step, or from values every rank has); rank 0's values apply."""
+
+    def new_weights(self, args, state, current: dict[str, float], **kwargs) -> dict[str, float] | None:
+        """The weights (label -> number >= 0, or a schedule) from the next batch on, or None to keep them.
+        ``current``: the target weights of the next draw (normalised); ``kwargs``: the callback's (model,
+        processing_class, optimizer, ...)."""
+        return None
+
+    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+        loader = train_dataloader
+        if loader is None or not hasattr(loader, "set_weights") or not hasattr(loader.stream, "current_weights"):
+            return
+        weights = self.new_weights(args, state, loader.current_weights(), **kwargs)
+        if weights is not None:
+            loader.set_weights(weights, step=state.global_step)
 
 
 class TrainLogCallback(TrainerCallback):

@@ -1,0 +1,178 @@
+"""A mixture's weight history and the sources its draws pick.
+
+The history is an ordered list of segments, each the weights of a set of sources (numbers or schedules,
+resumable_stream.config.weight_schedule) from a draw on: the first one is the configured weights from draw
+0; a resume with ``data.mixture_change: allow`` or ``MixtureStream.set_weights`` appends one. The
+segments (labels, weights, origin) are the same for every partition and live in the mixture's fingerprint;
+the draw each segment starts at is a partition's own (``changes`` in its state), as partitions move at
+their own pace.
+
+The weight of source s at a partition's draw d (0-based, counted over all mixture epochs: the partition's
+``consumed`` before the draw) is that of the segment d falls in; a schedule is read at position
+``d * num_partitions`` (unit samples) or ``d * num_partitions / samples_per_step`` (unit steps), where
+samples_per_step (samples of the whole job per optimizer step: batch x gradient accumulation x ranks) is
+fixed when the run starts and saved with it. The pick itself is the draw's counter-based uniform against
+the cumulative normalised weights, so it is a pure function of (seed, mixture epoch, partition, draw in
+epoch, d, history): a resume anywhere, inside a ramp or at a breakpoint, draws the same sources.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..config.weight_schedule import check_weights, is_schedule, schedule_unit
+from ..errors import ConfigError, SidecarError
+from ..plan import counter_hashes, derive_seed
+
+TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
+ORIGINS = ("config", "resume", "set_weights")
+MAX_SEGMENTS = 100_000
+
+
+def uniforms(seed: int, epoch: int, partition: int, start: int, count: int) -> np.ndarray:
+    """The uniforms in [0, 1) of draws ``start .. start+count-1`` of (partition, mixture epoch)."""
+    key = derive_seed(TAG_MIXTURE, seed, epoch, partition)
+    bits = counter_hashes(key, start, count)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def pick_fixed(probabilities: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """The source each uniform picks under fixed probabilities."""
+    picks = np.searchsorted(np.cumsum(probabilities), uniform, side="right")
+    return np.minimum(picks, len(probabilities) - 1)
+
+
+def draw_sources(probabilities: np.ndarray, seed: int, epoch: int, partition: int, start: int,
+                 count: int) -> np.ndarray:
+    """The sources of draws ``start .. start+count-1`` of (partition, epoch) under fixed probabilities."""
+    return pick_fixed(probabilities, uniforms(seed, epoch, partition, start, count))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The weights of ``labels`` from a draw on (the draw is each partition's own)."""
+
+    labels: tuple[str, ...]
+    weights: tuple            # per label: a float, or a schedule (config.weight_schedule)
+    origin: str = "config"    # config | resume | set_weights
+    step: int | None = None   # the training step of a set_weights, when the caller told it
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"from": self.origin, "weights": dict(zip(self.labels, self.weights))}
+        if self.step is not None:
+            out["step"] = self.step
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Segment:
+        ok = (isinstance(d, dict) and d.get("from") in ORIGINS and isinstance(d.get("weights"), dict)
+              and d["weights"] and all(isinstance(k, str) for k in d["weights"])
+              and (d.get("step") is None or (isinstance(d["step"], int) and d["step"] >= 0)))
+        if not ok:
+            raise SidecarError(f"{where}: corrupt weight history entry {d!r:.120}; allowed: a mapping with from "
+                               f"({', '.join(ORIGINS)}), weights (label: weight) and an optional step")
+        labels = list(d["weights"])
+        try:
+            weights = check_weights(list(d["weights"].values()), labels, lambda i: f"weights.{labels[i]}",
+                                    allow_zero=True)
+        except ConfigError as e:
+            raise SidecarError(f"{where}: corrupt weight history entry: {e}") from None
+        return cls(tuple(labels), weights, d["from"], d.get("step"))
+
+    @property
+    def fixed(self) -> bool:
+        return not any(is_schedule(w) for w in self.weights)
+
+
+def history_from_json(entries: Any, where: str) -> list[Segment]:
+    if not (isinstance(entries, list) and 1 <= len(entries) <= MAX_SEGMENTS):
+        raise SidecarError(f"{where}: corrupt weight history {entries!r:.80}; allowed: a list of 1 to {MAX_SEGMENTS} "
+                           "entries")
+    return [Segment.from_json(e, f"{where}[{j}]") for j, e in enumerate(entries)]
+
+
+def history_unit(history: list[Segment]) -> str | None:
+    """``steps`` when some segment has a schedule in steps (it then needs samples_per_step), else its unit."""
+    units = {schedule_unit(s.weights) for s in history} - {None}
+    return "steps" if "steps" in units else next(iter(units), None)
+
+
+class WeightPlan:
+    """The sources the draws of a partition pick, under a history, as indexes of the mixture's active sources."""
+
+    def __init__(self, history: list[Segment], active: tuple[str, ...], num_partitions: int,
+                 samples_per_step: int | None):
+        self.history, self.num_partitions, self.samples_per_step = history, num_partitions, samples_per_step
+        slot = {label: i for i, label in enumerate(active)}
+        self._slots = [np.asarray([slot.get(label, -1) for label in s.labels], dtype=np.int64) for s in history]
+        self._fixed = []
+        for s in history:      # as MixtureConfig.probabilities normalises: fixed weights draw as they always did
+            fixed = s.fixed and all(w > 0 for w in s.weights)
+            total = float(sum(s.weights)) if fixed else 0.0
+            self._fixed.append(np.asarray([float(w) / total for w in s.weights]) if fixed else None)
+
+    def position(self, draws: np.ndarray, unit: str) -> np.ndarray:
+        """The schedule position of draw indexes ``draws`` (module doc)."""
+        samples = draws.astype(np.float64) * self.num_partitions
+        if unit == "samples":
+            return samples
+        if not self.samples_per_step:
+            raise ConfigError("data.sources[i].weight: a schedule in steps needs the samples per optimizer step of "
+                              "the job (the trainer sets it; a stream of your own: "
+                              "stream.set_samples_per_step(batch_size * gradient_accumulation * world_size)), or "
+                              "write the schedule with unit: samples")
+        return samples / float(self.samples_per_step)
+
+    def segment_of(self, draw: int, changes: list[int]) -> int:
+        """The segment draw index ``draw`` of a partition falls in (``changes``: where segments 1.. start)."""
+        return bisect.bisect_right(changes, draw)
+
+    def weights(self, segment: int, draws: np.ndarray) -> np.ndarray:
+        """(len(draws), labels of the segment) weights, unnormalised."""
+        s = self.history[segment]
+        unit = schedule_unit(s.weights)
+        x = self.position(draws, unit) if unit else None
+        cols = []
+        for w in s.weights:
+            if not is_schedule(w):
+                cols.append(np.full(len(draws), float(w)))
+                continue
+            xs = np.asarray([p[0] for p in w["points"]])
+            ws = np.asarray([p[1] for p in w["points"]])
+            if w["schedule"] == "linear":
+                cols.append(np.interp(x, xs, ws))
+            else:
+                cols.append(ws[np.maximum(np.searchsorted(xs, x, side="right") - 1, 0)])
+        return np.stack(cols, axis=1)
+
+    def picks(self, seed: int, epoch: int, partition: int, draw: int, consumed: int, changes: list[int],
+              count: int) -> list[int]:
+        """Active-source indexes of draws ``draw ..`` of mixture epoch ``epoch`` (draw indexes ``consumed ..``
+        overall), at most ``count`` and never past the start of the next segment."""
+        segment = self.segment_of(consumed, changes)
+        if segment < len(changes):
+            count = max(1, min(count, changes[segment] - consumed))
+        u = uniforms(seed, epoch, partition, draw, count)
+        if self._fixed[segment] is not None:
+            local = pick_fixed(self._fixed[segment], u)
+        else:
+            w = self.weights(segment, consumed + np.arange(count, dtype=np.int64))
+            cum = np.cumsum(w / w.sum(axis=1, keepdims=True), axis=1)
+            local = (cum <= u[:, None]).sum(axis=1)
+            last_positive = w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)
+            local = np.minimum(local, last_positive)
+        out = self._slots[segment][local]
+        if (out < 0).any():
+            raise SidecarError(f"partition {partition}: draw {consumed} is in a weight history entry of sources "
+                               f"{list(self.history[segment].labels)}, some of which this mixture no longer reads")
+        return out.tolist()
+
+    def weights_now(self, consumed: int, changes: list[int]) -> dict[str, float]:
+        """label -> normalised target weight of the draw with index ``consumed``."""
+        segment = self.segment_of(consumed, changes)
+        w = self.weights(segment, np.asarray([consumed], dtype=np.int64))[0]
+        return {label: float(v) / float(w.sum()) for label, v in zip(self.history[segment].labels, w)}
