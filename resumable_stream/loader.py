@@ -447,8 +447,13 @@ class StreamLoader:
             return None
         counts = self.counters.per_source()
         zeros = (0,) * len(labels)
+        # the target after what training consumed; before the first batch of the partition, where its reader
+        # is (read from the position only: partition_state would build a reader's windows from this thread)
+        p = self.stream.partitions[0]
+        consumed = self._consumed.get(p)
+        target = self.stream.current_weights(p, consumed) if consumed is not None else self.stream.current_weights(p)
         return {"labels": labels, "samples": counts["samples"] or zeros, "tokens": counts["tokens"] or zeros,
-                "target": self.current_weights()}
+                "target": target}
 
     def data_epoch(self) -> float | None:
         """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the
