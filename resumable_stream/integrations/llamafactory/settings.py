@@ -14,6 +14,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
 from .held_out import check_val_size
+from .media import MEDIA_KEYS, media_settings
 
 SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
@@ -23,7 +24,8 @@ STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "b
                "storage_options", "resume_state_path")
 # consumed_log: a directory (true: output_dir/consumed), the keys of the samples each step consumed, per rank; the monitoring keys:
 # a Prometheus endpoint per rank, the data-bound warning (resumable_stream.observe.monitoring)
-OWN_KEYS = ("consumed_log", *MONITOR_KEYS)
+# bad_sample, max_image_bytes, allow_absolute_image_paths: the images of multimodal rows (media.py)
+OWN_KEYS = ("consumed_log", *MONITOR_KEYS, *MEDIA_KEYS)
 
 
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -61,6 +63,7 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                           "(output_dir/consumed) or a directory")
     _check_stream_keys(ours)
     monitor_settings(ours)
+    media_settings(ours)
     return args, ours
 
 
