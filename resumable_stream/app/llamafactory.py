@@ -8,6 +8,8 @@ What is patched while it runs (and restored after):
   :mod:`.media`);
 * the checkpoint LLaMA-Factory resumes automatically: the newest *complete* one (with ``trainer_state.json``
   and the stream's manifest), never one a kill cut short (``get_last_checkpoint`` of its argument parser);
+* the weights a full fine-tune resumes: a checkpoint saved under legacy names (Qwen2-VL) is loaded under the
+  model's own (:mod:`.weights`; the Trainer of transformers 5.6 loads none of them);
 * its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``, ``CustomDPOTrainer``, ``CustomKTOTrainer``,
   ``PairwiseTrainer``) through :func:`patch_trainer`: no batch replay,
   the stream state saved into and restored from every checkpoint, one job per ``output_dir``.
@@ -78,6 +80,7 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     from ..integrations.llamafactory.data import get_dataset
     from ..integrations.llamafactory.media import ProcessorLoader
     from ..integrations.llamafactory.reward import patch_load_from_checkpoint
+    from ..integrations.llamafactory.weights import patch_load_renamed
     from ..integrations.transformers import patch_trainer
 
     # trl's DPO / KTO trainers: our patched get_train_dataloader stands in for trl's, which adds only
@@ -85,6 +88,8 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
         patch_trainer(trainer)
     patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
+    for trainer in (CustomSeq2SeqTrainer, CustomTrainer):
+        patch_load_renamed(trainer)                  # a full Qwen2-VL resumes its weights (llamafactory-cli's not)
     workflows = (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)
     saved = [(m, "get_dataset", m.get_dataset) for m in workflows]
     patches = [(parser, "get_last_checkpoint", latest_complete_checkpoint),

@@ -42,18 +42,19 @@ def vl_assets(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_multimodal_losses_equal_those_of_llamafactory_cli(vl_assets, procs, tmp_path):
-    """Shuffling off on both sides (buffer_size 1, one DataLoader worker): the same image tokens, pixels and
-    mrope position ids, so every per-step loss equals llamafactory-cli's (images dropped or mis-counted would
+    """LoRA, shuffling off on both sides (buffer_size 1, one DataLoader worker): the same image tokens, pixels
+    and mrope position ids, so every per-step loss equals llamafactory-cli's (images dropped or mis-counted would
     change the tokens and the losses from step 1)."""
     model, data = vl_assets
-    cli_yaml, cli_out = write_yaml(str(tmp_path), "cli", model, data, streaming=True, **VL)
-    our_yaml, our_out = write_yaml(str(tmp_path), "ours", model, data, **VL)
+    keys = {**VL, "finetuning_type": "lora", "lora_rank": 4, "lora_target": "all"}    # as qwen2_5vl_lora_sft.yaml
+    cli_yaml, cli_out = write_yaml(str(tmp_path), "cli", model, data, streaming=True, **keys)
+    our_yaml, our_out = write_yaml(str(tmp_path), "ours", model, data, **keys)
     procs.start(cli_yaml, "cli", env=ENV, command=llamafactory_cli_vl(cli_yaml)).wait_ok(600)
     procs.start(our_yaml, "ours", env=ENV, command=ours(our_yaml)).wait_ok(600)
     reference = losses(cli_out)
     assert len(reference) == 6
     assert_losses_equal(reference, losses(our_out), 1e-6, "[qwen2_vl]")
-    assert os.path.isfile(os.path.join(our_out, "model.safetensors"))
+    assert os.path.isfile(os.path.join(our_out, "adapter_model.safetensors"))
     assert os.path.isdir(os.path.join(our_out, "checkpoint-6", "stream_state"))
 
 
@@ -77,7 +78,7 @@ def _broken_data(data: str, tmp_path) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_sigkilled_multimodal_run_resumes_exactly_and_skips_bad_images(vl_assets, procs, tmp_path):
-    """Shuffled, 2 DataLoader workers, a missing / cut / escaping / absolute image in every 7th row skipped
+    """Full fine-tuning, shuffled, 2 DataLoader workers, a missing / cut / escaping / absolute image in every 7th row skipped
     (``bad_sample: skip``): killed after checkpoint-4 and started again, losses and consumed samples of every
     step equal an uninterrupted run's."""
     model, data = vl_assets
