@@ -153,9 +153,9 @@ def get_dataset(original, ours: dict[str, Any], template, model_args, data_args,
     val_size = check_val_size({"val_size": data_args.val_size})
     if processor is not None and (stage != "sft" or val_size):
         what = f"stage {stage!r}" if stage != "sft" else f"val_size {val_size}"
-        raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor; "
-                          f"resumable-stream llamafactory trains multimodal models with stage sft without val_size "
-                          f"(got {what}); allowed: stage sft (hold out evaluation data with eval_dataset)")
+        raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor, "
+                          f"with {what}; not supported by resumable-stream llamafactory: multimodal models train "
+                          "with stage sft, without val_size (evaluate on eval_dataset)")
     module = {"train_dataset": train_stream(template, data_args, training_args, tokenizer, stage, ours, processor)}
     if val_size:                 # the first val_size rows: the evaluation set, never trained on (held_out.py)
         module["eval_dataset"] = hold_out(module["train_dataset"], val_size, template, tokenizer, data_args,

@@ -6,7 +6,9 @@ the ``columns`` and ``tags`` of dataset_info.json), then its dataset processor (
 examples with its template, exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A
 packing processor works on chunks of ``preprocessing_batch_size`` rows (its greedy knapsack and pt's block
 cutting are per chunk), so the rows of an unfinished chunk are part of the transform's state; without packing
-every row is its own chunk (the outputs are the same, and nothing waits).
+every row is its own chunk (the outputs are the same, and nothing waits). With a multimodal model's processor,
+a row's images are checked first (:mod:`.media`, ``bad_sample``) and LLaMA-Factory's processor expands them
+with its mm_plugin; the examples carry the image paths its collator decodes.
 """
 
 from __future__ import annotations
