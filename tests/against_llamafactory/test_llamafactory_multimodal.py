@@ -217,3 +217,20 @@ def test_image_keys_of_the_section_are_checked_naming_them(section, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         split({"stage": "sft", "resumable_stream": section})
+
+
+@pytest.mark.parametrize(("stage", "val_size", "message"), [
+    ("rm", None, "with a preference stage (dpo, kto, rm); not supported"),
+    ("kto", None, "with a preference stage (dpo, kto, rm); not supported"),
+    ("sft", 10, "with val_size 10; not supported"),
+])
+def test_a_multimodal_model_outside_sft_is_refused_naming_why(stage, val_size, message):
+    from types import SimpleNamespace
+
+    from resumable_stream.integrations.llamafactory.data import get_dataset
+
+    model_args = SimpleNamespace(model_name_or_path="org/vl")
+    data_args = SimpleNamespace(val_size=val_size)
+    with pytest.raises(ConfigError, match=r"model_name_or_path: 'org/vl' loads with a multimodal processor") as e:
+        get_dataset(None, {}, None, model_args, data_args, None, stage, None, processor=object())
+    assert message in str(e.value)

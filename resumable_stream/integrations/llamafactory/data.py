@@ -152,7 +152,8 @@ def get_dataset(original, ours: dict[str, Any], template, model_args, data_args,
     is LLaMA-Factory's own (``original``), which needs no resume."""
     val_size = check_val_size({"val_size": data_args.val_size})
     if processor is not None and (stage != "sft" or val_size):
-        what = f"stage {stage!r}" if stage != "sft" else f"val_size {val_size}"
+        # LLaMA-Factory's dpo workflow asks for its "rm" data
+        what = {"sft": f"val_size {val_size}", "pt": "stage pt"}.get(stage, "a preference stage (dpo, kto, rm)")
         raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor, "
                           f"with {what}; not supported by resumable-stream llamafactory: multimodal models train "
                           "with stage sft, without val_size (evaluate on eval_dataset)")
