@@ -4,8 +4,12 @@ What is patched while it runs (and restored after):
 
 * ``get_dataset`` of the ``pt``, ``sft``, ``dpo``, ``kto`` and ``rm`` workflows: the training dataset is our
   stream (:mod:`.data`; the preference stages: :mod:`.preference`);
+* ``AutoProcessor`` of its model loader: a Qwen2-VL-style processor loads without torchvision (images only,
+  :mod:`.media`);
 * the checkpoint LLaMA-Factory resumes automatically: the newest *complete* one (with ``trainer_state.json``
   and the stream's manifest), never one a kill cut short (``get_last_checkpoint`` of its argument parser);
+* the weights a full fine-tune resumes: a checkpoint saved under legacy names (Qwen2-VL) is loaded under the
+  model's own (:mod:`.weights`; the Trainer of transformers 5.6 loads none of them);
 * its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``, ``CustomDPOTrainer``, ``CustomKTOTrainer``,
   ``PairwiseTrainer``) through :func:`patch_trainer`: no batch replay,
   the stream state saved into and restored from every checkpoint, one job per ``output_dir``.
@@ -61,6 +65,7 @@ def finished_at(args: dict[str, Any]) -> int | None:
 def patched(ours: dict[str, Any]) -> Iterator[None]:
     """LLaMA-Factory's workflows reading our stream, resuming complete checkpoints, with patched trainers."""
     import llamafactory.hparams.parser as parser
+    import llamafactory.model.loader as model_loader
     import llamafactory.train.dpo.workflow as dpo_workflow
     import llamafactory.train.kto.workflow as kto_workflow
     import llamafactory.train.pt.workflow as pt_workflow
@@ -73,7 +78,9 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 
     from ..integrations.llamafactory.data import get_dataset
+    from ..integrations.llamafactory.media import ProcessorLoader
     from ..integrations.llamafactory.reward import patch_load_from_checkpoint
+    from ..integrations.llamafactory.weights import patch_load_renamed
     from ..integrations.transformers import patch_trainer
 
     # trl's DPO / KTO trainers: our patched get_train_dataloader stands in for trl's, which adds only
@@ -81,13 +88,18 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
         patch_trainer(trainer)
     patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
+    for trainer in (CustomSeq2SeqTrainer, CustomTrainer):
+        patch_load_renamed(trainer)                  # a full Qwen2-VL resumes its weights (llamafactory-cli's not)
     workflows = (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)
     saved = [(m, "get_dataset", m.get_dataset) for m in workflows]
-    saved.append((parser, "get_last_checkpoint", parser.get_last_checkpoint))
+    patches = [(parser, "get_last_checkpoint", latest_complete_checkpoint),
+               (model_loader, "AutoProcessor", ProcessorLoader)]     # a VL processor without torchvision
+    saved += [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
-        for module, name, original in saved[:-1]:
+        for module, name, original in saved[:len(workflows)]:
             setattr(module, name, functools.partial(get_dataset, original, ours))
-        parser.get_last_checkpoint = latest_complete_checkpoint
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
         yield
     finally:
         for module, name, original in saved:

@@ -82,7 +82,7 @@ SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX
 Example = dict[str, Any]
 
 
-class _Bad(Exception):
+class BadSample(Exception):
     """A sample that ``data.bad_sample`` decides about; ``kind`` is its stats counter."""
 
     def __init__(self, kind: str, reason: str):
@@ -91,21 +91,21 @@ class _Bad(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- processor loading
-def load_processor(name: str, trust_remote_code: bool = False):
-    """``AutoProcessor.from_pretrained(name)``; where that fails only because of the processor's *video*
-    processor (it needs torchvision for Qwen2-VL / Qwen2.5-VL / Qwen3-VL in transformers 5, and a processor
-    saved without one has no video config), the same processor class is built without its video
+def load_processor(name: str, trust_remote_code: bool = False, **kwargs):
+    """``AutoProcessor.from_pretrained(name, **kwargs)``; where that fails only because of the processor's
+    *video* processor (it needs torchvision for Qwen2-VL / Qwen2.5-VL / Qwen3-VL in transformers 5, and a
+    processor saved without one has no video config), the same processor class is built without its video
     processor: images go through the image processor AutoImageProcessor picks (PIL without torchvision)."""
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except (ImportError, OSError) as e:
         # the video processor needs torchvision, or its config is missing (a processor saved by this fallback)
         if not any(w in str(e).lower() for w in ("torchvision", "video processor", "video_preprocessor")):
             raise
     cls = _image_only(_processor_class(name, trust_remote_code), name, trust_remote_code)
-    return cls.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return cls.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def _processor_class(name: str, trust_remote_code: bool):
@@ -167,31 +167,31 @@ def processor_digest(processor: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- images
-def _read_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None) -> bytes:
+def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None) -> bytes:
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
         if data:
             return _bounded(bytes(data), i, "bytes", cfg)
         if not path:
-            raise _Bad("skipped_image", f"image {i} has neither bytes nor a path")
+            raise BadSample("skipped_image", f"image {i} has neither bytes nor a path")
         value = path
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _bounded(bytes(value), i, "bytes", cfg)
     if not isinstance(value, str):
-        raise _Bad("skipped_image",
+        raise BadSample("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
     if value.startswith(("http://", "https://")):
         return _fetch(value, i, cfg.max_image_bytes, retry or RetryPolicy.of())
-    path = _local_path(value, i, cfg)
+    path = local_image_path(value, i, cfg)
     try:
         return read_regular_file(path, cfg.max_image_bytes)   # never a FIFO, a device or more than the limit
     except FileNotFoundError:
-        raise _Bad("skipped_image", f"image {i} file {path!r} not found") from None
+        raise BadSample("skipped_image", f"image {i} file {path!r} not found") from None
     except FileRefused as e:
-        raise _Bad("skipped_image", f"image {i} file {path!r} refused: {e} (data.max_image_bytes "
+        raise BadSample("skipped_image", f"image {i} file {path!r} refused: {e} (data.max_image_bytes "
                                     f"{cfg.max_image_bytes})") from None
     except (IsADirectoryError, NotADirectoryError) as e:
-        raise _Bad("skipped_image", f"image {i} file {path!r} cannot be read ({e.strerror})") from None
+        raise BadSample("skipped_image", f"image {i} file {path!r} cannot be read ({e.strerror})") from None
     except OSError as e:
         # EMFILE, EIO, EACCES, ESTALE, ...: a property of the machine, not of the sample; skipping on it would
         # make the skipped samples depend on the environment, and a resumed run could differ
@@ -202,12 +202,12 @@ def _read_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | N
 
 def _bounded(data: bytes, i: int, what: str, cfg: TransformConfig) -> bytes:
     if len(data) > cfg.max_image_bytes:
-        raise _Bad("skipped_image", f"image {i} {what}: {len(data)} bytes, over data.max_image_bytes "
+        raise BadSample("skipped_image", f"image {i} {what}: {len(data)} bytes, over data.max_image_bytes "
                                     f"{cfg.max_image_bytes}")
     return data
 
 
-def _local_path(value: str, i: int, cfg: TransformConfig) -> str:
+def local_image_path(value: str, i: int, cfg: TransformConfig) -> str:
     """A path named by a row, resolved against data.image_dir (the working directory when null) and confined
     to it: no absolute path, no ``..`` or symlink out of it, unless data.allow_absolute_image_paths."""
     base = os.path.realpath(cfg.image_dir or os.getcwd())
@@ -215,11 +215,11 @@ def _local_path(value: str, i: int, cfg: TransformConfig) -> str:
         return value if os.path.isabs(value) else os.path.join(base, value)
     where = f"data.image_dir {cfg.image_dir!r}" if cfg.image_dir else f"the working directory {base!r}"
     if os.path.isabs(value):
-        raise _Bad("skipped_image", f"image {i} path {value!r} is absolute; paths are relative to {where} (set "
+        raise BadSample("skipped_image", f"image {i} path {value!r} is absolute; paths are relative to {where} (set "
                                     "data.allow_absolute_image_paths: true to allow any path)")
     path = os.path.realpath(os.path.join(base, value))
     if os.path.commonpath([path, base]) != base:
-        raise _Bad("skipped_image", f"image {i} path {value!r} leads out of {where} (through '..' or a symlink); "
+        raise BadSample("skipped_image", f"image {i} path {value!r} leads out of {where} (through '..' or a symlink); "
                                     "set data.allow_absolute_image_paths: true to allow any path")
     return path
 
@@ -232,7 +232,7 @@ def _fetch(url: str, i: int, max_bytes: int, retry: RetryPolicy) -> bytes:
     try:
         return fetch_url(url, lambda r: _read_body(r, i, url, max_bytes), retry, f"image {i} URL {url}")
     except HttpAnswer as e:
-        raise _Bad("skipped_image", f"image {i} URL {url} answered HTTP {e.status}") from None
+        raise BadSample("skipped_image", f"image {i} URL {url} answered HTTP {e.status}") from None
     except SourceError as e:
         raise TransformError(f"{e}; a network failure is not skipped by data.bad_sample") from None
 
@@ -244,33 +244,33 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
         if total > max_bytes:
-            raise _Bad("skipped_image", f"image {i} URL {url}: over data.max_image_bytes {max_bytes}")
+            raise BadSample("skipped_image", f"image {i} URL {url}: over data.max_image_bytes {max_bytes}")
     if response.length:     # bytes the server announced but never sent
         raise http.client.IncompleteRead(b"".join(chunks), response.length)
     return b"".join(chunks)
 
 
 def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None = None):
-    """One image value -> an RGB PIL image; raises ``_Bad`` with the reason when it cannot be used. Local
+    """One image value -> an RGB PIL image; raises ``BadSample`` with the reason when it cannot be used. Local
     paths and sizes are bounded by ``cfg`` (image_dir, max_image_bytes, allow_absolute_image_paths)."""
     from PIL import Image
 
     if value is None:
-        raise _Bad("skipped_image", f"image {i} is null")
+        raise BadSample("skipped_image", f"image {i} is null")
     if isinstance(value, Image.Image):
         img = value
     else:
-        data = _read_bytes(value, i, cfg, retry)
+        data = read_image_bytes(value, i, cfg, retry)
         try:
             img = Image.open(io.BytesIO(data))
             img.load()
         except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, EOFError, ...
-            raise _Bad("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+            raise BadSample("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
     if img.mode not in SUPPORTED_MODES:
-        raise _Bad("skipped_image",
+        raise BadSample("skipped_image",
                    f"image {i} has the unsupported mode {img.mode!r}; supported: {', '.join(SUPPORTED_MODES)}")
     if img.width < 1 or img.height < 1:
-        raise _Bad("skipped_image", f"image {i} is empty ({img.width}x{img.height})")
+        raise BadSample("skipped_image", f"image {i} is empty ({img.width}x{img.height})")
     if img.mode == "RGB":
         return img
     try:
@@ -280,7 +280,7 @@ def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | 
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     except Exception as e:  # noqa: BLE001 - PIL raises ValueError, OSError, ... on a conversion it cannot do
-        raise _Bad("skipped_image", f"image {i} cannot be converted from mode {img.mode!r} to RGB "
+        raise BadSample("skipped_image", f"image {i} cannot be converted from mode {img.mode!r} to RGB "
                                     f"({type(e).__name__}: {e})") from None
 
 
@@ -382,7 +382,7 @@ class VLProcessor:
             if e.key is None:   # raised below the sample level (a URL, a file, the template): name the sample
                 raise TransformError(f"sample {key!r}: {e}", key) from e.__cause__
             raise
-        except _Bad as bad:
+        except BadSample as bad:
             if self.cfg.bad_sample == "error":
                 raise TransformError(f"sample {key!r}: {bad.reason} (data.bad_sample is 'error'; 'skip' skips "
                                      "such samples)", key) from None
@@ -538,7 +538,7 @@ class VLProcessor:
             raise TransformError(f"sample {key!r}: column data.images_column {icol!r} holds {type(images).__name__}, "
                                  "expected a list of images", key)
         if placeholders != len(images):
-            raise _Bad("skipped_mismatch", f"{placeholders} {PLACEHOLDER} placeholder(s) in the messages but "
+            raise BadSample("skipped_mismatch", f"{placeholders} {PLACEHOLDER} placeholder(s) in the messages but "
                                            f"{len(images)} image(s) in column data.images_column {icol!r}")
         return conversation, list(images)
 
@@ -552,24 +552,24 @@ class VLProcessor:
         except TransformError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors of a template that cannot render this sample
-            raise _Bad("skipped_processor",
+            raise BadSample("skipped_processor",
                        f"the chat template failed on this conversation ({type(e).__name__}: {e})") from None
         ids0, labels0 = self._label(full, conversation, key)
         L = self.cfg.max_seq_len
         text_tokens = len(ids0) - sum(1 for t in ids0 if t == self.image_token_id)
         if text_tokens > L:   # image tokens only add to this: over-length before any image is decoded
-            raise _Bad("dropped_overlong", f"{text_tokens} tokens before image tokens, longer than "
+            raise BadSample("dropped_overlong", f"{text_tokens} tokens before image tokens, longer than "
                                            f"data.max_seq_len {L}")
         images = [decode_image(v, i, self.cfg, self.retry) for i, v in enumerate(raw_images)]
         try:
             out = self.processor(text=[full], images=images or None, return_tensors="np", add_special_tokens=False)
         except Exception as e:  # noqa: BLE001 - processors raise ValueError, TypeError, ... on a sample they refuse
-            raise _Bad("skipped_processor", f"the processor failed ({type(e).__name__}: {e})") from None
+            raise BadSample("skipped_processor", f"the processor failed ({type(e).__name__}: {e})") from None
         ids = np.asarray(out["input_ids"], dtype=np.int64).reshape(-1)
         labels = self._expand_labels(ids0, labels0, ids, key)
         if len(ids) > L:
             n_img = int((ids == self.image_token_id).sum())
-            raise _Bad("dropped_overlong", f"{len(ids)} tokens ({n_img} of them image tokens), longer than "
+            raise BadSample("dropped_overlong", f"{len(ids)} tokens ({n_img} of them image tokens), longer than "
                                            f"data.max_seq_len {L} (raise it, or lower the image processor's max_pixels)")
         shape = np.asarray(out["input_ids"]).shape
         example: Example = {"input_ids": ids, "labels": labels, "keys": [key], "token": {}, "vision": {}}
@@ -605,7 +605,7 @@ class VLProcessor:
             for k, piece in enumerate(pieces):
                 pos = full.find(piece, start)
                 if pos < 0:
-                    raise _Bad("skipped_processor",
+                    raise BadSample("skipped_processor",
                                f"assistant message {i} does not appear verbatim in the chat template's rendering "
                                "(a template that rewrites assistant text, e.g. moves or drops <think> reasoning), "
                                "so its tokens cannot be labelled")

@@ -161,3 +161,89 @@ def assert_losses_equal(a: dict[int, float], b: dict[int, float], tol: float, no
     worst = max(abs(a[s] - b[s]) for s in a)
     first = next((s for s in sorted(a) if abs(a[s] - b[s]) > tol), None)
     assert first is None, f"step {first}: loss {a[first]} vs {b[first]} (max difference {worst}) {note}"
+
+
+# ------------------------------------------------------------------------------------------------ multimodal
+VL_TOKENIZER = os.path.join(ROOT, "examples", "tiny", "vl")     # the tiny tokenizer + Qwen2-VL's vision tokens
+_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40),
+            "white": (245, 245, 245), "black": (20, 20, 20)}
+
+
+def make_vl_model(directory: str) -> str:
+    """A random-init Qwen2-VL (2 text layers of width 32, a 2-block vision tower with 8-px patches, ~100k
+    parameters) with its processor: the bundled tokenizer carrying <|vision_start|>, <|vision_end|>,
+    <|image_pad|>, <|video_pad|> and Qwen2-VL's image processor (PIL) at 256..4096 pixels per image. Saved
+    without a video processor: transformers 5 builds those with torchvision only."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(VL_TOKENIZER)
+    ids = tok.convert_tokens_to_ids
+    text = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "tie_word_embeddings": True}
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 8,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 256, "longest_edge": 4096}).save_pretrained(directory)
+    with open(os.path.join(directory, "processor_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+    return directory
+
+
+def _picture(path: str, i: int) -> None:
+    from PIL import Image, ImageDraw
+
+    names = list(_COLOURS)
+    w, h = [(32, 32), (48, 32), (32, 48), (64, 48)][i % 4]
+    img = Image.new("RGB", (w, h), _COLOURS[names[(i + 1) % len(names)]])
+    ImageDraw.Draw(img).rectangle([w // 4, h // 4, 3 * w // 4, 3 * h // 4], fill=_COLOURS[names[i % len(names)]])
+    img.save(path)
+
+
+def vl_rows(n: int) -> list[dict]:
+    """mllm_demo-style rows: sharegpt ``messages`` with ``<image>`` placeholders and ``images`` paths relative to
+    dataset_dir (``pictures/N.png``); every third row two turns and two images, some with a system message."""
+    names = list(_COLOURS)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"<image>What colour is square {i}?"},
+                    {"role": "assistant", "content": f"The square is {names[i % 6]} on {names[(i + 1) % 6]}."}]
+        images = [f"pictures/{i}.png"]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": f"And this one? <image> {_words(i, 2)}"},
+                         {"role": "assistant", "content": f"That one is {names[(i + 7) % 6]}. {_words(i, 3)}"}]
+            images.append(f"pictures/{(i + 7) % n}.png")
+        if i % 5 == 0:
+            messages.insert(0, {"role": "system", "content": "You describe pictures."})
+        rows.append({"messages": messages, "images": images})
+    return rows
+
+
+def make_vl_data(directory: str, n: int = 60) -> str:
+    """dataset_dir with ``pictures/`` (n PNGs of 32..64 px), ``mllm.json`` (n rows, as LLaMA-Factory's
+    mllm_demo.json: one JSON array) and its dataset_info.json entry ``mllm`` (as LLaMA-Factory's own)."""
+    os.makedirs(os.path.join(directory, "pictures"), exist_ok=True)
+    for i in range(n):
+        _picture(os.path.join(directory, "pictures", f"{i}.png"), i)
+    with open(os.path.join(directory, "mllm.json"), "w", encoding="utf-8") as f:
+        json.dump(vl_rows(n), f, indent=1)
+    entry = {"formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
+             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+                      "system_tag": "system"}}
+    with open(os.path.join(directory, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump({"mllm": {"file_name": "mllm.json", **entry}}, f, indent=1)
+    return directory
+
+
+def llamafactory_cli_vl(config: str) -> list[str]:
+    """``llamafactory-cli train`` with Qwen2-VL's processor built without its video processor (lf_cli_vl.py)."""
+    return [sys.executable, os.path.join(HERE, "lf_cli_vl.py"), "train", config]

@@ -24,6 +24,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from .held_out import check_val_size, hold_out
+from .media import media_settings
 from .preference import check_stage
 from .processor import Formatting, LlamaFactoryProcessor
 from .settings import STREAM_KEYS, monitor_settings
@@ -42,9 +43,9 @@ def _source(attr, data_args) -> dict[str, Any]:
     from llamafactory.extras.constants import FILEEXT2TYPE
 
     name = attr.dataset_name
-    media = [c for c in ("images", "videos", "audios") if getattr(attr, c, None)]
-    if media:
-        raise _refused(name, f"media columns {media} (multimodal data)")
+    media = [c for c in ("videos", "audios") if getattr(attr, c, None)]
+    if media:     # transformers 5's video processors need torchvision; audio has no test here either
+        raise _refused(name, f"media columns {media} (images are; videos and audios are not yet)")
     if attr.num_samples is not None:
         log.warning("dataset %r: num_samples is ignored when streaming (as llamafactory-cli ignores it)", name)
     if attr.load_from == "file":
@@ -151,8 +152,9 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
             dict(zip(labels, attrs)))
 
 
-def train_stream(template, data_args, training_args, tokenizer, stage: str, ours: dict[str, Any]):
-    """The :class:`~resumable_stream.integrations.transformers.TrainingStream` LLaMA-Factory's trainer reads."""
+def train_stream(template, data_args, training_args, tokenizer, stage: str, ours: dict[str, Any], processor=None):
+    """The :class:`~resumable_stream.integrations.transformers.TrainingStream` LLaMA-Factory's trainer reads;
+    ``processor``: a multimodal model's (images of the rows checked by :mod:`.media`)."""
     from ...config.stream_config import StreamConfig
     from ...stream.mixture import open_stream
     from ..transformers import TrainingStream
@@ -166,7 +168,8 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     if hasattr(stream, "set_samples_per_step"):   # a mixture: weight schedules in steps map to draws with it
         stream.set_samples_per_step(training_args.per_device_train_batch_size
                                     * training_args.gradient_accumulation_steps * training_args.world_size)
-    fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs)
+    fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs,
+                     processor=processor, media=media_settings(ours, data_args.media_dir))
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)
     return TrainingStream(stream, None, functools.partial(LlamaFactoryProcessor, fmt),
                           resume_state_path=ours.get("resume_state_path"), monitor=monitor_settings(ours))
@@ -176,11 +179,14 @@ def get_dataset(original, ours: dict[str, Any], template, model_args, data_args,
                 processor=None):
     """LLaMA-Factory's ``get_dataset`` with the training dataset replaced by our stream; an ``eval_dataset``
     is LLaMA-Factory's own (``original``), which needs no resume."""
-    if processor is not None:
-        raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor; "
-                          "resumable-stream llamafactory trains text models")
-    module = {"train_dataset": train_stream(template, data_args, training_args, tokenizer, stage, ours)}
     val_size = check_val_size({"val_size": data_args.val_size})
+    if processor is not None and (stage != "sft" or val_size):
+        # LLaMA-Factory's dpo workflow asks for its "rm" data
+        what = {"sft": f"val_size {val_size}", "pt": "stage pt"}.get(stage, "a preference stage (dpo, kto, rm)")
+        raise ConfigError(f"model_name_or_path: {model_args.model_name_or_path!r} loads with a multimodal processor, "
+                          f"with {what}; not supported by resumable-stream llamafactory: multimodal models train "
+                          "with stage sft, without val_size (evaluate on eval_dataset)")
+    module = {"train_dataset": train_stream(template, data_args, training_args, tokenizer, stage, ours, processor)}
     if val_size:                 # the first val_size rows: the evaluation set, never trained on (held_out.py)
         module["eval_dataset"] = hold_out(module["train_dataset"], val_size, template, tokenizer, data_args,
                                           training_args, stage)

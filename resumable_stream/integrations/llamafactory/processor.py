@@ -6,7 +6,9 @@ the ``columns`` and ``tags`` of dataset_info.json), then its dataset processor (
 examples with its template, exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A
 packing processor works on chunks of ``preprocessing_batch_size`` rows (its greedy knapsack and pt's block
 cutting are per chunk), so the rows of an unfinished chunk are part of the transform's state; without packing
-every row is its own chunk (the outputs are the same, and nothing waits).
+every row is its own chunk (the outputs are the same, and nothing waits). With a multimodal model's processor,
+a row's images are checked first (:mod:`.media`, ``bad_sample``) and LLaMA-Factory's processor expands them
+with its mm_plugin; the examples carry the image paths its collator decodes.
 
 ``llamafactory-cli`` maps each epoch of its data afresh, so a chunk never spans the end of the data (the last one
 of an epoch is shorter) and its DataLoader's last batch of an epoch is shorter too: :meth:`end_epoch` (called by
@@ -16,8 +18,10 @@ the ended epoch still waiting (:meth:`epoch_tail`) are batched apart from the ne
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +32,10 @@ from ...errors import SidecarError
 from ...io.safe_files import JSONRefused, parse_json
 from ...transforms.errors import TransformError
 from ...transforms.text import checked_state, tokenizer_digest
-from . import preference
+from ...transforms.vl import BadSample
+from . import media, preference
 
+log = logging.getLogger(__name__)
 STATE_VERSION = 1
 # DatasetAttr fields that decide how a row is converted (columns and tags of dataset_info.json)
 ATTR_FIELDS = ("formatting", "system", "tools", "prompt", "query", "response", "history", "messages",
@@ -81,6 +87,8 @@ class Formatting:
     data_args: Any
     stage: str
     attrs: dict[str, Any]            # source label -> DatasetAttr
+    processor: Any = None            # a multimodal model's processor (LLaMA-Factory's load_tokenizer)
+    media: Any = None                # its image rules (media.media_settings), with a processor
 
     @property
     def chunk(self) -> int:
@@ -105,7 +113,30 @@ class Formatting:
                           for label, attr in sorted(self.attrs.items())}}
         if self.packing or self.stage == "kto":      # the chunk decides the blocks / kto's KL pairs
             fp["data"]["preprocessing_batch_size"] = self.chunk
+        if self.processor is not None:               # only then: text fingerprints stay as they were
+            fp["processor"] = media.processor_fingerprint(self.processor)
+            fp["media"] = {"media_dir": self.data_args.media_dir,
+                           **{k: getattr(self.media, k) for k in ("max_image_bytes", "allow_absolute_image_paths")}}
         return fp
+
+
+_BYTES = "__bytes_b64__"     # image bytes (an HF Image struct of a parquet row) in a JSON state
+
+
+def _bytes_out(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {_BYTES: base64.b64encode(bytes(value)).decode("ascii")}
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _bytes_in(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_bytes_in(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {_BYTES} and isinstance(value[_BYTES], str):
+            return base64.b64decode(value[_BYTES], validate=True)
+        return {k: _bytes_in(v) for k, v in value.items()}
+    return value
 
 
 def _dataset_processor(fmt: Formatting):
@@ -122,7 +153,7 @@ def _dataset_processor(fmt: Formatting):
         cls = PackedSupervisedDatasetProcessor if fmt.packing else SupervisedDatasetProcessor
     else:
         cls = preference.processor_class(fmt.stage)
-    return cls(template=fmt.template, tokenizer=fmt.tokenizer, processor=None, data_args=fmt.data_args)
+    return cls(template=fmt.template, tokenizer=fmt.tokenizer, processor=fmt.processor, data_args=fmt.data_args)
 
 
 class LlamaFactoryProcessor:
@@ -147,19 +178,31 @@ class LlamaFactoryProcessor:
         self._ready: deque[dict] = deque()                  # examples, each with its "keys"
         self._tail = 0                                      # the first examples of _ready: an ended epoch's
         self.data_epoch: int | None = None                  # the epoch of the rows fed (set by the loader)
-        self._stats = {"rows": 0, "examples": 0, "dropped": 0}
+        self._stats = {"rows": 0, "examples": 0, "dropped": 0, "skipped_image": 0, "skipped_mismatch": 0}
 
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
         label = source if source in self._converters else self._default
-        try:
-            row = self._converters[label](sample)
-        except KeyError as e:
-            raise TransformError(f"sample {key!r} of dataset {self.fmt.attrs[label].dataset_name!r}: no column {e} "
-                                 "(the columns its dataset_info.json entry names, or the defaults of its "
-                                 f"formatting {self.fmt.attrs[label].formatting!r}); the row has "
-                                 f"{sorted(sample)}", key) from None
-        self._rows.append((key, row))
         self._stats["rows"] += 1
+        attr = self.fmt.attrs[label]
+        try:
+            if self.fmt.processor is not None and attr.images:
+                sample = {**sample, attr.images: media.checked_images(sample.get(attr.images), self.fmt.media)}
+            row = self._converters[label](sample)
+            if self.fmt.processor is not None and (why := media.placeholder_problem(row)):
+                raise BadSample("skipped_mismatch", why)
+        except KeyError as e:
+            raise TransformError(f"sample {key!r} of dataset {attr.dataset_name!r}: no column {e} "
+                                 "(the columns its dataset_info.json entry names, or the defaults of its "
+                                 f"formatting {attr.formatting!r}); the row has "
+                                 f"{sorted(sample)}", key) from None
+        except BadSample as bad:
+            if self.fmt.media.bad_sample == "error":
+                raise TransformError(f"sample {key!r} of dataset {attr.dataset_name!r}: {bad.reason} "
+                                     "(resumable_stream.bad_sample is 'error'; 'skip' skips such samples)", key) from None
+            self._stats[bad.kind] += 1
+            log.warning("skipping sample %r: %s (resumable_stream.bad_sample: skip)", key, bad.reason)
+            return
+        self._rows.append((key, row))
         if len(self._rows) >= self.fmt.chunk:
             self._process()
 
@@ -208,8 +251,8 @@ class LlamaFactoryProcessor:
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
-        pending = json.dumps([[key, row] for key, row in self._rows]).encode()
-        ready = json.dumps(list(self._ready)).encode()
+        pending = json.dumps([[key, row] for key, row in self._rows], default=_bytes_out).encode()
+        ready = json.dumps(list(self._ready), default=_bytes_out).encode()
         return {"tensors": {"pending_rows": np.frombuffer(pending, dtype=np.uint8).copy(),
                             "ready_examples": np.frombuffer(ready, dtype=np.uint8).copy()},
                 "meta": {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "stats": self.stats(),
@@ -220,9 +263,10 @@ class LlamaFactoryProcessor:
         data argument or dataset_info entry; SidecarError when it is malformed."""
         tensors, meta = checked_state(state, STATE_VERSION, self.fingerprint())
         try:
-            pending = parse_json(np.asarray(tensors["pending_rows"], dtype=np.uint8).tobytes())
-            ready = parse_json(np.asarray(tensors["ready_examples"], dtype=np.uint8).tobytes())
+            pending = _bytes_in(parse_json(np.asarray(tensors["pending_rows"], dtype=np.uint8).tobytes()))
+            ready = _bytes_in(parse_json(np.asarray(tensors["ready_examples"], dtype=np.uint8).tobytes()))
             stats = {k: int(meta["stats"][k]) for k in ("rows", "examples", "dropped")}
+            stats.update({k: int(meta["stats"].get(k, 0)) for k in ("skipped_image", "skipped_mismatch")})
             # states saved before epochs bounded the chunks have neither (the loader then asks the stream)
             data_epoch, tail = meta.get("data_epoch"), meta.get("epoch_tail", 0)
             ok = (isinstance(pending, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)

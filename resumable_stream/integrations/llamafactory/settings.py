@@ -14,6 +14,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
 from .held_out import check_val_size
+from .media import MEDIA_KEYS, media_settings
 
 SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
@@ -25,7 +26,8 @@ STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "b
 MIXTURE_KEYS = ("mixture_change",)
 # consumed_log: a directory (true: output_dir/consumed), the keys of the samples each step consumed, per rank; the monitoring keys:
 # a Prometheus endpoint per rank, the data-bound warning (resumable_stream.observe.monitoring)
-OWN_KEYS = ("consumed_log", *MIXTURE_KEYS, *MONITOR_KEYS)
+# bad_sample, max_image_bytes, allow_absolute_image_paths: the images of multimodal rows (media.py)
+OWN_KEYS = ("consumed_log", *MIXTURE_KEYS, *MONITOR_KEYS, *MEDIA_KEYS)
 
 
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -71,6 +73,7 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ConfigError(f"{SECTION}.mixture_change: got {change!r}; allowed: refuse (default: resuming with other "
                           "interleave_probs or datasets is an error) or allow (they apply from the resume point)")
     monitor_settings(ours)
+    media_settings(ours)
     return args, ours
 
 
