@@ -227,11 +227,14 @@ class MixtureStream(StreamBase):
                                           self._samples_per_step))
         return self._plan[1]
 
-    def _changed(self) -> None:
-        if self._datasets_draws is not None and len(self._history) > 1:
+    def _refuse_changes_in_datasets_draws(self) -> None:
+        """Before a change of weights: datasets' own sequences are of fixed probabilities (datasets_draws.py)."""
+        if self._datasets_draws is not None:
             raise ConfigError(f"mixture draws {self.draws!r} (datasets.interleave_datasets' own sequence, read in "
                               "file order: LLaMA-Factory's buffer_size 1) take fixed weights; got a change of "
                               "weights; allowed: changes of weights with shuffled reading (buffer_size > 1)")
+
+    def _changed(self) -> None:
         self._history_version += 1
         self._fingerprint = None
 
@@ -270,6 +273,7 @@ class MixtureStream(StreamBase):
         is; the StreamLoader passes what training consumed). Recorded in the weight history, so a resume
         draws the same samples. Collective under torch.distributed: every rank calls it at the same point and
         rank 0's weights apply everywhere."""
+        self._refuse_changes_in_datasets_draws()
         labels = self.config.labels
         if not isinstance(weights, dict) or sorted(weights) != sorted(labels):
             raise ConfigError(f"set_weights: got weights for {sorted(weights) if isinstance(weights, dict) else weights!r}; "
@@ -494,6 +498,8 @@ class MixtureStream(StreamBase):
         mix = saved_fp["mixture"]
         saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
         changed, every = self._compare(saved_fp, where)
+        if changed:
+            self._refuse_changes_in_datasets_draws()
         labels = list(self.config.labels)
         if "history" in mix:
             history = history_from_json(mix["history"], f"{where}: fingerprint.mixture.history")

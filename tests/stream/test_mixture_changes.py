@@ -396,3 +396,17 @@ def test_torchrun_two_ranks_with_workers_and_packing_resume_a_ramp_and_code_chan
         assert share(range(1, 7)) < share(range(7, 10))
     finally:
         procs.cleanup()
+
+
+def test_datasets_draw_sequences_take_fixed_weights_only(dirs):
+    """LLaMA-Factory's buffer_size 1 draws datasets in datasets.interleave_datasets' own sequence (draws
+    "datasets_choice"), a function of fixed probabilities: a schedule or a change of weights there is refused by
+    name instead of being silently ignored."""
+    ramp = {"schedule": "linear", "unit": "samples", "points": [[0, 0.2], [100, 0.8]]}
+    with pytest.raises(ConfigError, match="datasets_choice.*fixed weights"):
+        MixtureStream(mix(dirs, (ramp, 0.5)), rank=0, world_size=1, draws="datasets_choice")
+    stream = MixtureStream(mix(dirs, (0.5, 0.5)), rank=0, world_size=1, draws="datasets_choice")
+    with pytest.raises(ConfigError, match="datasets_choice.*change of weights"):
+        stream.set_weights({"a": 0.1, "b": 0.9})
+    assert len(stream.weight_history) == 1       # refused before anything changed
+    stream.close()
