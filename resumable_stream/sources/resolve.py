@@ -44,6 +44,7 @@ from ..io.net import (
 )
 from ..io.ranged import ObjectChanged, listed_identities
 from ..runtime.threads import map_files
+from ..plan import shard_rows
 from .index import changed_files, describe_changes, make_index
 from .parquet_local import resolve_local_parquet
 
@@ -280,7 +281,7 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
         fp.update(_data_dir(data))
     if shards is not None:
         fp["num_shards"] = len(shards)
-        fp["shard_rows"] = _digest([s.num_rows for s in shards])
+        fp["shard_rows"] = _digest(list(shard_rows(shards)))
     fp.update(extra)
     return fp
 
