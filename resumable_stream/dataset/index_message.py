@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import SourceError
 from ..io.safe_files import JSONRefused, parse_json
-from ..sources.index import decode_index, encode_message as encode_index_message
+from ..sources.index import decode_index
+from ..sources.index import encode_message as encode_index_message
 
 MAGIC = b"RSOPEN01"
 

@@ -28,8 +28,8 @@ _COLUMNS = ("path", "size", "footer", "footer_bytes", "row_groups")
 _U32_MAX = (1 << 32) - 1
 MAX_PATH_BYTES = 4096
 # (name, dtype or None: chosen per message among '<u4' / '<i8'): the arrays of a message, in this order
-_ARRAYS = (("path_offsets", "<i8"), ("paths", "|u1"), ("extra_offsets", "<i8"), ("extras", "|u1"),
-           ("size", "<i8"), ("mtime", "<f8"), ("footer", "|u1"), ("footer_bytes", None), ("group_offsets", "<i8"),
+_ARRAYS = (("path_offsets", None), ("paths", "|u1"), ("extra_offsets", None), ("extras", "|u1"),
+           ("size", "<i8"), ("mtime", "<f8"), ("footer", "|u1"), ("footer_bytes", None), ("group_offsets", None),
            ("rows", None), ("start", None), ("end", None))
 
 
@@ -87,7 +87,7 @@ class FileTable(Sequence):
                   "extra_offsets": _offsets(extras), "extras": np.frombuffer(b"".join(extras), np.uint8),
                   "size": np.asarray(sizes, dtype=np.int64), "mtime": np.asarray(mtimes, dtype=np.float64),
                   "footer": np.frombuffer(b"".join(footers), np.uint8), "footer_bytes": fb.astype(_fits(fb)),
-                  "group_offsets": np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)}
+                  "group_offsets": _cumulative(counts)}
         for j, name in enumerate(("rows", "start", "end")):
             arrays[name] = spans[:, j].astype(_fits(spans[:, j]))
         if n == 0:
@@ -165,9 +165,14 @@ class FileTable(Sequence):
 
 
 def _offsets(parts: list[bytes]) -> np.ndarray:
-    out = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts], out=out[1:])
-    return out
+    return _cumulative([len(p) for p in parts])
+
+
+def _cumulative(lengths: list[int]) -> np.ndarray:
+    """Offsets 0, l0, l0+l1, ... in the smaller dtype that holds them."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out.astype(_fits(out))
 
 
 # ------------------------------------------------------------------------------ the binary message
@@ -244,11 +249,12 @@ def _check(a: dict[str, np.ndarray], n: int, m: int) -> None:
         if len(a[name]) != length:
             raise IndexTableError(f"{name}: {len(a[name])} values; the header says {length}")
     for offsets, blob in (("path_offsets", "paths"), ("extra_offsets", "extras"), ("group_offsets", None)):
-        o = a[offsets]
+        o = a[offsets].astype(np.int64)
         end = len(a[blob]) if blob else m
         if o[0] != 0 or o[-1] != end or (np.diff(o) < 0).any():
             raise IndexTableError(f"{offsets}: not increasing from 0 to {end}")
-    if (np.diff(a["path_offsets"]) == 0).any() or (np.diff(a["path_offsets"]) > MAX_PATH_BYTES).any():
+    lengths = np.diff(a["path_offsets"].astype(np.int64))
+    if (lengths == 0).any() or (lengths > MAX_PATH_BYTES).any():
         raise IndexTableError(f"paths: an empty one, or one over {MAX_PATH_BYTES} bytes")
     if (a["paths"] == 0).any():
         raise IndexTableError("paths: a NUL byte")
@@ -263,15 +269,15 @@ def _check(a: dict[str, np.ndarray], n: int, m: int) -> None:
     if np.isinf(mtime).any():
         raise IndexTableError("mtime: not finite")
     start, end = a["start"].astype(np.int64), a["end"].astype(np.int64)
-    file_size = np.repeat(size, np.diff(a["group_offsets"]))
+    file_size = np.repeat(size, np.diff(a["group_offsets"].astype(np.int64)))
     if (start > end).any() or (end > file_size).any() or (a["rows"].astype(np.int64) > MAX_INT64).any():
         bad = int(np.flatnonzero((start > end) | (end > file_size))[0])
         raise IndexTableError(f"row group {bad}: span {int(start[bad])}..{int(end[bad])} is not inside its file "
                               f"of {int(file_size[bad])} bytes")
     offsets, blob = a["extra_offsets"], a["extras"]
-    for i in np.flatnonzero(np.diff(offsets)).tolist():
+    for i in np.flatnonzero(np.diff(offsets.astype(np.int64))).tolist():
         try:
-            extra = json.loads(blob[offsets[i]:offsets[i + 1]].tobytes())
+            extra = json.loads(blob[int(offsets[i]):int(offsets[i + 1])].tobytes())
         except ValueError:
             extra = None
         if not (isinstance(extra, dict) and not set(extra) & {*_COLUMNS, "mtime"}

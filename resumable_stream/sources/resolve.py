@@ -43,8 +43,8 @@ from ..io.net import (
     remote_answer,
 )
 from ..io.ranged import ObjectChanged, listed_identities
-from ..runtime.threads import map_files
 from ..plan import shard_rows
+from ..runtime.threads import map_files
 from .index import changed_files, describe_changes, make_index
 from .parquet_local import resolve_local_parquet
 
