@@ -17,11 +17,17 @@ from resumable_stream.dataset.index_message import decode_message, encode_messag
 from resumable_stream.plan import Layout, RowCounts, deal_shards, epoch_shard_order
 from resumable_stream.sources import open_source
 from resumable_stream.sources.base import ShardInfo
-from resumable_stream.sources.index import compact_index, decode_index, encode_index, load_index, save_index
+from resumable_stream.sources.index import (
+    compact_index,
+    decode_index,
+    encode_index,
+    identity_of,
+    load_index,
+    save_index,
+)
 from resumable_stream.sources.index import encode_message as encode_index_message
 from resumable_stream.sources.index_table import FileTable, pack_index
 from resumable_stream.sources.resolve import dataset_fingerprint
-from resumable_stream.sources.index import identity_of
 from resumable_stream.testing import synthetic_parquet_index
 
 pytestmark = pytest.mark.timeout(60)
