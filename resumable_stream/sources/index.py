@@ -21,7 +21,7 @@ from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
-from .index_table import FileTable, IndexTableError, is_packed, pack_index, unpack_index
+from .index_table import FileTable, IndexTableError, is_packed, json_default, pack_index, unpack_index
 from .parquet_footer import (
     PARQUET_LAYOUT_KEYS,
 )
@@ -54,12 +54,6 @@ def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS)
 
 
 # ------------------------------------------------------------------------------ files
-def _listed(value: Any) -> Any:
-    if isinstance(value, FileTable):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
 # (files table, the index's other keys, their JSON form): a checkpoint saves the index at every save, and a
 # columnar one cannot change (its files are read-only), so it is encoded once per process
 _last_encoded: tuple[FileTable, dict, bytes] | None = None
@@ -71,7 +65,7 @@ def encode_index(index: dict) -> bytes:
     files, rest = index.get("files"), {k: v for k, v in index.items() if k != "files"}
     if _last_encoded is not None and _last_encoded[0] is files and _last_encoded[1] == rest:
         return _last_encoded[2]
-    data = json.dumps(index, sort_keys=True, separators=(",", ":"), default=_listed).encode()
+    data = json.dumps(index, sort_keys=True, separators=(",", ":"), default=json_default).encode()
     if isinstance(files, FileTable):
         _last_encoded = (files, json.loads(json.dumps(rest)), data)
     return data

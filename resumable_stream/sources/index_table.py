@@ -101,6 +101,14 @@ class FileTable(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._n))]
+        entry = self.identity(i)
+        i = i + self._n if i < 0 else i
+        entry["footer_bytes"] = int(self._a["footer_bytes"][i])
+        entry["row_groups"] = self.row_groups(i)
+        return entry
+
+    def identity(self, i: int) -> dict[str, Any]:
+        """Entry ``i`` but its layout keys (``identity_of``): what the dataset fingerprint lists per file."""
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:
@@ -114,8 +122,6 @@ class FileTable(Sequence):
         if hi > lo:
             entry.update(json.loads(a["extras"][lo:hi].tobytes()))
         entry["footer"] = a["footer"][16 * i:16 * i + 16].tobytes().hex()
-        entry["footer_bytes"] = int(a["footer_bytes"][i])
-        entry["row_groups"] = self.row_groups(i)
         return entry
 
     def __iter__(self) -> Iterator[dict]:
@@ -127,6 +133,9 @@ class FileTable(Sequence):
         return isinstance(other, list) and len(other) == self._n and list(self) == other
 
     __hash__ = None       # type: ignore[assignment]
+
+    def paths(self) -> list[str]:
+        return [self.path(i) for i in range(self._n)]
 
     def path(self, i: int) -> str:
         lo, hi = self._a["path_offsets"][i], self._a["path_offsets"][i + 1]
@@ -162,6 +171,42 @@ class FileTable(Sequence):
 
     def arrays(self) -> dict[str, np.ndarray]:
         return dict(self._a)
+
+
+class Identities(Sequence):
+    """The identities of a table's files (``FileTable.identity``), made on demand: the dataset fingerprint's
+    ``files`` without a dict per file held by every rank. Equal to the list of the same dicts."""
+
+    def __init__(self, files: FileTable):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.files.identity(j) for j in range(*i.indices(len(self)))]
+        return self.files.identity(i)
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self.files.identity(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Identities) and other.files is self.files:
+            return True
+        return isinstance(other, (list, Identities)) and len(other) == len(self) and list(self) == list(other)
+
+    __hash__ = None       # type: ignore[assignment]
+
+    def paths(self) -> list[str]:
+        return self.files.paths()
+
+
+def json_default(value: Any) -> list:
+    """``json.dumps``' ``default`` for what may hold a table: its entries as a list (the JSON form)."""
+    if isinstance(value, (FileTable, Identities)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def _offsets(parts: list[bytes]) -> np.ndarray:

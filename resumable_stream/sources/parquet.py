@@ -22,7 +22,7 @@ from ..observe.metrics import record_row_group
 from ..plan import RowCounts
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
 from .index import compact_index, identity_of
-from .index_table import FileTable
+from .index_table import FileTable, Identities
 from .parquet_footer import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
@@ -160,7 +160,8 @@ def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
     else:
         shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
         shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
-    fingerprint = dataset_fingerprint(spec, index["builder"], [identity_of(f) for f in files], shards)
+    identities = Identities(files) if isinstance(files, FileTable) else [identity_of(f) for f in files]
+    fingerprint = dataset_fingerprint(spec, index["builder"], identities, shards)
     return ParquetSource(shards, fingerprint, retry if retry.remote else None,
                          ParquetFiles(index, retry.storage_options, footers), index,
                          prefetch_blocks=prefetch_depth(spec.read, retry.remote),

@@ -38,6 +38,7 @@ from safetensors.numpy import save as st_save
 
 from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
+from ..sources.index_table import json_default
 from ..limits import (
     MAX_HEADER_BYTES,
     MAX_OPEN_SHARDS,
@@ -68,7 +69,7 @@ STATE_TYPES = {"stream": PartitionState, "mixture": MixturePartitionState}   # a
 
 def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
     """The canonical bytes of a fingerprint: what ``fingerprint.json`` holds and its digest is taken of."""
-    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=json_default).encode()
 
 
 # ------------------------------------------------------------------ atomic writes
