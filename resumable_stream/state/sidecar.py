@@ -38,7 +38,6 @@ from safetensors.numpy import save as st_save
 
 from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
-from ..sources.index_table import json_default
 from ..limits import (
     MAX_HEADER_BYTES,
     MAX_OPEN_SHARDS,
@@ -46,6 +45,7 @@ from ..limits import (
     MAX_WORLD_SIZE,
     is_int,
 )
+from ..sources.index_table import json_default
 from .fields import is_hex as _is_hex
 from .fields import json_field as _json_field
 from .fields import require as _require
