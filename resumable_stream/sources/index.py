@@ -21,7 +21,7 @@ from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
-from .index_table import FileTable, IndexTableError, is_packed, json_default, pack_index, unpack_index
+from .index_table import MAX_PATH_BYTES, FileTable, IndexTableError, is_packed, json_default, pack_index, unpack_index
 from .parquet_footer import (
     PARQUET_LAYOUT_KEYS,
 )
@@ -125,6 +125,8 @@ def _shape_problem(index: Any) -> str | None:
     for i, f in enumerate(files):
         if not (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))):
             return f"files[{i}] is malformed (no path and size)"
+        if not 0 < len(f["path"].encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES or "\0" in f["path"]:
+            return f"files[{i}] has path {f['path']!r:.80}; allowed: 1 to {MAX_PATH_BYTES} bytes, no NUL"
         problem = reader.entry_problem(f)      # the format's layout (parquet: footer and row groups)
         if problem:
             return f"files[{i}] is {problem}"

@@ -176,3 +176,12 @@ def test_a_source_over_10k_files_has_the_shards_and_fingerprint_of_the_list_form
         assert source.shards[i] == shards[i]
     assert source.fingerprint == dataset_fingerprint(cfg.source_spec, "parquet", [identity_of(f) for f in files],
                                                      shards)
+
+
+@pytest.mark.parametrize("path, needle", [("", "path ''"), ("a\0b", "no NUL"), ("x" * 5000, "1 to 4096 bytes")])
+def test_a_json_index_with_a_bad_path_is_refused_naming_the_file(tmp_path, path, needle):
+    index = _index(12)
+    index["files"][2]["path"] = path
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceError, match=f"dataset index .*index.json.*files\\[2\\] has path .*{needle}"):
+        load_index(str(tmp_path / "index.json"))
