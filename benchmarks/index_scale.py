@@ -227,12 +227,12 @@ def main() -> None:
         for files in files_list:
             cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--files", str(files),
                    "--ranks", args.ranks]
-            t0 = clock()
+            t0 = time.perf_counter()
             out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
             print("\n".join(line for line in out.splitlines() if not line.startswith("RESULT ")), flush=True)
             found = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             results[part] += found if isinstance(found, list) else [found]
-            print(f"    ({clock() - t0:.0f} s in all)", flush=True)
+            print(f"    ({time.perf_counter() - t0:.0f} s wall in all)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**results, "library": os.path.dirname(resumable_stream.__file__)}, f, indent=1)

@@ -21,7 +21,15 @@ from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
-from .index_table import MAX_PATH_BYTES, FileTable, IndexTableError, is_packed, json_default, pack_index, unpack_index
+from .index_table import (
+    MAX_PATH_BYTES,
+    FileTable,
+    IndexTableError,
+    is_packed,
+    json_default,
+    pack_index,
+    unpack_index,
+)
 from .parquet_footer import (
     PARQUET_LAYOUT_KEYS,
 )
