@@ -135,7 +135,8 @@ class FileTable(Sequence):
     __hash__ = None       # type: ignore[assignment]
 
     def paths(self) -> list[str]:
-        return [self.path(i) for i in range(self._n)]
+        raw, offsets = self._a["paths"].tobytes(), self._a["path_offsets"].tolist()
+        return [raw[lo:hi].decode() for lo, hi in zip(offsets, offsets[1:])]
 
     def path(self, i: int) -> str:
         lo, hi = self._a["path_offsets"][i], self._a["path_offsets"][i + 1]

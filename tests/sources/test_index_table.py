@@ -49,6 +49,7 @@ def test_the_table_holds_the_very_entries_and_their_json_is_byte_identical():
     assert isinstance(table["files"], FileTable)
     assert list(table["files"]) == index["files"] and table["files"] == index["files"]
     assert table["files"][-1] == index["files"][-1] and table["files"][5:7] == index["files"][5:7]
+    assert table["files"].paths() == [f["path"] for f in index["files"]]      # one of them not ASCII
     assert encode_index(table) == json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
     # ~12 bytes per row group of 100 rows, ~60 per file plus its path: not the ~2 KB of objects per file
     assert table["files"].nbytes < 300 * (10 * 12 + 100)
