@@ -129,7 +129,8 @@ class FileTable(Sequence):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, FileTable):
-            return self._n == other._n and all(np.array_equal(self._a[k], other._a[k]) for k in self._a)
+            theirs = other.arrays()
+            return len(other) == self._n and all(np.array_equal(self._a[k], theirs[k]) for k in self._a)
         return isinstance(other, list) and len(other) == self._n and list(self) == other
 
     __hash__ = None       # type: ignore[assignment]
