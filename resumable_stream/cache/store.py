@@ -48,7 +48,6 @@ import diskcache
 import pyarrow as pa
 
 from ..observe.metrics import SharedCounters
-from ..sources.index_table import json_default
 from .disk import DBNAME, SafeDisk, UnsafeEntry, read_value, sweep_orphans
 from .ownership import claim
 
@@ -95,18 +94,10 @@ class CorruptBlock(ValueError):
     """A cached value that is not a well-formed block (bad header, length, checksum or IPC data)."""
 
 
-def _jsonable(value: Any) -> Any:
-    """A columnar index's file list as its entries (the JSON form); anything else as its str."""
-    try:
-        return json_default(value)
-    except TypeError:
-        return str(value)
-
-
 def namespace(fingerprint: dict, block_rows: int) -> str:
     """Key prefix of one dataset's blocks: a digest of its fingerprint and the block size."""
     text = json.dumps({"format": FORMAT, "fingerprint": fingerprint, "block_rows": block_rows},
-                      sort_keys=True, default=_jsonable)
+                      sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 

@@ -193,38 +193,9 @@ class FileTable(Sequence):
         return dict(self._a)
 
 
-class Identities(Sequence):
-    """The identities of a table's files (``FileTable.identity``), made on demand: the dataset fingerprint's
-    ``files`` without a dict per file held by every rank. Equal to the list of the same dicts."""
-
-    def __init__(self, files: FileTable):
-        self.files = files
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self.files.identity(j) for j in range(*i.indices(len(self)))]
-        return self.files.identity(i)
-
-    def __iter__(self) -> Iterator[dict]:
-        return (self.files.identity(i) for i in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Identities) and other.files is self.files:
-            return True
-        return isinstance(other, (list, Identities)) and len(other) == len(self) and list(self) == list(other)
-
-    __hash__ = None       # type: ignore[assignment]
-
-    def paths(self) -> list[str]:
-        return self.files.paths()
-
-
 def json_default(value: Any) -> list:
     """``json.dumps``' ``default`` for what may hold a table: its entries as a list (the JSON form)."""
-    if isinstance(value, (FileTable, Identities)):
+    if isinstance(value, FileTable):
         return list(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 

@@ -22,7 +22,7 @@ from ..observe.metrics import record_row_group
 from ..plan import RowCounts
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
 from .index import compact_index, identity_of
-from .index_table import FileTable, Identities
+from .index_table import FileTable
 from .parquet_footer import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
@@ -160,7 +160,9 @@ def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
     else:
         shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
         shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
-    identities = Identities(files) if isinstance(files, FileTable) else [identity_of(f) for f in files]
+    # (the fingerprint is part of every state_dict, plain values: a list of dicts, ~400 bytes a file)
+    identities = ([files.identity(i) for i in range(len(files))] if isinstance(files, FileTable)
+                  else [identity_of(f) for f in files])
     fingerprint = dataset_fingerprint(spec, index["builder"], identities, shards)
     return ParquetSource(shards, fingerprint, retry if retry.remote else None,
                          ParquetFiles(index, retry.storage_options, footers), index,

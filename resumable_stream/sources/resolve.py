@@ -291,8 +291,7 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
         fp["builder"] = builder
     fp["files"] = identities
     if not local:
-        paths = identities.paths() if hasattr(identities, "paths") else [i["path"] for i in identities]
-        fp.update(_hub_fingerprint(paths))
+        fp.update(_hub_fingerprint([i["path"] for i in identities]))
         fp.update(_data_dir(data))
     if shards is not None:
         fp["num_shards"] = len(shards)

@@ -6,7 +6,6 @@ from typing import Any
 
 from ..errors import StreamMismatchError
 from ..sources.index import unreported_validator
-from ..sources.index_table import Identities
 from .relocation import is_relocation, relocated_files_diff, warn_relocated
 
 # Fingerprint entries that map to config keys users can change, shown under those names.
@@ -33,19 +32,12 @@ def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]
     return out
 
 
-def _listed_files(fp: dict) -> dict:
-    """``fp`` with its files as a list (a columnar index's fingerprint lists them on demand)."""
-    files = fp.get("files")
-    return {**fp, "files": list(files)} if isinstance(files, Identities) else fp
-
-
 def fingerprint_diff(saved: dict, now: dict, prefix: str = "", moves: list[tuple[list, list]] | None = None,
                      source: str | None = None) -> list[tuple[str, Any, Any]]:
     """Every difference, named. Files under another root with the same relative paths are compared by
     content identity (see relocation.py) and appended to ``moves`` when given. ``source``: the mixture source
     being compared, named after each of its file differences."""
     out: list[tuple[str, Any, Any]] = []
-    saved, now = _listed_files(saved), _listed_files(now)
     files_a, files_b = saved.get("files"), now.get("files")
     moved = isinstance(files_a, list) and isinstance(files_b, list) and is_relocation(files_a, files_b)
     if moved and moves is not None:

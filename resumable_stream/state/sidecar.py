@@ -45,7 +45,6 @@ from ..limits import (
     MAX_WORLD_SIZE,
     is_int,
 )
-from ..sources.index_table import json_default
 from .fields import is_hex as _is_hex
 from .fields import json_field as _json_field
 from .fields import require as _require
@@ -69,7 +68,7 @@ STATE_TYPES = {"stream": PartitionState, "mixture": MixturePartitionState}   # a
 
 def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
     """The canonical bytes of a fingerprint: what ``fingerprint.json`` holds and its digest is taken of."""
-    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=json_default).encode()
+    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
 
 
 # ------------------------------------------------------------------ atomic writes
