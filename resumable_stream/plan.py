@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -68,14 +70,53 @@ def deal_shards(order: np.ndarray, row_counts: list[int | None], num_partitions:
     """
     known = [c for c in row_counts if c is not None]
     fallback = (sum(known) / len(known)) if known else 1.0
+    rows = row_counts if len(known) == len(row_counts) else [fallback if c is None else c for c in row_counts]
     heap = [(0.0, p) for p in range(num_partitions)]
     dealt: list[list[int]] = [[] for _ in range(num_partitions)]
+    append = [d.append for d in dealt]
+    replace = heapq.heapreplace       # pop the least loaded, push it back loaded: (load, partition) is unique
     for shard in order.tolist():
-        load, p = heapq.heappop(heap)
-        dealt[p].append(shard)
-        rows = row_counts[shard]
-        heapq.heappush(heap, (load + (fallback if rows is None else rows), p))
+        load, p = heap[0]
+        append[p](shard)
+        replace(heap, (load + rows[shard], p))
     return dealt
+
+
+class RowCounts(Sequence):
+    """Rows per shard as one read-only int array (a parquet index's row groups: millions of them): hashed once,
+    equal to the tuple of the same counts, so a Layout made from it plans exactly as one made from the tuple."""
+
+    def __init__(self, rows: np.ndarray):
+        self.array = np.asarray(rows)
+        self._hash: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self.array[i].tolist())
+        return int(self.array[i])
+
+    def __iter__(self):
+        return iter(self.array.tolist())
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(hashlib.blake2b(np.ascontiguousarray(self.array, dtype="<i8").tobytes(),
+                                              digest_size=8).digest())
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowCounts):
+            return other is self or (len(other) == len(self) and bool(np.array_equal(self.array, other.array)))
+        return isinstance(other, tuple) and len(other) == len(self) and other == tuple(self)
+
+
+def shard_rows(shards: Sequence) -> tuple[int | None, ...] | RowCounts:
+    """The row counts of ``shards`` (a source's): their own compact form when they have one."""
+    own = getattr(shards, "row_counts", None)
+    return own() if own is not None else tuple(s.num_rows for s in shards)
 
 
 @dataclass(frozen=True)
@@ -87,7 +128,7 @@ class Layout:
     """
 
     num_shards: int
-    row_counts: tuple[int | None, ...]
+    row_counts: tuple[int | None, ...] | RowCounts
     num_partitions: int
     seed: int
     shuffle: bool
@@ -121,9 +162,11 @@ class Layout:
             chosen = shards
         return chosen
 
-    @property
+    @cached_property
     def usable_shards(self) -> int:
         """Shards not known to be empty (a 0-row parquet row group is left out of the plan)."""
+        if isinstance(self.row_counts, RowCounts):
+            return int(np.count_nonzero(self.row_counts.array))
         return sum(1 for c in self.row_counts if c != 0)
 
     @property
@@ -166,17 +209,45 @@ class Layout:
         return total
 
 
+class Deal:
+    """One epoch's shards of every partition, held as one array (partition after partition; strided: one list
+    that every partition reads); a partition's tuple is made when this process first asks for it, so a rank
+    holds tuples for its own partitions only (a million-file index: 10M shards over 8 ... 4,096 partitions)."""
+
+    def __init__(self, shards: np.ndarray, bounds: np.ndarray | None):
+        self.shards, self.bounds = shards, bounds
+        self._tuples: dict[int, tuple[int, ...]] = {}
+
+    def __getitem__(self, partition: int) -> tuple[int, ...]:
+        key = -1 if self.bounds is None else partition
+        got = self._tuples.get(key)
+        if got is None:
+            part = self.shards if self.bounds is None else self.shards[self.bounds[partition]:self.bounds[partition + 1]]
+            got = self._tuples[key] = tuple(part.tolist())
+        return got
+
+
 @lru_cache(maxsize=8)
-def _shards_for(layout: Layout, epoch: int) -> list[tuple[int, ...]]:
+def _shards_for(layout: Layout, epoch: int) -> Deal:
     active = layout.shards_of_epoch(epoch)
     if active is None:
         order = epoch_shard_order(layout.num_shards, layout.seed, epoch, layout.shuffle)
     else:       # the epoch's generation, permuted as a dataset of just those shards would be
         order = np.asarray(active, dtype=np.int64)[epoch_shard_order(len(active), layout.seed, epoch, layout.shuffle)]
-    order = np.asarray([s for s in order.tolist() if layout.row_counts[s] != 0], dtype=np.int64)
+    counts = layout.row_counts
+    if isinstance(counts, RowCounts):
+        order = order[counts.array[order] != 0]
+        rows: list = counts.array.tolist()
+    else:
+        order = np.asarray([s for s in order.tolist() if counts[s] != 0], dtype=np.int64)
+        rows = list(counts)
+    dtype = np.int32 if layout.num_shards < 2**31 else np.int64
     if layout.strided_in(epoch):
-        return [tuple(order.tolist())] * layout.num_partitions
-    return [tuple(x) for x in deal_shards(order, list(layout.row_counts), layout.num_partitions)]
+        return Deal(order.astype(dtype), None)
+    dealt = deal_shards(order, rows, layout.num_partitions)
+    bounds = np.zeros(layout.num_partitions + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in dealt], out=bounds[1:])
+    return Deal(np.fromiter(itertools.chain.from_iterable(dealt), dtype=dtype, count=int(bounds[-1])), bounds)
 
 
 # ------------------------------------------------------------------ who reads which partition

@@ -49,3 +49,24 @@ def write_jsonl_dataset(directory: str, rows: int, files: int, words: int = 8) -
         paths.append(path)
         start += count
     return paths
+
+
+def synthetic_parquet_index(files: int, row_groups: int, rows: int, root: str = "/corpus") -> dict:
+    """A parquet dataset index of ``files`` files of ``row_groups`` row groups of about ``rows`` rows each, as
+    ``build_index`` makes one for local files, made without any file (the index benchmark and its tests).
+    The files do not exist: a stream over it plans, saves and loads states, but reads no row."""
+    group_bytes = 40 * rows
+    entries = []
+    for f in range(files):
+        spans, start = [], 4
+        for g in range(row_groups):
+            n = rows + (f * 7 + g * 3) % 64        # uneven row counts: the deal balances rows, not shards
+            spans.append([n, start, start + group_bytes])
+            start += group_bytes
+        entries.append({"path": f"{root}/part-{f:07d}.parquet", "size": start + 2000, "mtime": 1.7e9 + f / 8,
+                        "footer": f"{f:032x}", "footer_bytes": 1990, "row_groups": spans})
+    return {"format": "resumable-stream-index", "version": 1,
+            "resolution": {"dataset_name_or_path": "parquet", "name": None, "data_files": f"{root}/*.parquet",
+                           "split": "train"},
+            "builder": "parquet", "features": {"id": {"dtype": "int64", "_type": "Value"}}, "files": entries,
+            "reader": "parquet"}

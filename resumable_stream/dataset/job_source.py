@@ -5,7 +5,8 @@ verified against the manifest), ``data.index_path`` when that file exists, else 
 resolves the files, then one metadata request and one footer read per file). With
 ``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
 metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
-only rank 0 does any of this and broadcasts the index (JSON bytes, no pickle) to the other ranks,
+only rank 0 does any of this and broadcasts the index (one binary message, no pickle: ``index_message``) to
+the other ranks,
 which then make no request at all to open the stream. Rank 0 sends its order settings with it (``agree``:
 seed, buffer, partitions, ...), and a rank whose own differ (on several nodes each node reads its own yaml)
 makes every rank raise a ConfigError naming them, before any sample is read in two orders.
@@ -13,7 +14,6 @@ makes every rank raise a ConfigError naming them, before any sample is read in t
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -27,6 +27,7 @@ from ..sources.index import check_resolution, decode_index, load_index, same_res
 from ..sources.open import open_source
 from ..sources.resolve import verified_index
 from . import growth
+from .index_message import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +56,28 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
     """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
     shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
-        message = json.loads(broadcast_bytes(None))
-        if "error" in message:
-            cls = _ERRORS.get(message["error"]["type"], SourceError)
-            raise cls(f"rank 0 could not open the dataset: {message['error']['message']}")
-        _check_agreement(message.get("agree") or {}, agree or {}, rank)
+        message = decode_message(broadcast_bytes(None))
+        if message["error"] is not None:
+            error = message["error"] if isinstance(message["error"], dict) else {}
+            cls = _ERRORS.get(error.get("type"), SourceError)
+            raise cls(f"rank 0 could not open the dataset: {error.get('message')}")
+        _check_agreement(message["agree"], agree or {}, rank)
         out = []
         for c, entry in zip(specs, message["sources"]):
-            index = entry["index"] if c.data.indexed else None
-            footers = {p: base64.b64decode(f) for p, f in entry.get("footers", {}).items()}
-            out.append(open_source(c, index=index, footers=footers) if index is not None else open_source(c))
+            index = entry["index"] if c.data.indexed and entry is not None else None
+            out.append(open_source(c, index=index, footers=entry["footers"]) if index is not None else open_source(c))
         return out
     try:
         sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if c.data.indexed
                    else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
     except Exception as e:
         if shared:
-            broadcast_bytes(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}).encode())
+            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
         raise
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
-        entries = [{"index": src.index,
-                    "footers": {p: base64.b64encode(f).decode() for p, f in src.footers.items()}} for src in sources]
-        broadcast_bytes(json.dumps({"sources": entries, "agree": agree or {}}).encode())
+        entries = [None if src.index is None else {"index": src.index, "footers": src.footers} for src in sources]
+        broadcast_bytes(encode_message(entries, agree or {}))
         _check_agreement(agree or {}, agree or {}, rank)     # the collective the others are in
     return sources
 

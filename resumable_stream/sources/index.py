@@ -16,11 +16,20 @@ import json
 import os
 from typing import Any
 
-from ..config.formats import format_of_index
+from ..config.formats import INDEX_READER_KEY, LEGACY_READER, format_of_index
 from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
+from .index_table import (
+    MAX_PATH_BYTES,
+    FileTable,
+    IndexTableError,
+    is_packed,
+    json_default,
+    pack_index,
+    unpack_index,
+)
 from .parquet_footer import (
     PARQUET_LAYOUT_KEYS,
 )
@@ -53,20 +62,62 @@ def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS)
 
 
 # ------------------------------------------------------------------------------ files
+# (files table, the index's other keys, their JSON form): a checkpoint saves the index at every save, and a
+# columnar one cannot change (its files are read-only), so it is encoded once per process
+_last_encoded: tuple[FileTable, dict, bytes] | None = None
+_FILES_HERE = "\0files of the table\0"     # a string no index holds (its JSON escapes the NULs)
+
+
 def encode_index(index: dict) -> bytes:
-    return json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
+    """The JSON form of ``index`` (its files as a list, however they are held)."""
+    global _last_encoded
+    files, rest = index.get("files"), {k: v for k, v in index.items() if k != "files"}
+    if _last_encoded is not None and _last_encoded[0] is files and _last_encoded[1] == rest:
+        return _last_encoded[2]
+    if isinstance(files, FileTable):      # the files' JSON made from the table's arrays, put in their place
+        text = json.dumps({**index, "files": _FILES_HERE}, sort_keys=True, separators=(",", ":"))
+        data = text.replace(json.dumps(_FILES_HERE), files.json_text(), 1).encode()
+    else:
+        data = json.dumps(index, sort_keys=True, separators=(",", ":"), default=json_default).encode()
+    if isinstance(files, FileTable):
+        _last_encoded = (files, json.loads(json.dumps(rest)), data)
+    return data
+
+
+def compact_index(index: dict) -> dict[str, Any]:
+    """``index`` with its files columnar (:class:`FileTable`) when its format's entries fit one (parquet); else
+    ``index`` itself. The same entries either way: only the memory they take changes."""
+    files = index.get("files")
+    if not isinstance(files, list) or index.get(INDEX_READER_KEY, LEGACY_READER) != "parquet":
+        return index
+    table = FileTable.from_entries(files)
+    return index if table is None else {**index, "files": table}
+
+
+def encode_message(index: dict) -> bytes:
+    """``index`` as one binary message (``index_table.pack_index``) when its files are columnar, else its JSON
+    form: what rank 0 broadcasts."""
+    index = compact_index(index)
+    return pack_index(index) if isinstance(index["files"], FileTable) else encode_index(index)
 
 
 def decode_index(data: bytes, where: str) -> dict[str, Any]:
-    """Parse and check the shape of an index; a malformed one is a SourceError naming ``where``."""
+    """Parse and check the shape of an index, in its JSON form or a binary message (:func:`encode_message`); a
+    malformed one is a SourceError naming ``where``. A parquet index comes back columnar (``compact_index``)."""
     try:
-        index = parse_json(data)
-    except JSONRefused as e:
+        if is_packed(data):
+            index = unpack_index(data, parse_json)      # every length, offset and span checked there
+            reader = index.get(INDEX_READER_KEY, LEGACY_READER)
+            problem = (_shape_problem({**index, "files": [index["files"][0]]}) if reader == "parquet" else
+                       f"a packed index of format {reader!r:.40}; allowed: parquet")
+        else:
+            index = parse_json(data)
+            problem = _shape_problem(index)
+    except (JSONRefused, IndexTableError) as e:
         raise SourceError(f"dataset index {where}: {e}") from None
-    problem = _shape_problem(index)
     if problem:
         raise SourceError(f"dataset index {where}: {problem}")
-    return index
+    return compact_index(index)
 
 
 def _shape_problem(index: Any) -> str | None:
@@ -87,6 +138,8 @@ def _shape_problem(index: Any) -> str | None:
     for i, f in enumerate(files):
         if not (isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))):
             return f"files[{i}] is malformed (no path and size)"
+        if not 0 < len(f["path"].encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES or "\0" in f["path"]:
+            return f"files[{i}] has path {f['path']!r:.80}; allowed: 1 to {MAX_PATH_BYTES} bytes, no NUL"
         problem = reader.entry_problem(f)      # the format's layout (parquet: footer and row groups)
         if problem:
             return f"files[{i}] is {problem}"

@@ -8,7 +8,7 @@ ahead by the :class:`~resumable_stream.sources.prefetch.Prefetcher` in the order
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -19,8 +19,10 @@ from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..limits import is_int
 from ..observe.metrics import record_row_group
+from ..plan import RowCounts
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
-from .index import identity_of
+from .index import compact_index, identity_of
+from .index_table import FileTable
 from .parquet_footer import (
     FOOTER_TAIL_BYTES,
     PARQUET_LAYOUT_KEYS,
@@ -121,13 +123,47 @@ class ParquetReader(IndexedReader):
 READER = ParquetReader()
 
 
+class RowGroupShards(Sequence):
+    """The shards of a columnar index (one per row group), made on demand: a ``ShardInfo`` per row group
+    held by every rank would cost more than the index itself."""
+
+    def __init__(self, files: FileTable):
+        self.files = files
+        self.rows = files.group_rows()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"shard {i} of {len(self)}")
+        i %= len(self)
+        file, group = self.files.group_of(i)
+        return ShardInfo(i, self.files.path(file), group, int(self.rows[i]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def row_counts(self) -> RowCounts:
+        return RowCounts(self.rows)
+
+
 def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
                       footers: dict[str, bytes] | None = None) -> ParquetSource:
     """The stream of an indexed parquet dataset: one shard per row group, read with pyarrow."""
+    index = compact_index(index)
     files = index["files"]
-    shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
-    shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
-    fingerprint = dataset_fingerprint(spec, index["builder"], [identity_of(f) for f in files], shards)
+    if isinstance(files, FileTable):
+        shards = RowGroupShards(files)
+    else:
+        shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
+        shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
+    # (the fingerprint is part of every state_dict, plain values: a list of dicts, ~400 bytes a file)
+    identities = ([files.identity(i) for i in range(len(files))] if isinstance(files, FileTable)
+                  else [identity_of(f) for f in files])
+    fingerprint = dataset_fingerprint(spec, index["builder"], identities, shards)
     return ParquetSource(shards, fingerprint, retry if retry.remote else None,
                          ParquetFiles(index, retry.storage_options, footers), index,
                          prefetch_blocks=prefetch_depth(spec.read, retry.remote),
@@ -145,7 +181,8 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self._parquet = parquet
         self.index = index
         self.column_names = parquet.column_names
-        self._file_of = {f["path"]: i for i, f in enumerate(index["files"])}
+        files = index["files"]
+        self._file_of = None if isinstance(files, FileTable) else {f["path"]: i for i, f in enumerate(files)}
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
                           remote=retry is not None)
 
@@ -159,13 +196,19 @@ class ParquetSource(FetchesAhead, RetriedSource):
 
     def _row_group_bytes(self, shard: int) -> int:
         """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""
+        if self._file_of is None:
+            return self.index["files"].group_bytes(shard)
         info = self.shards[shard]
         _, start, end = self.index["files"][self._file_of[info.file]]["row_groups"][info.part]
         return end - start
 
     def _fetch_row_group(self, shard: int) -> pa.Table:
-        info = self.shards[shard]
-        table = self._parquet.row_group(self._file_of[info.file], info.part)
+        if self._file_of is None:
+            file, group = self.index["files"].group_of(shard)
+        else:
+            info = self.shards[shard]
+            file, group = self._file_of[info.file], info.part
+        table = self._parquet.row_group(file, group)
         record_row_group(table.num_rows)
         return table
 

@@ -43,6 +43,7 @@ from ..io.net import (
     remote_answer,
 )
 from ..io.ranged import ObjectChanged, listed_identities
+from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
 from .index import changed_files, describe_changes, make_index
 from .parquet_local import resolve_local_parquet
@@ -132,6 +133,20 @@ def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dic
 
 def _digest(obj) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def _rows_digest(rows) -> str:
+    """``_digest(list(rows))``; an array of counts (a parquet index's row groups: millions) hashed in chunks, so
+    that neither the list nor its JSON is ever whole in memory."""
+    if not isinstance(rows, RowCounts):
+        return _digest(list(rows))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"[")
+    step = 1 << 16
+    for lo in range(0, len(rows.array), step):
+        h.update((", " if lo else "").encode() + ", ".join(map(str, rows.array[lo:lo + step].tolist())).encode())
+    h.update(b"]")
+    return h.hexdigest()
 
 
 def remote_targets(path: str, data_files: object) -> list[str]:
@@ -280,7 +295,7 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
         fp.update(_data_dir(data))
     if shards is not None:
         fp["num_shards"] = len(shards)
-        fp["shard_rows"] = _digest([s.num_rows for s in shards])
+        fp["shard_rows"] = _rows_digest(shard_rows(shards))
     fp.update(extra)
     return fp
 

@@ -20,7 +20,7 @@ from ..dataset.growth import layout_generations, stable_fingerprint
 from ..dataset.job_source import open_job_source
 from ..errors import ConfigError, StreamMismatchError
 from ..observe.progress import position
-from ..plan import Layout
+from ..plan import Layout, shard_rows
 from ..sources.base import Source
 from ..sources.open import open_source
 from ..state.partition_state import Cursor, PartitionState
@@ -64,7 +64,7 @@ class ResumableStream(StreamBase):
         num_partitions = self.num_partitions
         self.layout = Layout(
             num_shards=len(self.source.shards),
-            row_counts=tuple(s.num_rows for s in self.source.shards),
+            row_counts=shard_rows(self.source.shards),
             num_partitions=num_partitions,
             seed=self.config.shuffle_seed, shuffle=self.config.shuffle, buffer_size=self.config.buffer_size,
             interleave=self.config.interleave_shards, block_rows=self.config.block_rows,
@@ -296,7 +296,7 @@ class ResumableStream(StreamBase):
                                                                           self.cache)
         gens = layout_generations(index, self.source.shards)
         self.layout = replace(self.layout, num_shards=len(self.source.shards),
-                              row_counts=tuple(s.num_rows for s in self.source.shards), generations=gens)
+                              row_counts=shard_rows(self.source.shards), generations=gens)
         for reader in self._readers.values():
             reader.source, reader.layout = self.source, self.layout
         self._rows_of = {}
