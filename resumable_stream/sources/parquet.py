@@ -85,7 +85,10 @@ class ParquetReader(IndexedReader):
                    footers: dict[str, bytes] | None = None) -> dict:
         if not isinstance(identity.get("size"), int):
             raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
-        footer = parquet_footer(path, identity["size"], retry, identity)
+        # ``footers`` may hold this file's footer already (kept by the block cache under this identity)
+        footer = footers.get(path) if footers is not None else None
+        if footer is None:
+            footer = parquet_footer(path, identity["size"], retry, identity)
         if footers is not None:
             footers[path] = footer
         return file_entry(identity, footer)
