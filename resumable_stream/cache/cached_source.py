@@ -71,6 +71,7 @@ class CachedSource(Source):
         self.shards = source.shards
         self.fingerprint = source.fingerprint
         self.column_names = source.column_names
+        self.exact_rows = source.exact_rows
         self.index = source.index     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
         self._missed = False                             # read anything from the source yet (this process)?

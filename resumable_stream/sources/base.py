@@ -52,6 +52,8 @@ class Source:
     index: dict | None = None     # the dataset index it reads (saved with checkpoints, shared by rank 0)
     is_cached: bool = False       # behind the block cache already (not to be wrapped again)
     prefetch_depth: int = 0       # shards fetched ahead per partition (0: no prefetch)
+    exact_rows: bool = False      # every shard's num_rows is exactly what read() yields (checked as it reads):
+                                  # a window is then planned before any of it is read (stream/partition.py)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         raise NotImplementedError

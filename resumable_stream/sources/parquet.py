@@ -141,6 +141,8 @@ class ParquetSource(FetchesAhead, RetriedSource):
     """An indexed parquet dataset, one shard per row group read with pyarrow
     (:class:`~resumable_stream.sources.parquet_rows.ParquetFiles`), fetched ahead in plan order."""
 
+    exact_rows = True       # a row group's rows are its footer's count, checked when decoded (parquet_checks)
+
     def __init__(self, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None,
                  parquet: ParquetFiles, index: dict, prefetch_blocks: int | None = 0,
                  prefetch_memory_mb: float | None = None):
