@@ -101,7 +101,7 @@ class FetchesAhead(Source):
         # remote: the prefetcher's own count, for concurrent requests
         cores = os.cpu_count() or 1
         threads = None if remote else max(1, min(depth or cores, cores))
-        self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads)
+        self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads, first_alone=not remote)
 
     def _taken(self, shard: int) -> pa.Table | None:
         """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the
