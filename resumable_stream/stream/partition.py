@@ -188,13 +188,23 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     waits = np.nonzero(~read[owner[positions(skip, limit)]])[0]
     cut = skip + (int(waits[0]) if len(waits) else limit - skip)
 
-    def part_from(lo: int) -> tuple[list[dict], Callable | None]:
-        for t in takes:
-            t.read()
-        hi = limit if lo < limit else have
-        return made(lo, hi), (None if hi == have else lambda: part_from(hi))
+    return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
 
-    return [None] * skip + made(skip, cut), (None if cut == have else lambda: part_from(cut))
+
+class _Part:
+    """The next part of a window's rows, from row ``lo`` (to ``limit``, or to the window's end past it), once
+    every shard of the window is read. A class, not a closure naming itself: such a cycle would keep the
+    window's row groups alive until a full garbage collection."""
+
+    def __init__(self, takes: list[_Take], made: Callable[[int, int], list[dict]], lo: int, limit: int, have: int):
+        self.takes, self.made, self.lo, self.limit, self.have = takes, made, lo, limit, have
+
+    def __call__(self) -> tuple[list[dict], _Part | None]:
+        for t in self.takes:
+            t.read()
+        hi = self.limit if self.lo < self.limit else self.have
+        rows = self.made(self.lo, hi)
+        return rows, (None if hi == self.have else _Part(self.takes, self.made, hi, self.limit, self.have))
 
 
 @dataclass
