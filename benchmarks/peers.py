@@ -4,8 +4,9 @@
 Runs in the benchmark venv (``benchmarks/make_bench_venv.sh`` or ``make bench-peers``: the project plus the
 ``bench`` extra). The same generated rows (``benchmarks/_peers_data.py``: 1M rows of ~300 bytes, ``id`` /
 ``text`` / ``label``) are written as 16 parquet files with row groups of 16384 (read by ours and by HF), as
-litdata chunks (``litdata.optimize``, chunk_bytes 64MB) and as MDS shards (``MDSWriter``, its default
-size_limit of 64 MiB). Every reader is shuffled: ours ``ResumableStream(StreamConfig(shuffle=True,
+litdata chunks (``litdata.optimize``, chunk_bytes 64MB, its default; reader ``litdata``), as litdata chunks of ~1
+parquet file each (chunk_bytes 20 MB: 16 chunks; reader ``litdata_file``, in the local read and resume only) and
+as MDS shards (``MDSWriter``, its default size_limit of 64 MiB). Every reader is shuffled: ours ``ResumableStream(StreamConfig(shuffle=True,
 buffer_size=16384))``, HF ``load_dataset("parquet", streaming=True).shuffle(seed=42, buffer_size=16384)``,
 litdata ``StreamingDataset(shuffle=True)``, MosaicML ``StreamingDataset(shuffle=True, batch_size=128)``, each
 with its defaults otherwise, iterated sample by sample in the process (no DataLoader, no workers).
@@ -41,7 +42,7 @@ the table of an earlier run. With ``--readers ours`` it runs without the peers i
 ``tests/test_bench_peers.py`` does).
 
     .venv-bench/bin/python benchmarks/peers.py [--quick] [--repeats N] [--only read,resume,ranks,s3]
-        [--readers ours,litdata,mosaic,hf] [--profile [s3]] [--json out.json] [--report out.json]
+        [--readers ours,litdata,litdata_file,mosaic,hf] [--profile [s3]] [--json out.json] [--report out.json]
         [--data-dir DIR]
 """
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..config.specs import CacheSpec
 from ..config import formats as registry
+from ..config.specs import CacheSpec
 from ..sources.base import Source
 from ..sources.footer_cache import FooterCache
 from ..sources.index import identity_of
