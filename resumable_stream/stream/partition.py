@@ -583,8 +583,9 @@ class PartitionReader:
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
         else:
             perm = None
-        if planned:
-            first = [order[int(owner[perm[skip] if perm is not None else skip])].slot.shard] if skip < have else []
+        if planned:     # the shard of the first sample first, unless its reading began in an earlier window
+            slot = order[int(owner[perm[skip] if perm is not None else skip])].slot if skip < have else None
+            first = [slot.shard] if slot is not None and slot.unread else []
             self.source.prefetch(self.partition, first + ahead, starts=starts)
         rows, rest = _window_rows(order, owner, within, perm, skip, have)
         for shard in live.values():     # open shards this window did not continue: stop reading them now
