@@ -259,6 +259,8 @@ class _OpenShard:
         self.num_rows = num_rows
         self.ended = False               # a take got fewer rows than it asked for
         self._step, self._phase = step, phase
+        self._source = source
+        self._closed = False
         self._tables = source.read(shard, next_row)
         self._opened_at = next_row
         self._raw_start = next_row       # raw row of the first row of the next table
@@ -277,6 +279,7 @@ class _OpenShard:
         """Stop reading: close the source's generator chain now (not at garbage collection)."""
         tables, self._tables = self._tables, iter(())
         self._buf = None
+        self._closed = True
         close = getattr(tables, "close", None)
         if close is not None:
             close()
@@ -315,7 +318,12 @@ class _OpenShard:
 
     def read_planned(self, start: int, rows: np.ndarray) -> pa.Table:
         """Read the kept rows planned from the ``start``-th on (``rows``: their raw numbers), skipping those
-        planned before it and never read (a window resumed at its very end)."""
+        planned before it and never read (a window resumed at its very end). A shard closed meanwhile (the
+        stream was closed inside the window) is reopened at the first of them."""
+        if self._closed and len(rows):
+            self._tables = self._source.read(self.shard, int(rows[0]))
+            self._raw_start, self._buf, self._read, self._closed = int(rows[0]), None, start, False
+            _LIVE_SHARDS.add(self)
         if self._read < start:
             _, skipped = self._take_read(start - self._read)
             self._read += len(skipped)

@@ -80,3 +80,16 @@ def test_consumed_windows_leave_no_reference_cycle(tmp_path):
         gc.garbage.clear()
         gc.enable()
     assert not held
+
+
+def test_closing_the_stream_inside_a_window_whose_shards_are_not_read_yet(tmp_path):
+    """``close()`` right after the first sample (the window's other shards planned, not read): iterating again
+    gives the samples that follow, the shards reopened where the window needs them."""
+    files = str(tmp_path / "data")
+    write_parquet_dataset(files, rows=1024, files=8, row_group_size=64)
+    cfg = parquet_config(files, shuffle=True, buffer_size=256, interleave_shards=4, block_rows=16)
+    whole = take_ids(ResumableStream(cfg), 600)
+    s = ResumableStream(cfg)
+    assert take_ids(s, 1) == whole[:1]
+    s.close()
+    assert take_ids(s, 599) == whole[1:600]
