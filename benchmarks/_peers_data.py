@@ -17,6 +17,7 @@ import time
 
 WORDS = 44                 # ~300 bytes per row
 SHARD_BYTES = 1 << 26      # litdata chunk_bytes / MDS size_limit: MDSWriter's default (64 MiB), litdata's "64MB"
+FILE_CHUNK_BYTES = 20_000_000   # litdata chunks of ~1 parquet file each (1M rows in 16 files: ~20 MB a file)
 
 
 def _complete(path: str) -> bool:

@@ -4,8 +4,9 @@
 Runs in the benchmark venv (``benchmarks/make_bench_venv.sh`` or ``make bench-peers``: the project plus the
 ``bench`` extra). The same generated rows (``benchmarks/_peers_data.py``: 1M rows of ~300 bytes, ``id`` /
 ``text`` / ``label``) are written as 16 parquet files with row groups of 16384 (read by ours and by HF), as
-litdata chunks (``litdata.optimize``, chunk_bytes 64MB) and as MDS shards (``MDSWriter``, its default
-size_limit of 64 MiB). Every reader is shuffled: ours ``ResumableStream(StreamConfig(shuffle=True,
+litdata chunks (``litdata.optimize``, chunk_bytes 64MB, its default; reader ``litdata``), as litdata chunks of ~1
+parquet file each (chunk_bytes 20 MB: 16 chunks; reader ``litdata_file``, in the local read and resume only) and
+as MDS shards (``MDSWriter``, its default size_limit of 64 MiB). Every reader is shuffled: ours ``ResumableStream(StreamConfig(shuffle=True,
 buffer_size=16384))``, HF ``load_dataset("parquet", streaming=True).shuffle(seed=42, buffer_size=16384)``,
 litdata ``StreamingDataset(shuffle=True)``, MosaicML ``StreamingDataset(shuffle=True, batch_size=128)``, each
 with its defaults otherwise, iterated sample by sample in the process (no DataLoader, no workers).
@@ -41,7 +42,7 @@ the table of an earlier run. With ``--readers ours`` it runs without the peers i
 ``tests/test_bench_peers.py`` does).
 
     .venv-bench/bin/python benchmarks/peers.py [--quick] [--repeats N] [--only read,resume,ranks,s3]
-        [--readers ours,litdata,mosaic,hf] [--profile [s3]] [--json out.json] [--report out.json]
+        [--readers ours,litdata,litdata_file,mosaic,hf] [--profile [s3]] [--json out.json] [--report out.json]
         [--data-dir DIR]
 """
 
@@ -67,8 +68,10 @@ sys.path.insert(0, os.path.join(_common.REPO_ROOT, "tests", "_support"))
 
 BUFFER = 16384
 SEED = 42
-READERS = ("ours", "litdata", "mosaic", "hf")
-LABELS = {"ours": "ours", "litdata": "litdata 0.2.76", "mosaic": "MosaicML Streaming 0.13.0",
+READERS = ("ours", "litdata", "litdata_file", "mosaic", "hf")
+LITDATA = ("litdata", "litdata_file")     # litdata with chunks of its default size / of ~1 parquet file each
+LABELS = {"ours": "ours", "litdata": "litdata 0.2.76", "litdata_file": "litdata, ~1 file per chunk",
+          "mosaic": "MosaicML Streaming 0.13.0",
           "hf": "HF datasets", "pyarrow": "raw pyarrow"}
 MEASURES = ("read", "resume", "ranks", "s3")
 BUCKET = "bench"
@@ -99,7 +102,7 @@ def _imports(reader: str) -> None:
         import resumable_stream.stream.single  # noqa: F401
     elif reader == "hf":
         import datasets  # noqa: F401
-    elif reader == "litdata":
+    elif reader in LITDATA:
         import litdata  # noqa: F401
     elif reader == "mosaic":
         import _peers_compat
@@ -109,7 +112,7 @@ def _imports(reader: str) -> None:
         from streaming.base.util import clean_stale_shared_memory
 
         clean_stale_shared_memory()      # what an earlier (killed) process may have left
-    if reader in ("litdata", "mosaic"):
+    if reader in (*LITDATA, "mosaic"):
         import torch  # noqa: F401
     _quiet()
 
@@ -147,7 +150,7 @@ class Reader:
 
                 ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
             self.ds = ds
-        elif name == "litdata":
+        elif name in LITDATA:
             from litdata import StreamingDataset
 
             if self.s3:
@@ -157,7 +160,7 @@ class Reader:
                 self.ds = StreamingDataset(f"s3://{BUCKET}/litdata", cache_dir=p["cache_dir"], shuffle=True,
                                            seed=SEED, storage_options={"endpoint_url": self.s3})
             else:
-                self.ds = StreamingDataset(p["litdata"], shuffle=True, seed=SEED, drop_last=p.get("drop_last"))
+                self.ds = StreamingDataset(p[name], shuffle=True, seed=SEED, drop_last=p.get("drop_last"))
         elif name == "mosaic":
             from streaming import StreamingDataset
 
@@ -192,7 +195,7 @@ class Reader:
             return
         if self.name == "hf":
             st = self.ds.state_dict()
-        elif self.name == "litdata":
+        elif self.name in LITDATA:
             st = self.ds.state_dict(consumed, 0, 1)     # (samples yielded, num_workers, batch_size)
         else:
             st = self.ds.state_dict(consumed, True)     # (samples in this epoch, from the beginning)
@@ -631,10 +634,13 @@ def main() -> int:
     main_p = {"parquet": main_pq, "total_rows": rows, "rows": rows}
     if "litdata" in readers:
         main_p["litdata"] = data.litdata_dir(args.data_dir, main_pq)
+    if "litdata_file" in readers:
+        main_p["litdata_file"] = data.litdata_dir(args.data_dir, main_pq, data.FILE_CHUNK_BYTES)
     if "mosaic" in readers:
         main_p["mds"] = data.mds_dir(args.data_dir, main_pq)
-    shards = {k: data.shard_count(main_p[d], k) for k, d in (("parquet", "parquet"), ("litdata", "litdata"),
-                                                               ("mds", "mds")) if d in main_p}
+    shards = {d: data.shard_count(main_p[d], k) for k, d in (("parquet", "parquet"), ("litdata", "litdata"),
+                                                               ("litdata", "litdata_file"), ("mds", "mds"))
+              if d in main_p}
     desc = (f"{rows:,} rows of ~300 bytes ({data.WORDS} words), {files} parquet files with row groups of "
             f"{_common.ROW_GROUP_SIZE}; shards: " + ", ".join(f"{k} {v}" for k, v in shards.items()))
     print(f"data: {desc}")
@@ -651,6 +657,8 @@ def main() -> int:
                 ap.error(f"--resume-at: got {at}; allowed: a multiple of {MOSAIC_BATCH} between 1 and {rows - 1}")
             print(f"\nresume after {at:,} samples, 1,000 checked, best of {repeats}", flush=True)
             out["resume"] = bench_resume(readers, {**main_p, "resume_at": at, "check": 1000}, repeats, work)
+        # the litdata layout of ~1 file per chunk is compared on the local read and resume only
+        readers_ranks_s3 = tuple(r for r in readers if r != "litdata_file")
         if "ranks" in only:
             u_pq = data.parquet_dir(args.data_dir, u_rows, u_files, _common.ROW_GROUP_SIZE)
             u_p = {"parquet": u_pq, "total_rows": u_rows}
@@ -662,12 +670,12 @@ def main() -> int:
                                                                       ("mds", "mds")) if d in u_p}
             print(f"\n4 ranks, one epoch of {u_rows:,} rows (shards: "
                   + ", ".join(f"{k} {v}" for k, v in u_shards.items()) + ")", flush=True)
-            out["ranks"] = bench_ranks(readers, u_p, 4, work)
+            out["ranks"] = bench_ranks(readers_ranks_s3, u_p, 4, work)
             out["ranks"]["shards"] = u_shards
         if "s3" in only:
             s3_rows = 1000
             print(f"\nS3 (moto on 127.0.0.1): first sample from a cold cache, best of {repeats}", flush=True)
-            out["s3"] = bench_s3(readers, {**main_p, "rows": s3_rows}, repeats, work)
+            out["s3"] = bench_s3(readers_ranks_s3, {**main_p, "rows": s3_rows}, repeats, work)
         if args.profile:
             import _peers_profile
 

@@ -111,6 +111,7 @@ class _PlanningSource(Source):
         self.shards = cached.shards
         self.fingerprint = cached.fingerprint
         self.column_names = ["row"]
+        self.exact_rows = cached.exact_rows   # windows planned (and so read) as the cached stream's are
         self.need: dict[tuple[int, int], tuple[int, int]] = {}   # (shard, block) -> (sample index, rank)
         self.clock = (0, 0)
 

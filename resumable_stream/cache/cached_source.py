@@ -17,13 +17,32 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..config import formats as registry
 from ..config.specs import CacheSpec
 from ..sources.base import Source
+from ..sources.footer_cache import FooterCache
+from ..sources.index import identity_of
 from .store import DEFAULT_BLOCK_ROWS, BlockStore, namespace
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)   # zero-copy: chunks stay chunks
+
+
+def _keep_footers(directory: str, source: Source) -> None:
+    """Keep the footers ``source``'s index was built from, by file identity, in the (claimed) cache directory:
+    a later process building the index again reads none of them (``sources/footer_cache.py``)."""
+    footers = getattr(source, "footers", None)
+    index = getattr(source, "index", None)
+    if not footers or not index:
+        return
+    reader = registry.format_of_index(index).load()
+    not_identity = tuple(reader.layout_keys) + tuple(reader.content_keys)    # what the file's bytes gave
+    kept = FooterCache(directory)
+    for entry in index.get("files", ()):
+        footer = footers.get(entry.get("path"))
+        if footer is not None:
+            kept.put(identity_of(entry, not_identity), footer)
 
 
 def with_block_cache(source: Source, cache: CacheSpec) -> Source:
@@ -52,12 +71,14 @@ class CachedSource(Source):
         self.shards = source.shards
         self.fingerprint = source.fingerprint
         self.column_names = source.column_names
+        self.exact_rows = source.exact_rows
         self.index = source.index     # the dataset index, saved with checkpoints
         self.block_rows = int(block_rows or DEFAULT_BLOCK_ROWS)
         self._missed = False                             # read anything from the source yet (this process)?
         self._hints: dict[int, tuple[list[int], dict[int, int]]] = {}   # (shards, starts) per partition, until then
         self.store = BlockStore(os.path.expanduser(directory), int(limit_gb * 2**30),
                                 namespace(source.fingerprint, self.block_rows), self.block_rows)
+        _keep_footers(self.store.directory, source)
 
     # ------------------------------------------------------------------ geometry
     def num_blocks(self, shard: int) -> int | None:

@@ -55,13 +55,15 @@ class NetPolicy:
 @dataclass(frozen=True)
 class ReadSpec:
     """How a reader reads: ``data.interleave_shards`` (open shards per partition, which bounds how far ahead
-    it may fetch), ``prefetch_blocks`` (None: adaptive; 0: off), ``prefetch_memory_mb`` and
-    ``max_member_bytes`` (the largest WebDataset tar member read)."""
+    it may fetch), ``prefetch_blocks`` (None: adaptive; 0: off), ``prefetch_memory_mb``,
+    ``max_member_bytes`` (the largest WebDataset tar member read) and ``footer_dir`` (``data.cache_dir``: the
+    footers an index build reads are kept there by file identity, ``sources/footer_cache.py``)."""
 
     interleave_shards: int = 4
     prefetch_blocks: int | None = None
     prefetch_memory_mb: float = 256
     max_member_bytes: int = 64 << 20
+    footer_dir: str | None = None       # data.cache_dir: remote files' footers kept there by identity
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ class StreamConfig:
             net=NetPolicy(self.retries, self.retry_backoff_s, self.timeout_s, self.retry_budget_s,
                           self.storage_options),
             read=ReadSpec(self.interleave_shards, self.prefetch_blocks, self.prefetch_memory_mb,
-                          self.max_member_bytes),
+                          self.max_member_bytes, self.cache_dir),
             growth=GrowthSpec(self.growth, self.growth_allow_removal, self.poll_interval_s, self.follow_timeout_s),
             index=IndexSpec(self.index_path, self.verify_files))
 

@@ -56,8 +56,16 @@ def worker_threads(_worker_id: int) -> None:
         torch.set_num_threads(1)
 
 
+def _local(item: Any) -> bool:
+    """A local absolute path (or an index entry of one): its stat and reads wait on no network."""
+    path = item.get("path") if isinstance(item, dict) else item
+    return isinstance(path, str) and path.startswith("/")
+
+
 def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None] | None = None) -> list:
-    """``fn`` over ``items`` on up to 16 threads (network-bound), in order; ``progress()`` after each."""
+    """``fn`` over ``items`` on up to 16 threads (network-bound), in order; ``progress()`` after each. Local
+    files are done in turn on this thread: nothing to overlap, and the threads cost more CPU than the stats and
+    footer reads (16 files: ~5 ms inline, 7-11 ms on threads)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(x):
@@ -66,7 +74,7 @@ def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None
             progress()
         return r
 
-    if len(items) <= 1:
+    if len(items) <= 1 or all(_local(x) for x in items):
         return [one(x) for x in items]
     with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
         return list(pool.map(one, items))

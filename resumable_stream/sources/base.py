@@ -52,6 +52,8 @@ class Source:
     index: dict | None = None     # the dataset index it reads (saved with checkpoints, shared by rank 0)
     is_cached: bool = False       # behind the block cache already (not to be wrapped again)
     prefetch_depth: int = 0       # shards fetched ahead per partition (0: no prefetch)
+    exact_rows: bool = False      # every shard's num_rows is exactly what read() yields (checked as it reads):
+                                  # a window is then planned before any of it is read (stream/partition.py)
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         raise NotImplementedError
@@ -99,7 +101,7 @@ class FetchesAhead(Source):
         # remote: the prefetcher's own count, for concurrent requests
         cores = os.cpu_count() or 1
         threads = None if remote else max(1, min(depth or cores, cores))
-        self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads)
+        self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads, first_alone=not remote)
 
     def _taken(self, shard: int) -> pa.Table | None:
         """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the

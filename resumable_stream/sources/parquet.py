@@ -87,7 +87,10 @@ class ParquetReader(IndexedReader):
                    footers: dict[str, bytes] | None = None) -> dict:
         if not isinstance(identity.get("size"), int):
             raise SourceError(f"data file {path!r}: its size is unknown; a parquet file needs one to be indexed")
-        footer = parquet_footer(path, identity["size"], retry, identity)
+        # ``footers`` may hold this file's footer already (kept by the block cache under this identity)
+        footer = footers.get(path) if footers is not None else None
+        if footer is None:
+            footer = parquet_footer(path, identity["size"], retry, identity)
         if footers is not None:
             footers[path] = footer
         return file_entry(identity, footer)
@@ -173,6 +176,8 @@ def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
 class ParquetSource(FetchesAhead, RetriedSource):
     """An indexed parquet dataset, one shard per row group read with pyarrow
     (:class:`~resumable_stream.sources.parquet_rows.ParquetFiles`), fetched ahead in plan order."""
+
+    exact_rows = True       # a row group's rows are its footer's count, checked when decoded (parquet_checks)
 
     def __init__(self, shards: list[ShardInfo], fingerprint: dict, retry: RetryPolicy | None,
                  parquet: ParquetFiles, index: dict, prefetch_blocks: int | None = 0,

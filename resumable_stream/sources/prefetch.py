@@ -105,6 +105,8 @@ class _Owner:
     window_wait: float = 0.0                           # seconds the reader waited for them
     window_clean: bool = True                          # False: the reader read a shard itself (network time)
     samples: deque = field(default_factory=lambda: deque(maxlen=_WINDOWS))   # seconds per row group
+    started: int = 0                                   # fetches of its started
+    fetched: bool = False                              # a fetch of its finished
 
     def new_window(self, now: float) -> None:
         """A window was hinted: the one before it is a sample, if a row group was taken in it."""
@@ -135,13 +137,17 @@ class Prefetcher:
     group's byte span; None: unknown, then only ``cap`` bounds it)."""
 
     def __init__(self, fetch: Callable[[int], pa.Table], cap: int | None = None, budget: int | None = None,
-                 size: Callable[[int], int | None] | None = None, threads: int | None = None):
+                 size: Callable[[int], int | None] | None = None, threads: int | None = None,
+                 first_alone: bool = False):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
         self._fetch = weakref.WeakMethod(fetch)
         self._size = weakref.WeakMethod(size) if size is not None and hasattr(size, "__self__") else size
         self.cap = DEFAULT_CAP if cap is None else int(cap)
         self.budget = budget
         self._threads = threads or max(1, min(self.cap, MAX_THREADS))
+        # local files: a partition's first fetch runs alone until it is done (decoding is CPU: the row groups
+        # fetched beside it would share the cores its first sample waits for)
+        self.first_alone = first_alone
         self._reset()
 
     def _reset(self) -> None:
@@ -163,10 +169,11 @@ class Prefetcher:
     def __getstate__(self) -> dict:
         size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
         return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": size,
-                "threads": self._threads}
+                "threads": self._threads, "first_alone": self.first_alone}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"])
+        self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"],
+                      state.get("first_alone", False))
 
     @property
     def depth(self) -> int:
@@ -241,6 +248,8 @@ class Prefetcher:
             for owner, state in self._owners.items():
                 if not state.queue or mine.get(owner, 0) >= self.depth_for(owner):
                     continue
+                if self.first_alone and state.started and not state.fetched:
+                    continue                   # its first fetch runs alone (taken or not)
                 shard = state.queue[0]
                 if shard in self._pending:     # hinted by another partition too (it takes it first)
                     state.queue.pop(0)
@@ -260,6 +269,7 @@ class Prefetcher:
                 self._counts["started"] += 1
                 self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
                 self._pool.submit(_run, weakref.ref(self), shard, entry)
+                state.started += 1
                 mine[owner] = mine.get(owner, 0) + 1
                 progress = True
 
@@ -294,6 +304,11 @@ class Prefetcher:
         with self._lock:
             self._running -= 1
             entry.done_at = now
+            owner = self._owners.get(entry.owner)
+            if owner is not None and not owner.fetched:
+                owner.fetched = True
+                if self.first_alone and self._pool is not None:
+                    self._top_up()             # the fetches held back behind the first one
             if table is None:
                 self._counts["failed"] += 1
                 self._release(shard, entry)

@@ -45,6 +45,7 @@ from ..io.net import (
 from ..io.ranged import ObjectChanged, listed_identities
 from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
+from .footer_cache import FooterCache
 from .index import changed_files, describe_changes, make_index
 from .parquet_local import resolve_local_parquet
 
@@ -365,9 +366,18 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
     known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
     read: dict[str, bytes] = {}
     growing = spec.growth.growing
-    entries = map_files(lambda f: index_entry(reader, f, retry, known.get(f) or file_identity(f, retry), read,
-                                              growing), files,
-                        progress and (lambda: progress(len(files))))
+    kept = FooterCache(spec.read.footer_dir) if spec.read.footer_dir else None
+
+    def entry(f: str) -> dict | None:
+        identity = known.get(f) or file_identity(f, retry)
+        # a remote file's footer kept by the block cache under the identity it has now (a rewritten file has
+        # another): not read again (the block cache keeps what was read, cache/cached_source.py)
+        cached = kept.get(identity) if kept is not None else None
+        if cached is not None:
+            read[f] = cached
+        return index_entry(reader, f, retry, identity, read, growing)
+
+    entries = map_files(entry, files, progress and (lambda: progress(len(files))))
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "

@@ -84,10 +84,10 @@ class Window:
     names: list[str]
     rows: list[dict]             # the permuted rows made so far, in the order handed out (None: consumed before
                                  # the resume this window was rebuilt for, never handed out); the rest are made
-                                 # by ``_rest`` when a sample past them is first asked for (``made_past``)
+                                 # part by part by ``_rest`` when a sample past them is first asked for (``made_past``)
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
-    _rest: Callable[[], list[dict]] | None = field(default=None, repr=False)
+    _rest: Callable[[], tuple[list[dict], Callable | None]] | None = field(default=None, repr=False)
     _key_tuples: list | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -100,11 +100,11 @@ class Window:
         return self._key_tuples
 
     def made_past(self, i: int) -> list[dict]:
-        """``rows``, made at least up to row ``i`` (the rest of the window at once). A new list: an iterator
+        """``rows``, made at least up to row ``i`` (the next parts of the window). A new list: an iterator
         over the old one (a reader's offset is read off it) still ends where it did."""
-        if i >= len(self.rows) and self._rest is not None:
-            rest, self._rest = self._rest, None
-            self.rows = self.rows + rest()
+        while i >= len(self.rows) and self._rest is not None:
+            more, self._rest = self._rest()
+            self.rows = self.rows + more
         return self.rows
 
     def sample(self, i: int) -> dict:
@@ -145,26 +145,92 @@ def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]
     return make
 
 
-def _window_rows(table: pa.Table, perm: np.ndarray | None, skip: int, have: int
-                 ) -> tuple[list, Callable[[], list[dict]] | None]:
-    """The rows of a window of ``have`` rows (``table`` in file order, ``perm`` its order; None: file order)
-    of which ``skip`` were consumed before a resume: None for those (no Python objects made), then the next
-    FIRST_ROWS made now, and a function making the rest (None: nothing left). The first sample waits for
-    FIRST_ROWS rows, not the whole window (a resume or a start: the window's take and rows were 10-20 ms of it).
-    The rows are made in the order they are handed out: made in file order and permuted as Python objects,
-    they are touched in random memory order by the consumer, which costs more than the Arrow take saves."""
-    make = _row_maker(tuple(table.column_names))
+def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm: np.ndarray | None, skip: int,
+                 have: int) -> tuple[list, Callable | None]:
+    """The rows of a window of ``have`` rows (row ``i`` in file order is row ``within[i]`` of ``takes[owner[i]]``;
+    ``perm`` the order they are handed out in, None: file order) of which ``skip`` were consumed before a resume:
+    None for those (no Python objects made), then a first part, and a function making the next part (None:
+    nothing left). The first part waits only for the shard holding the first sample handed out (the other
+    shards' row groups are still being decoded ahead): the rows of the next FIRST_ROWS that shard (or a shard
+    read already) holds, up to the first that needs another. The second part ends FIRST_ROWS rows in, the third
+    is the rest of the window. The rows are made in the order they are handed out: made in file order and
+    permuted as Python objects, they are touched in random memory order by the consumer, which costs more than
+    the Arrow take saves."""
+    if skip >= have:
+        return [None] * have, None
+    for t in takes:
+        if t.tables is not None:       # read as the window was cut (a shard of unknown length)
+            t.read()
+
+    def positions(lo: int, hi: int) -> np.ndarray:
+        return perm[lo:hi] if perm is not None else np.arange(lo, hi, dtype=np.int64)
 
     def made(lo: int, hi: int) -> list[dict]:
-        if perm is not None:
-            part = pc.take(table, _indices(perm[lo:hi]), memory_pool=rows_pool())
+        pos = positions(lo, hi)
+        ready = [t for t in takes if t.table is not None]
+        offset = np.zeros(len(takes), dtype=np.int64)
+        at = 0
+        for t in ready:
+            offset[t.index] = at
+            at += t.table.num_rows
+        table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
+        idx = offset[owner[pos]] + within[pos]
+        if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
+            part = table.slice(int(idx[0]), len(idx))          # file order: one contiguous slice
         else:
-            part = table.slice(lo, hi - lo)
+            part = pc.take(table, _indices(idx), memory_pool=rows_pool())
+        make = _row_maker(tuple(part.column_names))
         return make([part.column(i).to_pylist() for i in range(part.num_columns)], hi - lo)
 
-    cut = min(have, skip + FIRST_ROWS)
-    rows = [None] * skip + made(skip, cut)
-    return rows, (None if cut == have else lambda: made(cut, have))
+    takes[int(owner[positions(skip, skip + 1)[0]])].read()
+    limit = min(have, skip + FIRST_ROWS)
+    read = np.array([t.table is not None for t in takes])
+    waits = np.nonzero(~read[owner[positions(skip, limit)]])[0]
+    cut = skip + (int(waits[0]) if len(waits) else limit - skip)
+
+    return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
+
+
+class _Part:
+    """The next part of a window's rows, from row ``lo`` (to ``limit``, or to the window's end past it), once
+    every shard of the window is read. A class, not a closure naming itself: such a cycle would keep the
+    window's row groups alive until a full garbage collection."""
+
+    def __init__(self, takes: list[_Take], made: Callable[[int, int], list[dict]], lo: int, limit: int, have: int):
+        self.takes, self.made, self.lo, self.limit, self.have = takes, made, lo, limit, have
+
+    def __call__(self) -> tuple[list[dict], _Part | None]:
+        for t in self.takes:
+            t.read()
+        hi = self.limit if self.lo < self.limit else self.have
+        rows = self.made(self.lo, hi)
+        return rows, (None if hi == self.have else _Part(self.takes, self.made, hi, self.limit, self.have))
+
+
+@dataclass
+class _Take:
+    """The rows one open shard gives a window: planned (their raw row numbers, ``rows``) when the window is
+    built, read when a sample among them is first made (``read``); a shard of unknown length is read at once
+    (``tables``)."""
+
+    index: int                   # its place in the window's takes
+    slot: _OpenShard
+    start: int                   # kept rows of the shard planned before this window's
+    rows: list = field(default_factory=list)          # raw row numbers, piece by piece
+    count: int = 0               # rows in them
+    tables: list | None = None   # read already (a shard of unknown length)
+    table: pa.Table | None = None
+
+    def read(self) -> pa.Table:
+        if self.table is None:
+            if self.tables is not None:
+                self.table = self.tables[0] if len(self.tables) == 1 else pa.concat_tables(self.tables)
+            else:
+                self.table = self.slot.read_planned(self.start, np.concatenate(self.rows))
+            self.tables = None
+            if self.slot.ended:
+                self.slot.close()
+        return self.table
 
 
 _LIVE_SHARDS: weakref.WeakSet = weakref.WeakSet()
@@ -185,24 +251,35 @@ def _close_open_shards() -> None:
 class _OpenShard:
     """One shard being read: buffers kept rows and their raw row numbers."""
 
-    def __init__(self, source, shard: int, pos: int, next_row: int, step: int, phase: int, epoch: int):
+    def __init__(self, source, shard: int, pos: int, next_row: int, step: int, phase: int, epoch: int,
+                 num_rows: int | None = None):
+        """``num_rows``: the shard's exact row count (the source vouches for it): its rows are then planned
+        without reading (``plan``) and read when needed (``read_planned``)."""
         self.shard, self.pos, self.next_row, self.epoch = shard, pos, next_row, epoch
+        self.num_rows = num_rows
+        self.ended = False               # a take got fewer rows than it asked for
         self._step, self._phase = step, phase
+        self._source = source
+        self._closed = False
         self._tables = source.read(shard, next_row)
+        self._opened_at = next_row
         self._raw_start = next_row       # raw row of the first row of the next table
         self._buf: pa.Table | None = None
         self._buf_rows = np.empty(0, dtype=np.int64)
+        self._planned = 0                # kept rows taken or planned so far
+        self._read = 0                   # kept rows read from the source so far
         _LIVE_SHARDS.add(self)
 
     @property
     def unread(self) -> bool:
         """Opened but nothing read yet (the source has not been asked for its rows: a prefetch still applies)."""
-        return self._buf is None and self._raw_start == self.next_row
+        return self._buf is None and self._raw_start == self._opened_at
 
     def close(self) -> None:
         """Stop reading: close the source's generator chain now (not at garbage collection)."""
         tables, self._tables = self._tables, iter(())
         self._buf = None
+        self._closed = True
         close = getattr(tables, "close", None)
         if close is not None:
             close()
@@ -223,8 +300,53 @@ class _OpenShard:
                 return True
         return False
 
+    @property
+    def planned(self) -> int:
+        """Kept rows taken or planned so far (where the next window's take of this shard starts)."""
+        return self._planned
+
+    def plan(self, k: int) -> np.ndarray:
+        """The raw numbers of the next (up to) k kept rows, reading nothing (``num_rows`` is known); fewer only
+        when the shard ends. They are read by ``read_planned``."""
+        first = self.next_row + (self._phase - self.next_row) % self._step
+        left = 0 if first >= self.num_rows else (self.num_rows - 1 - first) // self._step + 1
+        rows = first + self._step * np.arange(min(k, left), dtype=np.int64)
+        if len(rows):
+            self.next_row = int(rows[-1]) + 1
+        self._planned += len(rows)
+        return rows
+
+    def read_planned(self, start: int, rows: np.ndarray) -> pa.Table:
+        """Read the kept rows planned from the ``start``-th on (``rows``: their raw numbers), skipping those
+        planned before it and never read (a window resumed at its very end). A shard closed meanwhile (the
+        stream was closed inside the window) is reopened at the first of them."""
+        if self._closed and len(rows):
+            self._tables = self._source.read(self.shard, int(rows[0]))
+            self._raw_start, self._buf, self._read, self._closed = int(rows[0]), None, start, False
+            _LIVE_SHARDS.add(self)
+        if self._read < start:
+            _, skipped = self._take_read(start - self._read)
+            self._read += len(skipped)
+        tables, got = self._take_read(len(rows))
+        self._read += len(got)
+        if not np.array_equal(got, rows):
+            raise SourceError(f"shard {self.shard}: the source gave {len(got)} rows where its row count promised "
+                              f"{len(rows)} from row {int(rows[0]) if len(rows) else self.next_row} (the data "
+                              "changed while it was read)")
+        if not tables:
+            raise SourceError(f"shard {self.shard}: the source gave no rows where its row count promised {len(rows)}")
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
     def take(self, k: int) -> tuple[list[pa.Table], np.ndarray]:
-        """Up to k kept rows; fewer only when the shard has ended."""
+        """Up to k kept rows, read now; fewer only when the shard has ended."""
+        tables, got = self._take_read(k)
+        self._read += len(got)
+        self._planned += len(got)
+        if len(got):
+            self.next_row = int(got[-1]) + 1
+        return tables, got
+
+    def _take_read(self, k: int) -> tuple[list[pa.Table], np.ndarray]:
         tables, rows = [], []
         while k > 0:
             if self._buf is None or self._buf.num_rows == 0:
@@ -236,10 +358,7 @@ class _OpenShard:
             self._buf = self._buf.slice(n)
             self._buf_rows = self._buf_rows[n:]
             k -= n
-        got = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-        if len(got):
-            self.next_row = int(got[-1]) + 1
-        return tables, got
+        return tables, (np.concatenate(rows) if rows else np.empty(0, dtype=np.int64))
 
 
 class PartitionReader:
@@ -398,38 +517,52 @@ class PartitionReader:
         # the shards this window (re)opens or opened unread, then the next ones of the plan
         # (a shard reopened mid-way, on resume, is hinted with its row: a fetch ahead need not cover its prefix)
         reopened = [(shard_list[pos], row) for pos, row in start.slots if not continues(pos, row) or live[pos].unread]
-        self.source.prefetch(self.partition, [shard for shard, _ in reopened]
-                             + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT]),
-                             starts={shard: row for shard, row in reopened if row})
-        slots = [
-            live[pos] if continues(pos, row)
-            else _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch)
-            for pos, row in start.slots
-        ]
+        ahead = [shard for shard, _ in reopened] + list(shard_list[start.next_shard:start.next_shard + PREFETCH_HINT])
+        starts = {shard: row for shard, row in reopened if row}
+        # a source whose row counts are exact: the window is planned without reading anything, and the shard
+        # holding its first sample is hinted (so decoded) first; otherwise shards are read as the window is cut
+        planned = bool(getattr(self.source, "exact_rows", False))
+        counts = [self.source.shards[s].num_rows for s in shard_list] if planned else None
+        if not planned:
+            self.source.prefetch(self.partition, ahead, starts=starts)
+
+        def opened(pos: int, row: int) -> _OpenShard:
+            return _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch,
+                              counts[pos] if counts is not None else None)
+
+        slots = [live[pos] if continues(pos, row) else opened(pos, row) for pos, row in start.slots]
         next_shard, block_slot, block_taken = start.next_shard, start.block_slot, start.block_taken
         want_total, block = lay.buffer_size, lay.block
-        tables: list[pa.Table] = []
-        shard_ids: list[np.ndarray] = []
-        row_ids: list[np.ndarray] = []
+        takes: dict[int, _Take] = {}               # by id of the open shard, in the order they first give rows
+        pieces: list[tuple[_Take, int, int]] = []  # (take, first row of it, rows) in file order
         have = 0
         while have < want_total:
             while len(slots) < lay.open_slots and next_shard < len(shard_list):
-                slots.append(_OpenShard(self.source, shard_list[next_shard], next_shard, 0, step, phase,
-                                        start.epoch))
+                slots.append(opened(next_shard, 0))
                 next_shard += 1
             if not slots:
                 break
             block_slot %= len(slots)
             slot = slots[block_slot]
             want = min(block - block_taken, want_total - have)
-            got_tables, got_rows = slot.take(want)
+            take = takes.get(id(slot))
+            if take is None:
+                take = _Take(len(takes), slot, slot.planned)
+            if slot.num_rows is not None:
+                got_rows = slot.plan(want)
+            else:
+                got_tables, got_rows = slot.take(want)
+                take.tables = (take.tables or []) + got_tables
             got = len(got_rows)
             if got:
-                tables.extend(got_tables)
-                shard_ids.append(np.full(got, slot.shard, dtype=np.int64))
-                row_ids.append(got_rows)
+                if take.index == len(takes):
+                    takes[id(slot)] = take
+                pieces.append((take, take.count, got))
+                take.rows.append(got_rows)
+                take.count += got
                 have += got
             if got < want:                  # shard ended: drop it, the next one opens in its place
+                slot.ended = True
                 slots.pop(block_slot)
                 block_taken = 0
             elif block_taken + got >= block:
@@ -437,19 +570,34 @@ class PartitionReader:
             else:
                 block_taken += got
         if have == 0:
+            if planned:
+                self.source.prefetch(self.partition, ahead, starts=starts)
             return None
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        order = list(takes.values())
+        owner = np.empty(have, dtype=np.int64)
+        within = np.empty(have, dtype=np.int64)
+        shard_ids = np.empty(have, dtype=np.int64)
+        at = 0
+        for take, first, n in pieces:
+            owner[at:at + n] = take.index
+            within[at:at + n] = np.arange(first, first + n, dtype=np.int64)
+            shard_ids[at:at + n] = take.slot.shard
+            at += n
         keys = np.empty((have, 2), dtype="<i8")
-        keys[:, 0], keys[:, 1] = np.concatenate(shard_ids), np.concatenate(row_ids)
+        keys[:, 0], keys[:, 1] = shard_ids, _piece_rows(pieces)
         skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
             keys = keys[perm]       # fancy indexing: a new C-contiguous array
         else:
             perm = None
-        rows, rest = _window_rows(table, perm, skip, have)
+        if planned:     # the shard of the first sample first, unless its reading began in an earlier window
+            slot = order[int(owner[perm[skip] if perm is not None else skip])].slot if skip < have else None
+            first = [slot.shard] if slot is not None and slot.unread else []
+            self.source.prefetch(self.partition, first + ahead, starts=starts)
+        rows, rest = _window_rows(order, owner, within, perm, skip, have)
         for shard in live.values():     # open shards this window did not continue: stop reading them now
-            if all(shard is not s for s in slots):
+            if all(shard is not s for s in slots) and (id(shard) not in takes or takes[id(shard)].table is not None):
                 shard.close()
         self._open = {s.pos: s for s in slots}
         exhausted = not slots and next_shard >= len(shard_list)
@@ -462,7 +610,19 @@ class PartitionReader:
         )
         if exhausted:
             after = replace(after, offset=0).next_epoch()
-        return Window(table.column_names, rows, keys, after, rest)
+        names = next((t.table.column_names for t in order if t.table is not None), self.source.column_names or [])
+        return Window(list(names), rows, keys, after, rest)
+
+
+def _piece_rows(pieces: list) -> np.ndarray:
+    """The raw row numbers of a window's pieces, in file order."""
+    out, seen = [], {}
+    for take, first, n in pieces:
+        rows = seen.get(take.index)
+        if rows is None:
+            rows = seen[take.index] = np.concatenate(take.rows)
+        out.append(rows[first:first + n])
+    return np.concatenate(out)
 
 
 # ------------------------------------------------------------------ the state of one partition

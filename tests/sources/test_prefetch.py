@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import pytest
 from http_server import FileServer
@@ -231,3 +232,38 @@ def test_a_consumer_pause_does_not_cut_the_depth():
     # the steady depth covers a fetch at the consumer's pace (latency / per_row_group = 12.5 row groups)
     assert steady >= 6, steady
     assert after >= 0.75 * steady, (steady, after)
+
+
+def test_a_local_partitions_first_fetch_runs_alone_until_it_is_done():
+    """Local files (``first_alone``): the first sample waits for one row group's decoding, which the row groups
+    hinted after it would share the cores with; they start once it is done. Remote: all at once."""
+    import threading
+
+    import pyarrow as pa
+
+    from resumable_stream.sources.prefetch import Prefetcher
+
+    class Rows:
+        def __init__(self):
+            self.started, self.gate = [], threading.Event()
+
+        def fetch(self, shard):
+            self.started.append(shard)
+            if shard == 3:
+                self.gate.wait(30)
+            return pa.table({"x": [shard]})
+
+    for alone in (True, False):
+        rows = Rows()
+        prefetcher = Prefetcher(rows.fetch, cap=8, threads=4, first_alone=alone)
+        prefetcher.hint(0, [3, 1, 2, 0])
+        future = prefetcher.take(3)
+        time.sleep(0.2)
+        assert rows.started == [3] if alone else sorted(rows.started) == [0, 1, 2, 3]
+        rows.gate.set()
+        assert future.result(timeout=10).num_rows == 1
+        deadline = time.monotonic() + 10
+        while len(rows.started) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(rows.started) == [0, 1, 2, 3]
+        prefetcher.close()

@@ -87,7 +87,7 @@ def whole_windows(monkeypatch):
 @pytest.mark.parametrize("first_rows", [1, 7, 63])
 def test_a_window_made_in_two_parts_hands_out_the_samples_a_whole_one_does(cfg, source, whole_windows, first_rows,
                                                                            tmp_path):
-    """A window makes FIRST_ROWS rows before its first sample and the rest when the consumer reaches them: the
+    """A window makes at most FIRST_ROWS rows before its first sample and the rest when the consumer reaches them: the
     same samples in the same order (with their keys), and a save just before, at and after the part's end (the
     next sample's digest made from rows not yet made) resumes exactly."""
     whole_windows(10**9)
@@ -99,7 +99,9 @@ def test_a_window_made_in_two_parts_hands_out_the_samples_a_whole_one_does(cfg, 
     s = ResumableStream(cfg, rank=0, world_size=1, source=source)
     assert take_ids(s, 1) == whole[:1]
     win = s._readers[0]._window
-    assert len(win) == cfg.buffer_size and len(win.rows) == first_rows   # the rest not made yet
+    # the rest not made yet: at most FIRST_ROWS (fewer: the first part stops at the first row of a shard still
+    # being read, stream/partition.py)
+    assert len(win) == cfg.buffer_size and 1 <= len(win.rows) <= first_rows
     assert take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), n) == whole
     assert [(row["id"], key) for row, key in itertools.islice(
         ResumableStream(cfg, rank=0, world_size=1, source=source).iter_partition(0), n)] == pairs
