@@ -92,7 +92,9 @@ def test_slow_server_gets_a_data_bound_warning_per_window_with_figures_and_cure(
     waited = sum(line["data_ranks"][0]["wait_s"] for line in window)
     said = float(re.search(r"waited ([\d.]+) s", warnings[1]).group(1))
     assert said == pytest.approx(waited, abs=0.051), (said, waited)
-    assert sum(line["data_requests"] for line in lines) >= 6
+    # requests are counted in the logs: 48 rows of 8-row-group windows take >= 5 (a window's row groups are
+    # fetched as its samples need them, issue 40 item 3; 6 before)
+    assert sum(line["data_requests"] for line in lines) >= 5
     for line in lines:
         if line["data_requests"]:      # a step served from the rows already buffered asks nothing
             assert line["data_response_ms_p50"] >= LATENCY_S * 1000 * 0.8, line
