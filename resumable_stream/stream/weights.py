@@ -28,7 +28,7 @@ from ..config.weight_schedule import check_weights, is_schedule, schedule_unit
 from ..errors import ConfigError, SidecarError
 from ..plan import counter_hashes, derive_seed
 
-TAG_MIXTURE = 101          # domain tag of the draw seeds (plan.py's tags are small integers)
+TAG_MIXTURE = 101          # domain tag of the draw seeds (plan's tags are small integers)
 ORIGINS = ("config", "resume", "set_weights")
 MAX_SEGMENTS = 100_000
 

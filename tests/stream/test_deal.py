@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from resumable_stream import plan
-from resumable_stream.deal_compiled import deal as compiled_deal
+from resumable_stream.plan.compiled_deal import deal as compiled_deal
 
 GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 MASK = 2**64 - 1

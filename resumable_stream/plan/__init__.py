@@ -133,7 +133,7 @@ def deal_array(order: np.ndarray, row_counts, num_partitions: int,
 @lru_cache(maxsize=1)
 def _compiled_deal():
     try:
-        from .deal_compiled import deal
+        from .compiled_deal import deal
     except ImportError:         # numba not installed: the Python deal, the same shards
         return None
     return deal
@@ -311,8 +311,8 @@ def _shards_for(layout: Layout, epoch: int) -> Deal:
 def check_consumers(num_partitions: int, world_size: int, slots: int, key: str = "data.num_partitions") -> None:
     """Every consumer (rank, DataLoader worker) needs at least one virtual partition, and a state describes at
     most MAX_PARTITIONS of them."""
-    from .errors import ConfigError
-    from .limits import MAX_PARTITIONS
+    from ..errors import ConfigError
+    from ..limits import MAX_PARTITIONS
 
     consumers = world_size * slots
     if num_partitions > MAX_PARTITIONS:
