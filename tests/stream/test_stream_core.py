@@ -82,8 +82,7 @@ THIRD_PARTY_PRIVATES = {
     ("app/train.py", "_exit"),                 # os._exit when the launcher is gone
     ("app/train.py", "_attn_implementation"),  # transformers config: the attention kernel in use
     ("app/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
-    ("integrations/llamafactory/reward.py", "_load_from_checkpoint"),   # transformers.Trainer: a LoRA reward model
-    ("integrations/llamafactory/weights.py", "_load_from_checkpoint"),   # transformers.Trainer: renamed weights
+    ("integrations/llamafactory/weights.py", "_load_from_checkpoint"),   # transformers.Trainer: renamed weights, a LoRA reward model
     ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
 }
 

@@ -9,8 +9,9 @@ LLaMA-Factory does not resume a full / freeze reward model at all (its argument 
 
 from __future__ import annotations
 
-import functools
 import os
+
+from .weights import patch_checkpoint_loader
 
 ADAPTER = "adapter_model.safetensors"
 VALUE_HEAD = "value_head.safetensors"
@@ -33,20 +34,6 @@ def load_value_head_checkpoint(model, checkpoint: str) -> bool:
     return True
 
 
-_PATCHED: set = set()    # the loaders made here: a trainer class patched twice keeps one
-
-
 def patch_load_from_checkpoint(trainer_cls) -> None:
     """``trainer_cls._load_from_checkpoint`` loading a LoRA value-head checkpoint (idempotent)."""
-    original = trainer_cls._load_from_checkpoint
-    if original in _PATCHED:
-        return
-
-    @functools.wraps(original)
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if not load_value_head_checkpoint(target, resume_from_checkpoint):
-            original(self, resume_from_checkpoint, model)
-
-    _PATCHED.add(_load_from_checkpoint)
-    trainer_cls._load_from_checkpoint = _load_from_checkpoint
+    patch_checkpoint_loader(trainer_cls, load_value_head_checkpoint)

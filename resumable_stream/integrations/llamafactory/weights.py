@@ -71,20 +71,29 @@ def load_renamed_checkpoint(model, checkpoint: str) -> bool:
     return True
 
 
-_PATCHED: set = set()    # the loaders made here: a trainer class patched twice keeps one
+_LOADERS: dict = {}     # the _load_from_checkpoint wrappers made here -> the loader each tries first
 
 
-def patch_load_renamed(trainer_cls) -> None:
-    """``trainer_cls._load_from_checkpoint`` loading a checkpoint saved under reverted names (idempotent)."""
+def patch_checkpoint_loader(trainer_cls, load) -> None:
+    """``trainer_cls._load_from_checkpoint`` trying ``load(model, checkpoint)`` first (True: it loaded the
+    checkpoint), the class's own loader otherwise; a class patched twice with one loader tries it once."""
     original = trainer_cls._load_from_checkpoint
-    if original in _PATCHED:
-        return
+    wrapper = original
+    while wrapper in _LOADERS:
+        if _LOADERS[wrapper] is load:
+            return
+        wrapper = wrapper.__wrapped__
 
     @functools.wraps(original)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if not load_renamed_checkpoint(target, resume_from_checkpoint):
+        if not load(target, resume_from_checkpoint):
             original(self, resume_from_checkpoint, model)
 
-    _PATCHED.add(_load_from_checkpoint)
+    _LOADERS[_load_from_checkpoint] = load
     trainer_cls._load_from_checkpoint = _load_from_checkpoint
+
+
+def patch_load_renamed(trainer_cls) -> None:
+    """``trainer_cls._load_from_checkpoint`` loading a checkpoint saved under reverted names (idempotent)."""
+    patch_checkpoint_loader(trainer_cls, load_renamed_checkpoint)
