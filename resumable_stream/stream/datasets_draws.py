@@ -8,7 +8,12 @@ take the very samples it takes.
   ``IterableDataset._effective_generator`` seeds it for ``set_epoch(epoch)``.
 
 Draw k of an epoch is a pure function of (seed, epoch, k): a resume regenerates the blocks before k once
-(k / 1000 calls of numpy), then continues block by block."""
+(k / 1000 calls of numpy), then continues block by block.
+
+datasets' epochs go with its draws (``MixtureStream`` does them): each epoch restarts every source from its first
+row and draws from draw 0 again; a source runs out with its last row (datasets reads one row ahead), and the epoch
+ends right after it (``first_exhausted``) or after that of the last source to run out (``all_exhausted``; one
+that ran out before restarts at once from its first row)."""
 
 from __future__ import annotations
 

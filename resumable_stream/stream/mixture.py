@@ -23,6 +23,11 @@ happens then:
   during it ended too. Small sources are oversampled, as with ``interleave_datasets``.
 * ``never``: sources restart as with ``all_exhausted`` and the mixture has no epochs.
 
+With ``datasets.interleave_datasets``' draws (``draws="datasets_cycle"`` / ``"datasets_choice"``: LLaMA-Factory's
+``interleave_*`` read with ``buffer_size: 1``) the epochs are datasets' too: a source ends with its last row (a
+look-ahead: :meth:`ResumableStream.epoch_ended`), so the mixture epoch ends right after the last row of the source
+that ends it, and the next one starts every source from its first row (with new draws).
+
 Without ``set_epoch`` a mixture is endless in every mode (mixture epoch e+1 follows e) and every
 draw picks source i with probability weight_i. ``set_epoch(e)`` yields mixture epoch e only (not
 with ``never``). Sample keys name the source: ``("label/shard", row)``.
@@ -296,15 +301,17 @@ class MixtureStream(StreamBase):
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
         """Iterate mixture epoch ``epoch`` only: continue it where a partition is inside it, else start it
-        (the sources continue where they are)."""
+        (the sources continue where they are; with datasets' draws they start from their first rows)."""
         if not (isinstance(epoch, int) and epoch >= 0):
             raise ConfigError(f"epoch: got {epoch!r}; allowed: an integer >= 0")
         if self.config.stopping == "never":
             raise ConfigError("set_epoch: data.stopping is 'never', an endless mixture without epochs; use "
                               "first_exhausted or all_exhausted to iterate mixture epochs")
         self._epoch_limit = epoch
-        for pos in self._pos.values():
+        for p, pos in self._pos.items():
             if pos.epoch < epoch:
+                if self._restarts_epochs():     # datasets' epochs start every source from its first row
+                    self._start_next_epoch(p)
                 pos.epoch, pos.draws, pos.ended = epoch, 0, [False] * len(pos.ended)
 
     def partition_epoch(self, partition: int) -> int:
@@ -365,7 +372,13 @@ class MixtureStream(StreamBase):
         block_at = (-1, 0)        # the draws in ``block``: (epoch, first draw)
         version = -1              # of the weight history the block was drawn with
         empty, got = [0] * n, [False] * n
+        lookahead = self._restarts_epochs()
+        ended_since = lookahead       # a source ended since the last look (or the state was just loaded)
         while True:
+            if ended_since:           # the epoch ends after the last row of the source that ends it, as datasets'
+                ended_since = False
+                if self._epoch_over(pos):
+                    self._start_next_epoch(p)
             if self._epoch_limit is not None and pos.epoch > self._epoch_limit:
                 return
             j = pos.draws - block_at[1]
@@ -397,19 +410,50 @@ class MixtureStream(StreamBase):
                         f"no rows in {empty[i]} epochs in a row; the source has too few rows or shards for this "
                         "many partitions, or its files are empty") from None
                 pos.source_epochs[i] += 1
-                if stopping == "first_exhausted":
+                if lookahead:        # (an epoch without rows) the loop's top ends the mixture epoch if it is over
+                    pos.ended[i] = ended_since = True
+                elif stopping == "first_exhausted":
                     pos.epoch, pos.draws = pos.epoch + 1, 0
                 elif stopping == "all_exhausted":
                     pos.ended[i] = True
-                    # a source of weight 0 now is not drawn: the epoch does not wait for it
-                    now = self._weight_plan().weights_now(pos.consumed, pos.changes)
-                    if all(e or now.get(label, 0.0) == 0 for e, label in zip(pos.ended, self.config.labels)):
+                    if self._epoch_over(pos):
                         pos.epoch, pos.draws, pos.ended = pos.epoch + 1, 0, [False] * n
                 continue
             got[i] = True
+            if lookahead and views[i].epoch_ended(p):     # that was its epoch's last row: datasets' look-ahead
+                pos.iters[i] = None
+                pos.source_epochs[i] += 1     # read from its first row when next drawn (all_exhausted)
+                pos.ended[i] = ended_since = True
             pos.draws += 1
             pos.consumed += 1       # consumed once handed out: a save now resumes after it
             yield i, sample, where
+
+    def _restarts_epochs(self) -> bool:
+        """datasets.interleave_datasets' epochs (draws ``datasets_*`` with first_exhausted / all_exhausted): a
+        mixture epoch ends right after the last row of the source that ends it, and the next one starts every
+        source from its first row (see :meth:`_start_next_epoch`)."""
+        return self._datasets_draws is not None and self.config.stopping != "never"
+
+    def _epoch_over(self, pos: _Position) -> bool:
+        """The sources that ended during the mixture epoch end it: one (first_exhausted) or all of them
+        (all_exhausted; a source of weight 0 now is not drawn: the epoch does not wait for it)."""
+        if self.config.stopping == "first_exhausted":
+            return any(pos.ended)
+        now = self._weight_plan().weights_now(pos.consumed, pos.changes)
+        return all(e or now.get(label, 0.0) == 0 for e, label in zip(pos.ended, self.config.labels))
+
+    def _start_next_epoch(self, p: int) -> None:
+        """Start mixture epoch + 1 of partition ``p`` as datasets starts its next epoch (``_restarts_epochs``):
+        every source that read rows of its epoch moves to the start of its next one (with ``buffer_size: 1`` the
+        same rows in the same order), so each is read from its first row; new draws (draw 0 of the epoch)."""
+        pos = self._pos[p]
+        pos.epoch, pos.draws, pos.ended = pos.epoch + 1, 0, [False] * len(pos.ended)
+        for i, views in enumerate(self._views):
+            view = views[p]
+            if view.partition_epoch(p) == pos.source_epochs[i] and view.epoch_begun(p):
+                pos.source_epochs[i] += 1
+                pos.iters[i] = None
+                view.set_epoch(pos.source_epochs[i])    # its state now says so (nothing of the old epoch is read)
 
     # ------------------------------------------------------------------ state
     def partition_state(self, partition: int) -> MixturePartitionState:

@@ -333,6 +333,16 @@ class ResumableStream(StreamBase):
         """The epoch ``partition`` is in (its next sample's, once the previous epoch is fully consumed)."""
         return self._readers[partition].epoch
 
+    def epoch_ended(self, partition: int) -> bool:
+        """Whether ``partition`` has no sample left in its epoch (it then stands at the next epoch's start): a
+        look-ahead of at most one window, which its next sample or state would read anyway."""
+        return self._readers[partition].window(rollover=False) is None
+
+    def epoch_begun(self, partition: int) -> bool:
+        """Whether ``partition`` has consumed a sample of the epoch it stands in."""
+        cursor = self._readers[partition].cursor
+        return cursor.window > 0 or cursor.offset > 0
+
     def close(self) -> None:
         """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
         behind it) outlives its use, and wait for the source's fetches ahead. Iterating again reopens the

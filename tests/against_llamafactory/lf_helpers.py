@@ -48,8 +48,8 @@ def _jsonl(path: str, rows: list[dict]) -> None:
 
 
 def make_data(directory: str) -> str:
-    """dataset_dir with dataset_info.json: alpaca (300 rows), a second alpaca (80), sharegpt (150, some
-    multi-turn, some with a system message), pt text (300)."""
+    """dataset_dir with dataset_info.json: alpaca (300 rows), a second alpaca (80), two small ones (few: 14,
+    fewer: 9), sharegpt (150, some multi-turn, some with a system message), pt text (300)."""
     os.makedirs(directory, exist_ok=True)
     _jsonl(os.path.join(directory, "alpaca.jsonl"), [
         {"instruction": f"Task {i}: {_words(i, 5)}", "input": _words(i + 1, 3) if i % 3 else "",
@@ -57,6 +57,10 @@ def make_data(directory: str) -> str:
     _jsonl(os.path.join(directory, "other.jsonl"), [
         {"instruction": f"Other {i}: {_words(i + 9, 4)}", "input": "", "output": f"Reply {i}: {_words(i, 3)}"}
         for i in range(80)])
+    for name, rows in (("few", 14), ("fewer", 9)):     # mixtures whose epochs end within a few batches
+        _jsonl(os.path.join(directory, f"{name}.jsonl"), [
+            {"instruction": f"{name.title()} {i}: {_words(i + 4, 3 + i % 4)}", "input": "",
+             "output": f"Done {i}: {_words(i + 1, 2 + i % 3)}"} for i in range(rows)])
     convs = []
     for i in range(150):
         turns = [{"from": "human", "value": f"Question {i}: {_words(i, 4)}"},
@@ -71,6 +75,7 @@ def make_data(directory: str) -> str:
     _jsonl(os.path.join(directory, "pt.jsonl"), [{"text": f"Doc {i}. {_words(i, 10 + i % 20)}."}
                                                   for i in range(300)])
     info = {"alpaca": {"file_name": "alpaca.jsonl"}, "other": {"file_name": "other.jsonl"},
+            "few": {"file_name": "few.jsonl"}, "fewer": {"file_name": "fewer.jsonl"},
             "sharegpt": {"file_name": "sharegpt.jsonl", "formatting": "sharegpt",
                          "columns": {"messages": "conversations"}},
             "pt": {"file_name": "pt.jsonl", "columns": {"prompt": "text"}}}

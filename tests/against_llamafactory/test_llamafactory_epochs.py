@@ -33,9 +33,9 @@ def _template(model_args, data_args):
     return get_template_and_fix_tokenizer(tokenizer, data_args), tokenizer
 
 
-def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[list[dict]], int]:
-    """(the examples of each batch, examples in epoch 0) of llamafactory-cli's training data: its get_dataset,
-    epoch after epoch (set_epoch, as the Trainer's DataLoader calls it), each batched by
+def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[list[dict]], list[int]]:
+    """(the examples of each batch, the examples of each epoch they reach into) of llamafactory-cli's training
+    data: its get_dataset, epoch after epoch (set_epoch, as the Trainer's DataLoader calls it), each batched by
     per_device_train_batch_size."""
     from llamafactory.data import get_dataset
 
@@ -49,7 +49,7 @@ def _llamafactory_batches(assets, tmp_path, batches: int, **keys) -> tuple[list[
         ids = [_fields(ex) for ex in dataset]
         out += [ids[i:i + size] for i in range(0, len(ids), size)]
         sizes.append(len(ids))
-    return out[:batches], sizes[0]
+    return out[:batches], sizes
 
 
 def _our_loaders(assets, tmp_path, **keys):
@@ -82,25 +82,35 @@ CASES = {   # each runs past the end of its data at least twice within 40 batche
                                     "preprocessing_batch_size": 1000},
     "concat-packing-chunks-of-33": {"dataset": "alpaca,other", "packing": True, "cutoff_len": 64,
                                     "preprocessing_batch_size": 33},
-    # interleaved: datasets.interleave_datasets' draws; under: before other.jsonl ends (~draw 110 at 0.7);
-    # over, in turn: other.jsonl ends at draw 160 and restarts (~210 rows in 24 batches)
-    "interleave_under-probs": {"dataset": "alpaca,other", "mix_strategy": "interleave_under",
-                               "interleave_probs": "0.3,0.7", "per_device_train_batch_size": 3},
-    "interleave_over-in-turn-packing": {"dataset": "alpaca,other", "mix_strategy": "interleave_over",
-                                        "packing": True, "cutoff_len": 128, "preprocessing_batch_size": 10,
-                                        "per_device_train_batch_size": 6},
 }
-FIRST_EPOCH_ONLY = ("concat", "interleave")     # llamafactory-cli starts its next epochs otherwise
+FIRST_EPOCH_ONLY = ("concat",)     # llamafactory-cli permutes the datasets again every epoch; ours keep the first order
+# interleaved (datasets.interleave_datasets' draws and epochs): few.jsonl 14 rows, fewer.jsonl 9. Each mixture
+# epoch ends right after the last row of the first dataset to run out (under) or of the last one (over), and the
+# next restarts both from their first rows with new draws; at least 3 epochs within the batches compared
+UNDER_PROBS = {"dataset": "few,fewer", "mix_strategy": "interleave_under", "interleave_probs": "0.5,0.5"}
+OVER = {"dataset": "few,fewer", "mix_strategy": "interleave_over"}
+OVER_PROBS = {**OVER, "interleave_probs": "0.6,0.4"}
+PACKED = {"packing": True, "cutoff_len": 128, "preprocessing_batch_size": 10, "per_device_train_batch_size": 2}
+CASES.update({
+    "interleave_under-probs": {**UNDER_PROBS, "per_device_train_batch_size": 4},
+    "interleave_under-probs-packing": {**UNDER_PROBS, **PACKED},
+    "interleave_over-in-turn": {**OVER, "per_device_train_batch_size": 4},
+    "interleave_over-in-turn-packing": {**OVER, **PACKED},
+    "interleave_over-probs": {**OVER_PROBS, "per_device_train_batch_size": 4},
+    "interleave_over-probs-packing": {**OVER_PROBS, **PACKED},
+})
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batches_equal_llamafactorys_across_epochs_and_resume_after_every_batch(assets, tmp_path, case):
     keys = CASES[case]
     first_epoch = case.startswith(FIRST_EPOCH_ONLY)
-    n = 24 if first_epoch else 40
-    reference, epoch_size = _llamafactory_batches(assets, tmp_path, n, **keys)
+    n = 24 if first_epoch else 30 if case.startswith("interleave") else 40
+    reference, sizes = _llamafactory_batches(assets, tmp_path, n, **keys)
     examples = sum(map(len, reference))
-    assert (epoch_size > examples) if first_epoch else (2 * epoch_size < examples), (epoch_size, examples)
+    full_epochs = sum(1 for k in range(len(sizes)) if sum(sizes[:k + 1]) <= examples)
+    wanted = 0 if first_epoch else 3 if case.startswith("interleave") else 2
+    assert full_epochs >= wanted and (not first_epoch or sizes[0] > examples), (sizes, examples)
     make_loader = _our_loaders(assets, tmp_path, **keys)
     loader = make_loader()
     items = loader.items()

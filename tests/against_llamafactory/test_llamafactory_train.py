@@ -30,8 +30,9 @@ SAME_AS_CLI = {
     # rows past the end: test_llamafactory_epochs.py
     "pt-across-the-end-of-the-data": {"stage": "pt", "dataset": "other", "cutoff_len": 32},
     "sft-concat-two-datasets-packing": {"dataset": "alpaca,other", "packing": True, "cutoff_len": 128},
-    "sft-interleave_under-probs": {"dataset": "alpaca,other", "mix_strategy": "interleave_under",
-                                   "interleave_probs": "0.3,0.7"},
+    # few.jsonl 14 rows, fewer.jsonl 9: the 40 rows of 20 steps cross two ends of mixture epochs (14, 17 rows)
+    "sft-interleave_under-probs": {"dataset": "few,fewer", "mix_strategy": "interleave_under",
+                                   "interleave_probs": "0.5,0.5"},
 }
 
 

@@ -101,7 +101,8 @@ def lf_concat_order(sources: list, seed: int) -> list:
 def mixture_draws(data_args) -> str:
     """An interleaved mixture read in file order (``buffer_size: 1``) draws its datasets in the sequence of
     ``datasets.interleave_datasets``, as llamafactory-cli's (in turn without ``interleave_probs``, numpy's choice
-    with them); shuffled, our own draws (the order is ours anyway)."""
+    with them), with its epochs (each restarts every dataset: ``MixtureStream``); shuffled, our own draws (the
+    order is ours anyway)."""
     if data_args.buffer_size > 1:
         return "hash"
     return "datasets_choice" if data_args.interleave_probs else "datasets_cycle"
