@@ -156,11 +156,12 @@ def saved_indexes(load: Callable[[], list[FileTable]] | None):
     if load is None:
         yield
         return
-    _saved.append(_Lazy(load))
+    lazy = _Lazy(load)
+    _saved.append(lazy)
     try:
         yield
     finally:
-        _saved.pop()
+        _saved.remove(lazy)      # this one (another thread may have read a checkpoint meanwhile)
 
 
 def expanded(fingerprint: Any) -> Any:
