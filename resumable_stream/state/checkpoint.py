@@ -40,6 +40,8 @@ import os
 import re
 import secrets
 import shutil
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import SidecarError
@@ -97,13 +99,13 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     file = write_rank_file(path, stream.rank, state, digest)
     if stream.rank == 0:
         write_shared(path, "fingerprint", fp)
+        generation = generation_of(path) + 1
         index = stream.source.index
         if index is not None:       # packed (index_table) when its files are a table, else JSON
-            write_shared(path, "index", encode_message(index))
+            _write_index(path, "index", index, lambda ext: shared_file_name("index", generation, ext))
         for label, source_index in getattr(stream.source, "indexes", {}).items():   # a mixture's, one per source
-            data = encode_message(source_index)
-            _write_once(path, f"index-{label}", source_index_file_name(label, generation_of(path) + 1,
-                                                                       _extension(data)), data)
+            _write_index(path, f"index-{label}", source_index,
+                         lambda ext, label=label: source_index_file_name(label, generation, ext))
     if stream.world_size == 1 if manifest is None else manifest:
         finish(path, stream.world_size)
     return file
@@ -148,20 +150,42 @@ def _extension(data: bytes) -> str:
     return "bin" if is_packed(data) else "json"
 
 
-def _write_once(state_dir: str, what: str, name: str, data: bytes) -> str:
-    """``data`` as ``state_dir/name``: linked to the file of this ``what`` this process last wrote with the same
-    bytes when it is unchanged, else written. The file of the other form of the same name (a save cut short
-    by an older release) goes: a generation has one file of each."""
+# what -> (files table, the index's other keys as JSON, extension, digest of its bytes) of the index this process
+# last wrote: while neither changed, a save links that file without packing the index again
+_written_index: dict[str, tuple[weakref.ref, str, str, str]] = {}
+
+
+def _write_index(state_dir: str, what: str, index: dict[str, Any], name_of: Callable[[str], str]) -> str:
+    """A dataset index (``encode_message``: packed for a table) as the file ``name_of(extension)`` names."""
+    files = index["files"]
+    rest = json.dumps({k: v for k, v in index.items() if k != "files"}, sort_keys=True, default=str)
+    last = _written_index.get(what)
+    if isinstance(files, FileTable) and last is not None and last[0]() is files and last[1] == rest:
+        return _write_once(state_dir, what, name_of(last[2]), lambda: encode_message(index), last[3])
+    data = encode_message(index)
+    digest = _digest(data)
+    target = _write_once(state_dir, what, name_of(_extension(data)), data, digest)
+    if isinstance(files, FileTable):
+        _written_index[what] = (weakref.ref(files), rest, _extension(data), digest)
+    return target
+
+
+def _write_once(state_dir: str, what: str, name: str, data: bytes | Callable[[], bytes],
+                digest: str | None = None) -> str:
+    """``data`` (or what ``data()`` makes, only when it must be written) as ``state_dir/name``: linked to the
+    file of this ``what`` this process last wrote with the same bytes (``digest``) when it is unchanged, else
+    written. The file of the other form of the same name (a save cut short by an older release) goes: a
+    generation has one file of each."""
     stem = name.rsplit(".", 1)[0]
     for other in (f"{stem}.json", f"{stem}.bin"):
         if other != name:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(state_dir, other))
     target = os.path.join(state_dir, name)
-    key = (what, _digest(data))
+    key = (what, _digest(data) if digest is None else digest)
     known = _written.get(key)
     if not (known is not None and _link(known, target)):
-        atomic_write(target, data)
+        atomic_write(target, data() if callable(data) else data)
     st = os.stat(target)
     _written[key] = (target, st.st_size, st.st_mtime_ns)
     return target

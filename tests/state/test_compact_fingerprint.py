@@ -229,3 +229,23 @@ def test_an_index_path_may_hold_the_packed_form(tmp_path):
     loaded = load_index(str(path))
     assert isinstance(loaded["files"], FileTable) and list(loaded["files"]) == index["files"]
     assert np.array_equal(loaded["files"].group_rows(), [g[0] for e in index["files"] for g in e["row_groups"]])
+
+
+def test_an_unchanged_index_is_packed_once_per_process(dataset, tmp_path, monkeypatch):
+    """Saves into new checkpoints link the index file without packing it again; a touched file is written anew."""
+    from resumable_stream.state import checkpoint as ckpt
+
+    packed = []
+    real = ckpt.encode_message
+    monkeypatch.setattr(ckpt, "encode_message", lambda index: packed.append(1) or real(index))
+    root, _ = dataset
+    s = ResumableStream(_cfg(root))
+    take_ids(s, 10)
+    for name in ("ck1", "ck2"):
+        s.save_sidecar(str(tmp_path / name))
+    assert len(packed) == 1
+    assert os.stat(tmp_path / "ck1" / "index.bin").st_ino == os.stat(tmp_path / "ck2" / "index.bin").st_ino
+    os.utime(tmp_path / "ck2" / "index.bin", ns=(1, 1))          # touched: not trusted to be the one written
+    s.save_sidecar(str(tmp_path / "ck3"))
+    assert len(packed) == 2
+    assert decode_index((tmp_path / "ck3" / "index.bin").read_bytes(), "x")["files"] == s.source.index["files"]
