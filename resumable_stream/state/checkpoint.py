@@ -409,13 +409,12 @@ def write_manifest(state_dir: str, world_size: int) -> str:
             name = shared_file_name(what, generation, extension)
             shared = os.path.join(state_dir, name)
             if os.path.isfile(shared):
-                data = _read_bytes(shared, f"dataset {what}", MAX_INDEX_BYTES)
-                manifest[what] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+                manifest[what] = {"file": name, **_size_and_digest(shared, f"dataset {what}")}
                 break
     indexes = {}
     for label, name in sorted(_source_index_files(state_dir, generation).items()):   # a mixture's, per source
-        data = _read_bytes(os.path.join(state_dir, name), f"dataset index of source {label!r}", MAX_INDEX_BYTES)
-        indexes[label] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+        indexes[label] = {"file": name, **_size_and_digest(os.path.join(state_dir, name),
+                                                           f"dataset index of source {label!r}")}
     if indexes:
         manifest["indexes"] = indexes
     path = os.path.join(state_dir, MANIFEST)
@@ -430,6 +429,18 @@ def write_manifest(state_dir: str, world_size: int) -> str:
             except OSError:
                 pass
     return path
+
+
+def _size_and_digest(path: str, what: str) -> dict[str, Any]:
+    """``{"bytes", "blake2b"}`` of a file of the dataset: known without reading it when this process wrote (or
+    linked) it and it is unchanged since (the test a link makes; a 196 MB index is then not hashed again), else
+    read."""
+    st = os.stat(path)
+    for (_, digest), (target, size, mtime_ns) in list(_written.items()):
+        if os.path.abspath(target) == os.path.abspath(path) and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+            return {"bytes": size, "blake2b": digest}
+    data = _read_bytes(path, what, MAX_INDEX_BYTES)
+    return {"bytes": len(data), "blake2b": _digest(data)}
 
 
 def _check_manifest_entry(name: str, entry: Any, path: str) -> None:

@@ -235,15 +235,17 @@ def test_an_unchanged_index_is_packed_once_per_process(dataset, tmp_path, monkey
     """Saves into new checkpoints link the index file without packing it again; a touched file is written anew."""
     from resumable_stream.state import checkpoint as ckpt
 
-    packed = []
-    real = ckpt.encode_message
+    packed, read = [], []
+    real, real_read = ckpt.encode_message, ckpt._read_bytes
     monkeypatch.setattr(ckpt, "encode_message", lambda index: packed.append(1) or real(index))
+    monkeypatch.setattr(ckpt, "_read_bytes", lambda path, *a: read.append(os.path.basename(path)) or real_read(path, *a))
     root, _ = dataset
     s = ResumableStream(_cfg(root))
     take_ids(s, 10)
     for name in ("ck1", "ck2"):
         s.save_sidecar(str(tmp_path / name))
-    assert len(packed) == 1
+    assert len(packed) == 1 and "index.bin" not in read      # nor read back to be hashed for the manifest
+    assert ckpt.read_state_index(str(tmp_path / "ck2"))[1] == (tmp_path / "ck1" / "index.bin").read_bytes()
     assert os.stat(tmp_path / "ck1" / "index.bin").st_ino == os.stat(tmp_path / "ck2" / "index.bin").st_ino
     os.utime(tmp_path / "ck2" / "index.bin", ns=(1, 1))          # touched: not trusted to be the one written
     s.save_sidecar(str(tmp_path / "ck3"))
