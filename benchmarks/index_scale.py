@@ -7,7 +7,10 @@ Per file count, each part in a fresh process (no heap of the others around):
 * ``index``: the bytes rank 0 broadcasts to every other rank (the message ``open_job_source`` sends), the
   memory a rank holds for the index once it has decoded that message (tracemalloc), and once it has opened
   its source from it (plus the shard list and the dataset fingerprint the source keeps; the peak is over
-  both), the decode time, and the checkpoint's index file (bytes, encode and decode time);
+  both), the decode time, the checkpoint's index file in both forms (packed: what a checkpoint writes; JSON:
+  what it wrote before and ``data.index_path`` holds; bytes, encode and decode time), the dataset
+  fingerprint's JSON size, and the fingerprint check of a resume: the same files (as a state saves them),
+  a state that lists every file (written before), and one changed file named;
 * ``plan``: the plan's time for one epoch at 8 ... 4,096 partitions (one per simulated rank): the
   layout a rank builds from the source plus the first ``shards_for`` of an epoch (the whole deal),
   for a fresh epoch each time (the plan of an epoch is computed once per process);
@@ -84,9 +87,43 @@ def received(message: bytes) -> dict:
     return decode_index(json.dumps(json.loads(message)["sources"][0]["index"]).encode(), "x")
 
 
+def fingerprint_checks(source) -> dict:
+    """CPU seconds of the resume's fingerprint check: the same files, a state that lists them (written before the
+    compact fingerprint), one file changed (named); absent where the library has no compact fingerprint."""
+    try:
+        from resumable_stream.sources.fingerprint_files import compact, expanded
+        from resumable_stream.sources.index_table import FileTable
+    except ImportError:
+        return {}
+    from resumable_stream.errors import StreamMismatchError
+    from resumable_stream.state.checks import check_fingerprint
+
+    fp = source.fingerprint
+    out = {}
+    t0 = clock()
+    check_fingerprint(json.loads(json.dumps(fp)), fp, "x")
+    out["check_same_s"] = round(clock() - t0, 4)
+    listed = expanded(fp)
+    t0 = clock()
+    check_fingerprint(listed, fp, "x")
+    out["check_listed_s"] = round(clock() - t0, 3)
+    del listed
+    arrays = source.index["files"].arrays()
+    arrays["mtime"] = arrays["mtime"].copy()
+    arrays["mtime"][len(arrays["mtime"]) // 2] += 1
+    changed = FileTable(arrays)
+    t0 = clock()
+    try:
+        check_fingerprint({**fp, "files": compact(changed)}, fp, "x")
+    except StreamMismatchError as e:
+        assert len(e.differences) == 1 and "(mtime)" in e.differences[0][0], e.differences
+    out["check_one_changed_s"] = round(clock() - t0, 3)
+    return out
+
+
 def index_part(files: int) -> dict:
     from resumable_stream.sources import open_source
-    from resumable_stream.sources.index import decode_index, encode_index
+    from resumable_stream.sources.index import decode_index, encode_index, encode_message
 
     index = synthetic_index(files)
     t0 = clock()
@@ -104,21 +141,31 @@ def index_part(files: int) -> dict:
     open_s = clock() - t0
     held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    t0 = clock()
-    saved = encode_index(source.index)
-    save_s = clock() - t0
-    t0 = clock()
-    decode_index(saved, "'index.json'")
-    load_s = clock() - t0
+    forms = {}
+    for form, encode in (("packed", encode_message), ("json", encode_index)):
+        t0 = clock()
+        saved = encode(source.index)
+        save_s = clock() - t0
+        t0 = clock()
+        decode_index(saved, "'index'")
+        forms[form] = (len(saved), round(save_s, 3), round(clock() - t0, 3))
+        del saved
+    fingerprint_bytes = len(json.dumps(source.fingerprint, sort_keys=True, separators=(",", ":"),
+                                       default=lambda v: list(v)))
+    checks = fingerprint_checks(source)
     row = {"files": files, "row_groups": files * ROW_GROUPS, "broadcast_bytes": len(message),
            "broadcast_encode_s": round(encode_s, 3), "decode_s": round(decode_s, 3), "open_source_s": round(open_s, 3),
            "index_memory_mb": round(held_index / 1e6, 1), "rank_memory_mb": round(held / 1e6, 1), "peak_memory_mb": round(peak / 1e6, 1),
-           "checkpoint_index_bytes": len(saved), "checkpoint_index_encode_s": round(save_s, 3),
-           "checkpoint_index_decode_s": round(load_s, 3)}
+           "fingerprint_json_bytes": fingerprint_bytes, **checks}
+    for form, (size, save_s, load_s) in forms.items():
+        row.update({f"checkpoint_index_{form}_bytes": size, f"checkpoint_index_{form}_encode_s": save_s,
+                    f"checkpoint_index_{form}_decode_s": load_s})
     print(f"  {files:>9,} files: broadcast {len(message) / 1e6:8.1f} MB (encode {encode_s:6.2f} s, decode "
           f"{decode_s:6.2f} s), per rank: index {held_index / 1e6:8.1f} MB, with the source {held / 1e6:8.1f} MB (peak {peak / 1e6:8.1f} MB, open "
-          f"{open_s:6.2f} s); checkpoint index file {len(saved) / 1e6:8.1f} MB (write {save_s:6.2f} s, read "
-          f"{load_s:6.2f} s)", flush=True)
+          f"{open_s:6.2f} s); fingerprint {fingerprint_bytes / 1e3:8.1f} KB; checkpoint index file "
+          + ", ".join(f"{form} {size / 1e6:8.1f} MB (write {w:6.2f} s, read {r:6.2f} s)"
+                      for form, (size, w, r) in forms.items())
+          + "".join(f"; {k} {v}" for k, v in checks.items()), flush=True)
     return row
 
 
@@ -192,7 +239,7 @@ def state_part(files: int, ranks_list) -> list[dict]:
         rows.append({"files": files, "ranks": ranks, "first_state_dict_s": round(first_s, 3),
                      "state_dict_ms": round(1000 * state_s, 2),
                      "save_s": round(save_s, 3), "load_s": round(load_s, 3), "elastic_merge_s": round(merge_s, 3),
-                     "stream_state_bytes": sum(sizes.values())})
+                     "stream_state_bytes": sum(sizes.values()), "files_bytes": sizes})
         print(f"  {files:>9,} files x {ranks:>5} partitions: state_dict {1000 * state_s:8.1f} ms (the first "
               f"{first_s:6.2f} s), save "
               f"{save_s:6.2f} s, load {load_s:6.2f} s, elastic merge (-> 8 ranks) {merge_s:6.2f} s, stream_state "

@@ -195,7 +195,7 @@ def test_stream_loader_save_sidecar_writes_the_manifest_of_one_rank(setup, tmp_p
         next(it)
     state_dir = tmp_path / "stream_state"
     loader.save_sidecar(str(state_dir))
-    assert sorted(os.listdir(state_dir)) == ["fingerprint.json", "index.json", "manifest.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(state_dir)) == ["fingerprint.json", "index.bin", "manifest.json", "rank-00000.safetensors"]
     resumed = _make(cfg, source, 2)
     resumed.load_sidecar(str(state_dir))
     assert [_ids(b) for b in itertools.islice(resumed, 4)] == expected

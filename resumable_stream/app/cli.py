@@ -177,17 +177,7 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..dataset.job_source import saved_index_file
-    from ..state.checkpoint import (
-        checkpoint_dirs,
-        latest_complete_checkpoint,
-        read_manifest,
-        read_rank_state,
-        read_state_file,
-        read_state_fingerprint,
-        state_dir_of,
-    )
-    from ..state.names import rank_file_name
+    from ..state.checkpoint import checkpoint_dirs, latest_complete_checkpoint, saved_identities, state_dir_of
 
     path, picked = args.path, None
     if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir
@@ -197,6 +187,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                f"({', '.join(os.path.basename(p) for _, p in checkpoint_dirs(path))}) is complete "
                                "(trainer_state.json and stream_state/manifest.json)")
         path = picked
+    with saved_identities(path):     # the files a compact fingerprint stands for: the saved index's
+        result = _inspected(args, path, picked)
+    print(json.dumps(result, indent=2, default=_show))
+    return 0
+
+
+def _inspected(args: argparse.Namespace, path: str, picked: str | None) -> dict[str, Any]:
+    from ..dataset.job_source import saved_index_file
+    from ..state.checkpoint import (
+        read_manifest,
+        read_rank_state,
+        read_state_file,
+        read_state_fingerprint,
+        state_dir_of,
+    )
+    from ..state.names import rank_file_name
+
     if os.path.isdir(path):
         state_dir = state_dir_of(path)
         if state_dir is None:
@@ -226,18 +233,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         result = {"file": path, **_summarize_state(state, args.full), "progress": _progress([state])}
     else:
         raise SidecarError(f"stream state {path!r}: not found")
-    print(json.dumps(result, indent=2, default=_show))
-    return 0
+    return result
 
 
 def _saved_index_brief(saved: dict) -> dict:
     """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
     from ..config import formats as registry
     from ..dataset.growth import describe
+    from ..sources.index_table import FileTable
 
     name = registry.format_of_index(saved).name
     if name == "parquet":
-        brief = {"files": len(saved["files"]), "row_groups": sum(len(f["row_groups"]) for f in saved["files"])}
+        files = saved["files"]
+        groups = files.num_row_groups if isinstance(files, FileTable) else sum(len(f["row_groups"]) for f in files)
+        brief = {"files": len(files), "row_groups": groups}
     else:
         brief = {"files": len(saved["files"]), "format": name}
     generations = describe(saved)    # a growing dataset (data.growth): the file set of each epoch

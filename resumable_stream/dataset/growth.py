@@ -24,6 +24,7 @@ from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.hub import hub_commits, unpinned
 from ..limits import is_int
 from ..runtime.threads import map_files
+from ..sources import fingerprint_files
 from ..sources.index import changed_files, describe_changes
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,9 @@ def stable_fingerprint(dataset_fp: dict, index: dict, mode: str) -> dict:
     the later ones are checked against the index, which the checkpoint carries) and the growth mode."""
     first = generations(index)[0]["files"]
     fp = {k: v for k, v in dataset_fp.items() if k not in ("num_shards", "shard_rows")}
-    fp["files"] = list(dataset_fp.get("files", []))[:first]
+    files = dataset_fp.get("files", [])
+    fp["files"] = (fingerprint_files.compact(index["files"], first) if fingerprint_files.is_compact(files)
+                   else list(files)[:first])
     if "hub_commits" in fp:       # the commits the first files come from (later ones: the index's)
         fp["hub_commits"] = hub_commits([f["path"] for f in index["files"][:first]])
     fp["growth"] = mode

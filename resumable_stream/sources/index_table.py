@@ -20,11 +20,14 @@ from typing import Any
 import numpy as np
 
 from ..limits import MAX_INT64
+from .parquet_footer import PARQUET_LAYOUT_KEYS
 
 MAGIC = b"RSINDEX1"
 # The keys of a parquet entry that have their own column; any other key is an identity marker (mtime, ETag,
 # Last-Modified, blob id, sha256) kept as JSON. mtime, in every local file's entry, has a float column.
 _COLUMNS = ("path", "size", "footer", "footer_bytes", "row_groups")
+# The columns of the files' identities (what a dataset fingerprint stands for), in this order
+IDENTITY_ARRAYS = ("path_offsets", "paths", "extra_offsets", "extras", "size", "mtime", "footer")
 _U32_MAX = (1 << 32) - 1
 MAX_PATH_BYTES = 4096
 # (name, dtype or None: chosen per message among '<u4' / '<i8'): the arrays of a message, in this order
@@ -55,27 +58,12 @@ class FileTable(Sequence):
     def from_entries(cls, entries: list[dict]) -> FileTable | None:
         """The table of ``entries`` (checked parquet entries), or None when one has a shape the table does not
         hold (then the list stays as it is)."""
-        n = len(entries)
-        paths, extras, sizes, mtimes, footers, footer_bytes, counts = [], [], [], [], [], [], []
+        arrays = identity_arrays(entries)
+        if arrays is None or not entries:
+            return None
+        footer_bytes, counts = [], []
         groups: list[list[int]] = []
         for e in entries:
-            footer = e.get("footer")
-            if not (isinstance(footer, str) and len(footer) == 32 and footer == footer.lower()):
-                return None
-            try:
-                footers.append(bytes.fromhex(footer))
-            except ValueError:
-                return None
-            extra = {k: v for k, v in e.items() if k not in _COLUMNS}
-            mtime = extra.pop("mtime", None)
-            if mtime is not None and not (type(mtime) is float and np.isfinite(mtime)):
-                return None
-            if any(isinstance(v, (dict, list)) for v in extra.values()):
-                return None
-            paths.append(e["path"].encode())
-            extras.append(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode() if extra else b"")
-            sizes.append(e["size"])
-            mtimes.append(np.nan if mtime is None else mtime)
             footer_bytes.append(e["footer_bytes"])
             counts.append(len(e["row_groups"]))
             groups.extend(e["row_groups"])
@@ -83,15 +71,9 @@ class FileTable(Sequence):
         if len(spans) and spans.min() < 0:
             return None
         fb = np.asarray(footer_bytes, dtype=np.int64)
-        arrays = {"path_offsets": _offsets(paths), "paths": np.frombuffer(b"".join(paths), np.uint8),
-                  "extra_offsets": _offsets(extras), "extras": np.frombuffer(b"".join(extras), np.uint8),
-                  "size": np.asarray(sizes, dtype=np.int64), "mtime": np.asarray(mtimes, dtype=np.float64),
-                  "footer": np.frombuffer(b"".join(footers), np.uint8), "footer_bytes": fb.astype(_fits(fb)),
-                  "group_offsets": _cumulative(counts)}
+        arrays.update({"footer_bytes": fb.astype(_fits(fb)), "group_offsets": _cumulative(counts)})
         for j, name in enumerate(("rows", "start", "end")):
             arrays[name] = spans[:, j].astype(_fits(spans[:, j]))
-        if n == 0:
-            return None
         return cls(arrays)
 
     # ------------------------------------------------------------------ reading
@@ -191,6 +173,50 @@ class FileTable(Sequence):
 
     def arrays(self) -> dict[str, np.ndarray]:
         return dict(self._a)
+
+    def identity_arrays(self, count: int | None = None) -> dict[str, np.ndarray]:
+        """The identity columns (:data:`IDENTITY_ARRAYS`) of the first ``count`` files (all by default): what
+        :func:`identity_arrays` makes of their identities, as views of the table's arrays."""
+        n = self._n if count is None else count
+        if not 0 <= n <= self._n:
+            raise IndexError(f"{n} files of an index of {self._n}")
+        a = self._a
+        paths_end, extras_end = int(a["path_offsets"][n]), int(a["extra_offsets"][n])
+        return {"path_offsets": a["path_offsets"][:n + 1], "paths": a["paths"][:paths_end],
+                "extra_offsets": a["extra_offsets"][:n + 1], "extras": a["extras"][:extras_end],
+                "size": a["size"][:n], "mtime": a["mtime"][:n], "footer": a["footer"][:16 * n]}
+
+
+def identity_arrays(entries: list[dict], layout: bool = True) -> dict[str, np.ndarray] | None:
+    """The identity columns of ``entries`` (index entries; ``layout=False``: their identities, as a dataset
+    fingerprint lists them, which then hold no layout key): paths, other identity keys as compact JSON, sizes,
+    mtimes (NaN: none) and footer digests. None when one has a shape a table does not hold."""
+    paths, extras, sizes, mtimes, footers = [], [], [], [], []
+    for e in entries:
+        footer, path, size = e.get("footer"), e.get("path"), e.get("size")
+        if not (isinstance(footer, str) and len(footer) == 32 and footer == footer.lower()
+                and isinstance(path, str) and type(size) is int and 0 <= size <= MAX_INT64):
+            return None
+        if not layout and any(k in e for k in PARQUET_LAYOUT_KEYS):
+            return None
+        try:
+            footers.append(bytes.fromhex(footer))
+            paths.append(path.encode())
+        except (ValueError, UnicodeEncodeError):
+            return None
+        extra = {k: v for k, v in e.items() if k not in _COLUMNS}
+        mtime = extra.pop("mtime", None)
+        if mtime is not None and not (type(mtime) is float and np.isfinite(mtime)):
+            return None
+        if any(isinstance(v, (dict, list)) for v in extra.values()):
+            return None
+        extras.append(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode() if extra else b"")
+        sizes.append(size)
+        mtimes.append(np.nan if mtime is None else mtime)
+    return {"path_offsets": _offsets(paths), "paths": np.frombuffer(b"".join(paths), np.uint8),
+            "extra_offsets": _offsets(extras), "extras": np.frombuffer(b"".join(extras), np.uint8),
+            "size": np.asarray(sizes, dtype=np.int64), "mtime": np.asarray(mtimes, dtype=np.float64),
+            "footer": np.frombuffer(b"".join(footers), np.uint8)}
 
 
 def json_default(value: Any) -> list:

@@ -163,9 +163,8 @@ def source_from_index(spec: SourceSpec, index: dict, retry: RetryPolicy,
     else:
         shards = [ShardInfo(0, f["path"], g, rg[0]) for f in files for g, rg in enumerate(f["row_groups"])]
         shards = [ShardInfo(i, s.file, s.part, s.num_rows) for i, s in enumerate(shards)]
-    # (the fingerprint is part of every state_dict, plain values: a list of dicts, ~400 bytes a file)
-    identities = ([files.identity(i) for i in range(len(files))] if isinstance(files, FileTable)
-                  else [identity_of(f) for f in files])
+    # a table's files: their count and digest (the fingerprint is part of every state_dict); a list's: listed
+    identities = files if isinstance(files, FileTable) else [identity_of(f) for f in files]
     fingerprint = dataset_fingerprint(spec, index["builder"], identities, shards)
     return ParquetSource(shards, fingerprint, retry if retry.remote else None,
                          ParquetFiles(index, retry.storage_options, footers), index,

@@ -45,8 +45,10 @@ from ..io.net import (
 from ..io.ranged import ObjectChanged, listed_identities
 from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
+from . import fingerprint_files
 from .footer_cache import FooterCache
 from .index import changed_files, describe_changes, make_index
+from .index_table import FileTable
 from .parquet_local import resolve_local_parquet
 
 log = logging.getLogger(__name__)
@@ -255,6 +257,11 @@ def _hub_fingerprint(files: list[str]) -> dict:
     return {"hub_commits": commits} if commits else {}
 
 
+def _hub_paths(table: FileTable) -> list[str]:
+    """A table's paths when some may be Hub files (a million paths are ~100 MB of str, made only then)."""
+    return table.paths() if b"hf://datasets/" in table.arrays()["paths"].tobytes() else []
+
+
 def _data_key(data: DataSpec) -> str:
     """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
     if data.data_files is not None:
@@ -278,21 +285,23 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
     return None
 
 
-def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict],
+def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict] | FileTable,
                         shards: list | None = None, **extra: Any) -> dict:
     """What determines a source's content, the one place it is made: the keys that name the data
     (``spec.data``), the builder, every file's identity (and the Hub commits they come from), the shard count
     and row counts; ``extra``: what a reader adds (map-style: its row count and slice size). A reader passes
-    on the spec its ``open_indexed`` was given."""
+    on the spec its ``open_indexed`` was given. ``identities``: a list, or a parquet index's table, whose
+    files the fingerprint holds as their count and digest (``fingerprint_files``: O(1) on every rank)."""
     data = spec.data
     local = data.backend == "local"     # a save_to_disk directory: no builder config, never streamed
     fp: dict[str, Any] = {"dataset": data.dataset_name_or_path, "name": None if local else data.name,
                           "split": data.split, "backend": data.backend, "streaming": False if local else data.streaming}
     if builder is not None:
         fp["builder"] = builder
-    fp["files"] = identities
+    table = isinstance(identities, FileTable)
+    fp["files"] = fingerprint_files.compact(identities) if table else identities
     if not local:
-        fp.update(_hub_fingerprint([i["path"] for i in identities]))
+        fp.update(_hub_fingerprint(_hub_paths(identities) if table else [i["path"] for i in identities]))
         fp.update(_data_dir(data))
     if shards is not None:
         fp["num_shards"] = len(shards)

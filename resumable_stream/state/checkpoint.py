@@ -7,9 +7,12 @@ manifests and the saved index; nothing else reads a manifest. The bytes of a sid
 A directory save (what a checkpoint holds)::
 
     rank-00000.safetensors ... rank-NNNNN.safetensors   each rank's partitions (cursors, digests, carries)
-    fingerprint.json                                    the dataset fingerprint, once (rank 0)
-    index.json                                          the dataset index, once (rank 0; parquet sources)
-    index-<label>.json                                  a mixture's: each indexed source's, once (rank 0)
+    fingerprint.json                                    the dataset fingerprint, once (rank 0): a parquet
+                                                        dataset's files as their count and digest (their
+                                                        identities: the index's)
+    index.bin                                           the dataset index, once (rank 0; indexed sources):
+                                                        packed (index_table) for parquet, index.json else
+    index-<label>.bin                                   a mixture's: each indexed source's, once (rank 0)
     manifest.json                                       rank 0, last: the files of this save and their digests
 
 A rank file holds its partitions and the digest of ``fingerprint.json``, so it is O(its partitions)
@@ -29,6 +32,7 @@ A run's ``output_dir`` holds ``checkpoint-N/`` directories; one is complete when
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +40,8 @@ import os
 import re
 import secrets
 import shutil
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import SidecarError
@@ -49,7 +55,9 @@ from ..limits import (
     is_int,
 )
 from ..plan import partition_owner
-from ..sources.index import encode_index
+from ..sources import fingerprint_files
+from ..sources.index import decode_index, encode_message
+from ..sources.index_table import FileTable, is_packed
 from .fields import is_hex as _is_hex
 from .names import (
     MANIFEST,
@@ -91,12 +99,13 @@ def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: 
     file = write_rank_file(path, stream.rank, state, digest)
     if stream.rank == 0:
         write_shared(path, "fingerprint", fp)
+        generation = generation_of(path) + 1
         index = stream.source.index
-        if index is not None:
-            write_shared(path, "index", encode_index(index))
+        if index is not None:       # packed (index_table) when its files are a table, else JSON
+            _write_index(path, "index", index, lambda ext: shared_file_name("index", generation, ext))
         for label, source_index in getattr(stream.source, "indexes", {}).items():   # a mixture's, one per source
-            _write_once(path, f"index-{label}", source_index_file_name(label, generation_of(path) + 1),
-                        encode_index(source_index))
+            _write_index(path, f"index-{label}", source_index,
+                         lambda ext, label=label: source_index_file_name(label, generation, ext))
     if stream.world_size == 1 if manifest is None else manifest:
         finish(path, stream.world_size)
     return file
@@ -132,17 +141,51 @@ def finish(state_dir: str, world_size: int) -> str:
 def write_shared(state_dir: str, what: str, data: bytes) -> str:
     """The dataset's ``fingerprint`` or ``index`` for the next save into ``state_dir``: a link to the file this
     process last wrote with the same bytes when there is one (unchanged since), else written."""
-    return _write_once(state_dir, what, shared_file_name(what, generation_of(state_dir) + 1), data)
+    return _write_once(state_dir, what, shared_file_name(what, generation_of(state_dir) + 1, _extension(data)),
+                       data)
 
 
-def _write_once(state_dir: str, what: str, name: str, data: bytes) -> str:
-    """``data`` as ``state_dir/name``: linked to the file of this ``what`` this process last wrote with the same
-    bytes when it is unchanged, else written."""
+def _extension(data: bytes) -> str:
+    """An index file's: ``bin`` for a packed one (``index_table.pack_index``), ``json`` for the JSON form."""
+    return "bin" if is_packed(data) else "json"
+
+
+# what -> (files table, the index's other keys as JSON, extension, digest of its bytes) of the index this process
+# last wrote: while neither changed, a save links that file without packing the index again
+_written_index: dict[str, tuple[weakref.ref, str, str, str]] = {}
+
+
+def _write_index(state_dir: str, what: str, index: dict[str, Any], name_of: Callable[[str], str]) -> str:
+    """A dataset index (``encode_message``: packed for a table) as the file ``name_of(extension)`` names."""
+    files = index["files"]
+    rest = json.dumps({k: v for k, v in index.items() if k != "files"}, sort_keys=True, default=str)
+    last = _written_index.get(what)
+    if isinstance(files, FileTable) and last is not None and last[0]() is files and last[1] == rest:
+        return _write_once(state_dir, what, name_of(last[2]), lambda: encode_message(index), last[3])
+    data = encode_message(index)
+    digest = _digest(data)
+    target = _write_once(state_dir, what, name_of(_extension(data)), data, digest)
+    if isinstance(files, FileTable):
+        _written_index[what] = (weakref.ref(files), rest, _extension(data), digest)
+    return target
+
+
+def _write_once(state_dir: str, what: str, name: str, data: bytes | Callable[[], bytes],
+                digest: str | None = None) -> str:
+    """``data`` (or what ``data()`` makes, only when it must be written) as ``state_dir/name``: linked to the
+    file of this ``what`` this process last wrote with the same bytes (``digest``) when it is unchanged, else
+    written. The file of the other form of the same name (a save cut short by an older release) goes: a
+    generation has one file of each."""
+    stem = name.rsplit(".", 1)[0]
+    for other in (f"{stem}.json", f"{stem}.bin"):
+        if other != name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(state_dir, other))
     target = os.path.join(state_dir, name)
-    key = (what, _digest(data))
+    key = (what, _digest(data) if digest is None else digest)
     known = _written.get(key)
     if not (known is not None and _link(known, target)):
-        atomic_write(target, data)
+        atomic_write(target, data() if callable(data) else data)
     st = os.stat(target)
     _written[key] = (target, st.st_size, st.st_mtime_ns)
     return target
@@ -191,8 +234,16 @@ def read(stream: Any, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
     num_partitions when data.num_partitions is null."""
     path = os.fspath(path)
     if os.path.isfile(path):
-        return read_state_file(path), f"sidecar {path!r}"
+        state, where = read_state_file(path), f"sidecar {path!r}"
+        with saved_identities(path):     # a rank file of a stream_state directory: the indexes saved there
+            stream.check_saved_identity(state, where)
+        return state, where
     state_dir = find_state_dir(path)
+    with saved_identities(state_dir):
+        return _read_directory(stream, state_dir)
+
+
+def _read_directory(stream: Any, state_dir: str) -> tuple[dict[str, Any], str]:
     manifest = read_manifest(state_dir)
     fingerprint = read_state_fingerprint(state_dir, manifest)    # once for every rank file (format version 3)
     first_rank = stream.rank if rank_file_name(stream.rank) in manifest["files"] else 0
@@ -238,6 +289,25 @@ def load(stream: Any, path: str | os.PathLike) -> None:
     stream.load_state_dict(state, where=where)
 
 
+def saved_identities(path: str | os.PathLike):
+    """A context in which the dataset files a compact fingerprint (``fingerprint_files``) of the state at
+    ``path`` stands for can be listed: the indexes saved in its stream_state directory, decoded only when a
+    comparison needs them (the digests differ)."""
+    path = os.path.abspath(os.fspath(path))
+    state_dir = state_dir_of(os.path.dirname(path) if os.path.isfile(path) else path) if os.path.exists(path) else None
+    if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
+        return fingerprint_files.saved_indexes(None)
+
+    def tables() -> list:
+        manifest = read_manifest(state_dir)
+        found = [read_shared_file(state_dir, manifest, "index")] + [
+            read_source_index(state_dir, label, manifest) for label in manifest.get("indexes", {})]
+        indexes = [decode_index(data, repr(file)) for file, data in filter(None, found)]
+        return [index["files"] for index in indexes if isinstance(index["files"], FileTable)]
+
+    return fingerprint_files.saved_indexes(tables)
+
+
 # ------------------------------------------------------------------ files, manifests, directories
 def _source_index_files(state_dir: str, generation: int) -> dict[str, str]:
     """label -> file name of the mixture source indexes of ``generation`` in ``state_dir``."""
@@ -261,7 +331,9 @@ def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
 
 
 def write_state_file(path: str, state: dict[str, Any]) -> str:
-    atomic_write(path, encode_state(state))
+    """A sidecar file of the whole state: its fingerprint lists the files' identities (``fingerprint_files``
+    held compactly: listed from the table they stand for), so that the file alone names a file that changed."""
+    atomic_write(path, encode_state({**state, "fingerprint": fingerprint_files.expanded(state["fingerprint"])}))
     return path
 
 
@@ -333,20 +405,21 @@ def write_manifest(state_dir: str, world_size: int) -> str:
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world_size,
                 "generation": generation, "files": files}
     for what in SHARED_FILES:   # the dataset's index and fingerprint saved with this generation: verified before use
-        name = shared_file_name(what, generation)
-        shared = os.path.join(state_dir, name)
-        if os.path.isfile(shared):
-            data = _read_bytes(shared, f"dataset {what}", MAX_INDEX_BYTES)
-            manifest[what] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+        for extension in ("bin", "json"):
+            name = shared_file_name(what, generation, extension)
+            shared = os.path.join(state_dir, name)
+            if os.path.isfile(shared):
+                manifest[what] = {"file": name, **_size_and_digest(shared, f"dataset {what}")}
+                break
     indexes = {}
     for label, name in sorted(_source_index_files(state_dir, generation).items()):   # a mixture's, per source
-        data = _read_bytes(os.path.join(state_dir, name), f"dataset index of source {label!r}", MAX_INDEX_BYTES)
-        indexes[label] = {"file": name, "bytes": len(data), "blake2b": _digest(data)}
+        indexes[label] = {"file": name, **_size_and_digest(os.path.join(state_dir, name),
+                                                           f"dataset index of source {label!r}")}
     if indexes:
         manifest["indexes"] = indexes
     path = os.path.join(state_dir, MANIFEST)
     atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    current = ({e["file"] for e in files.values()} | {shared_file_name(w, generation) for w in SHARED_FILES}
+    current = ({e["file"] for e in files.values()} | {manifest[w]["file"] for w in SHARED_FILES if w in manifest}
                | {e["file"] for e in indexes.values()})
     for name in _listdir(state_dir):   # the previous generation (and files of a save that was cut short)
         if (RANK_FILE.match(name) or any(rx.match(name) for _, rx in SHARED_FILES.values())
@@ -356,6 +429,18 @@ def write_manifest(state_dir: str, world_size: int) -> str:
             except OSError:
                 pass
     return path
+
+
+def _size_and_digest(path: str, what: str) -> dict[str, Any]:
+    """``{"bytes", "blake2b"}`` of a file of the dataset: known without reading it when this process wrote (or
+    linked) it and it is unchanged since (the test a link makes; a 196 MB index is then not hashed again), else
+    read."""
+    st = os.stat(path)
+    for (_, digest), (target, size, mtime_ns) in list(_written.items()):
+        if os.path.abspath(target) == os.path.abspath(path) and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+            return {"bytes": size, "blake2b": digest}
+    data = _read_bytes(path, what, MAX_INDEX_BYTES)
+    return {"bytes": len(data), "blake2b": _digest(data)}
 
 
 def _check_manifest_entry(name: str, entry: Any, path: str) -> None:
@@ -406,8 +491,10 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
         if entry is not None and not (isinstance(entry, dict) and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
                                       and _is_hex(entry.get("blake2b"), 32) and isinstance(entry.get("file"), str)
                                       and pattern.match(entry["file"])):
+            names = (f"{base[:-5]}.json, {base[:-5]}.bin, {base[:-5]}.gN.json or {base[:-5]}.gN.bin" if what == "index"
+                     else f"{base} or {base[:-5]}.gN.json")
             raise SidecarError(f"manifest {path!r}: corrupt field {what}: got {entry!r:.80}; allowed: a mapping with "
-                               f"file ({base} or {base[:-5]}.gN.json in the same directory), bytes (an integer from "
+                               f"file ({names} in the same directory), bytes (an integer from "
                                f"0 to {MAX_INDEX_BYTES}) and blake2b (32 hex digits)")
     indexes = manifest.get("indexes", {})
     if not isinstance(indexes, dict):
@@ -418,7 +505,7 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
         if not (m and m.group(2) == label and is_int(entry.get("bytes"), 0, MAX_INDEX_BYTES)
                 and _is_hex(entry.get("blake2b"), 32)):
             raise SidecarError(f"manifest {path!r}: corrupt field indexes[{label!r:.80}]: got {entry!r:.80}; allowed: "
-                               f"a mapping with file (index-<label>.json or index.gN-<label>.json of that label, in "
+                               f"a mapping with file (index-<label>.json / .bin or index.gN-<label>.json / .bin of that label, in "
                                f"the same directory), bytes (an integer from 0 to {MAX_INDEX_BYTES}) and blake2b "
                                "(32 hex digits)")
     return manifest

@@ -5,49 +5,34 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import StreamMismatchError
-from ..sources.index import unreported_validator
-from .relocation import is_relocation, relocated_files_diff, warn_relocated
+from ..sources.fingerprint_files import is_compact
+from .files_diff import compare_files
+from .relocation import announce
 
 # Fingerprint entries that map to config keys users can change, shown under those names.
 _ORDER_KEYS = {"seed": "shuffle_seed", "buffer_size": "buffer_size", "shuffle": "shuffle",
                "interleave": "interleave_shards", "block_rows": "block_rows"}
 
 
-def _files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, Any, Any]]:
-    old = {f["path"]: f for f in saved}
-    new = {f["path"]: f for f in now}
-    out = []
-    for path in sorted(set(old) - set(new)):
-        out.append((f"file removed: {path}", old[path], None))
-    for path in sorted(set(new) - set(old)):
-        out.append((f"file added: {path}", None, new[path]))
-    for path in sorted(set(old) & set(new)):
-        a, b = old[path], new[path]
-        for key in sorted(set(a) | set(b)):
-            if key != "path" and a.get(key) != b.get(key) and not unreported_validator(key, a, b):
-                what = "resized" if key == "size" else "modified"
-                out.append((f"file {what}: {path} ({key})", a.get(key), b.get(key)))
-    if not out and [f["path"] for f in saved] != [f["path"] for f in now]:
-        out.append(("file order", [f["path"] for f in saved], [f["path"] for f in now]))
-    return out
-
-
-def fingerprint_diff(saved: dict, now: dict, prefix: str = "", moves: list[tuple[list, list]] | None = None,
+def fingerprint_diff(saved: dict, now: dict, prefix: str = "", moves: list[tuple] | None = None,
                      source: str | None = None) -> list[tuple[str, Any, Any]]:
     """Every difference, named. Files under another root with the same relative paths are compared by
-    content identity (see relocation.py) and appended to ``moves`` when given. ``source``: the mixture source
-    being compared, named after each of its file differences."""
+    content identity (see relocation.py) and the move's note appended to ``moves`` when given. ``source``: the
+    mixture source being compared, named after each of its file differences."""
     out: list[tuple[str, Any, Any]] = []
-    files_a, files_b = saved.get("files"), now.get("files")
-    moved = isinstance(files_a, list) and isinstance(files_b, list) and is_relocation(files_a, files_b)
+    files = compare_files(saved.get("files"), now.get("files"))
+    moved = files is not None and files.moved is not None
     if moved and moves is not None:
-        moves.append((files_a, files_b))
+        moves.append(files.moved)
     for key in sorted(set(saved) | set(now), key=str):
         a, b = saved.get(key), now.get(key)
         name = f"{prefix}{key}"
-        if key == "files" and isinstance(a, list) and isinstance(b, list):
-            files = relocated_files_diff(a, b) if moved else _files_diff(a, b)
-            out.extend(files if source is None else [(f"{w} of source {source!r}", x, y) for w, x, y in files])
+        if key == "files" and files is not None:
+            if not files.named:       # the identities of a side are not at hand: the values themselves
+                out.append((name, a, b))
+                continue
+            out.extend(files.diffs if source is None else [(f"{w} of source {source!r}", x, y)
+                                                           for w, x, y in files.diffs])
         elif key == "dataset" and moved and isinstance(a, str) and isinstance(b, str):
             continue          # dataset_name_or_path names the old / new location of the same files
         elif isinstance(a, dict) and isinstance(b, dict):
@@ -77,16 +62,26 @@ def _revision_hint(diffs: list[tuple[str, Any, Any]]) -> str:
                    f"{a} to resume on the data it started with." for repo, a, b in moved if a and b)
 
 
+def _unlisted_hint(diffs: list[tuple[str, Any, Any]]) -> str:
+    """When a side's files are only their count and digest (``fingerprint_files``), and the index they stand for
+    is not at hand: where the identities are."""
+    if not any(what.endswith("files") and (is_compact(a) or is_compact(b)) for what, a, b in diffs):
+        return ""
+    return (" The data files differ: the state holds their count and digest, and the files they stand for are "
+            "in the dataset index its checkpoint saved (stream_state/index.bin): load the state from its "
+            "stream_state or checkpoint directory to have each file that differs named.")
+
+
 def check_fingerprint(saved: dict, now: dict, where: str) -> None:
-    moves: list[tuple[list, list]] = []
+    moves: list[tuple] = []
     diffs = fingerprint_diff(saved, now, moves=moves)
     if not diffs:
-        for old, new in moves:
-            warn_relocated(old, new)
+        for note in moves:
+            announce(note)
     if diffs:
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for different data or settings; resuming would "
-            f"read other samples than the interrupted run.{_revision_hint(diffs)} "
+            f"read other samples than the interrupted run.{_revision_hint(diffs)}{_unlisted_hint(diffs)} "
             f"Differences:\n{_describe(diffs)}",
             diffs,
         )

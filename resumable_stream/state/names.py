@@ -9,7 +9,8 @@ import re
 MANIFEST = "manifest.json"
 
 
-INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files
+INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files (JSON: ``index.json``;
+                             # packed, ``index_table.pack_index``, when its files are a table: ``index.bin``)
 
 
 FINGERPRINT = "fingerprint.json"   # the dataset fingerprint of every rank file, written once by rank 0
@@ -22,7 +23,7 @@ STATE_DIR = "stream_state"
 RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
 
 
-INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.json$")
+INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.(?:json|bin)$")
 
 
 FINGERPRINT_FILE = re.compile(r"^fingerprint(?:\.g[1-9]\d{0,8})?\.json$")
@@ -35,7 +36,7 @@ SHARED_FILES = {"index": (INDEX, INDEX_FILE), "fingerprint": (FINGERPRINT, FINGE
 # a mixture's: one dataset index per source, ``index-<label>.json`` (generation N: ``index.gN-<label>.json``, the
 # generation before the label so that a label with dots never reads as one), listed under the manifest's
 # ``indexes`` by label. Labels are config.py's (letters, digits, _ . -): never a path.
-SOURCE_INDEX_FILE = re.compile(r"^index(?:\.g([1-9]\d{0,8}))?-([A-Za-z0-9_.-]{1,64})\.json$")
+SOURCE_INDEX_FILE = re.compile(r"^index(?:\.g([1-9]\d{0,8}))?-([A-Za-z0-9_.-]{1,64})\.(?:json|bin)$")
 
 
 def rank_file_name(rank: int, generation: int = 0) -> str:
@@ -51,18 +52,18 @@ def rank_of_file_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def index_file_name(generation: int = 0) -> str:
+def index_file_name(generation: int = 0, extension: str = "json") -> str:
     """The dataset index saved with a generation of the state (rank 0 writes it before the manifest)."""
-    return shared_file_name("index", generation)
+    return shared_file_name("index", generation, extension)
 
 
-def shared_file_name(what: str, generation: int = 0) -> str:
+def shared_file_name(what: str, generation: int = 0, extension: str = "json") -> str:
     """``index`` or ``fingerprint``: the file of a generation of the state that describes the dataset once for
-    every rank (rank 0 writes it before the manifest)."""
-    base = SHARED_FILES[what][0]
-    return base if generation == 0 else f"{base[:-5]}.g{generation}.json"
+    every rank (rank 0 writes it before the manifest); ``extension``: ``bin`` for a packed index."""
+    base = SHARED_FILES[what][0][:-5]
+    return f"{base}.{extension}" if generation == 0 else f"{base}.g{generation}.{extension}"
 
 
-def source_index_file_name(label: str, generation: int = 0) -> str:
+def source_index_file_name(label: str, generation: int = 0, extension: str = "json") -> str:
     """The dataset index of mixture source ``label`` saved with a generation of the state (rank 0)."""
-    return f"index-{label}.json" if generation == 0 else f"index.g{generation}-{label}.json"
+    return f"index-{label}.{extension}" if generation == 0 else f"index.g{generation}-{label}.{extension}"

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
+
+from ..sources import fingerprint_files
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +91,29 @@ def relocated_files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, 
     return out
 
 
-def describe_files(files: list[dict], full: bool) -> dict[str, Any]:
+def describe_files(files: Any, full: bool) -> dict[str, Any]:
     """The identities of a fingerprint's files, for ``inspect``: the root, how many files each kind of
-    content identity covers, and with ``full`` every file (relative path, size, identity, its fields)."""
+    content identity covers, and with ``full`` every file (relative path, size, identity, its fields). Files
+    held compactly (``fingerprint_files``) are listed from the index they stand for; without it at hand, their
+    count and digest."""
+    compact = fingerprint_files.is_compact(files)
+    key = (files["count"], files["digest"], full) if compact else None
+    if key in _described:            # inspect describes the same files for every rank
+        return _described[key]
+    listed = fingerprint_files.identities(files)
+    if listed is None and compact:
+        return {**files, "identity": "not listed: the dataset index they stand for is not at hand"}
+    out = _describe_listed(list(listed or []), full)
+    if key is not None:
+        _described.clear()
+        _described[key] = out
+    return out
+
+
+_described: dict[tuple, dict[str, Any]] = {}
+
+
+def _describe_listed(files: list[dict], full: bool) -> dict[str, Any]:
     paths = [f.get("path", "") for f in files]
     kinds: dict[str, int] = {}
     for f in files:
@@ -106,16 +129,20 @@ def describe_files(files: list[dict], full: bool) -> dict[str, Any]:
 _announced: set[tuple[str, str]] = set()
 
 
-def warn_relocated(saved: list[dict], now: list[dict]) -> None:
-    """Log the move (once per process), and which files only their size vouches for."""
-    old_root = dataset_root([f["path"] for f in saved])
-    new_root = dataset_root([f["path"] for f in now])
+def relocation_note(saved: Sequence[dict], now: Sequence[dict]) -> tuple[str, str, int, list[str]]:
+    """(old root, new root, files, those only their size vouches for) of a move: what :func:`announce` logs."""
+    weak = [b["path"] for a, b in zip(saved, now) if set(content_identity(a)) & set(content_identity(b)) == {"size"}]
+    return dataset_root([f["path"] for f in saved]), dataset_root([f["path"] for f in now]), len(now), weak
+
+
+def announce(note: tuple[str, str, int, list[str]]) -> None:
+    """Log a move (once per process), and which files only their size vouches for."""
+    old_root, new_root, count, weak = note
     if (old_root, new_root) in _announced:
         return
     _announced.add((old_root, new_root))
-    weak = [b["path"] for a, b in zip(saved, now) if set(content_identity(a)) & set(content_identity(b)) == {"size"}]
     log.info("data relocated: %s -> %s (%d files, compared by relative path, size and content identity)",
-             old_root, new_root, len(now))
+             old_root, new_root, count)
     if weak:
         shown = ", ".join(weak[:3]) + (f" and {len(weak) - 3} more" if len(weak) > 3 else "")
         log.warning("data relocated from %s to %s: %d file(s) have no content identity comparable across "

@@ -522,13 +522,12 @@ class PartitionReader:
         # a source whose row counts are exact: the window is planned without reading anything, and the shard
         # holding its first sample is hinted (so decoded) first; otherwise shards are read as the window is cut
         planned = bool(getattr(self.source, "exact_rows", False))
-        counts = [self.source.shards[s].num_rows for s in shard_list] if planned else None
         if not planned:
             self.source.prefetch(self.partition, ahead, starts=starts)
 
-        def opened(pos: int, row: int) -> _OpenShard:
+        def opened(pos: int, row: int) -> _OpenShard:     # a shard's count looked up as it opens: O(the window)
             return _OpenShard(self.source, shard_list[pos], pos, row, step, phase, start.epoch,
-                              counts[pos] if counts is not None else None)
+                              self.source.shards[shard_list[pos]].num_rows if planned else None)
 
         slots = [live[pos] if continues(pos, row) else opened(pos, row) for pos, row in start.slots]
         next_shard, block_slot, block_taken = start.next_shard, start.block_slot, start.block_taken

@@ -17,6 +17,8 @@ from repo_paths import DATA_DIR
 
 LEGACY_V1 = os.path.join(DATA_DIR, "legacy_v1")
 LEGACY_V2 = os.path.join(os.path.dirname(LEGACY_V1), "legacy_v2")   # format version 2, over legacy_v1/data
+# format version 3 as written before the compact fingerprint: fingerprint.json listing every file, index.json
+LEGACY_V3 = os.path.join(os.path.dirname(LEGACY_V1), "legacy_v3")
 BATCH_SIZE = 3
 SAVED_WORLD = 2
 NUM_PARTITIONS = 4

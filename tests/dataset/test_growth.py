@@ -12,6 +12,7 @@ from growing_data import FILES, RG, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import ConfigError, StreamMismatchError
+from resumable_stream.sources.index import load_index
 from resumable_stream.state.checkpoint import finish, load, save
 from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
@@ -243,7 +244,7 @@ def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch
     mid = _ids(s, 300)
     ckpt = str(tmp_path / "ckpt" / "stream_state")
     s.save_sidecar(ckpt)
-    saved = json.load(open(os.path.join(ckpt, "index-a.json")))     # the grown index is the checkpoint's
+    saved = load_index(os.path.join(ckpt, "index-a.bin"))          # the grown index is the checkpoint's
     assert len(saved["files"]) == FILES + 1 and len(saved["growth"]["generations"]) == 2
     rest = _ids(s, 1500)
     from_a = [i for i in head + mid + rest if i < 10_000]

@@ -19,6 +19,7 @@ from training_helpers import free_port
 
 from resumable_stream import ConfigError, SidecarError, StreamConfig, StreamMismatchError
 from resumable_stream.app.cli import main as cli_main
+from resumable_stream.sources.index import load_index
 from resumable_stream.stream.mixture import MixtureStream, open_stream
 from resumable_stream.testing import write_parquet_dataset
 
@@ -71,9 +72,9 @@ def test_each_source_index_is_saved_in_the_checkpoint_and_reused_without_resolvi
     first.save_sidecar(str(state))
     manifest = json.loads((state / "manifest.json").read_text())
     assert {label: e["file"] for label, e in manifest["indexes"].items()} == {
-        "web": "index-web.json", "code.v2": "index-code.v2.json"}
+        "web": "index-web.bin", "code.v2": "index-code.v2.bin"}
     assert "index" not in manifest            # a mixture has no single index
-    saved = json.loads((state / "index-code.v2.json").read_text())
+    saved = load_index(str(state / "index-code.v2.bin"))
     assert [f["path"] for f in saved["files"]] == two_sites.urls["code.v2"]
 
     two_sites.reset_stats()     # a restart opens from the saved indexes: no resolution, no footer read
@@ -87,14 +88,14 @@ def test_each_source_index_is_saved_in_the_checkpoint_and_reused_without_resolvi
     # a second save into the directory: the next generation's indexes, the first ones removed
     resumed.save_sidecar(str(state))
     manifest = json.loads((state / "manifest.json").read_text())
-    assert manifest["indexes"]["web"]["file"] == "index.g1-web.json"
+    assert manifest["indexes"]["web"]["file"] == "index.g1-web.bin"
     assert sorted(f for f in os.listdir(state) if f.startswith("index")) == [
-        "index.g1-code.v2.json", "index.g1-web.json"]
+        "index.g1-code.v2.bin", "index.g1-web.bin"]
 
     # an index that no longer matches its manifest entry is refused, naming it
-    path = state / "index.g1-web.json"
+    path = state / "index.g1-web.bin"
     path.write_bytes(path.read_bytes().replace(b'"row_groups', b'"row_grouqs'))
-    with pytest.raises(SidecarError, match="index.g1-web.json"):
+    with pytest.raises(SidecarError, match="index.g1-web.bin"):
         MixtureStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt")))
 
 
@@ -324,11 +325,11 @@ def test_inspect_shows_and_checks_each_source_index(two_sites, tmp_path, capsys)
     assert cli_main(["inspect", str(tmp_path / "state")]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["index"] is None
-    assert shown["indexes"] == {"web": {"file": "index-web.json", "files": 4, "row_groups": 16},
-                                "code.v2": {"file": "index-code.v2.json", "files": 3, "row_groups": 12}}
-    (tmp_path / "state" / "index-web.json").write_text("{}")
+    assert shown["indexes"] == {"web": {"file": "index-web.bin", "files": 4, "row_groups": 16},
+                                "code.v2": {"file": "index-code.v2.bin", "files": 3, "row_groups": 12}}
+    (tmp_path / "state" / "index-web.bin").write_text("{}")
     assert cli_main(["inspect", str(tmp_path / "state")]) == 2
-    assert "index-web.json" in capsys.readouterr().err
+    assert "index-web.bin" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- trainer restarts

@@ -56,7 +56,7 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
     out = cfg.train["output_dir"]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-12"]
     state = os.path.join(out, "checkpoint-12", "stream_state")
-    assert sorted(os.listdir(state)) == ["fingerprint.json", "index.json", "manifest.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(state)) == ["fingerprint.json", "index.bin", "manifest.json", "rank-00000.safetensors"]
     assert checkpoint.is_complete(os.path.join(out, "checkpoint-12"))
 
 

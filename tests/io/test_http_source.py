@@ -24,6 +24,7 @@ from http_server import FileServer, file_etag
 
 from resumable_stream import ConfigError, ResumableStream, SourceError, StreamConfig, StreamMismatchError
 from resumable_stream.sources import open_source
+from resumable_stream.sources.fingerprint_files import identities
 from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
 
 PARQUET_ROWS, PARQUET_FILES, ROW_GROUP = 480, 3, 40      # 12 row groups -> 12 shards
@@ -270,7 +271,7 @@ def _fsspec_reports_last_modified(url: str) -> bool:
 
 def test_fingerprint_has_http_size_etag_and_last_modified(parquet_site):
     site = parquet_site
-    files = ResumableStream(site.config(), source=_shared_source(site)).fingerprint()["dataset"]["files"]
+    files = identities(ResumableStream(site.config(), source=_shared_source(site)).fingerprint()["dataset"]["files"])
     assert [f["path"] for f in files] == site.urls
     last_modified = _fsspec_reports_last_modified(site.urls[0])
     for f, path in zip(files, site.paths):

@@ -19,6 +19,7 @@ from hub_server import HubServer, use_hub
 from repo_paths import REPO_ROOT
 
 from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
+from resumable_stream.sources.fingerprint_files import identities
 from resumable_stream.testing import write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(180)
@@ -71,14 +72,14 @@ def test_hub_id_streams_the_repo_at_its_commit(hub):
     stream = ResumableStream(hub_config(shuffle=False))
     rows = [dict(r) for r in itertools.islice(stream, ROWS)]
     assert sorted(rows, key=lambda r: r["id"]) == local_rows(hub.local)
-    files = [f["path"] for f in stream.source.fingerprint["files"]]
+    files = [f["path"] for f in identities(stream.source.fingerprint["files"])]
     assert files == [f"hf://datasets/{REPO}@{hub.first_commit}/data/part-{i:05d}.parquet" for i in range(FILES)]
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.first_commit}
     assert len(stream.source.shards) == FILES * ROWS // FILES // GROUP          # one shard per row group
     # identities asked in one batch equal those verify_files asks file by file (else every resume re-indexes)
     from resumable_stream.io.hub import file_identities
     from resumable_stream.sources.resolve import file_identity
-    indexed = {k: v for k, v in stream.source.fingerprint["files"][1].items() if k != "footer"}
+    indexed = {k: v for k, v in identities(stream.source.fingerprint["files"])[1].items() if k != "footer"}
     assert file_identities(files)[files[1]] == file_identity(files[1]) == indexed
     # ranged reads only (no 5 MB read-ahead): each file's footer once (read to index it, kept to decode its
     # row groups), then each row group once
@@ -150,7 +151,7 @@ def test_new_commit_is_a_mismatch_naming_the_revision_unless_pinned(hub, tmp_pat
 def test_branch_revision_is_read_at_its_commit(hub, tmp_path):
     hub.commit(REPO, delete=("data/part-00003.parquet",), message="fewer files", branch="small")
     stream = ResumableStream(hub_config(revision="small", shuffle=False))
-    assert len(stream.source.fingerprint["files"]) == FILES - 1
+    assert len(identities(stream.source.fingerprint["files"])) == FILES - 1
     assert stream.source.fingerprint["hub_commits"] == {REPO: hub.head(REPO, "small")}
 
 

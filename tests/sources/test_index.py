@@ -182,7 +182,7 @@ def test_warm_restart_from_checkpoint_makes_no_request(site, tmp_path):
     first.save_sidecar(str(state))
     first.source.flush()
     manifest = json.loads((state / "manifest.json").read_text())
-    assert manifest["index"]["file"] == "index.json" and (state / "index.json").is_file()
+    assert manifest["index"]["file"] == "index.bin" and (state / "index.bin").is_file()
 
     site.reset_stats()
     resumed = ResumableStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt"), verify_files=False))
@@ -194,8 +194,8 @@ def test_warm_restart_from_checkpoint_makes_no_request(site, tmp_path):
     assert _count(site) == {("HEAD", "whole"): FILES}
 
     # an index that no longer matches the manifest is refused
-    (state / "index.json").write_bytes((state / "index.json").read_bytes().replace(b'"row_groups', b'"row_grouqs'))
-    with pytest.raises(SidecarError, match="index.json"):
+    (state / "index.bin").write_bytes((state / "index.bin").read_bytes().replace(b'"row_groups', b'"row_grouqs'))
+    with pytest.raises(SidecarError, match="index.bin"):
         ResumableStream(cfg.replace(resume_state_path=str(tmp_path / "ckpt")))
 
 

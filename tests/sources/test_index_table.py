@@ -17,6 +17,7 @@ from resumable_stream.dataset.index_message import decode_message, encode_messag
 from resumable_stream.plan import Layout, RowCounts, deal_shards, epoch_shard_order
 from resumable_stream.sources import open_source
 from resumable_stream.sources.base import ShardInfo
+from resumable_stream.sources.fingerprint_files import digest
 from resumable_stream.sources.index import (
     compact_index,
     decode_index,
@@ -175,8 +176,9 @@ def test_a_source_over_10k_files_has_the_shards_and_fingerprint_of_the_list_form
     assert len(source.shards) == 100_000
     for i in (0, 9, 10, 54_321, 99_999, -1):
         assert source.shards[i] == shards[i]
-    assert source.fingerprint == dataset_fingerprint(cfg.source_spec, "parquet", [identity_of(f) for f in files],
-                                                     shards)
+    listed = dataset_fingerprint(cfg.source_spec, "parquet", [identity_of(f) for f in files], shards)
+    # the same but the files: their count and the digest of the very identities the list form lists
+    assert source.fingerprint == {**listed, "files": {"count": 10_000, "digest": digest(listed["files"])}}
 
 
 @pytest.mark.parametrize("path, needle", [("", "''; allowed"), ("a\0b", "no NUL"), ("x" * 5000, "1 to 4096 bytes")])

@@ -75,7 +75,7 @@ def test_local_copy_without_mtimes_resumes_exactly(saved, tmp_path, caplog):
     _copy_tree(a, b)
     with caplog.at_level(logging.INFO, logger="resumable_stream.state.relocation"):
         resumed = ResumableStream(_cfg(b, resume_state_path=state))
-    assert resumed.source.fingerprint["files"][0]["mtime"] == 1_000_000_000    # the mtimes did change
+    assert resumed.source.index["files"][0]["mtime"] == 1_000_000_000    # the mtimes did change
     assert take_ids(resumed, AFTER) == ref[K:K + AFTER]
     assert f"data relocated: {a} -> {b}" in caplog.text
     assert "only their size" not in caplog.text         # parquet: the footer digest vouches for every file

@@ -37,14 +37,14 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
     assert meta["fingerprint_digest"] == hashlib.blake2b(fp_bytes, digest_size=16).hexdigest()
     fp = json.loads(fp_bytes)
     assert fp["order"]["seed"] == 42 and fp["order"]["buffer_size"] == 64
-    assert len(fp["dataset"]["files"]) == 4
+    assert fp["dataset"]["files"]["count"] == 4        # the files' count and digest: their identities are the index's
     assert json.loads(meta["topology"]) == {"rank": 0, "world_size": 1, "num_workers": 0, "num_partitions": 1}
     digests = json.loads(meta["digests"])["0"]
     assert digests["consumed_samples"] == 150 and len(digests["next_sample"]) == 16
     manifest = json.loads((tmp_path / "state" / "manifest.json").read_text())
     assert manifest["format_version"] == 3 and manifest["fingerprint"]["file"] == "fingerprint.json"
     # no temp files left behind
-    assert sorted(os.listdir(tmp_path / "state")) == ["fingerprint.json", "index.json", "manifest.json",
+    assert sorted(os.listdir(tmp_path / "state")) == ["fingerprint.json", "index.bin", "manifest.json",
                                                      "rank-00000.safetensors"]
 
 
@@ -54,7 +54,10 @@ def test_a_sidecar_file_alone_holds_the_whole_fingerprint(cfg, source, tmp_path)
     path = s.save_sidecar(tmp_path / "alone.safetensors")
     with safe_open(path, framework="numpy") as f:
         meta = f.metadata()
-    assert "fingerprint_digest" not in meta and json.loads(meta["fingerprint"]) == s.fingerprint()
+    assert "fingerprint_digest" not in meta
+    saved = json.loads(meta["fingerprint"])          # the files listed (the file alone names one that changed)
+    assert saved["dataset"]["files"] == [source.index["files"].identity(i) for i in range(4)]
+    assert {**saved, "dataset": {**saved["dataset"], "files": s.fingerprint()["dataset"]["files"]}} == s.fingerprint()
 
 
 def test_a_rank_file_taken_out_of_its_directory_is_refused_with_the_reason(cfg, source, tmp_path):
@@ -309,12 +312,12 @@ def test_the_saved_dataset_index_has_its_own_size_limit(cfg, source, tmp_path, m
     take_ids(s, 5)
     state = tmp_path / "st"
     s.save_sidecar(str(state))
-    index, manifest = (state / "index.json").stat().st_size, (state / "manifest.json").stat().st_size
+    index, manifest = (state / "index.bin").stat().st_size, (state / "manifest.json").stat().st_size
     assert index > manifest
     monkeypatch.setattr(ckpt, "MAX_MANIFEST_BYTES", (index + manifest) // 2)
     take_ids(s, 7)
     s.save_sidecar(str(state))                 # the next generation: its manifest names and digests the index
-    assert (state / "index.g1.json").is_file()
+    assert (state / "index.g1.bin").is_file()
     after = take_ids(s, 7)
     resumed = ResumableStream(cfg.replace(resume_state_path=str(state)))    # opened from the saved index
     assert resumed.source.index == source.index
@@ -329,12 +332,12 @@ def test_what_describes_the_dataset_is_written_once_per_job(cfg, source, tmp_pat
     s.save_sidecar(tmp_path / "ck1")
     take_ids(s, 5)
     s.save_sidecar(tmp_path / "ck2")
-    for name in ("fingerprint.json", "index.json"):
+    for name in ("fingerprint.json", "index.bin"):
         a, b = os.stat(tmp_path / "ck1" / name), os.stat(tmp_path / "ck2" / name)
         assert a.st_ino == b.st_ino and b.st_nlink >= 2, name
-    os.utime(tmp_path / "ck2" / "index.json", ns=(1, 1))            # touched: not trusted to be the one written
+    os.utime(tmp_path / "ck2" / "index.bin", ns=(1, 1))            # touched: not trusted to be the one written
     s.save_sidecar(tmp_path / "ck3")
-    assert os.stat(tmp_path / "ck3" / "index.json").st_ino != os.stat(tmp_path / "ck2" / "index.json").st_ino
+    assert os.stat(tmp_path / "ck3" / "index.bin").st_ino != os.stat(tmp_path / "ck2" / "index.bin").st_ino
     assert os.stat(tmp_path / "ck3" / "fingerprint.json").st_ino == os.stat(tmp_path / "ck1" / "fingerprint.json").st_ino
     other = ResumableStream(cfg.replace(shuffle_seed=5), rank=0, world_size=1, source=source)
     take_ids(other, 5)

@@ -18,6 +18,7 @@ from resumable_stream.app.cli import main
 from resumable_stream.errors import SourceError
 from resumable_stream.io import safe_files as safe_io
 from resumable_stream.sources import index as index_mod
+from resumable_stream.sources.index_table import FileTable
 from resumable_stream.state import checkpoint as ckpt
 from resumable_stream.state import sidecar as sc
 
@@ -26,7 +27,7 @@ DEEP = 100_000     # levels of nesting of the deep JSON documents
 
 @pytest.fixture(scope="module")
 def saved_checkpoint(cfg, source, tmp_path_factory):
-    """A checkpoint (stream_state: rank file, index.json, manifest.json) after 70 samples, and a yaml."""
+    """A checkpoint (stream_state: rank file, index.bin, manifest.json) after 70 samples, and a yaml."""
     root = tmp_path_factory.mktemp("bounds")
     s = ResumableStream(cfg, rank=0, world_size=1, source=source)
     take_ids(s, 70)
@@ -57,10 +58,16 @@ def _edit_manifest(state_dir, change):
     path.write_text(json.dumps(manifest))
 
 
-def _replace_index(state_dir, data: bytes):
-    """index.json replaced by ``data``, the manifest's entry updated to match (only the index checks refuse it)."""
-    (state_dir / "index.json").write_bytes(data)
-    _edit_manifest(state_dir, lambda m: m["index"].update(bytes=len(data), blake2b=ckpt._digest(data)))
+def _replace_index(state_dir, data: bytes, name: str = "index.json"):
+    """The saved index replaced by ``data`` in file ``name`` (index.json: the JSON form older checkpoints have),
+    the manifest's entry updated to match (only the index checks refuse it)."""
+    (state_dir / "index.bin").unlink()
+    (state_dir / name).write_bytes(data)
+    _edit_manifest(state_dir, lambda m: m["index"].update(file=name, bytes=len(data), blake2b=ckpt._digest(data)))
+
+
+def _packed(state_dir) -> bytes:
+    return (state_dir / "index.bin").read_bytes()
 
 
 def _deep(levels=DEEP) -> str:
@@ -126,13 +133,27 @@ def test_numbers_in_a_manifest_are_bounded(ck, change, field, allowed):
 
 
 # ------------------------------------------------------------------ the saved index, read by inspect as by a resume
+def _span_outside_its_file(d):
+    """The packed index with its first row group's end byte past its file's size (the digest updated)."""
+    from resumable_stream.sources.index_table import pack_index
+
+    index = index_mod.decode_index(_packed(d), "x")
+    arrays = index["files"].arrays()
+    arrays["end"] = arrays["end"].copy()
+    arrays["end"][0] = arrays["size"][0] + 1
+    _replace_index(d, pack_index({**index, "files": FileTable(arrays)}), "index.bin")
+
+
 _INDEX_CASES = {
-    "corrupt": (lambda d: (d / "index.json").write_bytes(b"x" * 50), "does not match its manifest entry"),
-    "oversized": (lambda d: os.truncate(d / "index.json", 2 << 30), f"over the limit of {1 << 30}"),
+    "corrupt": (lambda d: (d / "index.bin").write_bytes(b"x" * 50), "index.bin", "does not match its manifest entry"),
+    "oversized": (lambda d: os.truncate(d / "index.bin", 2 << 30), "index.bin", f"over the limit of {1 << 30}"),
     "malformed": (lambda d: _replace_index(d, json.dumps({"format": index_mod.INDEX_FORMAT, "version": 99}).encode()),
-                  "version 99; this library reads version 1"),
-    "nested": (lambda d: _replace_index(d, _deep().encode()), f"nested {DEEP} levels deep"),
-    "missing": (lambda d: (d / "index.json").unlink(), "not found"),
+                  "index.json", "version 99; this library reads version 1"),
+    "nested": (lambda d: _replace_index(d, _deep().encode()), "index.json", f"nested {DEEP} levels deep"),
+    "missing": (lambda d: (d / "index.bin").unlink(), "index.bin", "not found"),
+    "packed-truncated": (lambda d: _replace_index(d, _packed(d)[:-9], "index.bin"), "index.bin",
+                         "runs past the end of the message"),
+    "packed-span": (_span_outside_its_file, "index.bin", "row group 0: span"),
 }
 
 
@@ -140,16 +161,22 @@ _INDEX_CASES = {
 @pytest.mark.parametrize("command", ["peek", "inspect"])
 def test_inspect_checks_the_saved_index_as_a_resume_does(ck, capsys, command, case):
     _, state_dir, _ = ck
-    damage, needle = _INDEX_CASES[case]
+    damage, name, needle = _INDEX_CASES[case]
     damage(state_dir)
     assert main(_argv(command, ck)) == 2
     err = capsys.readouterr().err
-    assert str(state_dir / "index.json") in err and needle in err and "unexpected" not in err, err
+    assert str(state_dir / name) in err and needle in err and "unexpected" not in err, err
 
 
 def test_inspect_shows_the_saved_index(ck, capsys):
-    root, _, _ = ck
+    root, state_dir, _ = ck
     assert main(["inspect", str(root)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["index"] == {"file": "index.bin", "files": 4, "row_groups": 20}
+    assert shown["ranks"]["rank-00000.safetensors"]["files"]["count"] == 4      # listed from the saved index
+    assert shown["ranks"]["rank-00000.safetensors"]["files"]["identity"] == {"parquet footer digest": 4}
+    _replace_index(state_dir, index_mod.encode_index(index_mod.decode_index(_packed(state_dir), "x")))
+    assert main(["inspect", str(root)]) == 0        # an older checkpoint's JSON index
     assert json.loads(capsys.readouterr().out)["index"] == {"file": "index.json", "files": 4, "row_groups": 20}
 
 
@@ -229,7 +256,8 @@ def test_an_oversized_sidecar_header_is_refused_before_it_is_parsed(ck):
 
 # ------------------------------------------------------------------ dataset index files
 def _index(ck) -> dict:
-    return json.loads((ck[1] / "index.json").read_text())
+    """The saved index in its JSON form."""
+    return json.loads(index_mod.encode_index(index_mod.decode_index(_packed(ck[1]), "x")))
 
 
 def _file_entry(**changes):

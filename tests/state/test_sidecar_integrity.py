@@ -282,7 +282,7 @@ def test_sidecars_and_manifests_follow_the_umask(cfg, source, tmp_path, umask, m
     finally:
         os.umask(old)
     files = [tmp_path / "st" / f for f in os.listdir(tmp_path / "st")] + [tmp_path / "one.safetensors"]
-    assert sorted(f.name for f in files) == ["fingerprint.g1.json", "index.g1.json", "manifest.json",
+    assert sorted(f.name for f in files) == ["fingerprint.g1.json", "index.g1.bin", "manifest.json",
                                              "one.safetensors", "rank-00000.g1.safetensors"]
     assert {oct(os.stat(f).st_mode & 0o777) for f in files} == {oct(mode)}
 

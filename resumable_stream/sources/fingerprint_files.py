@@ -1,0 +1,176 @@
+"""A dataset fingerprint's files, held compactly: what every rank keeps and every state carries.
+
+A fingerprint lists what decides a source's content, every data file's identity among it (path, size, mtime
+or a remote file's markers, parquet footer digest). For an indexed parquet dataset that list was a dict a file
+(~400 bytes of Python objects on every rank: 400 MB at a million files) in every state. It is now
+``{"count": n, "digest": d}``: the number of files and the blake2b of their identities in columns
+(:func:`columns_digest` of ``FileTable.identity_arrays``), which stands for the identities of the first ``n``
+files of a table. The identities themselves stay in the table (the source's index) and in the dataset index a
+checkpoint saves (written once, by rank 0).
+
+Two such values are compared by their digests. Only when they differ are the identities looked up
+(:func:`identities`): in a table this process holds (the current source's, made known by :func:`compact`), or
+in the indexes of the checkpoint being read (:func:`saved_indexes`), and compared file by file as the lists
+always were (``state.checks``). A fingerprint written before, which lists the identities, gets the same
+digest from its list (put in columns), so that it is compared with a table's at the same cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .index_table import IDENTITY_ARRAYS, FileTable, identity_arrays
+
+KEYS = ("count", "digest")
+_PERSON = b"rs-files-1"      # the digest of this column layout (another layout: another person, never equal)
+
+# (table, {count: digest}) of the tables this process made compact fingerprints of, held weakly
+_known: list[tuple[weakref.ref, dict[int, str]]] = []
+# loaders of the indexes of the checkpoints being read (innermost last), each decoded when first needed
+_saved: list[_Lazy] = []
+
+
+class TableIdentities(Sequence):
+    """The identities of a table's first ``count`` files, as the dicts a fingerprint listed (made on demand)."""
+
+    def __init__(self, table: FileTable, count: int):
+        self.table, self.count = table, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.count))]
+        if not -self.count <= i < self.count:
+            raise IndexError(f"file {i} of {self.count}")
+        return self.table.identity(i % self.count)
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self.table.identity(i) for i in range(self.count))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return self.table.identity_arrays(self.count)
+
+
+def is_compact(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == set(KEYS) and type(value["count"]) is int
+            and value["count"] >= 0 and isinstance(value["digest"], str) and len(value["digest"]) == 32)
+
+
+def compact(table: FileTable, count: int | None = None) -> dict[str, Any]:
+    """``{"count", "digest"}`` of the identities of ``table``'s first ``count`` files (all by default); the
+    table is remembered (weakly) so that they can be listed when a comparison needs them."""
+    n = len(table) if count is None else count
+    digests = next((d for ref, d in _known if ref() is table), None)
+    if digests is None:
+        _known[:] = [(r, d) for r, d in _known if r() is not None]
+        digests = {}
+        _known.append((weakref.ref(table), digests))
+    if n not in digests:
+        digests[n] = columns_digest(table.identity_arrays(n))
+    return {"count": n, "digest": digests[n]}
+
+
+def columns_digest(columns: dict[str, np.ndarray]) -> str:
+    """The blake2b (16 bytes, hex) of identity columns: each column's name, length and bytes in a canonical
+    form (offsets as int64, every NaN mtime the same NaN)."""
+    h = hashlib.blake2b(digest_size=16, person=_PERSON)
+    for name in IDENTITY_ARRAYS:
+        a = columns[name]
+        if name.endswith("offsets"):
+            a = a.astype("<i8")
+        elif name == "mtime":
+            a = np.where(np.isnan(a), np.nan, a).astype("<f8")
+        data = np.ascontiguousarray(a).tobytes()
+        h.update(name.encode() + struct.pack("<Q", len(data)))
+        h.update(data)
+    return h.hexdigest()
+
+
+def columns(value: Any) -> dict[str, np.ndarray] | None:
+    """The identity columns of a fingerprint's files: a list of identities (None when one has a shape a table
+    does not hold), the identities of a table, or a compact value whose table is at hand (else None)."""
+    if isinstance(value, TableIdentities):
+        return value.columns()
+    if isinstance(value, list):
+        return identity_arrays(value, layout=False)
+    listed = identities(value) if is_compact(value) else None
+    return None if listed is None else listed.columns()
+
+
+def digest(value: Any) -> str | None:
+    """The digest of a fingerprint's files (see :func:`columns_digest`), None when it has none."""
+    if is_compact(value):
+        return value["digest"]
+    found = columns(value)
+    return None if found is None else columns_digest(found)
+
+
+def identities(value: Any) -> Sequence[dict] | None:
+    """The files a fingerprint's ``files`` stands for: a list as it is; a compact value's from a table that
+    this process holds or the checkpoint being read saved (None when neither has them)."""
+    if not is_compact(value):
+        return value if isinstance(value, (list, TableIdentities)) else None
+    n, want = value["count"], value["digest"]
+    for table, digests in _tables():
+        if len(table) >= n:
+            if n not in digests:
+                digests[n] = columns_digest(table.identity_arrays(n))
+            if digests[n] == want:
+                return TableIdentities(table, n)
+    return None
+
+
+def _tables() -> Iterator[tuple[FileTable, dict[int, str]]]:
+    """The tables this process holds, then those of the checkpoints being read (decoded when first asked)."""
+    for ref, digests in list(_known):
+        table = ref()
+        if table is not None:
+            yield table, digests
+    for lazy in reversed(_saved):
+        yield from lazy.tables()
+
+
+class _Lazy:
+    def __init__(self, load: Callable[[], list[FileTable]]):
+        self._load, self._tables = load, None
+
+    def tables(self) -> list[tuple[FileTable, dict[int, str]]]:
+        if self._tables is None:
+            self._tables = [(t, {}) for t in self._load()]
+        return self._tables
+
+
+@contextlib.contextmanager
+def saved_indexes(load: Callable[[], list[FileTable]] | None):
+    """While a checkpoint is read: ``load()`` gives the file tables of the indexes it saved, called (once) when a
+    compact fingerprint's files are not those of a table this process holds; they are let go after."""
+    if load is None:
+        yield
+        return
+    lazy = _Lazy(load)
+    _saved.append(lazy)
+    try:
+        yield
+    finally:
+        _saved.remove(lazy)      # this one (another thread may have read a checkpoint meanwhile)
+
+
+def expanded(fingerprint: Any) -> Any:
+    """``fingerprint`` with every compact ``files`` whose identities are at hand listed as before (a
+    self-contained sidecar file carries them)."""
+    if not isinstance(fingerprint, dict):
+        return fingerprint
+    out = {}
+    for key, value in fingerprint.items():
+        listed = identities(value) if key == "files" and is_compact(value) else None
+        out[key] = list(listed) if listed is not None else expanded(value)
+    return out
