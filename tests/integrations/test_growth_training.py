@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from training_helpers import PAUSED_TRAIN, consumed, write_config
 
+from resumable_stream.sources.index import load_index
 from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(pro
     assert sorted(ids[:ROWS]) == list(range(ROWS))
     assert sorted(ids[ROWS:]) == sorted([*range(ROWS), *range(5000, 5080)])
     state = os.path.join(out, "checkpoint-50", "stream_state")
-    index = json.load(open(os.path.join(state, json.load(open(os.path.join(state, "manifest.json")))["index"]["file"])))
+    index = load_index(os.path.join(state, json.load(open(os.path.join(state, "manifest.json")))["index"]["file"]))
     assert [g["from_epoch"] for g in index["growth"]["generations"]] == [0, 1]
 
 
