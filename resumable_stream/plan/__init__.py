@@ -122,7 +122,7 @@ def deal_array(order: np.ndarray, row_counts, num_partitions: int,
     if compiled is not None and int(row_counts.array.max(initial=0)) * len(order) < 2**50:
         order = np.ascontiguousarray(order, dtype=np.int64)
         rows = row_counts.array[order] if rows_in_order is None else rows_in_order
-        return compiled(order, rows.astype(np.int64), num_partitions)
+        return compiled(order, rows, num_partitions)
     rows = row_counts.array.tolist() if isinstance(row_counts, RowCounts) else list(row_counts)
     dealt = deal_shards(order, rows, num_partitions)
     bounds = np.zeros(num_partitions + 1, dtype=np.int64)

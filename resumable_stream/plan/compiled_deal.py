@@ -11,7 +11,7 @@ import numpy as np
 @numba.njit(cache=True, nogil=True)
 def deal(order: np.ndarray, rows: np.ndarray, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
     """Each shard of ``order`` to the partition with the fewest rows so far, ties to the lowest partition, as
-    ``plan.deal_shards`` does for known row counts; ``rows``: the int64 rows of each shard *in deal order*
+    ``plan.deal_shards`` does for known row counts; ``rows``: the rows of each shard *in deal order* (integers)
     (their total under 2**50). Returns the shards partition after partition, in the order dealt, and the
     bounds of each partition."""
     n = num_partitions
@@ -36,7 +36,7 @@ def deal(order: np.ndarray, rows: np.ndarray, num_partitions: int) -> tuple[np.n
         p = k & mask
         assign[i] = p
         counts[p] += 1
-        k += rows[i] << bits
+        k += np.int64(rows[i]) << bits
         node = size + p
         key[node] = k
         while node > 1:
