@@ -1,5 +1,7 @@
 """Sidecars written by earlier format versions still load and continue exactly as that version continued
-them (tests/data/legacy_v1 and legacy_v2: written by format versions 1 and 2, see tests/_support/legacy_states.py)."""
+them (tests/data/legacy_v1 and legacy_v2: written by format versions 1 and 2; legacy_v3: format version 3 as
+written before the compact fingerprint, a ``fingerprint.json`` listing every file and JSON indexes; see
+tests/_support/legacy_states.py)."""
 
 import json
 import os
@@ -8,6 +10,7 @@ import pytest
 from legacy_states import (
     LEGACY_V1,
     LEGACY_V2,
+    LEGACY_V3,
     SAVED_WORLD,
     batch_ids,
     copy_data,
@@ -19,7 +22,7 @@ from legacy_states import (
 
 from resumable_stream.stream.mixture import open_stream
 
-DIRS = {1: LEGACY_V1, 2: LEGACY_V2}
+DIRS = {1: LEGACY_V1, 2: LEGACY_V2, 3: LEGACY_V3}
 EXPECTED = {}
 for _version, _dir in DIRS.items():
     with open(os.path.join(_dir, "expected.json")) as f:
@@ -31,6 +34,13 @@ versions = pytest.mark.parametrize("version", sorted(DIRS))
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return copy_data(str(tmp_path_factory.mktemp("legacy")))
+
+
+def test_the_version_3_checkpoints_are_the_json_forms():
+    state = os.path.join(LEGACY_V3, "stream", "stream_state")
+    assert isinstance(json.load(open(os.path.join(state, "fingerprint.json")))["dataset"]["files"], list)
+    assert os.path.isfile(os.path.join(state, "index.json"))
+    assert os.path.isfile(os.path.join(LEGACY_V3, "mixture", "stream_state", "index-a.json"))
 
 
 @versions
