@@ -6,7 +6,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, ResumableStreamError, SidecarError, SourceError, StreamMismatchError
-from .runtime import moved_modules
 
 if TYPE_CHECKING:
     from .config.stream_config import MixtureConfig, StreamConfig
@@ -53,5 +52,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
-
-moved_modules.install()   # the module names of 0.x (runtime/moved_modules.py)

@@ -280,11 +280,10 @@ def check_command(argv: list[str]) -> None:
         _parse_cli(args)
         for a in args:
             _check_config_file(a)
-    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.llamafactory ARGS
+    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream ARGS: the CLI on each rank
         module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2:]
-        # the documented command; its module is resumable_stream.integrations.llamafactory (runtime/moved_modules.py)
-        assert module == "resumable_stream.llamafactory", f"unknown module {module}"
-        _parse_cli(["llamafactory", *rest])
+        assert module == "resumable_stream", f"unknown module {module}"
+        _parse_cli(rest)
         for a in rest:
             _check_config_file(a)
     elif prog in ("python", "torchrun"):

@@ -18,7 +18,7 @@ A run whose newest complete checkpoint (or final ``trainer_state.json``) reached
 the command says so and changes nothing (LLaMA-Factory would save the freshly loaded model and an empty state
 over the finished outputs). ``FORCE_TORCHRUN=1`` (or several devices) launches torchrun as
 ``llamafactory-cli`` does, with the same environment variables (NNODES, NODE_RANK, NPROC_PER_NODE,
-MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream.integrations.llamafactory``.
+MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream llamafactory train``.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     else:
         run += ["--nnodes", os.getenv("NNODES", "1"), "--node_rank", os.getenv("NODE_RANK", "0"),
                 "--nproc_per_node", nproc, "--master_addr", addr, "--master_port", port]
-    return run + ["-m", "resumable_stream.integrations.llamafactory", "train", config, *overrides], env
+    return run + ["-m", "resumable_stream", "llamafactory", "train", config, *overrides], env
 
 
 def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:

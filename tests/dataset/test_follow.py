@@ -184,7 +184,7 @@ _RANK_SCRIPT = """
 import json, os, sys, threading, time
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, read, save
+from resumable_stream.state.checkpoint import finish, read, save
 from resumable_stream.loader import StreamLoader
 
 dist.init_process_group("gloo")
@@ -194,7 +194,7 @@ cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data,
                    buffer_size=64, interleave_shards=2, block_rows=16, growth="follow", num_partitions=4,
                    poll_interval_s=0.05, follow_timeout_s=3)
 ckpt = os.path.join(out, phase, "stream_state")
-import resumable_stream.growth as growth
+import resumable_stream.dataset.growth as growth
 polls, grow = [0], growth.grow
 
 
@@ -313,7 +313,7 @@ _EXACT_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, read, save
+from resumable_stream.state.checkpoint import finish, read, save
 from resumable_stream.loader import StreamLoader
 
 dist.init_process_group("gloo")

@@ -347,7 +347,7 @@ _RANK_SCRIPT = """
 import itertools, json, os, sys
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish, load, save
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -182,8 +182,8 @@ _RANK_SCRIPT = textwrap.dedent("""
     import itertools, json, os, sys, urllib.request
     import torch.distributed as dist
     from resumable_stream import StreamConfig
-    from resumable_stream.checkpoint import finish
-    from resumable_stream.mixture import MixtureStream
+    from resumable_stream.state.checkpoint import finish
+    from resumable_stream.stream.mixture import MixtureStream
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = json.load(open(sys.argv[1]))

@@ -1,6 +1,6 @@
 """One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream.
 
-    from resumable_stream.trainer_patch import patch_trainer, TrainingStream
+    from resumable_stream.integrations.transformers import patch_trainer, TrainingStream
     patch_trainer()                                   # once; or patch_trainer(MyTrainerSubclass)
     trainer = Trainer(model, args, train_dataset=TrainingStream(stream, ...))
     trainer.train(resume_from_checkpoint=True)
