@@ -4,13 +4,12 @@ import itertools
 import os
 
 import pytest
-from helpers import parquet_config
+from helpers import parquet_config, through_sidecar
 from repo_paths import REPO_ROOT
 
 from resumable_stream import ResumableStream
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import open_source
-from resumable_stream.state.sidecar import decode_state, encode_state
 
 
 def _ids(batch):
@@ -36,23 +35,23 @@ def test_state_counts_consumed_not_prefetched_batches(setup, num_workers, consum
     loader = _make(cfg, source, num_workers)
     it = iter(loader)
     head = [_ids(next(it)) for _ in range(consumed)]
-    state = loader.state_dict()
+    state, state_dict = loader.rank_state(), loader.state_dict()
     # workers have prefetched ahead; the state must only count what was handed out
-    total = sum(ps["consumed"] for ps in state["partitions"].values())
+    total = sum(ps["consumed"] for ps in state["stream"]["partitions"].values())
     assert total == consumed * 8
     if num_workers == 2:
-        counts = sorted(ps["consumed"] for ps in state["partitions"].values())
+        counts = sorted(ps["consumed"] for ps in state["stream"]["partitions"].values())
         assert counts == sorted([((consumed + 1) // 2) * 8, (consumed // 2) * 8])
     # an uninterrupted run continues with exactly what a run resumed from this state yields
     more = [_ids(next(it)) for _ in range(12)]
     del it
     resumed = _make(cfg, source, num_workers)
-    resumed.load_state_dict(decode_state(encode_state(state)))
+    resumed.load_state_dict(through_sidecar(state))
     assert [_ids(b) for b in itertools.islice(resumed, 12)] == more
     # and the state is the same as that of another run stopped at the same batch
     other = _make(cfg, source, num_workers)
     assert [_ids(b) for b in itertools.islice(other, consumed)] == head
-    assert other.state_dict() == state
+    assert other.rank_state() == state and other.state_dict() == state_dict     # the same bytes too
     # 1000 rows, in 1 or 2 partitions of hundreds of rows read in turn: none wraps within 400 samples
     early = [i for b in head + more for i in b][:400]
     assert len(set(early)) == len(early), "a sample was handed out twice within the first epoch"

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..integrations.llamafactory import settings
-from ..state.checkpoint import TRAINER_STATE, latest_complete_checkpoint
+from ..state.output_dir import TRAINER_STATE, latest_complete_checkpoint
 
 log = logging.getLogger(__name__)
 

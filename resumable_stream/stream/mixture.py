@@ -481,6 +481,8 @@ class MixtureStream(StreamBase):
         """As ``StreamBase.load_state_dict``; the saved weight history is taken over, and with
         ``data.mixture_change: allow`` other weights or sources than the saved ones apply from each partition's
         next draw on (the state is first put in this mixture's form: see :meth:`_take_over`)."""
+        if isinstance(state, dict) and "stream" in state and "partitions" not in state:
+            state = state["stream"]      # a loader's (nested) state: the stream's part
         fp = state.get("fingerprint") if isinstance(state, dict) else None
         if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
             state = self._take_over(state, where)
@@ -604,7 +606,7 @@ class MixtureStream(StreamBase):
                 epochs.append(0)
                 ended.append(False)
                 sources.append(fresh.partition_state(p))
-        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources, ps.extra,
+        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources,
                                     [*ps.changes, ps.consumed])
         return out.to_dict()
 
@@ -620,7 +622,7 @@ class MixtureStream(StreamBase):
         for i, label in enumerate(labels):
             view = self._views[i][p]
             view.set_endless()       # the source epoch to read is set again when the view is next iterated
-            state = {**view.state_dict({p: ps.sources[i]}), "turn": 0}
+            state = view.state_dict({p: ps.sources[i]})
             view.load_state_dict(state, where=f"{where}, source {label!r}", verify_next_sample=verify_next_sample)
         pos = self._pos[p]
         pos.epoch, pos.draws, pos.consumed = ps.epoch, ps.draws, ps.consumed
@@ -657,7 +659,7 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                           "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
-    out = {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
+    out = {"format_version": state["format_version"], "topology": state["topology"],
            "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
            "partitions": partitions, "sources": sources}
     history = mix.get("history")

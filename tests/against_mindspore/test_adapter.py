@@ -37,7 +37,7 @@ def test_the_state_is_what_was_consumed_not_what_was_prefetched(tmp_path, refere
     source = ms_helpers.mindspore_source()
     rows = source.iterate(source.dataset())
     head = ms_helpers.take(rows, stop_at)
-    consumed = source.state_dict()["partitions"][0]["consumed"]
+    consumed = source.loader.rank_state()["stream"]["partitions"][0]["consumed"]
     deadline = time.monotonic() + 10
     while source.loader.stream.partition_state(0).consumed <= consumed and time.monotonic() < deadline:
         time.sleep(0.01)     # MindSpore's pipeline reads ahead in its own thread
@@ -155,4 +155,4 @@ def test_a_mixture_of_raw_samples_resumes_exactly(tmp_path):
     resumed = source()
     resumed.load_sidecar(str(tmp_path / "mix"))
     assert head + ids(resumed, 19) == reference
-    assert resumed.state_dict()["kind"] == "mixture"
+    assert resumed.loader.rank_state()["stream"]["kind"] == "mixture"

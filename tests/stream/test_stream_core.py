@@ -5,8 +5,8 @@ import ast
 import pathlib
 
 import pytest
-from legacy_states import TripleProcessor, collate, copy_data, mixture_config, stream_config
 from repo_paths import REPO_ROOT
+from small_mixture import TripleProcessor, collate, copy_data, mixture_config, stream_config
 
 from resumable_stream import MixtureStream, ResumableStream, Stream
 from resumable_stream.loader import StreamLoader

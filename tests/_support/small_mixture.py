@@ -1,11 +1,6 @@
-"""Sidecars written by an earlier format version, kept in ``tests/data/legacy_v1/``, and what a test needs to
-read them again: their datasets, the configs and topologies they were saved with, and the toy transform
-whose carried-over state they hold.
-
-``tests/data/legacy_v1/make_states.py`` wrote them with resumable-stream at commit 9d49163 (sidecar format
-version 1, where a mixture squeezed its state into single-stream cursor entries). ``expected.json`` holds
-what that version read after each save: a later version must continue every one of them the same way.
-"""
+"""A small dataset and mixture (``tests/data/small_mixture``: ``a``, 3 parquet files x 40 rows, ids 0..119;
+``b``, 2 files x 25 rows, ids 1000..1049), the configs and topology tests read them with, and a toy transform
+with a carry (what a packing transform's tokens are)."""
 
 from __future__ import annotations
 
@@ -15,10 +10,7 @@ import shutil
 import numpy as np
 from repo_paths import DATA_DIR
 
-LEGACY_V1 = os.path.join(DATA_DIR, "legacy_v1")
-LEGACY_V2 = os.path.join(os.path.dirname(LEGACY_V1), "legacy_v2")   # format version 2, over legacy_v1/data
-# format version 3 as written before the compact fingerprint: fingerprint.json listing every file, index.json
-LEGACY_V3 = os.path.join(os.path.dirname(LEGACY_V1), "legacy_v3")
+SMALL_MIXTURE = os.path.join(DATA_DIR, "small_mixture")
 BATCH_SIZE = 3
 SAVED_WORLD = 2
 NUM_PARTITIONS = 4
@@ -74,9 +66,9 @@ def collate(examples: list[dict]) -> list[list[int]]:
 
 
 def copy_data(to: str) -> str:
-    """The datasets the states were saved over, copied elsewhere (a new root: compared by content)."""
-    target = os.path.join(to, "legacy_data")
-    shutil.copytree(os.path.join(LEGACY_V1, "data"), target)
+    """The datasets, copied under ``to`` (tests may change or move them)."""
+    target = os.path.join(to, "small_mixture")
+    shutil.copytree(SMALL_MIXTURE, target)
     return target
 
 
