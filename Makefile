@@ -14,12 +14,13 @@ $(VENV)/.base: pyproject.toml .ci/install-torch
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	.ci/install-torch $(PY) $(TORCH)
-	$(PY) -m pip install -q -e '.[report]'
+	echo "torch==$(TORCH)" > $(VENV)/constraints.txt    # nothing installed later may move torch
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[report]'
 	touch $@
 
 # + the dev extra (pytest, ruff, hypothesis, moto, s3fs, torchdata, ...): the tests and benchmarks
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	touch $@
 
 # OUT=dir keeps the demo's runs there (default: a temporary directory, removed)

@@ -9,6 +9,8 @@ from .errors import ConfigError, ResumableStreamError, SidecarError, SourceError
 
 if TYPE_CHECKING:
     from .config.stream_config import MixtureConfig, StreamConfig
+    from .integrations.checkpoints import Checkpoints
+    from .loader import StreamLoader
     from .stream.base import Stream
     from .stream.mixture import MixtureStream, open_stream
     from .stream.single import ResumableStream
@@ -22,6 +24,8 @@ _LAZY = {
     "MixtureStream": "stream.mixture",
     "open_stream": "stream.mixture",
     "Stream": "stream.base",
+    "StreamLoader": "loader",
+    "Checkpoints": "integrations.checkpoints",
 }
 
 __all__ = [
@@ -31,6 +35,8 @@ __all__ = [
     "MixtureStream",
     "open_stream",
     "Stream",
+    "StreamLoader",
+    "Checkpoints",
     "ConfigError",
     "StreamMismatchError",
     "SidecarError",
