@@ -144,10 +144,10 @@ def test_another_dataloader_type_and_dynamic_batching_are_refused(tmp_path, asse
 
 
 def test_importing_the_module_registers_both_builders():
-    import resumable_stream.integrations.veomni as ours
-    from veomni.data import build_dataloader, build_dataset  # noqa: F401
     from veomni.data.data_loader import DATALOADER_REGISTRY
     from veomni.data.dataset import DATASET_REGISTRY
+
+    import resumable_stream.integrations.veomni as ours
 
     assert DATASET_REGISTRY["resumable_stream"] is ours.build_dataset
     assert DATALOADER_REGISTRY["resumable_stream"] is ours.build_dataloader

@@ -44,10 +44,11 @@ if not hasattr(torch.cpu, "get_device_name"):
 if not hasattr(torch.cpu, "empty_cache"):
     torch.cpu.empty_cache = lambda: None
 
-import resumable_stream.integrations.veomni  # noqa: E402,F401  (the integration: registers resumable_stream)
 from veomni.arguments import VeOmniArguments, parse_args  # noqa: E402
 from veomni.distributed.parallel_state import ParallelState  # noqa: E402
 from veomni.trainer.text_trainer import TextTrainer  # noqa: E402
+
+import resumable_stream.integrations.veomni  # noqa: E402,F401  (the integration: registers resumable_stream)
 
 # --- stand-in 3 (one process only): VeOmni's FSDP2 path. The only model build VeOmni allows without an
 # accelerator is FSDP2 over a meta-device model (its arguments refuse init_device: cpu for fsdp2 and for DDP);
