@@ -43,44 +43,41 @@ def make_data(directory: str, rows: int = 480) -> str:
     return directory
 
 
-def write_stream_yml(directory: str, data_dir: str, buffer_size: int = 64, num_partitions: int | None = None) -> str:
-    """A resumable-stream yaml (``*.yml``: VeOmni takes a ``*.yaml`` train_path for its multi-source yaml)."""
-    data = {"backend": "hf", "dataset_name_or_path": "parquet", "data_files": os.path.join(data_dir, "*.parquet"),
-            "shuffle": True, "shuffle_seed": 7, "buffer_size": buffer_size}
-    if num_partitions is not None:
-        data["num_partitions"] = num_partitions
+EXAMPLE = os.path.join(ROOT, "examples", "veomni")
+
+
+def write_stream_yml(directory: str, data_dir: str, buffer_size: int = 64) -> str:
+    """examples/veomni/stream.yml reading ``data_dir`` through a ``buffer_size``-row window (*.yml: VeOmni
+    takes a ``*.yaml`` train_path for its multi-source yaml)."""
+    with open(os.path.join(EXAMPLE, "stream.yml"), encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    doc["data"].update(data_files=os.path.join(data_dir, "*.parquet"), buffer_size=buffer_size, num_partitions=4)
     path = os.path.join(directory, "stream.yml")
     with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump({"data": data}, f)
+        yaml.safe_dump(doc, f)
     return path
 
 
 def write_veomni_yaml(directory: str, name: str, model: str, train_path: str, out: str, *, max_steps: int,
-                      save_steps: int, num_workers: int = 2, load_path: str | None = None,
-                      nproc: int = 1, **data_overrides) -> str:
-    """VeOmni's own yaml (its keys as ``veomni.arguments`` reads them): our dataset and dataloader, text data
-    through VeOmni's plaintext transform, fixed batches, checkpoints every ``save_steps`` steps; the ops are
-    VeOmni's eager ones (its defaults are CUDA kernels: liger / triton / flash attention)."""
-    doc = {
-        "model": {"config_path": model, "tokenizer_path": model,
-                  "ops_implementation": {"attn_implementation": "sdpa", "moe_implementation": "eager",
-                                         "cross_entropy_loss_implementation": "eager",
-                                         "rms_norm_implementation": "eager", "swiglu_mlp_implementation": "eager",
-                                         "rotary_pos_emb_implementation": "eager",
-                                         "load_balancing_loss_implementation": "eager"}},
-        "data": {"train_path": train_path, "datasets_type": "resumable_stream", "data_type": "plaintext",
-                 "text_keys": "text", "max_seq_len": 32,
-                 "dataloader": {"type": "resumable_stream", "num_workers": num_workers, "pin_memory": False,
-                                "prefetch_factor": 2 if num_workers else None},
-                 **data_overrides},
-        "train": {"micro_batch_size": 2, "global_batch_size": 4 * nproc, "dyn_bsz": False, "max_steps": max_steps,
-                  "num_train_epochs": 1, "seed": 3, "init_device": "meta",
-                  "enable_mixed_precision": False,
-                  "optimizer": {"lr": 1.0e-3, "lr_warmup_ratio": 0.0},
-                  "checkpoint": {"output_dir": out, "save_steps": save_steps, "save_hf_weights": False,
-                                 "load_path": load_path},
-                  "wandb": {"enable": False}},
-    }
+                      save_steps: int, num_workers: int = 2, load_path: str | None = None, nproc: int = 1) -> str:
+    """examples/veomni/train.yml with the test's model, data, sizes and output; the ops are VeOmni's eager
+    ones (its defaults are CUDA kernels: liger / triton / flash attention), and no HF weights are exported."""
+    with open(os.path.join(EXAMPLE, "train.yml"), encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    doc["model"] = {"config_path": model, "tokenizer_path": model,
+                    "ops_implementation": {"attn_implementation": "sdpa", "moe_implementation": "eager",
+                                           "cross_entropy_loss_implementation": "eager",
+                                           "rms_norm_implementation": "eager", "swiglu_mlp_implementation": "eager",
+                                           "rotary_pos_emb_implementation": "eager",
+                                           "load_balancing_loss_implementation": "eager"}}
+    doc["data"].update(train_path=train_path, max_seq_len=32)
+    doc["data"]["dataloader"].update(num_workers=num_workers, pin_memory=False,
+                                     prefetch_factor=2 if num_workers else None)
+    doc["train"].update(micro_batch_size=2, global_batch_size=4 * nproc, max_steps=max_steps, seed=3,
+                        wandb={"enable": False})
+    doc["train"]["optimizer"].update(lr=1.0e-3, lr_warmup_ratio=0.0)
+    doc["train"]["checkpoint"].update(output_dir=out, save_steps=save_steps, save_hf_weights=False,
+                                      load_path=load_path)
     path = os.path.join(directory, f"{name}.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(doc, f)
