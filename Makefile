@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore bench bench-peers clean
+.PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore test-veomni bench bench-peers clean
 
 TORCH ?= 2.13.0
 
@@ -52,6 +52,10 @@ test-llamafactory:
 test-mindspore: $(VENV)/.installed
 	PYTHON=$(PYTHON) RS_TORCH_PYTHON=$(abspath $(PY)) .ci/mindspore
 
+# a fifth venv (.venv-veomni) with veomni==0.1.12 (torch 2.13.0 CPU, transformers 5.9.0): tests/against_veomni
+test-veomni:
+	PYTHON=$(PYTHON) .ci/veomni
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
@@ -67,4 +71,4 @@ bench-peers: .venv-bench/.installed
 	.venv-bench/bin/python benchmarks/peers.py
 
 clean:
-	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-mindspore .venv-bench .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-mindspore .venv-veomni .venv-bench .bench .pytest_cache
