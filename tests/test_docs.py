@@ -516,3 +516,25 @@ def test_the_name_check_catches_a_missing_name():
     assert _resolves("resumable_stream.state.checkpoint.save")
     assert not _resolves("resumable_stream.state.checkpoint.no_such_name")
     assert not _resolves("resumable_stream.no_such_module")
+
+
+# docs/trainers.md: every Python snippet is an excerpt (its lines, in order, whatever their indentation) of a file a
+# test runs, so what the page shows is what is tested
+TRAINER_SNIPPET_SOURCES = ("examples/own_trainer.py", "examples/torch_loop.py",
+                           "tests/_support/trainer_checkpoints_train.py", "examples/train_lm_mindspore.py")
+
+
+def _is_excerpt(body: str, source: str) -> bool:
+    want = [line.strip() for line in body.splitlines() if line.strip()]
+    have = [line.strip() for line in source.splitlines()]
+    return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def test_every_snippet_of_the_trainers_page_is_an_excerpt_of_a_tested_file():
+    sources = {name: _read(name) for name in TRAINER_SNIPPET_SOURCES}
+    blocks = [(line, body) for page, line, body in PY_BLOCKS if page == "docs/trainers.md"]
+    assert len(blocks) >= 12, blocks
+    for line, body in blocks:
+        assert any(_is_excerpt(body, text) for text in sources.values()), \
+            f"docs/trainers.md:{line}: not an excerpt of {', '.join(TRAINER_SNIPPET_SOURCES)}:\n{body}"
+    assert not _is_excerpt("loader = StreamLoader(stream, BATCH)", sources["examples/torch_loop.py"])

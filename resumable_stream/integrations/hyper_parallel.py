@@ -201,5 +201,5 @@ def build_dataloader(*, dataset: Any, collate_fn: Callable | None = None, batch_
     stream = open_stream(dataset.config, rank=dataset.rank, world_size=dataset.world_size, num_workers=num_workers)
     loader = StreamLoader(stream, batch_size, collate_fn=_ItemCollator(dataset.transform, collate_fn),
                           num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
-                          pin_memory=pin_memory)
-    return HyperParallelStreamLoader(loader)
+                          pin_memory=pin_memory, per_rank_state=True)   # saved per rank; HyperIter asks after
+    return HyperParallelStreamLoader(loader)                            # every item, from its prefetch thread

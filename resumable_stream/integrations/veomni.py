@@ -168,8 +168,8 @@ def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int
                          num_workers=num_workers)
     loader = StreamLoader(stream, dataloader_batch_size, collate_fn=_StepCollator(dataset.transform, collate),
                           num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
-                          pin_memory=pin_memory)
-    return VeOmniStreamLoader(loader)
+                          pin_memory=pin_memory, per_rank_state=True)   # every rank saves its own; its prefetch
+    return VeOmniStreamLoader(loader)                                   # thread asks after every step
 
 
 def register() -> None:

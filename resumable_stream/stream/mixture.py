@@ -47,7 +47,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..cache.cached_source import with_block_cache
-from ..config.stream_config import MixtureConfig, StreamConfig
+from ..config.stream_config import MixtureConfig, StreamConfig, not_a_config
 from ..config.weight_schedule import check_weights
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
@@ -145,7 +145,7 @@ class MixtureStream(StreamBase):
                  num_workers: int = 0, sources: list[Source] | None = None, index_from: str | None = None,
                  draws: str = "hash"):
         if not isinstance(config, MixtureConfig):
-            raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
+            raise not_a_config(config, "a MixtureConfig")
         if draws not in ("hash", *DATASETS_MODES):
             raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
         # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)

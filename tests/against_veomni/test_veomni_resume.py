@@ -11,12 +11,12 @@ CPU stand-ins are in veomni_launch.py, each explained there."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 
 import pytest
 import veomni_helpers as vh
+from tagged_processes import TAG, kill_tagged, new_tag
 
 from resumable_stream.errors import ConfigError
 
@@ -36,7 +36,8 @@ def _free_port() -> int:
 def _run(config: str, log_dir: str, nproc: int, env: dict | None = None, hold: int | None = None) -> None:
     """torchrun of veomni_launch.py to its end, or with ``hold`` until every rank logged step ``hold`` and
     then SIGKILLed (the whole process group: torchrun, its ranks and their DataLoader workers)."""
-    run_env = {**os.environ, **vh.ENV, **(env or {})}
+    tag = new_tag()     # torchrun's ranks run in sessions of their own: killed by this tag (tagged_processes)
+    run_env = {**os.environ, **vh.ENV, **(env or {}), TAG: tag}
     if hold is not None:
         run_env["VEOMNI_TEST_HOLD_AFTER"] = str(hold)
     out = open(os.path.join(os.path.dirname(log_dir), os.path.basename(log_dir) + ".out"), "ab")
@@ -51,12 +52,9 @@ def _run(config: str, log_dir: str, nproc: int, env: dict | None = None, hold: i
             assert proc.poll() is None, f"ended before step {hold}:\n{_tail(out.name)}"
             assert time.monotonic() < deadline, f"no step {hold} after 400 s:\n{_tail(out.name)}"
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+        kill_tagged(tag)
+        proc.wait(timeout=60)
         out.close()
 
 

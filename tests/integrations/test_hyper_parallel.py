@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -22,6 +20,7 @@ import pytest
 import torch
 import yaml
 from hp_trainer import PadCollator, PlaintextTransform, PrefetchIter, Target
+from training_helpers import Run
 
 from resumable_stream.errors import ConfigError, UnknownKeyError
 from resumable_stream.integrations.hyper_parallel import build_dataloader, build_dataset
@@ -191,25 +190,19 @@ def _run(config: str, log_dir: str, nproc: int, hold: int | None = None) -> None
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.dirname(HARNESS)])}
     if hold:
         env["HP_TEST_HOLD_AFTER"] = str(hold)
-    out = open(log_dir + ".out", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             f"--master_port={port}", HARNESS, config, log_dir], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # training_helpers.Run: torchrun starts its ranks in sessions of their own, so a kill of its process group
+    # would leave them running; Run kills every process of the run by an environment tag
+    run = Run(config, f"{log_dir}-{'held' if hold else 'run'}-{time.monotonic_ns()}", env=env,
+              command=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                       f"--master_port={port}", HARNESS, config, log_dir])
     try:
         if hold is None:
-            assert proc.wait(timeout=300) == 0, open(out.name, errors="replace").read()[-5000:]
+            run.wait_ok(300)
             return
-        deadline = time.monotonic() + 300
-        while not all(hold in _records(log_dir, r) for r in range(nproc)):
-            assert proc.poll() is None and time.monotonic() < deadline, open(out.name, errors="replace").read()[-5000:]
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        run.wait_until(lambda: all(hold in _records(log_dir, r) for r in range(nproc)),
+                       f"every rank past step {hold}", timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-        out.close()
+        run.kill()
 
 
 def _records(log_dir: str, rank: int) -> dict[int, dict]:
