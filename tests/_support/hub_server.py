@@ -13,6 +13,14 @@ stream a dataset repo:
   or the LFS sha256 for LFS files), ``X-Repo-Commit``, ``Content-Length``. Files never carry a xet
   hash, so ``huggingface_hub`` always downloads over plain HTTP.
 
+Rate limits, as the Hub's (huggingface.co/docs/hub/rate-limits): ``hub.set_rate_limit(resolvers=60, api=None,
+window_s=10)`` counts the requests of each class (``resolvers``: every ``/resolve/`` URL; ``api``: ``/api/``) per
+client (its token when it sends one, else its IP address) over fixed windows of ``window_s`` seconds; every
+answer of a limited class says ``RateLimit: "resolvers";r=<left>;t=<seconds to the reset>`` and
+``RateLimit-Policy: "fixed window";"resolvers";q=<quota>;w=<window>`` (IETF draft 9: what huggingface_hub >= 1.2
+parses), and a request past the quota is answered 429 with them and ``Retry-After: t`` (it is not counted).
+``hub.allowed(kind)`` gives the times of the requests a class let through; ``hub.rate_limited`` counts the 429s.
+
 Errors are the Hub's: 404 with ``X-Error-Code: RepoNotFound`` / ``RevisionNotFound`` /
 ``EntryNotFound``; a private repo without a valid token is 401 ``RepoNotFound``; an
 ``Authorization`` header with an unknown token is 401 "Invalid credentials in Authorization header".
@@ -34,9 +42,11 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -95,6 +105,52 @@ class HubServer(FileServer):
         self.tokens: set[str] = set()          # tokens that may read private repos
         self._repo_lock = threading.Lock()
         self._commits_made = 0
+        self.rate_limits: dict[str, tuple[int, float]] = {}     # class -> (quota, window seconds)
+        self.rate_limited = 0                                   # 429 answers given
+        self._windows: dict[tuple[str, str, int], int] = {}     # (class, client, window number) -> requests
+        self._allowed: dict[str, list[float]] = {}              # class -> times of the requests let through
+        self._origin = time.time()
+
+    # -- rate limits -----------------------------------------------------------------------
+    def set_rate_limit(self, resolvers: int | None = None, api: int | None = None, window_s: float = 10.0) -> None:
+        """Limit ``resolve`` (and API) requests per client to a quota per fixed window (None: unlimited); the
+        windows start now. Counts start afresh."""
+        with self._lock:
+            self.rate_limits = {k: (q, float(window_s)) for k, q in (("resolvers", resolvers), ("api", api))
+                                if q is not None}
+            self._windows.clear()
+            self._allowed.clear()
+            self.rate_limited = 0
+            self._origin = time.time()
+
+    def allowed(self, kind: str = "resolvers") -> list[float]:
+        """The times (``time.monotonic``) of the requests of ``kind`` let through since the limit was set."""
+        with self._lock:
+            return list(self._allowed.get(kind, ()))
+
+    def take(self, kind: str, client: str, count: int = 1) -> tuple[bool, dict[str, str]]:
+        """Count ``count`` requests of ``kind`` by ``client`` (a test may spend a client's quota itself, as
+        another job on the same token would): whether they were let through, and the headers of the answer."""
+        with self._lock:
+            limit = self.rate_limits.get(kind)
+            if limit is None:
+                return True, {}
+            quota, window = limit
+            now = time.time() - self._origin
+            number = int(now // window)
+            reset = max(1, math.ceil((number + 1) * window - now))
+            used = self._windows.get((kind, client, number), 0)
+            ok = used + count <= quota
+            if ok:
+                used = self._windows[(kind, client, number)] = used + count
+                self._allowed.setdefault(kind, []).extend([time.monotonic()] * count)
+            else:
+                self.rate_limited += 1
+            headers = {"RateLimit": f'"{kind}";r={max(0, quota - used)};t={reset}',
+                       "RateLimit-Policy": f'"fixed window";"{kind}";q={quota};w={int(window)}'}
+            if not ok:
+                headers["Retry-After"] = str(reset)
+            return ok, headers
 
     def _handler_class(self) -> type:
         return _HubHandler
@@ -226,6 +282,16 @@ def use_hub(hub: HubServer, home: str | os.PathLike, token: str | None = None) -
 
 class _HubHandler(_Handler):
     server_version = "rs-test-hub/1"
+    _limit_headers: dict[str, str] = {}
+
+    def _serve(self, head: bool) -> None:
+        self._limit_headers = {}
+        super()._serve(head)
+
+    def end_headers(self) -> None:
+        for key, value in self._limit_headers.items():     # every answer of a rate-limited class says where it is
+            self.send_header(key, value)
+        super().end_headers()
 
     def do_POST(self) -> None:
         n = int(self.headers.get("Content-Length") or 0)
@@ -246,6 +312,10 @@ class _HubHandler(_Handler):
             return self._error(rec, 404, None, "Not Found")
         repo_id, rest = self._split_repo(hub, rest)
         token = self._token()
+        ok, self._limit_headers = hub.take("api" if api else "resolvers", token or self.client_address[0])
+        if not ok:
+            rec.fault = "rate_limit"
+            return self._error(rec, 429, None, "You have been rate-limited; you can retry this action later")
         if token is not None and token not in hub.tokens:
             return self._error(rec, 401, None, "Invalid credentials in Authorization header")
         repo = hub.repos.get(repo_id)
