@@ -105,7 +105,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
                        "a number of seconds > 0 and <= 86400"),
     "max_requests_per_s": (_check_request_rate,
-                           "null (automatic: hf:// data at the Hub's free tier with a token, anonymous without; S3 at "
+                           "null (automatic: hf:// data on huggingface.co at the Hub's free tier with a token, anonymous without; S3 at "
                            "4950/s per bucket; other stores unlimited), a number of requests per second for the whole "
                            f"job from 0.001 to {int(MAX_REQUEST_RATE)}, or one of {', '.join(REQUEST_RATE_NAMES)}"),
     "rate_limit_wait_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 86400,

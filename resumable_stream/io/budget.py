@@ -25,9 +25,9 @@ it:
 
 ``data.max_requests_per_s``: a number (requests per second for the whole job, per store), a Hub tier
 (``hub-anonymous`` ... ``hub-enterprise-plus``: 90 % of its resolver quota per 5 minutes, for ``hf://`` data;
-other stores as by default), ``unlimited``, or null (the default): ``hf://`` data at the free tier with a token
-(``HF_TOKEN`` or a saved login), the anonymous one without; S3 at 90 % of 5,500 a second per bucket; other
-stores unlimited.
+other stores as by default), ``unlimited``, or null (the default): ``hf://`` data on huggingface.co at the free
+tier with a token (``HF_TOKEN`` or a saved login), the anonymous one without (another ``HF_ENDPOINT``, a mirror:
+unlimited); S3 at 90 % of 5,500 a second per bucket; other stores unlimited.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import random
 import re
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,6 +87,17 @@ def store_of(path: str) -> str | None:
     return f"{protocol}://{head}"
 
 
+def _on_huggingface_co() -> bool:
+    """Whether hf:// paths are read from huggingface.co (HF_ENDPOINT unset or pointing there): the Hub's tiers
+    are its limits; a mirror or a private endpoint has its own."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return True
+    host = urllib.parse.urlsplit(str(getattr(constants, "ENDPOINT", "") or "https://huggingface.co")).hostname or ""
+    return host in ("huggingface.co", "hf.co") or host.endswith((".huggingface.co", ".hf.co"))
+
+
 def _hub_token_present() -> bool:
     try:
         from huggingface_hub import get_token
@@ -115,6 +127,8 @@ class RequestBudget:
         if store == "hf":
             if s in HUB_TIERS:
                 return hub_tier_rate(s)
+            if not _on_huggingface_co():
+                return None                              # a mirror: set data.max_requests_per_s for its limit
             return hub_tier_rate("hub-free" if _hub_token_present() else "hub-anonymous")
         if store.startswith(("s3://", "s3a://")):
             return S3_PREFIX_RATE * HEADROOM
