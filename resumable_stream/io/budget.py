@@ -16,7 +16,7 @@ it:
   for its index, uses the whole rate (:func:`opening_alone`).
 * **A rate-limit answer pauses the process's requests to that store** until the reset the answer names
   (``RateLimit`` ``t=``, else ``Retry-After``); an S3 ``SlowDown`` names none: an exponential backoff, and the
-  process's pace halves (recovering 1 % a request answered). The request is then made again by
+  process's pace halves (doubling back every 5 s without one). The request is then made again by
   :func:`resumable_stream.io.ranged.read_range` itself: a rate limit is no fault and spends none of
   ``data.retries`` nor ``data.retry_budget_s``; ``data.rate_limit_wait_s`` bounds the waiting of one request
   (then a ``SourceError`` says so, never a hang).
@@ -60,8 +60,8 @@ HEADROOM = 0.9
 
 _SLOWDOWN_FIRST_S = 0.1         # an S3 SlowDown's pause: 0.1 s, doubled per SlowDown in a row ...
 _SLOWDOWN_MAX_S = 20.0          # ... up to this
-_MIN_FACTOR = 1 / 1024          # a process's pace after SlowDowns: at least this share of its rate
-_RECOVERY = 1.01                # ... and back up by 1 % per request answered
+_MIN_FACTOR = 1 / 1024          # a process's pace after SlowDowns: at least this share of its rate ...
+_RECOVERY_S = 5.0               # ... doubling back every this many seconds without one, up to the whole share
 _RESET_JITTER_S = 0.5           # a pause ends up to this much later, at random: the server's clock is not ours
 
 _RATELIMIT = re.compile(r'"(?P<kind>[^"]*)"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)')
@@ -158,6 +158,14 @@ class _Bucket:
         self.paused_until = 0.0
         self.factor = 1.0                                # < 1 after SlowDowns
         self.slowdowns = 0                               # in a row
+        self.slowed_at = 0.0                             # when the factor was last set
+
+    def pace_factor(self, now: float) -> float:
+        """The share of the pace a process slowed by SlowDowns keeps now (doubling back every _RECOVERY_S)."""
+        if self.factor < 1.0:
+            self.factor = min(1.0, self.factor * 2.0 ** ((now - self.slowed_at) / _RECOVERY_S))
+            self.slowed_at = now
+        return self.factor
 
 
 class _Process:
@@ -251,7 +259,7 @@ def process_rate(path: str) -> float | None:
     p = _here()
     with p.lock:
         b = p.bucket(store)
-        return None if b.share is None else b.share * b.factor
+        return None if b.share is None else b.share * b.pace_factor(time.monotonic())
 
 
 def max_wait_s(path: str) -> float:
@@ -295,7 +303,7 @@ def acquire(path: str) -> None:
                 at = now
                 if b.share:
                     at = max(now, b.next_at)
-                    b.next_at = at + 1.0 / (b.share * b.factor)
+                    b.next_at = at + 1.0 / (b.share * b.pace_factor(now))
         if pause > 0:
             time.sleep(pause)
             paused += pause
@@ -310,15 +318,14 @@ def acquire(path: str) -> None:
 
 
 def answered(path: str) -> None:
-    """A request to ``path``'s store was answered: a pace slowed by SlowDowns recovers a little."""
+    """A request to ``path``'s store was answered: the next SlowDown's backoff starts short again."""
     store = store_of(path)
     if store is None:
         return
     p = _here()
     with p.lock:
         b = p.buckets.get(store)
-        if b is not None and (b.factor < 1.0 or b.slowdowns):
-            b.factor = min(1.0, b.factor * _RECOVERY)
+        if b is not None and b.slowdowns:
             b.slowdowns = 0
 
 
@@ -338,7 +345,8 @@ def limited(path: str, limit: RateLimit) -> float:
             wait = min(_SLOWDOWN_FIRST_S * 2.0 ** b.slowdowns, _SLOWDOWN_MAX_S) * (1.0 + 0.25 * _rng.random())
             b.slowdowns += 1
         if limit.slowdown:
-            b.factor = max(_MIN_FACTOR, b.factor / 2)
+            b.factor = max(_MIN_FACTOR, b.pace_factor(now) / 2)
+            b.slowed_at = now
         fresh = b.paused_until <= now            # not paused yet: say so once per pause, not once per request
         b.paused_until = max(b.paused_until, now + wait)
         pause = b.paused_until - now

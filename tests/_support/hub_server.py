@@ -19,7 +19,8 @@ client (its token when it sends one, else its IP address) over fixed windows of 
 answer of a limited class says ``RateLimit: "resolvers";r=<left>;t=<seconds to the reset>`` and
 ``RateLimit-Policy: "fixed window";"resolvers";q=<quota>;w=<window>`` (IETF draft 9: what huggingface_hub >= 1.2
 parses), and a request past the quota is answered 429 with them and ``Retry-After: t`` (it is not counted).
-``hub.allowed(kind)`` gives the times of the requests a class let through; ``hub.rate_limited`` counts the 429s.
+``hub.allowed(kind)`` gives the times of the requests a class let through; ``hub.rate_limited`` counts the 429s;
+``hub.spend(kind, client)`` spends what a client's window has left, as another job on the same token would.
 
 Errors are the Hub's: 404 with ``X-Error-Code: RepoNotFound`` / ``RevisionNotFound`` /
 ``EntryNotFound``; a private repo without a valid token is 401 ``RepoNotFound``; an
@@ -123,14 +124,27 @@ class HubServer(FileServer):
             self.rate_limited = 0
             self._origin = time.time()
 
+    def window_left(self, kind: str = "resolvers") -> float:
+        """Seconds to the end of the current window of ``kind``."""
+        with self._lock:
+            window = self.rate_limits[kind][1]
+            now = time.time() - self._origin
+            return (int(now // window) + 1) * window - now
+
     def allowed(self, kind: str = "resolvers") -> list[float]:
         """The times (``time.monotonic``) of the requests of ``kind`` let through since the limit was set."""
         with self._lock:
             return list(self._allowed.get(kind, ()))
 
-    def take(self, kind: str, client: str, count: int = 1) -> tuple[bool, dict[str, str]]:
-        """Count ``count`` requests of ``kind`` by ``client`` (a test may spend a client's quota itself, as
-        another job on the same token would): whether they were let through, and the headers of the answer."""
+    def spend(self, kind: str, client: str, count: int | None = None) -> None:
+        """Spend ``count`` of ``client``'s quota of ``kind`` in the current window (None: all it has left), as
+        another job on the same token (or IP) would; not counted in :meth:`allowed`."""
+        self.take(kind, client, count, record=False)
+
+    def take(self, kind: str, client: str, count: int | None = 1,
+             record: bool = True) -> tuple[bool, dict[str, str]]:
+        """Count ``count`` requests of ``kind`` by ``client`` (None: all its window has left): whether they were
+        let through, and the headers of the answer."""
         with self._lock:
             limit = self.rate_limits.get(kind)
             if limit is None:
@@ -140,10 +154,13 @@ class HubServer(FileServer):
             number = int(now // window)
             reset = max(1, math.ceil((number + 1) * window - now))
             used = self._windows.get((kind, client, number), 0)
+            if count is None:
+                count = quota - used
             ok = used + count <= quota
             if ok:
                 used = self._windows[(kind, client, number)] = used + count
-                self._allowed.setdefault(kind, []).extend([time.monotonic()] * count)
+                if record:
+                    self._allowed.setdefault(kind, []).extend([time.monotonic()] * count)
             else:
                 self.rate_limited += 1
             headers = {"RateLimit": f'"{kind}";r={max(0, quota - used)};t={reset}',
