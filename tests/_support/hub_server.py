@@ -329,7 +329,8 @@ class _HubHandler(_Handler):
             return self._error(rec, 404, None, "Not Found")
         repo_id, rest = self._split_repo(hub, rest)
         token = self._token()
-        ok, self._limit_headers = hub.take("api" if api else "resolvers", token or self.client_address[0])
+        rec.client = token or self.client_address[0]
+        ok, self._limit_headers = hub.take("api" if api else "resolvers", rec.client)
         if not ok:
             rec.fault = "rate_limit"
             return self._error(rec, 429, None, "You have been rate-limited; you can retry this action later")
