@@ -63,6 +63,8 @@ _SLOWDOWN_MAX_S = 20.0          # ... up to this
 _MIN_FACTOR = 1 / 1024          # a process's pace after SlowDowns: at least this share of its rate ...
 _RECOVERY_S = 5.0               # ... doubling back every this many seconds without one, up to the whole share
 _RESET_JITTER_S = 0.5           # a pause ends up to this much later, at random: the server's clock is not ours
+_READ_SHARE_WEIGHT = 0.05       # the weight of the last read in the share of reads that make a paced request
+_MIN_PACED_READS = 0.01         # ... taken as at least this (reads at 100 x the requests' pace, at most)
 
 _RATELIMIT = re.compile(r'"(?P<kind>[^"]*)"\s*;\s*r\s*=\s*(?P<r>\d+)\s*;\s*t\s*=\s*(?P<t>\d+)')
 _POLICY = re.compile(r"q\s*=\s*(?P<q>\d+).*?w\s*=\s*(?P<w>\d+)")
@@ -159,6 +161,8 @@ class _Bucket:
         self.factor = 1.0                                # < 1 after SlowDowns
         self.slowdowns = 0                               # in a row
         self.slowed_at = 0.0                             # when the factor was last set
+        self.paced_reads = 1.0                           # the share of reads that made a paced request (a Hub
+                                                         # file's reads after the first go to its CDN URL), recent
 
     def pace_factor(self, now: float) -> float:
         """The share of the pace a process slowed by SlowDowns keeps now (doubling back every _RECOVERY_S)."""
@@ -252,14 +256,35 @@ def opening_alone() -> Iterator[None]:
 
 
 def process_rate(path: str) -> float | None:
-    """Requests per second this process may send to ``path``'s store now; None: unlimited (or local)."""
+    """Reads per second this process may make of ``path``'s store now: its paced requests' rate, over the share of
+    its reads that make one (1 but for Hub files, whose reads mostly go to a CDN URL: io/hub.py); None:
+    unlimited (or local)."""
     store = store_of(path)
     if store is None:
         return None
     p = _here()
     with p.lock:
         b = p.bucket(store)
-        return None if b.share is None else b.share * b.pace_factor(time.monotonic())
+        if b.share is None:
+            return None
+        return b.share * b.pace_factor(time.monotonic()) / max(b.paced_reads, _MIN_PACED_READS)
+
+
+def paced_requests() -> int:
+    """Paced requests this thread waited its turn for so far (see :func:`read_done`)."""
+    return getattr(_WAITS, "paced", 0)
+
+
+def read_done(path: str, paced: bool) -> None:
+    """A read of ``path`` was answered; whether it made a paced request (tracks the share of reads that do)."""
+    store = store_of(path)
+    if store is None:
+        return
+    p = _here()
+    with p.lock:
+        b = p.buckets.get(store)
+        if b is not None:
+            b.paced_reads += _READ_SHARE_WEIGHT * (float(paced) - b.paced_reads)
 
 
 def max_wait_s(path: str) -> float:
@@ -283,15 +308,17 @@ def describe(path: str) -> str:
     return f"{said}, shared by {consumers} consumer(s)"
 
 
-def acquire(path: str) -> None:
-    """Wait until this process may send one request to ``path``'s store: its pace, and any pause a rate-limit
-    answer asked for. Waits are counted (``budget_wait``: the pace; ``rate_limit_wait``: a pause) and noted
-    for :func:`waited_since`."""
+def acquire(path: str, paced: bool = True) -> None:
+    """Wait until this process may send one request to ``path``'s store: its pace (unless not ``paced``), and any
+    pause a rate-limit answer asked for. Waits are counted (``budget_wait``: the pace; ``rate_limit_wait``: a
+    pause) and noted for :func:`waited_since`."""
     store = store_of(path)
     if store is None:
         return
     p = _here()
-    paced = paused = 0.0
+    if paced:
+        _WAITS.paced = paced_requests() + 1
+    waited_pace = paused = 0.0
     while True:
         with p.lock:
             b = p.bucket(store)
@@ -301,7 +328,7 @@ def acquire(path: str) -> None:
             else:
                 pause = 0.0
                 at = now
-                if b.share:
+                if b.share and paced:
                     at = max(now, b.next_at)
                     b.next_at = at + 1.0 / (b.share * b.pace_factor(now))
         if pause > 0:
@@ -310,11 +337,11 @@ def acquire(path: str) -> None:
             continue
         if at > now:
             time.sleep(at - now)
-            paced += at - now
+            waited_pace += at - now
         break
-    if paced or paused:
-        record_budget_wait(paced, paused)
-        _note_wait(paced + paused)
+    if waited_pace or paused:
+        record_budget_wait(waited_pace, paused)
+        _note_wait(waited_pace + paused)
 
 
 def answered(path: str) -> None:

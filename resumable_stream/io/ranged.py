@@ -133,8 +133,11 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
     if "://" not in path or path.startswith("file://"):
         return _timed_read(path, start, end, storage_options, identity, remote=False)
     waited = 0.0
+    # a Hub file's reads go to its signed CDN URL once resolved: only its resolver requests are paced (io/hub.py)
+    paced = not path.startswith("hf://")
     while True:
-        request_budget.acquire(path)
+        request_budget.acquire(path, paced=paced)
+        before = request_budget.paced_requests()
         try:
             data = _timed_read(path, start, end, storage_options, identity, remote=True)
         except Exception as e:
@@ -153,6 +156,7 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
             waited += pause
             continue
         request_budget.answered(path)
+        request_budget.read_done(path, paced or request_budget.paced_requests() > before)
         return data
 
 

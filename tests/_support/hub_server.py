@@ -22,6 +22,13 @@ parses), and a request past the quota is answered 429 with them and ``Retry-Afte
 ``hub.allowed(kind)`` gives the times of the requests a class let through; ``hub.rate_limited`` counts the 429s;
 ``hub.spend(kind, client)`` spends what a client's window has left, as another job on the same token would.
 
+The CDN, as the Hub's: with ``hub.redirect_lfs = True`` a ``resolve`` of an LFS file answers 302 with the
+``Location`` of a signed URL on the CDN (``/cdn/<sha256>?Expires=<unix time>&Signature=<hmac>``, valid for
+``hub.cdn_ttl_s`` seconds, ``X-Linked-Size`` / ``X-Linked-Etag`` as the Hub sends them), as huggingface.co redirects
+to cdn-lfs.hf.co or cas-bridge.xethub.hf.co. The CDN serves the blob with Range while the signature holds and
+answers 403 once it expired (or was tampered with); its requests are not ``resolve`` requests: no rate limit
+counts them.
+
 Errors are the Hub's: 404 with ``X-Error-Code: RepoNotFound`` / ``RevisionNotFound`` /
 ``EntryNotFound``; a private repo without a valid token is 401 ``RepoNotFound``; an
 ``Authorization`` header with an unknown token is 401 "Invalid credentials in Authorization header".
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import json
 import math
@@ -106,6 +114,9 @@ class HubServer(FileServer):
         self.tokens: set[str] = set()          # tokens that may read private repos
         self._repo_lock = threading.Lock()
         self._commits_made = 0
+        self.redirect_lfs = False               # resolve of an LFS file: 302 to a signed CDN URL
+        self.cdn_ttl_s = 3600.0                 # how long a signed CDN URL stays valid
+        self._cdn_secret = os.urandom(16)
         self.rate_limits: dict[str, tuple[int, float]] = {}     # class -> (quota, window seconds)
         self.rate_limited = 0                                   # 429 answers given
         self._windows: dict[tuple[str, str, int], int] = {}     # (class, client, window number) -> requests
@@ -220,6 +231,17 @@ class HubServer(FileServer):
         lfs = isinstance(content, (str, os.PathLike)) and os.fspath(content).endswith(_LFS_SUFFIXES)
         return Blob(path, len(data), oid, sha256, lfs)
 
+    def cdn_url(self, blob: Blob) -> str:
+        """A signed CDN URL of ``blob``, valid for ``cdn_ttl_s`` seconds from now."""
+        expires = int(time.time() + self.cdn_ttl_s)
+        return f"{self.base_url}/cdn/{blob.sha256}?Expires={expires}&Signature={self._signature(blob.sha256, expires)}"
+
+    def _signature(self, sha256: str, expires: int) -> str:
+        return hmac.new(self._cdn_secret, f"{sha256}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def cdn_requests(self) -> list[RequestRecord]:
+        return [r for r in list(self.requests) if r.path.startswith("/cdn/")]
+
     def head(self, repo_id: str, branch: str = "main") -> str:
         return self.repos[repo_id].branches[branch]
 
@@ -321,6 +343,8 @@ class _HubHandler(_Handler):
         split = urllib.parse.urlsplit(self.path)
         segments = [urllib.parse.unquote(s) for s in split.path.split("/")[1:]]
         query = urllib.parse.parse_qs(split.query)
+        if segments[:1] == ["cdn"] and len(segments) == 2:
+            return self._cdn(rec, segments[1], query, head, kind, stall_s)
         if segments[:2] == ["api", "datasets"] and len(segments) > 2:
             api, rest = True, segments[2:]
         elif segments[:1] == ["datasets"] and len(segments) > 1:
@@ -441,8 +465,31 @@ class _HubHandler(_Handler):
         headers = {"ETag": f'"{blob.etag}"', "X-Repo-Commit": commit.sha}
         if blob.lfs:
             headers.update({"X-Linked-Etag": f'"{blob.sha256}"', "X-Linked-Size": str(blob.size)})
+            hub: HubServer = self.server.owner
+            if hub.redirect_lfs:
+                headers["Location"] = hub.cdn_url(blob)
+                return self._reply_empty(rec, 302, headers)
         with open(blob.path, "rb") as f:
             self._send_content(rec, f, blob.size, head, kind, stall_s, headers)
+
+
+    def _cdn(self, rec: RequestRecord, sha256: str, query: dict[str, list[str]], head: bool, kind: str | None,
+             stall_s: float) -> None:
+        """The CDN: a blob by its sha256, while the URL's signature holds (else 403, as an expired signed URL)."""
+        hub: HubServer = self.server.owner
+        rec.client = self._token() or self.client_address[0]      # a token sent to the CDN would show here
+        try:
+            expires = int(query.get("Expires", ["0"])[0])
+        except ValueError:
+            expires = 0
+        signed = hmac.compare_digest(query.get("Signature", [""])[0], hub._signature(sha256, expires))
+        if not signed or time.time() > expires:
+            return self._reply_empty(rec, 403)
+        path = os.path.join(hub.root, "blobs", sha256)
+        if not os.path.isfile(path):
+            return self._reply_empty(rec, 404)
+        with open(path, "rb") as f:
+            self._send_content(rec, f, os.path.getsize(path), head, kind, stall_s, {"ETag": f'"{sha256}"'})
 
 
 def _flag(query: dict[str, list[str]], key: str) -> bool:
