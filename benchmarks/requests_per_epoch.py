@@ -43,21 +43,29 @@ def resolver_requests(hub) -> int:
     return sum(1 for r in list(hub.requests) if "/resolve/" in r.path)
 
 
+def cdn_requests(hub) -> int:
+    return len(hub.cdn_requests())
+
+
 def ours(hub, processes: int, partitions: int, shuffle: bool, budget: float | str) -> dict:
     """One epoch of a job of ``processes`` processes holding ``partitions`` partitions in all."""
     from resumable_stream import ResumableStream, StreamConfig
     from resumable_stream.io import budget as request_budget
+    from resumable_stream.io import hub as hub_io
     from resumable_stream.sources import open_source
 
     cfg = StreamConfig(dataset_name_or_path=REPO, data_files="data/*.parquet", shuffle=shuffle, shuffle_seed=5,
                        buffer_size=160, num_partitions=partitions, max_requests_per_s=budget)
     request_budget._state = request_budget._Process()          # each job starts afresh
+    hub_io._cdn = hub_io._SignedUrls()
     hub.reset_stats()
     opened = open_source(cfg.source_spec)                      # rank 0: resolution, identities, footers
     rows = coalesced = 0
     t0 = time.perf_counter()
     for rank in range(processes):
-        request_budget._state = request_budget._Process()      # another process: its own buckets
+        request_budget._state = request_budget._Process()      # another process: its own buckets, its own
+        if rank:                                               # signed URLs (rank 0 keeps those of its index)
+            hub_io._cdn = hub_io._SignedUrls()
         source = open_source(cfg.source_spec, index=opened.index, footers=opened.footers)   # as broadcast
         stream = ResumableStream(cfg, rank=rank, world_size=processes, source=source)
         stream.set_epoch(0)
@@ -65,7 +73,7 @@ def ours(hub, processes: int, partitions: int, shuffle: bool, budget: float | st
         coalesced += source.prefetch_stats().get("coalesced", 0)
         source.close()
     opened.close()
-    return {"requests": resolver_requests(hub), "rows": rows, "coalesced": coalesced,
+    return {"requests": resolver_requests(hub), "cdn": cdn_requests(hub), "rows": rows, "coalesced": coalesced,
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -79,7 +87,7 @@ def hf(hub, consumers: int) -> dict:
     for rank in range(consumers):
         ds = datasets.load_dataset(REPO, data_files="data/*.parquet", split="train", streaming=True)
         rows += sum(1 for _ in split_dataset_by_node(ds, rank=rank, world_size=consumers))
-    return {"requests": resolver_requests(hub), "rows": rows, "coalesced": 0,
+    return {"requests": resolver_requests(hub), "cdn": cdn_requests(hub), "rows": rows, "coalesced": 0,
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -128,7 +136,7 @@ def main() -> None:
         print(f"{args.files} files x {args.groups} row groups of {args.rows} rows ({groups} row groups) on a loopback "
               f"Hub; resolver requests for one epoch (the format's bound: {groups} row groups + {args.files} "
               "footers)")
-        print(f"{'reader':<44} {'requests':>8} {'per row group':>13} {'coalesced':>9} {'rows':>7}")
+        print(f"{'reader':<58} {'resolve':>7} {'per row group':>13} {'CDN':>5} {'coalesced':>9} {'rows':>7}")
         lines = [
             (f"ours, {n} processes x 1 partition, shuffled, no budget", ours, (n, n, True, "unlimited")),
             (f"ours, {n} x 1, shuffled, budget (paced: coalesced)", ours, (n, n, True, 1000.0)),
@@ -137,13 +145,17 @@ def main() -> None:
             (f"ours, 2 x {n // 2}, shuffled, budget", ours, (2, n, True, 1000.0)),
             ("ours, 1 process x 1 partition, in order, budget", ours, (1, 1, False, 1000.0)),
             (f"HF streaming, {n} consumers (split_dataset_by_node)", hf, (n,)),
+            (f"Hub redirects to its CDN: ours, {n} x 1, shuffled, budget", ours, (n, n, True, 1000.0), True),
+            (f"Hub redirects to its CDN: ours, 2 x {n // 2}, shuffled, budget", ours, (2, n, True, 1000.0), True),
+            (f"Hub redirects to its CDN: HF streaming, {n} consumers", hf, (n,), True),
         ]
-        for label, fn, fn_args in lines:
+        for label, fn, fn_args, *cdn in lines:
+            hub.redirect_lfs = bool(cdn)
             r = fn(hub, *fn_args)
             r.update(label=label, row_groups=groups, files=args.files,
                      per_row_group=round((r["requests"] - args.files) / groups, 4))
-            print(f"{label:<44} {r['requests']:>8} {r['requests'] / groups:>13.3f} {r['coalesced']:>9} "
-                  f"{r['rows']:>7}", flush=True)
+            print(f"{label:<58} {r['requests']:>7} {r['requests'] / groups:>13.3f} {r['cdn']:>5} "
+                  f"{r['coalesced']:>9} {r['rows']:>7}", flush=True)
             results.append(r)
     shuffled = results[1]["per_row_group"]
     print()
