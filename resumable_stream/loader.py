@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, StreamMismatchError
+from .io import budget as request_budget
 from .observe import metrics
 from .observe.mixture_counts import (
     NO_SOURCE,
@@ -107,6 +108,7 @@ class _BatchProducer(IterableDataset):
         lanes = self.stream.lanes
         info = worker_info()
         metrics.adopt(self.counters)
+        request_budget.set_consumers(self.stream.world_size * len(lanes))   # a spawned worker's share of the rate
         if info is None:
             if len(lanes) != 1:
                 raise ConfigError(f"num_workers: the stream was created for {len(lanes)} DataLoader workers but the "

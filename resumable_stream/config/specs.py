@@ -42,14 +42,18 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class NetPolicy:
-    """``data.retries`` / ``retry_backoff_s`` / ``timeout_s`` / ``retry_budget_s`` and the fsspec
-    ``storage_options`` (see ``io/net.py``, which turns it into a ``RetryPolicy`` for a source's paths)."""
+    """``data.retries`` / ``retry_backoff_s`` / ``timeout_s`` / ``retry_budget_s``, the fsspec ``storage_options``
+    (see ``io/net.py``, which turns it into a ``RetryPolicy`` for a source's paths) and the request budget:
+    ``max_requests_per_s`` (the job's rate per store; None: automatic) and ``rate_limit_wait_s`` (see
+    ``io/budget.py``)."""
 
     retries: int = 5
     retry_backoff_s: float = 1.0
     timeout_s: float = 60.0
     retry_budget_s: float = 180.0
     storage_options: dict[str, Any] | None = None
+    max_requests_per_s: float | str | None = None
+    rate_limit_wait_s: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,18 @@ def file_builders() -> tuple[str, ...]:
     return tuple(dict.fromkeys(FILE_BUILDERS + registry.indexed_builders()))
 
 
+# data.max_requests_per_s: io/budget.py's settings (kept here: config/ imports no io module)
+REQUEST_RATE_NAMES = ("hub-anonymous", "hub-free", "hub-pro", "hub-team", "hub-enterprise", "hub-enterprise-plus",
+                      "unlimited")
+MAX_REQUEST_RATE = 1_000_000.0
+
+
+def _check_request_rate(v: Any) -> bool:
+    if v is None or v in REQUEST_RATE_NAMES:
+        return True
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0.001 <= v <= MAX_REQUEST_RATE
+
+
 # The most data.max_member_bytes may allow: a member is held in memory whole.
 MAX_MEMBER_BYTES = 1 << 32
 
@@ -92,6 +104,13 @@ _RULES: dict[str, tuple[Any, str]] = {
                   "a number of seconds > 0 and <= 3600"),
     "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
                        "a number of seconds > 0 and <= 86400"),
+    "max_requests_per_s": (_check_request_rate,
+                           "null (automatic: hf:// data on huggingface.co at the Hub's free tier with a token, anonymous without; S3 at "
+                           "4950/s per bucket; other stores unlimited), a number of requests per second for the whole "
+                           f"job from 0.001 to {int(MAX_REQUEST_RATE)}, or one of {', '.join(REQUEST_RATE_NAMES)}"),
+    "rate_limit_wait_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 86400,
+                          "a number of seconds from 0 to 86400: how long one request may wait out a store's "
+                          "rate-limit answers (HTTP 429, S3 503 SlowDown) before it fails"),
     "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_PARTITIONS),
                        f"null (ranks x DataLoader workers of the first run) or an integer from 1 to {MAX_PARTITIONS}, "
                        "at least ranks x workers"),
@@ -150,6 +169,8 @@ class StreamConfig:
     retry_backoff_s: float = 1.0
     timeout_s: float = 60.0             # the deadline of one request: connect, headers and body
     retry_budget_s: float = 180.0       # one read's tries and waits; no try starts after it (see sources/net.py)
+    max_requests_per_s: float | str | None = None   # the job's request rate per store (io/budget.py); None: auto
+    rate_limit_wait_s: float = 600.0    # one request's waits for a store's rate-limit resets, at most
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
@@ -297,7 +318,7 @@ class StreamConfig:
             data=DataSpec(self.dataset_name_or_path, self.backend, bool(self.streaming), self.name, self.data_files,
                           self.revision, self.data_dir, self.split),
             net=NetPolicy(self.retries, self.retry_backoff_s, self.timeout_s, self.retry_budget_s,
-                          self.storage_options),
+                          self.storage_options, self.max_requests_per_s, self.rate_limit_wait_s),
             read=ReadSpec(self.interleave_shards, self.prefetch_blocks, self.prefetch_memory_mb,
                           self.max_member_bytes, self.cache_dir),
             growth=GrowthSpec(self.growth, self.growth_allow_removal, self.poll_interval_s, self.follow_timeout_s),
@@ -361,7 +382,7 @@ MIXTURE_CHANGE = ("refuse", "allow")
 SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split", "backend", "streaming", "shuffle",
                "buffer_size", "interleave_shards", "block_rows", "retries", "retry_backoff_s", "timeout_s",
                "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "index_path", "weight",
-               "label")
+               "label", "max_requests_per_s", "rate_limit_wait_s")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

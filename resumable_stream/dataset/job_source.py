@@ -14,6 +14,7 @@ makes every rank raise a ConfigError naming them, before any sample is read in t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..config.specs import SourceSpec
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from ..io import budget as request_budget
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..sources.base import Source
 from ..sources.index import check_resolution, decode_index, load_index, same_resolution, save_index
@@ -68,8 +70,10 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
             out.append(open_source(c, index=index, footers=entry["footers"]) if index is not None else open_source(c))
         return out
     try:
-        sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if c.data.indexed
-                   else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
+        # rank 0 opening for the job (the other ranks wait for its index): the job's whole request rate is its
+        with request_budget.opening_alone() if shared else contextlib.nullcontext():
+            sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if c.data.indexed
+                       else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
     except Exception as e:
         if shared:
             broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))

@@ -11,9 +11,15 @@ pins the one the run started with.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Callable
+
+from . import budget as request_budget
 
 _HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[^@/]+(?:/[^@/]+)?)(?:@(?P<rev>[^/]+))?(?P<rest>/.*)?$")
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -118,24 +124,156 @@ def hub_repo_of(path: str) -> str | None:
 
 def get_range(path: str, start: int, end: int):
     """The answer (a ``requests``-like response) to a ranged GET of bytes ``[start, end)`` of an
-    ``hf://datasets/{repo}@{rev}/{file}``: one request to its ``resolve`` URL (HfFileSystem would first ask for
-    the repo info and list the directory, in every process, and read up to 5 MB ahead). One try: every read
-    of a Hub file runs under the data's retry policy (``sources/net.py``: ``data.retries``, backoff, the
-    Retry-After of a 429, ``data.retry_budget_s``), which a second layer (huggingface_hub's ``http_backoff``:
-    5 more tries of its own per try of ours) would multiply; :func:`resumable_stream.io.ranged.read_range` checks
-    the answer."""
-    from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    ``hf://datasets/{repo}@{rev}/{file}``.
 
+    A file's ``resolve`` URL is asked once per process (HfFileSystem would first ask for the repo info and list the
+    directory, in every process, and read up to 5 MB ahead; without xet it sends every read to ``resolve``). The
+    Hub answers an LFS file's ``resolve`` with a redirect to a signed URL on its CDN (cdn-lfs.hf.co,
+    cas-bridge.xethub.hf.co), valid for a while (its ``Expires`` / ``X-Amz-Date`` + ``X-Amz-Expires``, an hour on
+    huggingface.co): the next reads of that file go to that URL, until shortly before it expires or the CDN
+    refuses it (then ``resolve`` is asked again). Only ``resolve`` requests count against the Hub's rate limit,
+    and only those wait for their turn under the request budget (io/budget.py). The CDN gets no token: the signed
+    URL is its authorization. A file the Hub serves itself (no redirect) is asked at ``resolve`` each time.
+
+    One try: every read of a Hub file runs under the data's retry policy (``io/net.py``: ``data.retries``,
+    backoff, ``data.retry_budget_s``; a 429 pauses the process's Hub requests, io/budget.py), which a second
+    layer (huggingface_hub's ``http_backoff``: 5 more tries of its own per try of ours) would multiply;
+    :func:`resumable_stream.io.ranged.read_range` checks the answer."""
     parts = _parts(path)
     if parts is None or not parts[2]:
         raise ValueError(f"not an hf://datasets/ file path: {path!r}")
     repo, rev, rest = parts
-    url = hf_hub_url(repo, rest.lstrip("/"), repo_type="dataset", revision=rev)
-    headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}"}
-    response = get_session().request("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    ranged = {"Range": f"bytes={start}-{end - 1}"}
+    response = _from_cdn(path, ranged)
+    if response is not None:
+        return response
+    with _cdn.resolving(path):                 # one resolve of a file at a time: the others then take its URL
+        response = _from_cdn(path, ranged)
+        return response if response is not None else _resolved(path, repo, rev, rest, ranged)
+
+
+def _from_cdn(path: str, ranged: dict[str, str]):
+    """The answer of ``path``'s signed CDN URL, if the process holds one the CDN still takes; else None."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    target = _cdn.get(path)
+    if target is None:
+        return None
+    response = get_session().request("GET", target, headers=ranged, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+                                     follow_redirects=False)
+    if response.status_code in _CDN_REFUSED or 300 <= response.status_code < 400:
+        _cdn.forget(path)                      # expired, or no longer there: ask resolve again
+        return None
     hf_raise_for_status(response)
     return response
+
+
+def _resolved(path: str, repo: str, rev: str | None, rest: str, ranged: dict[str, str]):
+    """The answer of ``path``'s resolve URL (following a redirect to the CDN, whose URL is kept)."""
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    session, timeout = get_session(), constants.HF_HUB_DOWNLOAD_TIMEOUT
+    url = hf_hub_url(repo, rest.lstrip("/"), repo_type="dataset", revision=rev)
+    request_budget.acquire(path)               # a resolver request: the one the Hub's rate limit counts
+    response = session.request("GET", url, headers={**build_hf_headers(), **ranged}, timeout=timeout,
+                               follow_redirects=False)
+    location = response.headers.get("Location") if 300 <= response.status_code < 400 else None
+    if location is not None:
+        target = urllib.parse.urljoin(url, location)
+        split = urllib.parse.urlsplit(target)
+        if "/resolve/" in split.path and _host(target) == _host(url):
+            # the Hub itself (a renamed repo): followed as huggingface_hub follows it
+            response = session.request("GET", target, headers={**build_hf_headers(), **ranged}, timeout=timeout,
+                                       follow_redirects=True)
+        elif split.scheme in ("http", "https"):
+            # the CDN: a signed URL, its own authorization (no token goes there), kept for the next reads
+            _cdn.remember(path, target)
+            response = session.request("GET", target, headers=ranged, timeout=timeout, follow_redirects=False)
+    hf_raise_for_status(response)
+    return response
+
+
+# the CDN's answers to a signed URL that expired or is not valid any more: resolve again
+_CDN_REFUSED = frozenset({401, 403, 404, 410})
+_CDN_DEFAULT_TTL_S = 600.0      # a signed URL whose expiry we cannot read is used this long
+_CDN_MARGIN_S = 60.0            # a signed URL is not used in its last minute (or last quarter, when shorter)
+_CDN_MAX_FILES = 65_536         # signed URLs kept per process, at most (the oldest go first)
+
+
+def _host(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc.lower()
+
+
+def signed_url_ttl(url: str) -> float:
+    """Seconds a signed URL stays valid from now: CloudFront's ``Expires`` (unix time) or S3's ``X-Amz-Date`` +
+    ``X-Amz-Expires``; _CDN_DEFAULT_TTL_S when it says neither."""
+    import datetime
+
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    now = time.time()
+    try:
+        if "Expires" in query:
+            return float(query["Expires"][0]) - now
+        if "X-Amz-Date" in query and "X-Amz-Expires" in query:
+            signed = datetime.datetime.strptime(query["X-Amz-Date"][0], "%Y%m%dT%H%M%SZ").replace(
+                tzinfo=datetime.timezone.utc)
+            return signed.timestamp() + float(query["X-Amz-Expires"][0]) - now
+    except (ValueError, OverflowError):
+        pass
+    return _CDN_DEFAULT_TTL_S
+
+
+class _SignedUrls:
+    """This process's signed CDN URLs of Hub files, each until shortly before it expires (a forked DataLoader
+    worker starts without its parent's: they would be valid, but its lock may be held)."""
+
+    def __init__(self):
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._urls: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._resolving = [threading.Lock() for _ in range(64)]    # striped by path
+
+    def _here(self) -> None:
+        if self._pid != os.getpid():
+            self.__init__()
+
+    def resolving(self, path: str) -> threading.Lock:
+        """The lock a thread resolving ``path`` holds (one of 64, by the path's hash)."""
+        self._here()
+        return self._resolving[hash(path) % len(self._resolving)]
+
+    def get(self, path: str) -> str | None:
+        self._here()
+        with self._lock:
+            entry = self._urls.get(path)
+            if entry is None:
+                return None
+            if time.monotonic() >= entry[1]:
+                del self._urls[path]
+                return None
+            return entry[0]
+
+    def remember(self, path: str, url: str) -> None:
+        ttl = signed_url_ttl(url)
+        usable = ttl - min(_CDN_MARGIN_S, ttl / 4)
+        if usable <= 0:
+            return
+        self._here()
+        with self._lock:
+            self._urls[path] = (url, time.monotonic() + usable)
+            self._urls.move_to_end(path)
+            while len(self._urls) > _CDN_MAX_FILES:
+                self._urls.popitem(last=False)
+
+    def forget(self, path: str) -> None:
+        self._here()
+        with self._lock:
+            self._urls.pop(path, None)
+
+
+_cdn = _SignedUrls()
 
 
 def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import email.utils
 import http.client
 import inspect
 import logging
@@ -26,6 +25,8 @@ from ..config.specs import DataSpec, NetPolicy
 from ..errors import ConfigError, ResumableStreamError, SourceError
 from ..observe.metrics import record_retry, retry_cause
 from ..runtime.threads import map_files
+from . import budget as request_budget
+from .budget import retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,8 @@ class _HttpRetry:
         while True:
             try:
                 resp = await handler(req)
+                if ranged and resp.status == 429:
+                    return resp                      # read_range waits for the reset, pausing the whole process
                 if not (resp.status >= 500 or resp.status in _RETRY_STATUSES):
                     if ranged and resp.status == 206:
                         try:
@@ -176,23 +179,6 @@ class _HttpRetry:
                         req.method, req.url, error, attempt, self.retries, wait)
             record_retry(cause)
             await asyncio.sleep(wait)
-
-
-def retry_after_s(headers) -> float | None:
-    """Seconds a ``Retry-After`` header (delay-seconds or an HTTP date) asks to wait; None: none / unreadable."""
-    value = headers.get("Retry-After") if headers is not None else None
-    if not value:
-        return None
-    value = str(value).strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def backoff_wait(backoff_s: float, attempt: int, retry_after: float | None = None) -> float:
@@ -373,11 +359,20 @@ class RetryPolicy:
         self.timeout_s = float(net.timeout_s)
         self.budget_s = float(net.retry_budget_s)
         self.remote = remote
+        # the job's request budget (io/budget.py), registered in this process and in every one the policy reaches
+        self.requests = request_budget.RequestBudget(net.max_requests_per_s, float(net.rate_limit_wait_s))
+        if remote:
+            request_budget.register(self.requests)
         self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
                                                  self.backoff_s) if remote else {})
         if remote and net.storage_options:
             self.storage_options = with_user_options(self.storage_options, net.storage_options,
                                                      _data_protocols(data) if data is not None else [])
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.remote:     # a DataLoader worker (spawned) or any other process the source is handed to
+            request_budget.register(self.requests)
 
     def applies(self, path: str) -> bool:
         """Whether reading ``path`` (a shard's file; "" when unknown) goes over the network."""
@@ -392,6 +387,9 @@ class RetryPolicy:
             retry_after = retry_after_s(getattr(x, "headers", None) or getattr(response, "headers", None))
             if retry_after is not None:
                 break
+        limit = request_budget.rate_limit_of(e) if e is not None else None
+        if limit is not None and limit.reset_s is not None:     # the Hub's RateLimit reset, when it says one
+            retry_after = max(retry_after or 0.0, limit.reset_s)
         return backoff_wait(self.backoff_s, attempt, retry_after)
 
     def failed(self, e: BaseException, attempt: int, label: str, probe: list[str], started: float) -> bool:
@@ -412,7 +410,8 @@ class RetryPolicy:
             raise SourceError(f"{label} failed after {attempt + 1} attempt(s) (data.retries: {self.retries}); "
                               f"last error: {_error_text(e)}") from e
         wait = self.delay(attempt, e)
-        elapsed = time.monotonic() - started
+        # the step's own time: waits for its turn under the request budget (and a store's resets) do not count
+        elapsed = max(0.0, time.monotonic() - started - request_budget.waited_since(started))
         if elapsed + wait >= self.budget_s:
             raise SourceError(f"{label} failed: gave up after {attempt + 1} attempt(s) in {elapsed:.0f} s "
                               f"(data.retry_budget_s: {self.budget_s:g}, data.timeout_s: {self.timeout_s:g} per "
@@ -459,6 +458,7 @@ def fetch_url(url: str, read: Callable[[Any], T], retry: RetryPolicy, label: str
     What ``read`` raises of its own passes through."""
     attempt, started = 0, time.monotonic()
     while True:
+        request_budget.acquire(url)
         try:
             with urllib.request.urlopen(url, timeout=retry.timeout_s) as response:
                 return read(response)

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import SourceError, StreamMismatchError
 from ..observe.metrics import record_request
+from . import budget as request_budget
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _BUCKET_STORES = ("s3", "s3a")
@@ -123,11 +124,46 @@ def request_seconds() -> float:
 
 
 def read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None) -> bytes:
-    """Bytes ``[start, end)`` of ``path``, checked as the module docstring says."""
+    """Bytes ``[start, end)`` of ``path``, checked as the module docstring says. A remote request waits for its
+    turn under the job's request budget first; a rate-limit answer (429, S3 SlowDown) pauses the process's
+    requests to that store until the reset it names and the request is made again, up to
+    ``data.rate_limit_wait_s`` of such waits (io/budget.py)."""
     if end <= start:
         return b""
+    if "://" not in path or path.startswith("file://"):
+        return _timed_read(path, start, end, storage_options, identity, remote=False)
+    waited = 0.0
+    # a Hub file's reads go to its signed CDN URL once resolved: only its resolver requests are paced (io/hub.py)
+    paced = not path.startswith("hf://")
+    while True:
+        request_budget.acquire(path, paced=paced)
+        before = request_budget.paced_requests()
+        try:
+            data = _timed_read(path, start, end, storage_options, identity, remote=True)
+        except Exception as e:
+            limit = request_budget.rate_limit_of(e)
+            if limit is None:
+                raise
+            pause = request_budget.limited(path, limit)
+            most = request_budget.max_wait_s(path)
+            if waited + pause > most:
+                raise SourceError(
+                    f"data file {path!r}: bytes {start}-{end - 1}: the store answered that it is asked too often "
+                    f"({limit.answer}) and asks to wait {pause:.0f} s more after {waited:.0f} s of such waits, past "
+                    f"data.rate_limit_wait_s ({most:g}); the job reads under {request_budget.describe(path)}: lower "
+                    "data.max_requests_per_s (another job may be using the same token or bucket), or raise "
+                    "data.rate_limit_wait_s") from e
+            waited += pause
+            continue
+        request_budget.answered(path)
+        request_budget.read_done(path, paced or request_budget.paced_requests() > before)
+        return data
+
+
+def _timed_read(path: str, start: int, end: int, storage_options: dict, identity: dict | None,
+                remote: bool) -> bytes:
+    """One read of ``path``, its time added to :func:`request_seconds` (and, remote, counted as a request)."""
     t0 = time.monotonic()
-    remote = "://" in path and not path.startswith("file://")
     ok, nbytes = False, 0
     try:
         data = _read_range(path, start, end, storage_options, identity)

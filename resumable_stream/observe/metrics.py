@@ -1,5 +1,5 @@
 """Data-path counters: requests, bytes, response times, retries and their causes, row groups decoded,
-prefetch depth in use.
+prefetch depth in use, the request budget's waits and the stores' rate-limit answers.
 
 Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``):
 its DataLoader workers inherit them (fork) or are handed them with the stream (spawn, forkserver), so the
@@ -29,7 +29,11 @@ RETRY_CAUSES = ("timeout", "connection", "http_429", "http_5xx", "http_other", "
                 "other")
 RESPONSE_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
 _SOURCE = ("requests", "request_errors", "bytes_read", "response_us", "row_groups", "rows_decoded",
-           "prefetch_takes", "prefetch_depth_sum", "prefetch_waits", "retries")
+           "prefetch_takes", "prefetch_depth_sum", "prefetch_waits", "retries",
+           # the request budget (io/budget.py): requests that waited for their turn, and how long; rate-limit
+           # answers (429, 503 SlowDown), and how long requests waited for the reset they named; row groups
+           # fetched in a request another row group of the same file opened (coalesced)
+           "budget_waits", "budget_wait_us", "rate_limited", "rate_limit_wait_us", "coalesced")
 SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
                    *(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
 
@@ -145,6 +149,22 @@ def record_request(seconds: float, nbytes: int, ok: bool = True) -> None:
 def record_retry(cause: str) -> None:
     """A request or a read is tried again, because of ``cause`` (one of RETRY_CAUSES)."""
     source_counters().add(retries=1, **{f"retry_{cause if cause in RETRY_CAUSES else 'other'}": 1})
+
+
+def record_budget_wait(paced_s: float, paused_s: float) -> None:
+    """A request waited ``paced_s`` for its turn under the request budget and ``paused_s`` for a store's reset."""
+    source_counters().add(budget_waits=int(paced_s > 0), budget_wait_us=int(paced_s * 1e6),
+                          rate_limit_wait_us=int(paused_s * 1e6))
+
+
+def record_rate_limited() -> None:
+    """A store answered that we ask too often (HTTP 429, an S3 503 SlowDown)."""
+    source_counters().add(rate_limited=1)
+
+
+def record_coalesced(row_groups: int) -> None:
+    """``row_groups`` row groups came in the request of another row group of their file."""
+    source_counters().add(coalesced=row_groups)
 
 
 def record_row_group(rows: int) -> None:
@@ -302,6 +322,11 @@ def figures(d: dict[str, float]) -> dict[str, Any]:
         "request_errors": int(d["request_errors"]),
         "bytes_read": int(d["bytes_read"]),
         "retries": int(d["retries"]),
+        "rate_limited": int(d["rate_limited"]),
+        "rate_limit_wait_s": round(d["rate_limit_wait_us"] / 1e6, 6),
+        "budget_waits": int(d["budget_waits"]),
+        "budget_wait_s": round(d["budget_wait_us"] / 1e6, 6),
+        "coalesced_row_groups": int(d["coalesced"]),
         "retry_causes": {c: int(d[f"retry_{c}"]) for c in RETRY_CAUSES if d[f"retry_{c}"]},
         "response_ms_mean": round(d["response_us"] / 1000 / requests, 3) if requests else None,
         "response_ms_p50": p50, "response_ms_p90": p90, "response_ms_p99": p99,

@@ -8,7 +8,9 @@ with a ``rank`` label:
   ``cause``), ``row_groups_total``, ``rows_decoded_total``, ``batches_total``, ``batch_wait_seconds_total``
   (its rate is the share of time the training loop waits for data), ``samples_total``, ``tokens_total``,
   ``cache_hits_total``, ``cache_misses_total``, ``cache_bytes_read_total``, ``prefetch_takes_total`` and
-  ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use);
+  ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use), ``rate_limited_total`` (a store's
+  429 / 503 SlowDown answers), ``rate_limit_wait_seconds_total`` (the waits for the resets they named),
+  ``budget_waits_total`` and ``budget_wait_seconds_total`` (requests paced by ``data.max_requests_per_s``);
 * a histogram ``response_seconds`` (buckets: ``metrics.RESPONSE_BUCKETS_MS``);
 * a gauge ``data_epoch`` (epochs of data consumed, fractional);
 * of a mixture (``data.sources``), with a ``source`` label too: counters ``source_samples_total`` and
@@ -52,6 +54,15 @@ _COUNTERS = {
     "cache_bytes_read": ("cache_bytes_read", "Bytes read from the block cache"),
     "prefetch_takes": ("prefetch_takes", "Row groups handed over by the prefetcher"),
     "prefetch_depth_sum": ("prefetch_depth_sum", "Sum of the prefetch depth at each hand-over"),
+    "rate_limited": ("rate_limited", "Rate-limit answers of remote stores (HTTP 429, S3 503 SlowDown)"),
+    "budget_waits": ("budget_waits", "Requests that waited for their turn under data.max_requests_per_s"),
+}
+# reading field (microseconds) -> (metric name, help), exported in seconds
+_SECONDS = {
+    "budget_wait_us": ("budget_wait_seconds", "Seconds requests waited for their turn under data.max_requests_per_s "
+                       "(summed over the requests)"),
+    "rate_limit_wait_us": ("rate_limit_wait_seconds", "Seconds requests waited for the reset a store's rate-limit "
+                           "answer named (summed over the requests)"),
 }
 
 
@@ -71,6 +82,10 @@ class DataPathCollector:
         for field, (name, text) in _COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, text, labels=["rank"])
             family.add_metric([self.rank], float(r.get(field, 0)))
+            yield family
+        for field, (name, text) in _SECONDS.items():
+            family = CounterMetricFamily(PREFIX + name, text, labels=["rank"])
+            family.add_metric([self.rank], float(r.get(field, 0)) / 1e6)
             yield family
         retries = CounterMetricFamily(PREFIX + "retries", "Requests or reads tried again, by cause",
                                       labels=["rank", "cause"])

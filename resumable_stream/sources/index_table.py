@@ -167,6 +167,10 @@ class FileTable(Sequence):
     def group_bytes(self, shard: int) -> int:
         return int(self._a["end"][shard]) - int(self._a["start"][shard])
 
+    def group_span(self, shard: int) -> tuple[int, int]:
+        """[first byte, end byte) of the ``shard``-th row group in its file."""
+        return int(self._a["start"][shard]), int(self._a["end"][shard])
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._a.values())

@@ -15,10 +15,11 @@ import pyarrow as pa
 
 from ..config.specs import ReadSpec, SourceSpec
 from ..errors import IncompleteFileError, SourceError, StreamMismatchError
+from ..io import budget as request_budget
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..limits import is_int
-from ..observe.metrics import record_row_group
+from ..observe.metrics import record_coalesced, record_row_group
 from ..plan import RowCounts
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
 from .index import compact_index, identity_of
@@ -33,6 +34,10 @@ from .parquet_footer import (
 )
 from .parquet_rows import ParquetFiles, read_checked
 from .resolve import dataset_fingerprint
+
+# the most bytes between two row groups of a file that one coalesced request reads along (parquet writers leave
+# none: a row group's column chunks end where the next one's begin)
+COALESCE_GAP = 64 << 10
 
 
 def parquet_footer(path: str, size: int, retry: RetryPolicy | None = None, identity: dict | None = None) -> bytes:
@@ -187,8 +192,11 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self.column_names = parquet.column_names
         files = index["files"]
         self._file_of = None if isinstance(files, FileTable) else {f["path"]: i for i, f in enumerate(files)}
+        remote = retry is not None
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
-                          remote=retry is not None)
+                          remote=remote, rate=self._request_rate if remote else None,
+                          run=self._fetch_row_groups if remote else None,
+                          adjacent=self._adjacent_row_groups if remote else None)
 
     @property
     def footers(self) -> dict[str, bytes]:
@@ -205,6 +213,47 @@ class ParquetSource(FetchesAhead, RetriedSource):
         info = self.shards[shard]
         _, start, end = self.index["files"][self._file_of[info.file]]["row_groups"][info.part]
         return end - start
+
+    # ------------------------------------------------------------------ the request budget and coalescing
+    def _request_rate(self) -> float | None:
+        """Requests per second this process may send to the data's store (io/budget.py; None: unlimited)."""
+        return request_budget.process_rate(self.shards[0].file) if len(self.shards) else None
+
+    def _span(self, shard: int) -> tuple[int, int, int, int]:
+        """(file, row group, first byte, end byte) of ``shard``."""
+        if self._file_of is None:
+            files = self.index["files"]
+            file, group = files.group_of(shard)
+            return (file, group, *files.group_span(shard))
+        info = self.shards[shard]
+        file = self._file_of[info.file]
+        _, start, end = self.index["files"][file]["row_groups"][info.part]
+        return file, info.part, start, end
+
+    def _adjacent_row_groups(self, shard: int) -> tuple[int | None, int | None]:
+        """The shards of the row groups just before and just after ``shard``'s in its file, each when no more than
+        COALESCE_GAP bytes lie between them (one request may then carry both)."""
+        file, _, start, end = self._span(shard)
+        out: list[int | None] = []
+        for other in (shard - 1, shard + 1):
+            if 0 <= other < len(self.shards):
+                o_file, _, o_start, o_end = self._span(other)
+                gap = start - o_end if other < shard else o_start - end
+                if o_file == file and 0 <= gap <= COALESCE_GAP:
+                    out.append(other)
+                    continue
+            out.append(None)
+        return out[0], out[1]
+
+    def _fetch_row_groups(self, shards: list[int]) -> list[pa.Table]:
+        """Adjacent row groups of one file (``shards``, in file order) in one ranged request, each decoded and
+        checked on its own (ParquetFiles.row_groups)."""
+        spans = [self._span(shard) for shard in shards]
+        tables = self._parquet.row_groups(spans[0][0], [group for _, group, _, _ in spans])
+        for table in tables:
+            record_row_group(table.num_rows)
+        record_coalesced(len(tables) - 1)
+        return tables
 
     def _fetch_row_group(self, shard: int) -> pa.Table:
         if self._file_of is None:

@@ -31,6 +31,21 @@ decoded table then counts its real ``nbytes`` until the reader takes it. A table
 than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
 prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
 the budget is not fetched ahead.
+
+**The request budget** (``data.max_requests_per_s``, io/budget.py) paces every request of the process; the
+prefetcher need not run further ahead than that pace can serve. With ``rate`` (requests per second this
+process may send, None: unlimited) the depth of each of its partitions is at most its part of
+``ceil(rate x fetch_s) + 1``: the requests the pace keeps on the network, and one waiting for its turn. More
+would only queue threads and memory behind the bucket.
+
+**Coalescing.** Where requests are counted (the process's requests are paced: ``rate()`` is a number), with
+``run`` (a source that can fetch several row groups of one file in one ranged request) and ``adjacent`` (the
+shards of the row groups just before and after a shard's in its file, when their bytes touch), a fetch takes
+along the row groups next to its own that partitions of this process hinted, as far as their caps allow: one
+request, each row group still decoded and checked on its own and handed over when its partition opens it
+(:meth:`_coalesce`). A failed coalesced fetch fails each of its row groups' fetches (their readers read them on
+their own). Unpaced, each row group is a request of its own: it arrives soonest, not after its neighbours'
+bytes.
 """
 
 from __future__ import annotations
@@ -65,10 +80,22 @@ _WINDOWS = 9                # windows whose consumer time per row group busy_s a
 WARMUP = 2                  # windows measured before the consumer's rate is trusted
 _OUTLIER = 2.0              # a window's consumer time counts at most this many times the median window's
 _DEPTHS = 4096              # hand-overs whose depth stats() summarises
+ASSUMED_FETCH_S = 0.1       # a fetch's network time before one was measured (for the rate's bound on the depth)
+COALESCE_MAX = 16           # row groups in one coalesced request, at most
+COALESCE_MAX_BYTES = 32 << 20   # ... and their bytes (a larger row group is fetched alone)
 
 
 class Dropped(Exception):
     """A fetch ahead that was given up (over the budget, or no longer ahead): the reader reads the shard."""
+
+
+def _weak(fn):
+    """A bound method held weakly (the source owns the prefetcher); anything else as it is."""
+    return weakref.WeakMethod(fn) if fn is not None and hasattr(fn, "__self__") else fn
+
+
+def _strong(held):
+    return held() if isinstance(held, weakref.WeakMethod) else held
 
 
 def _run(owner: weakref.ref, shard: int, entry: _Entry) -> None:
@@ -80,6 +107,22 @@ def _run(owner: weakref.ref, shard: int, entry: _Entry) -> None:
         entry.future.set_exception(RuntimeError("the source was closed"))
         return
     me.run_fetch(shard, entry)
+
+
+def _run_many(owner: weakref.ref, shards: list[int], entries: list[_Entry]) -> None:
+    """A coalesced fetch: the row groups of ``shards`` in one request (see the module docstring)."""
+    if not entries[0].future.set_running_or_notify_cancel():
+        for entry in entries[1:]:
+            entry.future.cancel()
+        return
+    for entry in entries[1:]:
+        entry.future.set_running_or_notify_cancel()
+    me = owner()
+    if me is None:
+        for entry in entries:
+            entry.future.set_exception(RuntimeError("the source was closed"))
+        return
+    me.run_fetches(shards, entries)
 
 
 def _shutdown(pool: ThreadPoolExecutor) -> None:
@@ -138,10 +181,15 @@ class Prefetcher:
 
     def __init__(self, fetch: Callable[[int], pa.Table], cap: int | None = None, budget: int | None = None,
                  size: Callable[[int], int | None] | None = None, threads: int | None = None,
-                 first_alone: bool = False):
+                 first_alone: bool = False, rate: Callable[[], float | None] | None = None,
+                 run: Callable[[list[int]], list[pa.Table]] | None = None,
+                 adjacent: Callable[[int], tuple[int | None, int | None]] | None = None):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
         self._fetch = weakref.WeakMethod(fetch)
-        self._size = weakref.WeakMethod(size) if size is not None and hasattr(size, "__self__") else size
+        self._size = _weak(size)
+        self._rate = _weak(rate)          # requests per second this process may send (io/budget.py)
+        self._run = _weak(run)            # several row groups of one file in one request ...
+        self._adjacent = _weak(adjacent)  # ... the row groups next to a shard's
         self.cap = DEFAULT_CAP if cap is None else int(cap)
         self.budget = budget
         self._threads = threads or max(1, min(self.cap, MAX_THREADS))
@@ -163,17 +211,17 @@ class Prefetcher:
         self._bytes = 0                           # reserved (in flight) + held (decoded, not taken)
         self._counts = {"started": 0, "taken": 0, "wasted": 0, "failed": 0, "over_budget": 0,
                         "peak_bytes": 0, "peak_in_flight": 0,
-                        "waited": 0, "wait_s": 0.0}
+                        "waited": 0, "wait_s": 0.0, "coalesced": 0}
         self._running = 0
 
     def __getstate__(self) -> dict:
-        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
-        return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": size,
-                "threads": self._threads, "first_alone": self.first_alone}
+        return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": _strong(self._size),
+                "threads": self._threads, "first_alone": self.first_alone, "rate": _strong(self._rate),
+                "run": _strong(self._run), "adjacent": _strong(self._adjacent)}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"],
-                      state.get("first_alone", False))
+                      state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"))
 
     @property
     def depth(self) -> int:
@@ -205,15 +253,26 @@ class Prefetcher:
         busy = state.busy_s if state is not None else None
         if self._fetch_s is None or busy is None:
             started = state is not None and (state.window_takes > 0 or len(state.samples) > 0)   # a row group taken
-            return min(self.cap, INITIAL_DEPTH if started else FIRST_DEPTH)
+            return min(self.cap, INITIAL_DEPTH if started else FIRST_DEPTH, self._paced_depth())
         # no fetch more for jitter: rounding up leaves up to one consumer interval spare, and each fetch ahead
         # beyond what the rate needs is a request in flight that buys no rows (+ 1 cost ~5% of the rate's share
         # of depth x rows / latency at 100 ms, and no measurable rate)
         need = math.ceil(self._fetch_s / max(busy, 1e-4))
-        return max(1, min(self.cap, need))
+        return max(1, min(self.cap, need, self._paced_depth()))
+
+    def _paced_depth(self) -> int:
+        """The most fetches ahead per partition the request budget can serve (see the module docstring): a
+        partition's part of ``ceil(rate x fetch_s) + 1``; the cap when the process's requests are not paced."""
+        rate_of = _strong(self._rate)
+        rate = rate_of() if rate_of is not None else None
+        if rate is None:
+            return self.cap
+        fetch_s = self._fetch_s if self._fetch_s is not None else ASSUMED_FETCH_S
+        owners = max(1, sum(1 for state in self._owners.values() if state.queue or state.started))
+        return max(1, math.ceil((math.ceil(rate * fetch_s) + 1) / owners))
 
     def _reservation(self, shard: int) -> int:
-        size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+        size = _strong(self._size)
         n = size(shard) if size is not None else None
         if n is None:
             return 0
@@ -262,16 +321,58 @@ class Prefetcher:
                         progress = True
                     continue
                 state.queue.pop(0)
-                future: Future = Future()
-                entry = _Entry(owner, future, reserved)
-                self._pending[shard] = entry
-                self._bytes += reserved
-                self._counts["started"] += 1
+                run = self._coalesce(shard, owner, reserved, mine)
+                entries = []
+                for other, other_owner, other_reserved in run:
+                    entry = _Entry(other_owner, Future(), other_reserved)
+                    entries.append(entry)
+                    self._pending[other] = entry
+                    self._bytes += other_reserved
+                    self._counts["started"] += 1
+                    self._owners[other_owner].started += 1
+                    mine[other_owner] = mine.get(other_owner, 0) + 1
                 self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
-                self._pool.submit(_run, weakref.ref(self), shard, entry)
-                state.started += 1
-                mine[owner] = mine.get(owner, 0) + 1
+                if len(run) == 1:
+                    self._pool.submit(_run, weakref.ref(self), shard, entries[0])
+                else:
+                    self._counts["coalesced"] += len(run) - 1
+                    self._pool.submit(_run_many, weakref.ref(self), [r[0] for r in run], entries)
                 progress = True
+
+    def _coalesce(self, shard: int, owner: int, reserved: int, mine: dict[int, int]) -> list[tuple[int, int, int]]:
+        """``shard`` (``owner``'s, off its queue already) and the row groups next to it in its file that partitions
+        of this process hinted, as far as their caps and the memory budget allow, in file order: ``(shard,
+        partition, reservation)`` each; those taken along leave their queues (lock held; ``mine``: each
+        partition's fetches pending)."""
+        run = [(shard, owner, reserved)]
+        adjacent, size, rate = _strong(self._adjacent), _strong(self._size), _strong(self._rate)
+        if _strong(self._run) is None or adjacent is None or size is None or rate is None or rate() is None:
+            return run                               # requests are not counted: each row group alone, soonest
+        # a row group a partition hinted rides along while that partition stays within its cap (data.prefetch_blocks:
+        # the most row groups ahead), even past the depth it keeps in flight: it costs no request, only memory
+        # (and that within the budget)
+        room = {o: self.cap - mine.get(o, 0) - (o == owner) for o in self._owners}
+        wanted = {s: o for o, st in self._owners.items() for s in st.queue[:max(0, room[o])]
+                  if s not in self._pending}
+        total = size(shard)
+        left = None if self.budget is None else self.budget - self._bytes - reserved
+        for direction in (1, 0):                     # the row groups after it, then those before it
+            cur = shard
+            while len(run) < COALESCE_MAX and total is not None:
+                nxt = adjacent(cur)[direction]
+                o = wanted.pop(nxt, None) if nxt is not None else None
+                if o is None or room[o] <= 0:
+                    break
+                n, r = size(nxt), self._reservation(nxt)
+                if n is None or total + n > COALESCE_MAX_BYTES or (left is not None and r > left):
+                    break
+                total += n
+                left = None if left is None else left - r
+                room[o] -= 1
+                self._owners[o].queue.remove(nxt)
+                run.insert(len(run) if direction == 1 else 0, (nxt, o, r))
+                cur = nxt
+        return run
 
     def run_fetch(self, shard: int, entry: _Entry) -> None:
         """One fetch, on a pool thread (see ``_run``): the table, or the error the reader then meets."""
@@ -298,6 +399,36 @@ class Prefetcher:
         else:
             entry.future.set_exception(Dropped(f"the fetch ahead of shard {shard} was dropped"))
 
+    def run_fetches(self, shards: list[int], entries: list[_Entry]) -> None:
+        """A coalesced fetch, on a pool thread (see ``_run_many``): each row group's table, or the error their
+        readers then meet."""
+        method = _strong(self._run)
+        if method is None:
+            with self._lock:
+                for shard, entry in zip(shards, entries):
+                    self._release(shard, entry)
+            for entry in entries:
+                entry.future.set_exception(RuntimeError("the source was closed"))
+            return
+        with self._lock:
+            self._running += len(entries)
+            self._counts["peak_in_flight"] = max(self._counts["peak_in_flight"], self._running)
+        t0, net0 = time.monotonic(), request_seconds()
+        try:
+            tables = method(shards)
+        except BaseException as e:              # handed to the readers, which read their shards themselves
+            for shard, entry in zip(shards, entries):
+                self._finished(shard, entry, None, t0, 0.0)
+                entry.future.set_exception(e)
+            return
+        del method
+        net = request_seconds() - net0
+        for shard, entry, table in zip(shards, entries, tables):
+            if self._finished(shard, entry, table, t0, net):
+                entry.future.set_result(table)
+            else:
+                entry.future.set_exception(Dropped(f"the fetch ahead of shard {shard} was dropped"))
+
     def _finished(self, shard: int, entry: _Entry, table: pa.Table | None, t0: float, net: float) -> bool:
         """Account a finished fetch; False when its table does not fit the budget (then it is dropped)."""
         now = time.monotonic()
@@ -317,7 +448,7 @@ class Prefetcher:
             self._net.append(took)
             del self._net[:-_NET]
             self._fetch_s = sorted(self._net)[int(len(self._net) * _NET_QUANTILE)]
-            size = self._size() if isinstance(self._size, weakref.WeakMethod) else self._size
+            size = _strong(self._size)
             fetched = size(shard) if size is not None else None
             if fetched:
                 ratio = table.nbytes / fetched
@@ -389,7 +520,8 @@ class Prefetcher:
     def stats(self) -> dict:
         """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in
         flight now and at most so far (never above ``budget``), fetches started / taken / wasted / failed /
-        dropped over the budget, the most fetches running at once."""
+        dropped over the budget / taken along in another's request (coalesced), the most fetches running at
+        once."""
         with self._here():
             return {"cap": self.cap, "budget": self.budget, "fetch_s": self._fetch_s, "ratio": self._ratio,
                     "depth": {o: self.depth_for(o) for o in self._owners},

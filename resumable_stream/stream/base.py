@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError, StreamMismatchError
+from ..io import budget as request_budget
 from ..limits import MAX_WORLD_SIZE
 from ..observe.progress import mean_position
 from ..plan import check_consumers, partition_lanes
@@ -169,6 +170,7 @@ class StreamBase(IterableDataset):
         self._read_by_workers = multiprocessing.RawValue("b", 0)
         rank, world_size = resolve_topology(rank, world_size, num_workers)
         self.config, self.rank, self.world_size, self.num_workers = config, rank, world_size, num_workers
+        request_budget.set_consumers(world_size * max(1, num_workers))   # this process's share of the job's rate
         self.transform_fingerprint: dict | None = None   # set by the loader when a transform follows
         self._epoch_limit: int | None = None               # set_epoch: the one epoch to iterate
         self._fingerprint: tuple[str, dict] | None = None   # (transform fingerprint, state_fingerprint())
@@ -226,6 +228,7 @@ class StreamBase(IterableDataset):
             parts = self.partitions
         else:
             self._read_by_workers.value = 1
+            request_budget.set_consumers(self.world_size * info.num_workers)     # a spawned worker's share too
             if info.num_workers != max(1, self.num_workers) or self.num_workers == 0:
                 raise ConfigError(
                     f"num_workers: the stream was created for {self.num_workers} DataLoader workers but is read by "

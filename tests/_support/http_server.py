@@ -97,6 +97,8 @@ class RequestRecord:
     bytes_sent: int = 0        # body bytes written
     fault: str | None = None   # the fault injected into this request, as applied
     error_code: str | None = None  # the X-Error-Code of an error answer (the loopback Hub's)
+    at: float = field(default_factory=time.monotonic)   # when it was read (time.monotonic of the server)
+    client: str | None = None  # who the loopback Hub counted it for (its token, else its IP address)
 
 
 @dataclass

@@ -13,6 +13,22 @@ stream a dataset repo:
   or the LFS sha256 for LFS files), ``X-Repo-Commit``, ``Content-Length``. Files never carry a xet
   hash, so ``huggingface_hub`` always downloads over plain HTTP.
 
+Rate limits, as the Hub's (huggingface.co/docs/hub/rate-limits): ``hub.set_rate_limit(resolvers=60, api=None,
+window_s=10)`` counts the requests of each class (``resolvers``: every ``/resolve/`` URL; ``api``: ``/api/``) per
+client (its token when it sends one, else its IP address) over fixed windows of ``window_s`` seconds; every
+answer of a limited class says ``RateLimit: "resolvers";r=<left>;t=<seconds to the reset>`` and
+``RateLimit-Policy: "fixed window";"resolvers";q=<quota>;w=<window>`` (IETF draft 9: what huggingface_hub >= 1.2
+parses), and a request past the quota is answered 429 with them and ``Retry-After: t`` (it is not counted).
+``hub.allowed(kind)`` gives the times of the requests a class let through; ``hub.rate_limited`` counts the 429s;
+``hub.spend(kind, client)`` spends what a client's window has left, as another job on the same token would.
+
+The CDN, as the Hub's: with ``hub.redirect_lfs = True`` a ``resolve`` of an LFS file answers 302 with the
+``Location`` of a signed URL on the CDN (``/cdn/<sha256>?Expires=<unix time>&Signature=<hmac>``, valid for
+``hub.cdn_ttl_s`` seconds, ``X-Linked-Size`` / ``X-Linked-Etag`` as the Hub sends them), as huggingface.co redirects
+to cdn-lfs.hf.co or cas-bridge.xethub.hf.co. The CDN serves the blob with Range while the signature holds and
+answers 403 once it expired (or was tampered with); its requests are not ``resolve`` requests: no rate limit
+counts them.
+
 Errors are the Hub's: 404 with ``X-Error-Code: RepoNotFound`` / ``RevisionNotFound`` /
 ``EntryNotFound``; a private repo without a valid token is 401 ``RepoNotFound``; an
 ``Authorization`` header with an unknown token is 401 "Invalid credentials in Authorization header".
@@ -32,11 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import json
+import math
 import os
 import shutil
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -95,6 +114,71 @@ class HubServer(FileServer):
         self.tokens: set[str] = set()          # tokens that may read private repos
         self._repo_lock = threading.Lock()
         self._commits_made = 0
+        self.redirect_lfs = False               # resolve of an LFS file: 302 to a signed CDN URL
+        self.cdn_ttl_s = 3600.0                 # how long a signed CDN URL stays valid
+        self._cdn_secret = os.urandom(16)
+        self.rate_limits: dict[str, tuple[int, float]] = {}     # class -> (quota, window seconds)
+        self.rate_limited = 0                                   # 429 answers given
+        self._windows: dict[tuple[str, str, int], int] = {}     # (class, client, window number) -> requests
+        self._allowed: dict[str, list[float]] = {}              # class -> times of the requests let through
+        self._origin = time.time()
+
+    # -- rate limits -----------------------------------------------------------------------
+    def set_rate_limit(self, resolvers: int | None = None, api: int | None = None, window_s: float = 10.0) -> None:
+        """Limit ``resolve`` (and API) requests per client to a quota per fixed window (None: unlimited); the
+        windows start now. Counts start afresh."""
+        with self._lock:
+            self.rate_limits = {k: (q, float(window_s)) for k, q in (("resolvers", resolvers), ("api", api))
+                                if q is not None}
+            self._windows.clear()
+            self._allowed.clear()
+            self.rate_limited = 0
+            self._origin = time.time()
+
+    def window_left(self, kind: str = "resolvers") -> float:
+        """Seconds to the end of the current window of ``kind``."""
+        with self._lock:
+            window = self.rate_limits[kind][1]
+            now = time.time() - self._origin
+            return (int(now // window) + 1) * window - now
+
+    def allowed(self, kind: str = "resolvers") -> list[float]:
+        """The times (``time.monotonic``) of the requests of ``kind`` let through since the limit was set."""
+        with self._lock:
+            return list(self._allowed.get(kind, ()))
+
+    def spend(self, kind: str, client: str, count: int | None = None) -> None:
+        """Spend ``count`` of ``client``'s quota of ``kind`` in the current window (None: all it has left), as
+        another job on the same token (or IP) would; not counted in :meth:`allowed`."""
+        self.take(kind, client, count, record=False)
+
+    def take(self, kind: str, client: str, count: int | None = 1,
+             record: bool = True) -> tuple[bool, dict[str, str]]:
+        """Count ``count`` requests of ``kind`` by ``client`` (None: all its window has left): whether they were
+        let through, and the headers of the answer."""
+        with self._lock:
+            limit = self.rate_limits.get(kind)
+            if limit is None:
+                return True, {}
+            quota, window = limit
+            now = time.time() - self._origin
+            number = int(now // window)
+            reset = max(1, math.ceil((number + 1) * window - now))
+            used = self._windows.get((kind, client, number), 0)
+            if count is None:
+                count = quota - used
+            ok = used + count <= quota
+            if ok:
+                used = self._windows[(kind, client, number)] = used + count
+                if record:
+                    self._allowed.setdefault(kind, []).extend([time.monotonic()] * count)
+            else:
+                self.rate_limited += 1
+            headers = {"RateLimit": f'"{kind}";r={max(0, quota - used)};t={reset}',
+                       "RateLimit-Policy": f'"fixed window";"{kind}";q={quota};w={int(window)}'}
+            if not ok:
+                headers["Retry-After"] = str(reset)
+            return ok, headers
 
     def _handler_class(self) -> type:
         return _HubHandler
@@ -146,6 +230,17 @@ class HubServer(FileServer):
         oid = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
         lfs = isinstance(content, (str, os.PathLike)) and os.fspath(content).endswith(_LFS_SUFFIXES)
         return Blob(path, len(data), oid, sha256, lfs)
+
+    def cdn_url(self, blob: Blob) -> str:
+        """A signed CDN URL of ``blob``, valid for ``cdn_ttl_s`` seconds from now."""
+        expires = int(time.time() + self.cdn_ttl_s)
+        return f"{self.base_url}/cdn/{blob.sha256}?Expires={expires}&Signature={self._signature(blob.sha256, expires)}"
+
+    def _signature(self, sha256: str, expires: int) -> str:
+        return hmac.new(self._cdn_secret, f"{sha256}:{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def cdn_requests(self) -> list[RequestRecord]:
+        return [r for r in list(self.requests) if r.path.startswith("/cdn/")]
 
     def head(self, repo_id: str, branch: str = "main") -> str:
         return self.repos[repo_id].branches[branch]
@@ -226,6 +321,16 @@ def use_hub(hub: HubServer, home: str | os.PathLike, token: str | None = None) -
 
 class _HubHandler(_Handler):
     server_version = "rs-test-hub/1"
+    _limit_headers: dict[str, str] = {}
+
+    def _serve(self, head: bool) -> None:
+        self._limit_headers = {}
+        super()._serve(head)
+
+    def end_headers(self) -> None:
+        for key, value in self._limit_headers.items():     # every answer of a rate-limited class says where it is
+            self.send_header(key, value)
+        super().end_headers()
 
     def do_POST(self) -> None:
         n = int(self.headers.get("Content-Length") or 0)
@@ -238,6 +343,8 @@ class _HubHandler(_Handler):
         split = urllib.parse.urlsplit(self.path)
         segments = [urllib.parse.unquote(s) for s in split.path.split("/")[1:]]
         query = urllib.parse.parse_qs(split.query)
+        if segments[:1] == ["cdn"] and len(segments) == 2:
+            return self._cdn(rec, segments[1], query, head, kind, stall_s)
         if segments[:2] == ["api", "datasets"] and len(segments) > 2:
             api, rest = True, segments[2:]
         elif segments[:1] == ["datasets"] and len(segments) > 1:
@@ -246,6 +353,11 @@ class _HubHandler(_Handler):
             return self._error(rec, 404, None, "Not Found")
         repo_id, rest = self._split_repo(hub, rest)
         token = self._token()
+        rec.client = token or self.client_address[0]
+        ok, self._limit_headers = hub.take("api" if api else "resolvers", rec.client)
+        if not ok:
+            rec.fault = "rate_limit"
+            return self._error(rec, 429, None, "You have been rate-limited; you can retry this action later")
         if token is not None and token not in hub.tokens:
             return self._error(rec, 401, None, "Invalid credentials in Authorization header")
         repo = hub.repos.get(repo_id)
@@ -353,8 +465,31 @@ class _HubHandler(_Handler):
         headers = {"ETag": f'"{blob.etag}"', "X-Repo-Commit": commit.sha}
         if blob.lfs:
             headers.update({"X-Linked-Etag": f'"{blob.sha256}"', "X-Linked-Size": str(blob.size)})
+            hub: HubServer = self.server.owner
+            if hub.redirect_lfs:
+                headers["Location"] = hub.cdn_url(blob)
+                return self._reply_empty(rec, 302, headers)
         with open(blob.path, "rb") as f:
             self._send_content(rec, f, blob.size, head, kind, stall_s, headers)
+
+
+    def _cdn(self, rec: RequestRecord, sha256: str, query: dict[str, list[str]], head: bool, kind: str | None,
+             stall_s: float) -> None:
+        """The CDN: a blob by its sha256, while the URL's signature holds (else 403, as an expired signed URL)."""
+        hub: HubServer = self.server.owner
+        rec.client = self._token() or self.client_address[0]      # a token sent to the CDN would show here
+        try:
+            expires = int(query.get("Expires", ["0"])[0])
+        except ValueError:
+            expires = 0
+        signed = hmac.compare_digest(query.get("Signature", [""])[0], hub._signature(sha256, expires))
+        if not signed or time.time() > expires:
+            return self._reply_empty(rec, 403)
+        path = os.path.join(hub.root, "blobs", sha256)
+        if not os.path.isfile(path):
+            return self._reply_empty(rec, 404)
+        with open(path, "rb") as f:
+            self._send_content(rec, f, os.path.getsize(path), head, kind, stall_s, {"ETag": f'"{sha256}"'})
 
 
 def _flag(query: dict[str, list[str]], key: str) -> bool:

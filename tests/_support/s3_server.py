@@ -11,17 +11,24 @@ None``, consulted before moto sees a request (first answer wins): ``"reset"`` dr
 with a TCP reset, ``"503"`` answers S3's ``SlowDown``, ``"500"`` ``InternalError``. Every request is
 counted in ``srv.requests`` as ``(method, path)``.
 
+A request rate, as S3's per prefix: ``srv.limit_rate(per_s=40, window_s=1)`` answers a GET / HEAD 503
+``SlowDown`` ("Please reduce your request rate.") when ``per_s x window_s`` of them were let through in the last
+``window_s`` seconds (the refused ones do not count); ``srv.allowed_at`` holds the times of those let through,
+``srv.slowdowns`` counts the refusals.
+
 Nothing here reaches the internet: the environment the tests use (``s3_env``) points credentials at
 fake values and turns off the EC2 metadata lookup boto would otherwise try.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import socket
 import struct
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -77,6 +84,30 @@ class S3Server:
         self._server = None
         self._thread: threading.Thread | None = None
         self.reader_key: dict[str, str] = {}
+        self.allowed_at: list[float] = []      # with limit_rate: when each GET / HEAD let through came in
+        self.slowdowns = 0
+
+    def limit_rate(self, per_s: float, window_s: float = 1.0, methods: tuple[str, ...] = ("GET", "HEAD")) -> None:
+        """Answer ``methods`` 503 SlowDown past ``per_s x window_s`` requests let through in the last ``window_s``
+        seconds (a sliding window, as a partitioned prefix takes ~5,500 a second)."""
+        recent: collections.deque = collections.deque()
+        self.allowed_at, self.slowdowns = [], 0
+
+        def rule(method: str, path: str) -> str | None:
+            if method not in methods:
+                return None
+            with self.lock:
+                now = time.monotonic()
+                while recent and recent[0] <= now - window_s:
+                    recent.popleft()
+                if len(recent) >= per_s * window_s:
+                    self.slowdowns += 1
+                    return "503"
+                recent.append(now)
+                self.allowed_at.append(now)
+            return None
+
+        self.faults.append(rule)
 
     @property
     def endpoint(self) -> str:

@@ -242,10 +242,11 @@ def test_http_request_retry_honours_retry_after(tmp_path, caplog):
         srv.faults.append(lambda rec: 429 if rec.range and len(seen) < 1 and not seen.append(rec) else None)
         cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[srv.url("part-00000.parquet")],
                            retries=2, retry_backoff_s=0.01, prefetch_blocks=0)
-        with caplog.at_level("WARNING", logger="resumable_stream.sources"):
+        with caplog.at_level("WARNING", logger="resumable_stream.io"):
             ids = take_ids(ResumableStream(cfg), 200)
         assert sorted(ids) == list(range(200))
-        waits = [float(r.getMessage().rsplit(" in ", 1)[1].split()[0]) for r in caplog.records
+        # a ranged GET's 429 pauses the process's requests to the server (io/budget.py), for Retry-After at least
+        waits = [float(r.getMessage().rsplit(" for ", 1)[1].split()[0]) for r in caplog.records
                  if "HTTP 429" in r.getMessage()]
         assert waits and all(w >= 1.0 for w in waits), caplog.text     # Retry-After: 1, not the 0.01 s backoff
 

@@ -18,7 +18,8 @@ from ...observe.monitoring import DataBoundWatch, MonitorSettings
 
 # the figures that go into the Trainer's logs (scalars only: reporting integrations drop anything else)
 LOGGED = ("wait_s", "wait_share", "samples_per_s", "tokens_per_s", "requests", "bytes_read", "retries",
-          "response_ms_p50", "response_ms_p90", "response_ms_p99", "cache_hit_rate", "prefetch_depth")
+          "response_ms_p50", "response_ms_p90", "response_ms_p99", "cache_hit_rate", "prefetch_depth",
+          "rate_limited", "rate_limit_wait_s", "budget_wait_s")
 
 
 class DataMetricsLog:
