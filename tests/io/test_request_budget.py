@@ -170,7 +170,8 @@ def test_each_process_paces_at_its_share_of_the_job_and_rebalances():
     took = time.monotonic() - t0
     assert 6 / 20.0 - 0.02 <= took < 6 / 20.0 + 1.0        # one request every 1 / 20 s: it starts empty (no burst)
     d = _delta(before)
-    assert d["budget_waits"] == 6 and d["budget_wait_us"] >= (6 / 20.0 - 0.05) * 1e6
+    # the waits are what pacing added: at most the time taken (a loaded machine spends some of it elsewhere)
+    assert d["budget_waits"] == 6 and 0.1e6 <= d["budget_wait_us"] <= took * 1e6 + 1e4
     budget.set_consumers(8)                          # another topology (an elastic restart): another share
     assert budget.process_rate(path) == 10.0
     with budget.opening_alone():                     # rank 0 opening while the others wait: the whole rate
