@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .chat_formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .user_function import function_identity, load_function
 
@@ -138,15 +138,15 @@ class TransformConfig:
         for key, (check, allowed) in _RULES.items():
             value = getattr(self, key)
             if not check(value):
-                raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+                raise ConfigError(f"data.{key}: got {shown(value)}; allowed: {allowed}")
         if self.packing_mode != "concat" and not self.packing:
-            raise ConfigError(f"data.packing_mode: got {self.packing_mode!r} with data.packing false; allowed: "
+            raise ConfigError(f"data.packing_mode: got {shown(self.packing_mode)} with data.packing false; allowed: "
                               "set data.packing: true, or remove data.packing_mode")
         self._check_format_keys()
         if self.map is not None:      # import it now: a bad data.map fails at config time, not in a worker
             function_identity(self.map, load_function(self.map), self.map_version)
         elif self.map_version is not None:
-            raise ConfigError(f"data.map_version: got {self.map_version!r} without data.map; remove it or set data.map")
+            raise ConfigError(f"data.map_version: got {shown(self.map_version)} without data.map; remove it or set data.map")
         if self.format == "vl":
             if self.packing:
                 raise ConfigError("data.packing: got True with data.format 'vl'; allowed: false (image samples "
@@ -158,20 +158,20 @@ class TransformConfig:
         """data.columns / data.tags only where the format reads them, with the format's column keys."""
         if self.columns is not None:
             if self.format not in ("alpaca", "sharegpt"):
-                raise ConfigError(f"data.columns: got {self.columns!r} with data.format {self.format!r}; allowed only "
+                raise ConfigError(f"data.columns: got {shown(self.columns)} with data.format {shown(self.format)}; allowed only "
                                   "with format alpaca or sharegpt (text / messages use data.text_column / "
                                   "data.messages_column)")
             own = tuple(resolved_columns(self.format, None))
             wrong = [k for k in self.columns if k not in own]
             if wrong:
-                raise ConfigError(f"data.columns.{wrong[0]}: not a column of format {self.format!r}; allowed: "
+                raise ConfigError(f"data.columns.{wrong[0]}: not a column of format {shown(self.format)}; allowed: "
                                   f"{', '.join(own)}")
         if self.tags is not None and self.format != "sharegpt":
-            raise ConfigError(f"data.tags: got {self.tags!r} with data.format {self.format!r}; allowed only with "
+            raise ConfigError(f"data.tags: got {shown(self.tags)} with data.format {shown(self.format)}; allowed only with "
                               "format sharegpt")
         clash = same_role_tags(self.tags) if self.tags else []
         if clash:
-            raise ConfigError(f"data.tags: got {self.tags!r}; {', '.join(clash)} have the same value (with the "
+            raise ConfigError(f"data.tags: got {shown(self.tags)}; {', '.join(clash)} have the same value (with the "
                               "defaults); allowed: a different value for each role")
 
     @property
@@ -197,7 +197,7 @@ class TransformConfig:
         if section is None:
             section = {}
         if not isinstance(section, dict):
-            raise ConfigError(f"data: got {type(section).__name__} {section!r}; allowed: a mapping of data keys")
+            raise ConfigError(f"data: got {type(section).__name__} {shown(section)}; allowed: a mapping of data keys")
         if section.get("format") == "vl" and "overlong" in section:
             raise _vl_overlong(section["overlong"])
         base = cls(**{k: section[k] for k in cls.KEYS if k in section})
@@ -237,6 +237,6 @@ TransformConfig.DEFAULTS = {f.name: f.default for f in dataclasses.fields(Transf
 
 
 def _vl_overlong(value: Any) -> ConfigError:
-    return ConfigError(f"data.overlong: got {value!r}; not used with data.format 'vl': a VL sample is never cut "
+    return ConfigError(f"data.overlong: got {shown(value)}; not used with data.format 'vl': a VL sample is never cut "
                        "(that would split image tokens); one longer than data.max_seq_len follows data.bad_sample "
                        "(error or skip). Remove data.overlong")
