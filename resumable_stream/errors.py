@@ -113,6 +113,11 @@ class RunLogError(ResumableStreamError):
     (``resumable-stream report``)."""
 
 
+class WrongThreadError(ResumableStreamError, RuntimeError):
+    """A call that moves a stream's reader state (``set_weights``) from a thread other than the one iterating the
+    stream or loader: only the consuming thread owns the cursors (docs/architecture.md, "One owner per cursor")."""
+
+
 class OutputDirLockedError(ResumableStreamError):
     """Another training job (or another thread of this process) holds the output directory's lock."""
 

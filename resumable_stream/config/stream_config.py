@@ -20,7 +20,7 @@ from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_number
 from . import formats as registry
 from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
-from .weight_schedule import check_weights, weight_at
+from .weight_schedule import check_weights, normalised, weight_at
 from .yaml_files import load_file
 
 BACKENDS = ("hf", "local")
@@ -450,9 +450,7 @@ class MixtureConfig:
     @property
     def probabilities(self) -> tuple[float, ...]:
         """The weights normalised to sum to 1 (schedules: at position 0)."""
-        at_start = [weight_at(w, 0.0) for w in self.weights]
-        total = float(sum(at_start))
-        return tuple(float(w) / total for w in at_start)
+        return normalised([weight_at(w, 0.0) for w in self.weights])
 
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,

@@ -24,6 +24,7 @@ BAD_SAMPLE = ("error", "skip")
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 1_000_000
 MAX_IMAGE_BYTES = 1 << 40
+MAX_IMAGE_PIXELS = 1 << 40
 # Transform keys a source of a mixture may set for itself (over the data section's), so that e.g. a text corpus
 # and a chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
 SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
@@ -63,6 +64,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_image_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_IMAGE_BYTES,
                         f"an integer from 1 to {MAX_IMAGE_BYTES} (bytes per image file, download or bytes value)"),
     "allow_absolute_image_paths": (lambda v: isinstance(v, bool), "true or false"),
+    "max_image_pixels": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_IMAGE_PIXELS),
+                         f"null (Pillow's own bound, PIL.Image.MAX_IMAGE_PIXELS: 89478485 unless changed) or an "
+                         f"integer from 1 to {MAX_IMAGE_PIXELS} (width x height, read from the image's header "
+                         "before it is decoded)"),
     "columns": (lambda v: _mapping_of_names(v, COLUMN_KEYS, nullable=True),
                 f"null or a mapping from {', '.join(COLUMN_KEYS)} to column names (LLaMA-Factory's names)"),
     "tags": (lambda v: _mapping_of_names(v, SHAREGPT_TAGS, nullable=False),
@@ -99,7 +104,8 @@ class TransformConfig:
       are never truncated (``overlong`` does not apply) and never packed. Image reads are bounded: regular
       files only (a FIFO or device is a bad sample, never a hang), at most ``max_image_bytes`` per file,
       download or bytes value, and local paths confined to ``image_dir`` (the working directory when null:
-      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``.
+      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``; an image is
+      decoded only when its header says it has at most ``max_image_pixels`` pixels (null: Pillow's own bound).
     - ``format: alpaca`` / ``sharegpt``: LLaMA-Factory's formats, read through ``columns`` (and ``tags`` for
       sharegpt) with LLaMA-Factory's names and defaults, turned into ``messages`` (``transforms.formats``).
       A row that does not fit follows ``bad_sample``.
@@ -127,6 +133,7 @@ class TransformConfig:
     bad_sample: str = "error"
     max_image_bytes: int = 64 << 20
     allow_absolute_image_paths: bool = False
+    max_image_pixels: int | None = None     # None: Pillow's Image.MAX_IMAGE_PIXELS (transforms.vl.pixel_limit)
     columns: dict[str, str | None] | None = None
     tags: dict[str, str] | None = None
     map: str | None = None

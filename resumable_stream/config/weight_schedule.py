@@ -15,6 +15,7 @@ How a position maps to a partition's draw index is the stream's (resumable_strea
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import ConfigError, shown
@@ -66,6 +67,18 @@ def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict
     return {"schedule": kind, "unit": unit, "points": out}
 
 
+def normalised(weights: list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """Weights divided by their sum, which is 1 then. Weights near the float maximum (1e308 and 1e308) have a sum
+    that overflows to inf, and w / inf is 0 for every source: those are divided by the largest weight first (the
+    ratios stay; weights whose sum is finite are divided as they always were, so that draws do not change)."""
+    total = float(sum(weights))
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [float(w) / top for w in weights]
+        total = float(sum(weights))
+    return tuple(float(w) / total for w in weights)
+
+
 def is_schedule(weight: Any) -> bool:
     return isinstance(weight, dict)
 
@@ -82,7 +95,7 @@ def weight_at(weight: float | dict[str, Any], position: float) -> float:
         if position < x1:
             if weight["schedule"] == "constant":
                 return w0
-            return w0 + (w1 - w0) * (position - x0) / (x1 - x0)
+            return w0 + (w1 - w0) * ((position - x0) / (x1 - x0))    # never (w1 - w0) * position: overflow
     return points[-1][1]
 
 

@@ -40,6 +40,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -636,9 +637,17 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
 
 
 def is_complete(checkpoint: str) -> bool:
-    """Complete = the Trainer's state and a stream-state manifest (written last) are both there."""
-    return (os.path.isfile(os.path.join(checkpoint, TRAINER_STATE))
-            and os.path.isfile(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+    """Complete = the Trainer's state and a stream-state manifest (written last) are both there, as regular
+    files: a symlink (to any file) or a FIFO named manifest.json was not written by a save."""
+    return (_regular_file(os.path.join(checkpoint, TRAINER_STATE))
+            and _regular_file(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def latest_complete_checkpoint(output_dir: str) -> str | None:
