@@ -55,7 +55,8 @@ def draw_sources(probabilities: np.ndarray, seed: int, epoch: int, partition: in
 def normalised_rows(w: np.ndarray) -> np.ndarray:
     """Each row of weights divided by its sum; a row whose sum overflows is divided by its largest weight first
     (config.weight_schedule.normalised, row by row)."""
-    total = w.sum(axis=1, keepdims=True)
+    with np.errstate(over="ignore"):       # an overflow is what is looked for
+        total = w.sum(axis=1, keepdims=True)
     huge = ~np.isfinite(total[:, 0])
     if huge.any():
         w = w.copy()
