@@ -355,9 +355,11 @@ def _index_summary(path: str, source) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..config.trainer import TrainerConfig
+    from .preflight import check_training_data
 
-    TrainerConfig.from_yaml(args.config, args.overrides)   # a bad key answers before the trainer's imports
+    # the data files, split, resume state and checkpoint before anything heavy is imported (transformers for the
+    # train: section's check, the model); run_training checks them again, as any caller of it gets them
+    check_training_data(args.config, args.overrides)
     from .train import run_training
 
     run_training(args.config, args.overrides)

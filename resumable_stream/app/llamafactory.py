@@ -150,11 +150,44 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     return run + ["-m", "resumable_stream.integrations.llamafactory", "train", config, *overrides], env
 
 
+def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
+    """What would be wrong with the data only once LLaMA-Factory has parsed its arguments and loaded the tokenizer,
+    said before: ``dataset_info.json`` and the ``dataset`` entries it names, their local files (as
+    ``get_dataset`` reads them), ``resumable_stream.resume_state_path`` and ``resume_from_checkpoint``
+    (resumable_stream.app.preflight). Remote datasets are left to the resolution."""
+    from .preflight import check_resume_state
+
+    names = args.get("dataset")
+    dataset_dir = args.get("dataset_dir", "data")
+    if names and isinstance(dataset_dir, str) and dataset_dir != "ONLINE" and not dataset_dir.startswith("REMOTE:"):
+        from types import SimpleNamespace
+
+        from llamafactory.data.parser import get_dataset_list
+
+        from ..integrations.llamafactory.data import _source
+
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
+        try:
+            attrs = get_dataset_list(names, dataset_dir)
+        except ValueError as e:       # no dataset_info.json, or a name it does not define
+            raise ConfigError(f"dataset: got {names!r} with dataset_dir {dataset_dir!r}: {e}") from None
+        for attr in attrs:
+            if attr.load_from == "file":
+                _source(attr, SimpleNamespace(dataset_dir=dataset_dir))
+    check_resume_state(ours.get("resume_state_path"), "resumable_stream.resume_state_path")
+    explicit = args.get("resume_from_checkpoint")
+    if isinstance(explicit, str) and explicit:
+        from ..state.checkpoint import check_complete
+
+        check_complete(explicit)
+
+
 def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:
     """Run (or launch) the training; the exit code. ``callbacks``: more TrainerCallbacks for LLaMA-Factory's
     trainer (in this process only: torchrun's ranks run the command afresh)."""
     args, ours = settings.read(config, overrides)
     settings.refuse_unsupported(args)
+    check_data(args, ours)      # before the launch, LLaMA-Factory's parser, tokenizer and model
     args["streaming"] = True
     if not _launched() and _wants_torchrun():
         command, env = torchrun_command(config, overrides)

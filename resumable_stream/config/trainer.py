@@ -199,6 +199,22 @@ def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamCon
         return data.stream
 
 
+def data_sections_from_yaml(path: str, overrides: Sequence[str] = ()) -> tuple[StreamConfig | MixtureConfig,
+                                                                             StreamConfig | MixtureConfig | None,
+                                                                             dict[str, Any]]:
+    """(the stream, the validation stream, the train: section as written) of a trainer yaml: its data section
+    validated as :meth:`TrainerConfig.from_yaml` validates it (the same errors), but neither the model: nor the
+    train: section, whose checks import transformers: what ``train`` checks before anything heavy
+    (resumable_stream.app.preflight)."""
+    doc = _read_yaml(path)
+    base_dir = os.path.dirname(os.path.abspath(path))
+    doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+    with override.named(given):
+        _check_sections(doc, path, required=("model", "data", "train"))
+        data = _DataSection.from_dict(doc["data"], base_dir, path)
+    return data.stream, data.eval_stream, dict(doc["train"])
+
+
 def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
     """With model.config (random init) the tokenizer, or for data.format vl the processor, must be named."""
     if transform.format == "vl":
