@@ -150,30 +150,41 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     return run + ["-m", "resumable_stream.integrations.llamafactory", "train", config, *overrides], env
 
 
+DATASET_INFO = "dataset_info.json"      # LLaMA-Factory's DATA_CONFIG
+_REMOTE_ENTRIES = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+
+
 def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
-    """What would be wrong with the data only once LLaMA-Factory has parsed its arguments and loaded the tokenizer,
-    said before: ``dataset_info.json`` and the ``dataset`` entries it names, their local files (as
-    ``get_dataset`` reads them), ``resumable_stream.resume_state_path`` and ``resume_from_checkpoint``
-    (resumable_stream.app.preflight). Remote datasets are left to the resolution."""
+    """What would be wrong with the data only once LLaMA-Factory has parsed its arguments and loaded the tokenizer
+    (seconds of imports, then the model), said before: ``dataset_info.json`` and the ``dataset`` entries it
+    names, the local files of ``file_name`` entries, ``resumable_stream.resume_state_path`` and
+    ``resume_from_checkpoint`` (resumable_stream.app.preflight). Read as LLaMA-Factory's ``get_dataset_list``
+    reads them (without importing it: its package imports transformers); remote entries are left to it."""
+    from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
     from .preflight import check_resume_state
 
     names = args.get("dataset")
     dataset_dir = args.get("dataset_dir", "data")
     if names and isinstance(dataset_dir, str) and dataset_dir != "ONLINE" and not dataset_dir.startswith("REMOTE:"):
-        from types import SimpleNamespace
-
-        from llamafactory.data.parser import get_dataset_list
-
-        from ..integrations.llamafactory.data import _source
-
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
+        info_path = os.path.join(dataset_dir, DATASET_INFO)
         try:
-            attrs = get_dataset_list(names, dataset_dir)
-        except ValueError as e:       # no dataset_info.json, or a name it does not define
-            raise ConfigError(f"dataset: got {names!r} with dataset_dir {dataset_dir!r}: {e}") from None
-        for attr in attrs:
-            if attr.load_from == "file":
-                _source(attr, SimpleNamespace(dataset_dir=dataset_dir))
+            info = parse_json(read_regular_file(info_path, 64 << 20))
+        except (OSError, FileRefused, JSONRefused) as e:
+            raise ConfigError(f"dataset: got {names!r}; {info_path!r} cannot be read ({getattr(e, 'strerror', None) or e}); "
+                              "allowed: the names of entries of dataset_dir's dataset_info.json") from None
+        if not isinstance(info, dict):
+            raise ConfigError(f"{info_path!r}: got a JSON {type(info).__name__}; allowed: a mapping of datasets")
+        for name in names:
+            entry = info.get(name)
+            if not isinstance(entry, dict):
+                raise ConfigError(f"dataset: {name!r} is not an entry of {info_path!r}; its entries: "
+                                  f"{', '.join(sorted(map(str, info))[:20])}")
+            if any(key in entry for key in _REMOTE_ENTRIES) or not isinstance(entry.get("file_name"), str):
+                continue
+            path = os.path.join(dataset_dir, entry["file_name"])
+            if not os.path.exists(path):          # the words of integrations/llamafactory/data.py, which finds it
+                raise ConfigError(f"dataset {entry['file_name']!r} (dataset_info.json file_name): {path!r} not found")
     check_resume_state(ours.get("resume_state_path"), "resumable_stream.resume_state_path")
     explicit = args.get("resume_from_checkpoint")
     if isinstance(explicit, str) and explicit:

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 MAX_CONFIG_BYTES = 16 << 20     # a config with 100k data files listed is ~10 MB
 MAX_ALIAS_NODES = 1_000_000     # nodes aliases may add to a document (expanded, as a walk meets them)
@@ -34,7 +34,7 @@ LOADER = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 def read_config_text(path: str, what: str | None = None) -> str:
     """The text of the config file ``path``: a regular file of at most MAX_CONFIG_BYTES of UTF-8.
     ConfigError naming the file otherwise."""
-    what = what or f"config file {path!r}"
+    what = what or f"config file {shown(path)}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -65,7 +65,7 @@ def read_config_text(path: str, what: str | None = None) -> str:
 
 def load_file(path: str, what: str | None = None, loader: type = LOADER) -> Any:
     """The yaml document of the config file ``path`` (None when empty), read and checked as the module says."""
-    what = what or f"config file {path!r}"
+    what = what or f"config file {shown(path)}"
     return load_text(read_config_text(path, what), what, loader)
 
 

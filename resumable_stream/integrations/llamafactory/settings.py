@@ -7,10 +7,12 @@ resumable stream is a ConfigError naming the key and why (:func:`refuse_unsuppor
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from ...config.yaml_files import load_text, read_config_text
 from ...errors import ConfigError, shown
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
 from .held_out import check_val_size
@@ -40,8 +42,14 @@ def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, A
         raise ConfigError(f"config file {shown(config)}: not found")
     if not config.endswith((".yaml", ".yml")):
         raise ConfigError(f"config file {shown(config)}: allowed: a .yaml / .yml file, as llamafactory-cli train takes")
+    # bounded first (size, aliases, nesting: config/yaml_files.py), as our own yaml is; OmegaConf would expand
+    # an alias chain or recurse into a self-referencing alias
+    text = read_config_text(config)
+    load_text(text, f"config file {shown(config)}")
+    for item in overrides:
+        load_text(item.partition("=")[2], f"override {shown(item)}")
     try:
-        merged = OmegaConf.merge(OmegaConf.load(os.path.abspath(config)), OmegaConf.from_cli(list(overrides)))
+        merged = OmegaConf.merge(OmegaConf.load(io.StringIO(text)), OmegaConf.from_cli(list(overrides)))
         args = OmegaConf.to_container(merged)
     except (OmegaConfBaseException, ValueError, OSError) as e:
         raise ConfigError(f"config file {shown(config)} with overrides {shown(overrides)}: {type(e).__name__}: {e}") from None
