@@ -307,7 +307,7 @@ def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(tw
     finish(state_dir, 2)
 
     cached = {**section, "cache_dir": str(tmp_path / "cache")}
-    assert cli_main(["warmup", _yaml(tmp_path, cached), "--from", str(ckpt), "--samples", "90", "--no-progress"]) == 0
+    assert cli_main(["warmup", _yaml(tmp_path, cached), "--resume-from", str(ckpt), "--samples", "90", "--no-progress"]) == 0
     assert "fetched" in capsys.readouterr().err
     for rank in range(2):
         s = MixtureStream(StreamConfig.from_dict(cached), rank=rank, world_size=2, index_from=str(ckpt))
