@@ -397,7 +397,12 @@ def cmd_llamafactory(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import report
 
-    report(args.run_dir, args.output, compare=args.compare)
+    comparison = None
+    if args.compare is not None:
+        from .compare_runs import compare
+
+        comparison = compare(args.run_dir, args.compare)
+    report(args.run_dir, args.output, comparison=comparison)
     return 0
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import RunLogError
-from .report import RunLog, _read_bytes, _step, number, read_log
+from .report import RunLog, number, read_log, read_log_bytes, record_step
 
 CONSUMED_DIR = "consumed"
 _RANK_FILE = re.compile(r"rank-(\d{5})\.jsonl")
@@ -49,14 +49,14 @@ def read_consumed(run_dir: str) -> Consumed | None:
         if os.path.commonpath([real_dir, real]) != real_dir:
             raise RunLogError(f"{path!r}: a link to {real!r}, outside the run directory; refused")
         steps: dict[int, list] = {}
-        for raw in _read_bytes(path, real).split(b"\n"):
+        for raw in read_log_bytes(path, real).split(b"\n"):
             if not raw.strip():
                 continue
             try:
                 rec = json.loads(raw.decode("utf-8", errors="replace"))
             except (ValueError, RecursionError):
                 rec = None
-            step = _step(rec)
+            step = record_step(rec)
             if step is None or not isinstance(rec.get("samples"), list):
                 out.damaged += 1
                 continue
@@ -67,10 +67,11 @@ def read_consumed(run_dir: str) -> Consumed | None:
 
 @dataclass
 class Comparison:
-    """This run against ``other``: ``loss_diff`` (step, this - other) at the steps both logged a loss;
+    """This run (``log``) against ``other``: ``loss_diff`` (step, this - other) at the steps both logged a loss;
     ``same_samples`` step -> every rank both runs logged consumed the same samples (None: a run kept no consumed
-    log); ``ranks``: the ranks compared."""
+    log); ``ranks``: the ranks compared. Drawn and summarized by report.py."""
 
+    log: RunLog
     other: RunLog
     name: str
     loss_diff: list[tuple[int, float]]
@@ -87,8 +88,9 @@ class Comparison:
         return max(self.loss_diff, key=lambda p: abs(p[1]), default=None)
 
 
-def compare(run_dir: str, log: RunLog, other_dir: str) -> Comparison:
-    other = read_log(other_dir)
+def compare(run_dir: str, other_dir: str) -> Comparison:
+    """RUN_DIR's run against OTHER_DIR's: their logs (report.read_log, with its checks) and consumed logs."""
+    log, other = read_log(run_dir), read_log(other_dir)
     mine = {r["step"]: v for r in log.training if (v := number(r.get("loss"))) is not None}
     theirs = {r["step"]: v for r in other.training if (v := number(r.get("loss"))) is not None}
     diff = [(s, mine[s] - theirs[s]) for s in sorted(mine.keys() & theirs.keys())]
@@ -102,67 +104,4 @@ def compare(run_dir: str, log: RunLog, other_dir: str) -> Comparison:
         steps = sorted(set.intersection(*(set(a.ranks[r]) & set(b.ranks[r]) for r in ranks))) if ranks else []
         same = {s: all(a.ranks[r][s] == b.ranks[r][s] for r in ranks) for s in steps}
     name = os.path.basename(os.path.abspath(other_dir))
-    return Comparison(other, name, diff, same, ranks, damaged)
-
-
-def summary_rows(c: Comparison) -> list[tuple[str, str]]:
-    """The summary's lines about the comparison."""
-    from .report import _fmt
-
-    rows = [("compared with", f"{c.other.path} ({len(c.loss_diff)} steps logged by both)"),
-            ("loss difference max", _loss_difference(c, _fmt))]
-    if c.same_samples is None:
-        rows.append(("same samples", "not recorded (a run without consumed/rank-*.jsonl: data.consumed_log)"))
-    else:
-        n, same = len(c.same_samples), sum(c.same_samples.values())
-        first = c.first_difference
-        rows.append(("same samples", f"{same} of {n} steps (ranks {', '.join(map(str, c.ranks)) or 'none'})"
-                     + (f"; first difference at step {first}" if first is not None else "")))
-    return rows
-
-
-def _loss_difference(c: Comparison, fmt) -> str:
-    largest = c.largest_loss_difference
-    if largest is None:
-        return "no step logged by both"
-    if largest[1] == 0:
-        return f"0 (equal losses at all {len(c.loss_diff)} steps)"
-    return f"{fmt(largest[1])} (step {largest[0]})"
-
-
-def metadata(c: Comparison) -> dict[str, str]:
-    return {"compared log": c.other.path, "compared log blake2b": c.other.digest}
-
-
-def draw_panel(ax, c: Comparison, colours: dict[str, str]) -> None:
-    """The loss difference (this - other) at each common step, and on a second axis whether the step consumed
-    the same samples (1) or not (0)."""
-    from .report import _legend, _line, drawable
-
-    diff = [(s, v) for s, v in c.loss_diff if drawable(v) is not None]
-    _line(ax, diff, f"loss - loss of {c.name}", color=colours["loss_difference"])
-    ax.axhline(0.0, color="0.5", linewidth=0.8)
-    ax.set_ylabel(f"vs {c.name}"[:40])
-    twins = []
-    if c.same_samples:
-        twin = ax.twinx()
-        steps = sorted(c.same_samples)
-        values = [1.0 if c.same_samples[s] else 0.0 for s in steps]
-        twin.plot(steps, values, drawstyle="steps-mid", color=colours["same_samples"], linewidth=1.2,
-                  label="same consumed samples (1) / not (0)")
-        differ = [s for s in steps if not c.same_samples[s]]
-        if differ:
-            twin.plot(differ, [0.0] * len(differ), "x", color=colours["samples_differ"], label="samples differ")
-        twin.set_ylim(-0.1, 1.4)           # room above "same" for the text
-        twin.set_yticks([0, 1], ["differ", "same"])
-        twins.append(twin)
-    n = len(c.same_samples or {})
-    same = sum((c.same_samples or {}).values())
-    first = c.first_difference
-    text = ("consumed samples: not recorded (no consumed/ log in one of the runs)" if c.same_samples is None
-            else f"same consumed samples at {same} of {n} steps"
-            + (f" (first difference at step {first})" if first is not None else ""))
-    text += "; loss difference max " + _loss_difference(c, lambda v: f"{v:.3g}")
-    ax.text(0.01, 0.97, text, transform=ax.transAxes, ha="left", va="top", fontsize=8, color="0.2")
-    _legend(ax, *twins, loc="lower right")
-
+    return Comparison(log, other, name, diff, same, ranks, damaged)

@@ -127,7 +127,8 @@ def _not_drawable(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and drawable(value) is None
 
 
-def _step(rec) -> int | None:
+def record_step(rec) -> int | None:
+    """A record's ``step``: an int in 0..MAX_STEP, else None."""
     step = rec.get("step") if isinstance(rec, dict) else None
     ok = isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
     return step if ok else None
@@ -148,7 +149,7 @@ def log_path(run_dir: str) -> tuple[str, str]:
     return path, real
 
 
-def _read_bytes(path: str, real: str) -> bytes:
+def read_log_bytes(path: str, real: str) -> bytes:
     """The bytes of ``real`` (``path`` resolved); only a regular file (a FIFO or device is refused, never
     waited on), at most MAX_LOG_BYTES."""
     try:
@@ -170,7 +171,7 @@ def read_log(run_dir: str) -> RunLog:
     after a resume names its checkpoint (``resumed_from: "checkpoint-N"``: a resume point at step N); an
     evaluation line has ``eval_*`` keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
     path, real = log_path(run_dir)
-    data = _read_bytes(path, real)
+    data = read_log_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
     by_step: dict[int, dict] = {}
     for number_, raw in enumerate(data.split(b"\n"), 1):   # only "\n" ends a line, as the writer's
@@ -181,7 +182,7 @@ def read_log(run_dir: str) -> RunLog:
             rec = json.loads(line)
         except (ValueError, RecursionError):   # not JSON; nested too deeply
             rec = None
-        step = _step(rec)
+        step = record_step(rec)
         if step is None:
             log.damaged.append(number_)
         elif "loss" in rec:
@@ -496,9 +497,7 @@ def figure(log: RunLog, comparison=None):
     if sources:
         _mixture_panel(axes[6], log, sources)
     if comparison is not None:
-        from .compare_runs import draw_panel
-
-        draw_panel(axes[-1], comparison, COLOURS)
+        _comparison_panel(axes[-1], comparison)
     axes[-1].set_xlabel("step")
 
     steps = [r["step"] for r in log.training] + log.resumes
@@ -516,6 +515,59 @@ def figure(log: RunLog, comparison=None):
             _legend(ax)
         ax.grid(True, alpha=0.3)
     return fig
+
+
+def _loss_difference(comparison, fmt=_fmt) -> str:
+    largest = comparison.largest_loss_difference
+    if largest is None:
+        return "no step logged by both"
+    if largest[1] == 0:
+        return f"0 (equal losses at all {len(comparison.loss_diff)} steps)"
+    return f"{fmt(largest[1])} (step {largest[0]})"
+
+
+def comparison_rows(comparison) -> list[tuple[str, str]]:
+    """The summary's lines about a :class:`~resumable_stream.app.compare_runs.Comparison`."""
+    c = comparison
+    rows = [("compared with", f"{c.other.path} ({len(c.loss_diff)} steps logged by both)"),
+            ("loss difference max", _loss_difference(c))]
+    if c.same_samples is None:
+        rows.append(("same samples", "not recorded (a run without consumed/rank-*.jsonl: data.consumed_log)"))
+    else:
+        first = c.first_difference
+        rows.append(("same samples", f"{sum(c.same_samples.values())} of {len(c.same_samples)} steps (ranks "
+                     f"{', '.join(map(str, c.ranks)) or 'none'})"
+                     + (f"; first difference at step {first}" if first is not None else "")))
+    return rows
+
+
+def _comparison_panel(ax, c) -> None:
+    """Against the other run: the loss difference (this - other) at each step both logged and, on a second axis,
+    whether the step consumed the same samples (1) or not (0)."""
+    diff = [(s, v) for s, v in c.loss_diff if drawable(v) is not None]
+    _line(ax, diff, f"loss - loss of {c.name}".replace("$", r"\$"), color=COLOURS["loss_difference"])
+    ax.axhline(0.0, color="0.5", linewidth=0.8)
+    ax.set_ylabel(f"vs {c.name}"[:40].replace("$", r"\$"))
+    twins = []
+    if c.same_samples:
+        twin = ax.twinx()
+        steps = sorted(c.same_samples)
+        twin.plot(steps, [1.0 if c.same_samples[s] else 0.0 for s in steps], drawstyle="steps-mid",
+                  color=COLOURS["same_samples"], linewidth=1.2, label="same consumed samples (1) / not (0)")
+        differ = [s for s in steps if not c.same_samples[s]]
+        if differ:
+            twin.plot(differ, [0.0] * len(differ), "x", color=COLOURS["samples_differ"], label="samples differ")
+        twin.set_ylim(-0.1, 1.4)           # room above "same" for the text
+        twin.set_yticks([0, 1], ["differ", "same"])
+        twins.append(twin)
+    first = c.first_difference
+    text = ("consumed samples: not recorded (no consumed/ log in one of the runs)" if c.same_samples is None
+            else f"same consumed samples at {sum(c.same_samples.values())} of {len(c.same_samples)} steps"
+            + (f" (first difference at step {first})" if first is not None else ""))
+    text += "; loss difference max " + _loss_difference(c, lambda v: f"{v:.3g}")
+    ax.text(0.01, 0.97, text.replace("$", r"\$"), transform=ax.transAxes, ha="left", va="top", fontsize=8,
+            color="0.2")
+    _legend(ax, *twins, loc="lower right")
 
 
 def _mixture_panel(ax, log: RunLog, sources: list[str]) -> None:
@@ -547,9 +599,8 @@ def draw(log: RunLog, png: str, comparison=None) -> None:
         META_PREFIX + "resume steps": json.dumps(log.resumes),
     }
     if comparison is not None:
-        from .compare_runs import metadata as compared
-
-        metadata.update({META_PREFIX + k: v for k, v in compared(comparison).items()})
+        metadata.update({META_PREFIX + "compared log": comparison.other.path,
+                         META_PREFIX + "compared log blake2b": comparison.other.digest})
     tmp = os.path.join(os.path.dirname(os.path.abspath(png)), f".{os.path.basename(png)}.tmp-{os.getpid()}")
     try:
         fig.savefig(tmp, format="png", dpi=DPI, metadata=metadata)
@@ -563,22 +614,18 @@ def draw(log: RunLog, png: str, comparison=None) -> None:
             os.remove(tmp)
 
 
-def report(run_dir: str, png: str | None = None, out=None, err=None, compare: str | None = None) -> dict:
+def report(run_dir: str, png: str | None = None, out=None, err=None, comparison=None) -> dict:
     """Read RUN_DIR's log, draw ``png`` (default RUN_DIR/report.png) and print the summary on ``out`` (and the
-    damaged-line warning on ``err``); ``compare``: another run's directory to draw beside it
-    (:mod:`.compare_runs`). Returns the summary's figures."""
+    damaged-line warning on ``err``); ``comparison``: this run against another
+    (:func:`resumable_stream.app.compare_runs.compare`), drawn and summarized beside it. Returns the summary's
+    figures."""
     out, err = out or sys.stdout, err or sys.stderr
-    log = read_log(run_dir)
+    log = comparison.log if comparison is not None else read_log(run_dir)
     if not log.training:
         raise RunLogError(f"{log.path!r}: no training lines (records with step and loss) to report"
                           + (f"; {len(log.damaged)} damaged lines skipped" if log.damaged else ""))
-    comparison = None
-    if compare is not None:
-        from .compare_runs import compare as compare_runs
-
-        comparison = compare_runs(run_dir, log, compare)
-        if not comparison.other.training:
-            raise RunLogError(f"--compare {compare!r}: {comparison.other.path!r} has no training lines to compare")
+    if comparison is not None and not comparison.other.training:
+        raise RunLogError(f"--compare: {comparison.other.path!r} has no training lines to compare")
     png = png or os.path.join(run_dir, DEFAULT_PNG)
     if os.path.isdir(png):
         raise RunLogError(f"-o {png!r}: a directory; give a file name such as {os.path.join(png, DEFAULT_PNG)!r}")
@@ -598,9 +645,7 @@ def report(run_dir: str, png: str | None = None, out=None, err=None, compare: st
     summary = summarize(log)
     text = format_summary(summary, png)
     if comparison is not None:
-        from .compare_runs import summary_rows
-
-        rows = summary_rows(comparison)
+        rows = comparison_rows(comparison)
         text += "".join(f"{name + ':':<24}{value}\n" for name, value in rows)
         summary["compared"] = dict(rows)
         summary["same_samples"] = comparison.same_samples

@@ -493,7 +493,7 @@ def test_compare_draws_same_as_uninterrupted_as_a_picture(tmp_path, capsys):
         assert im.size == (1000, 1750)
         with open(os.path.join(ref, LOG_NAME), "rb") as f:
             assert im.info[META_PREFIX + "compared log blake2b"] == hashlib.blake2b(f.read()).hexdigest()
-    fig = figure(read_log(resumed), compare(resumed, read_log(resumed), ref))
+    fig = figure(read_log(resumed), compare(resumed, ref))
     assert "loss of uninterrupted" in [line.get_label() for line in fig.axes[0].get_lines()]
     assert "same consumed samples at 20 of 20 steps; loss difference max 0" in _panel_texts(fig.axes[6])
 
@@ -504,7 +504,7 @@ def test_compare_names_the_first_step_that_differs(tmp_path, capsys):
     ref = _run_with_consumed(tmp_path / "a", losses, samples)
     other = _run_with_consumed(tmp_path / "b", {**losses, 7: losses[7] + 0.25, 8: losses[8] - 0.5},
                                {**samples, 7: ["0:99"], 9: ["0:98"]})
-    summary = report(other, compare=ref, out=io.StringIO())
+    summary = report(other, comparison=compare(other, ref), out=io.StringIO())
     assert summary["compared"]["same samples"] == "8 of 10 steps (ranks 0); first difference at step 7"
     assert summary["compared"]["loss difference max"] == "-0.5 (step 8)"
     assert [s for s, same in sorted(summary["same_samples"].items()) if not same] == [7, 9]

@@ -287,7 +287,8 @@ def test_index_command_names_the_source_it_cannot_index(two_sites, tmp_path, cap
                                "data_files": write_jsonl_dataset(str(tmp_path / "j"), 20, 2)})
     assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "data.sources[2].dataset_name_or_path" in err and "config/formats.py are indexed" in err and "parquet, webdataset" in err
+    assert "data.sources[2].dataset_name_or_path" in err and "which has no dataset index" in err
+    assert "(parquet, webdataset; docs/formats.md)" in err and ".py" not in err
     assert not (tmp_path / "idx").exists()         # nothing written unless every source is indexed
 
 

@@ -113,7 +113,8 @@ def test_config_defaults_and_own_keys_only():
                  "packing": False, "packing_mode": "concat", "overlong": "truncate", "empty": "skip",
                  "add_eos": True, "id_column": None,
                  "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error",
-                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False, "columns": None, "tags": None,
+                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False, "max_image_pixels": None,
+                 "columns": None, "tags": None,
                  "map": None, "map_version": None}
     assert tuple(d) == TransformConfig.KEYS
     assert TransformConfig.from_dict(None) == TransformConfig()
