@@ -88,10 +88,11 @@ class UnknownKeyError(ConfigError):
     command-line override can be named as the user typed it. ``tail``: text after the hint."""
 
     def __init__(self, section: str, key: str, known, tail: str = ""):
-        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6) if len(key) <= 200 else []
         self.section, self.key, self.suggestion = section, key, (close[0] if close else None)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        super().__init__(f"{section}.{key}: unknown key{hint}{tail}")
+        shown_key = key if len(key) <= 200 else shown(key)     # a key of megabytes is cut too
+        super().__init__(f"{section}.{shown_key}: unknown key{hint}{tail}")
 
 
 class SourceError(ResumableStreamError):

@@ -265,6 +265,9 @@ def test_error_messages_show_a_huge_value_cut_short_without_expanding_it():
     with pytest.raises(ConfigError) as e:
         StreamConfig(dataset_name_or_path="x", buffer_size=nested)
     assert len(str(e.value)) < 600
+    with pytest.raises(ConfigError, match=r"^data\.'k+\.\.\.k+': unknown key") as e:     # a key of a megabyte
+        StreamConfig.from_dict({"dataset_name_or_path": "x", "k" * 10**6: 1})
+    assert len(str(e.value)) < 2000
 
 
 # ------------------------------------------------------------------------------ 4. images
