@@ -371,11 +371,14 @@ def _index_summary(path: str, source) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..config.trainer import TrainerConfig
     from .preflight import check_training_data
 
-    # the data files, split, resume state and checkpoint before anything heavy is imported (transformers for the
-    # train: section's check, the model); run_training checks them again, as any caller of it gets them
+    # the data files, split, resume state and checkpoint, then every key (the model's before the train: section's
+    # check imports transformers), before the trainer's imports; run_training checks them again, as any caller
+    # of it gets them
     check_training_data(args.config, args.overrides)
+    TrainerConfig.from_yaml(args.config, args.overrides)
     from .train import run_training
 
     run_training(args.config, args.overrides)
