@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore bench bench-peers clean
+.PHONY: demo stream-demo test test-fast test-floors test-llamafactory test-mindspore test-veomni bench bench-peers clean
 
 TORCH ?= 2.13.0
 
@@ -14,12 +14,13 @@ $(VENV)/.base: pyproject.toml .ci/install-torch
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	.ci/install-torch $(PY) $(TORCH)
-	$(PY) -m pip install -q -e '.[report]'
+	echo "torch==$(TORCH)" > $(VENV)/constraints.txt    # nothing installed later may move torch
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[report]'
 	touch $@
 
 # + the dev extra (pytest, ruff, hypothesis, moto, s3fs, torchdata, ...): the tests and benchmarks
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	touch $@
 
 # OUT=dir keeps the demo's runs there (default: a temporary directory, removed)
@@ -51,6 +52,10 @@ test-llamafactory:
 test-mindspore: $(VENV)/.installed
 	PYTHON=$(PYTHON) RS_TORCH_PYTHON=$(abspath $(PY)) .ci/mindspore
 
+# a fifth venv (.venv-veomni) with veomni==0.1.12 (torch 2.13.0 CPU, transformers 5.9.0): tests/against_veomni
+test-veomni:
+	PYTHON=$(PYTHON) .ci/veomni
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/resume_cost.py
@@ -66,4 +71,4 @@ bench-peers: .venv-bench/.installed
 	.venv-bench/bin/python benchmarks/peers.py
 
 clean:
-	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-mindspore .venv-bench .bench .pytest_cache
+	rm -rf $(VENV) .venv-floors .venv-llamafactory .venv-mindspore .venv-veomni .venv-bench .bench .pytest_cache

@@ -6,10 +6,11 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, ResumableStreamError, SidecarError, SourceError, StreamMismatchError
-from .runtime import moved_modules
 
 if TYPE_CHECKING:
     from .config.stream_config import MixtureConfig, StreamConfig
+    from .integrations.checkpoints import Checkpoints
+    from .loader import StreamLoader
     from .stream.base import Stream
     from .stream.mixture import MixtureStream, open_stream
     from .stream.single import ResumableStream
@@ -23,6 +24,8 @@ _LAZY = {
     "MixtureStream": "stream.mixture",
     "open_stream": "stream.mixture",
     "Stream": "stream.base",
+    "StreamLoader": "loader",
+    "Checkpoints": "integrations.checkpoints",
 }
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "MixtureStream",
     "open_stream",
     "Stream",
+    "StreamLoader",
+    "Checkpoints",
     "ConfigError",
     "StreamMismatchError",
     "SidecarError",
@@ -53,5 +58,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
-
-moved_modules.install()   # the module names of 0.x (runtime/moved_modules.py)

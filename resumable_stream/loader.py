@@ -18,7 +18,9 @@ every partition continues from its cursor and the rotations start afresh.
 from __future__ import annotations
 
 import functools
+import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -38,8 +40,8 @@ from .observe.mixture_counts import (
 from .observe.progress import epoch_position, mean_position
 from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
-from .state import checkpoint
 from .state.checks import same_topology
+from .state.job_state import decode_state_dict, encode_state_dict, gather_job_state
 from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
 
@@ -260,11 +262,11 @@ class _BatchProducer(IterableDataset):
     def _item(self, partition: int, batch: list, keys: list[str], proc,
               runs: list[list[tuple[int, int]]] | None = None) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
-        if proc is not None:     # a state of its own (the stream's may be handed out again while unmoved)
-            snapshot = replace(snapshot, extra=proc.state())
         collated = self.collate_fn(batch)
         item = {"batch": collated, "partition": partition, "snapshot": snapshot, "keys": keys,
                 "samples": len(batch), "tokens": token_count(collated)}
+        if proc is not None:     # the transform's carry after this batch (its state, beside the stream's)
+            item["carry"] = proc.state()
         if self.labels is not None:
             now = consumed_by_source(snapshot)
             item["source_samples"] = [a - b for a, b in zip(now, self._source_consumed[partition])]
@@ -273,6 +275,26 @@ class _BatchProducer(IterableDataset):
             if self.source_ids and runs is not None:
                 _add_source_ids(collated, runs)
         return item
+
+
+def _check_lightning_prefetch(trainer_prefetch: int) -> None:
+    """Lightning's fit loop saves the loader's state while it holds batches it took ahead of the one it trains on
+    (its ``_PrefetchDataFetcher``: 1 for a loader without a length): a ``trainer_prefetch`` that does not say so
+    would resume past a batch never trained on. Found by the caller's frame, only when Lightning saves."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "on_save_checkpoint" and code.co_filename.replace("\\", "/").endswith(
+                ("lightning/pytorch/loops/fit_loop.py", "pytorch_lightning/loops/fit_loop.py")):
+            fetcher = getattr(frame.f_locals.get("self"), "_data_fetcher", None)
+            ahead = len(getattr(fetcher, "batches", ()))
+            if ahead != trainer_prefetch:
+                raise ConfigError(
+                    f"trainer_prefetch: got {trainer_prefetch}; Lightning's fit loop holds {ahead} batch(es) taken "
+                    "ahead of the one it trains on when it saves this state: create the StreamLoader with "
+                    f"trainer_prefetch={ahead}, so that the checkpoint resumes at the batch after the one trained")
+            return
+        frame = frame.f_back
 
 
 class StreamLoader:
@@ -286,12 +308,23 @@ class StreamLoader:
     ``keep_keys``: keep the sample keys of the batches handed out for :meth:`pop_consumed_keys` (a consumed
     log); set it (or the attribute) before iterating. Off, the loader keeps nothing per batch, only the
     last snapshot of each partition, so its memory does not grow with the batches consumed.
+
+    ``trainer_prefetch``: batches the training loop takes from the loader before it trains on the one before
+    them (Lightning's fit loop over a loader without a length: 1): a batch counts as consumed only once that
+    many more were taken, so a checkpoint saved during a step holds the batch trained on, not the one taken
+    ahead. At the end of a finite pass every batch taken counts.
+
+    ``per_rank_state``: :meth:`state_dict` returns this rank's state, without the collective that gathers the
+    job's: for trainers that save every rank's state themselves and take it from a background thread (VeOmni's
+    and HyperParallel's prefetchers ask for it after every batch, on each rank at its own moment, where a
+    collective would deadlock). A state of one rank resumes that rank only (another rank refuses it).
     """
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
                  processor_factory: Callable | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
-                 timeout: float = 0, keep_keys: bool = False, source_ids: bool = False):
+                 timeout: float = 0, keep_keys: bool = False, source_ids: bool = False, trainer_prefetch: int = 0,
+                 per_rank_state: bool = False):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ConfigError(f"batch_size: got {batch_size!r}; allowed: an integer >= 1")
         num_workers = stream.num_workers if num_workers is None else num_workers
@@ -305,12 +338,16 @@ class StreamLoader:
         self.pin_memory, self.timeout = pin_memory, timeout
         if processor_factory is not None:
             stream.transform_fingerprint = processor_factory().fingerprint()
-        self._consumed: dict[int, dict] = {}       # partition -> snapshot after its last consumed batch
-        self._carries: dict[int, dict] = {}        # loaded transform state, per partition
+        self._consumed: dict[int, Any] = {}        # partition -> the stream's snapshot after its last consumed batch
+        self._carries: dict[int, dict] = {}        # partition -> the transform's carry then (or as loaded)
         self._turn = 0                              # lane the next batch comes from
         self._lane_turns: list[int] = []           # per lane: partition (index in the lane) of its next batch
         self.keep_keys = keep_keys
         self.source_ids = source_ids
+        if not (isinstance(trainer_prefetch, int) and not isinstance(trainer_prefetch, bool) and trainer_prefetch >= 0):
+            raise ConfigError(f"trainer_prefetch: got {trainer_prefetch!r}; allowed: an integer >= 0")
+        self.trainer_prefetch = trainer_prefetch
+        self.per_rank_state = per_rank_state
         self._pending_keys: list[list[str]] = []   # only with keep_keys: emptied by pop_consumed_keys
         self.batches_consumed = 0
         self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
@@ -325,17 +362,24 @@ class StreamLoader:
         self._owner.claim()
         items = self.items()
         clock, counters = time.perf_counter, self.counters
+        taken: deque[dict[str, Any]] = deque()    # batches the training loop took ahead of the one it trains on
         while True:
             if self._restart:      # new weights: what the readers (workers) prefetched is dropped
                 self._restart = False
+                while taken:       # ... not what the training loop holds: it trains on those
+                    self.hand_out(taken.popleft())
                 items = self.items()
             asked = clock()
             item = next(items, None)   # the time the training loop waits for its batch
             if item is None:
+                while taken:
+                    self.hand_out(taken.popleft())
                 return
             counters.batch(clock() - asked, item["samples"], item["tokens"], item.get("source_samples"),
                            item.get("source_tokens"))
-            self.hand_out(item)
+            taken.append(item)
+            while len(taken) > self.trainer_prefetch:
+                self.hand_out(taken.popleft())
             yield item["batch"]
 
     def items(self) -> Iterator[dict[str, Any]]:
@@ -346,7 +390,7 @@ class StreamLoader:
         if self._iterated:
             # a new pass continues after the last batch handed out: the readers (and workers' processors)
             # of the previous pass may have run ahead of it
-            self.load_state_dict(self.state_dict(), where="the state after the last batch handed out")
+            self.load_state_dict(self.rank_state(), where="the state after the last batch handed out")
         self._iterated = True
         lanes = self.stream.lanes
         if len(self._lane_turns) != len(lanes):
@@ -357,7 +401,7 @@ class StreamLoader:
             # copies (this stream never moves), and building its windows here before they fork would only
             # read data and start prefetch threads in the parent
             for p in self.stream.partitions:
-                self._consumed.setdefault(p, self._start_snapshot(p))
+                self._consumed.setdefault(p, self.stream.partition_state(p))
         producer = _BatchProducer(self.stream, self.batch_size, self.collate_fn, self.processor_factory,
                                   self.key_fn, dict(self._carries), self._turn, list(self._lane_turns),
                                   self.keep_keys, self.source_ids)
@@ -379,6 +423,8 @@ class StreamLoader:
         j, i = self._place[p]
         lanes = self.stream.lanes
         self._consumed[p] = item["snapshot"]
+        if "carry" in item:
+            self._carries[p] = item["carry"]
         self._turn = (j + 1) % len(lanes)
         self._lane_turns[j] = (i + 1) % len(lanes[j])
         if self.keep_keys:
@@ -394,7 +440,7 @@ class StreamLoader:
         if not hasattr(self.stream, "set_weights"):
             raise ConfigError(f"set_weights: the stream is a {type(self.stream).__name__}; weights are a mixture's "
                               "(data.sources)")
-        snaps = {p: self._consumed.get(p) or self._start_snapshot(p) for p in self.stream.partitions}
+        snaps = {p: self._consumed.get(p) or self.stream.partition_state(p) for p in self.stream.partitions}
         starts = {p: snap.consumed for p, snap in snaps.items()}
         self.stream.set_weights(weights, starts=starts, step=step)
         self._consumed = {p: replace(snap, changes=[*snap.changes, starts[p]]) for p, snap in self._consumed.items()}
@@ -405,7 +451,7 @@ class StreamLoader:
         this rank's first partition (``MixtureStream.current_weights``; the stream's own readers, or its
         DataLoader workers, may be ahead)."""
         p = self.stream.partitions[0]
-        return self.stream.current_weights(p, self._consumed.get(p) or self._start_snapshot(p))
+        return self.stream.current_weights(p, self._consumed.get(p) or self.stream.partition_state(p))
 
     def set_epoch(self, epoch: int) -> None:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
@@ -473,56 +519,59 @@ class StreamLoader:
     def transform_states(self) -> dict[int, dict]:
         """Per partition of this rank, the transform's state (``meta``, ``tensors``) as of the last batch the
         training loop consumed (the loaded one before that; partitions without one are left out)."""
-        out = {}
-        for p in self.stream.partitions:
-            snap = self._consumed.get(p)
-            extra = (snap.extra if snap is not None else None) or self._carries.get(p)
-            if extra:
-                out[p] = extra
-        return out
+        return {p: self._carries[p] for p in self.stream.partitions if self._carries.get(p)}
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's state after the last batch handed out, nested (``state.sidecar``): the stream's part (its
+        partitions' cursors), the transform's (each partition's carry) and the loader's own (the batch rotation).
+        What :meth:`save_sidecar` writes; :meth:`state_dict` gathers every rank's."""
+        parts = {p: self._consumed.get(p) or self.stream.partition_state(p) for p in self.stream.partitions}
+        rank, lanes = self.stream.rank, self.stream.lanes
+        lane_turns = list(self._lane_turns) if len(self._lane_turns) == len(lanes) else [0] * len(lanes)
+        return {"stream": self.stream.state_dict(parts), "transform": self.transform_states(),
+                "loader": {"turns": {rank: self._turn}, "lane_turns": {rank: lane_turns}}}
 
     def state_dict(self) -> dict[str, Any]:
-        parts = {}
-        for p in self.stream.partitions:
-            snap = self._consumed.get(p)
-            parts[p] = snap if snap is not None else self._start_snapshot(p)
-        state = self.stream.state_dict(parts)
-        state["turn"] = self._turn
-        lanes = self.stream.lanes
-        if any(len(lane) > 1 for lane in lanes):
-            state["lane_turns"] = list(self._lane_turns) if len(self._lane_turns) == len(lanes) else [0] * len(lanes)
-        return state
-
-    def _start_snapshot(self, partition: int) -> Any:
-        """The state of a partition nothing was consumed from since start / resume: its reader's, with the
-        loaded transform carry."""
-        snap = self.stream.partition_state(partition)
-        if partition in self._carries:
-            snap = replace(snap, extra=self._carries[partition])
-        return snap
+        """The job's state after the last batch each rank handed out, as one plain value that any trainer keeps
+        as it is: ``{"resumable_stream_state": bytes}`` (a self-verifying sidecar, no pickle). It holds every
+        rank's partitions and rotation, gathered here with a collective under torch.distributed (every rank
+        calls ``state_dict()`` at a checkpoint: DCP, accelerate, Lightning do), so whichever rank's copy is
+        saved (rank 0's alone, every rank's, or DCP's one of them) restores every rank, and under
+        ``data.elastic`` a job of another size. Refused here, when it could not do that: several ranks
+        without an initialized process group (save each rank's with :meth:`save_sidecar` instead). With
+        ``per_rank_state``: this rank's state, in the same form, gathered by nobody."""
+        _check_lightning_prefetch(self.trainer_prefetch)
+        if self.per_rank_state:
+            return encode_state_dict(self.rank_state())
+        return encode_state_dict(gather_job_state(self.rank_state()))
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
-        """Restore cursors and transform carries; same ranks and workers also restore the batch rotation.
+        """Restore cursors, transform carries and, with the same ranks and workers, the batch rotation.
 
         Args:
-            state: a :meth:`state_dict` (of this rank; or, after an elastic change, gathered by
-                ``load_sidecar``).
+            state: a :meth:`state_dict` (the job's, any rank's copy), or a nested state (:meth:`rank_state`,
+                :meth:`read_sidecar`'s).
             where: how the state is named in errors.
         Raises:
-            StreamMismatchError: other data, transform, order settings or topology than the saved ones (named).
+            StreamMismatchError: other data, transform, order settings or topology than the saved ones (named);
+            SidecarError: a damaged or forged state.
         """
-        self.stream.load_state_dict(state, where)
-        mine = {int(p): ps for p, ps in state["partitions"].items() if int(p) in self.stream.partitions}
-        if self.processor_factory is None and any(ps.get("extra") for ps in mine.values()):
+        state = decode_state_dict(state, where)
+        self.stream.load_state_dict(state["stream"], where)
+        mine = set(self.stream.partitions)
+        carries = {int(p): c for p, c in (state.get("transform") or {}).items() if int(p) in mine and c}
+        if self.processor_factory is None and carries:
             raise StreamMismatchError(f"{where}: carries transform state (e.g. packed tokens) but this loader has "
                                       "no transform")
-        self._carries = {p: ps["extra"] for p, ps in mine.items() if ps.get("extra")}
+        self._carries = carries
         self._consumed = {}
         lanes = self.stream.lanes
         self._turn, self._lane_turns = 0, [0] * len(lanes)
-        if same_topology(state["topology"], self.stream.topology()):
-            self._turn = int(state.get("turn", 0)) % len(lanes)
-            saved = state.get("lane_turns")
+        loader = state.get("loader") or {}
+        rank = self.stream.rank
+        if same_topology(state["stream"]["topology"], self.stream.topology()):
+            self._turn = int(loader.get("turns", {}).get(rank, 0)) % len(lanes)
+            saved = loader.get("lane_turns", {}).get(rank)
             if saved is not None and len(saved) == len(lanes):
                 self._lane_turns = [int(t) % len(lane) for t, lane in zip(saved, lanes)]
 
@@ -530,10 +579,19 @@ class StreamLoader:
         """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
         or a directory (then ``rank-NNNNN.safetensors`` inside it, rank 0 adds the dataset index, plus the
         manifest when world_size is 1, or as ``manifest`` says)."""
-        return checkpoint.save(self.stream, path, self.state_dict(), manifest)
+        return self.stream.write_sidecar(path, self.rank_state(), manifest)
+
+    def read_sidecar(self, path: str) -> tuple[dict[str, Any], str]:
+        """(state, description) of this rank from a sidecar file, a stream_state dir or a checkpoint dir
+        (``ResumableStream.read_sidecar``)."""
+        return self.stream.read_sidecar(path)
 
     def load_sidecar(self, path: str) -> None:
         """Restore from a sidecar file, a stream_state dir or a checkpoint dir (gathered across rank files
         after an elastic change of ranks or workers; see ``ResumableStream.read_sidecar``)."""
-        state, where = checkpoint.read(self.stream, path)
+        state, where = self.read_sidecar(path)
         self.load_state_dict(state, where=where)
+
+    @property
+    def rank(self) -> int:
+        return self.stream.rank

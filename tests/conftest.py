@@ -26,9 +26,11 @@ from resumable_stream.testing import write_parquet_dataset  # noqa: E402
 # tests/against_llamafactory/ runs against the real llamafactory package, in the venv .ci/llamafactory builds
 # (with LLaMA-Factory's own pins); the main venv does not install it. The installed distribution decides (a
 # directory named like the package on sys.path would pass for it as a namespace package).
-# tests/against_mindspore/ likewise, in the torch-free venv .ci/mindspore builds.
+# tests/against_mindspore/ likewise, in the torch-free venv .ci/mindspore builds, and tests/against_veomni/ in
+# the venv .ci/veomni builds.
 collect_ignore_glob = []
-for _dist, _folder in (("llamafactory", "against_llamafactory"), ("mindspore", "against_mindspore")):
+for _dist, _folder in (("llamafactory", "against_llamafactory"), ("mindspore", "against_mindspore"),
+                       ("veomni", "against_veomni")):
     try:
         importlib.metadata.distribution(_dist)
     except importlib.metadata.PackageNotFoundError:

@@ -280,11 +280,10 @@ def check_command(argv: list[str]) -> None:
         _parse_cli(args)
         for a in args:
             _check_config_file(a)
-    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream.llamafactory ARGS
+    elif prog == "torchrun" and "-m" in args:         # torchrun ... -m resumable_stream ARGS: the CLI on each rank
         module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2:]
-        # the documented command; its module is resumable_stream.integrations.llamafactory (runtime/moved_modules.py)
-        assert module == "resumable_stream.llamafactory", f"unknown module {module}"
-        _parse_cli(["llamafactory", *rest])
+        assert module == "resumable_stream", f"unknown module {module}"
+        _parse_cli(rest)
         for a in rest:
             _check_config_file(a)
     elif prog in ("python", "torchrun"):
@@ -517,3 +516,25 @@ def test_the_name_check_catches_a_missing_name():
     assert _resolves("resumable_stream.state.checkpoint.save")
     assert not _resolves("resumable_stream.state.checkpoint.no_such_name")
     assert not _resolves("resumable_stream.no_such_module")
+
+
+# docs/trainers.md: every Python snippet is an excerpt (its lines, in order, whatever their indentation) of a file a
+# test runs, so what the page shows is what is tested
+TRAINER_SNIPPET_SOURCES = ("examples/own_trainer.py", "examples/torch_loop.py",
+                           "tests/_support/trainer_checkpoints_train.py", "examples/train_lm_mindspore.py")
+
+
+def _is_excerpt(body: str, source: str) -> bool:
+    want = [line.strip() for line in body.splitlines() if line.strip()]
+    have = [line.strip() for line in source.splitlines()]
+    return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def test_every_snippet_of_the_trainers_page_is_an_excerpt_of_a_tested_file():
+    sources = {name: _read(name) for name in TRAINER_SNIPPET_SOURCES}
+    blocks = [(line, body) for page, line, body in PY_BLOCKS if page == "docs/trainers.md"]
+    assert len(blocks) >= 12, blocks
+    for line, body in blocks:
+        assert any(_is_excerpt(body, text) for text in sources.values()), \
+            f"docs/trainers.md:{line}: not an excerpt of {', '.join(TRAINER_SNIPPET_SOURCES)}:\n{body}"
+    assert not _is_excerpt("loader = StreamLoader(stream, BATCH)", sources["examples/torch_loop.py"])

@@ -41,7 +41,7 @@ from resumable_stream.integrations.llamafactory.held_out import check_val_size
 from resumable_stream.integrations.llamafactory.media import checked_images
 from resumable_stream.io.net import RetryPolicy
 from resumable_stream.loader import StreamLoader
-from resumable_stream.state import checkpoint
+from resumable_stream.state import names, output_dir
 from resumable_stream.stream.datasets_draws import DatasetsDraws
 from resumable_stream.testing import synthetic_rows
 from resumable_stream.transforms import TransformConfig
@@ -365,32 +365,32 @@ def test_set_weights_from_another_thread_than_the_iterating_one_names_the_one_th
 # ------------------------------------------------------------------------------ 6. a manifest that is a symlink
 def _checkpoint(run, step: int) -> str:
     path = run / f"checkpoint-{step}"
-    os.makedirs(path / checkpoint.STATE_DIR)
-    (path / checkpoint.TRAINER_STATE).write_text(json.dumps({"global_step": step}))
+    os.makedirs(path / names.STATE_DIR)
+    (path / output_dir.TRAINER_STATE).write_text(json.dumps({"global_step": step}))
     return str(path)
 
 
 def test_a_manifest_that_is_a_symlink_or_no_regular_file_is_no_complete_checkpoint(tmp_path):
     """Such a checkpoint was taken as the newest complete one, ahead of an older good one."""
     good = _checkpoint(tmp_path, 10)
-    open(os.path.join(good, checkpoint.STATE_DIR, checkpoint.MANIFEST), "w").write("{}")
+    open(os.path.join(good, names.STATE_DIR, names.MANIFEST), "w").write("{}")
     linked = _checkpoint(tmp_path, 20)
-    os.symlink(os.path.join(good, checkpoint.STATE_DIR, checkpoint.MANIFEST),
-               os.path.join(linked, checkpoint.STATE_DIR, checkpoint.MANIFEST))
+    os.symlink(os.path.join(good, names.STATE_DIR, names.MANIFEST),
+               os.path.join(linked, names.STATE_DIR, names.MANIFEST))
     fifo = _checkpoint(tmp_path, 30)
-    os.mkfifo(os.path.join(fifo, checkpoint.STATE_DIR, checkpoint.MANIFEST))
+    os.mkfifo(os.path.join(fifo, names.STATE_DIR, names.MANIFEST))
     directory = _checkpoint(tmp_path, 40)
-    os.mkdir(os.path.join(directory, checkpoint.STATE_DIR, checkpoint.MANIFEST))
-    assert [checkpoint.is_complete(p) for p in (good, linked, fifo, directory)] == [True, False, False, False]
-    assert checkpoint.latest_complete_checkpoint(str(tmp_path)) == good
+    os.mkdir(os.path.join(directory, names.STATE_DIR, names.MANIFEST))
+    assert [output_dir.is_complete(p) for p in (good, linked, fifo, directory)] == [True, False, False, False]
+    assert output_dir.latest_complete_checkpoint(str(tmp_path)) == good
 
 
 def test_a_trainer_state_that_is_a_symlink_is_no_complete_checkpoint(tmp_path):
     good = _checkpoint(tmp_path, 10)
-    open(os.path.join(good, checkpoint.STATE_DIR, checkpoint.MANIFEST), "w").write("{}")
+    open(os.path.join(good, names.STATE_DIR, names.MANIFEST), "w").write("{}")
     linked = _checkpoint(tmp_path, 20)
-    open(os.path.join(linked, checkpoint.STATE_DIR, checkpoint.MANIFEST), "w").write("{}")
-    os.replace(os.path.join(linked, checkpoint.TRAINER_STATE), os.path.join(tmp_path, "elsewhere.json"))
-    os.symlink(os.path.join(tmp_path, "elsewhere.json"), os.path.join(linked, checkpoint.TRAINER_STATE))
-    assert checkpoint.latest_complete_checkpoint(str(tmp_path)) == good
+    open(os.path.join(linked, names.STATE_DIR, names.MANIFEST), "w").write("{}")
+    os.replace(os.path.join(linked, output_dir.TRAINER_STATE), os.path.join(tmp_path, "elsewhere.json"))
+    os.symlink(os.path.join(tmp_path, "elsewhere.json"), os.path.join(linked, output_dir.TRAINER_STATE))
+    assert output_dir.latest_complete_checkpoint(str(tmp_path)) == good
 

@@ -143,9 +143,9 @@ def _make_dry_run(target: str, venv) -> str:
 def test_the_demo_installs_the_package_without_the_dev_extra_and_the_tests_with_it(tmp_path):
     demo = _make_dry_run("demo", tmp_path / "venv")
     assert f".ci/install-torch {tmp_path}/venv/bin/python 2.13.0" in demo
-    assert "pip install -q -e '.[report]'\n" in demo and "[dev]" not in demo
+    assert "pip install -q -c " in demo and "-e '.[report]'\n" in demo and "[dev]" not in demo
     test = _make_dry_run("test", tmp_path / "venv")
-    assert ".ci/install-torch" in test and "pip install -q -e '.[dev]'" in test
+    assert ".ci/install-torch" in test and "-e '.[dev]'" in test and "constraints.txt" in test
 
 
 def test_pyproject_builds_without_a_setuptools_deprecation_warning():

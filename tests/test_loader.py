@@ -4,13 +4,12 @@ import itertools
 import os
 
 import pytest
-from helpers import parquet_config
+from helpers import parquet_config, through_sidecar
 from repo_paths import REPO_ROOT
 
-from resumable_stream import ResumableStream
+from resumable_stream import ConfigError, ResumableStream
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import open_source
-from resumable_stream.state.sidecar import decode_state, encode_state
 
 
 def _ids(batch):
@@ -36,23 +35,23 @@ def test_state_counts_consumed_not_prefetched_batches(setup, num_workers, consum
     loader = _make(cfg, source, num_workers)
     it = iter(loader)
     head = [_ids(next(it)) for _ in range(consumed)]
-    state = loader.state_dict()
+    state, state_dict = loader.rank_state(), loader.state_dict()
     # workers have prefetched ahead; the state must only count what was handed out
-    total = sum(ps["consumed"] for ps in state["partitions"].values())
+    total = sum(ps["consumed"] for ps in state["stream"]["partitions"].values())
     assert total == consumed * 8
     if num_workers == 2:
-        counts = sorted(ps["consumed"] for ps in state["partitions"].values())
+        counts = sorted(ps["consumed"] for ps in state["stream"]["partitions"].values())
         assert counts == sorted([((consumed + 1) // 2) * 8, (consumed // 2) * 8])
     # an uninterrupted run continues with exactly what a run resumed from this state yields
     more = [_ids(next(it)) for _ in range(12)]
     del it
     resumed = _make(cfg, source, num_workers)
-    resumed.load_state_dict(decode_state(encode_state(state)))
+    resumed.load_state_dict(through_sidecar(state))
     assert [_ids(b) for b in itertools.islice(resumed, 12)] == more
     # and the state is the same as that of another run stopped at the same batch
     other = _make(cfg, source, num_workers)
     assert [_ids(b) for b in itertools.islice(other, consumed)] == head
-    assert other.state_dict() == state
+    assert other.rank_state() == state and other.state_dict() == state_dict     # the same bytes too
     # 1000 rows, in 1 or 2 partitions of hundreds of rows read in turn: none wraps within 400 samples
     early = [i for b in head + more for i in b][:400]
     assert len(set(early)) == len(early), "a sample was handed out twice within the first epoch"
@@ -203,9 +202,9 @@ def test_stream_loader_save_sidecar_writes_the_manifest_of_one_rank(setup, tmp_p
 
 @pytest.mark.slow
 def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
-    """examples/torch_loop.py (shown verbatim in the README): 5 steps, then 7 in a new process, equal the
-    first 12 steps of one run; the prefetching workers never make the second run skip or repeat a batch."""
-    import json
+    """examples/torch_loop.py (shown verbatim in docs/python-api.md): 5 steps, then on to 12 in a new process,
+    equal the first 12 steps of one run, batches and losses; the prefetching workers never make the second run
+    skip or repeat a batch. Its Checkpoints keep the newest 2 complete checkpoints."""
     import subprocess
     import sys
 
@@ -220,8 +219,42 @@ def test_readme_torch_loop_resumes_in_a_new_process(tmp_path):
         r = subprocess.run([sys.executable, script, str(out), str(steps)], capture_output=True, text=True,
                            timeout=300, env={**os.environ, "PYTHONPATH": root})
         assert r.returncode == 0, r.stderr
-        return [json.loads(line.replace("'", '"')) for line in r.stdout.splitlines()]
+        return r.stdout.splitlines()          # "step [ids] loss" per step
 
-    first, second, whole = run(tmp_path / "a", 5), run(tmp_path / "a", 7), run(tmp_path / "b", 12)
-    assert len(whole) == 12 and all(len(b) == 8 for b in whole)
+    first, second, whole = run(tmp_path / "a", 5), run(tmp_path / "a", 12), run(tmp_path / "b", 12)
+    assert len(whole) == 12 and [line.split()[0] for line in first + second] == [str(s) for s in range(1, 13)]
     assert first + second == whole
+    assert sorted(os.listdir(tmp_path / "a")) == ["checkpoint-10", "checkpoint-12"]
+
+
+def test_checkpoints_of_a_plain_loop(setup, tmp_path):
+    """Checkpoints (resumable_stream.Checkpoints): a checkpoint is complete once the loader's state is written
+    after the block of the user's own files; one cut short (an exception in the block, or a kill) is passed over
+    and removed by the next resume; ``keep`` rotates; a step is saved once."""
+    from resumable_stream import Checkpoints
+
+    cfg, source = setup
+    reference = [_ids(b) for b in itertools.islice(_make(cfg, source, 0), 9)]
+    checkpoints = Checkpoints(tmp_path / "run", keep=2)
+    loader = _make(cfg, source, 0)
+    assert checkpoints.resume(loader) == 0 and checkpoints.latest() is None
+    for step, batch in enumerate(loader, start=1):
+        assert _ids(batch) == reference[step - 1]
+        if step in (2, 4, 6):
+            with checkpoints.save(step, loader) as path:
+                (tmp_path / "run" / f"checkpoint-{step}" / "model.bin").write_bytes(b"weights")
+                assert path == checkpoints.path(step)
+        if step == 7:
+            with pytest.raises(RuntimeError), checkpoints.save(step, loader):
+                raise RuntimeError("the disk filled while the model was written")
+            break
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-4", "checkpoint-6", "checkpoint-7"]
+    with pytest.raises(ConfigError, match="already a complete checkpoint"):
+        with checkpoints.save(6, loader):
+            pass
+    resumed = _make(cfg, source, 0)
+    again = Checkpoints(tmp_path / "run", required=("model.bin",))
+    assert again.resume(resumed) == 6 and sorted(os.listdir(tmp_path / "run")) == ["checkpoint-4", "checkpoint-6"]
+    assert [_ids(b) for b in itertools.islice(resumed, 3)] == reference[6:9]
+    with pytest.raises(ConfigError, match="keep: got 0"):
+        Checkpoints(tmp_path, keep=0)

@@ -129,7 +129,21 @@ def cmd_peek(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
+def _summarize_state(nested: dict[str, Any], full: bool) -> dict[str, Any]:
+    """A saved state for ``inspect``: the stream's part (per partition), and what the transform carries and
+    the loader's rotation when they are there."""
+    summary = _summarize_stream(nested["stream"], full)
+    if nested.get("transform"):
+        summary["transform_carries"] = {str(p): {"meta": c.get("meta", {}),
+                                                 "tensors": {k: list(v.shape) for k, v in c.get("tensors", {}).items()}}
+                                        for p, c in sorted(nested["transform"].items())}
+    if nested.get("loader"):
+        summary["loader"] = {k: {str(r): v for r, v in sorted(by_rank.items())}
+                             for k, by_rank in nested["loader"].items()}
+    return summary
+
+
+def _summarize_stream(state: dict[str, Any], full: bool) -> dict[str, Any]:
     from ..observe.progress import partition_progress
     from ..state.relocation import describe_files
 
@@ -140,7 +154,7 @@ def _summarize_state(state: dict[str, Any], full: bool) -> dict[str, Any]:
         return describe_state(state, full)
     ds = fp.get("dataset", {})
     summary = {
-        "format_version": state.get("file_format_version", state["format_version"]),
+        "format_version": state["format_version"],
         "topology": state["topology"],
         "dataset": {k: v for k, v in ds.items() if k != "files"},
         "files": describe_files(ds.get("files", []), full),
@@ -162,11 +176,12 @@ def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
     from ..observe.progress import partition_progress, progress_summary
 
-    if any(st["kind"] == "mixture" for st in states):   # data.sources: per source
+    streams = [st["stream"] for st in states]
+    if any(st["kind"] == "mixture" for st in streams):   # data.sources: per source
         from ..stream.mixture import mixture_progress
 
-        return mixture_progress(states)
-    return progress_summary([partition_progress(ps) for st in states for ps in st["partitions"].values()])
+        return mixture_progress(streams)
+    return progress_summary([partition_progress(ps) for st in streams for ps in st["partitions"].values()])
 
 
 def _check_rank_file(state: dict[str, Any], file: str) -> None:
@@ -177,13 +192,14 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
 
     named = rank_of_file_name(os.path.basename(file))
     if named is not None:
-        check_rank(state["topology"].get("rank"), named, f"sidecar {file!r}", whose="its file name says",
+        check_rank(state["stream"]["topology"].get("rank"), named, f"sidecar {file!r}", whose="its file name says",
                    cure="a rank file copied or renamed over another rank's, which a resume refuses too: put that "
                         "rank's own file back, or use another checkpoint", listed=False)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..state.checkpoint import checkpoint_dirs, latest_complete_checkpoint, saved_identities, state_dir_of
+    from ..state.checkpoint import saved_identities, state_dir_of
+    from ..state.output_dir import checkpoint_dirs, latest_complete_checkpoint
 
     path, picked = args.path, None
     if os.path.isdir(path) and state_dir_of(path) is None and checkpoint_dirs(path):   # a run's output_dir

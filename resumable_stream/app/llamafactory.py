@@ -18,7 +18,7 @@ A run whose newest complete checkpoint (or final ``trainer_state.json``) reached
 the command says so and changes nothing (LLaMA-Factory would save the freshly loaded model and an empty state
 over the finished outputs). ``FORCE_TORCHRUN=1`` (or several devices) launches torchrun as
 ``llamafactory-cli`` does, with the same environment variables (NNODES, NODE_RANK, NPROC_PER_NODE,
-MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream.integrations.llamafactory``.
+MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream llamafactory train``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..integrations.llamafactory import settings
-from ..state.checkpoint import TRAINER_STATE, latest_complete_checkpoint
+from ..state.output_dir import TRAINER_STATE, latest_complete_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     else:
         run += ["--nnodes", os.getenv("NNODES", "1"), "--node_rank", os.getenv("NODE_RANK", "0"),
                 "--nproc_per_node", nproc, "--master_addr", addr, "--master_port", port]
-    return run + ["-m", "resumable_stream.integrations.llamafactory", "train", config, *overrides], env
+    return run + ["-m", "resumable_stream", "llamafactory", "train", config, *overrides], env
 
 
 DATASET_INFO = "dataset_info.json"      # LLaMA-Factory's DATA_CONFIG
@@ -188,7 +188,7 @@ def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
     check_resume_state(ours.get("resume_state_path"), "resumable_stream.resume_state_path")
     explicit = args.get("resume_from_checkpoint")
     if isinstance(explicit, str) and explicit:
-        from ..state.checkpoint import check_complete
+        from ..state.output_dir import check_complete
 
         check_complete(explicit)
 

@@ -105,7 +105,7 @@ def check_stream(stream: StreamConfig | MixtureConfig | None, key: str = "data")
 def check_checkpoint(train: dict[str, Any]) -> None:
     explicit = train.get("resume_from_checkpoint")
     if isinstance(explicit, str) and explicit:
-        from ..state.checkpoint import check_complete
+        from ..state.output_dir import check_complete
 
         check_complete(explicit)
 

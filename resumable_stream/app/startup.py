@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from ..config.stream_config import MixtureConfig, StreamConfig
 from ..config.trainer import TrainerConfig
-from ..state.checkpoint import checkpoint_step
+from ..state.output_dir import checkpoint_step
 
 
 def _dataset(s: StreamConfig) -> str:

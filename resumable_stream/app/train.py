@@ -43,7 +43,7 @@ from ..loader import shard_row_key
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
-from ..state.checkpoint import check_complete, latest_complete_checkpoint, resume_latest
+from ..state.output_dir import check_complete, latest_complete_checkpoint, resume_latest
 from ..stream.mixture import MixtureStream, open_stream
 from .preflight import check_training_data
 from .startup import quiet_tied_weights, startup_summary

@@ -206,12 +206,13 @@ def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
     """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
     from ..state.checkpoint import find_state_dir, read_manifest, read_state_file, resolve_rank_state
 
-    if os.path.isfile(state_path):
-        topo = read_state_file(state_path)["topology"]
-        return int(topo["world_size"]), int(topo["num_workers"]), [int(topo["rank"])]
+    if os.path.isfile(state_path):     # one rank's file, or a job's (every rank's partitions)
+        topo = read_state_file(state_path)["stream"]["topology"]
+        world = int(topo["world_size"])
+        return world, int(topo["num_workers"]), list(range(world)) if topo["rank"] is None else [int(topo["rank"])]
     state_dir = find_state_dir(state_path)
     world = int(read_manifest(state_dir)["world_size"])
-    topo = resolve_rank_state(state_path, 0)[0]["topology"]
+    topo = resolve_rank_state(state_path, 0)[0]["stream"]["topology"]
     return world, int(topo["num_workers"]), list(range(world))
 
 
@@ -301,7 +302,7 @@ def _trace(make_stream, planners: list[_PlanningSource], ranks: list[int], sampl
         stream = make_stream(rank)
         if state_path:   # this rank's partitions, gathered from the old ranks' files after a topology change
             state, where = stream.read_sidecar(state_path)
-            stream.load_state_dict(state, where, verify_next_sample=False)   # row numbers, not the samples
+            stream.load_state_dict(state["stream"], where, verify_next_sample=False)   # row numbers, not the samples
         it = iter(stream)
         for i in range(samples):
             for planner in planners:

@@ -3,31 +3,19 @@
 The cache evicts blocks and sweeps value files no entry refers to, so pointed at the wrong directory
 (another diskcache, a dataset, a home directory) it would delete what is not its own. It marks a
 directory as a cache when it makes it (or finds it empty), with :data:`MARKER`, and refuses any other
-non-empty directory with a ConfigError naming it. A cache made by a version that wrote no marker yet is
-recognised by its contents (``cache.db`` whose every entry is a raw block key of ours, next to diskcache's
-value folders only) and marked then.
+non-empty directory with a ConfigError naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import sqlite3
-import urllib.parse
-from contextlib import closing
 
 from ..errors import ConfigError
 from ..io.safe_files import FileRefused, read_regular_file
-from .disk import DBNAME
 
 MARKER = "resumable-stream-cache.json"
 _MARK = {"format": "resumable-stream block cache", "version": 1}
-_OURS = re.compile(r"(cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2})\Z")
-# a block key: 32 hex digits (the namespace) / shard / block
-_FOREIGN_KEY = ("SELECT 1 FROM Cache WHERE raw != 1 OR typeof(key) != 'text' OR length(key) < 36 "
-                "OR substr(key, 33, 1) != '/' OR substr(key, 1, 32) GLOB '*[^0-9a-f]*' "
-                "OR substr(key, 34) NOT GLOB '[0-9]*/[0-9]*' LIMIT 1")
 
 
 def claim(directory: str) -> None:
@@ -44,7 +32,7 @@ def claim(directory: str) -> None:
         names = os.listdir(directory)
     except OSError:
         return
-    if names and not _legacy_cache(directory, names):
+    if names:
         shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ConfigError(
             f"data.cache_dir: {directory!r} is not empty ({shown}) and is not a resumable-stream block cache (it has "
@@ -65,16 +53,3 @@ def _is_marked(directory: str) -> bool:
     except (OSError, FileRefused, ValueError):
         return False
     return isinstance(mark, dict) and mark.get("format") == _MARK["format"]
-
-
-def _legacy_cache(directory: str, names: list[str]) -> bool:
-    """A cache an earlier version made (no marker): only diskcache's files, every entry a block key of ours."""
-    if DBNAME not in names or not all(_OURS.match(n) for n in names):
-        return False
-    # immutable: reading writes nothing next to it (no -shm / -wal in a directory that may not be ours)
-    uri = "file:" + urllib.parse.quote(os.path.join(directory, DBNAME)) + "?mode=ro&immutable=1"
-    try:
-        with closing(sqlite3.connect(uri, uri=True, timeout=1.0)) as con:
-            return con.execute(_FOREIGN_KEY).fetchone() is None
-    except sqlite3.Error:
-        return False

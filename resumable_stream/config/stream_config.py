@@ -517,3 +517,18 @@ class MixtureConfig:
         if changes:
             own["sources"] = tuple(s.replace(**changes) for s in own.get("sources", self.sources))
         return dataclasses.replace(self, **own)
+
+
+def not_a_config(config: Any, allowed: str) -> ConfigError:
+    """The error for something given where a config belongs; an opened ``datasets`` pipeline is told how it
+    maps onto a config (docs/trainers.md, "Moving a datasets streaming pipeline over")."""
+    kind = type(config)
+    if kind.__module__.split(".")[0] == "datasets":
+        return ConfigError(
+            f"config: got a datasets {kind.__name__} (a pipeline already opened); allowed: {allowed}. The stream "
+            "resolves, plans, seeks and verifies the files itself, so it takes what load_dataset was given as data: "
+            "keys (StreamConfig(dataset_name_or_path=..., name=..., data_files=..., split=..., shuffle=True, "
+            "shuffle_seed=..., buffer_size=...)), and a .map function of one row as TransformConfig(map=fn) or "
+            "data.map: 'module:function'; see docs/trainers.md, 'Moving a datasets streaming pipeline over'")
+    return ConfigError(f"config: got {kind.__name__}; allowed: {allowed}")
+

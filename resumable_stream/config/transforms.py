@@ -8,6 +8,7 @@ naming ``data.<key>``, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,7 +73,8 @@ _RULES: dict[str, tuple[Any, str]] = {
                 f"null or a mapping from {', '.join(COLUMN_KEYS)} to column names (LLaMA-Factory's names)"),
     "tags": (lambda v: _mapping_of_names(v, SHAREGPT_TAGS, nullable=False),
              f"null or a mapping from {', '.join(SHAREGPT_TAGS)} to non-empty strings"),
-    "map": (lambda v: v is None or isinstance(v, str), "null or 'package.module:function'"),
+    "map": (lambda v: v is None or isinstance(v, str) or callable(v),
+            "null, 'package.module:function', or (from Python) a function"),
     "map_version": (lambda v: v is None or _name(v) or _is_int(v), "null, a non-empty string or an integer"),
 }
 
@@ -109,8 +111,8 @@ class TransformConfig:
     - ``format: alpaca`` / ``sharegpt``: LLaMA-Factory's formats, read through ``columns`` (and ``tags`` for
       sharegpt) with LLaMA-Factory's names and defaults, turned into ``messages`` (``transforms.formats``).
       A row that does not fit follows ``bad_sample``.
-    - ``map``: "package.module:function" applied to every row first (``transforms.row_map``);
-      ``map_version`` replaces its source digest in the fingerprint.
+    - ``map``: "package.module:function" (or, from Python, the function itself) applied to every row first
+      (``transforms.row_map``); ``map_version`` replaces its source digest in the fingerprint.
     - ``sources``: a mixture's per-source settings (``SOURCE_TRANSFORM_KEYS`` over this config), by label.
     """
 
@@ -136,7 +138,7 @@ class TransformConfig:
     max_image_pixels: int | None = None     # None: Pillow's Image.MAX_IMAGE_PIXELS (transforms.vl.pixel_limit)
     columns: dict[str, str | None] | None = None
     tags: dict[str, str] | None = None
-    map: str | None = None
+    map: str | Callable | None = None
     map_version: str | int | None = None
     # data.sources[i]'s own settings (SOURCE_TRANSFORM_KEYS over the data section's): (label, config) pairs
     sources: tuple[tuple[str, TransformConfig], ...] = ()

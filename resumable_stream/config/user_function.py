@@ -16,9 +16,17 @@ from ..errors import ConfigError, shown
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+def function_name(fn: Callable) -> str:
+    """How a function given from Python is named in the fingerprint and errors: ``module:qualname``."""
+    return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
 def load_function(spec: Any, key: str = "data.map") -> Callable:
     """The callable ``spec`` ("package.module:function", the function may be dotted, e.g. Class.method)
-    names; ``ConfigError`` naming ``key`` when it cannot be imported or is not callable."""
+    names, or ``spec`` itself when it is one (given from Python); ``ConfigError`` naming ``key`` when it cannot
+    be imported or is not callable."""
+    if callable(spec):
+        return spec
     if not (isinstance(spec, str) and _SPEC.match(spec)):
         raise ConfigError(f"{key}: got {shown(spec)}; allowed: 'package.module:function' (a module importable from "
                           "PYTHONPATH, a colon, the function's name)")
@@ -50,8 +58,12 @@ def _code_digest(code: CodeType, h: Any) -> None:
             h.update(repr(const).encode())
 
 
-def function_identity(spec: str, fn: Callable, version: str | int | None, key: str = "data.map") -> dict[str, Any]:
-    """What the fingerprint records of the map function (module doc)."""
+def function_identity(spec: str | Callable, fn: Callable, version: str | int | None,
+                      key: str = "data.map") -> dict[str, Any]:
+    """What the fingerprint records of the map function (module doc): its name (a function given from Python:
+    ``module:qualname``) and its version, else a digest of its source (or code)."""
+    if callable(spec):
+        spec = function_name(spec)
     identity: dict[str, Any] = {"function": spec}
     if version is not None:
         identity["version"] = version

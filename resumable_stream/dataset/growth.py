@@ -125,7 +125,7 @@ def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
     furthest = 0
     for rank in range(int(manifest["world_size"])):
         state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
-        for ps in state["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
+        for ps in state["stream"]["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
             if source is not None:                   # a mixture's: {"mixture": ..., "sources": [...]}
                 sources = ps.get("sources") if isinstance(ps, dict) else None
                 ps = sources[source] if isinstance(sources, list) and source < len(sources) else None

@@ -1,1 +1,1 @@
-"""Our stream inside other frameworks: transformers' Trainer, LLaMA-Factory, MindSpore."""
+"""Our stream inside other frameworks: transformers' Trainer, LLaMA-Factory, MindSpore, VeOmni, HyperParallel."""

@@ -1,12 +1,12 @@
-"""The one checkpoint module: a stream's state on disk, a sidecar file or one save of a ``stream_state``
-directory, and a training run's checkpoints. Every integration (the Trainer, LLaMA-Factory, MindSpore), the
-CLI (``inspect``, ``peek``, ``warmup``) and the dataset's growth call it for directories, completeness,
-manifests and the saved index; nothing else reads a manifest. The bytes of a sidecar are
-:mod:`resumable_stream.state.sidecar`'s, the names of the files :mod:`resumable_stream.state.names`'.
+"""The stream_state directory and sidecar files: a saved state on disk. It takes values (a nested state, the
+dataset's fingerprint and indexes, a rank and a world size) and gives values back; it never sees a stream.
+The bytes of one state are :mod:`resumable_stream.state.sidecar`'s, the names of the files
+:mod:`resumable_stream.state.names`', which checkpoint of a run's output_dir resumes
+:mod:`resumable_stream.state.output_dir`'s.
 
 A directory save (what a checkpoint holds)::
 
-    rank-00000.safetensors ... rank-NNNNN.safetensors   each rank's partitions (cursors, digests, carries)
+    rank-00000.safetensors ... rank-NNNNN.safetensors   each rank's state (cursors, digests, carries, rotation)
     fingerprint.json                                    the dataset fingerprint, once (rank 0): a parquet
                                                         dataset's files as their count and digest (their
                                                         identities: the index's)
@@ -20,14 +20,9 @@ however many files the dataset has. Rank 0 writes what describes the dataset onc
 per job: a save whose fingerprint or index did not change since this process last wrote it links the
 earlier file instead of writing it again (a hard link; a copy where links are not possible).
 
-Reading a directory checks every file against the manifest, and after a change of ranks or workers
-(``data.elastic``) gathers the partitions a rank reads now from the files of the ranks that read them.
-Streams only have ``state_dict`` / ``load_state_dict``; their ``save_sidecar`` / ``load_sidecar`` and the
-loader's and Trainer integration's saves come here.
-
-A run's ``output_dir`` holds ``checkpoint-N/`` directories; one is complete when it has the Trainer's
-``trainer_state.json`` and a ``stream_state/`` whose manifest loads (:func:`check_complete`,
-:func:`latest_complete_checkpoint`); a restart removes the newer ones a kill cut short (:func:`resume_latest`).
+Reading (:func:`open_saved`) checks every file against the manifest. The caller (a stream) checks the state is
+its own and asks for one rank's file, or, after a change of ranks or workers (``data.elastic``), for the
+partitions it reads now, gathered from the files of the ranks that held them (:meth:`SavedState.gather`).
 """
 
 from __future__ import annotations
@@ -37,12 +32,9 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
-import shutil
-import stat
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import SidecarError
@@ -73,7 +65,7 @@ from .names import (
 from .sidecar import (
     FORMAT,
     FORMAT_VERSION,
-    READ_VERSIONS,
+    check_format,
     decode_state,
     encode_state,
     fingerprint_bytes,
@@ -88,27 +80,29 @@ _written: dict[tuple[str, str], tuple[str, int, int]] = {}
 
 
 # ------------------------------------------------------------------ saving
-def save(stream: Any, path: str | os.PathLike, state: dict[str, Any], manifest: bool | None = None) -> str:
-    """Write ``state`` (``stream``'s, or a loader's over it). ``path``: a ``.safetensors`` file (the whole
-    state, fingerprint included), or a stream_state directory (this rank's file of the next save; rank 0
-    adds the dataset's fingerprint and index). ``manifest``: complete the save now (default: when
-    world_size is 1; a multi-rank job calls :func:`finish` on rank 0 once every rank wrote its file)."""
+def save(path: str | os.PathLike, state: dict[str, Any], rank: int, world_size: int,
+         indexes: dict[str | None, dict] | None = None, manifest: bool | None = None) -> str:
+    """Write a nested state (``state.sidecar``) of ``rank`` of ``world_size``. ``path``: a ``.safetensors``
+    file (the whole state, fingerprint included), or a stream_state directory (this rank's file of the next
+    save; rank 0 adds the dataset's fingerprint and ``indexes``: the dataset index under None, a mixture
+    source's under its label). ``manifest``: complete the save now (default: when world_size is 1; a
+    multi-rank job calls :func:`finish` on rank 0 once every rank wrote its file)."""
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         return write_state_file(path, state)
-    fp, digest = _encoded_fingerprint(state["fingerprint"])
-    file = write_rank_file(path, stream.rank, state, digest)
-    if stream.rank == 0:
+    fp, digest = _encoded_fingerprint(state["stream"]["fingerprint"])
+    file = write_rank_file(path, rank, state, digest)
+    if rank == 0:
         write_shared(path, "fingerprint", fp)
         generation = generation_of(path) + 1
-        index = stream.source.index
-        if index is not None:       # packed (index_table) when its files are a table, else JSON
-            _write_index(path, "index", index, lambda ext: shared_file_name("index", generation, ext))
-        for label, source_index in getattr(stream.source, "indexes", {}).items():   # a mixture's, one per source
-            _write_index(path, f"index-{label}", source_index,
-                         lambda ext, label=label: source_index_file_name(label, generation, ext))
-    if stream.world_size == 1 if manifest is None else manifest:
-        finish(path, stream.world_size)
+        for label, index in sorted((indexes or {}).items(), key=lambda kv: kv[0] or ""):
+            if label is None:      # packed (index_table) when its files are a table, else JSON
+                _write_index(path, "index", index, lambda ext: shared_file_name("index", generation, ext))
+            else:
+                _write_index(path, f"index-{label}", index,
+                             lambda ext, label=label: source_index_file_name(label, generation, ext))
+    if world_size == 1 if manifest is None else manifest:
+        finish(path, world_size)
     return file
 
 
@@ -227,67 +221,88 @@ def _new_file_mode() -> int | None:
 
 
 # ------------------------------------------------------------------ reading
-def read(stream: Any, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    """(state, description) of ``stream``'s partitions from a sidecar file, a stream_state directory or a
-    checkpoint directory. Same topology: this rank's file. After a change of ranks or workers
-    (``data.elastic``): the partitions this rank reads now, gathered from the files of the ranks that read
-    them, every file checked against the manifest and the stream's fingerprint. The stream takes the saved
-    num_partitions when data.num_partitions is null."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        state, where = read_state_file(path), f"sidecar {path!r}"
-        with saved_identities(path):     # a rank file of a stream_state directory: the indexes saved there
-            stream.check_saved_identity(state, where)
-        return state, where
-    state_dir = find_state_dir(path)
-    with saved_identities(state_dir):
-        return _read_directory(stream, state_dir)
+class SavedState:
+    """A saved state as found at a path: a sidecar file, or the newest save of a stream_state directory (every
+    file checked against its manifest). ``first`` is the state a resume looks at first (the file; in a
+    directory the file of the rank asked for, else rank 0's): its stream part says the kind, fingerprint and
+    topology the caller checks before it takes :meth:`rank` or :meth:`gather`."""
+
+    def __init__(self, path: str | os.PathLike, rank: int = 0):
+        path = os.fspath(path)
+        self.path = path
+        if os.path.isfile(path):
+            self.state_dir, self.manifest, self.fingerprint = None, None, None
+            self.first, self.first_file = read_state_file(path), path
+        else:
+            self.state_dir = find_state_dir(path)
+            self.manifest = read_manifest(self.state_dir)
+            self.fingerprint = read_state_fingerprint(self.state_dir, self.manifest)
+            first = rank if rank_file_name(rank) in self.manifest["files"] else 0
+            self.first, self.first_file = read_rank_state(self.state_dir, self.manifest, first, self.fingerprint)
+        self.where = f"sidecar {self.first_file!r}"
+
+    @property
+    def stream(self) -> dict[str, Any]:
+        """The stream part of :attr:`first` (kind, fingerprint, topology, partitions)."""
+        return self.first["stream"]
+
+    def identities(self):
+        """A context in which the files of a compact fingerprint can be listed (:func:`saved_identities`)."""
+        return saved_identities(self.path)
+
+    def gather(self, partitions: Iterable[int]) -> tuple[dict[str, Any], str]:
+        """(state, description) of ``partitions`` after a change of ranks or workers: each taken from the state
+        that holds it (a job's state holds them all; else the files of the ranks that held them). The
+        rotations start afresh."""
+        mine = set(partitions)
+        saved = self.stream["topology"]
+        if saved["rank"] is None or self.state_dir is None:       # one state: all it has, or a clear error
+            return merge([self.first], mine, self.where), self.where
+        world = int(self.manifest["world_size"])
+        owners = sorted({partition_owner(p, saved["num_partitions"], world) for p in mine})
+        states = [self.first] + [read_rank_state(self.state_dir, self.manifest, r, self.fingerprint)[0]
+                                 for r in owners if r != saved["rank"]]
+        where = f"stream state {self.state_dir!r} (ranks {owners} of {world})"
+        return merge(states, mine, where), where
 
 
-def _read_directory(stream: Any, state_dir: str) -> tuple[dict[str, Any], str]:
-    manifest = read_manifest(state_dir)
-    fingerprint = read_state_fingerprint(state_dir, manifest)    # once for every rank file (format version 3)
-    first_rank = stream.rank if rank_file_name(stream.rank) in manifest["files"] else 0
-    first, first_file = read_rank_state(state_dir, manifest, first_rank, fingerprint)
-    where = f"sidecar {first_file!r}"
-    stream.check_saved_identity(first, where)
-    if stream.adopt_topology(first["topology"], where):
-        return first, where
-    # elastic: gather this rank's partitions from the ranks that read them before
-    mine = set(stream.partitions)
-    saved_world = int(manifest["world_size"])
-    owners = sorted({partition_owner(p, stream.num_partitions, saved_world) for p in stream.partitions})
-    states = [first]
-    for r in owners:
-        if r != first_rank:
-            state, file = read_rank_state(state_dir, manifest, r, fingerprint)
-            if fingerprint is None:    # older files carry their own fingerprints: each is checked
-                stream.check_saved_identity(state, f"sidecar {file!r}")
-            states.append(state)
-    where = f"stream state {state_dir!r} (ranks {owners} of {saved_world})"
-    return merge(states, mine, state_dir), where
+def open_saved(path: str | os.PathLike, rank: int = 0) -> SavedState:
+    """The saved state at ``path`` (a sidecar file, a stream_state directory or a checkpoint directory), first
+    looking at ``rank``'s file."""
+    return SavedState(path, rank)
 
 
-def merge(states: list[dict[str, Any]], partitions: set[int], state_dir: str) -> dict[str, Any]:
-    """One state of ``partitions`` gathered from rank states of one save (elastic resume): each partition is
-    taken from the rank that held it; the ranks must agree on the topology. The rotations start afresh."""
-    first = states[0]
+def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every: bool = False) -> dict[str, Any]:
+    """One state of ``partitions`` gathered from states of one save (elastic resume, or the job's state from its
+    ranks'): each partition, and its transform carry, taken from the state that held it; the states must agree
+    on the topology. The rotations start afresh (no loader part). ``every``: all of ``partitions`` must be there
+    (else those there: the stream names the missing ones it reads)."""
+    first = states[0]["stream"]
     merged: dict[int, Any] = {}
+    carries: dict[int, Any] = {}
     for state in states:
-        topo = state["topology"]
+        topo = state["stream"]["topology"]
         if any(topo[k] != first["topology"][k] for k in TOPOLOGY_KEYS):
-            raise SidecarError(f"stream state {state_dir!r}: rank {topo.get('rank')} has topology {topo}, rank "
+            raise SidecarError(f"{where}: rank {topo.get('rank')} has topology {topo}, rank "
                                f"{first['topology'].get('rank')} {first['topology']}: not one run's checkpoint")
-        merged.update({p: ps for p, ps in state["partitions"].items() if p in partitions})
+        if state["stream"]["fingerprint"] != first["fingerprint"] or state["stream"]["kind"] != first["kind"]:
+            raise SidecarError(f"{where}: rank {topo.get('rank')} was saved with another dataset fingerprint or kind "
+                               f"than rank {first['topology'].get('rank')}: not one run's checkpoint")
+        for p, ps in state["stream"]["partitions"].items():
+            if p in partitions:
+                if p in merged:
+                    raise SidecarError(f"{where}: partition {p} is held by two rank files of one save")
+                merged[p] = ps
+        carries.update({p: c for p, c in (state.get("transform") or {}).items() if p in partitions})
+    missing = sorted(partitions - set(merged))
+    if every and missing:
+        raise SidecarError(f"{where}: holds no state of partitions {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+                           " that this rank reads; load the stream_state or checkpoint directory it was saved in so "
+                           "they are gathered from every rank's file")
     topology = {k: first["topology"][k] for k in TOPOLOGY_KEYS}
-    return {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
-            "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}
-
-
-def load(stream: Any, path: str | os.PathLike) -> None:
-    """Restore ``stream`` from a sidecar file, a stream_state directory or a checkpoint directory."""
-    state, where = read(stream, path)
-    stream.load_state_dict(state, where=where)
+    stream = {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
+              "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}
+    return {"stream": stream, "transform": carries, "loader": None}
 
 
 def saved_identities(path: str | os.PathLike):
@@ -334,7 +349,8 @@ def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
 def write_state_file(path: str, state: dict[str, Any]) -> str:
     """A sidecar file of the whole state: its fingerprint lists the files' identities (``fingerprint_files``
     held compactly: listed from the table they stand for), so that the file alone names a file that changed."""
-    atomic_write(path, encode_state({**state, "fingerprint": fingerprint_files.expanded(state["fingerprint"])}))
+    stream = {**state["stream"], "fingerprint": fingerprint_files.expanded(state["stream"]["fingerprint"])}
+    atomic_write(path, encode_state({**state, "stream": stream}))
     return path
 
 
@@ -466,13 +482,9 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
         manifest = parse_json(_read_bytes(path, "manifest", MAX_MANIFEST_BYTES))
     except JSONRefused as e:
         raise SidecarError(f"manifest {path!r}: corrupt ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict):
         raise SidecarError(f"manifest {path!r}: not a resumable-stream manifest")
-    version = manifest.get("format_version")
-    if type(version) is not int or version not in READ_VERSIONS:   # True and 2.0 are no version
-        raise SidecarError(f"manifest {path!r}: format version {version!r:.40}; this library reads versions "
-                           f"{', '.join(map(str, READ_VERSIONS))} (upgrade resumable-stream or resume with the "
-                           "version that wrote it)")
+    check_format(manifest.get("format"), manifest.get("format_version"), path, "manifest")
     world_size, files = manifest.get("world_size"), manifest.get("files")
     if not is_int(world_size, 1, MAX_WORLD_SIZE):
         raise SidecarError(f"manifest {path!r}: corrupt field world_size: got {world_size!r:.80}; allowed: an "
@@ -531,8 +543,8 @@ def _read_listed(state_dir: str, entry: dict[str, Any] | None, what: str) -> tup
 
 
 def read_state_fingerprint(state_dir: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
-    """(fingerprint, digest) saved once for every rank file of ``state_dir`` (None: the files carry their own,
-    format versions 1 and 2)."""
+    """(fingerprint, digest) saved once for every rank file of ``state_dir``; None when the rank files carry
+    their own (whole files, e.g. ``peek --save-state`` of one rank of several, then ``finish``)."""
     saved = read_shared_file(state_dir, manifest, "fingerprint")
     if saved is None:
         return None
@@ -606,7 +618,7 @@ def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int,
         raise SidecarError(f"sidecar {file!r}: does not match its manifest entry (corrupt or overwritten)")
     if fingerprint is None:
         fingerprint = read_state_fingerprint(state_dir, manifest)
-    return decode_state(data, file, verified=True, fingerprint=fingerprint), file
+    return decode_state(data, file, fingerprint=fingerprint), file
 
 
 def resolve_rank_state(path: str, rank: int) -> tuple[dict[str, Any], str]:
@@ -616,78 +628,3 @@ def resolve_rank_state(path: str, rank: int) -> tuple[dict[str, Any], str]:
         return read_state_file(path), path
     state_dir = find_state_dir(path)
     return read_rank_state(state_dir, read_manifest(state_dir), rank)
-
-
-# ------------------------------------------------------------------ a training run's checkpoints
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
-
-
-def checkpoint_step(path: str) -> int | None:
-    m = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
-    return int(m.group(1)) if m else None
-
-
-def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
-             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return sorted(found)
-
-
-def is_complete(checkpoint: str) -> bool:
-    """Complete = the Trainer's state and a stream-state manifest (written last) are both there, as regular
-    files: a symlink (to any file) or a FIFO named manifest.json was not written by a save."""
-    return (_regular_file(os.path.join(checkpoint, TRAINER_STATE))
-            and _regular_file(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
-
-
-def _regular_file(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except (OSError, ValueError):
-        return False
-
-
-def latest_complete_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` of a run that was completely written (trainer state and stream state with
-    its manifest), or None: a save cut short by a kill is passed over, the one before it resumes."""
-    for _, path in reversed(checkpoint_dirs(output_dir)):
-        if is_complete(path):
-            return path
-    return None
-
-
-def check_complete(checkpoint: str) -> None:
-    if not os.path.isdir(checkpoint):
-        raise SidecarError(f"checkpoint {checkpoint!r}: not found")
-    if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
-        raise SidecarError(f"checkpoint {checkpoint!r}: no {TRAINER_STATE}; it was not completely written")
-    state_dir = os.path.join(checkpoint, STATE_DIR)
-    if not os.path.isdir(state_dir):
-        raise SidecarError(f"checkpoint {checkpoint!r}: no {STATE_DIR}/ with the data stream's state; it was not "
-                           "written by a resumable-stream trainer, so the data position cannot be restored exactly")
-    read_manifest(state_dir)   # raises when incomplete
-
-
-def remove_incomplete_after(output_dir: str, keep: str | None) -> list[str]:
-    """Delete checkpoints newer than ``keep`` that were cut short (rank 0, before training resumes)."""
-    keep_step = checkpoint_step(keep) if keep else -1
-    removed = []
-    for step, path in checkpoint_dirs(output_dir):
-        if step > keep_step and not is_complete(path):
-            log.warning("removing incomplete checkpoint %s (interrupted while it was written)", path)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def resume_latest(output_dir: str, is_main: bool, barrier) -> str | None:
-    """The newest complete checkpoint in ``output_dir`` (None: start afresh); rank 0 first removes the
-    newer ones a kill cut short, so that the run writes its next checkpoints into clean directories."""
-    latest = latest_complete_checkpoint(output_dir)
-    if is_main:
-        remove_incomplete_after(output_dir, latest)
-    barrier()
-    return latest

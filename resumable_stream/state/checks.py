@@ -119,9 +119,9 @@ def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
 
 
 _LOAD_THE_MATCHING_RANK = (
-    "load the matching rank's file (or the stream_state / checkpoint directory). accelerate's "
-    "register_for_checkpointing saves the main process's state only: save every rank's with "
-    "save_sidecar(dir) (rank 0 adds checkpoint.finish) and load it with load_sidecar(dir)")
+    "load the matching rank's file (or the stream_state / checkpoint directory). A stream's state_dict() and "
+    "a StreamLoader(per_rank_state=True)'s are one rank's: keep every rank's, or take the job's from a "
+    "StreamLoader's state_dict() (whatever rank's copy is kept restores every rank)")
 
 
 def check_rank(saved_rank: Any, rank: Any, where: str, whose: str = "this is",

@@ -2,7 +2,7 @@
 
 A mixture partition's own position is its mixture epoch, the draws made in it, the samples it yielded,
 and per source the epoch being read and whether it ended during this mixture epoch; beside it, each
-source's :class:`~resumable_stream.state.partition_state.PartitionState` and the transform's carry. In a sidecar the
+source's :class:`~resumable_stream.state.partition_state.PartitionState` (nested: each source's state is its own). In a sidecar the
 positions are the tensors ``mixture/positions`` (epoch, draws, consumed), ``mixture/source_epochs`` and
 ``mixture/ended`` (one column per source), and source i's states are under ``sources/<i>/``.
 
@@ -44,19 +44,16 @@ class MixturePartitionState:
     source_epochs: list[int]          # per source: the epoch being read
     ended: list[bool]                 # per source: ended during this mixture epoch (all_exhausted)
     sources: list[PartitionState] = field(default_factory=list)
-    extra: dict | None = None
     changes: list[int] = field(default_factory=list)   # per weight history entry after the first: its first draw
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values: ``{"mixture": position, "sources": [each source's PartitionState.to_dict()],
-        "extra": the transform's carry}`` (what ``state_dict()`` holds)."""
+        """Plain values: ``{"mixture": position, "sources": [each source's PartitionState.to_dict()]}`` (what a
+        mixture's ``state_dict()`` holds per partition)."""
         out: dict[str, Any] = {"mixture": {"epoch": self.epoch, "draws": self.draws, "consumed": self.consumed,
                                            "source_epochs": list(self.source_epochs), "ended": list(self.ended)},
                                "sources": [ps.to_dict() for ps in self.sources]}
         if self.changes:
             out["mixture"]["changes"] = list(self.changes)
-        if self.extra is not None:
-            out["extra"] = self.extra
         return out
 
     @classmethod
@@ -79,7 +76,7 @@ class MixturePartitionState:
                                "non-decreasing up to consumed) and a state per source")
         states = [PartitionState.from_dict(ps, f"{where}, source {i}") for i, ps in enumerate(sources)]
         return cls(m["epoch"], m["draws"], m["consumed"], list(m["source_epochs"]), list(m["ended"]), states,
-                   d.get("extra"), list(m.get("changes", [])))
+                   list(m.get("changes", [])))
 
     # ---------------------------------------------------------------- sidecar arrays
     @staticmethod
@@ -105,7 +102,7 @@ class MixturePartitionState:
     @classmethod
     def from_arrays(cls, ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str,
                     num_sources: int, prefix: str = "") -> dict[int, MixturePartitionState]:
-        """A mixture's partitions from their tensors, every field checked (format versions 2 and 3)."""
+        """A mixture's partitions from their tensors, every field checked."""
         k, n = len(ids), num_sources
         positions = tensor(tensors, f"{prefix}mixture/positions", "int64", 2, path)
         source_epochs = tensor(tensors, f"{prefix}mixture/source_epochs", "int64", 2, path)

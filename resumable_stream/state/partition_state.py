@@ -47,9 +47,8 @@ class Cursor:
 @dataclass
 class PartitionState:
     """Where one partition stands after the last sample it yielded: the cursor at the start of its current
-    window plus the samples of that window consumed (so a snapshot after every batch copies nothing), the
-    digests that check a resume, and the transform's carry (``extra``, the loader's: ``meta`` and numpy
-    ``tensors``). It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and its bounds
+    window plus the samples of that window consumed (so a snapshot after every batch copies nothing) and the
+    digests that check a resume (what a transform carries over is the loader's state, not this). It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and its bounds
     (:meth:`validate`): a new cursor field is a change here (and in :class:`Cursor`) only."""
 
     start: Cursor                    # offset 0: the window's start
@@ -57,7 +56,6 @@ class PartitionState:
     consumed_digest: str             # the digest chain of every sample consumed (32 hex digits)
     next_sample_digest: str          # the content digest of the next sample (16 hex digits)
     epoch_rows: int | None = None    # rows of the current epoch (progress reports; None: unknown)
-    extra: dict | None = None
 
     @property
     def cursor(self) -> Cursor:
@@ -77,15 +75,13 @@ class PartitionState:
 
     # ---------------------------------------------------------------- the public form (state_dict)
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (ints, strings, lists; numpy arrays in ``extra``): what ``state_dict()`` holds, safe to
+        """Plain values (ints, strings, lists): what a stream's ``state_dict()`` holds per partition, safe to
         store with ``torch.save`` and load with ``weights_only=True``."""
         c = self.start
         out = {f: self.offset if f == "offset" else getattr(c, f) for f in Cursor.FIELDS}
         out.update(slots=[list(s) for s in c.slots], chain=c.chain.hex(), consumed=self.consumed,
                    consumed_digest=self.consumed_digest, next_sample_digest=self.next_sample_digest,
                    epoch_start=c.epoch_start, epoch_rows=self.epoch_rows)
-        if self.extra is not None:
-            out["extra"] = self.extra
         return out
 
     @classmethod
@@ -116,7 +112,7 @@ class PartitionState:
         offset = fields.pop("offset")
         start = Cursor(**fields, slots=tuple((int(a), int(b)) for a, b in slots), chain=bytes.fromhex(chain),
                        epoch_start=epoch_start)
-        return cls(start, offset, consumed_digest, next_digest, epoch_rows, d.get("extra"))
+        return cls(start, offset, consumed_digest, next_digest, epoch_rows)
 
     # ---------------------------------------------------------------- sidecar arrays
     @staticmethod
@@ -146,8 +142,7 @@ class PartitionState:
                     prefix: str = "", blank_digest_ok: bool = False,
                     max_slots: int = MAX_OPEN_SHARDS) -> dict[int, PartitionState]:
         """The states under ``prefix`` (rows aligned with ``ids``), every field checked. Columns are taken by
-        position (``Cursor.FIELDS``; version 1 named some differently, in the same order). ``max_slots``: open
-        shards a cursor may have (a version 1 mixture kept a slot per source in its own entries)."""
+        position (``Cursor.FIELDS``). ``max_slots``: open shards a cursor may have."""
         k = len(ids)
         cursors = tensor(tensors, f"{prefix}cursors", "int64", 2, path)
         slots_t = tensor(tensors, f"{prefix}slots", "int64", 3, path)

@@ -1,29 +1,28 @@
-"""Stream state <-> safetensors sidecar files, written atomically; per-checkpoint manifest.
+"""A saved state <-> the bytes of a safetensors sidecar: every field checked when read, no pickle.
 
-Layout of a checkpoint's stream state::
+The state is nested, each layer's own part (docs/architecture.md, "Each layer owns its state")::
 
-    checkpoint-N/stream_state/rank-00000.safetensors
-    checkpoint-N/stream_state/rank-00001.safetensors
-    checkpoint-N/stream_state/manifest.json   (written last, by rank 0: without it the state is incomplete)
+    {"stream":    {"kind", "fingerprint", "topology", "turn", "partitions": {p: partition state}},
+     "transform": {p: {"meta": {...}, "tensors": {name: array}}},     # what a transform carries over (optional)
+     "loader":    {"turns": {rank: t}, "lane_turns": {rank: [t, ...]}}}  # the loader's batch rotation (optional)
 
-Tensors hold the integer cursors and digest chains; ``__metadata__`` holds JSON strings
-(format version, kind, fingerprint, topology with ``num_partitions``, per-partition sample digests and
-epoch progress for ``inspect``). No pickle anywhere. After a change of ranks or workers
-(``data.elastic``) a rank reads the files of the ranks that held its virtual partitions.
+``topology.rank`` is the rank the state is of, or None for a job's state (every rank's partitions, each rank's
+rotation: what ``StreamLoader.state_dict()`` gathers) and for one gathered after a change of ranks.
 
-Format version 2 has one schema per kind of stream (metadata ``kind``), rows aligned with the tensor
-``partition_ids``:
+In the file, tensors hold the integer cursors and digest chains and ``__metadata__`` the rest as JSON strings:
 
-* ``stream``: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
+* ``stream`` kind: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
   shards), ``chains`` (digest of the keys consumed), metadata ``digests`` and ``progress`` per partition;
-* ``mixture``: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
+* ``mixture`` kind: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
   ``mixture/source_epochs`` and ``mixture/ended`` (one column per source, then per removed source kept),
-  ``mixture/changes`` (with a weight history: where each change starts), plus source i's cursors
-  under ``sources/<i>/`` with the same tensors and metadata as a stream's.
+  ``mixture/changes`` (with a weight history), plus source i's cursors under ``sources/<i>/``;
+* the transform's carry of partition p under ``transform/<p>/<name>`` (metadata ``transform``), the loader's
+  rotation as metadata ``loader``, the stream's own as ``turn``.
 
-Both: a transform's carry per partition under ``extra/<partition>/<name>`` (metadata ``extra``), the
-main process's ``turn`` and, when a DataLoader lane interleaves partitions, ``lane_turns``. Version 1
-files (a mixture squeezed into stream cursors) are read by :mod:`resumable_stream.state.sidecar_v1`.
+Every file carries the digest of its own bytes (``self_blake2b``), so a file alone is verified; a rank file of a
+stream_state directory holds the digest of the directory's ``fingerprint.json`` instead of the fingerprint.
+This is version 1 of the released format (:data:`FORMAT`); the files of resumable-stream's development builds
+(format ``resumable-stream``, versions 1-3) are refused, naming them.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
 from ..limits import (
     MAX_HEADER_BYTES,
-    MAX_OPEN_SHARDS,
     MAX_PARTITIONS,
     MAX_WORLD_SIZE,
     is_int,
@@ -56,13 +54,10 @@ from .names import (
     MANIFEST,
 )
 from .partition_state import Cursor, PartitionState
-from .sidecar_v1 import V1_CURSOR_FIELDS, check_v1_partition_ids, mixture_from_v1
 
-FORMAT = "resumable-stream"
-FORMAT_VERSION = 3
-# The format versions this release reads: every one ever written. A sidecar's metadata holds it as a string,
-# a manifest as an integer (each exactly so: another type is not a version).
-READ_VERSIONS = (1, 2, 3)
+FORMAT = "resumable-stream-state"    # sidecars and manifests; the format of the dataset index is its own
+FORMAT_VERSION = 1                   # a sidecar's metadata holds it as a string, a manifest as an integer
+DEVELOPMENT_FORMAT = "resumable-stream"   # what the development builds of 0.1.0 wrote (versions 1-3): refused
 KINDS = ("stream", "mixture")
 MAX_RETIRED = 1024          # sources a mixture may have removed and kept the cursors of
 STATE_TYPES = {"stream": PartitionState, "mixture": MixturePartitionState}   # a partition's state, by kind
@@ -73,45 +68,52 @@ def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
     return json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
 
 
-# ------------------------------------------------------------------ atomic writes
-
-
 # ------------------------------------------------------------------ encode
 def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -> bytes:
-    """A state as sidecar bytes. With ``fingerprint_digest`` (a rank file of a stream_state directory, whose
-    ``fingerprint.json`` holds the fingerprint once for every rank) only that digest is written, so the
-    file is O(its partitions) however many files the dataset has; else the whole fingerprint."""
-    kind = state.get("kind", "stream")
-    parts = sorted(state["partitions"])
-    states = [state["partitions"][p] for p in parts]
+    """A nested state (module doc) as sidecar bytes. With ``fingerprint_digest`` (a rank file of a stream_state
+    directory, whose ``fingerprint.json`` holds the fingerprint once for every rank) only that digest is written,
+    so the file is O(its partitions) however many files the dataset has; else the whole fingerprint."""
+    stream = state["stream"]
+    kind = stream.get("kind", "stream")
+    parts = sorted(stream["partitions"])
     tensors: dict[str, np.ndarray] = {"partition_ids": np.asarray(parts, dtype=np.int64)}
     metadata: dict[str, str] = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "kind": kind,
         "cursor_fields": json.dumps(list(Cursor.FIELDS)),
-        "topology": json.dumps(state["topology"], sort_keys=True),
-        "turn": str(state.get("turn", 0)),
+        "topology": json.dumps(stream["topology"], sort_keys=True),
+        "turn": str(stream.get("turn", 0)),
     }
     if fingerprint_digest is None:
-        metadata["fingerprint"] = fingerprint_bytes(state["fingerprint"]).decode()
+        metadata["fingerprint"] = fingerprint_bytes(stream["fingerprint"]).decode()
     else:
         metadata["fingerprint_digest"] = fingerprint_digest
     state_type = STATE_TYPES[kind]
-    states = [state_type.from_dict(ps, f"state of partition {p}") for p, ps in zip(parts, states)]
+    states = [state_type.from_dict(stream["partitions"][p], f"state of partition {p}") for p in parts]
     state_type.to_arrays(parts, states, "", tensors, metadata)
-    extra_meta = {}
-    for p, ps in zip(parts, states):   # what a transform carries over (e.g. packed tokens), per partition
-        extra = ps.extra
-        if extra is not None:
-            for name, arr in extra.get("tensors", {}).items():
-                tensors[f"extra/{p}/{name}"] = np.ascontiguousarray(arr)
-            extra_meta[str(p)] = {"meta": extra.get("meta", {}), "tensors": sorted(extra.get("tensors", {}))}
-    metadata["extra"] = json.dumps(extra_meta, sort_keys=True)
-    if state.get("lane_turns") is not None:   # only when a DataLoader lane interleaves several partitions
-        metadata["lane_turns"] = json.dumps(list(state["lane_turns"]))
+    carried = {}
+    for p, carry in sorted((state.get("transform") or {}).items()):   # e.g. packed tokens, per partition
+        for name, arr in carry.get("tensors", {}).items():
+            tensors[f"transform/{p}/{name}"] = np.ascontiguousarray(arr)
+        carried[str(p)] = {"meta": carry.get("meta", {}), "tensors": sorted(carry.get("tensors", {}))}
+    metadata["transform"] = json.dumps(carried, sort_keys=True)
+    if state.get("loader") is not None:
+        loader = state["loader"]
+        metadata["loader"] = json.dumps({"turns": {str(r): t for r, t in loader.get("turns", {}).items()},
+                                         "lane_turns": {str(r): list(t) for r, t in loader.get("lane_turns", {}).items()}},
+                                        sort_keys=True)
     metadata[SEAL_KEY] = _BLANK_SEAL
-    return _seal(st_save(tensors, metadata=metadata))
+    return _seal(_canonical(st_save(tensors, metadata=metadata)))
+
+
+def _canonical(data: bytes) -> bytes:
+    """safetensors bytes with the header's keys sorted (safetensors writes its metadata in hash order, which
+    changes from one process to the next): the same state is the same bytes, on every rank and in every run."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)          # the data section stays 8-byte aligned, as safetensors keeps it
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
 
 
 # ------------------------------------------------------------------ decode
@@ -153,20 +155,17 @@ def _seal(data: bytes) -> bytes:
     return data[:i] + _seal_field(digest) + data[i + len(_seal_field(digest)):]
 
 
-def _check_seal(data: bytes, header_len: int, meta: dict[str, str], path: str) -> bool:
-    """True when the file carries a self-digest and it matches; False when it has none (an older file)."""
+def _check_seal(data: bytes, header_len: int, meta: dict[str, str], path: str) -> None:
+    """The file's self-digest is there and matches its bytes."""
     value = meta.get(SEAL_KEY)
-    if value is None:
-        return False
     header = data[8:8 + header_len]
-    field = _seal_field(value)
-    if not HEX32.match(value) or header.count(field) != 1:
-        raise SidecarError(f"sidecar {path!r}: corrupt (field {SEAL_KEY}: {value[:40]!r} is not its digest)")
+    field = _seal_field(value) if isinstance(value, str) else b""
+    if value is None or not HEX32.match(value) or header.count(field) != 1:
+        raise SidecarError(f"sidecar {path!r}: corrupt (field {SEAL_KEY}: {str(value)[:40]!r} is not its digest)")
     blank = data[:8] + header.replace(field, _seal_field(_BLANK_SEAL)) + data[8 + header_len:]
     if hashlib.blake2b(blank, digest_size=16).hexdigest() != value:
         raise SidecarError(f"sidecar {path!r}: corrupt: its bytes do not match its own digest ({SEAL_KEY}); the "
                            "file was damaged or modified after it was written")
-    return True
 
 
 # ------------------------------------------------------------------ field checks
@@ -184,23 +183,45 @@ def _check_topology(topology: Any, path: str) -> None:
              f"null or an integer in [0, {topology['world_size']})")
 
 
-def _decode_extra(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str], path: str) -> dict[int, dict]:
+def _decode_transform(ids: list[int], tensors: dict[str, np.ndarray], meta: dict[str, str],
+                      path: str) -> dict[int, dict]:
     """The transform's carry per partition (only partitions that have one)."""
-    extra_meta = _json_field(meta, "extra", path, "{}")
-    _require(isinstance(extra_meta, dict), path, "extra", extra_meta, "a mapping by partition")
+    carried = _json_field(meta, "transform", path, "{}")
+    _require(isinstance(carried, dict) and all(k.isdigit() and int(k) in ids for k in carried), path, "transform",
+             carried, "a mapping by partition (of the partitions this file holds)")
     out = {}
     for p in ids:
-        em = extra_meta.get(str(p))
+        em = carried.get(str(p))
         if em is None:
             continue
         ok = (isinstance(em, dict) and isinstance(em.get("meta"), dict) and isinstance(em.get("tensors"), list)
               and all(isinstance(n, str) for n in em["tensors"]))
-        _require(ok, path, f"extra[{p}]", em, "a mapping with meta (a mapping) and tensors (a list of names)")
-        missing = [n for n in em["tensors"] if f"extra/{p}/{n}" not in tensors]
+        _require(ok, path, f"transform[{p}]", em, "a mapping with meta (a mapping) and tensors (a list of names)")
+        missing = [n for n in em["tensors"] if f"transform/{p}/{n}" not in tensors]
         if missing:
             raise SidecarError(f"sidecar {path!r}: partition {p} lacks carried tensors {missing}")
-        out[p] = {"meta": em["meta"], "tensors": {n: tensors[f"extra/{p}/{n}"] for n in em["tensors"]}}
+        out[p] = {"meta": em["meta"], "tensors": {n: tensors[f"transform/{p}/{n}"] for n in em["tensors"]}}
     return out
+
+
+def _decode_loader(meta: dict[str, str], topology: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The loader's rotation per rank: ``turns`` (the DataLoader lane of the next batch) and ``lane_turns`` (per
+    lane, the partition of its next batch), of this file's rank or, in a job's state, of every rank."""
+    if "loader" not in meta:
+        return None
+    loader = _json_field(meta, "loader", path)
+    w, n, lanes = topology["world_size"], topology["num_partitions"], max(1, topology["num_workers"])
+    ranks = {str(r) for r in range(w)} if topology["rank"] is None else {str(topology["rank"])}
+    ok = isinstance(loader, dict) and set(loader) == {"turns", "lane_turns"} and all(
+        isinstance(loader[k], dict) and set(loader[k]) <= ranks for k in loader)
+    _require(ok, path, "loader", loader, f"a mapping with turns and lane_turns, each by rank ({len(ranks)} at most)")
+    for r, t in loader["turns"].items():
+        _require(is_int(t, 0, lanes - 1), path, f"loader.turns[{r}]", t, f"an integer in [0, {lanes})")
+    for r, ts in loader["lane_turns"].items():
+        _require(isinstance(ts, list) and len(ts) <= lanes and all(is_int(t, 0, n - 1) for t in ts), path,
+                 f"loader.lane_turns[{r}]", ts, f"a list of at most {lanes} integers in [0, {n})")
+    return {"turns": {int(r): t for r, t in loader["turns"].items()},
+            "lane_turns": {int(r): ts for r, ts in loader["lane_turns"].items()}}
 
 
 def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
@@ -219,17 +240,16 @@ def _mixture_slots(fingerprint: dict, path: str) -> int:
     return len(_mixture_labels(fingerprint, path)) + len(retired)
 
 
-def _fingerprint_of(meta: dict[str, str], version: str, shared: tuple[dict[str, Any], str] | None,
-                    path: str) -> dict[str, Any]:
-    """A sidecar's dataset fingerprint: its own, or (a version 3 rank file) the one of its directory, which
-    must have the digest the file recorded."""
+def _fingerprint_of(meta: dict[str, str], shared: tuple[dict[str, Any], str] | None, path: str) -> dict[str, Any]:
+    """A sidecar's dataset fingerprint: its own, or (a rank file) the one of its directory, which must have the
+    digest the file recorded."""
     if "fingerprint_digest" not in meta:
         fingerprint = _json_field(meta, "fingerprint", path)
         _require(isinstance(fingerprint, dict), path, "fingerprint", fingerprint, "a mapping")
         return fingerprint
     digest = meta["fingerprint_digest"]
-    _require(version not in ("1", "2") and _is_hex(digest, 32) and "fingerprint" not in meta, path,
-             "fingerprint_digest", digest, "32 hex digits, in a version 3 file without a fingerprint of its own")
+    _require(_is_hex(digest, 32) and "fingerprint" not in meta, path, "fingerprint_digest", digest,
+             "32 hex digits, in a file without a fingerprint of its own")
     if shared is None:
         raise SidecarError(f"sidecar {path!r}: a rank file of a stream_state directory: the dataset fingerprint it "
                            f"was saved with is in that directory's {FINGERPRINT} (listed in its {MANIFEST}), which "
@@ -252,83 +272,69 @@ def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> N
              f"over num_partitions {n}")
 
 
-def decode_state(data: bytes, path: str = "<bytes>", verified: bool = False,
+def development_format(version: Any) -> str:
+    """How a file of the development builds is named in errors."""
+    return (f"format {DEVELOPMENT_FORMAT!r} version {str(version)[:20]}, written by a development build of "
+            "resumable-stream 0.1.0 before its first release")
+
+
+REFUSED_DEVELOPMENT = ("this release reads only {format!r} version {version}: start the data afresh (without "
+                       "this state), or finish the run with the build that wrote it")
+
+
+def check_format(fmt: Any, version: Any, path: str, what: str = "sidecar") -> None:
+    """A file's ``format`` / ``format_version`` are this release's (a manifest's version an int, a sidecar's a
+    string); the development builds' are refused, naming them."""
+    if fmt == DEVELOPMENT_FORMAT:
+        raise SidecarError(f"{what} {path!r}: {development_format(version)}; "
+                           + REFUSED_DEVELOPMENT.format(format=FORMAT, version=FORMAT_VERSION))
+    if fmt != FORMAT:
+        raise SidecarError(f"{what} {path!r}: format {str(fmt)[:40]!r}, expected {FORMAT!r}; not a resumable-stream "
+                           "state")
+    expected = str(FORMAT_VERSION) if what == "sidecar" else FORMAT_VERSION
+    if type(version) is not type(expected) or version != expected:   # True, 1.0 or "1" in a manifest: no version
+        number = int(version) if isinstance(version, str) and version.isdigit() and len(version) < 10 else version
+        newer = is_int(number) and number > FORMAT_VERSION
+        raise SidecarError(f"{what} {path!r}: format version {version!r:.20}; this release reads version "
+                           f"{FORMAT_VERSION}" + (" (a newer resumable-stream wrote it: upgrade to resume from it)"
+                                                  if newer else " (corrupt field format_version)"))
+
+
+def decode_state(data: bytes, path: str = "<bytes>",
                  fingerprint: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
-    """The state in sidecar bytes, every field checked. The file's self-digest must match; a file without
-    one (written before it existed) is read only when ``verified`` (a manifest's digest covered it).
-    ``fingerprint``: (fingerprint, digest) of the stream_state directory the file is in, for a rank file
-    that holds only the digest. A version 1 or 2 file is returned in the current form."""
+    """The nested state in sidecar bytes (module doc), every field checked; the file's self-digest must match.
+    ``fingerprint``: (fingerprint, digest) of the stream_state directory the file is in, for a rank file that
+    holds only the digest."""
     meta, header_len = read_header_metadata(data, path)
-    if meta.get("format") != FORMAT:
-        raise SidecarError(f"sidecar {path!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    version = meta.get("format_version")
-    if version not in [str(v) for v in READ_VERSIONS]:
-        raise SidecarError(f"sidecar {path!r}: format version {version!r}; this library reads versions "
-                           f"{', '.join(repr(str(v)) for v in READ_VERSIONS)} (upgrade resumable-stream or resume "
-                           "with the version that wrote it)")
-    if not _check_seal(data, header_len, meta, path) and not verified:
-        raise SidecarError(f"sidecar {path!r}: has no self-digest ({SEAL_KEY}), so it cannot be verified: it was "
-                           "written by an earlier version of resumable-stream, or that field was damaged. Load it "
-                           "through its stream_state or checkpoint directory (whose manifest.json verifies it)")
+    check_format(meta.get("format"), meta.get("format_version"), path)
+    _check_seal(data, header_len, meta, path)
     try:
         tensors = st_load(data)
     except Exception as e:  # safetensors' own parse errors
         raise SidecarError(f"sidecar {path!r}: corrupt or truncated ({e})") from None
     fields = _json_field(meta, "cursor_fields", path)
-    expected_fields = list(V1_CURSOR_FIELDS if version == "1" else Cursor.FIELDS)
-    _require(fields == expected_fields, path, "cursor_fields", fields, str(expected_fields))
-    shared = fingerprint
-    if version == "1":     # its kind is told by its fingerprint (always its own)
-        fingerprint = _fingerprint_of(meta, version, shared, path)
-        kind = "mixture" if "mixture" in fingerprint else "stream"
-    else:
-        kind = meta.get("kind")
+    _require(fields == list(Cursor.FIELDS), path, "cursor_fields", fields, str(list(Cursor.FIELDS)))
+    kind = meta.get("kind")
     _require(kind in KINDS, path, "kind", kind, " or ".join(KINDS))
     topology = _json_field(meta, "topology", path)
     _check_topology(topology, path)
-    n, lanes = topology["num_partitions"], max(1, topology["num_workers"])
-    # the rotations: over this rank's partitions, or its DataLoader lanes (each of at most n partitions)
-    turn = _json_field(meta, "turn", path, "0")
+    n = topology["num_partitions"]
+    turn = _json_field(meta, "turn", path, "0")      # the stream's own rotation over its partitions
     _require(is_int(turn, 0, n - 1), path, "turn", turn, f"an integer in [0, {n})")
-    lane_turns = _json_field(meta, "lane_turns", path) if "lane_turns" in meta else None
-    _require(lane_turns is None or (isinstance(lane_turns, list) and len(lane_turns) <= lanes), path,
-             "lane_turns", lane_turns, f"a list of at most {lanes} (one per DataLoader lane)")
-    _require(lane_turns is None or all(is_int(t, 0, n - 1) for t in lane_turns), path, "lane_turns", lane_turns,
-             f"integers in [0, {n})")
-    if version != "1":
-        fingerprint = _fingerprint_of(meta, version, shared, path)
-    sources = len(_mixture_labels(fingerprint, path)) if version == "1" and kind == "mixture" else 0
+    loader = _decode_loader(meta, topology, path)
+    fingerprint = _fingerprint_of(meta, fingerprint, path)
     ids_t = _tensor(tensors, "partition_ids", "int64", 1, path)
-    # before the ids become a list: at most an entry per partition (and per source of one, version 1)
-    _require(len(ids_t) <= n * (1 + sources), path, "tensor partition_ids", f"{len(ids_t)} entries",
-             f"at most {n * (1 + sources)}")
-    ids = ids_t.tolist()
-    if version == "1":
-        check_v1_partition_ids(ids, n, path)
-        partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=kind == "mixture",
-                                                max_slots=max(MAX_OPEN_SHARDS, sources))
-        if kind == "mixture":
-            partitions = mixture_from_v1(partitions, sources, path)
+    _require(len(ids_t) <= n, path, "tensor partition_ids", f"{len(ids_t)} entries", f"at most {n}")
+    ids = ids_t.tolist()     # at most one per partition: bounded before it becomes a list
+    _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
+             f"distinct partitions in [0, {n})")
+    if kind == "stream":     # data.growth: follow saves "" as the next digest at the end of the known data
+        dataset = fingerprint.get("dataset")
+        follows = isinstance(dataset, dict) and dataset.get("growth") == "follow"
+        partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=follows)
     else:
-        _require(len(set(ids)) == len(ids) and all(0 <= p < n for p in ids), path, "tensor partition_ids", ids,
-                 f"distinct partitions in [0, {n})")
-        if kind == "stream":     # data.growth: follow saves "" as the next digest at the end of the known data
-            dataset = fingerprint.get("dataset") if isinstance(fingerprint, dict) else None
-            follows = isinstance(dataset, dict) and dataset.get("growth") == "follow"
-            partitions = PartitionState.from_arrays(ids, tensors, meta, path, blank_digest_ok=follows)
-        else:
-            partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path, _mixture_slots(fingerprint, path))
+        partitions = MixturePartitionState.from_arrays(ids, tensors, meta, path, _mixture_slots(fingerprint, path))
     _check_rank_partitions(topology, len(partitions), path)
-    for p, extra in _decode_extra(ids, tensors, meta, path).items():
-        if p in partitions:   # a carry is per (mixture) partition; version 1 wrote none for source entries
-            partitions[p].extra = extra
-    partitions = {p: ps.to_dict() for p, ps in partitions.items()}   # the public form, as state_dict() gives
-    state = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
-             "turn": turn, "partitions": partitions, "file_format_version": int(version)}   # the last for inspect
-    if lane_turns is not None:
-        state["lane_turns"] = lane_turns
-    return state
-
-
-
-
+    stream = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
+              "turn": turn, "partitions": {p: ps.to_dict() for p, ps in partitions.items()}}
+    return {"stream": stream, "transform": _decode_transform(ids, tensors, meta, path), "loader": loader}

@@ -1,6 +1,6 @@
 """The stream core: the :class:`Stream` protocol and what a single stream and a mixture share.
 
-``Stream`` is what the loader, the checkpoint module and the trainer patch use of a stream.
+``Stream`` is what the loader and the integrations use of a stream.
 :class:`StreamBase` implements the parts that do not depend on what a partition reads: the topology
 (ranks, DataLoader workers, virtual partitions and their lanes), iteration with the saved turn, the
 refusal of a state read by DataLoader workers, the state envelope (format version, kind, fingerprint,
@@ -29,7 +29,7 @@ from ..state.sidecar import FORMAT_VERSION
 
 @runtime_checkable
 class Stream(Protocol):
-    """What readers of a stream (the loader, the checkpoint module, the trainer patch) rely on.
+    """What readers of a stream (the loader, the integrations) rely on.
 
     ``partitions``: the virtual partitions this rank reads (sorted); ``lanes[w]``: those DataLoader
     worker w reads (one lane without workers). A partition's state is a JSON-able dict (plus numpy
@@ -81,6 +81,12 @@ class Stream(Protocol):
 
     def adopt_topology(self, saved: dict[str, Any], where: str) -> bool:
         """Check a saved topology (taking its num_partitions when unset); True when unchanged."""
+
+    def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+        """(nested state, description) of this rank's partitions from a file or directory."""
+
+    def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:
+        """Write a nested state with the dataset's fingerprint and indexes."""
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -235,8 +241,9 @@ class StreamBase(IterableDataset):
         self._turn = turn
 
     # ------------------------------------------------------------------ state
-    def state_dict(self, partitions: dict[int, dict] | None = None) -> dict[str, Any]:
-        """The position after the last sample this stream yielded: the envelope plus a state per partition.
+    def state_dict(self, partitions: dict[int, Any] | None = None) -> dict[str, Any]:
+        """This rank's position after the last sample this stream yielded: a state per partition, in the stream's
+        envelope.
 
         Args:
             partitions: per-partition states to save instead of the stream's own (the loader passes what
@@ -255,25 +262,28 @@ class StreamBase(IterableDataset):
         parts = {p: self.state_type.from_dict(given[p], f"partition {p}").to_dict() if p in given
                  else self.partition_state(p).to_dict() for p in self.partitions}
         return {"format_version": FORMAT_VERSION, "kind": self.kind, "fingerprint": self.state_fingerprint(),
-                "topology": self.topology(), "turn": self._turn, "partitions": parts}
+                "topology": self.topology(), "turn": self._turn if partitions is None else 0, "partitions": parts}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
                         verify_next_sample: bool = True) -> None:
         """Continue every partition of this rank from its saved state.
 
-        Same ranks and workers: the state must be this rank's and the interleaving continues exactly.
-        Other ranks / workers (``data.elastic``): ``state`` must hold at least this rank's partitions
-        (see :meth:`read_sidecar`); each continues from its cursor, the interleaving starts afresh.
-        ``verify_next_sample=False`` skips the content check of each partition's first sample (for
-        readers of other data than the rows, e.g. the warmup planner's row numbers)."""
-        if state.get("format_version") != FORMAT_VERSION:
-            raise StreamMismatchError(f"{where}: format version {state.get('format_version')!r}, expected "
-                                      f"{FORMAT_VERSION}")
+        ``state``: a :meth:`state_dict` (this rank's), or the stream part of a loader's state, of a job's (every
+        rank's partitions) or gathered after a change of ranks. Same ranks and workers: the interleaving
+        continues exactly. Other ranks / workers (``data.elastic``): each partition continues from its cursor,
+        the interleaving starts afresh. ``verify_next_sample=False`` skips the content check of each
+        partition's first sample (for readers of other data than the rows, e.g. the warmup planner's row
+        numbers)."""
+        if isinstance(state, dict) and "stream" in state and "partitions" not in state:
+            state = state["stream"]      # a loader's (nested) state: the stream's part is this stream's
+        if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+            got = state.get("format_version") if isinstance(state, dict) else type(state).__name__
+            raise StreamMismatchError(f"{where}: format version {got!r:.40}, expected {FORMAT_VERSION}")
         self._read_by_workers.value = 0   # the position is the loaded one again
         self.check_saved_identity(state, where)
         same = self.adopt_topology(state["topology"], where)
         saved = {int(p): ps for p, ps in state["partitions"].items()}
-        if same and sorted(saved) != self.partitions:
+        if same and state["topology"].get("rank") is not None and sorted(saved) != self.partitions:
             raise StreamMismatchError(f"{where}: holds partitions {sorted(saved)}, this rank owns {self.partitions}")
         if any(p not in saved for p in self.partitions):
             raise StreamMismatchError(f"{where}: holds partitions {sorted(saved)}, this rank reads {self.partitions} "
@@ -282,7 +292,7 @@ class StreamBase(IterableDataset):
         for p in self.partitions:
             self._restore_partition(p, self.state_type.from_dict(saved[p], f"{where}: partition {p}"), where,
                                     verify_next_sample)
-        self._turn = int(state.get("turn", 0)) if same else 0
+        self._turn = int(state.get("turn", 0)) if same and state["topology"].get("rank") is not None else 0
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded state
             self.set_epoch(self._epoch_limit)
 
@@ -317,10 +327,17 @@ class StreamBase(IterableDataset):
 
     # ------------------------------------------------------------------ sidecar files (resumable_stream.state.checkpoint)
     def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-        """(state, description) of this rank's partitions from a sidecar file, a stream_state directory or
-        a checkpoint directory (gathered from several ranks' files after an elastic change): see
-        :func:`resumable_stream.state.checkpoint.read`."""
-        return checkpoint.read(self, path)
+        """(state, description) of this rank's partitions, nested (``state.sidecar``), from a sidecar file, a
+        stream_state directory or a checkpoint directory: this rank's file, or after a change of ranks or
+        workers (``data.elastic``) the partitions this rank reads now, gathered from the files that hold
+        them. The stream takes the saved num_partitions when data.num_partitions is null."""
+        saved = checkpoint.open_saved(path, self.rank)
+        with saved.identities():     # the files a compact fingerprint stands for: the indexes saved there
+            self.check_saved_identity(saved.stream, saved.where)
+            same = self.adopt_topology(saved.stream["topology"], saved.where)
+        if same and saved.stream["topology"]["rank"] is not None:
+            return saved.first, saved.where
+        return saved.gather(self.partitions)
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
         """Restore from a sidecar file, a stream_state directory or a checkpoint directory.
@@ -329,23 +346,33 @@ class StreamBase(IterableDataset):
             StreamMismatchError: the state was saved for other data, order settings or topology (named);
             SidecarError: the file is damaged, forged, incomplete or not a stream state.
         """
-        checkpoint.load(self, path)
+        state, where = self.read_sidecar(path)
+        self.load_state_dict(state["stream"], where=where)
 
-    def save_sidecar(self, path: str | os.PathLike) -> str:
+    def save_sidecar(self, path: str | os.PathLike, manifest: bool | None = None) -> str:
         """Write this rank's state.
 
         Args:
             path: a ``.safetensors`` file, or a directory (then ``rank-NNNNN.safetensors`` inside it, plus the
                 manifest when world_size is 1; a multi-rank job completes it with ``checkpoint.finish``).
+            manifest: write the manifest now (default: with one rank).
         Returns:
             the path of the file written.
         """
-        return checkpoint.save(self, path, self.state_dict())
+        return self.write_sidecar(path, {"stream": self.state_dict()}, manifest)
 
     def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:
-        """Write ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says: see
-        :func:`resumable_stream.state.checkpoint.save`."""
-        return checkpoint.save(self, path, state, manifest)
+        """Write a nested ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says, with the
+        dataset's fingerprint and indexes: see :func:`resumable_stream.state.checkpoint.save`."""
+        return checkpoint.save(path, state, self.rank, self.world_size, self.saved_indexes(), manifest)
+
+    def saved_indexes(self) -> dict[str | None, dict]:
+        """The dataset indexes a checkpoint saves beside the state (rank 0): the dataset's under None, a mixture
+        source's under its label."""
+        indexes = dict(getattr(self.source, "indexes", None) or {})
+        if getattr(self.source, "index", None) is not None:
+            indexes[None] = self.source.index
+        return indexes
 
     # ------------------------------------------------------------------ what a subclass provides
     def _build_readers(self) -> None:

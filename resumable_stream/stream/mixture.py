@@ -47,7 +47,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..cache.cached_source import with_block_cache
-from ..config.stream_config import MixtureConfig, StreamConfig
+from ..config.stream_config import MixtureConfig, StreamConfig, not_a_config
 from ..config.weight_schedule import check_weights
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
@@ -146,7 +146,7 @@ class MixtureStream(StreamBase):
                  num_workers: int = 0, sources: list[Source] | None = None, index_from: str | None = None,
                  draws: str = "hash"):
         if not isinstance(config, MixtureConfig):
-            raise ConfigError(f"config: got {type(config).__name__}; allowed: a MixtureConfig")
+            raise not_a_config(config, "a MixtureConfig")
         if draws not in ("hash", *DATASETS_MODES):
             raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
         # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)
@@ -488,6 +488,8 @@ class MixtureStream(StreamBase):
         """As ``StreamBase.load_state_dict``; the saved weight history is taken over, and with
         ``data.mixture_change: allow`` other weights or sources than the saved ones apply from each partition's
         next draw on (the state is first put in this mixture's form: see :meth:`_take_over`)."""
+        if isinstance(state, dict) and "stream" in state and "partitions" not in state:
+            state = state["stream"]      # a loader's (nested) state: the stream's part
         fp = state.get("fingerprint") if isinstance(state, dict) else None
         if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
             state = self._take_over(state, where)
@@ -611,7 +613,7 @@ class MixtureStream(StreamBase):
                 epochs.append(0)
                 ended.append(False)
                 sources.append(fresh.partition_state(p))
-        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources, ps.extra,
+        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources,
                                     [*ps.changes, ps.consumed])
         return out.to_dict()
 
@@ -627,7 +629,7 @@ class MixtureStream(StreamBase):
         for i, label in enumerate(labels):
             view = self._views[i][p]
             view.set_endless()       # the source epoch to read is set again when the view is next iterated
-            state = {**view.state_dict({p: ps.sources[i]}), "turn": 0}
+            state = view.state_dict({p: ps.sources[i]})
             view.load_state_dict(state, where=f"{where}, source {label!r}", verify_next_sample=verify_next_sample)
         pos = self._pos[p]
         pos.epoch, pos.draws, pos.consumed = ps.epoch, ps.draws, ps.consumed
@@ -664,7 +666,7 @@ def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:
                           "consumed_samples": sum(c["consumed"] for _, c in cursors),
                           "progress": progress_summary([partition_progress(c) for _, c in cursors]),
                           "partitions": per}
-    out = {"format_version": state.get("file_format_version", state["format_version"]), "topology": state["topology"],
+    out = {"format_version": state["format_version"], "topology": state["topology"],
            "mixture": {"stopping": mix["stopping"], "seed": mix["seed"], "labels": labels},
            "partitions": partitions, "sources": sources}
     history = mix.get("history")

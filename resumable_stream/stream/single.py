@@ -15,7 +15,7 @@ from itertools import chain, islice
 from typing import Any
 
 from ..cache.cached_source import with_block_cache
-from ..config.stream_config import StreamConfig
+from ..config.stream_config import StreamConfig, not_a_config
 from ..dataset.growth import layout_generations, stable_fingerprint
 from ..dataset.job_source import open_job_source
 from ..errors import ConfigError, StreamMismatchError
@@ -46,7 +46,7 @@ class ResumableStream(StreamBase):
     def __init__(self, config: StreamConfig, rank: int | None = None, world_size: int | None = None,
                  num_workers: int = 0, source: Source | None = None, index_from: str | None = None):
         if not isinstance(config, StreamConfig):
-            raise ConfigError(f"config: got {type(config).__name__}; allowed: a StreamConfig")
+            raise not_a_config(config, "a StreamConfig")
         super().__init__(config, rank, world_size, num_workers)
         # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
         # the stages below take the specs they need (config/specs.py), built once by the config

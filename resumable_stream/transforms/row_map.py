@@ -15,6 +15,7 @@ read from a sidecar or the cache does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..config.user_function import function_identity, load_function
@@ -27,10 +28,10 @@ class BadMapResult(ValueError):
 class RowMap:
     """The configured map function, applied to one row: ``rows(sample, key)`` -> [(row, key), ...]."""
 
-    def __init__(self, spec: str, version: str | int | None = None, key: str = "data.map"):
-        self.spec = spec
+    def __init__(self, spec: str | Callable, version: str | int | None = None, key: str = "data.map"):
         self.fn = load_function(spec, key)
         self.identity = function_identity(spec, self.fn, version, key)
+        self.spec = self.identity["function"]
 
     def rows(self, sample: Any, key: str) -> list[tuple[dict, str]]:
         """The rows the function made of ``sample``; each has the sample's key, with ``#i`` appended when

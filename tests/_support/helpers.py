@@ -110,3 +110,13 @@ def run_cli_forked(argv: list[str], memory_mb: int = 512, timeout_s: float = 60.
     from resumable_stream.app.cli import main
 
     return run_forked(lambda: main(argv), memory_mb, timeout_s)
+
+
+def through_sidecar(state: dict) -> dict:
+    """``state`` (a stream's ``state_dict()``, or a nested state: a loader's ``rank_state()``) written as sidecar
+    bytes and read back, in the form it was given."""
+    from resumable_stream.state.sidecar import decode_state, encode_state
+
+    nested = "stream" in state and "partitions" not in state
+    back = decode_state(encode_state(state if nested else {"stream": state}))
+    return back if nested else back["stream"]

@@ -34,7 +34,7 @@ def loaded_index(state_dir: str, digests: list[tuple]) -> int | str:
         state, _ = ckpt.read_rank_state(state_dir, manifest, 0)
     except SidecarError as e:
         return f"error: {e}"
-    ps = state["partitions"][0]
+    ps = state["stream"]["partitions"][0]
     return digests.index((ps["consumed"], ps["next_sample_digest"], ps["consumed_digest"]))
 
 
@@ -42,8 +42,8 @@ def main() -> None:
     states_dir, state_dir, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     states = [ckpt.read_state_file(os.path.join(states_dir, f"{k}.safetensors"))
               for k in range(len(os.listdir(states_dir)))]
-    digests = [(s["partitions"][0]["consumed"], s["partitions"][0]["next_sample_digest"],
-                s["partitions"][0]["consumed_digest"]) for s in states]
+    digests = [(s["stream"]["partitions"][0]["consumed"], s["stream"]["partitions"][0]["next_sample_digest"],
+                s["stream"]["partitions"][0]["consumed_digest"]) for s in states]
     rng = random.Random(seed)
     ckpt.write_rank_file(state_dir, 0, states[0])     # the first complete save: from here on there is an old state
     ckpt.write_manifest(state_dir, 1)

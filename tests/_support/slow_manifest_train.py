@@ -3,7 +3,7 @@
     python tests/_support/slow_manifest_train.py CONFIG
 
 Rank 0 sleeps ``MANIFEST_DELAY_S`` after every rank wrote its stream state and before it writes the manifest
-that completes the checkpoint (``trainer_patch.checkpoints.save_stream_state``), so that a SIGKILL sent once
+that completes the checkpoint (``integrations.checkpoints.save_stream_state``), so that a SIGKILL sent once
 the rank file exists lands between the two. The library itself has no such hook.
 """
 
@@ -11,7 +11,7 @@ import sys
 import time
 
 from resumable_stream.app.cli import main
-from resumable_stream.integrations.transformers import checkpoints
+from resumable_stream.integrations import checkpoints
 
 MANIFEST_DELAY_S = 5
 

@@ -1,4 +1,4 @@
-"""One rank of ``python -m resumable_stream.integrations.llamafactory train CONFIG`` (what torchrun runs) that also writes
+"""One rank of ``python -m resumable_stream llamafactory train CONFIG`` (what torchrun runs) that also writes
 its parameters' sum at the end of training to ``output_dir/parameters-rank{r}.json``: data parallelism means
 every rank ends with the same model (a callback given to ``run.train``).
 

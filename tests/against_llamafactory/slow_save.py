@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from slow_manifest_train import slow  # noqa: E402
 
 from resumable_stream.app.cli import main  # noqa: E402
-from resumable_stream.integrations.transformers import checkpoints  # noqa: E402
+from resumable_stream.integrations import checkpoints  # noqa: E402
 
 if __name__ == "__main__":
     checkpoints.finish = slow(checkpoints.finish, 30)   # the name save_stream_state calls

@@ -159,4 +159,4 @@ def test_a_mixture_of_raw_samples_resumes_exactly(tmp_path):
     resumed = source()
     resumed.load_sidecar(str(tmp_path / "mix"))
     assert head + ids(resumed, 19) == reference
-    assert resumed.state_dict()["kind"] == "mixture"
+    assert resumed.loader.rank_state()["stream"]["kind"] == "mixture"

@@ -14,14 +14,13 @@ import textwrap
 
 import pyarrow as pa
 import pytest
-from helpers import parquet_config, shared_source, take_ids
+from helpers import parquet_config, shared_source, take_ids, through_sidecar
 from http_server import FileServer
 from repo_paths import REPO_ROOT
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.cache import CachedSource, CorruptBlock, decode_block, encode_block
 from resumable_stream.sources import ShardInfo, Source
-from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,11 +124,11 @@ def test_stream_wraps_its_source_and_keeps_the_fingerprint(parquet_small, tmp_pa
     assert on.fingerprint() == off.fingerprint()
     # a sidecar written with the cache on resumes with it off, and the other way round
     head = take_ids(on, 150)
-    state = decode_state(encode_state(on.state_dict()))
+    state = through_sidecar(on.state_dict())
     resumed_off = ResumableStream(cfg, source=_source(cfg))
     resumed_off.load_state_dict(state)
     assert head + take_ids(resumed_off, 100) == take_ids(ResumableStream(cfg, source=_source(cfg)), 250)
-    state = decode_state(encode_state(off.state_dict()))
+    state = through_sidecar(off.state_dict())
     resumed_on = ResumableStream(cached_cfg, source=_source(cfg))
     resumed_on.load_state_dict(state)
     assert take_ids(resumed_on, 100) == take_ids(off, 100)
@@ -144,7 +143,7 @@ def test_resume_mixing_cached_and_uncached_blocks(parquet_small, tmp_path, stop)
     first_stream = _stream(cfg, first, **kw)
     assert take_ids(first_stream, stop) == reference[:stop]
     first.flush()
-    state = decode_state(encode_state(first_stream.state_dict()))
+    state = through_sidecar(first_stream.state_dict())
     # drop every third cached block: the resumed run meets hits and misses, also inside one shard
     store = first.store
     cache = store.diskcache()
@@ -366,7 +365,7 @@ def test_http_cold_warm_identical_and_warm_reads_make_no_requests(site, tmp_path
     off = ResumableStream(cfg, **kw)
     take_ids(off, 123)
     resumed = ResumableStream(cached_cfg, **kw)
-    resumed.load_state_dict(decode_state(encode_state(off.state_dict())))
+    resumed.load_state_dict(through_sidecar(off.state_dict()))
     srv.reset_stats()
     assert take_ids(resumed, 377) == reference[123:]
     assert srv.stats()["requests"] == 0

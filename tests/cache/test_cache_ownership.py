@@ -109,17 +109,6 @@ def test_a_new_or_empty_directory_is_marked_and_reused(data, tmp_path):
         again.close()
 
 
-def test_a_cache_made_before_the_marker_is_adopted(data, tmp_path):
-    d = tmp_path / "legacy"
-    cached = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
-    list(cached.read(0))
-    cached.close()
-    (d / MARKER).unlink()                                   # as an earlier version left it
-    again = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
-    assert (d / MARKER).exists() and sum(t.num_rows for t in again.read(0)) == 250
-    assert again.stats()["hits"] > 0
-
-
 def test_the_sweep_deletes_only_value_files_the_cache_writes(data, tmp_path):
     d = tmp_path / "c"
     cached = CachedSource(open_plain(data), _cfg(data, d).cache_spec)
@@ -140,7 +129,7 @@ _FULL_WARMUP = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (220_000, 220_000))   # the cache's files stop growing: a full disk
-from resumable_stream.cli import main
+from resumable_stream.app.cli import main
 sys.exit(main(["warmup", sys.argv[1], "--samples", "3000", "--no-progress", "--jobs", "1"]))
 """
 

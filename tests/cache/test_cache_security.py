@@ -19,6 +19,7 @@ import textwrap
 import threading
 import time
 from contextlib import closing
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -161,12 +162,26 @@ def test_a_corrupt_block_met_by_a_lookup_and_by_its_pending_write_is_counted_onc
     again.close()
 
 
+def _mark(directory) -> None:
+    """A directory made by diskcache itself, marked as the block cache marks the directories it makes."""
+    from resumable_stream.cache.ownership import MARKER, claim
+
+    (Path(directory) / MARKER).unlink(missing_ok=True)
+    names = os.listdir(directory)
+    tmp = Path(tempfile.mkdtemp())
+    claim(str(tmp))              # the marker as the cache writes it, then put beside the foreign files
+    shutil.copy(tmp / MARKER, Path(directory) / MARKER)
+    shutil.rmtree(tmp)
+    assert names and MARKER not in names
+
+
 def test_a_trigger_that_turns_new_rows_into_pickles_runs_nothing(cfg, reference, tmp_path, caplog):
     """A pre-created cache_dir whose cache.db rewrites every new row into a pickle: no key needed."""
     import diskcache
 
     d = tmp_path / "c"
     diskcache.Cache(str(d)).close()
+    _mark(d)                  # the attacker marks it as a cache of ours too
     marker = tmp_path / "pwned"
     plant = (f"BEGIN UPDATE Cache SET mode = 4, filename = NULL, value = X'{pickle.dumps(_Marker(str(marker))).hex()}'"
              " WHERE rowid = NEW.rowid; END")
@@ -458,6 +473,7 @@ def test_hits_keep_blocks_in_the_lru_order(tmp_path):
 
     d = str(tmp_path / "c")
     diskcache.Cache(d, cull_limit=1).close()           # evict one block per write past the limit
+    _mark(d)
     table = pa.table({"id": list(range(2000)), "text": ["some words here"] * 2000})
     store = BlockStore(d, 2**30, "ns", 2000)
     for b in range(10):

@@ -15,7 +15,7 @@ import textwrap
 from collections import Counter
 
 import pytest
-from helpers import seeded_rng, take_ids
+from helpers import seeded_rng, take_ids, through_sidecar
 from repo_paths import REPO_ROOT
 
 from resumable_stream import ConfigError, ResumableStream, StreamConfig, StreamMismatchError
@@ -24,7 +24,6 @@ from resumable_stream.errors import SourceError
 from resumable_stream.sources import open_source
 from resumable_stream.sources.index import load_index, save_index
 from resumable_stream.state.checkpoint import write_manifest
-from resumable_stream.state.sidecar import decode_state, encode_state
 
 ROOT = REPO_ROOT
 FILES, LINES = 4, 150          # 600 rows; shards of 64 lines: 3 per file (64, 64, 22), 12 in all
@@ -100,7 +99,7 @@ def test_exact_resume_at_random_points(lines_format, lines_data, world_size, int
             first = make()
             head = ids_of(first, stop)
             resumed = make()
-            resumed.load_state_dict(decode_state(encode_state(first.state_dict())))
+            resumed.load_state_dict(through_sidecar(first.state_dict()))
             assert head + ids_of(resumed, per_rank - stop) == reference, (rank, stop)
     every = []
     for rank in range(world_size):                                  # the epoch: each row once over the ranks

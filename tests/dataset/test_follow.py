@@ -9,7 +9,7 @@ from growing_data import FILES, ROWS, add, dataset
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import ConfigError
-from resumable_stream.state.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish
 
 
 def _cfg(d: str, **kw) -> StreamConfig:
@@ -23,14 +23,14 @@ def _ids(stream, n: int | None = None) -> list[int]:
 
 
 def _checkpoint(stream, ckpt: str) -> str:
-    save(stream, ckpt, stream.state_dict(), manifest=False)
+    stream.save_sidecar(ckpt, manifest=False)
     finish(ckpt, 1)
     return ckpt
 
 
 def _resume(cfg, ckpt: str) -> ResumableStream:
     s = ResumableStream(cfg, index_from=ckpt)
-    load(s, ckpt)
+    s.load_sidecar(ckpt)
     return s
 
 
@@ -143,7 +143,6 @@ def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path
     """The StreamLoader (what the Trainer reads) waits between rounds too: a file written while it waits is
     read; a loader state saved at the end of the data and one saved inside the new file both resume exactly."""
     from resumable_stream.loader import StreamLoader
-    from resumable_stream.state.checkpoint import read
 
     d = dataset(tmp_path)
     cfg = _cfg(d, follow_timeout_s=20, num_partitions=partitions)
@@ -156,14 +155,14 @@ def test_loader_follows_and_resumes_exactly_in_a_wait_and_in_a_new_file(tmp_path
 
     def checkpoint(name):
         path = str(tmp_path / name)
-        save(loader.stream, path, loader.state_dict(), manifest=False)
+        loader.save_sidecar(path, manifest=False)
         finish(path, 1)
         return path
 
     def resumed(path):
         s = ResumableStream(cfg, index_from=path)
         other = StreamLoader(s, batch_size=8)
-        other.load_state_dict(read(s, path)[0], where=path)
+        other.load_state_dict(s.read_sidecar(path)[0], where=path)
         return iter(other)
 
     in_wait = checkpoint("wait")
@@ -184,7 +183,7 @@ _RANK_SCRIPT = """
 import json, os, sys, threading, time
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, read, save
+from resumable_stream.state.checkpoint import finish
 from resumable_stream.loader import StreamLoader
 
 dist.init_process_group("gloo")
@@ -194,7 +193,7 @@ cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data,
                    buffer_size=64, interleave_shards=2, block_rows=16, growth="follow", num_partitions=4,
                    poll_interval_s=0.05, follow_timeout_s=3)
 ckpt = os.path.join(out, phase, "stream_state")
-import resumable_stream.growth as growth
+import resumable_stream.dataset.growth as growth
 polls, grow = [0], growth.grow
 
 
@@ -211,7 +210,7 @@ else:
     before = os.path.join(out, "live" if phase == "resumed" else "resumed", "stream_state")
     stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=before)
     loader = StreamLoader(stream, batch_size=8)
-    loader.load_state_dict(read(stream, before)[0], where=before)
+    loader.load_state_dict(stream.read_sidecar(before)[0], where=before)
 if phase == "rest":     # what the checkpoint has not read yet, epoch by epoch (set_epoch: no waits)
     batches = []
     for epoch in range(8):
@@ -243,7 +242,7 @@ if rank == 0 and phase == "live":     # a file appears while the job waits (0.3 
 batches = [[row["id"] for row in batch] for batch in loader]     # ends on every rank after follow_timeout_s
 if writer is not None:
     writer.join()
-save(stream, ckpt, loader.state_dict(), manifest=False)
+loader.save_sidecar(ckpt, manifest=False)
 dist.barrier()
 if rank == 0:
     finish(ckpt, world)
@@ -313,7 +312,7 @@ _EXACT_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, read, save
+from resumable_stream.state.checkpoint import finish
 from resumable_stream.loader import StreamLoader
 
 dist.init_process_group("gloo")
@@ -328,7 +327,7 @@ start = {"b": "wait", "c": "mid"}.get(phase)
 
 def checkpoint(name):
     path = os.path.join(out, name, "stream_state")
-    save(stream, path, loader.state_dict(), manifest=False)
+    loader.save_sidecar(path, manifest=False)
     dist.barrier()
     if rank == 0:
         finish(path, world)
@@ -342,7 +341,7 @@ else:
     path = os.path.join(out, start, "stream_state")
     stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=path)
     loader = StreamLoader(stream, batch_size=8)
-    loader.load_state_dict(read(stream, path)[0], where=path)
+    loader.load_state_dict(stream.read_sidecar(path)[0], where=path)
 batches = []
 for batch in loader:     # ends on every rank at the same step, after follow_timeout_s without new files
     batches.append([row["id"] for row in batch])

@@ -13,7 +13,7 @@ from growing_data import FILES, RG, ROWS, add, dataset
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import ConfigError, StreamMismatchError
 from resumable_stream.sources.index import load_index
-from resumable_stream.state.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish
 from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 
@@ -33,14 +33,14 @@ def _epoch(stream, epoch: int) -> list[int]:
 
 def _save(streams, ckpt: str) -> str:
     for s in streams:
-        save(s, ckpt, s.state_dict(), manifest=False)
+        s.save_sidecar(ckpt, manifest=False)
     finish(ckpt, streams[0].world_size)
     return ckpt
 
 
 def _resume(cfg, ckpt: str, rank: int = 0, world_size: int = 1) -> ResumableStream:
     s = ResumableStream(cfg, rank=rank, world_size=world_size, index_from=ckpt)
-    load(s, ckpt)
+    s.load_sidecar(ckpt)
     return s
 
 
@@ -60,7 +60,7 @@ def test_file_added_between_kill_and_resume_joins_at_the_next_epoch(tmp_path):
     assert one != reference[ROWS:]
     # the generation is in the checkpoint's index: a second resume in the middle of epoch 1 replays it
     again = ResumableStream(cfg, index_from=ckpt)
-    load(again, ckpt)
+    again.load_sidecar(ckpt)
     _epoch(again, 0)
     again.set_epoch(1)
     mid = _ids(again, 170)
@@ -229,7 +229,6 @@ def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch
     """A file appended to one source of a running mixture (refresh_files, as the trainer calls at a save) joins
     at that source's next epoch, in that source's index only; a state saved after it resumes exactly."""
     from resumable_stream.dataset.growth import generations
-    from resumable_stream.state.checkpoint import load
     from resumable_stream.stream.mixture import MixtureStream
 
     a, cfg = _two_source_mixture(tmp_path)
@@ -253,7 +252,7 @@ def test_mixture_refresh_files_while_running_grows_each_source_at_its_next_epoch
     from_b = [i for i in head + mid + rest if i >= 10_000]
     assert sorted(from_b[:300]) == sorted(from_b[300:600]) == list(range(10_000, 10_300))   # b: unchanged
     resumed = MixtureStream(cfg, rank=0, world_size=1, index_from=ckpt)
-    load(resumed, ckpt)
+    resumed.load_sidecar(ckpt)
     assert _ids(resumed, 1500) == rest                               # exact across the growth boundary
 
 
@@ -347,7 +346,7 @@ _RANK_SCRIPT = """
 import itertools, json, os, sys
 import torch.distributed as dist
 from resumable_stream import ResumableStream, StreamConfig
-from resumable_stream.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -359,7 +358,7 @@ result = {}
 if phase == "first":
     stream = ResumableStream(cfg, rank=rank, world_size=world)
     result["head"] = [r["id"] for r in itertools.islice(stream, 30 + 10 * rank)]
-    save(stream, ckpt, stream.state_dict(), manifest=False)
+    stream.save_sidecar(ckpt, manifest=False)
     dist.barrier()
     if rank == 0:
         finish(ckpt, world)
@@ -380,7 +379,7 @@ elif phase == "live":      # files arrive while the job runs: taken in by refres
     result["epoch1"] = [r["id"] for r in stream]
 else:
     stream = ResumableStream(cfg, rank=rank, world_size=world, index_from=ckpt)
-    load(stream, ckpt)
+    stream.load_sidecar(ckpt)
     result["files"] = len(stream.source.index["files"])
     result["generations"] = stream.source.index["growth"]["generations"]
     stream.set_epoch(0)

@@ -18,21 +18,21 @@ from wds_data import text_samples, write_tar, write_tars
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import IncompleteFileError, SourceError
 from resumable_stream.sources import open_source, tar_index
-from resumable_stream.state.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish
 from resumable_stream.testing import synthetic_rows
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _save(stream, ckpt: str) -> str:
-    save(stream, ckpt, stream.state_dict(), manifest=False)
+    stream.save_sidecar(ckpt, manifest=False)
     finish(ckpt, 1)
     return ckpt
 
 
 def _resume(cfg, ckpt: str) -> ResumableStream:
     s = ResumableStream(cfg, index_from=ckpt)
-    load(s, ckpt)
+    s.load_sidecar(ckpt)
     return s
 
 

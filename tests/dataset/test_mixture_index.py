@@ -182,8 +182,8 @@ _RANK_SCRIPT = textwrap.dedent("""
     import itertools, json, os, sys, urllib.request
     import torch.distributed as dist
     from resumable_stream import StreamConfig
-    from resumable_stream.checkpoint import finish
-    from resumable_stream.mixture import MixtureStream
+    from resumable_stream.state.checkpoint import finish
+    from resumable_stream.stream.mixture import MixtureStream
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = json.load(open(sys.argv[1]))
@@ -199,7 +199,7 @@ _RANK_SCRIPT = textwrap.dedent("""
     rows = lambda n: [[r["id"], r["text"]] for r in itertools.islice(stream, n)]
     taken = rows(6)
     state_dir = os.path.join(out, "ckpt", "stream_state")
-    stream.write_sidecar(state_dir, stream.state_dict(), manifest=False)
+    stream.save_sidecar(state_dir, manifest=False)
     dist.barrier()
     if rank == 0:
         finish(state_dir, world)
@@ -303,7 +303,7 @@ def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(tw
     for rank in range(2):
         s = MixtureStream(cfg, rank=rank, world_size=2)
         _samples(s, 30 + 11 * rank)
-        s.write_sidecar(state_dir, s.state_dict(), manifest=False)
+        s.save_sidecar(state_dir, manifest=False)
         references.append(_samples(s, 90))
     finish(state_dir, 2)
 

@@ -172,7 +172,7 @@ def test_restarting_a_finished_run_trains_nothing_more(procs, refs, tmp_path):
 
     Fails with transformers 5.24: resuming an IterableDataset run from checkpoint-<max_steps> trains one
     more step (num_train_epochs is sys.maxsize, and should_training_stop is only checked after a step);
-    the patched ``train`` (trainer_patch/patch.py ``_train``) should return without training instead."""
+    the patched ``train`` (integrations/transformers/patch.py ``_train``) should return without training instead."""
     ref_out = refs.get("single")
     config, out = write_config(str(tmp_path), "finished", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
                                **SETUPS["single"][0])

@@ -11,10 +11,10 @@ from repo_paths import REPO_ROOT
 from resumable_stream import SidecarError
 from resumable_stream.app.train import build_trainer, resolve_resume
 from resumable_stream.config.trainer import TrainerConfig
-from resumable_stream.integrations.transformers import checkpoints as ck
+from resumable_stream.integrations import checkpoints as ck
 from resumable_stream.integrations.transformers import stream_loader
 from resumable_stream.loader import StreamLoader
-from resumable_stream.state import checkpoint
+from resumable_stream.state import output_dir
 
 ROOT = REPO_ROOT
 TINY = os.path.join(ROOT, "examples", "tiny", "train_lm.yaml")
@@ -57,7 +57,7 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-12"]
     state = os.path.join(out, "checkpoint-12", "stream_state")
     assert sorted(os.listdir(state)) == ["fingerprint.json", "index.bin", "manifest.json", "rank-00000.safetensors"]
-    assert checkpoint.is_complete(os.path.join(out, "checkpoint-12"))
+    assert output_dir.is_complete(os.path.join(out, "checkpoint-12"))
 
 
 @pytest.mark.slow          # trains a tiny model in-process
@@ -93,10 +93,10 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     with pytest.raises(SidecarError, match="manifest.json"):
         trainer.train(resume_from_checkpoint=ckpt)
     # the automatic choice skips it and takes the newest complete one
-    assert checkpoint.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-12")
+    assert output_dir.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-12")
     os.unlink(os.path.join(cfg.train["output_dir"], "checkpoint-12", "stream_state", "manifest.json"))
-    assert checkpoint.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-4")
-    removed = checkpoint.remove_incomplete_after(cfg.train["output_dir"], checkpoint.latest_complete_checkpoint(cfg.train["output_dir"]))
+    assert output_dir.latest_complete_checkpoint(cfg.train["output_dir"]).endswith("checkpoint-4")
+    removed = output_dir.remove_incomplete_after(cfg.train["output_dir"], output_dir.latest_complete_checkpoint(cfg.train["output_dir"]))
     assert sorted(os.path.basename(p) for p in removed) == ["checkpoint-12", "checkpoint-8"]
 
 

@@ -142,7 +142,7 @@ def test_data_epoch_follows_the_cursors(tmp_path):
     for n in (10, 30, 25):       # 250 samples, 750 more, 625 more: epochs 0.25, 1.0, 1.625 of 1000 rows
         for _ in range(n):
             next(it)
-        state = loader.state_dict()
+        state = loader.rank_state()["stream"]
         progress = [partition_progress(ps) for ps in state["partitions"].values()]
         expected = sum(p["epoch"] + p["epoch_fraction"] for p in progress) / len(progress)
         assert loader.data_epoch() == pytest.approx(expected, abs=1e-6)

@@ -13,7 +13,7 @@ from lock_probe import REFUSED, start_holder, try_lock
 from resumable_stream.errors import ConfigError, OutputDirLockedError
 from resumable_stream.runtime import output_lock
 from resumable_stream.runtime.output_lock import LOCK_FILE, output_dir_lock
-from resumable_stream.state.checkpoint import checkpoint_dirs
+from resumable_stream.state.output_dir import checkpoint_dirs
 
 
 def _kill(proc) -> None:

@@ -20,7 +20,7 @@ from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import SourceError
 from resumable_stream.sources import open_source, tar_index
 from resumable_stream.sources.webdataset import READER
-from resumable_stream.state.checkpoint import finish, load, save
+from resumable_stream.state.checkpoint import finish
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -140,11 +140,11 @@ def test_a_sparse_tar_resumes_and_its_local_check_skips_the_sparse_members(tmp_p
     first = ResumableStream(cfg)
     head = [r["__key__"] for r in _take(first, 4)]
     ckpt = str(tmp_path / "ckpt")
-    save(first, ckpt, first.state_dict(), manifest=False)
+    first.save_sidecar(ckpt, manifest=False)
     finish(ckpt, 1)
     rest = [r["__key__"] for r in _take(first, 6)]
     again = ResumableStream(cfg, index_from=ckpt)
-    load(again, ckpt)
+    again.load_sidecar(ckpt)
     assert [r["__key__"] for r in _take(again, 6)] == rest
     assert sorted(head + rest) == [f"k{i}" for i in range(10)]
 

@@ -12,13 +12,9 @@ import pytest
 from helpers import parquet_config, take_ids
 
 from resumable_stream import ResumableStream, SidecarError
-from resumable_stream.state.checkpoint import (
-    is_complete,
-    latest_complete_checkpoint,
-    resume_latest,
-    write_manifest,
-)
+from resumable_stream.state.checkpoint import write_manifest
 from resumable_stream.state.names import STATE_DIR
+from resumable_stream.state.output_dir import is_complete, latest_complete_checkpoint, resume_latest
 
 # the engine's files of a checkpoint (transformers' Trainer with each engine), relative to checkpoint-N
 LAYOUTS = {

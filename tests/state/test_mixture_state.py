@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 from helpers import resealed
-from legacy_states import copy_data, mixture_config, stream_config
 from safetensors import safe_open
+from small_mixture import copy_data, mixture_config, stream_config
 
 from resumable_stream import MixtureStream, ResumableStream, SidecarError, StreamMismatchError
 from resumable_stream.state.partition_state import Cursor
@@ -38,7 +38,7 @@ def test_the_sidecar_names_the_mixture_and_its_sources_state_separately(saved):
     with safe_open(path, framework="numpy") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    assert (meta["format_version"], meta["kind"]) == ("3", "mixture")
+    assert (meta["format_version"], meta["kind"]) == ("1", "mixture")
     per_source = {"cursors", "slots", "chains"}
     assert set(tensors) == {"partition_ids", "mixture/positions", "mixture/source_epochs", "mixture/ended"} | {
         f"sources/{i}/{t}" for i in (0, 1) for t in per_source}

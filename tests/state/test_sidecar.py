@@ -27,7 +27,7 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
         meta = f.metadata()
         assert set(f.keys()) == {"partition_ids", "cursors", "slots", "chains"}
         cursors = f.get_tensor("cursors")
-    assert (meta["format"], meta["format_version"], meta["kind"]) == ("resumable-stream", "3", "stream")
+    assert (meta["format"], meta["format_version"], meta["kind"]) == ("resumable-stream-state", "1", "stream")
     fields = json.loads(meta["cursor_fields"])
     row = dict(zip(fields, cursors[0].tolist()))
     assert row["offset"] + row["consumed_before"] == 150
@@ -42,7 +42,7 @@ def test_sidecar_is_safetensors_with_cursor_tensors_and_json_metadata(cfg, sourc
     digests = json.loads(meta["digests"])["0"]
     assert digests["consumed_samples"] == 150 and len(digests["next_sample"]) == 16
     manifest = json.loads((tmp_path / "state" / "manifest.json").read_text())
-    assert manifest["format_version"] == 3 and manifest["fingerprint"]["file"] == "fingerprint.json"
+    assert manifest["format_version"] == 1 and manifest["fingerprint"]["file"] == "fingerprint.json"
     # no temp files left behind
     assert sorted(os.listdir(tmp_path / "state")) == ["fingerprint.json", "index.bin", "manifest.json",
                                                      "rank-00000.safetensors"]
@@ -217,7 +217,7 @@ def test_directory_without_manifest_is_incomplete(cfg, source, tmp_path):
 def test_rank_file_changed_after_manifest_is_refused(cfg, source, tmp_path):
     s, path = _saved(cfg, source, tmp_path)
     take_ids(s, 5)
-    ckpt.write_state_file(path, s.state_dict())      # rewritten without a new manifest
+    ckpt.write_state_file(path, {"stream": s.state_dict()})      # rewritten without a new manifest
     fresh = ResumableStream(cfg, rank=0, world_size=1, source=source)
     with pytest.raises(SidecarError, match="manifest"):
         fresh.load_sidecar(tmp_path / "state")
@@ -298,7 +298,7 @@ def test_future_format_version_is_refused(cfg, source, tmp_path):
     _, path = _saved(cfg, source, tmp_path)
     data = open(path, "rb").read()
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].replace(b'"format_version":"3"', b'"format_version":"9"')
+    header = data[8:8 + n].replace(b'"format_version":"1"', b'"format_version":"9"')
     assert len(header) == n
     open(path, "wb").write(data[:8] + header + data[8 + n:])
     with pytest.raises(SidecarError, match="format version '9'"):
@@ -390,5 +390,5 @@ def test_an_unmoved_partition_gives_the_same_state_and_a_moved_one_a_new_one(cfg
     loader = StreamLoader(one, batch_size=4, processor_factory=Carry)
     it = iter(loader)
     next(it)
-    assert loader.state_dict()["partitions"][0]["extra"]["meta"]["n"] >= 4
-    assert one.partition_state(0).extra is None
+    assert loader.rank_state()["transform"][0]["meta"]["n"] >= 4
+    assert "extra" not in one.state_dict()["partitions"][0]     # the carry is the loader's, not the stream's

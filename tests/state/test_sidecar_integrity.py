@@ -84,26 +84,25 @@ def test_a_flipped_bit_is_refused_on_every_way_a_file_is_loaded(cfg, source, sav
     assert take_ids(resumed, 20) == expected
 
 
-def _legacy(data: bytes) -> bytes:
-    """The same state as the previous version wrote it: no self-digest."""
+def _unsealed(data: bytes) -> bytes:
+    """The same state without its self-digest."""
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + n])["__metadata__"]
     del meta[sc.SEAL_KEY]
     return st_save(st_load(data), metadata=meta)
 
 
-def test_a_sidecar_without_self_digest_loads_only_through_a_manifest(cfg, source, saved, tmp_path):
-    path, expected, _ = saved
+def test_a_sidecar_without_self_digest_is_refused_even_under_a_manifest(cfg, source, saved, tmp_path):
+    path, _, _ = saved
     state_dir = tmp_path / "stream_state"
     state_dir.mkdir()
     old = state_dir / "rank-00000.safetensors"
-    old.write_bytes(_legacy(open(path, "rb").read()))
-    with pytest.raises(SidecarError, match="no self-digest .* through its stream_state or checkpoint directory"):
+    old.write_bytes(_unsealed(open(path, "rb").read()))
+    with pytest.raises(SidecarError, match=f"corrupt \\(field {sc.SEAL_KEY}: 'None' is not its digest\\)"):
         _stream(cfg, source).load_sidecar(str(old))
-    ckpt.write_manifest(str(state_dir), 1)   # what the previous version wrote next to it
-    resumed = _stream(cfg, source)
-    resumed.load_sidecar(str(tmp_path))
-    assert take_ids(resumed, 20) == expected
+    ckpt.write_manifest(str(state_dir), 1)   # a manifest's digest covers the file: still not one of ours
+    with pytest.raises(SidecarError, match=sc.SEAL_KEY):
+        _stream(cfg, source).load_sidecar(str(tmp_path))
 
 
 # ------------------------------------------------------------------ malformed but well-sealed states
@@ -159,8 +158,8 @@ def _slots(value):
     (_set_meta("turn", "-3"), "turn"),
     (_set_meta("turn", "x"), "turn"),
     (_set_meta("progress", {"0": {"epoch_start": "0"}}), "progress[0].epoch_start"),
-    (_set_meta("extra", {"0": {"meta": {}, "tensors": "ids"}}), "extra[0]"),
-    (_set_meta("lane_turns", [0, -1]), "lane_turns"),
+    (_set_meta("transform", {"0": {"meta": {}, "tensors": "ids"}}), "transform[0]"),
+    (_set_meta("loader", {"turns": {"0": 0}, "lane_turns": {"0": [0, -1]}}), "loader.lane_turns[0]"),
     (_set_meta("fingerprint", ["x"]), "fingerprint"),
     (_set_meta("cursor_fields", ["epoch"]), "cursor_fields"),
     (_set_cursor("offset", -1), "cursors[0].offset"),
@@ -301,7 +300,7 @@ def test_a_save_killed_at_any_moment_leaves_the_old_or_the_new_state(cfg, source
     states_dir.mkdir()
     for k in range(400):
         take_ids(s, 1)
-        (states_dir / f"{k}.safetensors").write_bytes(sc.encode_state(s.state_dict()))
+        (states_dir / f"{k}.safetensors").write_bytes(sc.encode_state({"stream": s.state_dict()}))
     state_dir = tmp_path / "ck" / "stream_state"
     helper = os.path.join(SUPPORT_DIR, "save_killer.py")
     r = subprocess.run([sys.executable, helper, str(states_dir), str(state_dir), "40", "7"], capture_output=True,

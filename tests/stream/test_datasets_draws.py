@@ -12,10 +12,10 @@ import itertools
 import json
 
 import pytest
+from helpers import through_sidecar
 
 from resumable_stream import MixtureStream, StreamConfig
 from resumable_stream.sources import open_source
-from resumable_stream.state.sidecar import decode_state, encode_state
 
 SEED = 42
 ROWS = {"a": range(0, 7), "b": range(100, 104)}     # a sample's id tells its source and its row
@@ -98,7 +98,7 @@ def test_resume_after_every_sample_across_epoch_ends(files, stopping, probabilit
     total = sum(map(len, reference))
     states = []
     for row in itertools.islice(stream, total):
-        states.append((row["id"], decode_state(encode_state(stream.state_dict()))))
+        states.append((row["id"], through_sidecar(stream.state_dict())))
     assert [i for i, _ in states] == sum(reference, [])
     following = [i for i, _ in states] + ids(stream, 5)
     for k, (_, state) in enumerate(states):

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import parquet_config, shared_source, take_ids
+from helpers import parquet_config, shared_source, take_ids, through_sidecar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from repo_paths import REPO_ROOT
@@ -25,7 +25,6 @@ from resumable_stream import ConfigError, ResumableStream, StreamMismatchError
 from resumable_stream.errors import SidecarError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.state.checkpoint import read_state_file, write_manifest
-from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.transforms import TextProcessor, TransformConfig, collate
 
 ROOT = REPO_ROOT
@@ -156,7 +155,7 @@ def test_elastic_changes_read_every_row_of_the_epoch_exactly_once(cfg, tmp_path_
         ids += _run_and_save(elastic, state_dir, world, workers, stops, resume_from)
         resume_from = state_dir
         for rank in range(world):   # rows left per partition, from the saved cursors
-            for p, ps in read_state_file(os.path.join(state_dir, f"rank-{rank:05d}.safetensors"))[
+            for p, ps in read_state_file(os.path.join(state_dir, f"rank-{rank:05d}.safetensors"))["stream"][
                     "partitions"].items():
                 left[p] = ROWS // N - ps["consumed"]
     ids += _finish_epoch(elastic, resume_from, *chain[2])
@@ -210,7 +209,7 @@ def test_same_topology_resume_continues_the_identical_interleaving(cfg, num_part
     first = _stream(c, world, 0, rank)
     head = take_ids(first, stop)
     resumed = _stream(c, world, 0, rank)
-    resumed.load_state_dict(decode_state(encode_state(first.state_dict())))
+    resumed.load_state_dict(through_sidecar(first.state_dict()))
     assert head + take_ids(resumed, 80) == reference
 
 
@@ -233,9 +232,9 @@ def test_loader_resume_with_lanes_of_several_partitions_and_packing(cfg, workers
     consumed = 23
     for _ in range(consumed):
         next(it)
-    state = decode_state(encode_state(loader.state_dict()))
-    assert "lane_turns" in state and sorted(int(p) for p in state["partitions"]) == list(range(6, 12))
-    carried = [p for p, ps in state["partitions"].items() if ps.get("extra")]
+    state = through_sidecar(loader.rank_state())
+    assert state["loader"]["lane_turns"] and sorted(int(p) for p in state["stream"]["partitions"]) == list(range(6, 12))
+    carried = [p for p, carry in state["transform"].items() if carry]
     assert len(carried) >= 2, "packing leaves tokens carried over in several partitions"
     expected = [next(it)["input_ids"] for _ in range(10)]
     del it
@@ -318,7 +317,7 @@ def test_partition_state_reports_epoch_progress(cfg):
         ps = s.partition_state(p)         # typed; state_dict() holds its to_dict()
         assert (ps.epoch, ps.epoch_rows, ps.consumed - ps.epoch_start) == (1, 500, 120)
         assert s.partition_epoch(p) == 1
-    restored = decode_state(encode_state(s.state_dict()))
+    restored = through_sidecar(s.state_dict())
     assert all(ps["epoch_start"] == 500 and ps["epoch_rows"] == 500 for ps in restored["partitions"].values())
 
 

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import through_sidecar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from repo_paths import REPO_ROOT
@@ -51,7 +52,6 @@ from resumable_stream.errors import SourceError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import Source, open_source
 from resumable_stream.state.checkpoint import write_manifest
-from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.stream.mixture import draw_sources, source_counts
 from resumable_stream.testing import synthetic_rows
 
@@ -127,7 +127,7 @@ def check_resume(cfg, world_size, rank, num_workers, stop, more):
     reference = ids(make(cfg, rank, world_size, num_workers), stop + more)
     first = make(cfg, rank, world_size, num_workers)
     head = ids(first, stop)
-    state = decode_state(encode_state(first.state_dict()))     # through the sidecar bytes
+    state = through_sidecar(first.state_dict())     # through the sidecar bytes
     resumed = make(cfg, rank, world_size, num_workers)
     resumed.load_state_dict(state)
     tail = ids(resumed, more)
@@ -161,7 +161,7 @@ def test_resume_in_finite_epoch_mode(dirs, stopping):
         s.set_epoch(0)
         head = ids(s, stop)
         resumed = make(cfg)
-        resumed.load_state_dict(decode_state(encode_state(s.state_dict())))
+        resumed.load_state_dict(through_sidecar(s.state_dict()))
         resumed.set_epoch(0)
         assert head + ids(resumed) == epoch0, f"stop {stop}"
         resumed.set_epoch(1)
@@ -292,7 +292,7 @@ def test_resuming_with_other_sources_weights_or_stopping_is_refused(dirs, tmp_pa
     cfg = mix(dirs, shuffle=True, buffer_size=64)
     s = make(cfg)
     ids(s, 200)
-    state = decode_state(encode_state(s.state_dict()))
+    state = through_sidecar(s.state_dict())
     moved = {**dirs, "b": shutil.copytree(dirs["b"], tmp_path / "b")}
     os.remove(sorted(glob.glob(os.path.join(moved["b"], "*.parquet")))[-1])   # a copy with a file less
     cases = {
@@ -437,10 +437,10 @@ def test_loader_with_workers_resumes_exactly_and_counts_what_was_consumed(dirs):
     first = loader()
     it = iter(first)
     head = [[row["id"] for row in next(it)] for _ in range(33)]    # workers have prefetched further
-    state = decode_state(encode_state(first.state_dict()))
+    state = through_sidecar(first.rank_state())
     del it
     flat = [i for batch in head for i in batch]
-    assert source_counts(state) == {"a": sum(source_of(i) == 0 for i in flat), "b": sum(source_of(i) == 1 for i in flat)}
+    assert source_counts(state["stream"]) == {"a": sum(source_of(i) == 0 for i in flat), "b": sum(source_of(i) == 1 for i in flat)}
     resumed = loader()
     resumed.load_state_dict(state)
     assert head + _batches(resumed, 37) == reference

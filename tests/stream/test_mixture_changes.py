@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import through_sidecar
 from training_helpers import (
     TINY,
     Procs,
@@ -34,7 +35,6 @@ from training_helpers import (
 from resumable_stream import ConfigError, MixtureStream, StreamConfig, StreamMismatchError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import open_source
-from resumable_stream.state.sidecar import decode_state, encode_state
 from resumable_stream.stream.mixture import describe_state
 from resumable_stream.stream.weights import uniforms
 from resumable_stream.testing import synthetic_rows
@@ -81,7 +81,7 @@ def ids(stream, n) -> list[int]:
 
 
 def reload(stream) -> dict:
-    return decode_state(encode_state(stream.state_dict()))     # through the sidecar bytes
+    return through_sidecar(stream.state_dict())     # through the sidecar bytes
 
 
 def src(i: int) -> int:
@@ -192,7 +192,7 @@ def test_loader_with_workers_resumes_a_schedule_exactly_and_elastic_reads_each_r
     reference = _batches(StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2), 12)
     loader = StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2)
     head = _batches(loader, 5)
-    state = decode_state(encode_state(loader.state_dict()))
+    state = through_sidecar(loader.rank_state())
     # after what training consumed (partition 0 drew 10: sample 20 of the job), not where the workers are
     assert loader.current_weights() == pytest.approx({"a": 1 / 1.1, "b": 0.1 / 1.1})
     again = StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2)
@@ -316,7 +316,7 @@ def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_a
     [next(it) for _ in range(3)]
     first.set_weights({"a": 0, "b": 1}, step=3)
     [next(it) for _ in range(2)]
-    state = decode_state(encode_state(first.state_dict()))
+    state = through_sidecar(first.rank_state())["stream"]
     assert state["fingerprint"]["mixture"]["history"][1] == {"from": "set_weights", "step": 3,
                                                             "weights": {"a": 0.0, "b": 1.0}}
     first.save_sidecar(str(tmp_path / "state"))

@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import parquet_config, take_ids
+from helpers import parquet_config, take_ids, through_sidecar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resumable_stream import ResumableStream
 from resumable_stream.sources import Source, open_source
-from resumable_stream.state.sidecar import decode_state, encode_state
 
 _SOURCES = {}
 
@@ -32,7 +31,7 @@ def _check_resume(cfg, world_size, rank, num_workers, stop, more):
     reference = take_ids(make(), stop + more)
     first = make()
     head = take_ids(first, stop)
-    state = decode_state(encode_state(first.state_dict()))   # through the sidecar bytes
+    state = through_sidecar(first.state_dict())   # through the sidecar bytes
     resumed = make()
     resumed.load_state_dict(state)
     tail = take_ids(resumed, more)
@@ -198,7 +197,7 @@ def test_samples_changed_by_the_consumer_change_nothing_that_follows(parquet_sma
         got.append(sample["id"])
         sample.clear()
         sample["id"] = -1
-    state = decode_state(encode_state(s.state_dict()))
+    state = through_sidecar(s.state_dict())
     got += [next(it)["id"] for _ in range(100)]
     assert got == reference
     resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)

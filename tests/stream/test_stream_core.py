@@ -5,8 +5,8 @@ import ast
 import pathlib
 
 import pytest
-from legacy_states import TripleProcessor, collate, copy_data, mixture_config, stream_config
 from repo_paths import REPO_ROOT
+from small_mixture import TripleProcessor, collate, copy_data, mixture_config, stream_config
 
 from resumable_stream import MixtureStream, ResumableStream, Stream
 from resumable_stream.loader import StreamLoader
@@ -84,6 +84,8 @@ THIRD_PARTY_PRIVATES = {
     ("app/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
     ("integrations/llamafactory/weights.py", "_load_from_checkpoint"),   # transformers.Trainer: renamed weights, a LoRA reward model
     ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
+    ("loader.py", "_getframe"),          # sys._getframe: is Lightning's fit loop saving the state?
+    ("loader.py", "_data_fetcher"),      # Lightning's fit loop: the batches its fetcher took ahead
 }
 
 

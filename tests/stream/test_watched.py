@@ -127,7 +127,7 @@ def _loader_run(cfg, workers: int, watched: bool) -> tuple[list, dict]:
     try:
         if not watched:
             batches = list(itertools.islice(loader, BATCHES))
-            return batches, loader.state_dict()["partitions"]
+            return batches, loader.rank_state()["stream"]["partitions"]
         server = serve(loader, 0, addr="127.0.0.1")
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         collector = DataPathCollector(loader.metrics_reading, loader.data_epoch, 0)
@@ -138,7 +138,7 @@ def _loader_run(cfg, workers: int, watched: bool) -> tuple[list, dict]:
         assert not w.errors, w.errors[:3]
         assert w.count > WATCHERS, "the watchers did not run while the batches were read"
         # the state after them is the unwatched one (a resume from it reads the same next samples)
-        return batches, loader.state_dict()["partitions"]
+        return batches, loader.rank_state()["stream"]["partitions"]
     finally:
         if server is not None:
             server.shutdown()

@@ -87,7 +87,7 @@ def test_map_failures_name_the_sample_and_the_function_and_follow_bad_sample(tok
 @pytest.mark.parametrize("spec,needle", [
     ("map_hooks.split_drop_rewrite", "allowed: 'package.module:function'"),
     (":split", "allowed: 'package.module:function'"),
-    (3, "data.map: got 3; allowed: null or 'package.module:function'"),
+    (3, "data.map: got 3; allowed: null, 'package.module:function', or (from Python) a function"),
     ("no_such_module_rs:f", "module 'no_such_module_rs' not found"),
     ("map_hooks:nothing_here", "'map_hooks' has no attribute 'nothing_here'"),
     ("map_hooks:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not callable"),
@@ -231,3 +231,49 @@ def test_map_runs_before_the_vl_transform_too():
     skipping = VLProcessor(processor, cfg.replace(bad_sample="skip"))
     skipping.feed({**row, "boom": True}, "c")
     assert skipping.ready() == 0 and skipping.stats()["skipped_map"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- a function from Python
+def _upper(row):
+    return {**row, "text": row["text"].upper()}
+
+
+def test_a_python_function_is_a_map_hook_fingerprinted_as_data_map_is(tok, tmp_path):
+    """An existing `datasets` pipeline's ``.map(fn)`` moves over as ``TransformConfig(map=fn)``: the same rows as
+    the named function, its name (module:qualname) and source digest in the fingerprint, a resume exact, and a
+    changed function a mismatch naming it (unless map_version says it is the same)."""
+    by_name = TransformConfig(map="test_map_hook:_upper", max_seq_len=64)
+    by_function = TransformConfig(map=_upper, max_seq_len=64)
+    rows = [{"id": i, "text": f"w{i} alpha beta"} for i in range(4)]
+    assert _feed(tok, by_function, rows)[1] == _feed(tok, by_name, rows)[1]
+    fp = TextProcessor(tok, by_function).fingerprint()["map"]
+    assert fp["function"] == f"{__name__}:_upper" and len(fp["source_digest"]) == 32
+    assert fp == TextProcessor(tok, by_name).fingerprint()["map"] | {"function": f"{__name__}:_upper"}
+
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(TINY, "data", "*.parquet"),
+                       shuffle=True, buffer_size=64, num_partitions=2)
+
+    def loader(fn, version=None):
+        factory = functools.partial(TextProcessor, tok, TransformConfig(map=fn, map_version=version, max_seq_len=64))
+        return StreamLoader(ResumableStream(cfg), batch_size=5, collate_fn=_input_ids, processor_factory=factory)
+
+    ref = list(itertools.islice(loader(_upper), 8))
+    first = loader(_upper)
+    assert list(itertools.islice(first, 3)) == ref[:3]
+    path = first.save_sidecar(str(tmp_path / "s"))
+    resumed = loader(_upper)
+    resumed.load_sidecar(path)
+    assert list(itertools.islice(resumed, 5)) == ref[3:]
+
+    def _upper_changed(row):
+        return {**row, "text": row["text"].upper() + "!"}
+
+    _upper_changed.__qualname__ = "_upper"        # the same name, other code: caught by the source digest
+    with pytest.raises(StreamMismatchError, match=r"transform\.map\.source_digest: saved"):
+        loader(_upper_changed).load_sidecar(path)
+    same = loader(_upper, version="1")
+    list(itertools.islice(same, 2))
+    versioned = same.save_sidecar(str(tmp_path / "v"))
+    loader(_upper_changed, version="1").load_sidecar(versioned)     # declared the same version: resumes
+    with pytest.raises(ConfigError, match="data.map: got 3"):
+        TransformConfig(map=3)

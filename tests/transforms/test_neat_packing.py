@@ -349,7 +349,7 @@ def test_loader_resumes_neat_blocks_exactly_through_its_sidecar(tok, dataset_600
     it = iter(first)
     head = [examples for examples, _ in itertools.islice(it, 7)]
     path = first.save_sidecar(str(tmp_path / "stream_state"))
-    carries = [ps["extra"]["tensors"] for ps in first.state_dict()["partitions"].values()]
+    carries = [carry["tensors"] for carry in first.rank_state()["transform"].values()]
     del it
     resumed = _loader(dataset_600, tok, workers)
     resumed.load_sidecar(path)

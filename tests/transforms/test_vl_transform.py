@@ -656,14 +656,14 @@ def test_skips_resume_exactly_through_the_loader(processor):
     first_loader = _loader(processor)
     first = _take(first_loader, 17)
     state = first_loader.state_dict()
-    cut_stats = state["partitions"][0]["extra"]["meta"]["stats"]
+    cut_stats = first_loader.rank_state()["transform"][0]["meta"]["stats"]
     resumed_loader = _loader(processor, state)
     rest = _take(resumed_loader, 23)
     for i, (a, b) in enumerate(zip(straight, first + rest)):
         assert a["keys"] == b["keys"], f"batch {i}: other samples"
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
-    end = straight_loader.state_dict()["partitions"][0]["extra"]["meta"]["stats"]
-    assert resumed_loader.state_dict()["partitions"][0]["extra"]["meta"]["stats"] == end
+    end = straight_loader.rank_state()["transform"][0]["meta"]["stats"]
+    assert resumed_loader.rank_state()["transform"][0]["meta"]["stats"] == end
     skips = lambda s: s["skipped_image"] + s["skipped_mismatch"]  # noqa: E731
     assert 0 < skips(cut_stats) < skips(end), f"no skip on one side of the cut: {cut_stats} -> {end}"
 

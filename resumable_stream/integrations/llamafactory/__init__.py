@@ -2,7 +2,7 @@
 
     resumable-stream llamafactory train THEIR.yaml [key=value ...]
     FORCE_TORCHRUN=1 NPROC_PER_NODE=2 resumable-stream llamafactory train THEIR.yaml
-    torchrun --nproc_per_node 2 -m resumable_stream.integrations.llamafactory train THEIR.yaml
+    torchrun --nproc_per_node 2 -m resumable_stream llamafactory train THEIR.yaml
 
 The yaml is the one ``llamafactory-cli train`` takes, plus an optional ``resumable_stream:`` section
 (:mod:`.settings`). LLaMA-Factory runs its workflow (model loading, template, collator, callbacks, final

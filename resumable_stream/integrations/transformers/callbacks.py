@@ -123,7 +123,7 @@ class SourceCountsCallback(TrainerCallback):
         interval = {k: _minus(now[k], before.get(k, ()), n) for k in ("samples", "tokens")}
         losses = self.loss_of() if self.loss_of is not None else None
         loss_sums, loss_tokens = losses.take() if losses is not None else ([], [])
-        counts = list(source_counts(loader.state_dict()).values())
+        counts = list(source_counts(loader.rank_state()["stream"]).values())
         values = _summed_over_ranks(args, [*counts, *interval["samples"], *interval["tokens"], *loss_sums,
                                            *loss_tokens])
         counts, samples, tokens = values[:n], values[n:2 * n], values[2 * n:3 * n]

@@ -1,6 +1,6 @@
 """One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream.
 
-    from resumable_stream.trainer_patch import patch_trainer, TrainingStream
+    from resumable_stream.integrations.transformers import patch_trainer, TrainingStream
     patch_trainer()                                   # once; or patch_trainer(MyTrainerSubclass)
     trainer = Trainer(model, args, train_dataset=TrainingStream(stream, ...))
     trainer.train(resume_from_checkpoint=True)
@@ -42,9 +42,9 @@ from ...errors import ConfigError
 from ...loader import StreamLoader, shard_row_key
 from ...observe.monitoring import MonitorSettings
 from ...runtime.output_lock import output_dir_lock
-from ...state.checkpoint import check_complete, resume_latest
+from ...state.output_dir import check_complete, resume_latest
 from ...stream.base import Stream
-from .checkpoints import refresh_stream_files, save_stream_state
+from ..checkpoints import refresh_stream_files, save_stream_state
 from .data_metrics import DataMetricsLog
 from .source_loss import SourceLoss
 

@@ -1,0 +1,141 @@
+"""A run's checkpoints for any training loop: ``checkpoint-N/`` directories in an output dir, each completed by
+the stream state every rank writes after the user's own files, with the manifest last.
+
+    from resumable_stream import Checkpoints
+
+    checkpoints = Checkpoints(output_dir, keep=3)
+    start = checkpoints.resume(loader)               # the newest complete checkpoint's step (0: none)
+    for step, batch in enumerate(loader, start=start + 1):
+        ...                                          # train
+        if step % 100 == 0:
+            with checkpoints.save(step, loader) as path:     # output_dir/checkpoint-<step>
+                torch.save(model.state_dict(), f"{path}/model.pt")   # your files first
+            # here every rank wrote its stream state and rank 0 the manifest: the checkpoint is complete
+
+A checkpoint is complete once its ``stream_state/manifest.json`` is there (written last, after a barrier that
+follows every rank's own writes), so a kill at any moment leaves the one before it as the newest complete one;
+a restart removes those a kill cut short (rank 0) before it resumes. The Trainer integration writes the same
+stream state into the Trainer's checkpoints (:func:`save_stream_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from ..errors import ConfigError
+from ..runtime.collectives import barrier
+from ..state.checkpoint import finish
+from ..state.names import STATE_DIR
+from ..state.output_dir import checkpoint_dirs, checkpoint_step, is_complete, resume_latest
+
+log = logging.getLogger(__name__)
+
+
+def refresh_stream_files(stream) -> None:
+    """At each save (every rank saves at the same step): with ``data.growth``, the files that appeared join the
+    plan, so the checkpoint's index has them. DataLoader workers read ahead with the plan they started with:
+    with them, new files join at the next resume instead (said once)."""
+    if getattr(stream.config, "growth", "off") == "off":
+        return
+    if stream.num_workers:
+        if not _growth_noted:
+            _growth_noted.append(True)
+            log.info("data.growth: with %d DataLoader workers new files join at the next resume, not at a save",
+                     stream.num_workers)
+        return
+    joins = stream.refresh_files()    # an epoch; a mixture: {source label: epoch} of the sources that grew
+    if isinstance(joins, dict):
+        for label, epoch in joins.items():
+            log.info("data.growth: new files of source %r join the run from its epoch %d", label, epoch)
+    elif joins is not None:
+        log.info("data.growth: new files join the run from epoch %d", joins)
+
+
+_growth_noted: list[bool] = []
+
+
+def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool,
+                      wait: Callable[[], None] = barrier) -> str:
+    """Every rank writes its state into ``checkpoint/stream_state``; after a barrier rank 0 writes the manifest
+    that completes the checkpoint. Returns the stream_state directory."""
+    state_dir = os.path.join(checkpoint, STATE_DIR)
+    os.makedirs(state_dir, exist_ok=True)
+    loader.save_sidecar(state_dir, manifest=False)   # rank file (+ fingerprint and index on rank 0); the manifest last
+    wait()
+    if is_main:
+        finish(state_dir, world_size)
+    wait()
+    return state_dir
+
+
+class Checkpoints:
+    """The ``checkpoint-N`` directories of ``output_dir`` for a training loop of one or more ranks (module doc).
+
+    Args:
+        output_dir: the run's directory, the same on every rank (a shared filesystem across nodes).
+        keep: complete checkpoints to keep (the oldest are removed after each save); None keeps all.
+        required: files of yours a checkpoint must have to count as complete, besides the stream state (with
+            :meth:`save` they are written before it anyway; this also guards checkpoints written otherwise).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, keep: int | None = None, required: Sequence[str] = ()):
+        if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
+            raise ConfigError(f"keep: got {keep!r}; allowed: null or an integer >= 1")
+        self.output_dir, self.keep, self.required = os.fspath(output_dir), keep, tuple(required)
+
+    def latest(self, loader: Any = None) -> str | None:
+        """The newest complete checkpoint (None: there is none); rank 0 first removes the newer ones a kill cut
+        short. Collective (a barrier) under torch.distributed: every rank calls it."""
+        return resume_latest(self.output_dir, _rank(loader) == 0, barrier, self.required)
+
+    def resume(self, loader: Any) -> int:
+        """Restore ``loader`` (a StreamLoader, or anything with ``load_sidecar``) from the newest complete
+        checkpoint; its step, or 0 when there is none (the loader is left as it is). Restore your model and
+        optimizer from :meth:`latest`'s path, or ``self.path(step)``."""
+        latest = self.latest(loader)
+        if latest is None:
+            return 0
+        loader.load_sidecar(latest)
+        return checkpoint_step(latest)
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"checkpoint-{step}")
+
+    @contextlib.contextmanager
+    def save(self, step: int, loader: Any) -> Iterator[str]:
+        """``checkpoint-<step>``, made for the files of yours written inside the block; when the block ends (on
+        every rank), every rank writes the loader's state and rank 0 the manifest that completes it, then
+        removes the oldest complete ones beyond ``keep``. An exception inside the block leaves the checkpoint
+        incomplete (the next restart removes it)."""
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            raise ConfigError(f"step: got {step!r}; allowed: an integer >= 0")
+        path = self.path(step)
+        if is_complete(path, self.required):
+            raise ConfigError(f"step: got {step}; {path!r} is already a complete checkpoint: each step is saved "
+                              "once (resume from it, or save under another step)")
+        rank, world_size = _rank(loader), _world_size(loader)
+        os.makedirs(path, exist_ok=True)
+        yield path
+        barrier()              # every rank's own files are written before any stream state
+        if hasattr(loader, "stream"):
+            refresh_stream_files(loader.stream)
+        save_stream_state(loader, path, world_size, rank == 0)
+        if rank == 0 and self.keep is not None:
+            done = [p for _, p in checkpoint_dirs(self.output_dir) if is_complete(p, self.required)]
+            for old in done[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank(loader: Any) -> int:
+    stream = getattr(loader, "stream", loader)
+    return int(getattr(stream, "rank", 0))
+
+
+def _world_size(loader: Any) -> int:
+    stream = getattr(loader, "stream", loader)
+    return int(getattr(stream, "world_size", 1))

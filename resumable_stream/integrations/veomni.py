@@ -1,0 +1,194 @@
+"""A resumable stream as VeOmni's training dataset and dataloader (VeOmni 0.1.12).
+
+    import resumable_stream.integrations.veomni      # before VeOmni builds its trainer
+
+and in VeOmni's yaml::
+
+    data:
+      train_path: stream.yml             # a resumable-stream yaml (our ``data:`` keys; docs/veomni.md)
+      datasets_type: resumable_stream
+      dataloader:
+        type: resumable_stream
+        num_workers: 2
+    train:
+      dyn_bsz: false
+
+Importing this module registers :func:`build_dataset` in VeOmni's ``DATASET_REGISTRY`` and
+:func:`build_dataloader` in its ``DATALOADER_REGISTRY``, both as ``resumable_stream``. VeOmni's trainer then
+runs as it is: its data transform (tokenizer, chat template, ``max_seq_len``) turns each row into an example,
+its collators make the micro-batches of a step, and its ``CheckpointerCallback`` saves
+``train_dataloader.state_dict()`` per rank beside its DCP shards and hands it back to ``load_state_dict``
+before the first step of a resume.
+
+Why a dataloader of ours and not VeOmni's ``StatefulDataLoader``: VeOmni starts a new iterator over its
+dataloader at every one of its epochs (a fixed number of steps for an unsized dataset), and a torchdata
+iterator over an iterable dataset starts the dataset again, unless a state was loaded just before; and
+torchdata's state of an iterable dataset with workers is the workers' position plus a count of batches to
+replay. Our :class:`~resumable_stream.loader.StreamLoader` keeps, with every batch it hands out, the
+position after it: a new iterator continues after the last batch consumed (VeOmni's epochs do not restart
+the data), the state is what training consumed, with DataLoader workers, and a resume reads nothing twice.
+
+VeOmni is imported only here and only when this module is imported or a builder is called: the rest of the
+package never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..config.stream_config import StreamConfig
+from ..errors import ConfigError
+from ..loader import StreamLoader
+from ..stream.mixture import open_stream
+
+NAME = "resumable_stream"     # the datasets_type and dataloader.type this module registers
+
+
+class VeOmniStreamDataset:
+    """What :func:`build_dataset` returns: the ``data:`` config of the stream and VeOmni's data transform.
+
+    The stream itself is opened by :func:`build_dataloader`, which knows the DataLoader workers it is read
+    with. It has no ``__len__``: VeOmni counts its steps from ``train.max_steps`` or ``data.train_sample``."""
+
+    def __init__(self, config: Any, transform: Callable | None, train_path: str):
+        self.config, self.transform, self.train_path = config, transform, train_path
+
+    def __iter__(self) -> Iterator[Any]:
+        raise ConfigError(f"data.dataloader.type: the {NAME} dataset is read by the {NAME} dataloader; set "
+                          f"data.dataloader.type: {NAME} in VeOmni's yaml (docs/veomni.md)")
+
+
+def build_dataset(train_path: str, transform: Callable | None = None, dataloader: dict | None = None,
+                  **_veomni_data_keys: Any) -> VeOmniStreamDataset:
+    """VeOmni's ``build_dataset(dataset_name=..., transform=..., seed=..., **asdict(args.data))`` for
+    ``datasets_type: resumable_stream``.
+
+    Args:
+        train_path: a resumable-stream yaml (``.yml``): the ``data:`` section of one, or a file that is only
+            those keys. The order, shuffle seed, partitions and resume checks are that file's (VeOmni's
+            ``train.seed`` seeds the model, not the data).
+        transform: VeOmni's data transform (a row to a list of examples).
+        dataloader: VeOmni's ``data.dataloader`` section (its ``type`` must be ``resumable_stream``).
+    Raises:
+        ConfigError: a train_path that is not such a yaml, or another dataloader type (named).
+    """
+    dl_type = (dataloader or {}).get("type", NAME)
+    if dl_type != NAME:
+        raise ConfigError(f"data.dataloader.type: got {dl_type!r}; allowed: {NAME!r} with data.datasets_type: "
+                          f"{NAME} (our dataloader keeps the state of what training consumed; docs/veomni.md)")
+    if not isinstance(train_path, str) or not train_path.endswith((".yml", ".yaml")):
+        raise ConfigError(f"data.train_path: got {str(train_path)[:200]!r}; allowed: the path of a "
+                          "resumable-stream yaml (*.yml) holding the data: keys (docs/veomni.md)")
+    if train_path.endswith(".yaml"):
+        # VeOmni's DataArguments.__post_init__ takes a train_path ending in .yaml for its multi-source yaml
+        # (enable_multisource): its EnvironMeter would then parse our file as one and fail mid-setup.
+        raise ConfigError(f"data.train_path: got {train_path[:200]!r}; VeOmni reads a train_path ending in "
+                          "'.yaml' as its own multi-source yaml; name the resumable-stream yaml '*.yml'")
+    if not os.path.isfile(train_path):
+        raise ConfigError(f"data.train_path: {train_path[:200]!r} is not a file; allowed: a resumable-stream yaml")
+    if transform is not None and not callable(transform):
+        raise ConfigError(f"transform: got {type(transform).__name__}; allowed: VeOmni's data transform (callable)")
+    return VeOmniStreamDataset(StreamConfig.from_yaml(train_path), transform, train_path)
+
+
+class VeOmniStreamLoader:
+    """VeOmni's ``train_dataloader``: each item is one optimizer step's micro-batches on this rank (VeOmni's
+    ``MakeMicroBatchCollator`` over its collator, as its native dataloader makes them with ``dyn_bsz:
+    false``); ``state_dict`` / ``load_state_dict`` are the :class:`StreamLoader`'s. ``set_epoch`` does
+    nothing: the stream's epochs roll over per partition, and VeOmni's epochs (``max_steps`` steps each for an
+    unsized dataset) continue the data where the previous one stopped."""
+
+    def __init__(self, loader: StreamLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state, where="VeOmni checkpoint extra_state['train_dataloader']")
+
+    def pop_consumed_keys(self) -> list[str]:
+        """The keys of the samples in the steps handed out since the last call (``loader.keep_keys``)."""
+        return self.loader.pop_consumed_keys()
+
+
+class _StepCollator:
+    """A step's raw rows -> VeOmni's transform on each -> VeOmni's micro-batch collator (a picklable callable:
+    it runs in the DataLoader workers)."""
+
+    def __init__(self, transform: Callable | None, collate: Callable):
+        self.transform, self.collate = transform, collate
+
+    def __call__(self, rows: list[dict]) -> Any:
+        features = [self.transform(row) if self.transform is not None else [row] for row in rows]
+        return self.collate(features)
+
+
+def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int, dataloader_batch_size: int,
+                     dyn_bsz: bool = True, num_workers: int = 0, prefetch_factor: int | None = None,
+                     pin_memory: bool = False, collate_fn: Callable | None = None, drop_last: bool = True,
+                     **_veomni_loader_keys: Any) -> VeOmniStreamLoader:
+    """VeOmni's ``build_dataloader(dataloader_type=..., dataset=..., ...)`` for ``data.dataloader.type:
+    resumable_stream``: the stream of this data-parallel rank (VeOmni's ``dp_rank`` / ``dp_size``: sequence-
+    parallel peers read the same rows), read by ``num_workers`` DataLoader workers.
+
+    Raises:
+        ConfigError: another dataset type, ``train.dyn_bsz: true``, or batch sizes that do not divide (named).
+    """
+    from veomni.data.data_collator import MainCollator, MakeMicroBatchCollator
+    from veomni.distributed.parallel_state import get_parallel_state
+
+    if not isinstance(dataset, VeOmniStreamDataset):
+        raise ConfigError(f"data.datasets_type: the {NAME} dataloader reads the {NAME} dataset; got a "
+                          f"{type(dataset).__name__} (set data.datasets_type: {NAME})")
+    if dyn_bsz:
+        raise ConfigError("train.dyn_bsz: got true; allowed: false with the resumable_stream dataloader (VeOmni's "
+                          "dynamic batching keeps a buffer of rows outside the dataloader's state; use "
+                          "data.packing in the resumable-stream yaml for token-budget batches)")
+    if not drop_last:
+        raise ConfigError("data.dataloader.drop_last: got false; allowed: true (the stream is endless: every step "
+                          "is whole)")
+    parallel = get_parallel_state()
+    if global_batch_size % (micro_batch_size * parallel.dp_size):
+        raise ConfigError(f"train.global_batch_size: got {global_batch_size}; allowed: a multiple of "
+                          f"micro_batch_size x dp_size = {micro_batch_size * parallel.dp_size}")
+    num_micro_batch = global_batch_size // (micro_batch_size * parallel.dp_size)
+    collate = MakeMicroBatchCollator(num_micro_batch=num_micro_batch,
+                                     internal_data_collator=collate_fn if collate_fn is not None else MainCollator())
+    stream = open_stream(dataset.config, rank=parallel.dp_rank, world_size=parallel.dp_size,
+                         num_workers=num_workers)
+    loader = StreamLoader(stream, dataloader_batch_size, collate_fn=_StepCollator(dataset.transform, collate),
+                          num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
+                          pin_memory=pin_memory, per_rank_state=True)   # every rank saves its own; its prefetch
+    return VeOmniStreamLoader(loader)                                   # thread asks after every step
+
+
+def register() -> None:
+    """Register :func:`build_dataset` and :func:`build_dataloader` in VeOmni's registries as
+    ``resumable_stream`` (again: nothing happens).
+
+    Raises:
+        ConfigError: VeOmni is not installed.
+    """
+    try:
+        from veomni.data.data_loader import DATALOADER_REGISTRY
+        from veomni.data.dataset import DATASET_REGISTRY
+    except ImportError as e:
+        raise ConfigError(f"veomni: cannot be imported ({e}); resumable_stream.integrations.veomni needs VeOmni: "
+                          "pip install veomni (docs/veomni.md)") from e
+    for registry, builder in ((DATASET_REGISTRY, build_dataset), (DATALOADER_REGISTRY, build_dataloader)):
+        if NAME not in list(registry):    # (``in`` on VeOmni's Registry raises ValueError for a missing key)
+            registry.register(NAME, builder)
+
+
+if importlib.util.find_spec("veomni") is not None:    # importing this module is the registration
+    register()

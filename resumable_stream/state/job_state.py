@@ -1,0 +1,79 @@
+"""The job's state: every rank's, in one plain value any trainer's own checkpoint keeps as it is.
+
+Trainers save what ``state_dict()`` returns in their own way: DCP keeps one rank's copy of a value every rank
+holds under the same key, accelerate and Lightning write rank 0's, a plain loop may ``torch.save`` on rank 0
+only. So a loader's ``state_dict()`` is the job's, not the rank's: each rank's state (~1 KB a partition) is
+gathered at save time with one collective (every rank calls ``state_dict()`` at a checkpoint), merged, and
+encoded as one sidecar (``state.sidecar``: safetensors, self-verifying, no pickle) under one key
+(:data:`STATE_KEY`). A template made by a fresh loader has the same one key, which is what DCP loads into. Each
+rank then loads its own partitions and rotation from it, or, under ``data.elastic``, the partitions it reads on
+another number of ranks. A state that could not restore every rank (several ranks and no process group to
+gather them with) is refused here, when it is written, never discovered at resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, SidecarError
+from ..limits import MAX_SIDECAR_BYTES
+from ..runtime.collectives import all_gather_bytes, shared_over_dist
+from .checkpoint import merge
+from .sidecar import decode_state, encode_state
+
+STATE_KEY = "resumable_stream_state"
+
+
+def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's nested state (``rank_state``: this rank's, of ``stream.topology``'s rank and world size)
+    merged into the job's: all partitions, each rank's rotation, topology rank None."""
+    topology = rank_state["stream"]["topology"]
+    rank, world = topology["rank"], topology["world_size"]
+    if world == 1:
+        return _as_job(rank_state)
+    if not shared_over_dist(rank, world):
+        raise ConfigError(
+            f"state_dict(): this loader is rank {rank} of {world}, and a state is the job's (whatever rank's copy a "
+            "trainer saves restores every rank), so state_dict() gathers every rank's with torch.distributed, which "
+            "is not initialized here (or has another world size). Initialize the process group before the loader "
+            "(torchrun), or save each rank's state into one directory with loader.save_sidecar(dir) (rank 0 then "
+            "calls resumable_stream.state.checkpoint.finish(dir, world_size))")
+    states = [decode_state(data, f"rank {r}'s state") for r, data in enumerate(all_gather_bytes(encode_state(rank_state)))]
+    for r, state in enumerate(states):
+        if state["stream"]["topology"]["rank"] != r or state["stream"]["topology"]["world_size"] != world:
+            raise ConfigError(f"state_dict(): rank {r} of the process group sent the state of rank "
+                              f"{state['stream']['topology']['rank']} of {state['stream']['topology']['world_size']}: "
+                              "each rank's loader must read its own rank of the job")
+    every = set(range(topology["num_partitions"]))
+    job = merge(states, every, "the job's state", every=True)
+    job["loader"] = {"turns": {}, "lane_turns": {}}
+    for state in states:
+        for key in ("turns", "lane_turns"):
+            job["loader"][key].update((state.get("loader") or {}).get(key, {}))
+    return job
+
+
+def _as_job(state: dict[str, Any]) -> dict[str, Any]:
+    """A one-rank job's state: its rank's, with the topology of a job (rank None)."""
+    stream = {**state["stream"], "topology": {**state["stream"]["topology"], "rank": None}, "turn": 0}
+    return {**state, "stream": stream}
+
+
+def encode_state_dict(job_state: dict[str, Any]) -> dict[str, bytes]:
+    """``{STATE_KEY: bytes}``: what ``state_dict()`` returns."""
+    return {STATE_KEY: encode_state(job_state)}
+
+
+def decode_state_dict(state: Any, where: str) -> dict[str, Any]:
+    """The nested state of a ``state_dict()`` (``{STATE_KEY: bytes}``), or a nested state as it is."""
+    if isinstance(state, dict) and STATE_KEY in state:
+        data = state[STATE_KEY]
+        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_SIDECAR_BYTES:
+            raise SidecarError(f"{where}: {STATE_KEY}: got {type(data).__name__}; allowed: the bytes a "
+                               f"StreamLoader.state_dict() made (at most {MAX_SIDECAR_BYTES} bytes)")
+        return decode_state(bytes(data), where)
+    if isinstance(state, dict) and isinstance(state.get("stream"), dict):
+        return state
+    shown = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+    raise SidecarError(f"{where}: got {shown!r:.80}; allowed: what StreamLoader.state_dict() returns "
+                       f"({{{STATE_KEY!r}: bytes}}) or a nested state (rank_state(), read_sidecar())")
