@@ -7,6 +7,7 @@ is refused when read.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # Ranks of a run: what the rank file names carry (rank-00000 .. rank-99999.safetensors); above the largest
@@ -33,3 +34,14 @@ MAX_INDEX_BYTES = 1 << 30      # a dataset index: ~2 KB per file (row groups wit
 def is_int(v: Any, minimum: int = 0, maximum: int = MAX_INT64) -> bool:
     """An integer (not a bool) in [minimum, maximum]."""
     return isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= maximum
+
+
+def is_number(v: Any) -> bool:
+    """A finite number (an int or a float, not a bool) that a float can hold: ``math.isfinite`` of an int of 400
+    digits raises OverflowError, and such an int would as soon as anything converted it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False

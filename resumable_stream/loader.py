@@ -355,11 +355,13 @@ class StreamLoader:
         self.counters = metrics.LoaderCounters()   # what the training loop waited for and got
         self._iterated = False
         self._restart = False     # set_weights: the running pass starts again from the batches handed out
+        self._owner = threads.OwnerThread()   # the thread iterating: only it may call set_weights
         self._place: dict[int, tuple[int, int]] = {}   # partition -> (lane, index in it), set by items()
         self._first_reading = self.metrics_reading()
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        self._owner.claim()
         items = self.items()
         clock, counters = time.perf_counter, self.counters
         taken: deque[dict[str, Any]] = deque()    # batches the training loop took ahead of the one it trains on
@@ -435,7 +437,8 @@ class StreamLoader:
         """A mixture's new weights (``MixtureStream.set_weights``) from the next batch on: each partition's
         change starts after the last sample handed out, and the running pass reads again from there (what its
         readers or DataLoader workers prefetched under the old weights is dropped). Collective under
-        torch.distributed, as the stream's."""
+        torch.distributed, as the stream's. Only from the thread iterating the loader (WrongThreadError)."""
+        self._owner.check("StreamLoader.set_weights", "loader")
         if not hasattr(self.stream, "set_weights"):
             raise ConfigError(f"set_weights: the stream is a {type(self.stream).__name__}; weights are a mixture's "
                               "(data.sources)")

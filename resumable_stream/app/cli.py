@@ -82,6 +82,12 @@ def cmd_peek(args: argparse.Namespace) -> int:
         if os.path.isdir(resume) and not os.path.exists(os.path.join(resume, MANIFEST)) and os.path.isfile(own):
             resume = own
         cfg = cfg.replace(resume_state_path=resume)
+    if args.world_size is None or args.num_workers is None:     # the state's own topology, else one rank
+        from .warmup import checkpoint_topology
+
+        world, workers = checkpoint_topology(cfg.resume_state_path)[:2] if cfg.resume_state_path else (1, 0)
+        args.world_size = args.world_size or world
+        args.num_workers = workers if args.num_workers is None else args.num_workers
     if args.rank >= args.world_size:
         raise ConfigError(f"--rank: got {args.rank}; allowed: 0 .. {args.world_size - 1} for --world-size "
                           f"{args.world_size}")
@@ -290,7 +296,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from .warmup import run_warmup  # the readers: after the config passed
     before = metrics.reading()
     result = run_warmup(cfg, args.samples, world_size=args.world_size, ranks=args.ranks,
-                        num_workers=args.num_workers, state_path=args.from_, jobs=args.jobs,
+                        num_workers=args.num_workers, state_path=args.resume_from, jobs=args.jobs,
                         progress=not args.no_progress)
     print(f"warmup: {result.summary()}; cache {cfg.cache_dir}: {result.stats.get('cache_bytes') or 0:,} bytes",
           file=sys.stderr)
@@ -333,6 +339,15 @@ def _check_indexable(cfg: StreamConfig, args: argparse.Namespace, key: str) -> N
                           "index is for streamed parquet data (backend hf, streaming true)")
 
 
+def _not_indexed(cfg: StreamConfig, args: argparse.Namespace, key: str, builder: str | None) -> ConfigError:
+    from ..config import formats as registry
+
+    return ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by datasets' "
+                       f"{builder!r} builder, which has no dataset index; allowed: data of an indexed format "
+                       f"({', '.join(registry.names())}; docs/formats.md). Data of other formats needs no index: "
+                       "leave data.index_path null and train or peek from the yaml as it is")
+
+
 def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: str | None = None):
     """The indexed source of ``cfg`` (``key``: its keys' prefix in errors, ``label``: its source's name)."""
     from tqdm.auto import tqdm
@@ -341,6 +356,9 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     from ..sources.open import open_source
 
     _check_indexable(cfg, args, key)
+    if cfg.dataset_name_or_path in registry.DATASETS_BUILDERS and \
+            cfg.dataset_name_or_path not in registry.indexed_builders():     # known now: no resolution needed
+        raise _not_indexed(cfg, args, key, cfg.dataset_name_or_path)
     desc = "indexing" if label is None else f"indexing {label}"
     with tqdm(desc=desc, unit="file", disable=args.no_progress, file=sys.stderr) as bar:
         def file_done(total: int) -> None:
@@ -350,9 +368,7 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
         source = open_source(cfg.source_spec, progress=file_done)
     index = source.index
     if index is None:
-        raise ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by "
-                          f"datasets' {source.fingerprint.get('builder')!r} builder; only the formats "
-                          f"registered in resumable_stream/config/formats.py are indexed: {', '.join(registry.names())}")
+        raise _not_indexed(cfg, args, key, source.fingerprint.get("builder"))
     return source
 
 
@@ -372,8 +388,13 @@ def _index_summary(path: str, source) -> dict:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..config.trainer import TrainerConfig
+    from .preflight import check_training_data
 
-    TrainerConfig.from_yaml(args.config, args.overrides)   # a bad key answers before the trainer's imports
+    # the data files, split, resume state and checkpoint, then every key (the model's before the train: section's
+    # check imports transformers), before the trainer's imports; run_training checks them again, as any caller
+    # of it gets them
+    check_training_data(args.config, args.overrides)
+    TrainerConfig.from_yaml(args.config, args.overrides)
     from .train import run_training
 
     run_training(args.config, args.overrides)
@@ -395,7 +416,12 @@ def cmd_llamafactory(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import report
 
-    report(args.run_dir, args.output)
+    comparison = None
+    if args.compare is not None:
+        from .compare_runs import compare
+
+        comparison = compare(args.run_dir, args.compare)
+    report(args.run_dir, args.output, comparison=comparison)
     return 0
 
 
@@ -420,10 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(peek, "data keys to override")
     peek.add_argument("--rank", type=_positive("--rank", 0), default=0, metavar="R",
                       help="the rank whose samples to print, 0 .. W-1 (default 0)")
-    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=1, metavar="W",
-                      help="ranks W of the run the state is for (default 1)")
-    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=0, metavar="K",
-                      help="DataLoader workers per rank the state is for (default 0)")
+    peek.add_argument("--world-size", type=_positive("--world-size", 1), default=None, metavar="W",
+                      help="ranks W of the run the state is for (default: the resumed state's, else 1)")
+    peek.add_argument("--num-workers", type=_positive("--num-workers", 0), default=None, metavar="K",
+                      help="DataLoader workers per rank the state is for (default: the resumed state's, else 0)")
     peek.add_argument("--num", type=_positive("--num", 0), default=10, metavar="N", help="how many samples (default 10)")
     peek.add_argument("--resume-from", metavar="PATH", help="a sidecar file, stream_state dir or checkpoint dir to start from")
     peek.add_argument("--save-state", metavar="PATH", help="write the state after the printed samples (file.safetensors or dir)")
@@ -450,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warmup", help="fill the local block cache with what ranks read in their next samples")
     warm.add_argument("config", metavar="CONFIG", help="yaml file with a data: section that sets cache_dir")
     _add_overrides(warm, "data keys to override")
-    warm.add_argument("--from", dest="from_", metavar="CHECKPOINT",
+    warm.add_argument("--resume-from", metavar="CHECKPOINT",
                       help="start from these cursors (checkpoint dir, stream_state dir or sidecar file); "
                            "default data.resume_state_path, else a fresh start")
     warm.add_argument("--samples", type=_positive("--samples", 0), default=100_000, metavar="N",
@@ -487,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "print a short summary")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="the run's train.output_dir (holding train_log.jsonl)")
     rep.add_argument("-o", "--output", metavar="OUT.png", help="where to write the PNG (default RUN_DIR/report.png)")
+    rep.add_argument("--compare", metavar="OTHER_DIR", help="another run's output_dir, drawn beside it: its loss, "
+                                                            "the loss difference and whether each step consumed "
+                                                            "the same samples (their consumed/ logs)")
     rep.set_defaults(func=cmd_report)
     return p
 

@@ -150,11 +150,55 @@ def torchrun_command(config: str, overrides: list[str]) -> tuple[list[str], dict
     return run + ["-m", "resumable_stream", "llamafactory", "train", config, *overrides], env
 
 
+DATASET_INFO = "dataset_info.json"      # LLaMA-Factory's DATA_CONFIG
+_REMOTE_ENTRIES = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+
+
+def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
+    """What would be wrong with the data only once LLaMA-Factory has parsed its arguments and loaded the tokenizer
+    (seconds of imports, then the model), said before: ``dataset_info.json`` and the ``dataset`` entries it
+    names, the local files of ``file_name`` entries, ``resumable_stream.resume_state_path`` and
+    ``resume_from_checkpoint`` (resumable_stream.app.preflight). Read as LLaMA-Factory's ``get_dataset_list``
+    reads them (without importing it: its package imports transformers); remote entries are left to it."""
+    from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
+    from .preflight import check_resume_state
+
+    names = args.get("dataset")
+    dataset_dir = args.get("dataset_dir", "data")
+    if names and isinstance(dataset_dir, str) and dataset_dir != "ONLINE" and not dataset_dir.startswith("REMOTE:"):
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
+        info_path = os.path.join(dataset_dir, DATASET_INFO)
+        try:
+            info = parse_json(read_regular_file(info_path, 64 << 20))
+        except (OSError, FileRefused, JSONRefused) as e:
+            raise ConfigError(f"dataset: got {names!r}; {info_path!r} cannot be read ({getattr(e, 'strerror', None) or e}); "
+                              "allowed: the names of entries of dataset_dir's dataset_info.json") from None
+        if not isinstance(info, dict):
+            raise ConfigError(f"{info_path!r}: got a JSON {type(info).__name__}; allowed: a mapping of datasets")
+        for name in names:
+            entry = info.get(name)
+            if not isinstance(entry, dict):
+                raise ConfigError(f"dataset: {name!r} is not an entry of {info_path!r}; its entries: "
+                                  f"{', '.join(sorted(map(str, info))[:20])}")
+            if any(key in entry for key in _REMOTE_ENTRIES) or not isinstance(entry.get("file_name"), str):
+                continue
+            path = os.path.join(dataset_dir, entry["file_name"])
+            if not os.path.exists(path):          # the words of integrations/llamafactory/data.py, which finds it
+                raise ConfigError(f"dataset {entry['file_name']!r} (dataset_info.json file_name): {path!r} not found")
+    check_resume_state(ours.get("resume_state_path"), "resumable_stream.resume_state_path")
+    explicit = args.get("resume_from_checkpoint")
+    if isinstance(explicit, str) and explicit:
+        from ..state.output_dir import check_complete
+
+        check_complete(explicit)
+
+
 def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:
     """Run (or launch) the training; the exit code. ``callbacks``: more TrainerCallbacks for LLaMA-Factory's
     trainer (in this process only: torchrun's ranks run the command afresh)."""
     args, ours = settings.read(config, overrides)
     settings.refuse_unsupported(args)
+    check_data(args, ours)      # before the launch, LLaMA-Factory's parser, tokenizer and model
     args["streaming"] = True
     if not _launched() and _wants_torchrun():
         command, env = torchrun_command(config, overrides)

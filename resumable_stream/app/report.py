@@ -50,7 +50,8 @@ RESUME_COLOUR = "tab:red"     # the resume lines; no series has it
 COLOURS = {"loss": "tab:blue", "eval_loss": "tab:orange", "data_wait_share": "tab:purple",
            "samples_per_s": "tab:cyan", "data_samples_per_s": "tab:green", "data_tokens_per_s": "tab:pink",
            "data_requests": "tab:gray", "data_response_ms_p50": "tab:olive", "data_response_ms_p99": "tab:brown",
-           "cache_hit_rate": "black"}
+           "cache_hit_rate": "black", "compared_loss": "0.45", "loss_difference": "tab:blue",
+           "same_samples": "tab:green", "samples_differ": "crimson"}
 # the training-line fields the picture draws (eval_loss, of the evaluation lines, too)
 DRAWN = ("loss", "data_wait_share", "samples_per_s", "data_samples_per_s", "data_tokens_per_s", "data_requests",
          "data_response_ms_p50", "data_response_ms_p99", "data_cache_hit_rate", "cache_hit_rate")
@@ -126,7 +127,8 @@ def _not_drawable(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and drawable(value) is None
 
 
-def _step(rec) -> int | None:
+def record_step(rec) -> int | None:
+    """A record's ``step``: an int in 0..MAX_STEP, else None."""
     step = rec.get("step") if isinstance(rec, dict) else None
     ok = isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
     return step if ok else None
@@ -147,7 +149,7 @@ def log_path(run_dir: str) -> tuple[str, str]:
     return path, real
 
 
-def _read_bytes(path: str, real: str) -> bytes:
+def read_log_bytes(path: str, real: str) -> bytes:
     """The bytes of ``real`` (``path`` resolved); only a regular file (a FIFO or device is refused, never
     waited on), at most MAX_LOG_BYTES."""
     try:
@@ -169,7 +171,7 @@ def read_log(run_dir: str) -> RunLog:
     after a resume names its checkpoint (``resumed_from: "checkpoint-N"``: a resume point at step N); an
     evaluation line has ``eval_*`` keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
     path, real = log_path(run_dir)
-    data = _read_bytes(path, real)
+    data = read_log_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
     by_step: dict[int, dict] = {}
     for number_, raw in enumerate(data.split(b"\n"), 1):   # only "\n" ends a line, as the writer's
@@ -180,7 +182,7 @@ def read_log(run_dir: str) -> RunLog:
             rec = json.loads(line)
         except (ValueError, RecursionError):   # not JSON; nested too deeply
             rec = None
-        step = _step(rec)
+        step = record_step(rec)
         if step is None:
             log.damaged.append(number_)
         elif "loss" in rec:
@@ -229,7 +231,7 @@ def summarize(log: RunLog) -> dict:
     _, requests = log.series("data_requests")
     _, p50 = log.series("data_response_ms_p50")
     _, p99 = log.series("data_response_ms_p99")
-    cache_key, cache = log.series("data_cache_hit_rate", "cache_hit_rate")
+    cache_key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate")
     return {
         "records": len(log.training), "evaluations": len(log.evals), "damaged_lines": len(log.damaged),
         "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
@@ -240,7 +242,7 @@ def summarize(log: RunLog) -> dict:
         "requests_total": sum(v for _, v in requests) if requests else None,
         "response_ms_p50": _median(p50), "response_ms_p99": _median(p99),
         "cache_hit_rate_end": cache[-1][1] if cache else None, "cache_hit_rate_step": cache[-1][0] if cache else None,
-        "cache_hit_rate_kind": {"data_cache_hit_rate": "per interval", "cache_hit_rate": "cumulative"}.get(cache_key),
+        "cache_hit_rate_kind": {"data_cache_hit_rate": "per interval"}.get(cache_key, "cumulative") if cache_key else None,
         "resume_steps": list(log.resumes),
         **_mixture_summary(log),
     }
@@ -328,10 +330,16 @@ def _line(ax, points, label, **style):
                 linewidth=1.2, **style)
 
 
-def _not_recorded(ax, fields: str) -> None:
-    ax.text(0.5, 0.5, f"{NOT_RECORDED} ({fields} absent from {LOG_NAME})", transform=ax.transAxes,
+def _not_recorded(ax, fields: str, why: str | None = None) -> None:
+    ax.text(0.5, 0.5, why or f"{NOT_RECORDED} ({fields} absent from {LOG_NAME})", transform=ax.transAxes,
             ha="center", va="center", color="0.4")
     ax.set_yticks([])
+
+
+def _why_empty(ax, why: str) -> None:
+    """A panel whose fields were recorded but are empty by the nature of the run: it says why."""
+    ax.text(0.5, 0.5, why, transform=ax.transAxes, ha="center", va="center", color="0.3", fontsize=9,
+            bbox={"facecolor": "white", "edgecolor": "0.8", "alpha": 0.9})
 
 
 def _twin(ax, present, ylabel: str, lines, fields: str) -> list:
@@ -347,14 +355,14 @@ def _twin(ax, present, ylabel: str, lines, fields: str) -> list:
     return [twin]
 
 
-def _legend(*axes) -> None:
+def _legend(*axes, loc: str = "upper right") -> None:
     handles, labels = [], []
     for ax in axes:
         h, la = ax.get_legend_handles_labels()
         handles += h
         labels += la
     if handles:
-        axes[0].legend(handles, labels, loc="upper right", fontsize=8)
+        axes[0].legend(handles, labels, loc=loc, fontsize=8)
 
 
 def _title(log: RunLog, name: str) -> str:
@@ -379,20 +387,36 @@ def _from_zero(ax, top: float | None = None) -> None:
     ax.set_ylim(-ZERO_MARGIN * top, top)
 
 
-def figure(log: RunLog):
+PANEL_IN = MIXTURE_FIGSIZE_IN[1] - FIGSIZE_IN[1]     # the height a seventh (or eighth) panel adds
+
+
+def figure_size_px(log: RunLog, compared: bool = False) -> tuple[int, int]:
+    """(width, height) of the picture: six panels, one more for a mixture, one more with --compare."""
+    panels = (1 if log.sources() else 0) + (1 if compared else 0)
+    return SIZE_PX[0], int((FIGSIZE_IN[1] + panels * PANEL_IN) * DPI)
+
+
+def figure(log: RunLog, comparison=None):
     """The picture as a matplotlib Figure (Agg canvas): six panels over steps (seven for a mixture: its target
-    and realized weights per source), resume points as dashed vertical lines on each."""
+    and realized weights per source; one more with ``comparison``: the loss difference and the consumed samples
+    against the other run, whose loss is drawn on the first panel too), resume points as dashed vertical lines
+    on each."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     sources = log.sources()
-    fig = Figure(figsize=MIXTURE_FIGSIZE_IN if sources else FIGSIZE_IN, dpi=DPI, layout="constrained")
+    width, height = figure_size_px(log, comparison is not None)
+    fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(7 if sources else 6, 1, sharex=True)
+    axes = fig.subplots(6 + (1 if sources else 0) + (1 if comparison is not None else 0), 1, sharex=True)
     name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
-    fig.suptitle(_title(log, name))
+    fig.suptitle(_title(log, name) + (f"; compared with {comparison.name}" if comparison is not None else ""))
 
     ax = axes[0]
     _, loss = log.series("loss", drawn=True)
     _line(ax, loss, "loss", color=COLOURS["loss"])
+    if comparison is not None:
+        _, other = comparison.other.series("loss", drawn=True)
+        _line(ax, other, f"loss of {comparison.name}".replace("$", r"\$"), color=COLOURS["compared_loss"],
+              linestyle="--")
     evals = [(r["step"], v) for r in log.evals if (v := drawable(r.get("eval_loss"))) is not None]
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color=COLOURS["eval_loss"], label="eval_loss")
@@ -442,43 +466,108 @@ def figure(log: RunLog):
         _line(ax, requests, "requests / interval", color=COLOURS["data_requests"], drawstyle="steps-mid")
         _from_zero(ax)
         ax.set_ylabel("requests")
-        twins = _twin(ax, p50 or p99, "response ms", [(p50, "response p50 ms", COLOURS["data_response_ms_p50"]),
-                                                      (p99, "response p99 ms", COLOURS["data_response_ms_p99"])],
-                      "data_response_ms_p50/p99")
+        local = not any(v for _, v in requests) and not (p50 or p99)    # recorded, and all zero
+        twins = [] if local else _twin(
+            ax, p50 or p99, "response ms", [(p50, "response p50 ms", COLOURS["data_response_ms_p50"]),
+                                            (p99, "response p99 ms", COLOURS["data_response_ms_p99"])],
+            "data_response_ms_p50/p99")
         for twin in twins:
             _from_zero(twin)
         _legend(ax, *twins)
     else:
         _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
         ax.set_ylabel("requests")
+    if requests and not any(v for _, v in requests) and not (p50 or p99):
+        _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
+                       "count http(s), hf:// and s3:// reads)")
 
     ax = axes[5]
-    key, cache = log.series("data_cache_hit_rate", "cache_hit_rate", drawn=True)
+    key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate", drawn=True)
     if cache:
         _line(ax, cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
               color=COLOURS["cache_hit_rate"])
         _from_zero(ax, top=1.05)
         _legend(ax)
+    elif log.series("data_cache_hits", "data_cache_misses", "cache_hits_total")[0] is not None:
+        _not_recorded(ax, "", "no block cache lookups: data.cache_dir is not set (the cache keeps the blocks of "
+                          "remote data on local disk)")
     else:
         _not_recorded(ax, "data_cache_hit_rate, cache_hit_rate")
     ax.set_ylabel("cache hit rate")
     if sources:
         _mixture_panel(axes[6], log, sources)
+    if comparison is not None:
+        _comparison_panel(axes[-1], comparison)
     axes[-1].set_xlabel("step")
 
     steps = [r["step"] for r in log.training] + log.resumes
+    if comparison is not None:
+        steps += [r["step"] for r in comparison.other.training]
     lo, hi = min(steps), max(steps)
     pad = max(1.0, (hi - lo) * 0.02)
     axes[0].set_xlim(lo - pad, hi + pad)
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     for i, ax in enumerate(axes):
-        for step in log.resumes:
-            ax.axvline(step, color=RESUME_COLOUR, linestyle="--", linewidth=1, alpha=0.8,
+        for step in log.resumes:     # over the panel's lines (zorder), wide enough to survive a scaled-down view
+            ax.axvline(step, color=RESUME_COLOUR, linestyle="--", linewidth=1.6, zorder=5,
                        label="resume" if i == 0 and step == log.resumes[0] else None)
         if i == 0 and log.resumes:
             _legend(ax)
         ax.grid(True, alpha=0.3)
     return fig
+
+
+def _loss_difference(comparison, fmt=_fmt) -> str:
+    largest = comparison.largest_loss_difference
+    if largest is None:
+        return "no step logged by both"
+    if largest[1] == 0:
+        return f"0 (equal losses at all {len(comparison.loss_diff)} steps)"
+    return f"{fmt(largest[1])} (step {largest[0]})"
+
+
+def comparison_rows(comparison) -> list[tuple[str, str]]:
+    """The summary's lines about a :class:`~resumable_stream.app.compare_runs.Comparison`."""
+    c = comparison
+    rows = [("compared with", f"{c.other.path} ({len(c.loss_diff)} steps logged by both)"),
+            ("loss difference max", _loss_difference(c))]
+    if c.same_samples is None:
+        rows.append(("same samples", "not recorded (a run without consumed/rank-*.jsonl: data.consumed_log)"))
+    else:
+        first = c.first_difference
+        rows.append(("same samples", f"{sum(c.same_samples.values())} of {len(c.same_samples)} steps (ranks "
+                     f"{', '.join(map(str, c.ranks)) or 'none'})"
+                     + (f"; first difference at step {first}" if first is not None else "")))
+    return rows
+
+
+def _comparison_panel(ax, c) -> None:
+    """Against the other run: the loss difference (this - other) at each step both logged and, on a second axis,
+    whether the step consumed the same samples (1) or not (0)."""
+    diff = [(s, v) for s, v in c.loss_diff if drawable(v) is not None]
+    _line(ax, diff, f"loss - loss of {c.name}".replace("$", r"\$"), color=COLOURS["loss_difference"])
+    ax.axhline(0.0, color="0.5", linewidth=0.8)
+    ax.set_ylabel(f"vs {c.name}"[:40].replace("$", r"\$"))
+    twins = []
+    if c.same_samples:
+        twin = ax.twinx()
+        steps = sorted(c.same_samples)
+        twin.plot(steps, [1.0 if c.same_samples[s] else 0.0 for s in steps], drawstyle="steps-mid",
+                  color=COLOURS["same_samples"], linewidth=1.2, label="same consumed samples (1) / not (0)")
+        differ = [s for s in steps if not c.same_samples[s]]
+        if differ:
+            twin.plot(differ, [0.0] * len(differ), "x", color=COLOURS["samples_differ"], label="samples differ")
+        twin.set_ylim(-0.1, 1.4)           # room above "same" for the text
+        twin.set_yticks([0, 1], ["differ", "same"])
+        twins.append(twin)
+    first = c.first_difference
+    text = ("consumed samples: not recorded (no consumed/ log in one of the runs)" if c.same_samples is None
+            else f"same consumed samples at {sum(c.same_samples.values())} of {len(c.same_samples)} steps"
+            + (f" (first difference at step {first})" if first is not None else ""))
+    text += "; loss difference max " + _loss_difference(c, lambda v: f"{v:.3g}")
+    ax.text(0.01, 0.97, text.replace("$", r"\$"), transform=ax.transAxes, ha="left", va="top", fontsize=8,
+            color="0.2")
+    _legend(ax, *twins, loc="lower right")
 
 
 def _mixture_panel(ax, log: RunLog, sources: list[str]) -> None:
@@ -498,9 +587,9 @@ def _mixture_panel(ax, log: RunLog, sources: list[str]) -> None:
     _legend(ax)
 
 
-def draw(log: RunLog, png: str) -> None:
+def draw(log: RunLog, png: str, comparison=None) -> None:
     """Write the PNG of :func:`figure` (atomically), with what it was drawn from in its text metadata."""
-    fig = figure(log)
+    fig = figure(log, comparison)
     name = os.path.basename(os.path.dirname(os.path.abspath(log.path)))
     metadata = {
         "Title": f"resumable-stream report of {name}",
@@ -509,6 +598,9 @@ def draw(log: RunLog, png: str) -> None:
         META_PREFIX + "records": str(len(log.training)),
         META_PREFIX + "resume steps": json.dumps(log.resumes),
     }
+    if comparison is not None:
+        metadata.update({META_PREFIX + "compared log": comparison.other.path,
+                         META_PREFIX + "compared log blake2b": comparison.other.digest})
     tmp = os.path.join(os.path.dirname(os.path.abspath(png)), f".{os.path.basename(png)}.tmp-{os.getpid()}")
     try:
         fig.savefig(tmp, format="png", dpi=DPI, metadata=metadata)
@@ -522,14 +614,18 @@ def draw(log: RunLog, png: str) -> None:
             os.remove(tmp)
 
 
-def report(run_dir: str, png: str | None = None, out=None, err=None) -> dict:
+def report(run_dir: str, png: str | None = None, out=None, err=None, comparison=None) -> dict:
     """Read RUN_DIR's log, draw ``png`` (default RUN_DIR/report.png) and print the summary on ``out`` (and the
-    damaged-line warning on ``err``). Returns the summary's figures."""
+    damaged-line warning on ``err``); ``comparison``: this run against another
+    (:func:`resumable_stream.app.compare_runs.compare`), drawn and summarized beside it. Returns the summary's
+    figures."""
     out, err = out or sys.stdout, err or sys.stderr
-    log = read_log(run_dir)
+    log = comparison.log if comparison is not None else read_log(run_dir)
     if not log.training:
         raise RunLogError(f"{log.path!r}: no training lines (records with step and loss) to report"
                           + (f"; {len(log.damaged)} damaged lines skipped" if log.damaged else ""))
+    if comparison is not None and not comparison.other.training:
+        raise RunLogError(f"--compare: {comparison.other.path!r} has no training lines to compare")
     png = png or os.path.join(run_dir, DEFAULT_PNG)
     if os.path.isdir(png):
         raise RunLogError(f"-o {png!r}: a directory; give a file name such as {os.path.join(png, DEFAULT_PNG)!r}")
@@ -545,8 +641,15 @@ def report(run_dir: str, png: str | None = None, out=None, err=None) -> dict:
         shown = ", ".join(f"{key} at step {step} ({_fmt(value)})" for key, step, value in undrawn[:10])
         print(f"resumable-stream: warning: {log.path}: {len(undrawn)} values not drawn (not finite, or beyond "
               f"+-{DRAW_LIMIT:g}): {shown}{', ...' if len(undrawn) > 10 else ''}", file=err)
-    draw(log, png)
+    draw(log, png, comparison)
     summary = summarize(log)
-    out.write(format_summary(summary, png))
+    text = format_summary(summary, png)
+    if comparison is not None:
+        rows = comparison_rows(comparison)
+        text += "".join(f"{name + ':':<24}{value}\n" for name, value in rows)
+        summary["compared"] = dict(rows)
+        summary["same_samples"] = comparison.same_samples
+        summary["loss_difference"] = comparison.loss_diff
+    out.write(text)
     out.flush()
     return summary

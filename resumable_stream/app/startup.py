@@ -45,6 +45,9 @@ def startup_summary(cfg: TrainerConfig, args, checkpoint: str | None, threads: s
     if checkpoint:
         step = checkpoint_step(checkpoint)
         head = f"resuming from {checkpoint}" + (f" (step {step} of {args.max_steps})" if step is not None else "")
+    elif cfg.stream.resume_state_path:
+        head = (f"starting at step 0 (no complete checkpoint in output_dir), {args.max_steps} steps; the data "
+                f"continues from data.resume_state_path {cfg.stream.resume_state_path}")
     else:
         head = f"starting afresh (no complete checkpoint in output_dir), {args.max_steps} steps"
     t = cfg.transform

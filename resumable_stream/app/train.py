@@ -45,6 +45,7 @@ from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
 from ..state.output_dir import check_complete, latest_complete_checkpoint, resume_latest
 from ..stream.mixture import MixtureStream, open_stream
+from .preflight import check_training_data
 from .startup import quiet_tied_weights, startup_summary
 
 log = logging.getLogger(__name__)
@@ -193,10 +194,8 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
 
     args = args if args is not None else training_arguments(cfg, **argument_overrides)
     vl = cfg.transform.format == "vl"
-    processor = _load_processor(cfg) if vl else None
-    tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
-    model = _load_model(cfg, tokenizer, args.seed, processor)
 
+    # The data first: what is wrong with it (files, columns, the resolution) is said before the model is built.
     # The loader restores the state (stream cursor + transform carry), not the bare stream; the stream only
     # reuses the dataset index saved with the checkpoint this run will resume (no resolving on a restart).
     explicit = cfg.train.get("resume_from_checkpoint")
@@ -205,6 +204,9 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
+    processor = _load_processor(cfg) if vl else None
+    tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
+    model = _load_model(cfg, tokenizer, args.seed, processor)
     if isinstance(stream, MixtureStream):   # schedules in steps: draws per step, fixed now (a resume keeps its own)
         stream.set_samples_per_step(args.per_device_train_batch_size * args.gradient_accumulation_steps
                                     * args.world_size)
@@ -279,6 +281,7 @@ def die_with_launcher() -> None:
 def run_training(config_path: str, overrides=(), callbacks=(), **argument_overrides):
     """Train as the yaml says; ``callbacks``: more ``TrainerCallback``s (e.g. a MixtureWeightsCallback)."""
     die_with_launcher()
+    check_training_data(config_path, overrides)     # no model, no network: before anything is built
     cfg = TrainerConfig.from_yaml(config_path, overrides)
     threads = set_trainer_threads()
     args = training_arguments(cfg, **argument_overrides)

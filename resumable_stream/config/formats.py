@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 # The index key that names the format; an index without it (written before formats were registered) is parquet.
 INDEX_READER_KEY = "reader"
@@ -62,11 +62,11 @@ def register(fmt: SourceFormat) -> SourceFormat:
     with _lock:
         for other in _formats.values():
             if other.name == fmt.name:
-                raise ConfigError(f"source format {fmt.name!r}: already registered")
+                raise ConfigError(f"source format {shown(fmt.name)}: already registered")
             clash = set(other.builders) & set(fmt.builders) or set(other.extensions) & set(fmt.extensions)
             if clash:
-                raise ConfigError(f"source format {fmt.name!r}: {', '.join(sorted(clash))} already belongs to "
-                                  f"format {other.name!r}")
+                raise ConfigError(f"source format {shown(fmt.name)}: {', '.join(sorted(clash))} already belongs to "
+                                  f"format {shown(other.name)}")
         _formats[fmt.name] = fmt
     return fmt
 
@@ -75,7 +75,7 @@ def unregister(name: str) -> None:
     """Remove a format added by :func:`register` (the built-in ones stay)."""
     with _lock:
         if any(f.name == name for f in _BUILTIN):
-            raise ConfigError(f"source format {name!r}: built in, cannot be removed")
+            raise ConfigError(f"source format {shown(name)}: built in, cannot be removed")
         _formats.pop(name, None)
 
 
@@ -93,7 +93,7 @@ def format_named(name: Any) -> SourceFormat:
     for f in formats():
         if f.name == name:
             return f
-    raise ConfigError(f"source format {name!r:.60}: not registered; registered formats: {', '.join(names())}")
+    raise ConfigError(f"source format {shown(name)}: not registered; registered formats: {', '.join(names())}")
 
 
 def format_of_index(index: dict) -> SourceFormat:

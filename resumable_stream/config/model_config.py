@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 PATH_KEYS = ("name_or_path", "tokenizer", "processor")
 
@@ -26,7 +26,7 @@ def check_local_paths(model_doc: dict[str, Any]) -> None:
     for key in PATH_KEYS:
         value = model_doc.get(key)
         if isinstance(value, str) and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
-            raise ConfigError(f"model.{key}: got {value!r}: no such file or directory (a local path: relative "
+            raise ConfigError(f"model.{key}: got {shown(value)}: no such file or directory (a local path: relative "
                               "ones are taken from the yaml's folder, else the current directory); allowed: an "
                               "existing local directory or a hub id (org/name)")
 
@@ -42,7 +42,7 @@ def check_model_config(config: dict[str, Any], vl: bool) -> None:
     if model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"model.config.model_type: got {model_type!r}; allowed: a model type of transformers "
+        raise ConfigError(f"model.config.model_type: got {shown(model_type)}; allowed: a model type of transformers "
                           f"(e.g. qwen3, llama){hint}")
     try:
         made = AutoConfig.for_model(model_type, **fields)
@@ -53,7 +53,7 @@ def check_model_config(config: dict[str, Any], vl: bool) -> None:
         with torch.device("meta"):
             auto.from_config(made)
     except Exception as e:   # a wrong size (negative dimension), an unknown activation, another model kind
-        raise ConfigError(f"model.config: model_type {model_type!r} with these fields does not make an "
+        raise ConfigError(f"model.config: model_type {shown(model_type)} with these fields does not make an "
                           f"{auto.__name__} model ({type(e).__name__}: {e})") from None
 
 
@@ -68,8 +68,8 @@ def field_error(model_type: str, fields: dict[str, Any], e: Exception) -> Config
             if dataclasses.is_dataclass(CONFIG_MAPPING[model_type]) else {}
         allowed = f"{_type_name(types[key])} (the {model_type} config's type)" if key in types else \
             f"what the {model_type} config takes ({_one_line(e)})"
-        return ConfigError(f"model.config.{key}: got {fields[key]!r}; allowed: {allowed}")
-    return ConfigError(f"model.config: model_type {model_type!r} with these fields is not a transformers config "
+        return ConfigError(f"model.config.{key}: got {shown(fields[key])}; allowed: {allowed}")
+    return ConfigError(f"model.config: model_type {shown(model_type)} with these fields is not a transformers config "
                        f"({type(e).__name__}: {_one_line(e)})")
 
 

@@ -19,9 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from ..errors import ConfigError, UnknownKeyError
+from ..errors import ConfigError, UnknownKeyError, shown
+from .yaml_files import load_text
 
 # keys naming local inputs, resolved like the yaml resolves them (but from the current directory)
 _INPUT_PATHS = {"data": ("data_files", "resume_state_path", "index_path", "dataset_name_or_path", "image_dir"),
@@ -42,16 +41,13 @@ def parse(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep:
-        raise ConfigError(f"override {text!r}: expected key=value (e.g. train.max_steps=5)")
+        raise ConfigError(f"override {shown(text)}: expected key=value (e.g. train.max_steps=5)")
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: the key before '=' is empty or has an empty part; expected a dotted "
+        raise ConfigError(f"override {shown(text)}: the key before '=' is empty or has an empty part; expected a dotted "
                           "yaml key such as data.shuffle_seed")
     if raw == "":
         return key, ""
-    try:
-        return key, yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid yaml ({e})") from None
+    return key, load_text(raw, f"override {shown(text)}")
 
 
 def _exists(path: str) -> bool:
@@ -79,7 +75,7 @@ def _set(doc: dict, where: tuple[str | int, ...], value: Any, given: str) -> Non
         if child is None and isinstance(node, dict):
             child = node[part] = {}
         if not isinstance(child, (dict, list)):
-            raise ConfigError(f"override {given!r}: {_render(where[:i + 1])} is {child!r} in the yaml, not a "
+            raise ConfigError(f"override {shown(given)}: {_render(where[:i + 1])} is {shown(child)} in the yaml, not a "
                               "mapping")
         node = child
     node[where[-1]] = value
@@ -92,7 +88,7 @@ def _path(doc: dict, key: str, given: str) -> tuple[str | int, ...]:
     for part in key.split("."):
         if isinstance(node, list):
             if not (part.isdigit() and int(part) < len(node)):
-                raise ConfigError(f"override {given!r}: {part!r} is not an item of the list {_render(path)} "
+                raise ConfigError(f"override {shown(given)}: {shown(part)} is not an item of the list {_render(path)} "
                                   f"(0 .. {len(node) - 1})")
             path.append(int(part))
             node = node[int(part)]
@@ -122,7 +118,7 @@ def apply(doc: dict, items: Sequence[str], *, base_dir: str | None, data_only: b
         first = key.split(".", 1)[0]
         if data_only and (first in ("model", "train") or (not bare and first != "data")):
             hint = f"; write data.{text}" if first not in SECTIONS else ""
-            raise ConfigError(f"override {text!r}: only data keys apply here (this command reads the data: "
+            raise ConfigError(f"override {shown(text)}: only data keys apply here (this command reads the data: "
                               f"section of {source}){hint}")
         where = _path(doc, key[len("data."):] if bare and first == "data" else key, text)
         canon = ("data", *where) if bare else where     # as the config errors name it
@@ -156,7 +152,7 @@ def _unknown_key(e: UnknownKeyError, overrides: list[Override]) -> ConfigError |
         hint = ""
         if e.suggestion is not None:
             hint = f"; did you mean {'.'.join([*typed[:i], e.suggestion, *typed[i + 1:]])}?"
-        return ConfigError(f"override {ov.given!r}: unknown key {'.'.join(typed[:i + 1])}{hint}")
+        return ConfigError(f"override {shown(ov.given)}: unknown key {'.'.join(typed[:i + 1])}{hint}")
     return None
 
 
@@ -174,5 +170,5 @@ def named(overrides: list[Override]) -> Iterator[None]:
         text = str(e)
         for ov in overrides:
             if re.search(rf"(^|[\s(]){re.escape(_render(ov.path))}\b", text):
-                raise ConfigError(f"override {ov.given!r}: {text}") from None
+                raise ConfigError(f"override {shown(ov.given)}: {text}") from None
         raise

@@ -9,21 +9,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
-import math
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from ..errors import ConfigError, UnknownKeyError
-from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS
+from ..errors import ConfigError, UnknownKeyError, shown
+from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_number
 from . import formats as registry
 from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
-from .weight_schedule import check_weights, weight_at
+from .weight_schedule import check_weights, normalised, weight_at
+from .yaml_files import load_file
 
 BACKENDS = ("hf", "local")
 
@@ -95,14 +93,15 @@ _RULES: dict[str, tuple[Any, str]] = {
     "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
     "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
     "cache_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null (off) or a directory"),
-    "cache_size_limit_gb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
-                            "a finite number of gigabytes > 0"),
+    "cache_size_limit_gb": (lambda v: is_number(v) and 0 < v <= 1e9,
+                            "a number of gigabytes > 0 and at most 1e9 (diskcache keeps the limit in bytes as a "
+                            "64-bit integer)"),
     "retries": (lambda v: _is_int(v) and 0 <= v <= 100, "an integer from 0 to 100"),
-    "retry_backoff_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 600,
+    "retry_backoff_s": (lambda v: is_number(v) and 0 <= v <= 600,
                         "a number of seconds from 0 to 600"),
-    "timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 3600,
+    "timeout_s": (lambda v: is_number(v) and 0 < v <= 3600,
                   "a number of seconds > 0 and <= 3600"),
-    "retry_budget_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 < v <= 86400,
+    "retry_budget_s": (lambda v: is_number(v) and 0 < v <= 86400,
                        "a number of seconds > 0 and <= 86400"),
     "max_requests_per_s": (_check_request_rate,
                            "null (automatic: hf:// data on huggingface.co at the Hub's free tier with a token, anonymous without; S3 at "
@@ -121,7 +120,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "prefetch_blocks": (lambda v: v is None or (_is_int(v) and 0 <= v <= 256),
                         "null (adaptive, at most 64) or an integer from 0 (off) to 256: the most row groups fetched "
                         "ahead per partition"),
-    "prefetch_memory_mb": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    "prefetch_memory_mb": (lambda v: is_number(v)
                            and 1 <= v <= 1_048_576,
                            "a number of MiB from 1 to 1048576: the bytes the row groups fetched ahead may hold, "
                            "in flight and decoded, per process"),
@@ -131,10 +130,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "growth": (lambda v: v in GROWTH_MODES, "one of off (the files are fixed), append (files that appear join at "
                "the next epoch), follow (only new files are read: at the end of the known data the stream waits "
                "for more; see docs/growing-data.md)"),
-    "poll_interval_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0.01 <= v <= 3600,
+    "poll_interval_s": (lambda v: is_number(v) and 0.01 <= v <= 3600,
                         "a number of seconds from 0.01 to 3600: how often data.growth: follow lists the files while "
                         "it waits (backing off to 16x that)"),
-    "follow_timeout_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 31_536_000,
+    "follow_timeout_s": (lambda v: is_number(v) and 0 <= v <= 31_536_000,
                          "a number of seconds from 0 to 31536000: how long data.growth: follow waits for new files "
                          "before the stream ends (the run ends with a checkpoint)"),
     "growth_allow_removal": (lambda v: isinstance(v, bool), "true or false (with data.growth: append, a file that "
@@ -191,18 +190,18 @@ class StreamConfig:
             if key == "streaming" and value is None:
                 continue
             if not check(value):
-                raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+                raise ConfigError(f"data.{key}: got {shown(value)}; allowed: {allowed}")
         if self.streaming is None:
             object.__setattr__(self, "streaming", self.backend == "hf")
         if self.streaming and self.backend != "hf":
             raise ConfigError(
-                f"data.streaming: got true with data.backend {self.backend!r}; streaming needs backend 'hf' "
+                f"data.streaming: got true with data.backend {shown(self.backend)}; streaming needs backend 'hf' "
                 "(backend 'local' loads a dataset saved with save_to_disk, set streaming: false)"
             )
         if self.backend == "hf" and self.dataset_name_or_path in file_builders() and self.data_files is None:
             # datasets would read the files of the current working directory
             raise ConfigError(
-                f"data.data_files: missing with data.dataset_name_or_path {self.dataset_name_or_path!r}; the "
+                f"data.data_files: missing with data.dataset_name_or_path {shown(self.dataset_name_or_path)}; the "
                 f"{self.dataset_name_or_path} builder reads the files data_files names (a path or glob, a list of "
                 "them, or a mapping split -> paths), or set dataset_name_or_path to a directory or a hub id"
             )
@@ -210,16 +209,16 @@ class StreamConfig:
         if self.revision is not None and (path in file_builders() or self.backend == "local" or os.path.exists(path)
                                           or ("://" in path and not path.startswith("hf://"))):
             raise ConfigError(
-                f"data.revision: got {self.revision!r} with data.dataset_name_or_path {path!r}; a revision "
+                f"data.revision: got {shown(self.revision)} with data.dataset_name_or_path {shown(path)}; a revision "
                 "applies to a Hub repo id (org/name); for hf:// files write it into the path "
                 "(hf://datasets/org/name@revision/...)"
             )
         if self.growth != "off" and not (self.backend == "hf" and self.streaming):
-            raise ConfigError(f"data.growth: got {self.growth!r} with data.backend {self.backend!r} and streaming "
+            raise ConfigError(f"data.growth: got {shown(self.growth)} with data.backend {shown(self.backend)} and streaming "
                               f"{self.streaming}; allowed: off, or append / follow with backend 'hf' and streaming: true")
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(
-                f"data.data_files: got {self.data_files!r} with data.backend 'local'; "
+                f"data.data_files: got {shown(self.data_files)} with data.backend 'local'; "
                 "backend 'local' reads a save_to_disk directory, remove data_files or use backend 'hf'"
             )
 
@@ -247,7 +246,7 @@ class StreamConfig:
                 reads, with the closest known key).
         """
         if not isinstance(data, dict):
-            raise ConfigError(f"data: got {type(data).__name__} {data!r}; allowed: a mapping of data keys")
+            raise ConfigError(f"data: got {type(data).__name__} {shown(data)}; allowed: a mapping of data keys")
         if extra_keys is None:
             from ..observe.monitoring import MONITOR_KEYS
             from .transforms import TransformConfig
@@ -262,7 +261,7 @@ class StreamConfig:
                 raise UnknownKeyError("data", str(key), everything, f" Allowed keys: {', '.join(sorted(everything))}")
         for key in ("stopping", "mixture_change"):
             if key in data:
-                raise ConfigError(f"data.{key}: got {data[key]!r} without data.sources; it only applies to a "
+                raise ConfigError(f"data.{key}: got {shown(data[key])} without data.sources; it only applies to a "
                                   "mixture of datasets (data.sources: [...])")
         if "dataset_name_or_path" not in data:
             raise ConfigError("data.dataset_name_or_path: missing; it is required (a hub id, builder name or path)")
@@ -285,23 +284,13 @@ class StreamConfig:
             ConfigError: the file cannot be read or parsed, or a key has a wrong value (named).
         """
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r}: not found") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {path!r}: not UTF-8 text; expected a yaml file") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path!r}: cannot be read ({e.strerror or e})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r}: not valid yaml ({e})") from None
+        doc = load_file(path)
         if not isinstance(doc, dict):
-            raise ConfigError(f"config file {path!r}: expected a mapping at the top level, got {type(doc).__name__}")
+            raise ConfigError(f"config file {shown(path)}: expected a mapping at the top level, got {type(doc).__name__}")
         base_dir = os.path.dirname(os.path.abspath(path))
         doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
         if "data" not in doc and ({"model", "train"} & set(doc)):
-            raise ConfigError(f"config file {path!r}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
+            raise ConfigError(f"config file {shown(path)}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
                               "without a data: section; add one with at least dataset_name_or_path")
         section = doc["data"] if "data" in doc else doc
         with override.named(given):
@@ -409,49 +398,49 @@ class MixtureConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.sources, (list, tuple)) and self.sources
                 and all(isinstance(s, StreamConfig) for s in self.sources)):
-            raise ConfigError(f"data.sources: got {self.sources!r}; allowed: a non-empty list of sources")
+            raise ConfigError(f"data.sources: got {shown(self.sources)}; allowed: a non-empty list of sources")
         if any(src.growth == "follow" for src in self.sources):
             raise ConfigError("data.growth: got 'follow' with data.sources; allowed: off or append in a mixture "
                               "(follow mode reads a single dataset)")
         n = len(self.sources)
         labels = tuple(self.labels) if self.labels is not None else tuple(f"source{i}" for i in range(n))
         if not isinstance(self.weights, (list, tuple)) or len(self.weights) != n or len(labels) != n:
-            raise ConfigError(f"data.sources: {n} sources with weights {self.weights!r} and labels {labels!r}; "
+            raise ConfigError(f"data.sources: {n} sources with weights {shown(self.weights)} and labels {shown(labels)}; "
                               "allowed: one weight and one label per source")
         weights = check_weights(list(self.weights), list(labels), lambda i: f"data.sources[{i}].weight")
         if self.mixture_change not in MIXTURE_CHANGE:
-            raise ConfigError(f"data.mixture_change: got {self.mixture_change!r}; allowed: refuse (default: resuming "
+            raise ConfigError(f"data.mixture_change: got {shown(self.mixture_change)}; allowed: refuse (default: resuming "
                               "with other weights or sources is an error) or allow (they apply from the resume point)")
         for i, label in enumerate(labels):
             if not (isinstance(label, str) and _LABEL.match(label)):
-                raise ConfigError(f"data.sources[{i}].label: got {label!r}; allowed: 1 to 64 letters, digits, "
+                raise ConfigError(f"data.sources[{i}].label: got {shown(label)}; allowed: 1 to 64 letters, digits, "
                                   "'_', '-' or '.' (it prefixes the source's sample keys)")
             if label in labels[:i]:
                 j = labels.index(label)
                 if label == f"source{i}":    # source i has no label of its own: its default clashes
-                    raise ConfigError(f"data.sources[{j}].label: got {label!r}, which is the default label of "
+                    raise ConfigError(f"data.sources[{j}].label: got {shown(label)}, which is the default label of "
                                       f"data.sources[{i}]; give data.sources[{i}] a label, or data.sources[{j}] "
                                       "another one")
-                raise ConfigError(f"data.sources[{i}].label: got {label!r}, the label of data.sources"
+                raise ConfigError(f"data.sources[{i}].label: got {shown(label)}, the label of data.sources"
                                   f"[{j}] too; allowed: a label no other source has")
         if self.stopping not in STOPPING:
-            raise ConfigError(f"data.stopping: got {self.stopping!r}; allowed: one of {', '.join(STOPPING)}")
+            raise ConfigError(f"data.stopping: got {shown(self.stopping)}; allowed: one of {', '.join(STOPPING)}")
         first = self.sources[0]
         for i, s in enumerate(self.sources):
             if s.resume_state_path is not None:
-                raise ConfigError(f"data.sources[{i}].resume_state_path: got {s.resume_state_path!r}; allowed: null "
+                raise ConfigError(f"data.sources[{i}].resume_state_path: got {shown(s.resume_state_path)}; allowed: null "
                                   "(the mixture resumes as a whole from data.resume_state_path)")
             if s.index_path is not None and s.index_path in [o.index_path for o in self.sources[:i]]:
                 j = [o.index_path for o in self.sources].index(s.index_path)
-                raise ConfigError(f"data.sources[{i}].index_path: got {s.index_path!r}, the index_path of "
+                raise ConfigError(f"data.sources[{i}].index_path: got {shown(s.index_path)}, the index_path of "
                                   f"data.sources[{j}] too; allowed: a file of its own (an index describes one dataset)")
             for key in _SHARED_KEYS:
                 if getattr(s, key) != getattr(first, key):
-                    raise ConfigError(f"data.sources[{i}].{key}: got {getattr(s, key)!r}, data.sources[0] has "
-                                      f"{getattr(first, key)!r}; allowed: the same for every source (set it in data:)")
+                    raise ConfigError(f"data.sources[{i}].{key}: got {shown(getattr(s, key))}, data.sources[0] has "
+                                      f"{shown(getattr(first, key))}; allowed: the same for every source (set it in data:)")
         if self.resume_state_path is not None and not (isinstance(self.resume_state_path, str)
                                                        and self.resume_state_path):
-            raise ConfigError(f"data.resume_state_path: got {self.resume_state_path!r}; allowed: null or a sidecar "
+            raise ConfigError(f"data.resume_state_path: got {shown(self.resume_state_path)}; allowed: null or a sidecar "
                               "file / directory")
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "weights", weights)
@@ -482,9 +471,7 @@ class MixtureConfig:
     @property
     def probabilities(self) -> tuple[float, ...]:
         """The weights normalised to sum to 1 (schedules: at position 0)."""
-        at_start = [weight_at(w, 0.0) for w in self.weights]
-        total = float(sum(at_start))
-        return tuple(float(w) / total for w in at_start)
+        return normalised([weight_at(w, 0.0) for w in self.weights])
 
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
@@ -493,14 +480,14 @@ class MixtureConfig:
 
         raw = data["sources"]
         if not (isinstance(raw, list) and raw):
-            raise ConfigError(f"data.sources: got {raw!r}; allowed: a non-empty list of mappings, each with "
+            raise ConfigError(f"data.sources: got {shown(raw)}; allowed: a non-empty list of mappings, each with "
                               "dataset_name_or_path (and data_files, split, weight, label, ...)")
         for key in _IDENTITY_KEYS:
             if key in data:
-                raise ConfigError(f"data.{key}: got {data[key]!r} next to data.sources; allowed: only inside each "
+                raise ConfigError(f"data.{key}: got {shown(data[key])} next to data.sources; allowed: only inside each "
                                   f"source (data.sources[i].{key})")
         if data.get("index_path") is not None:     # one file per dataset: each source names its own
-            raise ConfigError(f"data.index_path: got {data['index_path']!r} next to data.sources; allowed: null (a "
+            raise ConfigError(f"data.index_path: got {shown(data['index_path'])} next to data.sources; allowed: null (a "
                               "dataset index is per source: set data.sources[i].index_path)")
         shared = {k: v for k, v in data.items() if k not in MIXTURE_KEYS}
         # the shared keys, checked under their own names (a placeholder stands in for the dataset)
@@ -511,7 +498,7 @@ class MixtureConfig:
         for i, entry in enumerate(raw):
             at = f"data.sources[{i}]"
             if not isinstance(entry, dict):
-                raise ConfigError(f"{at}: got {entry!r}; allowed: a mapping with dataset_name_or_path, data_files, "
+                raise ConfigError(f"{at}: got {shown(entry)}; allowed: a mapping with dataset_name_or_path, data_files, "
                                   "split, weight, label, ...")
             for key in entry:
                 if key in SOURCE_KEYS or key in SOURCE_TRANSFORM_KEYS:

@@ -10,14 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from ..errors import ConfigError, UnknownKeyError
+from ..errors import ConfigError, UnknownKeyError, shown
 from ..observe.monitoring import MONITOR_KEYS, MonitorSettings
 from . import overrides as override
 from .model_config import check_local_paths, check_model_config
 from .stream_config import MixtureConfig, StreamConfig
 from .transforms import TransformConfig
+from .yaml_files import load_file
 
 SECTIONS = ("model", "data", "train")
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
@@ -47,19 +46,19 @@ class ModelConfig:
             raise ConfigError("model: set model.name_or_path (pretrained weights) or model.config (random init "
                               "from an inline config with model_type)")
         if self.name_or_path is not None and not (isinstance(self.name_or_path, str) and self.name_or_path):
-            raise ConfigError(f"model.name_or_path: got {self.name_or_path!r}; allowed: a hub id or a local path")
+            raise ConfigError(f"model.name_or_path: got {shown(self.name_or_path)}; allowed: a hub id or a local path")
         if self.config is not None:
             if not isinstance(self.config, dict) or not isinstance(self.config.get("model_type"), str):
-                raise ConfigError(f"model.config: got {self.config!r}; allowed: a mapping with model_type "
+                raise ConfigError(f"model.config: got {shown(self.config)}; allowed: a mapping with model_type "
                                   "(e.g. qwen3) and the config fields")
         for key in ("tokenizer", "processor"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, str) and value):
-                raise ConfigError(f"model.{key}: got {value!r}; allowed: a hub id or a local directory")
+                raise ConfigError(f"model.{key}: got {shown(value)}; allowed: a hub id or a local directory")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+            raise ConfigError(f"model.dtype: got {shown(self.dtype)}; allowed: {', '.join(DTYPES)}")
         if not isinstance(self.trust_remote_code, bool):
-            raise ConfigError(f"model.trust_remote_code: got {self.trust_remote_code!r}; allowed: true or false")
+            raise ConfigError(f"model.trust_remote_code: got {shown(self.trust_remote_code)}; allowed: true or false")
 
 
 @dataclass(frozen=True)
@@ -108,15 +107,9 @@ class TrainerConfig:
 
 
 def _read_yaml(path: str, expected: str = "a mapping with model, data and train sections") -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r}: not found") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path!r}: cannot be read as yaml ({e})") from None
+    doc = load_file(path)
     if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path!r}: expected {expected}, got {type(doc).__name__}")
+        raise ConfigError(f"config file {shown(path)}: expected {expected}, got {type(doc).__name__}")
     return doc
 
 
@@ -126,7 +119,7 @@ def _check_sections(doc: dict, path: str, required: Sequence[str]) -> None:
             raise _unknown("config", str(key), list(SECTIONS))
     for key in SECTIONS:
         if (key in required or key in doc) and not isinstance(doc.get(key), dict):
-            raise ConfigError(f"{key}: missing or not a mapping in {path!r}")
+            raise ConfigError(f"{key}: missing or not a mapping in {shown(path)}")
 
 
 @dataclass(frozen=True)
@@ -142,7 +135,7 @@ class _DataSection:
     def from_dict(cls, section: Any, base_dir: str | None, path: str | None) -> _DataSection:
         data = dict(section)
         if data.get("max_samples") is not None:
-            raise ConfigError(f"data.max_samples: got {data['max_samples']!r}; not supported: the stream is endless "
+            raise ConfigError(f"data.max_samples: got {shown(data['max_samples'])}; not supported: the stream is endless "
                               "and its length unknown in advance; bound training with train.max_steps")
         data.pop("max_samples", None)
         monitor = MonitorSettings.from_data(data)
@@ -194,7 +187,7 @@ def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamCon
         if not set(SECTIONS) & set(doc):
             return _DataSection.from_dict(doc, base_dir, path).stream
         if "data" not in doc:
-            raise ConfigError(f"config file {path!r}: a trainer yaml (it has "
+            raise ConfigError(f"config file {shown(path)}: a trainer yaml (it has "
                               f"{', '.join(sorted({'model', 'train'} & set(doc)))}) without a data: section; add one "
                               "with at least dataset_name_or_path")
         _check_sections(doc, path, required=("data",))
@@ -204,6 +197,22 @@ def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamCon
         if "train" in doc:
             _check_train(dict(doc["train"]), has_eval=data.eval_stream is not None)
         return data.stream
+
+
+def data_sections_from_yaml(path: str, overrides: Sequence[str] = ()) -> tuple[StreamConfig | MixtureConfig,
+                                                                             StreamConfig | MixtureConfig | None,
+                                                                             dict[str, Any]]:
+    """(the stream, the validation stream, the train: section as written) of a trainer yaml: its data section
+    validated as :meth:`TrainerConfig.from_yaml` validates it (the same errors), but neither the model: nor the
+    train: section, whose checks import transformers: what ``train`` checks before anything heavy
+    (resumable_stream.app.preflight)."""
+    doc = _read_yaml(path)
+    base_dir = os.path.dirname(os.path.abspath(path))
+    doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+    with override.named(given):
+        _check_sections(doc, path, required=("model", "data", "train"))
+        data = _DataSection.from_dict(doc["data"], base_dir, path)
+    return data.stream, data.eval_stream, dict(doc["train"])
 
 
 def _check_model_for_format(model: ModelConfig, transform: TransformConfig) -> None:
@@ -227,11 +236,11 @@ def _eval_section(doc: Any, data: dict, base_dir: str | None, path: str | None):
     if doc is None:
         return None, 0
     if not isinstance(doc, dict):
-        raise ConfigError(f"data.eval: got {doc!r}; allowed: a mapping of data keys for the validation stream "
+        raise ConfigError(f"data.eval: got {shown(doc)}; allowed: a mapping of data keys for the validation stream "
                           "(e.g. data_files) with num_samples")
     n = doc.get("num_samples")
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ConfigError(f"data.eval.num_samples: got {n!r}; allowed: an integer > 0 (training examples per "
+        raise ConfigError(f"data.eval.num_samples: got {shown(n)}; allowed: an integer > 0 (training examples per "
                           "evaluation, over all ranks)")
     for key in doc:
         if key in TransformConfig.KEYS:
@@ -271,32 +280,32 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
                 try:    # yaml reads 3e-4 (no dot) as a string
                     train[key] = float(value)
                 except ValueError:
-                    raise ConfigError(f"train.{key}: got {value!r}; allowed: a number") from None
+                    raise ConfigError(f"train.{key}: got {shown(value)}; allowed: a number") from None
             elif not isinstance(value, (int, float)):
-                raise ConfigError(f"train.{key}: got {value!r}; allowed: a number")
+                raise ConfigError(f"train.{key}: got {shown(value)}; allowed: a number")
         choices = _enum_values(fields[key])
         if choices and isinstance(value, str) and value not in choices:   # what TrainingArguments would refuse
-            raise ConfigError(f"train.{key}: got {value!r}; allowed: {', '.join(choices)}")
+            raise ConfigError(f"train.{key}: got {shown(value)}; allowed: {', '.join(choices)}")
     for key, forced in _FORCED.items():
         if key in train and train[key] != forced:
-            raise ConfigError(f"train.{key}: got {train[key]!r}; allowed: {forced!r} (resumable-stream restores the "
+            raise ConfigError(f"train.{key}: got {shown(train[key])}; allowed: {shown(forced)} (resumable-stream restores the "
                               "data position from its sidecars instead of replaying batches)")
     if "output_dir" not in train or not isinstance(train["output_dir"], str) or not train["output_dir"]:
         raise ConfigError("train.output_dir: missing; checkpoints and logs go there (and a restart resumes from it)")
     steps = train.get("max_steps")
     if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise ConfigError(f"train.max_steps: got {steps!r}; allowed: an integer > 0. A streaming dataset has no "
+        raise ConfigError(f"train.max_steps: got {shown(steps)}; allowed: an integer > 0. A streaming dataset has no "
                           "known length, so training length must be set in steps")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "logging_steps"):
         v = train.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise ConfigError(f"train.{key}: got {v!r}; allowed: an integer > 0")
+            raise ConfigError(f"train.{key}: got {shown(v)}; allowed: an integer > 0")
     strategy = train.get("eval_strategy", "no")
     if strategy not in ("no", "steps"):
-        raise ConfigError(f"train.eval_strategy: got {strategy!r}; allowed: no, steps (a stream has no epochs)")
+        raise ConfigError(f"train.eval_strategy: got {shown(strategy)}; allowed: no, steps (a stream has no epochs)")
     asked = [k for k in ("eval_strategy", "eval_on_start", "do_eval") if train.get(k) not in (None, False, "no")]
     if asked and not has_eval:
-        raise ConfigError(f"train.{asked[0]}: got {train[asked[0]]!r} but there is no validation data: add a "
+        raise ConfigError(f"train.{asked[0]}: got {shown(train[asked[0]])} but there is no validation data: add a "
                           "data.eval section (data keys of the validation stream, with num_samples) or leave "
                           "eval_strategy at 'no'")
     if has_eval and strategy == "no" and not train.get("eval_on_start"):
@@ -304,7 +313,7 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
                           "it the validation data would never be read")
     workers = train.get("dataloader_num_workers")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise ConfigError(f"train.dataloader_num_workers: got {workers!r}; allowed: an integer >= 0")
+        raise ConfigError(f"train.dataloader_num_workers: got {shown(workers)}; allowed: an integer >= 0")
 
 
 
@@ -345,5 +354,5 @@ def check_data_arguments(args, section: str = "train") -> None:
         value = getattr(holder, name)
         allowed = default if isinstance(default, tuple) else (default,)
         if value not in allowed:
-            raise ConfigError(f"{section}.{key}: got {value!r}; not supported with a resumable stream ({why}); "
-                              f"leave it at {allowed[0]!r}")
+            raise ConfigError(f"{section}.{key}: got {shown(value)}; not supported with a resumable stream ({why}); "
+                              f"leave it at {shown(allowed[0])}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .chat_formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .user_function import function_identity, load_function
 
@@ -25,6 +25,7 @@ BAD_SAMPLE = ("error", "skip")
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 1_000_000
 MAX_IMAGE_BYTES = 1 << 40
+MAX_IMAGE_PIXELS = 1 << 40
 # Transform keys a source of a mixture may set for itself (over the data section's), so that e.g. a text corpus
 # and a chat corpus are mixed into one run; the transform reads them (TransformConfig.from_dict), the stream not.
 SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
@@ -64,6 +65,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_image_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_IMAGE_BYTES,
                         f"an integer from 1 to {MAX_IMAGE_BYTES} (bytes per image file, download or bytes value)"),
     "allow_absolute_image_paths": (lambda v: isinstance(v, bool), "true or false"),
+    "max_image_pixels": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_IMAGE_PIXELS),
+                         f"null (Pillow's own bound, PIL.Image.MAX_IMAGE_PIXELS: 89478485 unless changed) or an "
+                         f"integer from 1 to {MAX_IMAGE_PIXELS} (width x height, read from the image's header "
+                         "before it is decoded)"),
     "columns": (lambda v: _mapping_of_names(v, COLUMN_KEYS, nullable=True),
                 f"null or a mapping from {', '.join(COLUMN_KEYS)} to column names (LLaMA-Factory's names)"),
     "tags": (lambda v: _mapping_of_names(v, SHAREGPT_TAGS, nullable=False),
@@ -101,7 +106,8 @@ class TransformConfig:
       are never truncated (``overlong`` does not apply) and never packed. Image reads are bounded: regular
       files only (a FIFO or device is a bad sample, never a hang), at most ``max_image_bytes`` per file,
       download or bytes value, and local paths confined to ``image_dir`` (the working directory when null:
-      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``.
+      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``; an image is
+      decoded only when its header says it has at most ``max_image_pixels`` pixels (null: Pillow's own bound).
     - ``format: alpaca`` / ``sharegpt``: LLaMA-Factory's formats, read through ``columns`` (and ``tags`` for
       sharegpt) with LLaMA-Factory's names and defaults, turned into ``messages`` (``transforms.formats``).
       A row that does not fit follows ``bad_sample``.
@@ -129,6 +135,7 @@ class TransformConfig:
     bad_sample: str = "error"
     max_image_bytes: int = 64 << 20
     allow_absolute_image_paths: bool = False
+    max_image_pixels: int | None = None     # None: Pillow's Image.MAX_IMAGE_PIXELS (transforms.vl.pixel_limit)
     columns: dict[str, str | None] | None = None
     tags: dict[str, str] | None = None
     map: str | Callable | None = None
@@ -140,15 +147,15 @@ class TransformConfig:
         for key, (check, allowed) in _RULES.items():
             value = getattr(self, key)
             if not check(value):
-                raise ConfigError(f"data.{key}: got {value!r}; allowed: {allowed}")
+                raise ConfigError(f"data.{key}: got {shown(value)}; allowed: {allowed}")
         if self.packing_mode != "concat" and not self.packing:
-            raise ConfigError(f"data.packing_mode: got {self.packing_mode!r} with data.packing false; allowed: "
+            raise ConfigError(f"data.packing_mode: got {shown(self.packing_mode)} with data.packing false; allowed: "
                               "set data.packing: true, or remove data.packing_mode")
         self._check_format_keys()
         if self.map is not None:      # import it now: a bad data.map fails at config time, not in a worker
             function_identity(self.map, load_function(self.map), self.map_version)
         elif self.map_version is not None:
-            raise ConfigError(f"data.map_version: got {self.map_version!r} without data.map; remove it or set data.map")
+            raise ConfigError(f"data.map_version: got {shown(self.map_version)} without data.map; remove it or set data.map")
         if self.format == "vl":
             if self.packing:
                 raise ConfigError("data.packing: got True with data.format 'vl'; allowed: false (image samples "
@@ -160,20 +167,20 @@ class TransformConfig:
         """data.columns / data.tags only where the format reads them, with the format's column keys."""
         if self.columns is not None:
             if self.format not in ("alpaca", "sharegpt"):
-                raise ConfigError(f"data.columns: got {self.columns!r} with data.format {self.format!r}; allowed only "
+                raise ConfigError(f"data.columns: got {shown(self.columns)} with data.format {shown(self.format)}; allowed only "
                                   "with format alpaca or sharegpt (text / messages use data.text_column / "
                                   "data.messages_column)")
             own = tuple(resolved_columns(self.format, None))
             wrong = [k for k in self.columns if k not in own]
             if wrong:
-                raise ConfigError(f"data.columns.{wrong[0]}: not a column of format {self.format!r}; allowed: "
+                raise ConfigError(f"data.columns.{wrong[0]}: not a column of format {shown(self.format)}; allowed: "
                                   f"{', '.join(own)}")
         if self.tags is not None and self.format != "sharegpt":
-            raise ConfigError(f"data.tags: got {self.tags!r} with data.format {self.format!r}; allowed only with "
+            raise ConfigError(f"data.tags: got {shown(self.tags)} with data.format {shown(self.format)}; allowed only with "
                               "format sharegpt")
         clash = same_role_tags(self.tags) if self.tags else []
         if clash:
-            raise ConfigError(f"data.tags: got {self.tags!r}; {', '.join(clash)} have the same value (with the "
+            raise ConfigError(f"data.tags: got {shown(self.tags)}; {', '.join(clash)} have the same value (with the "
                               "defaults); allowed: a different value for each role")
 
     @property
@@ -199,7 +206,7 @@ class TransformConfig:
         if section is None:
             section = {}
         if not isinstance(section, dict):
-            raise ConfigError(f"data: got {type(section).__name__} {section!r}; allowed: a mapping of data keys")
+            raise ConfigError(f"data: got {type(section).__name__} {shown(section)}; allowed: a mapping of data keys")
         if section.get("format") == "vl" and "overlong" in section:
             raise _vl_overlong(section["overlong"])
         base = cls(**{k: section[k] for k in cls.KEYS if k in section})
@@ -239,6 +246,6 @@ TransformConfig.DEFAULTS = {f.name: f.default for f in dataclasses.fields(Transf
 
 
 def _vl_overlong(value: Any) -> ConfigError:
-    return ConfigError(f"data.overlong: got {value!r}; not used with data.format 'vl': a VL sample is never cut "
+    return ConfigError(f"data.overlong: got {shown(value)}; not used with data.format 'vl': a VL sample is never cut "
                        "(that would split image tokens); one longer than data.max_seq_len follows data.bad_sample "
                        "(error or skip). Remove data.overlong")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -28,22 +28,22 @@ def load_function(spec: Any, key: str = "data.map") -> Callable:
     if callable(spec):
         return spec
     if not (isinstance(spec, str) and _SPEC.match(spec)):
-        raise ConfigError(f"{key}: got {spec!r}; allowed: 'package.module:function' (a module importable from "
+        raise ConfigError(f"{key}: got {shown(spec)}; allowed: 'package.module:function' (a module importable from "
                           "PYTHONPATH, a colon, the function's name)")
     module_name, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise ConfigError(f"{key}: got {spec!r}; module {e.name or module_name!r} not found (is its directory on "
+        raise ConfigError(f"{key}: got {shown(spec)}; module {shown(e.name or module_name)} not found (is its directory on "
                           "PYTHONPATH?)") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say so, as a config error
-        raise ConfigError(f"{key}: got {spec!r}; importing {module_name!r} failed ({type(e).__name__}: {e})") from e
+        raise ConfigError(f"{key}: got {shown(spec)}; importing {shown(module_name)} failed ({type(e).__name__}: {e})") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{key}: got {spec!r}; {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"{key}: got {shown(spec)}; {shown(module_name)} has no attribute {shown(attr)}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"{key}: got {spec!r}; {attr!r} is a {type(obj).__name__}, not callable")
+        raise ConfigError(f"{key}: got {shown(spec)}; {shown(attr)} is a {type(obj).__name__}, not callable")
     return obj
 
 
@@ -78,7 +78,7 @@ def function_identity(spec: str | Callable, fn: Callable, version: str | int | N
         pass
     code = getattr(fn, "__code__", None)
     if code is None:
-        raise ConfigError(f"{key}: {spec!r} has neither source nor a code object to identify it by; set "
+        raise ConfigError(f"{key}: {shown(spec)} has neither source nor a code object to identify it by; set "
                           "data.map_version to name its version")
     _code_digest(code, h)
     identity["code_digest"] = h.hexdigest()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
+from ..limits import is_number
 
 SCHEDULES = ("linear", "constant")
 UNITS = ("steps", "samples")
@@ -28,7 +29,7 @@ _ALLOWED = ("a finite number > 0, or a schedule {schedule: linear | constant, un
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return is_number(x)
 
 
 def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict[str, Any]:
@@ -36,34 +37,46 @@ def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict
     ``allow_zero``: a fixed weight may be 0 (a source paused by a change of weights)."""
     if _number(value):
         if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"{key}: got {value!r}; allowed: {_ALLOWED} (weights are relative: they are "
+            raise ConfigError(f"{key}: got {shown(value)}; allowed: {_ALLOWED} (weights are relative: they are "
                               "normalised to sum to 1)")
         return float(value)
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: got {value!r}; allowed: {_ALLOWED}")
+        raise ConfigError(f"{key}: got {shown(value)}; allowed: {_ALLOWED}")
     unknown = sorted(set(value) - {"schedule", "unit", "points"})
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}: unknown key; allowed: schedule, unit, points")
     kind, unit, points = value.get("schedule", "linear"), value.get("unit", "steps"), value.get("points")
     if kind not in SCHEDULES:
-        raise ConfigError(f"{key}.schedule: got {kind!r}; allowed: {' or '.join(SCHEDULES)}")
+        raise ConfigError(f"{key}.schedule: got {shown(kind)}; allowed: {' or '.join(SCHEDULES)}")
     if unit not in UNITS:
-        raise ConfigError(f"{key}.unit: got {unit!r}; allowed: {' or '.join(UNITS)}")
+        raise ConfigError(f"{key}.unit: got {shown(unit)}; allowed: {' or '.join(UNITS)}")
     if not (isinstance(points, list) and 1 <= len(points) <= MAX_POINTS):
-        raise ConfigError(f"{key}.points: got {points!r:.80}; allowed: a list of 1 to {MAX_POINTS} "
+        raise ConfigError(f"{key}.points: got {shown(points)}; allowed: a list of 1 to {MAX_POINTS} "
                           "[position, weight] pairs")
     out = []
     for j, point in enumerate(points):
         if not (isinstance(point, (list, tuple)) and len(point) == 2 and all(_number(v) for v in point)
                 and point[0] >= 0 and point[1] >= 0):
-            raise ConfigError(f"{key}.points[{j}]: got {point!r}; allowed: [position, weight], a position >= 0 "
+            raise ConfigError(f"{key}.points[{j}]: got {shown(point)}; allowed: [position, weight], a position >= 0 "
                               f"({unit}) and a finite weight >= 0")
         if out and point[0] <= out[-1][0]:
-            raise ConfigError(f"{key}.points[{j}]: position {point[0]!r} after {points[j - 1][0]!r}; allowed: positions "
+            raise ConfigError(f"{key}.points[{j}]: position {shown(point[0])} after {shown(points[j - 1][0])}; allowed: positions "
                               "strictly increasing (a step change is two points: [[99, 1.0], [100, 0.0]] with "
                               "schedule: linear, or schedule: constant)")
         out.append([float(point[0]), float(point[1])])
     return {"schedule": kind, "unit": unit, "points": out}
+
+
+def normalised(weights: list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """Weights divided by their sum, which is 1 then. Weights near the float maximum (1e308 and 1e308) have a sum
+    that overflows to inf, and w / inf is 0 for every source: those are divided by the largest weight first (the
+    ratios stay; weights whose sum is finite are divided as they always were, so that draws do not change)."""
+    total = float(sum(weights))
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [float(w) / top for w in weights]
+        total = float(sum(weights))
+    return tuple(float(w) / total for w in weights)
 
 
 def is_schedule(weight: Any) -> bool:
@@ -82,7 +95,7 @@ def weight_at(weight: float | dict[str, Any], position: float) -> float:
         if position < x1:
             if weight["schedule"] == "constant":
                 return w0
-            return w0 + (w1 - w0) * (position - x0) / (x1 - x0)
+            return w0 + (w1 - w0) * ((position - x0) / (x1 - x0))    # never (w1 - w0) * position: overflow
     return points[-1][1]
 
 

@@ -95,6 +95,13 @@ class MindSporeSource:
         return cls(stream, batch_size, columns, collate_fn, processor_factory, **kwargs)
 
     @property
+    def read_ahead(self) -> int:
+        """Rows MindSpore's pipeline made of this pass and the loop has not been handed yet: what a save now
+        leaves out. Any thread may read it (a length of a deque the producer appends to); the stream's readers
+        are the producer thread's alone (docs/architecture.md, "One owner per cursor")."""
+        return len(self._produced)
+
+    @property
     def column_names(self) -> list[str]:
         """The dataset's columns: ``columns`` and the id column."""
         return [*self.columns, ID_COLUMN]

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .metrics import READING_FIELDS, combined
 
 log = logging.getLogger(__name__)
@@ -63,27 +63,27 @@ class MonitorSettings:
     def __post_init__(self) -> None:
         port, share, steps = self.metrics_port, self.data_bound_share, self.data_bound_steps
         if port is not None and not (_is_int(port) and 1 <= port <= MAX_PORT):
-            raise ConfigError(f"data.metrics_port: got {port!r}; allowed: null or a port from 1 to {MAX_PORT} "
+            raise ConfigError(f"data.metrics_port: got {shown(port)}; allowed: null or a port from 1 to {MAX_PORT} "
                               "(each rank serves on port + its local rank)")
         addr = self.metrics_addr
         if addr is not None and not is_address(addr):
-            raise ConfigError(f"data.metrics_addr: got {addr!r}; allowed: null (prometheus_client's default, "
+            raise ConfigError(f"data.metrics_addr: got {shown(addr)}; allowed: null (prometheus_client's default, "
                               "0.0.0.0: every IPv4 interface) or the address to serve the endpoint on: an IP address "
                               "(e.g. 127.0.0.1 for this machine only, ::1, 0.0.0.0; IPv6 without brackets) or a host "
                               "name (e.g. localhost)")
         if addr is not None and port is None:
-            raise ConfigError(f"data.metrics_addr: got {addr!r} without data.metrics_port; it is the address of the "
+            raise ConfigError(f"data.metrics_addr: got {shown(addr)} without data.metrics_port; it is the address of the "
                               "Prometheus endpoint, which only data.metrics_port starts: set data.metrics_port too, "
                               "or remove data.metrics_addr")
         if share is not None and not (isinstance(share, (int, float)) and not isinstance(share, bool)
                                       and 0 < share <= 1):
-            raise ConfigError(f"data.data_bound_share: got {share!r}; allowed: null (no warning) or a share of "
+            raise ConfigError(f"data.data_bound_share: got {shown(share)}; allowed: null (no warning) or a share of "
                               "step time above 0 and at most 1, e.g. 0.2")
         if not isinstance(self.log_source_loss, bool):
-            raise ConfigError(f"data.log_source_loss: got {self.log_source_loss!r}; allowed: true or false (a "
+            raise ConfigError(f"data.log_source_loss: got {shown(self.log_source_loss)}; allowed: true or false (a "
                               "mixture's training loss per source in train_log.jsonl)")
         if not (_is_int(steps) and steps >= 1):
-            raise ConfigError(f"data.data_bound_steps: got {steps!r}; allowed: an integer >= 1 (optimizer steps "
+            raise ConfigError(f"data.data_bound_steps: got {shown(steps)}; allowed: an integer >= 1 (optimizer steps "
                               "per window)")
 
     @classmethod

@@ -9,8 +9,11 @@ several ranks per node unless it is set).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
+
+from ..errors import WrongThreadError
 
 USER_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -78,3 +81,24 @@ def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None
         return [one(x) for x in items]
     with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
         return list(pool.map(one, items))
+
+
+class OwnerThread:
+    """The thread that iterates a stream or a loader (docs/architecture.md, "One owner per cursor"): it owns the
+    readers' cursors, so a call that moves them from another thread is refused, not left to race the reader
+    (two threads in one generator: "generator already executing", or a cursor changed under the reader)."""
+
+    def __init__(self) -> None:
+        self.ident: int | None = None
+
+    def claim(self) -> None:
+        """The calling thread iterates from now on."""
+        self.ident = threading.get_ident()
+
+    def check(self, call: str, what: str) -> None:
+        """WrongThreadError when ``call`` (on ``what``) comes from a thread other than the one iterating."""
+        if self.ident is not None and self.ident != threading.get_ident():
+            raise WrongThreadError(
+                f"{call}: called from thread {threading.current_thread().name!r} while another thread (id "
+                f"{self.ident}) iterates the {what}; one thread owns a stream's cursors: call it from the thread "
+                "that iterates (between batches, e.g. in a Trainer callback), or before iterating starts")

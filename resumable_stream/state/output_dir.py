@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Sequence
 
 from ..errors import SidecarError
@@ -42,9 +43,18 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
 
 def is_complete(checkpoint: str, required: Sequence[str] = TRAINER_FILES) -> bool:
     """Complete = the files ``required`` (the Trainer's state) and a stream-state manifest (written last) are
-    all there, as regular files."""
-    return (all(os.path.isfile(os.path.join(checkpoint, name)) for name in required)
-            and os.path.isfile(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+    all there, as regular files: a symlink (to any file) or a FIFO named manifest.json was not written by a
+    save, and would make its checkpoint the newest complete one ahead of an older good one."""
+    return (all(_regular_file(os.path.join(checkpoint, name)) for name in required)
+            and _regular_file(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
+
+
+def _regular_file(path: str) -> bool:
+    """A regular file itself (os.path.isfile follows a symlink)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def latest_complete_checkpoint(output_dir: str, required: Sequence[str] = TRAINER_FILES) -> str | None:

@@ -39,6 +39,9 @@ class DatasetsDraws:
             raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(MODES)}")
         self.mode, self.seed, self.n = mode, int(seed), len(weights)
         p = np.asarray(weights, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            if not np.isfinite(p.sum()):      # weights near the float maximum: the sum overflows
+                p = p / p.max()
         self.p = p if p.sum() == 1.0 else p / p.sum()
         self._at: dict[int, tuple[int, int, np.random.Generator]] = {}   # partition -> (epoch, next block, rng)
 

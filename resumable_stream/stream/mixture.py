@@ -52,6 +52,7 @@ from ..config.weight_schedule import check_weights
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..observe.progress import partition_progress, progress_summary
+from ..runtime.threads import OwnerThread
 from ..sources.base import Source
 from ..state.checks import check_fingerprint, fingerprint_diff
 from ..state.mixture_state import MixturePartitionState
@@ -175,6 +176,7 @@ class MixtureStream(StreamBase):
         self._samples_per_step: int | None = None
         self._retired: dict[str, dict] = {}   # label -> saved fingerprint of a source a change removed
         self._events: list[dict] = []        # changes of weights not yet logged (train_log.jsonl)
+        self._owner = OwnerThread()          # the thread iterating: only it may call set_weights
         self._start()
 
     def _view(self, i: int, partition: int) -> ResumableStream:
@@ -277,7 +279,8 @@ class MixtureStream(StreamBase):
         partition's next draw on (``starts``: partition -> draw index, default where this process's reader
         is; the StreamLoader passes what training consumed). Recorded in the weight history, so a resume
         draws the same samples. Collective under torch.distributed: every rank calls it at the same point and
-        rank 0's weights apply everywhere."""
+        rank 0's weights apply everywhere. Only from the thread iterating the stream (WrongThreadError)."""
+        self._owner.check("MixtureStream.set_weights", "stream")
         self._refuse_changes_in_datasets_draws()
         labels = self.config.labels
         if not isinstance(weights, dict) or sorted(weights) != sorted(labels):
@@ -297,6 +300,10 @@ class MixtureStream(StreamBase):
         self._changed()
         self._events.append({"from": "set_weights", **({"step": step} if step is not None else {}),
                              "weights": dict(zip(labels, values))})
+
+    def __iter__(self) -> Iterator[dict]:
+        self._owner.claim()
+        return super().__iter__()
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.weight_schedule import check_weights, is_schedule, schedule_unit
+from ..config.weight_schedule import check_weights, is_schedule, normalised, schedule_unit
 from ..errors import ConfigError, SidecarError
 from ..plan import counter_hashes, derive_seed
 
@@ -50,6 +50,19 @@ def draw_sources(probabilities: np.ndarray, seed: int, epoch: int, partition: in
                  count: int) -> np.ndarray:
     """The sources of draws ``start .. start+count-1`` of (partition, epoch) under fixed probabilities."""
     return pick_fixed(probabilities, uniforms(seed, epoch, partition, start, count))
+
+
+def normalised_rows(w: np.ndarray) -> np.ndarray:
+    """Each row of weights divided by its sum; a row whose sum overflows is divided by its largest weight first
+    (config.weight_schedule.normalised, row by row)."""
+    with np.errstate(over="ignore"):       # an overflow is what is looked for
+        total = w.sum(axis=1, keepdims=True)
+    huge = ~np.isfinite(total[:, 0])
+    if huge.any():
+        w = w.copy()
+        w[huge] /= w[huge].max(axis=1, keepdims=True)
+        total = w.sum(axis=1, keepdims=True)
+    return w / total
 
 
 @dataclass(frozen=True)
@@ -112,8 +125,7 @@ class WeightPlan:
         self._fixed = []
         for s in history:      # as MixtureConfig.probabilities normalises: fixed weights draw as they always did
             fixed = s.fixed and all(w > 0 for w in s.weights)
-            total = float(sum(s.weights)) if fixed else 0.0
-            self._fixed.append(np.asarray([float(w) / total for w in s.weights]) if fixed else None)
+            self._fixed.append(np.asarray(normalised(s.weights)) if fixed else None)
 
     def position(self, draws: np.ndarray, unit: str) -> np.ndarray:
         """The schedule position of draw indexes ``draws`` (module doc)."""
@@ -161,7 +173,7 @@ class WeightPlan:
             local = pick_fixed(self._fixed[segment], u)
         else:
             w = self.weights(segment, consumed + np.arange(count, dtype=np.int64))
-            cum = np.cumsum(w / w.sum(axis=1, keepdims=True), axis=1)
+            cum = np.cumsum(normalised_rows(w), axis=1)
             local = (cum <= u[:, None]).sum(axis=1)
             last_positive = w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)
             local = np.minimum(local, last_positive)
@@ -174,5 +186,5 @@ class WeightPlan:
     def weights_now(self, consumed: int, changes: list[int]) -> dict[str, float]:
         """label -> normalised target weight of the draw with index ``consumed``."""
         segment = self.segment_of(consumed, changes)
-        w = self.weights(segment, np.asarray([consumed], dtype=np.int64))[0]
-        return {label: float(v) / float(w.sum()) for label, v in zip(self.history[segment].labels, w)}
+        w = normalised_rows(self.weights(segment, np.asarray([consumed], dtype=np.int64)))[0]
+        return {label: float(v) for label, v in zip(self.history[segment].labels, w)}

@@ -46,13 +46,14 @@ import io
 import json
 import logging
 import os
+import re
 from collections import deque
 from typing import Any
 
 import numpy as np
 
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
 from .errors import TransformError
@@ -68,6 +69,7 @@ from .text import (
 )
 
 log = logging.getLogger(__name__)
+_CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
 PLACEHOLDER = "<image>"
 STATE_VERSION = 1
@@ -181,6 +183,9 @@ def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolic
         raise BadSample("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
     if value.startswith(("http://", "https://")):
+        if _CONTROL.search(value):     # urllib refuses it, and the retries would take that for a network fault
+            raise BadSample("skipped_image", f"image {i} URL {shown(value)} holds a control character or a space; "
+                                             "allowed: a URL as RFC 3986 writes it (percent-encoded)")
         return _fetch(value, i, cfg.max_image_bytes, retry or RetryPolicy.of())
     path = local_image_path(value, i, cfg)
     try:
@@ -210,6 +215,8 @@ def _bounded(data: bytes, i: int, what: str, cfg: TransformConfig) -> bytes:
 def local_image_path(value: str, i: int, cfg: TransformConfig) -> str:
     """A path named by a row, resolved against data.image_dir (the working directory when null) and confined
     to it: no absolute path, no ``..`` or symlink out of it, unless data.allow_absolute_image_paths."""
+    if "\0" in value:    # os.path.realpath and open() raise ValueError on it: the sample's fault, not the run's
+        raise BadSample("skipped_image", f"image {i} path {shown(value)} holds a NUL byte; allowed: a file path")
     base = os.path.realpath(cfg.image_dir or os.getcwd())
     if cfg.allow_absolute_image_paths:
         return value if os.path.isabs(value) else os.path.join(base, value)
@@ -250,6 +257,44 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def pixel_limit(cfg: TransformConfig) -> int | None:
+    """The most pixels an image may have: ``data.max_image_pixels``, or when null Pillow's own bound
+    (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless changed: above it Pillow only warns of a decompression
+    bomb, and refuses at twice that). None: Pillow's bound is off and the key unset."""
+    if cfg.max_image_pixels is not None:
+        return cfg.max_image_pixels
+    from PIL import Image
+
+    return Image.MAX_IMAGE_PIXELS
+
+
+def check_pixels(img, i: int, cfg: TransformConfig) -> None:
+    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than allowed."""
+    limit = pixel_limit(cfg)
+    if limit is not None and img.width * img.height > limit:
+        key = "data.max_image_pixels" if cfg.max_image_pixels is not None else \
+            "data.max_image_pixels (null: Pillow's Image.MAX_IMAGE_PIXELS)"
+        raise BadSample("skipped_image", f"image {i} is {img.width}x{img.height} = {img.width * img.height} pixels, "
+                                         f"over {key} {limit}")
+
+
+def open_image(data: bytes, i: int, cfg: TransformConfig):
+    """The image in ``data``, decoded only once its header says it has at most the pixels allowed (a 100 KB PNG
+    can hold 10000x10000 pixels: 300 MB decoded); BadSample when it is too large or cannot be decoded."""
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))      # reads the header only
+    except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, EOFError, ...
+        raise BadSample("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+    check_pixels(img, i, cfg)
+    try:
+        img.load()
+    except Exception as e:  # noqa: BLE001
+        raise BadSample("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+    return img
+
+
 def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None = None):
     """One image value -> an RGB PIL image; raises ``BadSample`` with the reason when it cannot be used. Local
     paths and sizes are bounded by ``cfg`` (image_dir, max_image_bytes, allow_absolute_image_paths)."""
@@ -259,13 +304,9 @@ def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | 
         raise BadSample("skipped_image", f"image {i} is null")
     if isinstance(value, Image.Image):
         img = value
+        check_pixels(img, i, cfg)
     else:
-        data = read_image_bytes(value, i, cfg, retry)
-        try:
-            img = Image.open(io.BytesIO(data))
-            img.load()
-        except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, EOFError, ...
-            raise BadSample("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+        img = open_image(read_image_bytes(value, i, cfg, retry), i, cfg)
     if img.mode not in SUPPORTED_MODES:
         raise BadSample("skipped_image",
                    f"image {i} has the unsupported mode {img.mode!r}; supported: {', '.join(SUPPORTED_MODES)}")
@@ -332,9 +373,10 @@ class VLProcessor:
         self._row_map = RowMap(cfg.map, cfg.map_version) if cfg.map else None
         if self._row_map is not None:
             self._fingerprint["map"] = self._row_map.identity
-        for key in ("max_image_bytes", "allow_absolute_image_paths"):   # they decide which images are bad;
-            if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:      # only when set, so that checkpoints of
-                self._fingerprint[key] = getattr(cfg, key)             # earlier versions still resume
+        # they decide which images are bad; only when set, so that checkpoints of earlier versions still resume
+        for key in ("max_image_bytes", "allow_absolute_image_paths", "max_image_pixels"):
+            if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:
+                self._fingerprint[key] = getattr(cfg, key)
         self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
         self._turn_start_id = self._find_turn_start()

@@ -20,9 +20,10 @@ import re
 import resource
 import shlex
 
-# The fast lane should run in under 2 minutes on 2 cores. Its 942 tests sum ~90 s of CPU time (measured with
-# RS_TEST_COSTS=costs.json on a loaded machine, where CPU times run high), plus ~12 s to collect; the budget
-# leaves room for that noise, not for another slow test. Reported, not enforced, unless STRICT_ENV is "1".
+# The target: the fast lane under 100 s of test CPU on 2 cores. It has outgrown it: ~1,900 tests sum 118-151 s of
+# test CPU (+ ~11 s to collect; three runs of issue 49's branch beside other jobs, load 5-9, where CPU times run
+# high; `make test-fast` took 308-404 s of wall time there). The budget stays the target for trimming the lane.
+# Reported, not enforced, unless STRICT_ENV is "1".
 FAST_LANE_CPU_BUDGET_S = 100.0
 STRICT_ENV = "RS_FAST_LANE_BUDGET_STRICT"
 

@@ -210,6 +210,7 @@ def test_image_bytes_rows_survive_a_state_round_trip(vl_assets):
 @pytest.mark.parametrize(("section", "message"), [
     ({"bad_sample": "maybe"}, "resumable_stream.bad_sample: got 'maybe'; allowed: one of error, skip"),
     ({"max_image_bytes": 0}, "resumable_stream.max_image_bytes: got 0"),
+    ({"max_image_pixels": 10 ** 400}, "resumable_stream.max_image_pixels: got <an integer of 401 digits>"),
     ({"allow_absolute_image_paths": "yes"}, "resumable_stream.allow_absolute_image_paths: got 'yes'"),
 ])
 def test_image_keys_of_the_section_are_checked_naming_them(section, message):

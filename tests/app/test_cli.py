@@ -64,6 +64,38 @@ def test_peek_one_rank_of_several_refuses_to_save_over_a_complete_state(parquet_
     assert resumed == take_ids(ResumableStream(StreamConfig.from_yaml(cfg_path), rank=1, world_size=2), 4)[2:]
 
 
+def test_peek_takes_the_world_size_and_workers_of_the_state_it_resumes(parquet_small, tmp_path, capsys):
+    """It defaulted to one rank and failed on a 2-rank checkpoint unless told --world-size 2."""
+    from resumable_stream.state import checkpoint as ckpt
+
+    cfg_path = _yaml(tmp_path, parquet_small)
+    st = str(tmp_path / "st")
+    for rank in range(2):
+        assert main(["peek", cfg_path, "--rank", str(rank), "--world-size", "2", "--num-workers", "1", "--num", "3",
+                     "--save-state", st]) == 0
+    ckpt.write_manifest(st, 2)
+    for argv in (["--rank", "1"], ["--rank", "1", "--world-size", "2", "--num-workers", "1"]):
+        capsys.readouterr()
+        assert main(["peek", cfg_path, *argv, "--num", "2", "--fields", "id", "--resume-from", st]) == 0
+        resumed = [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()]
+        assert resumed == take_ids(ResumableStream(StreamConfig.from_yaml(cfg_path), rank=1, world_size=2,
+                                                   num_workers=1), 5)[3:]
+    capsys.readouterr()      # data.resume_state_path in the yaml: the same
+    assert main(["peek", cfg_path, f"data.resume_state_path={st}", "--num", "2", "--fields", "id"]) == 0
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == take_ids(
+        ResumableStream(StreamConfig.from_yaml(cfg_path), rank=0, world_size=2, num_workers=1), 5)[3:]
+
+
+def test_warmup_and_peek_name_the_state_to_start_from_alike():
+    from resumable_stream.app.cli import build_parser
+
+    parser = build_parser()
+    for command in ("peek", "warmup"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        options = {o for a in sub._actions for o in a.option_strings}
+        assert "--resume-from" in options and "--from" not in options, command
+
+
 def test_inspect_file_and_directory(parquet_small, tmp_path, capsys):
     cfg_path = _yaml(tmp_path, parquet_small)
     assert main(["peek", cfg_path, "--num", "70", "--save-state", str(tmp_path / "ck" / "stream_state")]) == 0
@@ -314,3 +346,17 @@ def test_a_closed_pipe_is_a_clean_exit(parquet_small, tmp_path, command):
         err = p.stderr.read().decode()
         assert p.wait(timeout=120) == 0, err
         assert "BrokenPipe" not in err and "Exception ignored" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("builder, ext", [("json", "jsonl"), ("csv", "csv"), ("text", "txt")])
+def test_index_of_data_without_an_index_says_so_at_once_for_a_user(tmp_path, capsys, builder, ext):
+    """It pointed the user at an internal source file (resumable_stream/config/formats.py), after a progress bar."""
+    (tmp_path / f"x.{ext}").write_text('{"a": 1}\n' if builder == "json" else "a\n1\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"dataset_name_or_path: {builder}\ndata_files: {tmp_path / f'x.{ext}'}\n")
+    capsys.readouterr()
+    assert main(["index", str(config), "-o", str(tmp_path / "i.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"data.dataset_name_or_path '{builder}' is read by datasets' '{builder}' builder, which has no dataset " \
+           "index; allowed: data of an indexed format (parquet, webdataset; docs/formats.md)" in err, err
+    assert ".py" not in err and "indexing" not in err and not (tmp_path / "i.json").exists()

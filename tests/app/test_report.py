@@ -9,6 +9,7 @@ The summary's figures are recomputed here from the log, and from a log written h
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import pytest
 from repo_paths import REPO_ROOT
 
 from resumable_stream.app.cli import main
+from resumable_stream.app.compare_runs import compare
 from resumable_stream.app.report import (
     LOG_NAME,
     META_PREFIX,
@@ -27,6 +29,7 @@ from resumable_stream.app.report import (
     figure,
     format_summary,
     read_log,
+    report,
     summarize,
 )
 
@@ -419,3 +422,109 @@ def test_every_series_has_its_own_colour_and_none_the_resume_lines(tmp_path):
     assert to_rgba(RESUME_COLOUR) not in colours
     resume_lines = [line for ax in fig.axes for line in ax.get_lines() if line.get_color() == RESUME_COLOUR]
     assert len(resume_lines) == 6 and all(list(line.get_xdata()) == [10, 10] for line in resume_lines)
+
+
+# ------------------------------------------------------------------------------------------------ issue 49
+def _panel_texts(ax) -> str:
+    return " | ".join(t.get_text() for t in ax.texts)
+
+
+def test_panels_empty_for_local_data_say_why(tmp_path):
+    """A local run without a block cache: the requests and cache panels said only "not recorded", or drew zeros."""
+    fig = _local_run(tmp_path / "run")
+    by_ylabel = {ax.get_ylabel(): ax for ax in fig.axes}
+    assert "no remote requests: the data is read from local files" in _panel_texts(by_ylabel["requests"])
+    assert "response ms" not in by_ylabel     # no empty twin axis beside it
+    recs = [{**_data_record(s), "data_cache_hits": 0, "data_cache_misses": 0, "data_cache_hit_rate": None}
+            for s in range(1, 5)]
+    _write_log(tmp_path / "nocache", recs)
+    fig = figure(read_log(str(tmp_path / "nocache")))
+    cache = next(ax for ax in fig.axes if ax.get_ylabel() == "cache hit rate")
+    assert "no block cache lookups: data.cache_dir is not set" in _panel_texts(cache)
+
+
+def test_the_resume_line_stays_on_every_panel_in_a_scaled_down_view(tmp_path):
+    """At 896 pixels wide (a viewer fitting the picture) the data-wait panel's 1-pixel line vanished."""
+    import numpy as np
+    from PIL import Image
+
+    fig = _local_run(tmp_path / "run")
+    fig.canvas.draw()
+    full = np.asarray(fig.canvas.buffer_rgba())[:, :, :3]
+    height, width = full.shape[:2]
+    scaled = np.asarray(Image.fromarray(full).resize((896, int(height * 896 / width)), Image.LANCZOS)).astype(int)
+    x = fig.axes[0].transData.transform((50, 0))[0] * 896 / width
+    for ax in fig.axes[:6]:
+        _, y0, _, h = ax.get_position().bounds       # figure fractions, from the bottom
+        top = int((1 - (y0 + h)) * scaled.shape[0]) + 3
+        bottom = int((1 - y0) * scaled.shape[0]) - 3
+        band = scaled[top:bottom, int(x) - 2:int(x) + 3]
+        red = (band[:, :, 0] > 150) & (band[:, :, 1] < 110) & (band[:, :, 2] < 110)
+        assert red.any(axis=1).mean() > 0.3, f"{ax.get_ylabel()}: the resume line is not visible scaled down"
+
+
+def _run_with_consumed(directory, losses: dict[int, float], samples: dict[int, list], ranks=(0,), resume=None):
+    recs = [{**_data_record(s), "loss": loss} for s, loss in losses.items()]
+    if resume is not None:
+        next(r for r in recs if r["step"] == resume + 1)["resumed_from"] = f"checkpoint-{resume}"
+    _write_log(directory, recs)
+    os.makedirs(os.path.join(directory, "consumed"), exist_ok=True)
+    for rank in ranks:
+        with open(os.path.join(directory, "consumed", f"rank-{rank:05d}.jsonl"), "w", encoding="utf-8") as f:
+            for s, keys in samples.items():
+                f.write(json.dumps({"step": s, "samples": [f"{rank}/{k}" for k in keys]}) + "\n")
+    return str(directory)
+
+
+def test_compare_draws_same_as_uninterrupted_as_a_picture(tmp_path, capsys):
+    from PIL import Image
+
+    losses = {s: 7.0 - 0.1 * s for s in range(1, 21)}
+    samples = {s: [f"0:{s * 4 + i}" for i in range(4)] for s in range(1, 21)}
+    ref = _run_with_consumed(tmp_path / "uninterrupted", losses, samples, ranks=(0, 1))
+    resumed = _run_with_consumed(tmp_path / "resumed", losses, samples, ranks=(0, 1), resume=10)
+    capsys.readouterr()
+    assert main(["report", resumed, "--compare", ref]) == 0
+    rows = _summary(capsys.readouterr().out)
+    assert rows["compared with"] == f"{ref}/{LOG_NAME} (20 steps logged by both)"
+    assert rows["loss difference max"] == "0 (equal losses at all 20 steps)"
+    assert rows["same samples"] == "20 of 20 steps (ranks 0, 1)"
+    with Image.open(os.path.join(resumed, "report.png")) as im:
+        assert im.size == (1000, 1750)
+        with open(os.path.join(ref, LOG_NAME), "rb") as f:
+            assert im.info[META_PREFIX + "compared log blake2b"] == hashlib.blake2b(f.read()).hexdigest()
+    fig = figure(read_log(resumed), compare(resumed, ref))
+    assert "loss of uninterrupted" in [line.get_label() for line in fig.axes[0].get_lines()]
+    assert "same consumed samples at 20 of 20 steps; loss difference max 0" in _panel_texts(fig.axes[6])
+
+
+def test_compare_names_the_first_step_that_differs(tmp_path, capsys):
+    losses = {s: 7.0 - 0.1 * s for s in range(1, 11)}
+    samples = {s: [f"0:{s}"] for s in range(1, 11)}
+    ref = _run_with_consumed(tmp_path / "a", losses, samples)
+    other = _run_with_consumed(tmp_path / "b", {**losses, 7: losses[7] + 0.25, 8: losses[8] - 0.5},
+                               {**samples, 7: ["0:99"], 9: ["0:98"]})
+    summary = report(other, comparison=compare(other, ref), out=io.StringIO())
+    assert summary["compared"]["same samples"] == "8 of 10 steps (ranks 0); first difference at step 7"
+    assert summary["compared"]["loss difference max"] == "-0.5 (step 8)"
+    assert [s for s, same in sorted(summary["same_samples"].items()) if not same] == [7, 9]
+
+
+def test_compare_without_consumed_logs_and_with_hostile_ones(tmp_path, capsys):
+    losses = {s: 1.0 for s in range(1, 4)}
+    plain = tmp_path / "plain"
+    _write_log(plain, [{**_data_record(s), "loss": v} for s, v in losses.items()])
+    ref = _run_with_consumed(tmp_path / "ref", losses, {s: ["k"] for s in losses})
+    capsys.readouterr()
+    assert main(["report", str(plain), "--compare", ref]) == 0
+    assert _summary(capsys.readouterr().out)["same samples"].startswith("not recorded")
+    outside = _run_with_consumed(tmp_path / "outside", losses, {s: ["k"] for s in losses})
+    link = tmp_path / "linked"
+    _write_log(link, [{**_data_record(s), "loss": v} for s, v in losses.items()])
+    os.symlink(os.path.join(outside, "consumed"), link / "consumed")
+    assert main(["report", str(link), "--compare", ref]) == 2
+    assert "a link outside the run directory; refused" in capsys.readouterr().err
+    assert main(["report", ref, "--compare", str(tmp_path / "none")]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "ref" / "consumed" / "rank-00001.jsonl").write_text('{"step": 1, "samples": "x"}\nnot json\n')
+    assert main(["report", ref, "--compare", ref]) == 0      # damaged lines are skipped, not a traceback

@@ -127,7 +127,7 @@ def test_cli_warmup_from_checkpoint_then_reading_makes_no_requests(site, tmp_pat
         s.load_sidecar(ckpt)
         references.append(take_ids(s, n))
 
-    assert main(["warmup", _yaml(tmp_path, cached_cfg), "--from", ckpt, "--samples", str(n), "--jobs", "4"]) == 0
+    assert main(["warmup", _yaml(tmp_path, cached_cfg), "--resume-from", ckpt, "--samples", str(n), "--jobs", "4"]) == 0
     err = capsys.readouterr().err
     assert "warmup:" in err and "fetched" in err and "block" in err     # the summary and the progress bar
 
@@ -157,10 +157,10 @@ def test_elastic_warmup_for_another_world_size_then_reading_makes_no_requests(si
         s.load_sidecar(ckpt)
         references.append(take_ids(s, n))
     rigid = _yaml(tmp_path, cached_cfg.replace(elastic=False))
-    assert main(["warmup", rigid, "--from", ckpt, "--samples", "10", "--world-size", "3", "--num-workers", "0",
+    assert main(["warmup", rigid, "--resume-from", ckpt, "--samples", "10", "--world-size", "3", "--num-workers", "0",
                  "--no-progress"]) == 2
     assert "data.elastic: true" in capsys.readouterr().err
-    assert main(["warmup", _yaml(tmp_path, cached_cfg), "--from", ckpt, "--samples", str(n), "--world-size", "3",
+    assert main(["warmup", _yaml(tmp_path, cached_cfg), "--resume-from", ckpt, "--samples", str(n), "--world-size", "3",
                  "--num-workers", "0", "--no-progress"]) == 0
     for rank in range(3):
         s = ResumableStream(cached_cfg, rank=rank, world_size=3)
@@ -248,7 +248,7 @@ def test_warmup_errors_are_one_line(parquet_small, tmp_path, capsys):
     assert "ranks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["warmup", str(with_cache), "--ranks", "x"])
-    assert main(["warmup", str(with_cache), "--from", str(tmp_path / "nope")]) == 2
+    assert main(["warmup", str(with_cache), "--resume-from", str(tmp_path / "nope")]) == 2
     assert "not found" in capsys.readouterr().err
 
 

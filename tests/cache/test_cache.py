@@ -395,11 +395,13 @@ def test_training_logs_cache_stats(tmp_path):
     callback.every_steps = 2
     trainer.train()
     assert [r["step"] for r in callback.records] == [2, 4, 4]
-    assert callback.records[-1]["cache_misses"] > 0           # counted in the DataLoader worker
+    assert callback.records[-1]["cache_misses_total"] > 0     # counted in the DataLoader worker
     with open(tmp_path / "out" / "train_log.jsonl", encoding="utf-8") as f:
         lines = [json.loads(x) for x in f]
-    assert len(lines) == 4 and all("cache_hits" in x and "cache_bytes_written" in x for x in lines)
-    assert lines[-1]["cache_bytes_written"] > 0
+    assert len(lines) == 4 and all("cache_hits_total" in x and "cache_bytes_written_total" in x for x in lines)
+    assert lines[-1]["cache_bytes_written_total"] > 0
+    # this rank since the start (_total) beside all ranks in the interval (data_): never one name for both
+    assert not any(k in x for x in lines for k in ("cache_hits", "cache_misses", "cache_hit_rate"))
 
 
 @pytest.mark.slow

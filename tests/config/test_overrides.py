@@ -47,7 +47,7 @@ def test_trainer_yaml_takes_nested_overrides():
     ("max_steps", "override 'max_steps': expected key=value"),
     ("=5", "override '=5': the key before '=' is empty"),
     ("train..max_steps=5", "override 'train..max_steps=5': the key before '=' is empty or has an empty part"),
-    ("data.shuffle_seed=[1", "override 'data.shuffle_seed=[1': the value is not valid yaml"),
+    ("data.shuffle_seed=[1", "override 'data.shuffle_seed=[1': not valid yaml"),
     ("data.split.x=1", "override 'data.split.x=1': data.split is 'train' in the yaml, not a mapping"),
 ])
 def test_a_bad_override_is_a_config_error_naming_it(override, message):

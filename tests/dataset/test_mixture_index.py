@@ -287,7 +287,8 @@ def test_index_command_names_the_source_it_cannot_index(two_sites, tmp_path, cap
                                "data_files": write_jsonl_dataset(str(tmp_path / "j"), 20, 2)})
     assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "data.sources[2].dataset_name_or_path" in err and "config/formats.py are indexed" in err and "parquet, webdataset" in err
+    assert "data.sources[2].dataset_name_or_path" in err and "which has no dataset index" in err
+    assert "(parquet, webdataset; docs/formats.md)" in err and ".py" not in err
     assert not (tmp_path / "idx").exists()         # nothing written unless every source is indexed
 
 
@@ -307,7 +308,7 @@ def test_warmup_of_a_mixture_from_a_checkpoint_then_reading_makes_no_requests(tw
     finish(state_dir, 2)
 
     cached = {**section, "cache_dir": str(tmp_path / "cache")}
-    assert cli_main(["warmup", _yaml(tmp_path, cached), "--from", str(ckpt), "--samples", "90", "--no-progress"]) == 0
+    assert cli_main(["warmup", _yaml(tmp_path, cached), "--resume-from", str(ckpt), "--samples", "90", "--no-progress"]) == 0
     assert "fetched" in capsys.readouterr().err
     for rank in range(2):
         s = MixtureStream(StreamConfig.from_dict(cached), rank=rank, world_size=2, index_from=str(ckpt))

@@ -390,7 +390,7 @@ def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
     (tmp_path / "data.yaml").write_text(json.dumps({"dataset_name_or_path": "json", "data_files": files}))
     assert cli_main(["index", str(tmp_path / "data.yaml"), "-o", str(tmp_path / "i.json"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "config/formats.py are indexed" in err and "parquet, webdataset" in err and "'json'" in err
+    assert "which has no dataset index" in err and "(parquet, webdataset; docs/formats.md)" in err and "'json'" in err
     assert not (tmp_path / "i.json").exists()
 
 

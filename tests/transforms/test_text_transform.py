@@ -113,7 +113,8 @@ def test_config_defaults_and_own_keys_only():
                  "packing": False, "packing_mode": "concat", "overlong": "truncate", "empty": "skip",
                  "add_eos": True, "id_column": None,
                  "consumed_log": None, "images_column": "images", "image_dir": None, "bad_sample": "error",
-                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False, "columns": None, "tags": None,
+                 "max_image_bytes": 64 << 20, "allow_absolute_image_paths": False, "max_image_pixels": None,
+                 "columns": None, "tags": None,
                  "map": None, "map_version": None}
     assert tuple(d) == TransformConfig.KEYS
     assert TransformConfig.from_dict(None) == TransformConfig()
@@ -552,3 +553,16 @@ def test_make_assets_is_deterministic_and_committed_outputs_match():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "up to date" in r.stdout
+
+
+def test_packing_names_a_document_once_per_block_it_fills(tok):
+    """What docs/training.md says of the consumed log with packing: a block's keys are every document with tokens
+    in it, so a long document's key repeats, block after block (and so step after step)."""
+    p = TextProcessor(tok, TransformConfig(max_seq_len=16, packing=True))
+    for key, words in (("k0", 3), ("k1", 30), ("k2", 4), ("k3", 5)):
+        p.feed({"text": " ".join(["stream"] * words)}, key)
+    blocks = []
+    while p.ready():
+        blocks.append(p.take()["keys"])
+    assert blocks[0][0] == "k0" and all("k1" in b for b in blocks[:3]), blocks
+    assert [k for b in blocks for k in b].count("k1") >= 2 and blocks[-1][-1] == "k3"

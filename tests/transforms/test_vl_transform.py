@@ -694,3 +694,29 @@ def test_a_row_the_source_marks_bad_follows_data_bad_sample(processor, caplog):
         make(processor).feed(row, "0:7")
     good = {**row, "images": [struct(png())], "__bad_sample__": None}
     assert len(encode(make(processor), good)["input_ids"]) > 0
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_a_nul_path_and_an_image_over_the_pixel_bound_are_bad_samples(processor, tmp_path, monkeypatch):
+    """Issue 49: a NUL byte in a path raised a plain ValueError from os.path.realpath and stopped training even
+    under bad_sample: skip; a small PNG of many pixels was decoded whole and trained on."""
+    (tmp_path / "ok.png").write_bytes(png(32, 32))
+    (tmp_path / "wide.png").write_bytes(png(64, 40))
+    rows = {"nul": "ok\0.png", "wide": "wide.png", "ok": "ok.png"}
+    skipping = make(processor, image_dir=str(tmp_path), bad_sample="skip", max_image_pixels=2048)
+    for key, image in rows.items():
+        skipping.feed({"messages": chat("<image>?", "!"), "images": [image]}, key)
+    assert skipping.stats()["skipped_image"] == 2 and [skipping.take()["keys"] for _ in range(skipping.ready())] \
+        == [["ok"]]
+    strict = make(processor, image_dir=str(tmp_path), max_image_pixels=2048)
+    with pytest.raises(TransformError, match=r"sample 'wide': image 0 is 64x40 = 2560 pixels, over "
+                                             r"data.max_image_pixels 2048"):
+        strict.feed({"messages": chat("<image>?", "!"), "images": ["wide.png"]}, "wide")
+    with pytest.raises(TransformError, match=r"sample 'nul': image 0 path 'ok\\x00.png' holds a NUL byte"):
+        strict.feed({"messages": chat("<image>?", "!"), "images": ["ok\0.png"]}, "nul")
+    # the key is in the transform's fingerprint only when set: checkpoints of earlier versions still resume
+    assert "max_image_pixels" in strict.fingerprint() and "max_image_pixels" not in make(processor).fingerprint()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2048)      # null: Pillow's own bound
+    with pytest.raises(TransformError, match=r"over data.max_image_pixels \(null: Pillow's Image.MAX_IMAGE_PIXELS\) "
+                                             r"2048"):
+        make(processor, image_dir=str(tmp_path)).feed({"messages": chat("<image>?", "!"), "images": ["wide.png"]}, "w")

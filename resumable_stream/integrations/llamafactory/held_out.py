@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, shown
+from ...limits import MAX_INT64, is_number
 
 
 def _why(value: Any, reason: str) -> ConfigError:
-    return ConfigError(f"val_size: got {value!r}; not supported by resumable-stream llamafactory: {reason}")
+    return ConfigError(f"val_size: got {shown(value)}; not supported by resumable-stream llamafactory: {reason}")
 
 
 def check_val_size(args: dict[str, Any]) -> int:
@@ -30,20 +31,21 @@ def check_val_size(args: dict[str, Any]) -> int:
     value = args.get("val_size")
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1e-6):
         return 0                     # LLaMA-Factory's own threshold: val_size <= 1e-6 is no split
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _why(value, "allowed: an integer >= 1, the number of first rows held out for evaluation")
+    if not is_number(value) or not 0 <= value <= MAX_INT64:     # inf, nan, a 400-digit int: no row count either
+        raise _why(value, f"allowed: an integer >= 1 (at most {MAX_INT64}), the number of first rows held out "
+                          "for evaluation")
     if value < 1:
         raise _why(value, "a fraction of a stream has no size (llamafactory-cli refuses it in streaming mode too: "
                           "'Streaming mode should have an integer val size'); allowed: an integer >= 1")
     if value != int(value):
         raise _why(value, "allowed: an integer >= 1, the number of first rows held out for evaluation")
     if args.get("eval_dataset"):
-        raise _why(value, f"given with eval_dataset {args['eval_dataset']!r} (llamafactory-cli refuses both "
+        raise _why(value, f"given with eval_dataset {shown(args['eval_dataset'])} (llamafactory-cli refuses both "
                           "together too); give one of them")
     names = [n for n in str(args.get("dataset") or "").split(",") if n.strip()]
     strategy = args.get("mix_strategy", "concat")
     if len(names) > 1 and strategy != "concat":
-        raise _why(value, f"with mix_strategy {strategy!r}: the first rows of a random mixture are no fixed set; "
+        raise _why(value, f"with mix_strategy {shown(strategy)}: the first rows of a random mixture are no fixed set; "
                           "allowed: one dataset, or several with mix_strategy: concat (read as one dataset)")
     return int(value)
 

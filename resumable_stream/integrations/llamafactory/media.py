@@ -5,7 +5,8 @@ is no file, keeps the path as the row wrote it (an absolute path, ``../..``, any
 it, and a file it cannot open or decode stops the run. Here every image of a row is checked first, with the
 rules of our VL transform (:mod:`resumable_stream.transforms.vl`): a local path relative to ``media_dir`` and
 confined to it (no absolute path, no ``..`` or symlink out of it, unless ``allow_absolute_image_paths``), a
-regular file (never a FIFO or a device: no hang), at most ``max_image_bytes``, and it decodes. LLaMA-Factory
+regular file (never a FIFO or a device: no hang), at most ``max_image_bytes``, at most ``max_image_pixels``
+(read from its header before it is decoded), and it decodes. LLaMA-Factory
 then reads the very file that was checked: the path handed on is its real path. ``bad_sample`` decides what a
 row with an image that fails these checks does: ``error`` (a TransformError naming the sample and why) or
 ``skip`` (counted, logged). Pixels are LLaMA-Factory's own (its resizing, its RGB conversion, its processor):
@@ -19,15 +20,14 @@ through the PIL image processor), as ``resumable_stream.transforms.load_processo
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from ...config.transforms import TransformConfig
 from ...errors import ConfigError
-from ...transforms.vl import BadSample, load_processor, local_image_path, read_image_bytes
+from ...transforms.vl import BadSample, load_processor, local_image_path, open_image, read_image_bytes
 
 # keys of the ``resumable_stream:`` section about images (our data keys of the same name, see docs/vl.md)
-MEDIA_KEYS = ("bad_sample", "max_image_bytes", "allow_absolute_image_paths")
+MEDIA_KEYS = ("bad_sample", "max_image_bytes", "max_image_pixels", "allow_absolute_image_paths")
 
 
 def media_settings(ours: dict[str, Any], media_dir: str | None = None) -> TransformConfig:
@@ -50,19 +50,12 @@ def checked_images(value: Any, cfg: TransformConfig) -> Any:
 
 
 def _checked(value: Any, i: int, cfg: TransformConfig) -> Any:
-    from PIL import Image
-
     if isinstance(value, dict) and not value.get("bytes") and isinstance(value.get("path"), str):
         value = value["path"]           # LLaMA-Factory opens a path-only struct by its path
     if isinstance(value, str) and value.startswith(("http://", "https://")):
         raise BadSample("skipped_image", f"image {i} is a URL ({value}); LLaMA-Factory opens images as local "
                                          "files (paths relative to media_dir)")
-    data = read_image_bytes(value, i, cfg, None)
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-    except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, EOFError, ...
-        raise BadSample("skipped_image", f"image {i} cannot be decoded ({type(e).__name__}: {e})") from None
+    open_image(read_image_bytes(value, i, cfg, None), i, cfg).close()    # its pixels bounded before decoding
     return local_image_path(value, i, cfg) if isinstance(value, str) else value
 
 

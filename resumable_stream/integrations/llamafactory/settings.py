@@ -7,11 +7,13 @@ resumable stream is a ConfigError naming the key and why (:func:`refuse_unsuppor
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import ConfigError
+from ...config.yaml_files import load_text, read_config_text
+from ...errors import ConfigError, shown
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
 from .held_out import check_val_size
 from .media import MEDIA_KEYS, media_settings
@@ -37,16 +39,22 @@ def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, A
     from omegaconf.errors import OmegaConfBaseException
 
     if not os.path.isfile(config):
-        raise ConfigError(f"config file {config!r}: not found")
+        raise ConfigError(f"config file {shown(config)}: not found")
     if not config.endswith((".yaml", ".yml")):
-        raise ConfigError(f"config file {config!r}: allowed: a .yaml / .yml file, as llamafactory-cli train takes")
+        raise ConfigError(f"config file {shown(config)}: allowed: a .yaml / .yml file, as llamafactory-cli train takes")
+    # bounded first (size, aliases, nesting: config/yaml_files.py), as our own yaml is; OmegaConf would expand
+    # an alias chain or recurse into a self-referencing alias
+    text = read_config_text(config)
+    load_text(text, f"config file {shown(config)}")
+    for item in overrides:
+        load_text(item.partition("=")[2], f"override {shown(item)}")
     try:
-        merged = OmegaConf.merge(OmegaConf.load(os.path.abspath(config)), OmegaConf.from_cli(list(overrides)))
+        merged = OmegaConf.merge(OmegaConf.load(io.StringIO(text)), OmegaConf.from_cli(list(overrides)))
         args = OmegaConf.to_container(merged)
     except (OmegaConfBaseException, ValueError, OSError) as e:
-        raise ConfigError(f"config file {config!r} with overrides {overrides!r}: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"config file {shown(config)} with overrides {shown(overrides)}: {type(e).__name__}: {e}") from None
     if not isinstance(args, dict):
-        raise ConfigError(f"config file {config!r}: got {type(args).__name__}; allowed: a mapping of arguments")
+        raise ConfigError(f"config file {shown(config)}: got {type(args).__name__}; allowed: a mapping of arguments")
     return split(args)
 
 
@@ -55,22 +63,22 @@ def split(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     args = dict(args)
     ours = args.pop(SECTION, None) or {}
     if not isinstance(ours, dict):
-        raise ConfigError(f"{SECTION}: got {ours!r}; allowed: a mapping of resumable-stream keys")
+        raise ConfigError(f"{SECTION}: got {shown(ours)}; allowed: a mapping of resumable-stream keys")
     unknown = sorted(set(ours) - set(STREAM_KEYS) - set(OWN_KEYS))
     if unknown:
         raise ConfigError(f"{SECTION}.{unknown[0]}: unknown key; allowed: {', '.join(STREAM_KEYS + OWN_KEYS)}")
     if ours.get("log_source_loss"):
-        raise ConfigError(f"{SECTION}.log_source_loss: got {ours['log_source_loss']!r}; not supported with "
+        raise ConfigError(f"{SECTION}.log_source_loss: got {shown(ours['log_source_loss'])}; not supported with "
                           "LLaMA-Factory (its trainers compute their own losses); allowed: false, or train with "
                           "`resumable-stream train`")
     log_dir = ours.get("consumed_log")
     if not (log_dir is None or isinstance(log_dir, bool) or (isinstance(log_dir, str) and log_dir.strip())):
-        raise ConfigError(f"{SECTION}.consumed_log: got {log_dir!r}; allowed: null or false (off), true "
+        raise ConfigError(f"{SECTION}.consumed_log: got {shown(log_dir)}; allowed: null or false (off), true "
                           "(output_dir/consumed) or a directory")
     _check_stream_keys(ours)
     change = ours.get("mixture_change", "refuse")
     if change not in ("refuse", "allow"):
-        raise ConfigError(f"{SECTION}.mixture_change: got {change!r}; allowed: refuse (default: resuming with other "
+        raise ConfigError(f"{SECTION}.mixture_change: got {shown(change)}; allowed: refuse (default: resuming with other "
                           "interleave_probs or datasets is an error) or allow (they apply from the resume point)")
     monitor_settings(ours)
     media_settings(ours)
@@ -97,14 +105,14 @@ def _check_stream_keys(ours: dict[str, Any]) -> None:
 
 
 def _why(key: str, value: Any, reason: str) -> ConfigError:
-    return ConfigError(f"{key}: got {value!r}; not supported by resumable-stream llamafactory: {reason}")
+    return ConfigError(f"{key}: got {shown(value)}; not supported by resumable-stream llamafactory: {reason}")
 
 
 def refuse_unsupported(args: dict[str, Any], environ: Mapping[str, str] = os.environ) -> None:
     """The keys whose LLaMA-Factory meaning a resumable stream cannot keep exactly (before its parser runs);
     ``environ``: the environment LLaMA-Factory reads its launch switches from."""
     if environ.get("USE_RAY", "0").lower() in ("true", "y", "1"):     # LLaMA-Factory's is_env_enabled
-        raise ConfigError(f"USE_RAY: got {environ['USE_RAY']!r}; not supported by resumable-stream llamafactory: "
+        raise ConfigError(f"USE_RAY: got {shown(environ['USE_RAY'])}; not supported by resumable-stream llamafactory: "
                           "LLaMA-Factory's Ray workers run its training afresh, with its own get_dataset instead "
                           "of our stream; allowed: unset or 0 (launch several ranks with FORCE_TORCHRUN=1)")
     stage = args.get("stage", "sft")

@@ -254,21 +254,24 @@ class CacheStatsCallback(TrainerCallback):
         self.records: list[dict] = []   # what was logged (the newest few)
 
     def fields(self) -> dict:
+        """This rank's counters since the process started (``_total``, as the Prometheus endpoint names them;
+        the ``data_cache_*`` fields beside them are all ranks' in the logging interval) and the cache's size."""
         s = self.stats_of()
-        return {"cache_hits": s["hits"], "cache_misses": s["misses"], "cache_hit_rate": s["hit_rate"],
-                "cache_corrupt": s["corrupt"], "cache_unavailable": s["unavailable"],
-                "cache_writes_skipped": s["writes_skipped"], "cache_bytes_read": s["bytes_read"],
-                "cache_bytes_written": s["bytes_written"], "cache_size_bytes": s["cache_bytes"]}
+        return {"cache_hits_total": s["hits"], "cache_misses_total": s["misses"],
+                "cache_hit_rate_total": s["hit_rate"], "cache_corrupt_total": s["corrupt"],
+                "cache_unavailable_total": s["unavailable"], "cache_writes_skipped_total": s["writes_skipped"],
+                "cache_bytes_read_total": s["bytes_read"], "cache_bytes_written_total": s["bytes_written"],
+                "cache_size_bytes": s["cache_bytes"]}
 
     def _emit(self, step: int) -> None:
         rec = {"step": step, "rank": self.rank, **self.fields()}
         self.records = (self.records + [rec])[-100:]
-        rate = rec["cache_hit_rate"]
+        rate = rec["cache_hit_rate_total"]
         log.info("block cache, rank %d, step %d: %d hits, %d misses (hit rate %s), %.1f MB read from the cache, "
                  "%.1f MB written, %d corrupt blocks re-fetched, %.2f GB on disk", self.rank, step,
-                 rec["cache_hits"], rec["cache_misses"], "n/a" if rate is None else f"{rate:.1%}",
-                 rec["cache_bytes_read"] / 1e6, rec["cache_bytes_written"] / 1e6, rec["cache_corrupt"],
-                 (rec["cache_size_bytes"] or 0) / 2**30)
+                 rec["cache_hits_total"], rec["cache_misses_total"], "n/a" if rate is None else f"{rate:.1%}",
+                 rec["cache_bytes_read_total"] / 1e6, rec["cache_bytes_written_total"] / 1e6,
+                 rec["cache_corrupt_total"], (rec["cache_size_bytes"] or 0) / 2**30)
         self._last_t, self._last_step = time.monotonic(), step
 
     def on_train_begin(self, args, state, control, **kwargs):
