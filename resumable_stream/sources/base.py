@@ -206,6 +206,11 @@ class RetriedSource(Source):
             tables.close()
 
 
+class NotIndexable(SourceError):
+    """A file a registered format turns out not to read (a ``.json`` file holding one JSON array): the dataset
+    is read by ``datasets``' own reader instead."""
+
+
 class IndexedReader:
     """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`).
 
@@ -249,6 +254,10 @@ class IndexedReader:
 
     def indexable(self, builder: Any) -> bool:
         """Whether ``datasets``' builder (config) reads the files whole, as our reader would."""
+        return True
+
+    def reads_files(self, files: list[str]) -> bool:
+        """Whether this reader reads every one of ``files`` (by their names: e.g. a compression it indexes)."""
         return True
 
     def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,

@@ -341,10 +341,12 @@ def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], r
         files = resolve_local_parquet(data, path, data_files, registry.indexed_builders(),
                                       spec.net.storage_options)
     if files is not None:
-        return Resolved(files, registry.format_for_builder(path))
+        fmt = registry.format_for_builder(path)
+        if fmt is not None and fmt.load().reads_files(files):
+            return Resolved(files, fmt)
     builder, files = resolve_files(data, path, data_files, targets, retry)
     fmt = registry.format_for_builder(builder.name) if data.streaming and files else None
-    if fmt is not None and not fmt.load().indexable(builder):
+    if fmt is not None and not (fmt.load().indexable(builder) and fmt.load().reads_files(files)):
         fmt = None
     return Resolved(files, fmt, builder)
 

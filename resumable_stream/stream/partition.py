@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import SourceError
+from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from ..plan import Layout, window_permutation
 from ..runtime.arrow_pool import rows_pool
 from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
@@ -179,8 +179,7 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
             part = table.slice(int(idx[0]), len(idx))          # file order: one contiguous slice
         else:
             part = pc.take(table, _indices(idx), memory_pool=rows_pool())
-        make = _row_maker(tuple(part.column_names))
-        return make([part.column(i).to_pylist() for i in range(part.num_columns)], hi - lo)
+        return _rows_of(part, hi - lo)
 
     takes[int(owner[positions(skip, skip + 1)[0]])].read()
     limit = min(have, skip + FIRST_ROWS)
@@ -189,6 +188,22 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     cut = skip + (int(waits[0]) if len(waits) else limit - skip)
 
     return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
+
+
+def _rows_of(part: pa.Table, n: int) -> list[dict]:
+    """The ``n`` rows of ``part`` as dicts; a ``__bad_sample__`` column marked to omit its nulls adds its key
+    only to the rows it marks (sources/jsonl.py: a good row is the row ``datasets`` gives)."""
+    names = part.column_names
+    if names and names[-1] == BAD_SAMPLE_COLUMN and part.schema.field(len(names) - 1).metadata == BAD_SAMPLE_OMIT_NULL:
+        marks = part.column(len(names) - 1)
+        rows = _row_maker(tuple(names[:-1]))([part.column(i).to_pylist() for i in range(len(names) - 1)], n)
+        if marks.null_count < len(marks):
+            for row, why in zip(rows, marks.to_pylist()):
+                if why is not None:
+                    row[BAD_SAMPLE_COLUMN] = why
+        return rows
+    make = _row_maker(tuple(names))
+    return make([part.column(i).to_pylist() for i in range(part.num_columns)], n)
 
 
 class _Part:
