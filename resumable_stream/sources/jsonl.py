@@ -41,13 +41,12 @@ from ..errors import (
 )
 from ..io.net import RetryPolicy
 from ..io.ranged import WrongBytes, read_range
-from ..observe.metrics import record_row_group
+from ..observe.metrics import record_retry, record_row_group
 from . import jsonl_index
 from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
 from .index import identity_of
 from .parquet import prefetch_depth
 from .parquet_local import cast_like_datasets
-from .parquet_rows import read_checked
 from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
@@ -112,9 +111,12 @@ def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
 
     options = {"storage_options": dict(retry.storage_options)} if retry is not None and retry.remote else {}
     builder = datasets.load_dataset_builder("json", data_files={"train": [entry["path"]]}, **options)
-    features = builder.as_streaming_dataset(split="train").features
+    try:
+        features = builder.as_streaming_dataset(split="train").features
+    except Exception:      # noqa: BLE001 - a line of its first chunk does not parse: inferred without it below
+        features = None
     if features is None:
-        raise SourceError(f"data file {entry['path']!r}: datasets infers no features from it")
+        features = _features_of_good_lines(entry, retry)
     from datasets.packaged_modules.json import json as json_module
 
     traces = getattr(json_module, "AGENT_TRACES_FEATURES", None)
@@ -122,6 +124,35 @@ def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
         raise NotIndexable(f"data file {entry['path']!r}: agent traces (datasets converts whole files of them), "
                            "not rows of JSON lines")
     return features
+
+
+def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
+    """What the builder infers from the first file's first chunk without its lines that do not parse (which
+    the builder refuses whole, and we read as bad samples): the builder itself, on those lines."""
+    import tempfile
+
+    import datasets
+
+    path = entry["path"]
+    first = entry["pieces"][0] if entry["pieces"] else None
+    if first is None:
+        raise SourceError(f"data file {path!r}: holds no rows; the features are inferred from the first file")
+    text = _Text(entry, first[4], _fetcher(path, retry, entry, "to infer the features")) \
+        if entry["compression"] != "none" else None
+    chunk = text.upto(first[2], first[5]) if text is not None else \
+        _fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
+    if text is not None:
+        text.close()
+    good = [line for line in chunk.splitlines() if not jsonl_index.is_blank(line) and _line_problem(line) is None]
+    if not good:
+        raise SourceError(f"data file {path!r}: no line of its first {first[0]} rows is a JSON object; the "
+                          "features are inferred from them")
+    with tempfile.TemporaryDirectory() as d:
+        sample = f"{d}/first.jsonl"
+        with open(sample, "wb") as f:
+            f.write(b"\n".join(good))
+        builder = datasets.load_dataset_builder("json", data_files={"train": [sample]})
+        return builder.as_streaming_dataset(split="train").features
 
 
 # ------------------------------------------------------------------------------ text from an access point
@@ -496,7 +527,19 @@ class JsonLinesSource(FetchesAhead):
             reading.first_row = first_row
             return reading
 
-        return read_checked(f"data file {path!r} (shard {shard})", attempt)
+        for tries in range(2):
+            try:
+                return attempt()
+            except WrongBytes as e:
+                if tries == 0:
+                    log.warning("data file %r (shard %d): %s; reading it once more from the source", path, shard, e)
+                    record_retry("wrong_bytes")
+                    continue
+                raise StreamMismatchError(
+                    f"data file {path!r} (shard {shard}): {e}, on two reads; the file changed since the dataset "
+                    "index was made, or the server answers with other bytes (rebuild the index if it changed)",
+                    [(f"file modified: {path} (text)", "the index's CRC-32", "other bytes")]) from None
+        raise AssertionError("unreachable")
 
     def _piece_table(self, entry: dict, reading: _Reading, inside: int) -> pa.Table:
         """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on."""

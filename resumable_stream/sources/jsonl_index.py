@@ -44,7 +44,7 @@ READ_CHUNK = 8 << 20            # bytes per read of the file while indexing
 INPUT_CHUNK = 256 << 10         # compressed bytes fed at a time: how exactly a piece's compressed end is known
 SHARD_RULE = {"max_bytes": PIECE_MAX_BYTES, "max_rows": PIECE_MAX_ROWS}
 COMPRESSIONS = ("none", "gzip", "zstd")
-_BLANK = b" \t\r"
+_BLANK = b" \t\r\n"
 _WHITE_AFTER_NEWLINE = re.compile(rb"\n[\n \t\r]")      # where a blank line may start (memchr-fast)
 
 
@@ -372,14 +372,33 @@ class _RangedFile(io.RawIOBase):
         return len(got)
 
 
+def _gzip_header_length(head: bytes, path: str) -> int:
+    """The length of the gzip member header ``head`` begins with (RFC 1952)."""
+    if len(head) < 10 or head[:3] != b"\x1f\x8b\x08":
+        raise SourceError(f"data file {path!r}: not a gzip file (no gzip header at its start)")
+    flags, pos = head[3], 10
+    if flags & 4:                                          # FEXTRA
+        pos += 2 + int.from_bytes(head[pos:pos + 2], "little")
+    for bit in (8, 16):                                    # FNAME, FCOMMENT: zero-terminated
+        if flags & bit:
+            end = head.find(b"\0", pos)
+            if end < 0:
+                raise SourceError(f"data file {path!r}: a gzip header longer than {len(head)} bytes")
+            pos = end + 1
+    return pos + (2 if flags & 2 else 0)                   # FHCRC
+
+
 def _scan_gzip(path: str, size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     try:
         import indexed_gzip
     except ImportError:
-        raise SourceError(f"data file {path!r}: reading a .gz JSON-lines file by its access points needs the "
-                          "package indexed_gzip (pip install indexed_gzip)") from None
+        from .base import NotIndexable
+
+        raise NotIndexable(f"data file {path!r}: reading a .gz JSON-lines file by its access points needs the "
+                           "package indexed_gzip (pip install indexed_gzip)") from None
     raw = _RangedFile(size, fetch)
     cutter = _Cutter(plain=False)
+    cutter.point_reached(0, _gzip_header_length(fetch(0, min(size, 65536)), path))
     gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, window_size=GZIP_WINDOW,
                                       readbuf_size=INPUT_CHUNK, buffer_size=1 << 20, drop_handles=False)
     try:
@@ -387,28 +406,37 @@ def _scan_gzip(path: str, size: int, fetch: Callable[[int, int], bytes]) -> dict
         while True:
             data = gz.read(1 << 20)
             for pu, pc in gz.seek_points():
-                if pu > (cutter.points[-1][0] if cutter.points else -1):
-                    cutter.point_reached(pu, pc)
+                cutter.point_reached(pu, pc)
             if not data:
                 break
             u += len(data)
             cutter.feed(data, raw.pos)
         cutter.feed(b"", raw.pos, eof=True)
-        exported = io.BytesIO()
-        gz.export_index(fileobj=exported)
+        exported = _gzip_points(_export(gz), path)
+        used = {p[4] for p in cutter.pieces}
+        if any(tuple(cutter.points[i]) not in exported for i in used if i > 0):
+            gz.build_full_index()                          # (a file read in one go made no points on the way)
+            exported = _gzip_points(_export(gz), path)
     finally:
         gz.close()
-    points, windows = _gzip_points(exported.getvalue(), path)
-    if [p[:2] for p in points] != [p[:2] for p in cutter.points[:len(points)]]:
-        raise SourceError(f"data file {path!r}: indexed_gzip's exported points differ from the ones it listed")
-    # member starts (points without a window) are access points too: a read crossing one goes on from it
-    return _layout(cutter, u, points, windows)
+    exported.setdefault(tuple(cutter.points[0]), (0, ""))   # the first member's start: no window
+    missing = [cutter.points[i] for i in sorted({p[4] for p in cutter.pieces}) if tuple(cutter.points[i]) not in exported]
+    if missing:
+        raise SourceError(f"data file {path!r}: indexed_gzip exported no access point at {missing[0]}")
+    points = [[u_, c_, *exported[(u_, c_)]] for u_, c_ in cutter.points] if cutter.pieces else []
+    return _layout(cutter, u, [p[:3] for p in points], [p[3] for p in points])
 
 
-def _gzip_points(blob: bytes, path: str) -> tuple[list[list[int]], list[str]]:
-    """indexed_gzip's exported index (zran.c, ``zran_export_index``, format version 0 or 1): the points as
-    [uncompressed offset, compressed offset, bits] and each one's window, zlib-compressed and base64-encoded
-    ("" for a point without one: a gzip member's start)."""
+def _export(gz) -> bytes:
+    out = io.BytesIO()
+    gz.export_index(fileobj=out)
+    return out.getvalue()
+
+
+def _gzip_points(blob: bytes, path: str) -> dict[tuple[int, int], tuple[int, str]]:
+    """indexed_gzip's exported index (zran.c, ``zran_export_index``, format version 0 or 1): per point
+    (uncompressed offset, compressed offset) its bits and its window, zlib-compressed and base64-encoded ("" for a
+    point without one: a gzip member's start)."""
     head = struct.Struct("<5sBBQQIII")
     if len(blob) < head.size:
         raise SourceError(f"data file {path!r}: indexed_gzip exported no index")
@@ -416,26 +444,23 @@ def _gzip_points(blob: bytes, path: str) -> tuple[list[list[int]], list[str]]:
     if magic != b"GZIDX" or version > 1:
         raise SourceError(f"data file {path!r}: indexed_gzip exported an index this library does not read "
                           f"(version {version})")
-    pos, points, has_data = head.size, [], []
+    pos, points = head.size, []
     for i in range(count):
         c, u, bits = struct.unpack_from("<QQB", blob, pos)
         pos += 17
-        data = True
+        data = i > 0
         if version >= 1:
             data = blob[pos] == 1
             pos += 1
-        elif i == 0:
-            data = False
-        points.append([u, c, bits])
-        has_data.append(data)
-    windows = []
-    for data in has_data:
+        points.append((u, c, bits, data))
+    out = {}
+    for u, c, bits, data in points:
+        text = ""
         if data:
-            windows.append(base64.b64encode(zlib.compress(blob[pos:pos + window], 9)).decode())
+            text = base64.b64encode(zlib.compress(blob[pos:pos + window], 9)).decode()
             pos += window
-        else:
-            windows.append("")
-    return points, windows
+        out[(u, c)] = (bits, text)
+    return out
 
 
 def window_of(point: list) -> bytes:
@@ -470,7 +495,7 @@ def entry_problem(entry: Any) -> str | None:
         last_u, last_c = p[0], p[1]
     end, rows = 0, 0
     for p in entry["pieces"]:
-        if not (isinstance(p, list) and len(p) == 6 and all(is_int(x) for x in p)):
+        if not (isinstance(p, list) and len(p) == 6 and all(is_int(x, -1) for x in p)):
             return "a piece is not [rows, start, end, crc, point, compressed end]"
         n, start, stop, crc, point, cend = p
         if not (1 <= n <= PIECE_MAX_ROWS and end <= start < stop <= length and 0 <= crc < 2 ** 32
