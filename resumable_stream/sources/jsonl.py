@@ -35,6 +35,7 @@ from ..config.specs import SourceSpec
 from ..errors import (
     BAD_SAMPLE_COLUMN,
     BAD_SAMPLE_OMIT_NULL,
+    IncompleteFileError,
     ResumableStreamError,
     SourceError,
     StreamMismatchError,
@@ -79,8 +80,10 @@ def head_digest(path: str, size: int, fetch: Callable[[int, int], bytes]) -> str
     return f"{zlib.crc32(first):08x}{zlib.crc32(last):08x}"
 
 
-def index_file(path: str, retry: RetryPolicy | None, identity: dict) -> dict:
-    """One file's index entry: its ``identity``, one pass over it (``jsonl_index.scan``) and its ``head``."""
+def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool = False) -> dict:
+    """One file's index entry: its ``identity``, one pass over it (``jsonl_index.scan``) and its ``head``.
+    ``whole`` (``data.growth``): IncompleteFileError for a file not complete yet: text whose last line has no
+    newline, or compressed data cut short."""
     if not isinstance(identity.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a JSON-lines file needs one to be indexed")
     compression = jsonl_index.compression_of(path)
@@ -93,7 +96,14 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict) -> dict:
         first = fetch(0, min(size, 4096)).lstrip(b"\xef\xbb\xbf \t\r\n")
         if first.startswith(b"["):
             raise NotIndexable(f"data file {path!r}: a JSON array, not JSON lines")
-    layout = jsonl_index.scan(path, size, compression, fetch)
+    if whole and compression == "none" and size and fetch(size - 1, size) != b"\n":
+        raise IncompleteFileError(f"data file {path!r}: its last line has no newline (still being written)")
+    try:
+        layout = jsonl_index.scan(path, size, compression, fetch)
+    except SourceError as e:
+        if whole and compression != "none" and not isinstance(e, NotIndexable):
+            raise IncompleteFileError(f"{e} (still being written?)") from None
+        raise
     return {**identity, "compression": compression, **layout, "shard_rule": dict(jsonl_index.SHARD_RULE),
             "head": head_digest(path, size, fetch)}
 
@@ -622,14 +632,18 @@ class JsonLinesSource(FetchesAhead):
 class JsonLinesReader(IndexedReader):
     """The registry's jsonl entry (``config/formats.py``): JSON-lines files indexed by :mod:`.jsonl_index`."""
 
-    # the decompressed length, rows, pieces and points, the cut rule: layout, not identity
-    layout_keys = ("length", "rows", "pieces", "points", "shard_rule")
+    # the compression, the decompressed length, rows, pieces and points, the cut rule: layout, not identity
+    layout_keys = ("compression", "length", "rows", "pieces", "points", "shard_rule")
     # the CRCs of the file's first and last 64 KiB: re-read for a local file on resume (a remote one: not re-read)
     content_keys = ("head",)
 
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
                    footers: dict[str, bytes] | None = None) -> dict:
         return index_file(path, retry, identity)
+
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        return index_file(path, retry, identity, whole=True)
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(spec, entry, retry)

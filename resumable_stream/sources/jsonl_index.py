@@ -334,7 +334,7 @@ def _scan_zstd(size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     if obj is not None and not obj.eof:
         raise SourceError("the last zstd frame is cut short")
     cutter.feed(b"", size, eof=True)
-    return _layout(cutter, u, cutter.points, [])
+    return _layout(cutter, u, [[pu, pc, 0] for pu, pc in cutter.points], [])
 
 
 class _RangedFile(io.RawIOBase):

@@ -29,6 +29,7 @@ from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
 MAX_EMPTY_EPOCHS = 16
 PREFETCH_HINT = 256        # shards of its plan a partition hints at most when it builds a window
 FIRST_ROWS = 1024          # rows a window makes before its first sample; the rest when the consumer gets there
+LARGE_ROW_BYTES = 512      # rows of at least this many Arrow bytes are permuted as Python objects (_gathered)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,10 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
         for t in ready:
             offset[t.index] = at
             at += t.table.num_rows
-        table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         idx = offset[owner[pos]] + within[pos]
+        if perm is not None and all(t.table.nbytes >= LARGE_ROW_BYTES * t.table.num_rows for t in ready):
+            return _gathered(ready, idx)
+        table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
             part = table.slice(int(idx[0]), len(idx))          # file order: one contiguous slice
         else:
@@ -190,20 +193,40 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
 
 
+def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
+    """The rows at ``idx`` of the ready takes' tables (concatenated), made from each take's columns as Python
+    lists (made once per take) picked in the order handed out: for large rows (LARGE_ROW_BYTES) an Arrow take
+    would copy every value's bytes once more (documents of kilobytes: the take cost as much as parsing them)."""
+    names = ready[0].table.column_names
+    columns = []
+    for c in range(len(names)):
+        values = []
+        for t in ready:
+            values += t.lists()[c]
+        columns.append(values)
+    picks = idx.tolist()
+    return _rows_from(names, ready[0].table.schema, [[col[i] for i in picks] for col in columns], len(picks))
+
+
 def _rows_of(part: pa.Table, n: int) -> list[dict]:
-    """The ``n`` rows of ``part`` as dicts; a ``__bad_sample__`` column marked to omit its nulls adds its key
-    only to the rows it marks (sources/jsonl.py: a good row is the row ``datasets`` gives)."""
-    names = part.column_names
-    if names and names[-1] == BAD_SAMPLE_COLUMN and part.schema.field(len(names) - 1).metadata == BAD_SAMPLE_OMIT_NULL:
-        marks = part.column(len(names) - 1)
-        rows = _row_maker(tuple(names[:-1]))([part.column(i).to_pylist() for i in range(len(names) - 1)], n)
-        if marks.null_count < len(marks):
-            for row, why in zip(rows, marks.to_pylist()):
-                if why is not None:
-                    row[BAD_SAMPLE_COLUMN] = why
+    return _rows_from(part.column_names, part.schema, None, n, part)
+
+
+def _rows_from(names: list[str], schema: pa.Schema, columns: list[list] | None, n: int,
+               part: pa.Table | None = None) -> list[dict]:
+    """The ``n`` rows of ``part`` (or of ``columns``, its columns as lists) as dicts; a ``__bad_sample__`` column
+    marked to omit its nulls adds its key only to the rows it marks (sources/jsonl.py: a good row is the row
+    ``datasets`` gives)."""
+    if columns is None:
+        columns = [part.column(i).to_pylist() for i in range(part.num_columns)]
+    if names and names[-1] == BAD_SAMPLE_COLUMN and schema.field(len(names) - 1).metadata == BAD_SAMPLE_OMIT_NULL:
+        marks = columns[-1]
+        rows = _row_maker(tuple(names[:-1]))(columns[:-1], n)
+        for row, why in zip(rows, marks):
+            if why is not None:
+                row[BAD_SAMPLE_COLUMN] = why
         return rows
-    make = _row_maker(tuple(names))
-    return make([part.column(i).to_pylist() for i in range(part.num_columns)], n)
+    return _row_maker(tuple(names))(columns, n)
 
 
 class _Part:
@@ -235,6 +258,12 @@ class _Take:
     count: int = 0               # rows in them
     tables: list | None = None   # read already (a shard of unknown length)
     table: pa.Table | None = None
+    _lists: list | None = None   # the table's columns as Python lists (large rows: _gathered)
+
+    def lists(self) -> list[list]:
+        if self._lists is None:
+            self._lists = [self.table.column(i).to_pylist() for i in range(self.table.num_columns)]
+        return self._lists
 
     def read(self) -> pa.Table:
         if self.table is None:

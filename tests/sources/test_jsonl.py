@@ -284,3 +284,21 @@ def test_the_marker_column_is_omitted_only_where_null():
     assert _rows_of(table, 2) == [{"a": 1}, {"a": 2, BAD_SAMPLE_COLUMN: "why"}]
     plain = pa.table({"a": [1], BAD_SAMPLE_COLUMN: pa.array([None], pa.string())})      # webdataset's: kept
     assert _rows_of(plain, 1) == [{"a": 1, BAD_SAMPLE_COLUMN: None}]
+
+
+def test_large_rows_permuted_as_python_objects_come_out_the_same(tmp_path, monkeypatch):
+    """Windows of large rows are permuted as Python objects (no Arrow take copying the text): the same samples."""
+    from resumable_stream.stream import partition
+
+    files = [_write(str(tmp_path / f"l{i}.jsonl"), _text(_rows(i, 300, i * 300))) for i in range(3)]
+    cfg = StreamConfig(dataset_name_or_path="json", data_files=files, shuffle=True, buffer_size=100)
+
+    def read(large: int) -> list[dict]:
+        monkeypatch.setattr(partition, "LARGE_ROW_BYTES", large)
+        stream = ResumableStream(cfg)
+        try:
+            return list(itertools.islice(stream, 700))
+        finally:
+            stream.close()
+
+    assert read(0) == read(1 << 40)

@@ -84,6 +84,7 @@ THIRD_PARTY_PRIVATES = {
     ("app/train.py", "_load_from_checkpoint"),   # transformers.Trainer: a finished run's final model
     ("integrations/llamafactory/weights.py", "_load_from_checkpoint"),   # transformers.Trainer: renamed weights, a LoRA reward model
     ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
+    ("sources/jsonl.py", "_cast_table"),   # datasets' json builder: its cast of a parsed block to the features
 }
 
 
