@@ -219,6 +219,7 @@ class IndexedReader:
     resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
 
     layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
+    index_reads_files = False            # index_file reads every byte (JSON lines): files indexed one per core
     content_keys: tuple[str, ...] = ()   # identity keys only ``local_check`` gives (remote files: not re-read)
 
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,

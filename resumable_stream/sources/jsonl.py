@@ -636,6 +636,7 @@ class JsonLinesReader(IndexedReader):
     layout_keys = ("compression", "length", "rows", "pieces", "points", "shard_rule")
     # the CRCs of the file's first and last 64 KiB: re-read for a local file on resume (a remote one: not re-read)
     content_keys = ("head",)
+    index_reads_files = True
 
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
                    footers: dict[str, bytes] | None = None) -> dict:

@@ -388,7 +388,8 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
             read[f] = cached
         return index_entry(reader, f, retry, identity, read, growing)
 
-    entries = map_files(entry, files, progress and (lambda: progress(len(files))))
+    entries = map_files(entry, files, progress and (lambda: progress(len(files))),
+                        cpu_bound=reader.index_reads_files)
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "
