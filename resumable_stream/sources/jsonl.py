@@ -124,7 +124,7 @@ def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
     try:
         features = builder.as_streaming_dataset(split="train").features
     except Exception:      # noqa: BLE001 - a line of its first chunk does not parse: inferred without it below
-        features = None
+        features = None    # (and datasets 4.x infers none while streaming)
     if features is None:
         features = _features_of_good_lines(entry, retry)
     from datasets.packaged_modules.json import json as json_module
@@ -162,7 +162,16 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
         with open(sample, "wb") as f:
             f.write(b"\n".join(good))
         builder = datasets.load_dataset_builder("json", data_files={"train": [sample]})
-        return builder.as_streaming_dataset(split="train").features
+        features = builder.as_streaming_dataset(split="train").features
+    if features is None:
+        # datasets 4.x infers no features while streaming JSON (it reads each block with the types pyarrow finds
+        # there): those of the first block, as its IterableDataset resolves them from its first rows
+        import pyarrow.json as paj
+
+        block = b"\n".join(good)
+        table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(block_size=len(block) + 1))
+        features = datasets.Features.from_arrow_schema(table.schema)
+    return features
 
 
 # ------------------------------------------------------------------------------ text from an access point
@@ -402,10 +411,11 @@ class _Rows:
 
 
 class _BuilderShim:
-    """What ``Json._cast_table`` reads of its builder: ``info.features``."""
+    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
 
     def __init__(self, features):
         self.info = type("Info", (), {"features": features})()
+        self.config = type("Config", (), {"features": features})()
 
 
 def _line_problem(line: bytes) -> str | None:

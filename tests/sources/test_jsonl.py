@@ -302,3 +302,22 @@ def test_large_rows_permuted_as_python_objects_come_out_the_same(tmp_path, monke
             stream.close()
 
     assert read(0) == read(1 << 40)
+
+
+def test_features_where_datasets_infers_none_while_streaming(tmp_path, monkeypatch):
+    """datasets 4.x streams JSON without features: the first block's, as its IterableDataset resolves them."""
+    import datasets
+
+    path = _write(str(tmp_path / "f.jsonl"), _text(_rows(3, 50)))
+    monkeypatch.setattr(datasets.builder.DatasetBuilder, "as_streaming_dataset",
+                        lambda self, split=None, **k: type("Stream", (), {"features": None})())
+    src, ours = _ours([path])
+    assert datasets.Features.from_dict(src.index["features"]) == datasets.Features.from_arrow_schema(
+        pa.Table.from_pylist(_theirs_plain(path)).schema)
+    assert [r["id"] for r in _clean(ours)] == list(range(50))
+
+
+def _theirs_plain(path: str) -> list[dict]:
+    import pyarrow.json as paj
+
+    return paj.read_json(path).to_pylist()
