@@ -368,14 +368,14 @@ def bench_remote(layout: str, files: list[str], rows: int, repeat: int, work: st
         index = os.path.join(work, f"{layout}.remote.index.json")
         srv.reset_stats()
         _build_index(layout, urls, index)
-        out["index_bytes_served"] = srv.stats()["bytes"]
+        out["index_bytes_served"] = srv.stats()["bytes_sent"]
         runs: dict[str, list[dict]] = {r: [] for r in readers}
         for _ in range(repeat):
             for reader in readers:
                 srv.reset_stats()
                 res = _run(layout, reader, urls, rows, index=index)
                 st = srv.stats()
-                res["requests"], res["served"] = st["requests"], st["bytes"]
+                res["requests"], res["served"] = st["requests"], st["bytes_sent"]
                 runs[reader].append(res)
         for reader, rs in runs.items():
             out["readers"][reader] = {k: _median(rs, k) for k in ("rows_s", "first_s", "requests", "served", "bytes")}

@@ -478,7 +478,7 @@ def shard_cuts(pieces: list[list[int]], compression: str) -> list[int]:
 
 def entry_problem(entry: Any) -> str | None:
     """What is wrong with the shape of a JSON-lines entry of an index (None: nothing): numbers inside the file,
-    pieces rising without overlap, their rows within the rule, points rising, each piece's point before it."""
+    pieces rising without overlap, no more rows than bytes, points rising, each piece's point before it."""
     if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and is_int(entry.get("size"), 0)
             and entry.get("compression") in COMPRESSIONS and is_int(entry.get("length"), 0)
             and is_int(entry.get("rows"), 0) and isinstance(entry.get("pieces"), list)
@@ -498,7 +498,7 @@ def entry_problem(entry: Any) -> str | None:
         if not (isinstance(p, list) and len(p) == 6 and all(is_int(x, -1) for x in p)):
             return "a piece is not [rows, start, end, crc, point, compressed end]"
         n, start, stop, crc, point, cend = p
-        if not (1 <= n <= PIECE_MAX_ROWS and end <= start < stop <= length and 0 <= crc < 2 ** 32
+        if not (1 <= n <= stop - start and end <= start < stop <= length and 0 <= crc < 2 ** 32
                 and stop - start <= PIECE_MAX_BYTES + _LINE_ALLOWANCE):
             return f"a piece [{n}, {start}, {stop}, ...] is not inside the file, after the one before, within the rule"
         if plain and not (point == -1 and cend == stop):
