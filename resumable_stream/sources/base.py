@@ -244,6 +244,12 @@ class IndexedReader:
         metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
         return self.features(entry["path"], footer)
 
+    def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
+        """A future of the features when they can be inferred from the first file's path alone, while the files
+        are indexed (a ``concurrent.futures.Future`` whose result may be None: then ``infer_features`` is asked
+        as usual); None: not so."""
+        return None
+
     def entry_problem(self, entry: dict) -> str | None:
         """What is wrong with an index entry read from disk (a forged or damaged index), None if nothing."""
         return None

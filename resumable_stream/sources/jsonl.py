@@ -114,26 +114,32 @@ def _json_builder():
     return Json
 
 
-def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
-    """The features ``datasets``' json builder infers for the data (from the first file's first chunk): the
-    builder itself is asked, streaming over that one file, as ``load_dataset(..., streaming=True)`` would."""
+def builder_features(path: str, retry: RetryPolicy | None):
+    """The features ``datasets``' json builder infers from the file at ``path`` (its first chunk): the builder
+    itself is asked, streaming over that one file, as ``load_dataset(..., streaming=True)`` would. None when it
+    infers none (a line of the chunk does not parse; datasets 4.x while streaming)."""
     import datasets
 
     options = {"storage_options": dict(retry.storage_options)} if retry is not None and retry.remote else {}
-    builder = datasets.load_dataset_builder("json", data_files={"train": [entry["path"]]}, **options)
+    builder = datasets.load_dataset_builder("json", data_files={"train": [path]}, **options)
     try:
         features = builder.as_streaming_dataset(split="train").features
-    except Exception:      # noqa: BLE001 - a line of its first chunk does not parse: inferred without it below
-        features = None    # (and datasets 4.x infers none while streaming)
-    if features is None:
-        features = _features_of_good_lines(entry, retry)
+    except Exception:      # noqa: BLE001 - inferred from its good lines instead (infer_features)
+        return None
     from datasets.packaged_modules.json import json as json_module
 
     traces = getattr(json_module, "AGENT_TRACES_FEATURES", None)
     if traces is not None and features == traces:
-        raise NotIndexable(f"data file {entry['path']!r}: agent traces (datasets converts whole files of them), "
-                           "not rows of JSON lines")
+        raise NotIndexable(f"data file {path!r}: agent traces (datasets converts whole files of them), not rows of "
+                           "JSON lines")
     return features
+
+
+def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
+    """The features of the data: the json builder's (``builder_features``), else those it infers from the first
+    file's first piece without its lines that do not parse."""
+    features = builder_features(entry["path"], retry)
+    return features if features is not None else _features_of_good_lines(entry, retry)
 
 
 def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
@@ -658,6 +664,16 @@ class JsonLinesReader(IndexedReader):
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(spec, entry, retry)
+
+    def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None):
+        """The json builder's inference on the first file, on a thread while the files are indexed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rs-features")
+        try:
+            return pool.submit(builder_features, path, retry)
+        finally:
+            pool.shutdown(wait=False)
 
     def entry_problem(self, entry: dict) -> str | None:
         problem = jsonl_index.entry_problem(entry)

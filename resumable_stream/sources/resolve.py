@@ -388,8 +388,13 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
             read[f] = cached
         return index_entry(reader, f, retry, identity, read, growing)
 
+    early = None
+    if features is None and files and not growing:
+        early = reader.features_ahead(spec, files[0], retry)     # (JSON lines: datasets' inference, beside the pass)
     entries = map_files(entry, files, progress and (lambda: progress(len(files))),
                         cpu_bound=reader.index_reads_files)
+    if early is not None:
+        features = early.result()
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "
