@@ -31,7 +31,7 @@ from .parquet_footer import (
     footer_digest,
     split_footer,
 )
-from .parquet_rows import GROUP_BATCH_ROWS, LARGE_GROUP_ROWS, GroupReading, ParquetFiles, read_checked
+from .parquet_rows import GROUP_BATCH_ROWS, LARGE_GROUP_BYTES, GroupReading, ParquetFiles, read_checked
 from .resolve import dataset_fingerprint
 
 
@@ -218,10 +218,10 @@ class ParquetSource(FetchesAhead, RetriedSource):
         return self._file_of[info.file], info.part
 
     def _fetch_row_group(self, shard: int) -> pa.Table | GroupReading:
-        """The row group's table; a large one (LARGE_GROUP_ROWS) as a GroupReading with the rows the hinted start
-        and the window after it need decoded (a fetch ahead), the rest decoded as they are read."""
+        """The row group's table; a large one (LARGE_GROUP_BYTES) as a GroupReading with the rows the hinted start
+        and the batch after it decoded (a fetch ahead), the rest decoded as they are read."""
         file, group = self._group_of(shard)
-        if self.shards[shard].num_rows > LARGE_GROUP_ROWS:
+        if self._row_group_bytes(shard) > LARGE_GROUP_BYTES:
             reading = self._parquet.group_reading(file, group)
             reading.decode_first(self._starts.get(shard, 0) + GROUP_BATCH_ROWS)
             record_row_group(reading.rows)

@@ -248,9 +248,9 @@ class ParquetFiles:
         return table
 
 
-# A row group of more rows than this is decoded batch by batch: a window's first sample waits for its own rows,
-# not for the whole group (100k-row groups of documents: seconds of decoding).
-LARGE_GROUP_ROWS = 32768
+# A row group whose column chunks span more bytes than this is decoded batch by batch: a window's first sample
+# waits for its own rows, not for the whole group (100k-row groups of documents: seconds of decoding).
+LARGE_GROUP_BYTES = 32 << 20
 GROUP_BATCH_ROWS = 4096
 
 

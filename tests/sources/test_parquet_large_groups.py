@@ -32,11 +32,11 @@ def data(tmp_path):
 
 
 def _run(data: str, large: int, monkeypatch, n: int = 1400, resume_at: int | None = 700, **kw):
-    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_ROWS", large)
+    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_BYTES", large)
     monkeypatch.setattr(parquet_rows, "GROUP_BATCH_ROWS", 64)
     from resumable_stream.sources import parquet
 
-    monkeypatch.setattr(parquet, "LARGE_GROUP_ROWS", large)
+    monkeypatch.setattr(parquet, "LARGE_GROUP_BYTES", large)
     monkeypatch.setattr(parquet, "GROUP_BATCH_ROWS", 64)
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet"), shuffle=True,
                        buffer_size=300, **kw)
@@ -53,7 +53,7 @@ def _run(data: str, large: int, monkeypatch, n: int = 1400, resume_at: int | Non
 
 def test_batch_by_batch_gives_the_samples_cursors_and_digests_of_a_whole_decode(data, monkeypatch):
     whole = _run(data, 1 << 30, monkeypatch)
-    batched = _run(data, 100, monkeypatch)
+    batched = _run(data, 1000, monkeypatch)
     assert batched[0] == whole[0] and batched[2] == whole[2]
     assert batched[1]["partitions"] == whole[1]["partitions"]
 
@@ -63,11 +63,11 @@ def test_a_first_sample_decodes_the_first_batches_only(data, monkeypatch):
     real = parquet_rows.GroupReading._decode_one
     monkeypatch.setattr(parquet_rows.GroupReading, "_decode_one",
                         lambda self: decoded.append(self.group) or real(self))
-    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_BYTES", 1000)
     monkeypatch.setattr(parquet_rows, "GROUP_BATCH_ROWS", 64)
     from resumable_stream.sources import parquet
 
-    monkeypatch.setattr(parquet, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet, "LARGE_GROUP_BYTES", 1000)
     monkeypatch.setattr(parquet, "GROUP_BATCH_ROWS", 64)
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data, "*.parquet"), shuffle=True,
                        buffer_size=64, interleave_shards=1, prefetch_blocks=0)
@@ -93,10 +93,10 @@ def test_a_batch_outside_the_footers_bounds_is_refused(tmp_path):
 
 
 def test_wrong_bytes_in_a_large_group_are_an_error_naming_it(data, monkeypatch):
-    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_BYTES", 1000)
     from resumable_stream.sources import parquet
 
-    monkeypatch.setattr(parquet, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet, "LARGE_GROUP_BYTES", 1000)
     path = os.path.join(data, "part-0.parquet")
     md = pq.read_metadata(path)
     other = pq.read_metadata(os.path.join(data, "part-1.parquet"))
@@ -117,10 +117,10 @@ def test_wrong_bytes_in_a_large_group_are_an_error_naming_it(data, monkeypatch):
 def test_a_remote_large_group_is_fetched_in_concurrent_ranges(data, monkeypatch):
     from http_server import FileServer
 
-    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet_rows, "LARGE_GROUP_BYTES", 1000)
     from resumable_stream.sources import parquet
 
-    monkeypatch.setattr(parquet, "LARGE_GROUP_ROWS", 100)
+    monkeypatch.setattr(parquet, "LARGE_GROUP_BYTES", 1000)
     real = ranged.read_range_parallel
     monkeypatch.setattr(parquet_rows, "read_range_parallel", lambda *a, **k: real(*a, **{**k, "part_bytes": 4096}))
     with FileServer(data) as srv:
