@@ -348,3 +348,19 @@ def test_over_http_the_same_rows_and_no_byte_fetched_twice(tmp_path, small_piece
     local.close()
     assert [r["id"] for r in got] == [r["id"] for r in want] and got == want
     assert served <= 1.1 * size + 64 * jsonl_index.INPUT_CHUNK, (served, size)
+
+
+def test_the_block_cache_changes_nothing(tmp_path):
+    """Cold or warm block cache: the same rows, the bad-sample mark still only on the bad rows."""
+    lines = [json.dumps(r) for r in _rows(11, 200)]
+    lines[7] = "{not json"
+    path = _write(str(tmp_path / "c.jsonl.zst"), "\n".join(lines).encode())
+    base = {"dataset_name_or_path": "json", "data_files": [path], "shuffle": True, "buffer_size": 50}
+    plain = ResumableStream(StreamConfig(**base))
+    want = list(itertools.islice(plain, 200))
+    plain.close()
+    for _ in range(2):                                  # cold, then warm
+        s = ResumableStream(StreamConfig(**base, cache_dir=str(tmp_path / "cache")))
+        assert list(itertools.islice(s, 200)) == want
+        s.close()
+    assert sum(BAD_SAMPLE_COLUMN in r for r in want) == 1
