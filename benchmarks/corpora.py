@@ -15,7 +15,7 @@ times (default 3), and the medians are printed:
 * ``ours``: ``ResumableStream`` shuffled (buffer 10,000, the dataset index built in the process: its first sample
   includes indexing the files), reading every row;
 * ``ours_indexed``: the same from a saved index (``data.index_path``; a restart, or ``resumable-stream index`` run
-  before): first sample only;
+  before);
 * ``hf_plain`` / ``hf_shuffled``: ``load_dataset(builder, data_files, streaming=True)`` (``.shuffle(seed,
   buffer_size=10000)``);
 * ``limit``: the format itself, one core: JSON lines decompressed and ``orjson.loads`` per line (``json`` without
@@ -257,11 +257,10 @@ def _child(args: argparse.Namespace) -> None:
         first_bytes = _BYTES["n"]
         n = 1
         t1, c1 = time.perf_counter(), time.process_time()
-        if args.reader != "ours_indexed":
-            for _ in it:
-                n += 1
-                if n >= args.rows:
-                    break
+        for _ in it:
+            n += 1
+            if n >= args.rows:
+                break
         secs = time.perf_counter() - t1
         out = {"rows": n, "first_s": first, "first_bytes": first_bytes, "bytes": _BYTES["n"],
                "rows_s": (n - 1) / secs if n > 1 else None,
