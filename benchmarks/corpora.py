@@ -32,7 +32,7 @@ Per reader: rows/s after the first sample, CPU seconds per 1,000 rows, first sam
 medians of the same run. The machine's load average is printed at start and end.
 
     .venv/bin/python benchmarks/corpora.py [--quick] [--layouts jsonl,jsonl.zst,json.gz,parquet,webdataset]
-        [--repeat 3] [--no-remote] [--json out.json] [--data-dir DIR]
+        [--repeat 3] [--no-remote | --no-local] [--row-group N] [--json out.json] [--data-dir DIR]
 """
 
 from __future__ import annotations
@@ -409,6 +409,7 @@ def main() -> None:
     p.add_argument("--readers", default="ours,ours_indexed,hf_plain,hf_shuffled,limit")
     p.add_argument("--remote-readers", default="ours,ours_indexed,hf_plain,hf_shuffled")
     p.add_argument("--no-remote", action="store_true")
+    p.add_argument("--no-local", action="store_true")
     p.add_argument("--latency", type=float, default=0.1)
     p.add_argument("--json", default=None)
     p.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR)
@@ -430,7 +431,7 @@ def main() -> None:
                  "local": {}, "remote": {}}
     work = tempfile.mkdtemp(prefix="rs-bench-corpora-")
     try:
-        for layout in args.layouts.split(","):
+        for layout in ([] if args.no_local else args.layouts.split(",")):
             r = out["local"][layout] = bench_layout(layout, files[layout], args.rows, args.repeat, args.resume_at,
                                                     work, tuple(args.readers.split(",")))
             report_layout(layout, r)
