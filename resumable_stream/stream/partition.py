@@ -175,7 +175,7 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
             offset[t.index] = at
             at += t.table.num_rows
         idx = offset[owner[pos]] + within[pos]
-        if perm is not None and all(t.table.nbytes >= LARGE_ROW_BYTES * t.table.num_rows for t in ready):
+        if perm is not None and all(t.large() for t in ready):
             return _gathered(ready, idx)
         table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
@@ -194,18 +194,11 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
 
 
 def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
-    """The rows at ``idx`` of the ready takes' tables (concatenated), made from each take's columns as Python
-    lists (made once per take) picked in the order handed out: for large rows (LARGE_ROW_BYTES) an Arrow take
-    would copy every value's bytes once more (documents of kilobytes: the take cost as much as parsing them)."""
-    names = ready[0].table.column_names
-    columns = []
-    for c in range(len(names)):
-        values = []
-        for t in ready:
-            values += t.lists()[c]
-        columns.append(values)
-    picks = idx.tolist()
-    return _rows_from(names, ready[0].table.schema, [[col[i] for i in picks] for col in columns], len(picks))
+    """The rows at ``idx`` of the ready takes' tables (concatenated), each take's rows made once in file order and
+    picked in the order handed out: for large rows (LARGE_ROW_BYTES) an Arrow take would copy every value's bytes
+    once more (documents of kilobytes: the take cost as much as parsing them)."""
+    rows = ready[0].made_rows() if len(ready) == 1 else [r for t in ready for r in t.made_rows()]
+    return [rows[i] for i in idx.tolist()]
 
 
 def _rows_of(part: pa.Table, n: int) -> list[dict]:
@@ -258,12 +251,19 @@ class _Take:
     count: int = 0               # rows in them
     tables: list | None = None   # read already (a shard of unknown length)
     table: pa.Table | None = None
-    _lists: list | None = None   # the table's columns as Python lists (large rows: _gathered)
+    _made: list | None = None    # the table's rows in file order (large rows: _gathered)
+    _large: bool | None = None
 
-    def lists(self) -> list[list]:
-        if self._lists is None:
-            self._lists = [self.table.column(i).to_pylist() for i in range(self.table.num_columns)]
-        return self._lists
+    def made_rows(self) -> list[dict]:
+        if self._made is None:
+            self._made = _rows_of(self.table, self.table.num_rows)
+        return self._made
+
+    def large(self) -> bool:
+        """Rows of LARGE_ROW_BYTES or more (asked once: a table's nbytes walks its buffers)."""
+        if self._large is None:
+            self._large = self.table.nbytes >= LARGE_ROW_BYTES * max(1, self.table.num_rows)
+        return self._large
 
     def read(self) -> pa.Table:
         if self.table is None:
