@@ -48,6 +48,7 @@ from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
 from .index import identity_of
 from .parquet import prefetch_depth
 from .parquet_local import cast_like_datasets
+from .parquet_rows import decoder_pool
 from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
@@ -595,17 +596,27 @@ class JsonLinesSource(FetchesAhead):
         if start_row >= (info.num_rows or 0):
             return
         reading = self._first(shard, start_row)
-        _, _, b = self._runs[shard]
-        f = self._runs[shard][0]
+        f, _, b = self._runs[shard]
         entry = self._files[f]
+        ahead = None
         try:
             table, at = reading.table, reading.first_row
             if at < start_row:
                 table = table.slice(start_row - at)
+            # the next piece (a one-frame file's shard holds many) is decoded on a worker thread meanwhile
+            if reading.piece < b:
+                ahead = decoder_pool().submit(self._checked_next, shard, entry, reading)
             yield table
-            while reading.piece < b:
-                yield self._checked_next(shard, entry, reading)
+            while ahead is not None:
+                table = ahead.result()
+                ahead = decoder_pool().submit(self._checked_next, shard, entry, reading) if reading.piece < b else None
+                yield table
         finally:
+            if ahead is not None and not ahead.cancel():
+                try:
+                    ahead.result()
+                except Exception:      # noqa: BLE001 - a piece nobody reads
+                    pass
             if reading.text is not None:
                 reading.text.close()
 

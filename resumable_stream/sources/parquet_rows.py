@@ -322,7 +322,7 @@ class GroupReading:
                 return None
         self.at += table.num_rows
         if not self._done and self._ahead is None and not self._ready:
-            self._ahead = _decoder_pool().submit(self._decode_one)
+            self._ahead = decoder_pool().submit(self._decode_one)
         return table
 
     def close(self) -> None:
@@ -337,8 +337,9 @@ class GroupReading:
 _POOL: list = []
 
 
-def _decoder_pool():
-    """This process's threads decoding large row groups' next batches (a forked worker makes its own)."""
+def decoder_pool():
+    """This process's threads decoding what a reader takes next (a large row group's next batch, the next piece of
+    a JSON-lines shard) while it uses the one before; a forked worker makes its own."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not _POOL or _POOL[0][0] != os.getpid():
