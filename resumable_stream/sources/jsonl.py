@@ -22,7 +22,6 @@ import bisect
 import io
 import json
 import logging
-import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -182,50 +181,56 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
 
 
 # ------------------------------------------------------------------------------ text from an access point
-class _Lazy(io.RawIOBase):
-    """A read-only file of ``size`` bytes read by ``fetch`` from ``start`` on; the first read fetches up to
-    ``planned`` at once (what the piece needs), later ones ``INPUT_CHUNK`` at a time (indexed_gzip's reads)."""
+def _shifted(data: bytes, shift: int, carry: int) -> tuple[bytes, int]:
+    """``data`` (following the byte ``carry``) read from bit ``shift`` of ``carry`` on: a deflate stream that starts
+    inside a byte, moved onto byte boundaries for zlib (Python's zlib has no ``inflatePrime``); and the new carry."""
+    import numpy as np
 
-    def __init__(self, size: int, fetch: Callable[[int, int], bytes], start: int, planned: int):
-        super().__init__()
-        self.size, self._fetch, self.pos, self._planned = size, fetch, start, planned
-        self._lo, self._data = start, b""
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
-        return self.pos
-
-    def plan(self, end: int) -> None:
-        self._planned = max(self._planned, end)
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), self.size - self.pos)
-        if n <= 0:
-            return 0
-        if not (self._lo <= self.pos < self._lo + len(self._data)):
-            end = max(self.pos + n, self._planned if self._planned > self.pos else self.pos + jsonl_index.INPUT_CHUNK)
-            self._lo, self._data = self.pos, self._fetch(self.pos, min(self.size, end))
-        got = self._data[self.pos - self._lo:self.pos - self._lo + n]
-        buffer[:len(got)] = got
-        self.pos += len(got)
-        return len(got)
+    raw = np.frombuffer(bytes([carry]) + data, dtype=np.uint8).astype(np.uint16)
+    out = ((raw[:-1] >> shift) | (raw[1:] << (8 - shift))) & 0xFF
+    return out.astype(np.uint8).tobytes(), data[-1]
 
 
-def _gzip_index_blob(entry: dict, point: list) -> bytes:
-    """An indexed_gzip index (zran.c's export format, version 1) holding just ``point``."""
-    window = jsonl_index.window_of(point)
-    head = struct.pack("<5sBBQQIII", b"GZIDX", 1, 0, entry["size"], entry["length"], jsonl_index.GZIP_SPACING,
-                       jsonl_index.GZIP_WINDOW, 1)
-    return head + struct.pack("<QQBB", point[1], point[0], point[2], 1 if window else 0) + window
+class _Inflate:
+    """Raw deflate from a gzip access point of the index (its bit offset and window), by zlib, fed the compressed
+    bytes as they are fetched; at a member's end it goes on from the next member's start (a point of the index)."""
+
+    def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
+        self.size, self.fetch = entry["size"], fetch
+        self._members = {p[0]: p for p in entry["points"] if p[2] == 0 and not p[3]}   # by their text offset
+        self._start(entry["points"][point])
+
+    def _start(self, p: list) -> None:
+        window = jsonl_index.window_of(p)
+        self.made = p[0]                               # the text offset the output reaches
+        self._shift = 8 - p[2] if p[2] else 0
+        self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
+        self._carry: int | None = None
+        self._d = zlib.decompressobj(-15, zdict=window) if window else zlib.decompressobj(-15)
+
+    def more(self, c_end: int) -> bytes:
+        """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
+        if self._d.eof:
+            nxt = self._members.get(self.made)
+            if nxt is None:
+                raise WrongBytes(f"the gzip data ends at text byte {self.made}, where the index has no member start")
+            self._start(nxt)
+        if self._c >= self.size:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
+        end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+        data = self.fetch(self._c, end)
+        self._c += len(data)
+        if self._shift:
+            if self._carry is None:
+                self._carry, data = data[0], data[1:]
+            if data:
+                data, self._carry = _shifted(data, self._shift, self._carry)
+        try:
+            out = self._d.decompress(data)
+        except zlib.error as e:
+            raise WrongBytes(f"the gzip data does not inflate ({e})") from None
+        self.made += len(out)
+        return out
 
 
 class _Text:
@@ -233,60 +238,51 @@ class _Text:
 
     def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
         self.entry, self.fetch = entry, fetch
-        kind = entry["compression"]
-        self.kind = kind
-        if kind == "none":
+        self.kind = entry["compression"]
+        if self.kind == "none":
             return
         p = entry["points"][point]
         self.u = p[0]
-        if kind == "zstd":
+        self._out = bytearray()
+        if self.kind == "zstd":
             import zstandard
 
             self._dctx = zstandard.ZstdDecompressor()
             self._obj = self._dctx.decompressobj()
             self._c = p[1]
-            self._out = bytearray()
         else:
-            import indexed_gzip
-
-            start = p[1] - (1 if p[2] else 0)
-            self._raw = _Lazy(entry["size"], fetch, start, start)
-            self._gz = indexed_gzip.IndexedGzipFile(fileobj=self._raw, auto_build=True, skip_crc_check=True,
-                                                    spacing=jsonl_index.GZIP_SPACING, buffer_size=1 << 20,
-                                                    window_size=jsonl_index.GZIP_WINDOW,
-                                                    readbuf_size=jsonl_index.INPUT_CHUNK, drop_handles=False)
-            self._gz.import_index(fileobj=io.BytesIO(_gzip_index_blob(entry, p)))
-            self._gz.seek(p[0])
+            self._inflate = _Inflate(entry, point, fetch)
 
     def close(self) -> None:
-        if self.kind == "gzip":
-            self._gz.close()
+        """(Nothing is held but memory.)"""
+
+    def _more_zstd(self, u_end: int, c_end: int) -> bytes:
+        size = self.entry["size"]
+        if self._c >= size:
+            raise WrongBytes(f"the zstd data ends at text byte {self.u + len(self._out)}, the index says {u_end}")
+        end = min(size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+        data = self.fetch(self._c, end)
+        self._c += len(data)
+        out = bytearray()
+        try:
+            while data:
+                out += self._obj.decompress(data)
+                if not self._obj.eof:
+                    break
+                data = self._obj.unused_data
+                self._obj = self._dctx.decompressobj()
+        except Exception as e:         # zstandard.ZstdError: bytes that are not the index's
+            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
+        return bytes(out)
 
     def upto(self, u_end: int, c_end: int) -> bytes:
         """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
-        bytes fetched go up to ``c_end`` (what the index says suffices; more in small reads if not)."""
-        if self.kind == "zstd":
-            while len(self._out) < u_end - self.u:
-                end = min(self.entry["size"], max(c_end, self._c + 1))
-                if self._c >= self.entry["size"]:
-                    raise WrongBytes(f"the text ends at byte {self.u + len(self._out)}, the index says {u_end}")
-                data = self.fetch(self._c, end if end > self._c else self._c + jsonl_index.INPUT_CHUNK)
-                self._c += len(data)
-                while data:
-                    self._out += self._obj.decompress(data)
-                    if not self._obj.eof:
-                        break
-                    data = self._obj.unused_data
-                    self._obj = self._dctx.decompressobj()
-            n = u_end - self.u
-            out = bytes(self._out[:n])
-            del self._out[:n]
-        else:
-            self._raw.plan(c_end)
-            n = u_end - self.u
-            out = self._gz.read(n)
-            if len(out) != n:
-                raise WrongBytes(f"the text ends at byte {self.u + len(out)}, the index says {u_end}")
+        bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not."""
+        while len(self._out) < u_end - self.u:
+            self._out += self._more_zstd(u_end, c_end) if self.kind == "zstd" else self._inflate.more(c_end)
+        n = u_end - self.u
+        out = bytes(self._out[:n])
+        del self._out[:n]
         self.u = u_end
         return out
 

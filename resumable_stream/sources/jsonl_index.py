@@ -276,7 +276,10 @@ def scan(path: str, size: int, compression: str, fetch: Callable[[int, int], byt
 
 
 def _layout(cutter: _Cutter, length: int, points: list[list], windows: list[str]) -> dict[str, Any]:
-    used = sorted({p[4] for p in cutter.pieces if p[4] >= 0})
+    # the points pieces start from, and every gzip member's start (no window): a read crossing into the next
+    # member goes on from there
+    used = sorted({p[4] for p in cutter.pieces if p[4] >= 0}
+                  | {i for i, w in enumerate(windows) if i > 0 and w == "" and points[i][2] == 0})
     renumber = {old: new for new, old in enumerate(used)}
     for p in cutter.pieces:
         if p[4] >= 0:
@@ -343,7 +346,7 @@ class _RangedFile(io.RawIOBase):
     def __init__(self, size: int, fetch: Callable[[int, int], bytes]):
         super().__init__()
         self.size, self._fetch, self.pos = size, fetch, 0
-        self._lo, self._data = 0, b""
+        self._chunks: list[tuple[int, bytes]] = []      # the last two chunks read (indexed_gzip steps back a little)
 
     def readable(self) -> bool:
         return True
@@ -362,11 +365,15 @@ class _RangedFile(io.RawIOBase):
         n = min(len(buffer), self.size - self.pos)
         if n <= 0:
             return 0
-        if not (self._lo <= self.pos and self.pos + n <= self._lo + len(self._data)):
-            self._lo = self.pos
-            self._data = self._fetch(self.pos, min(self.size, self.pos + max(n, READ_CHUNK)))
-        start = self.pos - self._lo
-        got = self._data[start:start + n]
+        chunk = next(((lo, data) for lo, data in self._chunks if lo <= self.pos < lo + len(data)), None)
+        if chunk is None:
+            # the next chunk starts where the last one ended when the read is inside that gap: no byte twice
+            ends = [lo + len(data) for lo, data in self._chunks if lo + len(data) <= self.pos]
+            start = self.pos if not ends or max(ends) < self.pos - READ_CHUNK else max(ends)
+            chunk = (start, self._fetch(start, min(self.size, max(self.pos + n, start + READ_CHUNK))))
+            self._chunks = [*self._chunks[-1:], chunk]
+        lo, data = chunk
+        got = data[self.pos - lo:self.pos - lo + n]
         buffer[:len(got)] = got
         self.pos += len(got)
         return len(got)
