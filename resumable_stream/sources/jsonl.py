@@ -92,10 +92,8 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool
                           ".zst)")
     fetch = _fetcher(path, retry, identity, "to index it")
     size = identity["size"]
-    if compression == "none" and path.lower().split("?", 1)[0].endswith(".json"):
-        first = fetch(0, min(size, 4096)).lstrip(b"\xef\xbb\xbf \t\r\n")
-        if first.startswith(b"["):
-            raise NotIndexable(f"data file {path!r}: a JSON array, not JSON lines")
+    if ".json." in path.lower().split("?", 1)[0] + "." and _starts_an_array(fetch(0, min(size, 65536)), compression):
+        raise NotIndexable(f"data file {path!r}: a JSON array, not JSON lines")
     if whole and compression == "none" and size and fetch(size - 1, size) != b"\n":
         raise IncompleteFileError(f"data file {path!r}: its last line has no newline (still being written)")
     try:
@@ -104,8 +102,25 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool
         if whole and compression != "none" and not isinstance(e, NotIndexable):
             raise IncompleteFileError(f"{e} (still being written?)") from None
         raise
-    return {**identity, "compression": compression, **layout, "shard_rule": dict(jsonl_index.SHARD_RULE),
-            "head": head_digest(path, size, fetch)}
+    entry = {**identity, "compression": compression, **layout, "shard_rule": dict(jsonl_index.SHARD_RULE)}
+    if "://" not in path or path.startswith("file://"):      # a remote file is re-checked by its size and ETag
+        entry["head"] = head_digest(path, size, fetch)
+    return entry
+
+
+def _starts_an_array(head: bytes, compression: str) -> bool:
+    """Whether the text of a ``.json`` file whose first bytes are ``head`` begins a JSON array (``datasets`` reads
+    it whole, not as lines)."""
+    try:
+        if compression == "gzip":
+            head = zlib.decompressobj(47).decompress(head, 4096)
+        elif compression == "zstd":
+            import zstandard
+
+            head = zstandard.ZstdDecompressor().decompressobj().decompress(head)[:4096]
+    except Exception:      # noqa: BLE001 - not even its start decompresses: the pass says why
+        return False
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _json_builder():
@@ -657,7 +672,7 @@ class JsonLinesReader(IndexedReader):
 
     # the compression, the decompressed length, rows, pieces and points, the cut rule: layout, not identity
     layout_keys = ("compression", "length", "rows", "pieces", "points", "shard_rule")
-    # the CRCs of the file's first and last 64 KiB: re-read for a local file on resume (a remote one: not re-read)
+    # the CRCs of a local file's first and last 64 KiB, re-read on resume (a remote one has none: its ETag vouches)
     content_keys = ("head",)
     index_reads_files = True
 
@@ -684,8 +699,8 @@ class JsonLinesReader(IndexedReader):
 
     def entry_problem(self, entry: dict) -> str | None:
         problem = jsonl_index.entry_problem(entry)
-        if problem is None and not isinstance(entry.get("head"), str):
-            return "a JSON-lines entry without its 'head'"
+        if problem is None and not isinstance(entry.get("head", ""), str):
+            return "a JSON-lines entry whose 'head' is no string"
         return problem
 
     def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:

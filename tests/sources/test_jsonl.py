@@ -253,11 +253,10 @@ def test_the_index_round_trips_and_a_forged_one_is_refused(tmp_path):
         decode_index(json.dumps(index).encode(), "forged")
 
 
-def test_a_json_array_file_is_read_by_datasets(tmp_path):
+@pytest.mark.parametrize("ext", [".json", ".json.gz"])
+def test_a_json_array_file_is_read_by_datasets(tmp_path, ext):
     rows = _rows(7, 20)
-    path = str(tmp_path / "array.json")
-    with open(path, "w") as f:
-        json.dump(rows, f)
+    path = _write(str(tmp_path / f"array{ext}"), json.dumps(rows, indent=1).encode())
     src = open_source(StreamConfig(dataset_name_or_path="json", data_files=[path]).source_spec)
     assert type(src).__name__ != "JsonLinesSource"
     got = [r for s in range(len(src.shards)) for t in src.read(s) for r in t.to_pylist()]
