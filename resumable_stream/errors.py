@@ -9,6 +9,10 @@ import reprlib
 # part of it), None for a good row. The row stays (a shard's row count never changes); the transforms apply
 # data.bad_sample to a marked row before anything else (sources/webdataset.py: a bad tar member).
 BAD_SAMPLE_COLUMN = "__bad_sample__"
+# The Arrow field metadata of a ``__bad_sample__`` column whose null values are left out of the rows (a good row
+# of JSON lines is exactly the row ``datasets`` gives; sources/jsonl.py). Webdataset's column has none: its rows
+# keep the key, None.
+BAD_SAMPLE_OMIT_NULL = {b"resumable_stream": b"omit-null"}
 
 
 # How much of a value an error message shows: a short value as repr() writes it, a long one cut short.

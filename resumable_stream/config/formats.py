@@ -51,6 +51,8 @@ class SourceFormat:
 _BUILTIN = (
     SourceFormat("parquet", ("parquet",), (".parquet",), "resumable_stream.sources.parquet:READER"),
     SourceFormat("webdataset", ("webdataset",), (".tar",), "resumable_stream.sources.webdataset:READER"),
+    SourceFormat("jsonl", ("json",), (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst"),
+                 "resumable_stream.sources.jsonl:READER"),
 )
 
 _lock = threading.Lock()

@@ -70,7 +70,7 @@ def layout_generations(index: dict | None, shards: list) -> tuple[tuple[int, tup
     """``plan.Layout.generations``: per generation its first epoch and its shards (global shard ids)."""
     if index is None:      # a source given to the stream that is not read through an index
         raise ConfigError("data.growth: got 'append' for a source without a dataset index; allowed: off, or "
-                          "append for indexed formats (parquet, webdataset)")
+                          "append for indexed formats (parquet, webdataset, jsonl)")
     by_file: dict[str, list[int]] = {}
     for s in shards:
         by_file.setdefault(s.file, []).append(s.index)

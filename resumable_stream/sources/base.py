@@ -210,6 +210,11 @@ class RetriedSource(Source):
             tables.close()
 
 
+class NotIndexable(SourceError):
+    """A file a registered format turns out not to read (a ``.json`` file holding one JSON array): the dataset
+    is read by ``datasets``' own reader instead."""
+
+
 class IndexedReader:
     """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`).
 
@@ -218,6 +223,7 @@ class IndexedReader:
     resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
 
     layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
+    index_reads_files = False            # index_file reads every byte (JSON lines): files indexed one per core
     content_keys: tuple[str, ...] = ()   # identity keys only ``local_check`` gives (remote files: not re-read)
 
     def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
@@ -242,6 +248,12 @@ class IndexedReader:
         metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
         return self.features(entry["path"], footer)
 
+    def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
+        """A future of the features when they can be inferred from the first file's path alone, while the files
+        are indexed (a ``concurrent.futures.Future`` whose result may be None: then ``infer_features`` is asked
+        as usual); None: not so."""
+        return None
+
     def entry_problem(self, entry: dict) -> str | None:
         """What is wrong with an index entry read from disk (a forged or damaged index), None if nothing."""
         return None
@@ -253,6 +265,10 @@ class IndexedReader:
 
     def indexable(self, builder: Any) -> bool:
         """Whether ``datasets``' builder (config) reads the files whole, as our reader would."""
+        return True
+
+    def reads_files(self, files: list[str]) -> bool:
+        """Whether this reader reads every one of ``files`` (by their names: e.g. a compression it indexes)."""
         return True
 
     def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,

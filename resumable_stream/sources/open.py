@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ..config import formats as registry
 from ..config.specs import SourceSpec
 from ..io.net import RetryPolicy
 from ..runtime.threads import map_files
-from .base import Source
+from .base import NotIndexable, Source
 from .datasets_stream import open_streaming
 from .map_style import open_local, open_prepared
 from .resolve import (
+    Resolved,
     build_index,
     builder_args,
     dataset_fingerprint,
     file_identity,
     remote_targets,
+    resolve_files,
     resolve_split,
 )
+
+log = logging.getLogger(__name__)
 
 
 def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[[int], None] | None = None,
@@ -51,8 +56,15 @@ def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[
     resolved = resolve_split(spec, path, data_files, targets, retry)
     if resolved.format is not None:
         footers = {}
-        index = build_index(resolved.format, spec, resolved.files, resolved.features, retry, progress, footers)
-        return resolved.format.load().open_indexed(spec, index, retry, footers)
+        try:
+            index = build_index(resolved.format, spec, resolved.files, resolved.features, retry, progress, footers)
+        except NotIndexable as e:       # e.g. a .json file holding one JSON array: datasets' reader reads it
+            log.info("%s; read by datasets' own reader", e)
+            if resolved.builder is None:
+                builder, files = resolve_files(data, path, data_files, targets, retry)
+                resolved = Resolved(files, None, builder)
+        else:
+            return resolved.format.load().open_indexed(spec, index, retry, footers)
     files, builder = resolved.files, resolved.builder
     identities = map_files(lambda f: file_identity(f, retry), files)
     if data.streaming:

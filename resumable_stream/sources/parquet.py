@@ -32,7 +32,7 @@ from .parquet_footer import (
     footer_digest,
     split_footer,
 )
-from .parquet_rows import ParquetFiles, read_checked
+from .parquet_rows import GROUP_BATCH_ROWS, LARGE_GROUP_BYTES, GroupReading, ParquetFiles, read_checked
 from .resolve import dataset_fingerprint
 
 # the most bytes between two row groups of a file that one coalesced request reads along (parquet writers leave
@@ -192,6 +192,7 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self.column_names = parquet.column_names
         files = index["files"]
         self._file_of = None if isinstance(files, FileTable) else {f["path"]: i for i, f in enumerate(files)}
+        self._starts: dict[int, int] = {}    # shard -> the row a fetch ahead of a large row group decodes up to
         remote = retry is not None
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
                           remote=remote, rate=self._request_rate if remote else None,
@@ -203,7 +204,11 @@ class ParquetSource(FetchesAhead, RetriedSource):
         return self._parquet.footers
 
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it."""
+        """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it
+        (a large one decodes up to its start and the batch after it ahead: GroupReading)."""
+        if self._prefetch is not None:
+            starts = starts or {}
+            self._starts.update((s, starts.get(s, 0)) for s in shards)
         super().prefetch(partition, shards)
 
     def _row_group_bytes(self, shard: int) -> int:
@@ -255,22 +260,51 @@ class ParquetSource(FetchesAhead, RetriedSource):
         record_coalesced(len(tables) - 1)
         return tables
 
-    def _fetch_row_group(self, shard: int) -> pa.Table:
+    def _group_of(self, shard: int) -> tuple[int, int]:
         if self._file_of is None:
-            file, group = self.index["files"].group_of(shard)
-        else:
-            info = self.shards[shard]
-            file, group = self._file_of[info.file], info.part
+            return self.index["files"].group_of(shard)
+        info = self.shards[shard]
+        return self._file_of[info.file], info.part
+
+    def _fetch_row_group(self, shard: int) -> pa.Table | GroupReading:
+        """The row group's table; a large one (LARGE_GROUP_BYTES) as a GroupReading with the rows the hinted start
+        and the batch after it decoded (a fetch ahead), the rest decoded as they are read."""
+        file, group = self._group_of(shard)
+        if self._row_group_bytes(shard) > LARGE_GROUP_BYTES:
+            reading = self._parquet.group_reading(file, group)
+            reading.decode_first(self._starts.get(shard, 0) + GROUP_BATCH_ROWS)
+            record_row_group(reading.rows)
+            return reading
         table = self._parquet.row_group(file, group)
         record_row_group(table.num_rows)
         return table
 
     def _tables_from(self, shard: int, start_row: int) -> Iterator[pa.Table]:
-        """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row."""
+        """One row group, from ``start_row``, in tables of READ_BATCH_ROWS counted from its first row (a large one:
+        in its decoded batches)."""
         table = self._taken(shard)
+        if isinstance(table, GroupReading) and table.at > start_row:
+            table.close()          # (read past the row already: another reader's) read it afresh
+            table = None
         if table is None:
             table = self._fetch_row_group(shard)
+        if isinstance(table, GroupReading):
+            yield from self._group_tables(table, start_row)
+            return
         for lo in range(0, table.num_rows, READ_BATCH_ROWS):
             hi = min(lo + READ_BATCH_ROWS, table.num_rows)
             if hi > start_row:
                 yield table.slice(max(lo, start_row), hi - max(lo, start_row))
+
+    @staticmethod
+    def _group_tables(reading: GroupReading, start_row: int) -> Iterator[pa.Table]:
+        try:
+            while True:
+                lo = reading.at
+                table = reading.next_table()
+                if table is None:
+                    return
+                if lo + table.num_rows > start_row:
+                    yield table.slice(max(0, start_row - lo))
+        finally:
+            reading.close()

@@ -106,3 +106,74 @@ def problem(table: pa.Table, metadata: pq.FileMetaData, group: int) -> str | Non
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class RunningCheck:
+    """:func:`problem` for a row group decoded batch by batch (a large one, whose first rows are handed on before
+    its last are decoded): each batch is checked against the footer's bounds before it becomes rows (its values
+    inside the stored min / max, the nulls so far at most the stored count), and the whole group exactly when its
+    last batch was added (:meth:`finish`: the row count, the null counts, the exact min / max)."""
+
+    def __init__(self, metadata: pq.FileMetaData, group: int):
+        self.rg = metadata.row_group(group)
+        self.exact_bytes = (metadata.created_by or "").startswith(_EXACT_WRITERS)
+        self.rows = 0
+        self._seen: list[list] | None = None       # per leaf: [nulls, low, high, nested] so far
+
+    def add(self, table: pa.Table) -> str | None:
+        """What in this batch contradicts the footer (None: nothing)."""
+        rg = self.rg
+        self.rows += table.num_rows
+        if self.rows > rg.num_rows:
+            return f"{self.rows} rows decoded so far, the footer says {rg.num_rows}"
+        columns = leaves(table)
+        if len(columns) != rg.num_columns:
+            return None
+        if self._seen is None:
+            self._seen = [[0, None, None, nested] for _, nested in columns]
+        for j, (values, nested) in enumerate(columns):
+            stats = rg.column(j).statistics
+            if stats is None:
+                continue
+            seen = self._seen[j]
+            name = rg.column(j).path_in_schema
+            seen[0] += values.null_count
+            if stats.has_null_count and not nested and seen[0] > stats.null_count:
+                return f"column {name!r}: {seen[0]} nulls decoded so far, the footer says {stats.null_count}"
+            if not stats.has_min_max or len(values) == values.null_count:
+                continue
+            try:
+                low, high = (x.as_py() for x in pc.min_max(values).values())
+                saved_low, saved_high = stats.min, stats.max
+            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+                continue
+            if not (_comparable(low, saved_low) and _comparable(high, saved_high)):
+                continue
+            seen[1] = low if seen[1] is None else min(seen[1], low)
+            seen[2] = high if seen[2] is None else max(seen[2], high)
+            if not (saved_low <= low and high <= saved_high):
+                return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, outside the footer's "
+                        f"{_short(saved_low)} .. {_short(saved_high)}")
+        return None
+
+    def finish(self) -> str | None:
+        """What in the whole group contradicts the footer, once every batch was added (None: nothing)."""
+        rg = self.rg
+        if self.rows != rg.num_rows:
+            return f"{self.rows} rows decoded, the footer says {rg.num_rows}"
+        for j, seen in enumerate(self._seen or []):
+            stats = rg.column(j).statistics
+            if stats is None:
+                continue
+            name = rg.column(j).path_in_schema
+            if stats.has_null_count and not seen[3] and seen[0] != stats.null_count:
+                return f"column {name!r}: {seen[0]} nulls decoded, the footer says {stats.null_count}"
+            low, high = seen[1], seen[2]
+            if low is None or not stats.has_min_max:
+                continue
+            exact = self.exact_bytes or not isinstance(low, (str, bytes, float))
+            if exact and not (_same(low, stats.min) and _same(high, stats.max)):
+                return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, the footer says "
+                        f"{_short(stats.min)} .. {_short(stats.max)}")
+        return None
+

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SourceError, StreamMismatchError
-from ..io.ranged import ObjectChanged, WrongBytes, read_range
+from ..io.ranged import ObjectChanged, WrongBytes, read_range, read_range_parallel
 from ..observe.metrics import record_retry
 from ..runtime.arrow_pool import rows_pool
 from . import parquet_checks as row_group_check
@@ -100,13 +100,18 @@ class _Span(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def read(self, n: int = -1):
+        """A view of the fetched bytes, not a copy (pyarrow wraps what ``read`` returns as its buffer)."""
         start = self._pos - self._offset
-        n = min(len(buffer), self._size - self._pos)
+        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
         if start < 0 or start + n > len(self._data):
             raise OSError(f"parquet read outside the fetched span ({self._pos}+{n})")
-        buffer[:n] = self._data[start:start + n]
         self._pos += n
-        return n
+        return self._data[start:start + n]
 
 
 class ParquetFiles:
@@ -206,12 +211,25 @@ class ParquetFiles:
         md = self.metadata(file)
         table = read_checked(f"data file {entry['path']!r} (row group {group})",
                              lambda: self._decoded(entry, md, group))
-        cast = cast_like_datasets(table, self._schema)     # no value to cast: datasets' result, without it
+        return self.cast(table)
+
+    def cast(self, table: pa.Table) -> pa.Table:
+        """``table`` cast to the index's features (no value to cast: datasets' result, without it)."""
+        cast = cast_like_datasets(table, self._schema)
         if cast is None:
             from datasets.table import table_cast
 
             cast = table_cast(table, self._schema)
         return cast
+
+    def group_reading(self, file: int, group: int) -> GroupReading:
+        """A large row group read batch by batch: its bytes fetched now (remote: in concurrent ranged reads), its
+        rows decoded as they are asked for (``GroupReading``)."""
+        entry = self._files[file]
+        md = self.metadata(file)
+        _, start, end = entry["row_groups"][group]
+        data = read_range_parallel(entry["path"], start, end, self._storage_options, entry)
+        return GroupReading(self, entry["path"], _Span(start, data, entry["size"]), md, group, len(data))
 
     def row_groups(self, file: int, groups: list[int]) -> list[pa.Table]:
         """Row groups ``groups`` of file ``file`` (adjacent, in file order) in one ranged read of their bytes, each
@@ -221,15 +239,7 @@ class ParquetFiles:
         md = self.metadata(file)
         what = f"data file {entry['path']!r} (row groups {groups[0]}-{groups[-1]})"
         tables = read_checked(what, lambda: self._decoded_run(entry, md, groups))
-        out = []
-        for table in tables:
-            cast = cast_like_datasets(table, self._schema)
-            if cast is None:
-                from datasets.table import table_cast
-
-                cast = table_cast(table, self._schema)
-            out.append(cast)
-        return out
+        return [self.cast(table) for table in tables]
 
     def _decoded_run(self, entry: dict, md: pq.FileMetaData, groups: list[int]) -> list[pa.Table]:
         spans = [entry["row_groups"][g] for g in groups]
@@ -260,3 +270,102 @@ class ParquetFiles:
         if problem is not None:
             raise WrongBytes(f"its decoded rows contradict the file's footer: {problem}")
         return table
+
+
+# A row group whose column chunks span more bytes than this is decoded batch by batch: a window's first sample
+# waits for its own rows, not for the whole group (100k-row groups of documents: seconds of decoding).
+LARGE_GROUP_BYTES = 32 << 20
+GROUP_BATCH_ROWS = 4096
+
+
+class GroupReading:
+    """One large row group being decoded, ``GROUP_BATCH_ROWS`` at a time (pyarrow's ``iter_batches``), one batch
+    decoded ahead on a worker thread while the one before is used. Each batch is checked against the footer's
+    bounds before it is handed on (``parquet_checks.RunningCheck``), the whole group exactly after its last; a
+    failed check is a SourceError naming the file and row group (its rows before it were vouched for by the
+    bounds only). ``nbytes``: what it holds (the fetched bytes and the decoded batches not yet taken)."""
+
+    def __init__(self, files: ParquetFiles, path: str, span: _Span, md: pq.FileMetaData, group: int, fetched: int):
+        self._files, self.path, self.group, self._fetched = files, path, group, fetched
+        self._check = row_group_check.RunningCheck(md, group)
+        pf = pq.ParquetFile(span, metadata=md, **_OPEN_OPTIONS)
+        self._batches = pf.iter_batches(batch_size=GROUP_BATCH_ROWS, row_groups=[group], use_threads=True)
+        self.rows = md.row_group(group).num_rows
+        self.at = 0                  # rows handed on so far
+        self._ready: list[pa.Table] = []
+        self._ahead: Future | None = None
+        self._done = False
+
+    @property
+    def nbytes(self) -> int:
+        return self._fetched + sum(t.nbytes for t in self._ready)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(t.num_rows for t in self._ready)
+
+    def _decode_one(self) -> pa.Table | None:
+        try:
+            batch = next(self._batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"data file {self.path!r} (row group {self.group}): its bytes do not decode "
+                              f"({type(e).__name__}: {e})") from None
+        if batch is None:
+            problem = self._check.finish()
+            if problem is not None:
+                raise SourceError(f"data file {self.path!r} (row group {self.group}): its decoded rows contradict "
+                                  f"the file's footer: {problem}")
+            return None
+        table = pa.Table.from_batches([batch])
+        problem = self._check.add(table)
+        if problem is not None:
+            raise SourceError(f"data file {self.path!r} (row group {self.group}): its decoded rows contradict the "
+                              f"file's footer: {problem}")
+        return self._files.cast(table)
+
+    def decode_first(self, rows: int) -> None:
+        """Decode (on this thread) until ``rows`` rows are ready (a fetch ahead: the first window's)."""
+        while not self._done and self.num_rows < rows:
+            table = self._decode_one()
+            if table is None:
+                self._done = True
+            else:
+                self._ready.append(table)
+
+    def next_table(self) -> pa.Table | None:
+        """The next decoded batch (None after the last); the one after it starts decoding meanwhile."""
+        if self._ready:
+            table = self._ready.pop(0)
+        elif self._done:
+            return None
+        else:
+            future, self._ahead = self._ahead, None
+            table = future.result() if future is not None else self._decode_one()
+            if table is None:
+                self._done = True
+                return None
+        self.at += table.num_rows
+        if not self._done and self._ahead is None and not self._ready:
+            self._ahead = decoder_pool().submit(self._decode_one)
+        return table
+
+    def close(self) -> None:
+        future, self._ahead = self._ahead, None
+        if future is not None and not future.cancel():
+            try:
+                future.result()
+            except Exception:      # noqa: BLE001 - a batch nobody reads
+                pass
+
+
+_POOL: list = []
+
+
+def decoder_pool():
+    """This process's threads decoding what a reader takes next (a large row group's next batch, the next piece of
+    a JSON-lines shard) while it uses the one before; a forked worker makes its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not _POOL or _POOL[0][0] != os.getpid():
+        _POOL[:] = [(os.getpid(), ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="rs-decode"))]
+    return _POOL[0][1]

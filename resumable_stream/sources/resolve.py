@@ -341,10 +341,12 @@ def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], r
         files = resolve_local_parquet(data, path, data_files, registry.indexed_builders(),
                                       spec.net.storage_options)
     if files is not None:
-        return Resolved(files, registry.format_for_builder(path))
+        fmt = registry.format_for_builder(path)
+        if fmt is not None and fmt.load().reads_files(files):
+            return Resolved(files, fmt)
     builder, files = resolve_files(data, path, data_files, targets, retry)
     fmt = registry.format_for_builder(builder.name) if data.streaming and files else None
-    if fmt is not None and not fmt.load().indexable(builder):
+    if fmt is not None and not (fmt.load().indexable(builder) and fmt.load().reads_files(files)):
         fmt = None
     return Resolved(files, fmt, builder)
 
@@ -386,7 +388,13 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
             read[f] = cached
         return index_entry(reader, f, retry, identity, read, growing)
 
-    entries = map_files(entry, files, progress and (lambda: progress(len(files))))
+    early = None
+    if features is None and files and not growing:
+        early = reader.features_ahead(spec, files[0], retry)     # (JSON lines: datasets' inference, beside the pass)
+    entries = map_files(entry, files, progress and (lambda: progress(len(files))),
+                        cpu_bound=reader.index_reads_files)
+    if early is not None:
+        features = early.result()
     if growing:
         if files and not any(entries):
             raise SourceError(f"data.growth: none of the {len(files)} data file(s) is complete yet (the first: "

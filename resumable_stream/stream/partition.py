@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import SourceError
+from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from ..plan import Layout, window_permutation
 from ..runtime.arrow_pool import rows_pool
 from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
@@ -29,6 +29,7 @@ from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
 MAX_EMPTY_EPOCHS = 16
 PREFETCH_HINT = 256        # shards of its plan a partition hints at most when it builds a window
 FIRST_ROWS = 1024          # rows a window makes before its first sample; the rest when the consumer gets there
+LARGE_ROW_BYTES = 512      # rows of at least this many Arrow bytes are permuted as Python objects (_gathered)
 
 
 @dataclass(frozen=True)
@@ -173,14 +174,15 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
         for t in ready:
             offset[t.index] = at
             at += t.table.num_rows
-        table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         idx = offset[owner[pos]] + within[pos]
+        if perm is not None and all(t.large() for t in ready):
+            return _gathered(ready, idx)
+        table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
             part = table.slice(int(idx[0]), len(idx))          # file order: one contiguous slice
         else:
             part = pc.take(table, _indices(idx), memory_pool=rows_pool())
-        make = _row_maker(tuple(part.column_names))
-        return make([part.column(i).to_pylist() for i in range(part.num_columns)], hi - lo)
+        return _rows_of(part, hi - lo)
 
     takes[int(owner[positions(skip, skip + 1)[0]])].read()
     limit = min(have, skip + FIRST_ROWS)
@@ -189,6 +191,35 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     cut = skip + (int(waits[0]) if len(waits) else limit - skip)
 
     return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
+
+
+def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
+    """The rows at ``idx`` of the ready takes' tables (concatenated), each take's rows made once in file order and
+    picked in the order handed out: for large rows (LARGE_ROW_BYTES) an Arrow take would copy every value's bytes
+    once more (documents of kilobytes: the take cost as much as parsing them)."""
+    rows = ready[0].made_rows() if len(ready) == 1 else [r for t in ready for r in t.made_rows()]
+    return [rows[i] for i in idx.tolist()]
+
+
+def _rows_of(part: pa.Table, n: int) -> list[dict]:
+    return _rows_from(part.column_names, part.schema, None, n, part)
+
+
+def _rows_from(names: list[str], schema: pa.Schema, columns: list[list] | None, n: int,
+               part: pa.Table | None = None) -> list[dict]:
+    """The ``n`` rows of ``part`` (or of ``columns``, its columns as lists) as dicts; a ``__bad_sample__`` column
+    marked to omit its nulls adds its key only to the rows it marks (sources/jsonl.py: a good row is the row
+    ``datasets`` gives)."""
+    if columns is None:
+        columns = [part.column(i).to_pylist() for i in range(part.num_columns)]
+    if names and names[-1] == BAD_SAMPLE_COLUMN and schema.field(len(names) - 1).metadata == BAD_SAMPLE_OMIT_NULL:
+        marks = columns[-1]
+        rows = _row_maker(tuple(names[:-1]))(columns[:-1], n)
+        for row, why in zip(rows, marks):
+            if why is not None:
+                row[BAD_SAMPLE_COLUMN] = why
+        return rows
+    return _row_maker(tuple(names))(columns, n)
 
 
 class _Part:
@@ -220,6 +251,19 @@ class _Take:
     count: int = 0               # rows in them
     tables: list | None = None   # read already (a shard of unknown length)
     table: pa.Table | None = None
+    _made: list | None = None    # the table's rows in file order (large rows: _gathered)
+    _large: bool | None = None
+
+    def made_rows(self) -> list[dict]:
+        if self._made is None:
+            self._made = _rows_of(self.table, self.table.num_rows)
+        return self._made
+
+    def large(self) -> bool:
+        """Rows of LARGE_ROW_BYTES or more (asked once: a table's nbytes walks its buffers)."""
+        if self._large is None:
+            self._large = self.table.nbytes >= LARGE_ROW_BYTES * max(1, self.table.num_rows)
+        return self._large
 
     def read(self) -> pa.Table:
         if self.table is None:

@@ -16,7 +16,7 @@ from resumable_stream.app.warmup import plan_warmup, run_warmup
 from resumable_stream.cache import CachedSource
 from resumable_stream.sources import open_source
 from resumable_stream.state.checkpoint import write_manifest
-from resumable_stream.testing import write_jsonl_dataset, write_parquet_dataset
+from resumable_stream.testing import synthetic_rows, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,12 +95,20 @@ def test_plan_is_exactly_the_blocks_the_stream_reads(parquet_60, tmp_path, world
 # ------------------------------------------------------------------------------ over HTTP
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    """2400 rows in 4 parquet files x 6 row groups of 100 rows (24 shards), and 4 jsonl files."""
+    """2400 rows in 4 parquet files x 6 row groups of 100 rows (24 shards), and 8 csv files (read by datasets:
+    shards of unknown length; JSON lines are indexed)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
     d = tmp_path_factory.mktemp("served")
     parquet = write_parquet_dataset(str(d / "pq"), rows=2400, files=4, row_group_size=100)
-    jsonl = write_jsonl_dataset(str(d / "js"), rows=800, files=8)
+    (d / "csv").mkdir()
+    csvs = []
+    for f in range(8):
+        csvs.append(str(d / "csv" / f"part-{f:05d}.csv"))
+        pacsv.write_csv(pa.table(synthetic_rows(f * 100, 100)), csvs[-1])
     with FileServer(d) as srv:
-        yield srv, [srv.url(p) for p in parquet], [srv.url(p) for p in jsonl]
+        yield srv, [srv.url(p) for p in parquet], [srv.url(p) for p in csvs]
 
 
 def _http_cfg(urls, builder="parquet", **kw) -> StreamConfig:
@@ -203,8 +211,8 @@ def test_warmup_of_some_ranks_only(site, tmp_path):
 
 
 def test_warmup_of_unknown_length_shards_reads_them_through_the_cache(site, tmp_path):
-    srv, _, jsonl = site
-    cfg = _http_cfg(jsonl, builder="json", buffer_size=50, cache_dir=str(tmp_path / "cache"))
+    srv, _, csvs = site
+    cfg = _http_cfg(csvs, builder="csv", buffer_size=50, cache_dir=str(tmp_path / "cache"))
     src = open_source(cfg.source_spec)
     assert all(s.num_rows is None for s in src.shards)
     reference = take_ids(ResumableStream(cfg.replace(cache_dir=None), rank=1, world_size=2, source=src), 120)
@@ -219,8 +227,8 @@ def test_warmup_of_unknown_length_shards_reads_them_through_the_cache(site, tmp_
 def test_unknown_length_shards_interleaved_by_a_partition_download_in_parallel(site, tmp_path):
     """While planning, each open unknown-length shard is read by its own thread: with 4 shards
     interleaved and a slow server, requests overlap (read one after another, they never would)."""
-    srv, _, jsonl = site
-    cfg = _http_cfg(jsonl, builder="json", buffer_size=50, interleave_shards=4, cache_dir=str(tmp_path / "c"))
+    srv, _, csvs = site
+    cfg = _http_cfg(csvs, builder="csv", buffer_size=50, interleave_shards=4, cache_dir=str(tmp_path / "c"))
     src = open_source(cfg.source_spec)
     reference = take_ids(ResumableStream(cfg.replace(cache_dir=None), source=src), 150)
     srv.reset_stats()

@@ -215,14 +215,14 @@ def test_resumable_stream_index_writes_a_lines_index_that_is_verified(lines_form
 
 def test_an_unregistered_format_is_a_config_error_listing_the_registered_ones(lines_format, tmp_path):
     with pytest.raises(ConfigError, match=r"source format 'webdataset2': not registered; registered formats: "
-                                          r"lines, parquet"):
+                                          r"jsonl, lines, parquet"):
         registry.format_named("webdataset2")
     src_index = {"format": "resumable-stream-index", "version": 1, "resolution": {}, "features": {},
                  "reader": "nope", "files": [{"path": "/x", "size": 1}]}
     path = tmp_path / "index.json"
     path.write_text(json.dumps(src_index))
     with pytest.raises(SourceError, match=r"index\.json.*source format 'nope': not registered; registered "
-                                          r"formats: lines, parquet"):
+                                          r"formats: jsonl, lines, parquet"):
         load_index(str(path))
 
 

@@ -280,15 +280,19 @@ def test_index_command_writes_one_index_per_source_for_their_index_path(two_site
 
 
 def test_index_command_names_the_source_it_cannot_index(two_sites, tmp_path, capsys):
-    from resumable_stream.testing import write_jsonl_dataset
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
 
+    from resumable_stream.testing import synthetic_rows
+
+    notes = str(tmp_path / "notes.csv")
+    pacsv.write_csv(pa.table(synthetic_rows(0, 20)), notes)
     section = _mixture(two_sites.urls)
-    section["sources"].append({"label": "notes", "dataset_name_or_path": "json",
-                               "data_files": write_jsonl_dataset(str(tmp_path / "j"), 20, 2)})
+    section["sources"].append({"label": "notes", "dataset_name_or_path": "csv", "data_files": [notes]})
     assert cli_main(["index", _yaml(tmp_path, section), "-o", str(tmp_path / "idx"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "data.sources[2].dataset_name_or_path" in err and "which has no dataset index" in err
-    assert "(parquet, webdataset; docs/formats.md)" in err and ".py" not in err
+    assert "(jsonl, parquet, webdataset; docs/formats.md)" in err and ".py" not in err
     assert not (tmp_path / "idx").exists()         # nothing written unless every source is indexed
 
 

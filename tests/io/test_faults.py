@@ -415,7 +415,8 @@ def test_missing_remote_file_fails_fast_with_default_retries(sites, caplog):
     assert missing in str(info.value)
     assert not [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
     asked = [r for r in site.srv.requests if r.path.endswith("/gone.jsonl")]
-    assert asked and all(r.status == 404 for r in asked) and len(asked) <= 2, asked
+    # (JSON lines by URL are indexed: fsspec's info() asks up to three times, each a 404, no retry of ours)
+    assert asked and all(r.status == 404 for r in asked) and len(asked) <= 3, asked
 
 
 def test_datasets_internal_retries_are_restored(sites):

@@ -384,13 +384,17 @@ def test_new_keys_are_validated(key, bad):
 
 
 def test_index_command_refuses_data_it_cannot_index(tmp_path, capsys):
-    from resumable_stream.testing import write_jsonl_dataset
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
 
-    files = write_jsonl_dataset(str(tmp_path / "j"), 20, 2)
-    (tmp_path / "data.yaml").write_text(json.dumps({"dataset_name_or_path": "json", "data_files": files}))
+    from resumable_stream.testing import synthetic_rows
+
+    files = [str(tmp_path / "a.csv")]
+    pacsv.write_csv(pa.table(synthetic_rows(0, 20)), files[0])
+    (tmp_path / "data.yaml").write_text(json.dumps({"dataset_name_or_path": "csv", "data_files": files}))
     assert cli_main(["index", str(tmp_path / "data.yaml"), "-o", str(tmp_path / "i.json"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "which has no dataset index" in err and "(parquet, webdataset; docs/formats.md)" in err and "'json'" in err
+    assert "which has no dataset index" in err and "(jsonl, parquet, webdataset; docs/formats.md)" in err and "'csv'" in err
     assert not (tmp_path / "i.json").exists()
 
 

@@ -351,12 +351,16 @@ def test_inspect_shows_progress_per_partition_and_a_summary(cfg, tmp_path, capsy
 
 
 def test_progress_without_row_counts_has_no_fraction(tmp_path):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
     from resumable_stream import StreamConfig
     from resumable_stream.observe.progress import partition_progress
-    from resumable_stream.testing import write_jsonl_dataset
+    from resumable_stream.testing import synthetic_rows
 
-    write_jsonl_dataset(str(tmp_path), rows=200, files=4)
-    c = StreamConfig(dataset_name_or_path="json", data_files=str(tmp_path / "*.jsonl"), num_partitions=2)
+    for f in range(4):      # csv: read by datasets, no row counts (JSON lines are indexed: they have them)
+        pacsv.write_csv(pa.table(synthetic_rows(f * 50, 50)), str(tmp_path / f"part-{f}.csv"))
+    c = StreamConfig(dataset_name_or_path="csv", data_files=str(tmp_path / "*.csv"), num_partitions=2)
     s = ResumableStream(c, rank=0, world_size=1)
     take_ids(s, 30)
     progress = [partition_progress(ps) for ps in s.state_dict()["partitions"].values()]

@@ -1,0 +1,727 @@
+"""JSON lines (``.jsonl`` / ``.json`` lines, plain, ``.gz`` or ``.zst``), indexed: read by byte ranges from a sparse
+line-offset index (:mod:`.jsonl_index`).
+
+A shard is a run of rows read from one access point (plain text and gzip: one piece of at most 16 MiB / 16,384
+rows; a one-frame zstd file: the whole file). ``read(shard, row)`` fetches the compressed bytes from the shard's
+access point (one ranged read per piece), decompresses them (a one-frame zstd file: from its start, skipping what
+comes before the row's piece without parsing it), checks each piece's text against the CRC-32 the index recorded
+and parses rows from ``row`` on only. Rows are parsed as ``datasets``' json builder parses them (pyarrow's JSON
+reader on a block of lines, the builder's own cast to the features it inferred from the first file, its JSON
+fields re-encoded the way it does), so they equal ``load_dataset("json", ..., streaming=True)``'s
+(``tests/sources/test_jsonl.py`` compares them).
+
+A line that does not parse (or is no JSON object, or holds more than one value, or cannot be cast to the
+features) is a **bad sample**: every column None and ``__bad_sample__`` naming the file, the row and why. The row
+count never changes; the transforms apply ``data.bad_sample`` to it. A good row has no ``__bad_sample__`` key (the
+column is marked so: the stream leaves a null mark out of the row).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from ..config.specs import SourceSpec
+from ..errors import (
+    BAD_SAMPLE_COLUMN,
+    BAD_SAMPLE_OMIT_NULL,
+    IncompleteFileError,
+    ResumableStreamError,
+    SourceError,
+    StreamMismatchError,
+)
+from ..io.net import RetryPolicy
+from ..io.ranged import WrongBytes, read_range
+from ..observe.metrics import record_retry, record_row_group
+from . import jsonl_index
+from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
+from .index import identity_of
+from .parquet import prefetch_depth
+from .parquet_local import cast_like_datasets
+from .parquet_rows import decoder_pool
+from .resolve import dataset_fingerprint
+
+log = logging.getLogger(__name__)
+
+HEAD_BYTES = 64 << 10          # the bytes at each end of a local file re-read on resume (``head`` identity)
+
+
+def _marker_field() -> pa.Field:
+    return pa.field(BAD_SAMPLE_COLUMN, pa.string(), metadata=BAD_SAMPLE_OMIT_NULL)
+
+
+# ------------------------------------------------------------------------------ index
+def _fetcher(path: str, retry: RetryPolicy | None, identity: dict, what: str) -> Callable[[int, int], bytes]:
+    options = retry.storage_options if retry else {}
+
+    def fetch(start: int, end: int) -> bytes:
+        if retry is not None and retry.applies(path):
+            return retry.call(lambda: read_range(path, start, end, options, identity),
+                              f"data file {path!r}: reading bytes {start}-{end} {what}", [path])
+        return read_range(path, start, end, options, identity)
+
+    return fetch
+
+
+def head_digest(path: str, size: int, fetch: Callable[[int, int], bytes]) -> str:
+    """CRC-32s of a file's first and last HEAD_BYTES: what a local file is re-checked on (a same-size, same-mtime
+    rewrite), at the cost of two reads."""
+    first = fetch(0, min(size, HEAD_BYTES))
+    last = fetch(max(0, size - HEAD_BYTES), size) if size > HEAD_BYTES else b""
+    return f"{zlib.crc32(first):08x}{zlib.crc32(last):08x}"
+
+
+def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool = False) -> dict:
+    """One file's index entry: its ``identity``, one pass over it (``jsonl_index.scan``) and its ``head``.
+    ``whole`` (``data.growth``): IncompleteFileError for a file not complete yet: text whose last line has no
+    newline, or compressed data cut short."""
+    if not isinstance(identity.get("size"), int):
+        raise SourceError(f"data file {path!r}: its size is unknown; a JSON-lines file needs one to be indexed")
+    compression = jsonl_index.compression_of(path)
+    if compression is None:
+        raise SourceError(f"data file {path!r}: a compression this library does not index (allowed: none, .gz, "
+                          ".zst)")
+    fetch = _fetcher(path, retry, identity, "to index it")
+    size = identity["size"]
+    if ".json." in path.lower().split("?", 1)[0] + "." and _starts_an_array(fetch(0, min(size, 65536)), compression):
+        raise NotIndexable(f"data file {path!r}: a JSON array, not JSON lines")
+    if whole and compression == "none" and size and fetch(size - 1, size) != b"\n":
+        raise IncompleteFileError(f"data file {path!r}: its last line has no newline (still being written)")
+    try:
+        layout = jsonl_index.scan(path, size, compression, fetch)
+    except SourceError as e:
+        if whole and compression != "none" and not isinstance(e, NotIndexable):
+            raise IncompleteFileError(f"{e} (still being written?)") from None
+        raise
+    entry = {**identity, "compression": compression, **layout, "shard_rule": dict(jsonl_index.SHARD_RULE)}
+    if "://" not in path or path.startswith("file://"):      # a remote file is re-checked by its size and ETag
+        entry["head"] = head_digest(path, size, fetch)
+    return entry
+
+
+def _starts_an_array(head: bytes, compression: str) -> bool:
+    """Whether the text of a ``.json`` file whose first bytes are ``head`` begins a JSON array (``datasets`` reads
+    it whole, not as lines)."""
+    try:
+        if compression == "gzip":
+            head = zlib.decompressobj(47).decompress(head, 4096)
+        elif compression == "zstd":
+            import zstandard
+
+            head = zstandard.ZstdDecompressor().decompressobj().decompress(head)[:4096]
+    except Exception:      # noqa: BLE001 - not even its start decompresses: the pass says why
+        return False
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
+def _json_builder():
+    from datasets.packaged_modules.json.json import Json
+
+    return Json
+
+
+def builder_features(path: str, retry: RetryPolicy | None):
+    """The features ``datasets``' json builder infers from the file at ``path`` (its first chunk): the builder
+    itself is asked, streaming over that one file, as ``load_dataset(..., streaming=True)`` would. None when it
+    infers none (a line of the chunk does not parse; datasets 4.x while streaming)."""
+    import datasets
+
+    options = {"storage_options": dict(retry.storage_options)} if retry is not None and retry.remote else {}
+    builder = datasets.load_dataset_builder("json", data_files={"train": [path]}, **options)
+    try:
+        features = builder.as_streaming_dataset(split="train").features
+    except Exception:      # noqa: BLE001 - inferred from its good lines instead (infer_features)
+        return None
+    from datasets.packaged_modules.json import json as json_module
+
+    traces = getattr(json_module, "AGENT_TRACES_FEATURES", None)
+    if traces is not None and features == traces:
+        raise NotIndexable(f"data file {path!r}: agent traces (datasets converts whole files of them), not rows of "
+                           "JSON lines")
+    return features
+
+
+def infer_features(spec: SourceSpec, entry: dict, retry: RetryPolicy | None):
+    """The features of the data: the json builder's (``builder_features``), else those it infers from the first
+    file's first piece without its lines that do not parse."""
+    features = builder_features(entry["path"], retry)
+    return features if features is not None else _features_of_good_lines(entry, retry)
+
+
+def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
+    """What the builder infers from the first file's first chunk without its lines that do not parse (which
+    the builder refuses whole, and we read as bad samples): the builder itself, on those lines."""
+    import tempfile
+
+    import datasets
+
+    path = entry["path"]
+    first = entry["pieces"][0] if entry["pieces"] else None
+    if first is None:
+        raise SourceError(f"data file {path!r}: holds no rows; the features are inferred from the first file")
+    text = _Text(entry, first[4], _fetcher(path, retry, entry, "to infer the features")) \
+        if entry["compression"] != "none" else None
+    chunk = text.upto(first[2], first[5]) if text is not None else \
+        _fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
+    if text is not None:
+        text.close()
+    good = [line for line in chunk.splitlines() if not jsonl_index.is_blank(line) and _line_problem(line) is None]
+    if not good:
+        raise SourceError(f"data file {path!r}: no line of its first {first[0]} rows is a JSON object; the "
+                          "features are inferred from them")
+    with tempfile.TemporaryDirectory() as d:
+        sample = f"{d}/first.jsonl"
+        with open(sample, "wb") as f:
+            f.write(b"\n".join(good))
+        builder = datasets.load_dataset_builder("json", data_files={"train": [sample]})
+        features = builder.as_streaming_dataset(split="train").features
+    if features is None:
+        # datasets 4.x infers no features while streaming JSON (it reads each block with the types pyarrow finds
+        # there): those of the first block, as its IterableDataset resolves them from its first rows
+        import pyarrow.json as paj
+
+        block = b"\n".join(good)
+        table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(block_size=len(block) + 1))
+        features = datasets.Features.from_arrow_schema(table.schema)
+    return features
+
+
+# ------------------------------------------------------------------------------ text from an access point
+def _shifted(data: bytes, shift: int, carry: int) -> tuple[bytes, int]:
+    """``data`` (following the byte ``carry``) read from bit ``shift`` of ``carry`` on: a deflate stream that starts
+    inside a byte, moved onto byte boundaries for zlib (Python's zlib has no ``inflatePrime``); and the new carry."""
+    import numpy as np
+
+    raw = np.frombuffer(bytes([carry]) + data, dtype=np.uint8).astype(np.uint16)
+    out = ((raw[:-1] >> shift) | (raw[1:] << (8 - shift))) & 0xFF
+    return out.astype(np.uint8).tobytes(), data[-1]
+
+
+class _Inflate:
+    """Raw deflate from a gzip access point of the index (its bit offset and window), by zlib, fed the compressed
+    bytes as they are fetched; at a member's end it goes on from the next member's start (a point of the index)."""
+
+    def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
+        self.size, self.fetch = entry["size"], fetch
+        self._members = {p[0]: p for p in entry["points"] if p[2] == 0 and not p[3]}   # by their text offset
+        self._start(entry["points"][point])
+
+    def _start(self, p: list) -> None:
+        window = jsonl_index.window_of(p)
+        self.made = p[0]                               # the text offset the output reaches
+        self._shift = 8 - p[2] if p[2] else 0
+        self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
+        self._carry: int | None = None
+        self._d = zlib.decompressobj(-15, zdict=window) if window else zlib.decompressobj(-15)
+
+    def more(self, c_end: int) -> bytes:
+        """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
+        if self._d.eof:
+            nxt = self._members.get(self.made)
+            if nxt is None:
+                raise WrongBytes(f"the gzip data ends at text byte {self.made}, where the index has no member start")
+            self._start(nxt)
+        if self._c >= self.size:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
+        end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+        data = self.fetch(self._c, end)
+        self._c += len(data)
+        if self._shift:
+            if self._carry is None:
+                self._carry, data = data[0], data[1:]
+            if data:
+                data, self._carry = _shifted(data, self._shift, self._carry)
+        try:
+            out = self._d.decompress(data)
+        except zlib.error as e:
+            raise WrongBytes(f"the gzip data does not inflate ({e})") from None
+        self.made += len(out)
+        return out
+
+
+class _Text:
+    """The decompressed text of one file from an access point on, handed out piece by piece."""
+
+    def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
+        self.entry, self.fetch = entry, fetch
+        self.kind = entry["compression"]
+        if self.kind == "none":
+            return
+        p = entry["points"][point]
+        self.u = p[0]
+        self._out = bytearray()
+        if self.kind == "zstd":
+            import zstandard
+
+            self._dctx = zstandard.ZstdDecompressor()
+            self._obj = self._dctx.decompressobj()
+            self._c = p[1]
+        else:
+            self._inflate = _Inflate(entry, point, fetch)
+
+    def close(self) -> None:
+        """(Nothing is held but memory.)"""
+
+    def _more_zstd(self, u_end: int, c_end: int) -> bytes:
+        size = self.entry["size"]
+        if self._c >= size:
+            raise WrongBytes(f"the zstd data ends at text byte {self.u + len(self._out)}, the index says {u_end}")
+        end = min(size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+        data = self.fetch(self._c, end)
+        self._c += len(data)
+        out = bytearray()
+        try:
+            while data:
+                out += self._obj.decompress(data)
+                if not self._obj.eof:
+                    break
+                data = self._obj.unused_data
+                self._obj = self._dctx.decompressobj()
+        except Exception as e:         # zstandard.ZstdError: bytes that are not the index's
+            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
+        return bytes(out)
+
+    def upto(self, u_end: int, c_end: int) -> bytes:
+        """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
+        bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not."""
+        while len(self._out) < u_end - self.u:
+            self._out += self._more_zstd(u_end, c_end) if self.kind == "zstd" else self._inflate.more(c_end)
+        n = u_end - self.u
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        self.u = u_end
+        return out
+
+
+@dataclass
+class _Reading:
+    """A shard being read: its next piece and the text decoder standing there (what a fetch ahead hands the
+    reader with its first table, so that a one-frame file is never decompressed twice)."""
+
+    shard: int
+    piece: int                  # the next piece (index in the file's pieces)
+    text: _Text | None
+    table: pa.Table | None = None
+    first_row: int = 0          # the shard's row the table starts at
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes if self.table is not None else 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows if self.table is not None else 0
+
+
+# ------------------------------------------------------------------------------ rows
+class _Rows:
+    """Blocks of lines to tables in the dataset's features, as ``datasets``' json builder makes them."""
+
+    def __init__(self, features: dict):
+        self._features_dict = features
+        self._features = None
+        self._schema = None
+        self._json_paths: list | None = None
+
+    def __getstate__(self) -> dict:
+        return {"_features_dict": self._features_dict, "_features": None, "_schema": None, "_json_paths": None}
+
+    def _ready(self) -> None:
+        if self._features is None:
+            import datasets
+
+            self._features = datasets.Features.from_dict(self._features_dict)
+            self._schema = self._features.arrow_schema
+            try:
+                from datasets.utils.json import get_json_field_paths_from_feature
+            except ImportError:          # a datasets without JSON fields (before 5.x)
+                self._json_paths = []
+            else:
+                self._json_paths = list(get_json_field_paths_from_feature(self._features))
+
+    @property
+    def schema(self) -> pa.Schema:
+        self._ready()
+        return self._schema
+
+    def _encoded(self, block: bytes) -> bytes:
+        """The block with its JSON fields encoded as strings, as the builder does before parsing."""
+        from datasets.utils.json import json_encode_field, ujson_dumps, ujson_loads
+
+        examples = [ujson_loads(line) for line in block.splitlines() if not jsonl_index.is_blank(line)]
+        for path in self._json_paths:
+            examples = [json_encode_field(example, path) for example in examples]
+        return "\n".join(ujson_dumps(example) for example in examples).encode()
+
+    def parse(self, block: bytes) -> pa.Table:
+        """``block`` (whole lines) as a table in the features; raises on anything the builder would refuse."""
+        import pyarrow.json as paj
+
+        self._ready()
+        if self._json_paths:
+            block = self._encoded(block)
+        table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(
+            use_threads=False, block_size=max(len(block) + 1, 1 << 16)))
+        cast = cast_like_datasets(table, self._schema)
+        if cast is not None:
+            return cast
+        return self._cast(table)
+
+    def _cast(self, table: pa.Table) -> pa.Table:
+        """The builder's own ``_cast_table`` (missing columns added, structs to strings where the features say
+        string, then ``table_cast``)."""
+        shim = _BuilderShim(self._features)
+        return _json_builder()._cast_table(shim, table)
+
+    def table(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
+        """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
+        that does not parse whole is parsed row by row, each row that fails a bad sample (``where(i)``: row
+        ``i`` of the block, named for the reason)."""
+        self._ready()
+        block = text[lo:] if lo else text
+        try:
+            table = self.parse(block)
+            if table.num_rows == rows:
+                return table.append_column(_marker_field(), pa.nulls(rows, pa.string()))
+        except Exception:   # noqa: BLE001 - parsed again row by row below, each failure named
+            pass
+        return self._row_by_row(text, lo, rows, where)
+
+    def _row_by_row(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
+        spans = jsonl_index.row_spans(text, lo)
+        if len(spans) != rows:
+            raise WrongBytes(f"{len(spans)} rows where the index says {rows}")
+        good, reasons = [], []
+        for a, b in spans:
+            line = text[a:b]
+            why = _line_problem(line)
+            if why is None:
+                try:
+                    good.append(self.parse(line))
+                except Exception as e:   # noqa: BLE001 - a value the features cannot take: a bad sample
+                    why = f"does not fit the dataset's features ({type(e).__name__}: {str(e)[:200]})"
+            reasons.append(why)
+        schema = self._schema
+        bad_rows = [i for i, why in enumerate(reasons) if why is not None]
+        for i in bad_rows:
+            reasons[i] = _bad(where(i), reasons[i])
+        nulls = pa.table({f.name: pa.nulls(len(bad_rows), f.type) for f in schema}, schema=schema)
+        joined = pa.concat_tables([*good, nulls]) if good else nulls
+        order, g, b = [], 0, len(good)
+        for why in reasons:
+            if why is None:
+                order.append(g)
+                g += 1
+            else:
+                order.append(b)
+                b += 1
+        out = joined.take(pa.array(order, pa.int64()))
+        return out.append_column(_marker_field(), pa.array(reasons, pa.string()))
+
+
+class _BuilderShim:
+    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
+
+    def __init__(self, features):
+        self.info = type("Info", (), {"features": features})()
+        self.config = type("Config", (), {"features": features})()
+
+
+def _line_problem(line: bytes) -> str | None:
+    """Why a row's line is not one JSON object (None: it is)."""
+    try:
+        value = json.loads(line.lstrip(b"\xef\xbb\xbf"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"is not JSON ({type(e).__name__}: {str(e)[:200]})"
+    if not isinstance(value, dict):
+        return f"is a JSON {type(value).__name__}, not an object"
+    return None
+
+
+def _bad(where: str, why: str) -> str:
+    reason = f"{where}: {why}"
+    log.warning("%s; a bad sample, its columns are None", reason)
+    return reason
+
+
+# ------------------------------------------------------------------------------ the source
+class JsonLinesSource(FetchesAhead):
+    """Indexed JSON-lines files: one shard per run of pieces read from one access point (picklable)."""
+
+    exact_rows = True       # a shard's rows are the index's count, checked against what each piece parses to
+
+    def __init__(self, spec: SourceSpec, index: dict, retry: RetryPolicy, footers: dict | None = None):
+        self.index = index
+        self._files = index["files"]
+        self._retry = retry if retry.remote else None
+        self._options = retry.storage_options
+        self._rows = _Rows(index["features"])
+        runs = []                       # (file, first piece, end piece, rows before each piece in the shard)
+        for f, entry in enumerate(self._files):
+            pieces = entry["pieces"]
+            cuts = [*jsonl_index.shard_cuts(pieces, entry["compression"]), len(pieces)]
+            for a, b in zip(cuts, cuts[1:]):
+                if a < b:
+                    runs.append((f, a, b))
+        self._runs = runs
+        self._before: dict[int, list[int]] = {}
+        self.shards = []
+        last, j = None, 0
+        for i, (f, a, b) in enumerate(runs):
+            j = j + 1 if f == last else 0
+            last = f
+            self.shards.append(ShardInfo(i, self._files[f]["path"], j,
+                                         sum(p[0] for p in self._files[f]["pieces"][a:b])))
+        self.fingerprint = dataset_fingerprint(spec, index["builder"],
+                                               [identity_of(f, JsonLinesReader.layout_keys) for f in self._files],
+                                               self.shards)
+        self.column_names = list(index["features"])
+        self._starts: dict[int, int] = {}
+        self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
+                          self._shard_bytes, remote=retry.remote)
+
+    # ------------------------------------------------------------------ where rows are
+    def _offsets(self, shard: int) -> list[int]:
+        """Rows of the shard before each of its pieces (and its total)."""
+        known = self._before.get(shard)
+        if known is None:
+            f, a, b = self._runs[shard]
+            known, n = [0], 0
+            for p in self._files[f]["pieces"][a:b]:
+                n += p[0]
+                known.append(n)
+            self._before[shard] = known
+        return known
+
+    def _locate(self, shard: int, row: int) -> tuple[int, int]:
+        """(piece, row inside it) of the shard's row ``row``."""
+        _, a, _ = self._runs[shard]
+        before = self._offsets(shard)
+        k = bisect.bisect_right(before, row) - 1
+        return a + k, row - before[k]
+
+    def _fetch(self, path: str, entry: dict) -> Callable[[int, int], bytes]:
+        retry, options = self._retry, self._options
+
+        def fetch(start: int, end: int) -> bytes:
+            if retry is not None and retry.applies(path):
+                return retry.call(lambda: read_range(path, start, end, options, entry),
+                                  f"data file {path!r}: reading bytes {start}-{end}", [path])
+            return read_range(path, start, end, options, entry)
+
+        return fetch
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that row's piece on."""
+        if self._prefetch is not None:
+            starts = starts or {}
+            self._starts.update((s, starts.get(s, 0)) for s in shards)
+            super().prefetch(partition, shards)
+
+    def _shard_bytes(self, shard: int) -> int:
+        """The compressed bytes a fetch ahead of ``shard`` transfers: its first piece's, from its access point."""
+        f, a, _ = self._runs[shard]
+        entry = self._files[f]
+        piece, _ = self._locate(shard, min(self._starts.get(shard, 0), self.shards[shard].num_rows - 1))
+        p = entry["pieces"][piece]
+        if entry["compression"] == "none":
+            return p[2] - p[1]
+        return p[5] - entry["points"][p[4]][1]
+
+    def _fetch_shard(self, shard: int) -> _Reading:
+        start = min(self._starts.get(shard, 0), max(0, self.shards[shard].num_rows - 1))
+        reading = self._open(shard, start)
+        record_row_group(reading.num_rows)
+        return reading
+
+    # ------------------------------------------------------------------ reading
+    def _open(self, shard: int, row: int) -> _Reading:
+        """The shard read from row ``row``: the table of the rest of that row's piece, and where to go on."""
+        f, a, b = self._runs[shard]
+        entry = self._files[f]
+        piece, inside = self._locate(shard, row)
+        first_row = row
+        path = entry["path"]
+
+        def attempt() -> _Reading:
+            text = None
+            if entry["compression"] != "none":
+                text = _Text(entry, entry["pieces"][a][4], self._fetch(path, entry))
+                if piece > a:          # decompress and skip the pieces before the row's: nothing of them parsed
+                    prev = entry["pieces"][piece - 1]
+                    text.upto(entry["pieces"][piece][1], prev[5])
+            reading = _Reading(shard, piece, text)
+            reading.table = self._piece_table(entry, reading, inside)
+            reading.first_row = first_row
+            return reading
+
+        for tries in range(2):
+            try:
+                return attempt()
+            except WrongBytes as e:
+                if tries == 0:
+                    log.warning("data file %r (shard %d): %s; reading it once more from the source", path, shard, e)
+                    record_retry("wrong_bytes")
+                    continue
+                raise StreamMismatchError(
+                    f"data file {path!r} (shard {shard}): {e}, on two reads; the file changed since the dataset "
+                    "index was made, or the server answers with other bytes (rebuild the index if it changed)",
+                    [(f"file modified: {path} (text)", "the index's CRC-32", "other bytes")]) from None
+        raise AssertionError("unreachable")
+
+    def _piece_table(self, entry: dict, reading: _Reading, inside: int) -> pa.Table:
+        """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on."""
+        rows, start, end, crc, _, cend = entry["pieces"][reading.piece]
+        if reading.text is None:
+            text = self._fetch(entry["path"], entry)(start, end)
+        else:
+            text = reading.text.upto(end, cend)
+            if reading.text.u - len(text) != start:    # text of the piece starts at its first row
+                text = text[start - (reading.text.u - len(text)):]
+        if zlib.crc32(text) != crc:
+            raise WrongBytes(f"the text of rows {rows} at bytes {start}-{end} does not match the index's CRC-32")
+        lo = jsonl_index.skip_rows(text, 0, inside) if inside else 0
+        piece = reading.piece
+        path = entry["path"]
+        row0 = sum(p[0] for p in entry["pieces"][:piece]) + inside
+
+        def where(i: int) -> str:
+            return f"data file {path!r}: row {row0 + i} (line of bytes from {start + lo}.. of the text)"
+
+        table = self._rows.table(text, lo, rows - inside, where)
+        reading.piece += 1
+        return table
+
+    def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        info = self.shards[shard]
+        if start_row >= (info.num_rows or 0):
+            return
+        reading = self._first(shard, start_row)
+        f, _, b = self._runs[shard]
+        entry = self._files[f]
+        ahead = None
+        try:
+            table, at = reading.table, reading.first_row
+            if at < start_row:
+                table = table.slice(start_row - at)
+            # the next piece (a one-frame file's shard holds many) is decoded on a worker thread meanwhile
+            if reading.piece < b:
+                ahead = decoder_pool().submit(self._checked_next, shard, entry, reading)
+            yield table
+            while ahead is not None:
+                table = ahead.result()
+                ahead = decoder_pool().submit(self._checked_next, shard, entry, reading) if reading.piece < b else None
+                yield table
+        finally:
+            if ahead is not None and not ahead.cancel():
+                try:
+                    ahead.result()
+                except Exception:      # noqa: BLE001 - a piece nobody reads
+                    pass
+            if reading.text is not None:
+                reading.text.close()
+
+    def _checked_next(self, shard: int, entry: dict, reading: _Reading) -> pa.Table:
+        """The next piece's table; a piece whose text fails its check is read again from the shard's point."""
+        piece = reading.piece
+        try:
+            return self._piece_table(entry, reading, 0)
+        except WrongBytes as e:
+            log.warning("data file %r: %s; reading it once more from the source", entry["path"], e)
+        if reading.text is not None:
+            reading.text.close()
+        rows_before = self._offsets(shard)[piece - self._runs[shard][1]]
+        again = self._open(shard, rows_before)
+        reading.piece, reading.text = again.piece, again.text
+        return again.table
+
+    def _first(self, shard: int, start_row: int) -> _Reading:
+        ahead = self._taken(shard)
+        if ahead is not None and ahead.first_row <= start_row < ahead.first_row + ahead.num_rows:
+            return ahead
+        if ahead is not None and ahead.text is not None:
+            ahead.text.close()
+        info = self.shards[shard]
+        retry = self._retry
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                return self._open(shard, start_row)
+            except ResumableStreamError:
+                raise
+            except Exception as e:
+                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
+                if retry is None or not retry.applies(info.file) or not retry.failed(
+                        e, attempt, label, [info.file], started):
+                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
+                attempt += 1
+
+
+class JsonLinesReader(IndexedReader):
+    """The registry's jsonl entry (``config/formats.py``): JSON-lines files indexed by :mod:`.jsonl_index`."""
+
+    # the compression, the decompressed length, rows, pieces and points, the cut rule: layout, not identity
+    layout_keys = ("compression", "length", "rows", "pieces", "points", "shard_rule")
+    # the CRCs of a local file's first and last 64 KiB, re-read on resume (a remote one has none: its ETag vouches)
+    content_keys = ("head",)
+    index_reads_files = True
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        return index_file(path, retry, identity)
+
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        return index_file(path, retry, identity, whole=True)
+
+    def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
+        return infer_features(spec, entry, retry)
+
+    def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None):
+        """The json builder's inference on the first file, on a thread while the files are indexed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rs-features")
+        try:
+            return pool.submit(builder_features, path, retry)
+        finally:
+            pool.shutdown(wait=False)
+
+    def entry_problem(self, entry: dict) -> str | None:
+        problem = jsonl_index.entry_problem(entry)
+        if problem is None and not isinstance(entry.get("head", ""), str):
+            return "a JSON-lines entry whose 'head' is no string"
+        return problem
+
+    def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
+        try:
+            return {"head": head_digest(path, identity["size"], _fetcher(path, None, identity, "to check it"))}
+        except (OSError, SourceError, StreamMismatchError) as e:
+            return {"head": f"unreadable ({type(e).__name__}: {e})"}
+
+    def indexable(self, builder: Any) -> bool:
+        """JSON lines read whole: no ``field``, utf-8, no features or encoding of the user's."""
+        config = builder.config
+        return (getattr(config, "field", None) is None and getattr(config, "encoding", "utf-8") == "utf-8"
+                and getattr(config, "encoding_errors", None) is None and getattr(config, "features", None) is None)
+
+    def reads_files(self, files: list[str]) -> bool:
+        """Every file's compression is one we index (none, .gz, .zst)."""
+        return all(jsonl_index.compression_of(f) is not None for f in files)
+
+    def open_indexed(self, spec: SourceSpec, index: dict, retry: RetryPolicy,
+                     footers: dict[str, bytes] | None = None) -> JsonLinesSource:
+        return JsonLinesSource(spec, index, retry, footers)
+
+
+READER = JsonLinesReader()
