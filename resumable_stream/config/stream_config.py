@@ -63,7 +63,7 @@ MAX_REQUEST_RATE = 1_000_000.0
 def _check_request_rate(v: Any) -> bool:
     if v is None or v in REQUEST_RATE_NAMES:
         return True
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0.001 <= v <= MAX_REQUEST_RATE
+    return is_number(v) and 0.001 <= v <= MAX_REQUEST_RATE
 
 
 # The most data.max_member_bytes may allow: a member is held in memory whole.
@@ -107,7 +107,7 @@ _RULES: dict[str, tuple[Any, str]] = {
                            "null (automatic: hf:// data on huggingface.co at the Hub's free tier with a token, anonymous without; S3 at "
                            "4950/s per bucket; other stores unlimited), a number of requests per second for the whole "
                            f"job from 0.001 to {int(MAX_REQUEST_RATE)}, or one of {', '.join(REQUEST_RATE_NAMES)}"),
-    "rate_limit_wait_s": (lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= 86400,
+    "rate_limit_wait_s": (lambda v: is_number(v) and 0 <= v <= 86400,
                           "a number of seconds from 0 to 86400: how long one request may wait out a store's "
                           "rate-limit answers (HTTP 429, S3 503 SlowDown) before it fails"),
     "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_PARTITIONS),
