@@ -42,7 +42,7 @@ from .observe.progress import epoch_position, mean_position
 from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
-from .state.job_state import decode_state_dict, encode_state_dict, gather_job_state
+from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
 from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
 
@@ -543,9 +543,11 @@ class StreamLoader:
         without an initialized process group (save each rank's with :meth:`save_sidecar` instead). With
         ``per_rank_state``: this rank's state, in the same form, gathered by nobody."""
         _check_lightning_prefetch(self.trainer_prefetch)
-        if self.per_rank_state:
-            return encode_state_dict(self.rank_state())
-        return encode_state_dict(gather_job_state(self.rank_state()))
+        state = self.rank_state() if self.per_rank_state else gather_job_state(self.rank_state())
+        carried = carried_indexes(self.stream.growing_indexes())   # data.growth: no directory saves the index
+        if carried:
+            state["indexes"] = carried
+        return encode_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
         """Restore cursors, transform carries and, with the same ranks and workers, the batch rotation.
@@ -559,6 +561,8 @@ class StreamLoader:
             SidecarError: a damaged or forged state.
         """
         state = decode_state_dict(state, where)
+        if state.get("indexes"):      # a growing dataset's state a trainer kept: its files, and those since
+            self.stream.adopt_saved_indexes(state["indexes"], state["stream"], where)
         self.stream.load_state_dict(state["stream"], where)
         mine = set(self.stream.partitions)
         carries = {int(p): c for p, c in (state.get("transform") or {}).items() if int(p) in mine and c}

@@ -369,6 +369,16 @@ class StreamBase(IterableDataset):
         dataset's fingerprint and indexes: see :func:`resumable_stream.state.checkpoint.save`."""
         return checkpoint.save(path, state, self.rank, self.world_size, self.saved_indexes(), manifest)
 
+    def growing_indexes(self) -> dict[str | None, dict]:
+        """The indexes of this stream's growing sources (``data.growth``), by label (None: the dataset's): what a
+        state a trainer keeps itself must carry, since no stream_state directory saves them (none here)."""
+        return {}
+
+    def adopt_saved_indexes(self, indexes: dict[str | None, bytes], state: dict[str, Any], where: str) -> None:
+        """Read through the indexes a state carries (:meth:`growing_indexes` when it was saved), the files that
+        appeared since joining after the furthest epoch the state's partitions have begun; before the state is
+        loaded. Collective (rank 0 lists the files). Nothing to do here."""
+
     def saved_indexes(self) -> dict[str | None, dict]:
         """The dataset indexes a checkpoint saves beside the state (rank 0): the dataset's under None, a mixture
         source's under its label."""
