@@ -257,6 +257,23 @@ def test_allowed_weight_change_applies_from_the_resume_point_and_sources_keep_th
                                             "added": [], "removed": []}]
 
 
+def test_a_weight_history_resumes_its_draws_whatever_the_order_of_the_labels(dirs):
+    """A saved state's JSON has its keys sorted: the history's labels keep their own order (the order of the
+    cumulative weights a draw's uniform picks against), so a second resume draws as the run it continues
+    (labels b, a: not their sorted order)."""
+    labels = ("b", "a")
+    first = make(mix(dirs, [0.3, 0.7], labels=labels))
+    ids(first, 40)
+    first.set_weights({"b": 0.6, "a": 0.4})
+    head = ids(first, 30)
+    state = reload(first)
+    expected = ids(first, 60)
+    again = make(mix(dirs, [0.3, 0.7], labels=labels))
+    again.load_state_dict(state)
+    assert head and ids(again, 60) == expected
+    assert describe_state(state)["mixture"]["weight_history"][1]["labels"] == ["b", "a"]
+
+
 def test_added_source_starts_at_its_beginning_and_a_removed_one_continues_when_added_back(dirs):
     first = make(mix(dirs, [1, 1]))
     seen = ids(first, 50)
