@@ -335,7 +335,7 @@ def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_a
     [next(it) for _ in range(2)]
     state = through_sidecar(first.rank_state())["stream"]
     assert state["fingerprint"]["mixture"]["history"][1] == {"from": "set_weights", "step": 3,
-                                                            "weights": {"a": 0.0, "b": 1.0}}
+                                                            "weights": {"a": 0.0, "b": 1.0}, "labels": ["a", "b"]}
     first.save_sidecar(str(tmp_path / "state"))
     resumed = StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2)
     resumed.load_sidecar(str(tmp_path / "state"))
