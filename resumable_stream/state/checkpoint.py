@@ -323,11 +323,14 @@ class SavedIndexes:
 def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every: bool = False) -> dict[str, Any]:
     """One state of ``partitions`` gathered from states of one save (elastic resume, or the job's state from its
     ranks'): each partition, and its transform carry, taken from the state that held it; the states must agree
-    on the topology. The rotations start afresh (no loader part). ``every``: all of ``partitions`` must be there
-    (else those there: the stream names the missing ones it reads)."""
+    on the topology. The loader part holds the rotations of the ranks whose states were merged, by their rank
+    (a job's state: every rank's), for the loader to look at (a loader of the same ranks and workers takes its
+    own; after a change they start afresh). ``every``: all of ``partitions`` must be there (else those there:
+    the stream names the missing ones it reads)."""
     first = states[0]["stream"]
     merged: dict[int, Any] = {}
     carries: dict[int, Any] = {}
+    rotations: dict[str, dict[int, Any]] = {"turns": {}, "lane_turns": {}}
     for state in states:
         topo = state["stream"]["topology"]
         if any(topo[k] != first["topology"][k] for k in TOPOLOGY_KEYS):
@@ -342,6 +345,8 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
                     raise SidecarError(f"{where}: partition {p} is held by two rank files of one save")
                 merged[p] = ps
         carries.update({p: c for p, c in (state.get("transform") or {}).items() if p in partitions})
+        for key, by_rank in rotations.items():
+            by_rank.update((state.get("loader") or {}).get(key) or {})
     missing = sorted(partitions - set(merged))
     if every and missing:
         raise SidecarError(f"{where}: holds no state of partitions {missing[:8]}{' ...' if len(missing) > 8 else ''}"
@@ -350,7 +355,7 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
     topology = {k: first["topology"][k] for k in TOPOLOGY_KEYS}
     stream = {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
               "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}
-    return {"stream": stream, "transform": carries, "loader": None}
+    return {"stream": stream, "transform": carries, "loader": rotations if rotations["turns"] else None}
 
 
 def saved_identities(path: str | os.PathLike):

@@ -49,12 +49,7 @@ def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
                               f"{state['stream']['topology']['rank']} of {state['stream']['topology']['world_size']}: "
                               "each rank's loader must read its own rank of the job")
     every = set(range(topology["num_partitions"]))
-    job = merge(states, every, "the job's state", every=True)
-    job["loader"] = {"turns": {}, "lane_turns": {}}
-    for state in states:
-        for key in ("turns", "lane_turns"):
-            job["loader"][key].update((state.get("loader") or {}).get(key, {}))
-    return job
+    return merge(states, every, "the job's state", every=True)     # with every rank's rotation
 
 
 def _as_job(state: dict[str, Any]) -> dict[str, Any]:

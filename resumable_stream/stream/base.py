@@ -99,7 +99,8 @@ class Stream(Protocol):
 
 
 # the data: keys that decide which rows a partition reads, in which order: the same on every rank of a job
-ORDER_KEYS = ("shuffle", "shuffle_seed", "buffer_size", "interleave_shards", "block_rows", "num_partitions", "elastic")
+ORDER_KEYS = ("shuffle", "shuffle_seed", "buffer_size", "interleave_shards", "block_rows", "num_partitions", "elastic",
+              "elastic_determinism")
 
 
 def order_settings(config: Any, prefix: str = "data.") -> dict[str, Any]:

@@ -222,7 +222,7 @@ class MixtureStream(StreamBase):
         if self.draws != "hash":        # only then: the fingerprints of hash mixtures stay as they were
             fp["mixture"]["draws"] = self.draws
         if self._history != [Segment(c.labels, c.weights)]:
-            fp["mixture"]["history"] = [s.to_json() for s in self._history]
+            fp["mixture"]["history"] = [s.to_state() for s in self._history]
         if self._samples_per_step is not None and history_unit(self._history) == "steps":
             fp["mixture"]["samples_per_step"] = self._samples_per_step
         if self._retired:
