@@ -5,7 +5,7 @@ is (a module path, imported when first used, so that ``config.py`` can consult t
 importing pyarrow's readers; or the reader object itself). The reader is an
 :class:`~resumable_stream.sources.base.IndexedReader`: how one file's index entry is built, what checks an
 entry of a local file on resume, how a source opens from an index. A new format is one module plus one
-:func:`register` call (or one line in ``_BUILTIN``); see docs/architecture.md, "How to add a source".
+:func:`register` call (or one line in ``_BUILTIN``); see docs/internals.md, "How to add a source".
 
 This module imports nothing heavy: ``config.py`` imports it.
 """

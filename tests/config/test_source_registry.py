@@ -1,4 +1,4 @@
-"""The source registry, kept honest by docs/architecture.md: the toy format "How to add a source" shows is
+"""The source registry, kept honest by docs/internals.md: the toy format "How to add a source" shows is
 written out of the page, registered as the page says, and must pass the exact-resume checks (shuffled, several
 partitions, saves and resumes at random points, a SIGKILL, an elastic re-partition), be indexed by
 ``resumable-stream index`` and be verified on resume like parquet."""
@@ -32,7 +32,7 @@ ROWS = FILES * LINES
 
 def doc_blocks() -> tuple[str, str]:
     """The module and the registry entry of the section "How to add a source" (its two python blocks)."""
-    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "internals.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## How to add a source", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -47,7 +47,7 @@ def lines_format(tmp_path_factory):
     (where / "lines_source.py").write_text(module)
     sys.path.insert(0, str(where))
     try:
-        exec(compile(entry, "docs/architecture.md (registry entry)", "exec"), {})
+        exec(compile(entry, "docs/internals.md (registry entry)", "exec"), {})
         yield str(where)
     finally:
         registry.unregister("lines")
