@@ -49,6 +49,7 @@ from .observe.mixture_counts import (
 from .observe.progress import epoch_position, mean_position
 from .plan import check_global_batch, check_partitions_per_rank
 from .runtime import threads
+from .runtime.collectives import max_over_ranks
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
@@ -193,8 +194,6 @@ class _BatchProducer(IterableDataset):
         together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
         hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
         data.follow_timeout_s."""
-        from .runtime.collectives import max_over_ranks
-
         self.stream.check_in_step()
 
         def round_of(turn: int) -> Iterator[dict[str, Any]]:
