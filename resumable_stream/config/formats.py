@@ -99,7 +99,11 @@ def format_named(name: Any) -> SourceFormat:
 
 def format_of_index(index: dict) -> SourceFormat:
     """The format an index says it is (``reader``)."""
-    return format_named(index[INDEX_READER_KEY])
+    reader = index.get(INDEX_READER_KEY)
+    if not isinstance(reader, str):
+        raise ConfigError(f"dataset index: {INDEX_READER_KEY!r} got {shown(reader)}; allowed: the name of the "
+                          f"registered format that reads its files ({', '.join(names())})")
+    return format_named(reader)
 
 
 def format_for_builder(builder: str | None) -> SourceFormat | None:

@@ -236,6 +236,8 @@ def test_an_index_without_a_reader_is_refused(parquet_small, tmp_path):
     save_index(str(tmp_path / "old.json"), index)
     with pytest.raises(SourceError, match=r"old\.json.*missing 'reader' \(the name of the format"):
         load_index(str(tmp_path / "old.json"))
+    with pytest.raises(ConfigError, match=r"dataset index: 'reader' got None; allowed: the name of the registered"):
+        registry.format_of_index(index)
 
 
 def test_a_format_that_claims_anothers_builder_or_extension_is_refused(lines_format):
