@@ -56,17 +56,11 @@ from ..config.transforms import TransformConfig
 from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
-from .errors import TransformError
+from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
+from .errors import BadSample, TransformError, skip_or_raise
+from .protocol import Example, Processor, checked_state, saved_stats
 from .row_map import BadMapResult, RowMap
-from .text import (
-    IGNORE_INDEX,
-    checked_state,
-    collate_numpy,
-    content_start,
-    find_assistant_header,
-    label_spans,
-    tokenizer_digest,
-)
+from .text import collate_numpy, tokenizer_digest
 
 log = logging.getLogger(__name__)
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
@@ -80,16 +74,6 @@ _LATER_STATS = ("skipped_map", "dropped_by_map", "skipped_bad")
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
-
-Example = dict[str, Any]
-
-
-class BadSample(Exception):
-    """A sample that ``data.bad_sample`` decides about; ``kind`` is its stats counter."""
-
-    def __init__(self, kind: str, reason: str):
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
 
 
 # ---------------------------------------------------------------------------------------------- processor loading
@@ -339,7 +323,7 @@ def _as_messages(value: Any, images: int) -> Any:
     return value
 
 
-class VLProcessor:
+class VLProcessor(Processor):
     """Turns raw VL rows into model inputs with labels; see the module docstring."""
 
     def __init__(self, processor: Any, cfg: TransformConfig, retry: RetryPolicy | None = None):
@@ -377,12 +361,9 @@ class VLProcessor:
         for key in ("max_image_bytes", "allow_absolute_image_paths", "max_image_pixels"):
             if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:
                 self._fingerprint[key] = getattr(cfg, key)
-        self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
-        self._turn_start_id = self._find_turn_start()
+        self._chat = ChatTemplate(processor.apply_chat_template, self.tokenizer, self._tokenize,
+                                  lambda role, text: {"role": role, "content": [{"type": "text", "text": text}]})
         self._vision_ids = self._find_vision_ids()
-        self._assistant_header = find_assistant_header(
-            self._render, lambda role, text: {"role": role, "content": [{"type": "text", "text": text}]})
         self._pending: deque[Example] = deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
@@ -394,11 +375,7 @@ class VLProcessor:
         self._stats["samples"] += 1
         bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
         if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {bad} (data.bad_sample is 'error'; 'skip' skips such "
-                                     "samples)", key)
-            self._stats["skipped_bad"] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad)
+            self._bad(key, str(bad), "skipped_bad")
             return
         if self._row_map is None:
             self._feed_row(sample, key)
@@ -406,11 +383,7 @@ class VLProcessor:
         try:
             rows = self._row_map.rows(sample, key)
         except BadMapResult as e:
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {e} (data.bad_sample is 'error'; 'skip' skips such samples)",
-                                     key) from None
-            self._stats["skipped_map"] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, e)
+            self._bad(key, str(e), "skipped_map")
             return
         if not rows:
             self._stats["dropped_by_map"] += 1
@@ -425,11 +398,7 @@ class VLProcessor:
                 raise TransformError(f"sample {key!r}: {e}", key) from e.__cause__
             raise
         except BadSample as bad:
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {bad.reason} (data.bad_sample is 'error'; 'skip' skips "
-                                     "such samples)", key) from None
-            self._stats[bad.kind] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad.reason)
+            self._bad(key, bad.reason, bad.kind)
             return
         if example is not None:
             self._pending.append(example)
@@ -482,33 +451,12 @@ class VLProcessor:
                 if ex["labels"].shape != ex["input_ids"].shape:
                     raise ValueError(f"example {i}: labels and input_ids differ in length")
                 pending.append(ex)
-            stats = {k: int(meta["stats"][k] if k not in _LATER_STATS else meta["stats"].get(k, 0))
-                     for k in STAT_KEYS}
+            stats = saved_stats(meta, STAT_KEYS, _LATER_STATS)
         except (KeyError, TypeError, ValueError) as e:
             raise SidecarError(f"transform state: missing or malformed field ({e})") from None
         self._pending, self._stats = pending, stats
 
     # ------------------------------------------------------------------ internals
-    def _render(self, conversation: list[dict], generation_prompt: bool) -> str:
-        out = self.processor.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        if isinstance(out, list) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, str):
-            raise TransformError(f"chat template rendered {type(out).__name__}, expected a string")
-        return out
-
-    def _find_turn_start(self) -> int | None:
-        """The token that opens an assistant turn (e.g. <|im_start|>): never taken as an end-of-turn."""
-        probe = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
-        try:
-            plain = self._render(probe, False)
-            header = self._render(probe, True)[len(plain):]
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe: no exclusion
-            return None
-        ids = self._tokenize(header)[0] if header else []
-        return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
-
     def _find_vision_ids(self) -> set[int]:
         """Tokens the chat template renders for an image part (e.g. <|vision_start|><|image_pad|>
         <|vision_end|>) and the processor's own vision token ids: never labelled, and stepped over on the
@@ -520,12 +468,12 @@ class VLProcessor:
                 out.add(value)
         text = [{"type": "text", "text": "x"}]
         try:
-            plain = self._render([{"role": "user", "content": text}], False)
-            with_image = self._render([{"role": "user", "content": [{"type": "image"}, *text]}], False)
+            plain = self._chat.render([{"role": "user", "content": text}], False)
+            with_image = self._chat.render([{"role": "user", "content": [{"type": "image"}, *text]}], False)
         except Exception:  # noqa: BLE001 - a template that cannot render the probe: the known ids only
             return out
         before = set(self._tokenize(plain)[0])
-        out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._special_ids and t not in before)
+        out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._chat.special_ids and t not in before)
         return out
 
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -536,11 +484,11 @@ class VLProcessor:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), list(enc["offset_mapping"])
 
+    def _bad(self, key: str, why: str, counter: str) -> None:
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
+
     def _empty(self, key: str, why: str) -> None:
-        if self.cfg.empty == "error":
-            raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)",
-                                 key)
-        self._stats["skipped_empty"] += 1
+        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _conversation(self, sample: dict, key: str) -> tuple[list[dict], list[Any]] | None:
         """Checked messages in HF's structured content form, and the raw image values."""
@@ -553,16 +501,9 @@ class VLProcessor:
         if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
             self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
             return None
-        if not isinstance(msgs, (list, tuple)):
-            raise TransformError(f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
-                                 "expected a list of {role, content}", key)
         conversation, placeholders = [], 0
-        for i, m in enumerate(msgs):
-            content = m.get("content") if isinstance(m, dict) else None
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, (str, type(None)))):
-                raise TransformError(f"sample {key!r}: column data.messages_column {col!r} message {i} is {m!r}, "
-                                     "expected {'role': str, 'content': str}", key)
-            pieces = (content or "").split(PLACEHOLDER)
+        for m in checked_messages(msgs, key, col):
+            pieces = (m.get("content") or "").split(PLACEHOLDER)
             placeholders += len(pieces) - 1
             parts: list[dict] = []
             for j, piece in enumerate(pieces):
@@ -590,7 +531,7 @@ class VLProcessor:
             return None
         conversation, raw_images = got
         try:
-            full = self._render(conversation, False)
+            full = self._chat.render(conversation, False)
         except TransformError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors of a template that cannot render this sample
@@ -630,38 +571,11 @@ class VLProcessor:
         """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only: each text
         piece of an assistant message, and once per message the end-of-turn token after its last piece
         (past any image that ends the message); vision tokens never."""
-        spans: list[tuple[int, int]] = []
-        ends: list[bool] = []
-        cursor = 0
-        for i, m in enumerate(conversation):
-            pieces = [p["text"].strip() for p in m["content"] if p["type"] == "text" and p["text"].strip()]
-            if m["role"] != "assistant":
-                for piece in pieces:
-                    pos = full.find(piece, cursor)
-                    if pos >= 0:
-                        cursor = pos + len(piece)
-                continue
-            if not pieces:
-                continue
-            start = content_start(self._render, self._assistant_header, full, conversation, i, cursor)
-            for k, piece in enumerate(pieces):
-                pos = full.find(piece, start)
-                if pos < 0:
-                    raise BadSample("skipped_processor",
-                               f"assistant message {i} does not appear verbatim in the chat template's rendering "
-                               "(a template that rewrites assistant text, e.g. moves or drops <think> reasoning), "
-                               "so its tokens cannot be labelled")
-                spans.append((pos, pos + len(piece)))
-                ends.append(k == len(pieces) - 1)
-                start = cursor = pos + len(piece)
-
-        ids, offsets = self._tokenize(full)
-        labels = label_spans(full, ids, offsets, spans, self._special_ids, self._turn_start_id, ends,
-                             self._vision_ids)
-        for q, tok in enumerate(ids):   # an image inside an assistant turn is still not a target
-            if tok in self._vision_ids:
-                labels[q] = IGNORE_INDEX
-        return ids, labels
+        texts = [[t for p in m["content"] if p["type"] == "text" and (t := p["text"].strip())] for m in conversation]
+        try:
+            return self._chat.label(full, conversation, texts, self._vision_ids)
+        except NotVerbatim as e:
+            raise BadSample("skipped_processor", str(e)) from None
 
     def _expand_labels(self, ids0: list[int], labels0: list[int], ids: np.ndarray, key: str) -> np.ndarray:
         """Labels for the processor's ids: ``ids0`` with every run of image tokens expanded must give

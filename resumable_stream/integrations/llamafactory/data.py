@@ -22,11 +22,16 @@ import os
 import re
 from typing import Any
 
+import numpy as np
+
+from ...config.stream_config import StreamConfig
 from ...errors import ConfigError
+from ...stream.mixture import open_stream
 from .held_out import check_val_size, hold_out
 from .media import media_settings
+from .preference import ATTR_FIELDS as PREFERENCE_FIELDS
 from .preference import check_stage
-from .processor import Formatting, LlamaFactoryProcessor
+from .processor import ATTR_FIELDS, Formatting, LlamaFactoryProcessor
 from .settings import STREAM_KEYS, monitor_settings
 
 log = logging.getLogger(__name__)
@@ -40,7 +45,7 @@ def _refused(name: str, what: str) -> ConfigError:
 
 def _source(attr, data_args) -> dict[str, Any]:
     """The data keys of our stream for one dataset_info.json entry."""
-    from llamafactory.extras.constants import FILEEXT2TYPE
+    from llamafactory.extras.constants import FILEEXT2TYPE  # an optional extra, imported when used
 
     name = attr.dataset_name
     media = [c for c in ("videos", "audios") if getattr(attr, c, None)]
@@ -78,9 +83,6 @@ def _label(i: int, name: str) -> str:
 
 
 def _same_formatting(a, b) -> bool:
-    from .preference import ATTR_FIELDS as PREFERENCE_FIELDS
-    from .processor import ATTR_FIELDS
-
     return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS + PREFERENCE_FIELDS)
 
 
@@ -91,8 +93,6 @@ def lf_concat_order(sources: list, seed: int) -> list:
     ``VerticallyConcatenatedMultiSourcesExamplesIterable.shuffle_data_sources`` permutes the datasets with the
     shuffle's generator, ``numpy.random.default_rng(seed)``. Its later epochs permute them again (by an epoch
     seed); ours keep this order (docs/llamafactory.md)."""
-    import numpy as np
-
     order = list(range(len(sources)))
     np.random.default_rng(seed).shuffle(order)
     return [sources[i] for i in order]
@@ -110,7 +110,7 @@ def mixture_draws(data_args) -> str:
 
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the ``data:`` section of our stream, source label -> DatasetAttr) of LLaMA-Factory's data arguments."""
-    from llamafactory.data.parser import get_dataset_list
+    from llamafactory.data.parser import get_dataset_list  # an optional extra, imported when used
 
     attrs = get_dataset_list(data_args.dataset, data_args.dataset_dir)
     if not attrs:
@@ -156,9 +156,7 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
 def train_stream(template, data_args, training_args, tokenizer, stage: str, ours: dict[str, Any], processor=None):
     """The :class:`~resumable_stream.integrations.transformers.TrainingStream` LLaMA-Factory's trainer reads;
     ``processor``: a multimodal model's (images of the rows checked by :mod:`.media`)."""
-    from ...config.stream_config import StreamConfig
-    from ...stream.mixture import open_stream
-    from ..transformers import TrainingStream
+    from ..transformers import TrainingStream  # transformers and torch: this module imports without them
 
     section, attrs = stream_section(data_args, training_args, ours)
     check_stage(attrs, stage)

@@ -24,7 +24,8 @@ from typing import Any
 
 from ...config.transforms import TransformConfig
 from ...errors import ConfigError
-from ...transforms.vl import BadSample, load_processor, local_image_path, open_image, read_image_bytes
+from ...transforms.errors import BadSample
+from ...transforms.vl import load_processor, local_image_path, open_image, processor_digest, read_image_bytes
 
 # keys of the ``resumable_stream:`` section about images (our data keys of the same name, see docs/vl.md)
 MEDIA_KEYS = ("bad_sample", "max_image_bytes", "max_image_pixels", "allow_absolute_image_paths")
@@ -63,7 +64,7 @@ def placeholder_problem(row: dict[str, Any]) -> str | None:
     """Why LLaMA-Factory's mm_plugin would refuse a converted row's images (its ``_validate_messages``: as many
     ``<image>`` placeholders in the messages as images), or None. Rows its processor drops anyway (a prompt of
     even length, not one response) are left to it."""
-    from llamafactory.extras.constants import IMAGE_PLACEHOLDER
+    from llamafactory.extras.constants import IMAGE_PLACEHOLDER  # an optional extra, imported when used
 
     messages = row["_prompt"] + row["_response"]
     if len(row["_prompt"]) % 2 != 1 or len(row["_response"]) != 1:
@@ -78,8 +79,6 @@ def placeholder_problem(row: dict[str, Any]) -> str | None:
 def processor_fingerprint(processor) -> dict[str, Any]:
     """What decides the image tokens and pixels: the processor (tokenizer, image processor settings) and the
     limits LLaMA-Factory's patch_processor set on it from the model arguments (``image_max_pixels``, ...)."""
-    from ...transforms.vl import processor_digest
-
     limits = ("image_max_pixels", "image_min_pixels", "image_do_pan_and_scan", "crop_to_patches",
               "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
               "audio_sampling_rate")

@@ -38,13 +38,6 @@ def fingerprint(attr) -> dict[str, Any]:
     return {f: getattr(attr, f) for f in ATTR_FIELDS if getattr(attr, f, None)}
 
 
-def processor_class(stage: str):
-    """LLaMA-Factory's dataset processor of a preference stage (None for the others)."""
-    from llamafactory.data.processor import FeedbackDatasetProcessor, PairwiseDatasetProcessor
-
-    return {"rm": PairwiseDatasetProcessor, "kto": FeedbackDatasetProcessor}.get(stage)
-
-
 def chunk(stage: str, data_args) -> int | None:
     """Rows processed together for a preference stage (None for the others)."""
     if stage == "kto":
