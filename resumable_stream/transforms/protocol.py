@@ -6,13 +6,10 @@
         carry = proc.state()            # saved beside the partition's cursor after every batch
 
 A fresh processor given ``load_state(carry)`` continues as if it had never stopped; ``fingerprint()`` names what
-decides its outputs, so a resume with another one is a ``StreamMismatchError``. The implementations:
-``TextProcessor`` (:mod:`.text`), ``VLProcessor`` (:mod:`.vl`) and LLaMA-Factory's
-(``integrations/llamafactory/processor.py``).
-
-The optional hooks have their defaults here: a processor that subclasses :class:`Processor` inherits them and sets
-those it uses; one written with the required methods only is driven through :func:`as_processor`, with the
-defaults.
+decides its outputs, so a resume with another one is a ``StreamMismatchError``. The implementations
+(``TextProcessor``, ``VLProcessor``, LLaMA-Factory's) subclass :class:`QueuedProcessor`, inheriting the optional
+hooks' defaults and setting those they use; one written with the required methods only is driven through
+:func:`as_processor`, with the defaults.
 """
 
 from __future__ import annotations
@@ -67,6 +64,25 @@ class Processor(Protocol):
     def epoch_tail(self) -> int:
         """With ``epoch_bound``: how many of the ready examples are of the ended epoch."""
         return 0
+
+
+class QueuedProcessor(Processor):
+    """A processor whose finished examples wait in the deque ``self._pending``, with its counters in
+    ``self._stats`` and its fingerprint in ``self._fingerprint``."""
+
+    def ready(self) -> int:
+        return len(self._pending)
+
+    def take(self, with_key_tokens: bool = False) -> Example:
+        if not self._pending:
+            raise IndexError(f"{type(self).__name__}.take: no finished example; feed more samples (check ready())")
+        return self._pending.popleft()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self._fingerprint)
 
 
 class _RequiredOnly(Processor):

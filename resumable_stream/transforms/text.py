@@ -43,7 +43,7 @@ from ..errors import BAD_SAMPLE_COLUMN, SidecarError
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import TransformError, skip_or_raise
 from .formats import BadRow, to_messages
-from .protocol import Example, Processor, checked_state, saved_stats
+from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import BadMapResult, RowMap
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-class TextProcessor(Processor):
+class TextProcessor(QueuedProcessor):
     """Turns raw rows into training examples; see the module docstring."""
 
     def __init__(self, tokenizer: Any, cfg: TransformConfig):
@@ -175,18 +175,12 @@ class TextProcessor(Processor):
             self._stats["truncated"] += 1
         self._emit(ids, labels, [(key, len(ids))])
 
-    def ready(self) -> int:
-        """Number of finished examples waiting to be taken."""
-        return len(self._pending)
-
     def take(self, with_key_tokens: bool = False) -> Example:
         """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists), plus
         ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``, and with
         ``with_key_tokens`` ``key_tokens``: the tokens each key put in it (packing: a sample's part of the
         block), None when not known (an example restored from a state saved without them)."""
-        if not self._pending:
-            raise IndexError("TextProcessor.take: no finished example; feed more samples (check ready())")
-        ids, labels, keys, segments = self._pending.popleft()
+        ids, labels, keys, segments = super().take()
         key_tokens = self._pending_key_tokens.popleft()
         example = {"input_ids": ids, "labels": labels, "keys": keys}
         if with_key_tokens:
@@ -204,13 +198,6 @@ class TextProcessor(Processor):
             self._carry_ids, self._carry_labels, self._carry_start = [], [], 0
             self._carry_keys.clear()
             self._emit(ids, labels, parts)
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What decides the outputs: tokenizer identity and the settings that matter for this format."""
-        return dict(self._fingerprint)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:

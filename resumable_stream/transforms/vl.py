@@ -58,7 +58,7 @@ from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import BadSample, TransformError, skip_or_raise
-from .protocol import Example, Processor, checked_state, saved_stats
+from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import BadMapResult, RowMap
 from .text import collate_numpy, tokenizer_digest
 
@@ -323,8 +323,10 @@ def _as_messages(value: Any, images: int) -> Any:
     return value
 
 
-class VLProcessor(Processor):
-    """Turns raw VL rows into model inputs with labels; see the module docstring."""
+class VLProcessor(QueuedProcessor):
+    """Turns raw VL rows into model inputs with labels; see the module docstring. An example: ``input_ids``,
+    ``labels`` (int64 arrays), ``token`` (other per-token arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g.
+    ``pixel_values``, ``image_grid_thw``), ``keys``."""
 
     def __init__(self, processor: Any, cfg: TransformConfig, retry: RetryPolicy | None = None):
         """``retry``: the policy image URLs are fetched under (``RetryPolicy(stream_config, remote=True)``;
@@ -403,22 +405,6 @@ class VLProcessor(Processor):
         if example is not None:
             self._pending.append(example)
             self._stats["examples"] += 1
-
-    def ready(self) -> int:
-        return len(self._pending)
-
-    def take(self) -> Example:
-        """Pop the oldest example: ``input_ids``, ``labels`` (int64 arrays), ``token`` (other per-token
-        arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g. ``pixel_values``, ``image_grid_thw``), ``keys``."""
-        if not self._pending:
-            raise IndexError("VLProcessor.take: no finished example; feed more samples (check ready())")
-        return self._pending.popleft()
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return dict(self._fingerprint)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import numpy as np
 from ...errors import SidecarError
 from ...io.safe_files import JSONRefused, parse_json
 from ...transforms.errors import BadSample, TransformError, skip_or_raise
-from ...transforms.protocol import Processor, checked_state, saved_stats
+from ...transforms.protocol import QueuedProcessor, checked_state, saved_stats
 from ...transforms.text import tokenizer_digest
 from . import media, preference
 
@@ -144,7 +144,7 @@ def _bytes_in(value: Any) -> Any:
     return value
 
 
-class LlamaFactoryProcessor(Processor):
+class LlamaFactoryProcessor(QueuedProcessor):
     """A :class:`~resumable_stream.transforms.Processor` around LLaMA-Factory's converter and dataset processor;
     ``held_out``: (val_size, cut), the rows before the (shard, row) ``cut`` dropped (:mod:`.held_out`)."""
 
@@ -170,8 +170,8 @@ class LlamaFactoryProcessor(Processor):
 
     def _reset(self) -> None:
         self._rows: list[tuple[str, dict]] = []             # converted rows of the unfinished chunk
-        self._ready: deque[dict] = deque()                  # examples, each with its "keys"
-        self._tail = 0                                      # the first examples of _ready: an ended epoch's
+        self._pending: deque[dict] = deque()                # examples, each with its "keys"
+        self._tail = 0                                      # the first examples of _pending: an ended epoch's
         self.data_epoch: int | None = None                  # the epoch of the rows fed (set by the loader)
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
@@ -217,7 +217,7 @@ class LlamaFactoryProcessor(Processor):
             # without packing a chunk is one row and one example (or none); packed, its first block carries the
             # keys of every row of the chunk (which block holds which row is the knapsack's business)
             example["keys"] = per_example[i] if per_example is not None else keys if i == 0 else []
-            self._ready.append(example)
+            self._pending.append(example)
         self._stats["examples"] += n
 
     def flush(self) -> None:
@@ -226,23 +226,15 @@ class LlamaFactoryProcessor(Processor):
 
     def end_epoch(self, epoch: int) -> None:
         self.flush()
-        self._tail = len(self._ready)
+        self._tail = len(self._pending)
         self.data_epoch = epoch
 
     def epoch_tail(self) -> int:
         return self._tail
 
-    def ready(self) -> int:
-        return len(self._ready)
-
-    def take(self) -> dict:
-        if not self._ready:
-            raise IndexError("LlamaFactoryProcessor.take: no finished example; feed more samples (check ready())")
+    def take(self, with_key_tokens: bool = False) -> dict:
         self._tail = max(0, self._tail - 1)
-        return self._ready.popleft()
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+        return super().take()
 
     def fingerprint(self) -> dict[str, Any]:
         return {**self._fingerprint, "held_out": self._held_out} if self._held_out else dict(self._fingerprint)
@@ -250,7 +242,7 @@ class LlamaFactoryProcessor(Processor):
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         pending = json.dumps([[key, row] for key, row in self._rows], default=_bytes_out).encode()
-        ready = json.dumps(list(self._ready), default=_bytes_out).encode()
+        ready = json.dumps(list(self._pending), default=_bytes_out).encode()
         return {"tensors": {"pending_rows": np.frombuffer(pending, dtype=np.uint8).copy(),
                             "ready_examples": np.frombuffer(ready, dtype=np.uint8).copy()},
                 "meta": {"version": STATE_VERSION, "fingerprint": dict(self._fingerprint), "stats": self.stats(),
@@ -279,6 +271,6 @@ class LlamaFactoryProcessor(Processor):
                                "epoch_tail")
         self._reset()
         self._rows = [(key, row) for key, row in pending]
-        self._ready.extend(ready)
+        self._pending.extend(ready)
         self._stats = stats
         self.data_epoch, self._tail = data_epoch, tail
