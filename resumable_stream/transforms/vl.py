@@ -156,13 +156,14 @@ def processor_digest(processor: Any) -> str:
 def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None) -> bytes:
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
-        if data:
-            return _bounded(bytes(data), i, "bytes", cfg)
-        if not path:
+        if not (data or path):
             raise BadSample("skipped_image", f"image {i} has neither bytes nor a path")
-        value = path
+        value = bytes(data) if data else path
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _bounded(bytes(value), i, "bytes", cfg)
+        if len(data := bytes(value)) > cfg.max_image_bytes:
+            raise BadSample("skipped_image", f"image {i} bytes: {len(data)} bytes, over data.max_image_bytes "
+                                             f"{cfg.max_image_bytes}")
+        return data
     if not isinstance(value, str):
         raise BadSample("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
@@ -187,13 +188,6 @@ def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolic
         code = errno.errorcode.get(e.errno, "?") if e.errno is not None else "no errno"
         raise TransformError(f"image {i} file {path!r} cannot be read (errno {e.errno} {code}: {e.strerror or e}); "
                              "a local I/O failure is not skipped by data.bad_sample") from None
-
-
-def _bounded(data: bytes, i: int, what: str, cfg: TransformConfig) -> bytes:
-    if len(data) > cfg.max_image_bytes:
-        raise BadSample("skipped_image", f"image {i} {what}: {len(data)} bytes, over data.max_image_bytes "
-                                    f"{cfg.max_image_bytes}")
-    return data
 
 
 def local_image_path(value: str, i: int, cfg: TransformConfig) -> str:
@@ -241,20 +235,13 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def pixel_limit(cfg: TransformConfig) -> int | None:
-    """The most pixels an image may have: ``data.max_image_pixels``, or when null Pillow's own bound
-    (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless changed: above it Pillow only warns of a decompression
-    bomb, and refuses at twice that). None: Pillow's bound is off and the key unset."""
-    if cfg.max_image_pixels is not None:
-        return cfg.max_image_pixels
-    from PIL import Image
-
-    return Image.MAX_IMAGE_PIXELS
-
-
 def check_pixels(img, i: int, cfg: TransformConfig) -> None:
-    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than allowed."""
-    limit = pixel_limit(cfg)
+    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than
+    ``data.max_image_pixels``, or when null Pillow's own bound (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless
+    changed: above it Pillow only warns of a decompression bomb, and refuses at twice that; None: no bound)."""
+    from PIL import Image  # Pillow: the vl extra, imported when used
+
+    limit = cfg.max_image_pixels if cfg.max_image_pixels is not None else Image.MAX_IMAGE_PIXELS
     if limit is not None and img.width * img.height > limit:
         key = "data.max_image_pixels" if cfg.max_image_pixels is not None else \
             "data.max_image_pixels (null: Pillow's Image.MAX_IMAGE_PIXELS)"
