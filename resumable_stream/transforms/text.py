@@ -1,14 +1,8 @@
 """Text transform: raw rows -> tokenized training examples, with optional packing.
 
-``TextProcessor`` is a small stateful object a DataLoader worker drives::
-
-    proc.feed(sample, key)          # one raw row and its stream key
-    while proc.ready():
-        example = proc.take()       # {"input_ids", "labels", "keys"}, oldest first
-                                    # (+ "position_ids" with packing_mode neat)
-
-Its ``state()`` holds everything needed to continue exactly (tokens carried over by packing, finished
-examples not taken yet, counters); ``load_state`` on a fresh processor continues as if never stopped.
+``TextProcessor`` is a :class:`~.protocol.Processor`: ``take()`` gives ``{"input_ids", "labels", "keys"}`` (+
+``position_ids`` with ``packing_mode: neat``); its ``state()`` holds the tokens carried over by packing, the
+examples not taken yet and the counters.
 
 Formats
 -------

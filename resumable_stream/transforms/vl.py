@@ -1,8 +1,7 @@
 """Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
 
-``VLProcessor`` has the same driving interface as ``TextProcessor`` (``feed`` / ``ready`` / ``take`` /
-``state`` / ``load_state`` / ``fingerprint`` / ``stats``) and ``collate_vl`` batches its
-examples, so the loader, sidecars and Trainer patch carry VL training unchanged.
+``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples, so the loader,
+sidecars and Trainer patch carry VL training unchanged.
 
 A row
 -----
@@ -16,24 +15,18 @@ What happens to it
 1. Images are decoded here (never by ``datasets``), so ``data.bad_sample`` can act on a broken one.
 2. Each content becomes HF's structured form (``{"type": "image"}`` / ``{"type": "text", ...}`` parts) and
    the conversation is rendered with the processor's chat template.
-3. Labels: the rendering is tokenized with offsets and labelled as in the text transform (assistant
-   content plus, once per assistant message, its end-of-turn token past any image that ends the message;
-   everything else -100, vision tokens included). An assistant message's content is never searched for
-   inside the rendering of the messages before it (a default system prompt, a turn header).
+3. Labels: as in the text transform (:mod:`.chat`), once per assistant message its end-of-turn token past any
+   image that ends the message; everything else -100, vision tokens included.
 4. ``processor(text=..., images=...)`` makes the model inputs (image tokens expanded, ``pixel_values``,
    ``image_grid_thw`` or the model's equivalents). Its ids must equal the labelled ids with each run of
    image tokens expanded; the labels are expanded the same way (image tokens are never labelled).
 
 Bad samples
 -----------
-An undecodable, missing or unsupported-mode image, a placeholder count that differs from the image count,
-a processor failure, an assistant message the chat template does not render verbatim (e.g. a template
-that moves or drops ``<think>`` reasoning; counted as ``skipped_processor``), or more than ``max_seq_len``
-tokens: ``bad_sample: error`` raises ``TransformError`` naming the sample and the reason; ``skip`` counts
-it (``stats()``), logs a warning and moves on. Both depend on the sample alone, so a resumed run skips the
-same samples. A failure that depends on the machine (a URL that keeps failing, a local read failing with
-anything but a missing file / a directory: EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the
-sample whatever the policy. Samples are never truncated.
+(docs/vl.md) A sample whose own content fails (an image, the placeholder count, the processor, an assistant message the
+template does not render verbatim, over ``max_seq_len``: never truncated) follows ``data.bad_sample``, so a
+resumed run skips the same samples; a failure that depends on the machine (a URL that keeps failing, a local
+read failing with EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the sample whatever the policy.
 """
 
 from __future__ import annotations

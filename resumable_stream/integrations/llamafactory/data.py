@@ -1,16 +1,6 @@
-"""LLaMA-Factory's datasets (``dataset`` + ``dataset_info.json``) as our stream, in place of its ``get_dataset``.
-
-| LLaMA-Factory | here |
-|---|---|
-| a ``file_name`` entry (a file, or a directory of files of one type) | its files, by the builder of their extension |
-| an ``hf_hub_url`` entry (with ``subset``, ``folder``, ``split``) | that Hub dataset (``name``, ``data_dir``, ``split``) |
-| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` (``buffer_size: 1``: drawn in datasets' sequence, :func:`mixture_draws`) |
-| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting (``buffer_size: 1``: in LF's order, :func:`lf_concat_order`) |
-| ``buffer_size``, ``seed`` | ``shuffle: buffer_size > 1``, ``buffer_size``, ``shuffle_seed: seed`` (our window shuffle) |
-| ``dataloader_num_workers`` | the stream's DataLoader workers |
-| ``eval_dataset`` | LLaMA-Factory's own evaluation dataset (it needs no resume) |
-
-Everything that decides how a row is formatted stays LLaMA-Factory's (:mod:`.processor`).
+"""LLaMA-Factory's datasets (``dataset`` + ``dataset_info.json``) as our stream, in place of its ``get_dataset``:
+its keys map as docs/llamafactory.md ("How LLaMA-Factory's keys map") says. Everything that decides how a row is
+formatted stays LLaMA-Factory's (:mod:`.processor`).
 """
 
 from __future__ import annotations

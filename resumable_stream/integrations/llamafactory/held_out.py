@@ -1,18 +1,11 @@
-"""``val_size: N``: the first N rows of the dataset are the evaluation set, and the training stream never yields them.
+"""``val_size: N``: the first N rows of the dataset (in shard order, whatever the shuffle, seed, epoch or topology)
+are the evaluation set, and the training stream never yields them (docs/llamafactory.md, "Held-out evaluation").
 
-LLaMA-Factory 0.9.5 in streaming mode (``data_utils.split_dataset``) splits the converted *rows*, before its
-dataset processor runs: ``eval = dataset.take(N)``, ``train = dataset.skip(N)``, then each is processed on its
-own (so packing never joins a held-out row with a training one). Here the first N rows are those of the dataset
-in shard order (shard 0 row 0, 1, ..., then shard 1, ...), whatever the shuffle, seed, epoch or topology; the
-*cut* is the (shard, row) after them. The evaluation set is those rows through LLaMA-Factory's converter and the
-processor it evaluates with, held in memory as a ``datasets.Dataset``; the training transform drops the rows
-before the cut (``LlamaFactoryProcessor(..., held_out=...)``), whichever partition reads them, in every epoch, and
-the cut is part of its fingerprint, so resuming with another ``val_size`` is a StreamMismatchError naming
-``transform.held_out``.
-
-The rows are dropped by key, not by a source that starts at the cut, so sample keys stay the dataset's own
-``shard:row`` (the consumed log and the digests compare with the data) and nothing below the transform (plan,
-block cache, index) changes; the cost is reading the N held-out rows once per epoch.
+As LLaMA-Factory 0.9.5 splits the converted *rows* when streaming (``eval = dataset.take(N)``, ``train =
+dataset.skip(N)``, each then processed on its own), the evaluation set is those rows through its converter and
+the processor it evaluates with; the training transform drops the rows before the *cut*, the (shard, row) after
+them (``LlamaFactoryProcessor(..., held_out=...)``), by key, so sample keys stay the dataset's own and nothing
+below the transform changes.
 """
 
 from __future__ import annotations

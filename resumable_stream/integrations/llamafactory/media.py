@@ -1,21 +1,15 @@
 """Multimodal SFT through LLaMA-Factory: the images its rows name, checked before its mm_plugin reads them.
 
-LLaMA-Factory's converter joins a row's image paths to ``media_dir`` (``dataset_dir`` by default) and, when that
-is no file, keeps the path as the row wrote it (an absolute path, ``../..``, anything); its mm_plugin then opens
-it, and a file it cannot open or decode stops the run. Here every image of a row is checked first, with the
-rules of our VL transform (:mod:`resumable_stream.transforms.vl`): a local path relative to ``media_dir`` and
-confined to it (no absolute path, no ``..`` or symlink out of it, unless ``allow_absolute_image_paths``), a
-regular file (never a FIFO or a device: no hang), at most ``max_image_bytes``, at most ``max_image_pixels``
-(read from its header before it is decoded), and it decodes. LLaMA-Factory
-then reads the very file that was checked: the path handed on is its real path. ``bad_sample`` decides what a
-row with an image that fails these checks does: ``error`` (a TransformError naming the sample and why) or
-``skip`` (counted, logged). Pixels are LLaMA-Factory's own (its resizing, its RGB conversion, its processor):
-nothing here changes what a good image becomes.
+LLaMA-Factory's converter keeps a path that is no file under ``media_dir`` as the row wrote it (absolute,
+``../..``), and a file its mm_plugin cannot open stops the run. Here every image of a row is checked first with
+the rules of our VL transform (:mod:`resumable_stream.transforms.vl`: confined to ``media_dir``, a regular file,
+bounded bytes and pixels, decodable), ``bad_sample`` deciding about one that fails, and LLaMA-Factory reads the
+very file that was checked (its real path). Its pixels stay LLaMA-Factory's own (docs/llamafactory.md,
+"Multimodal SFT").
 
-The processor: in transformers 5 ``AutoProcessor`` builds Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's video processor
-too, which needs torchvision; LLaMA-Factory's loader then drops the whole processor (and fails on the first
-image). :class:`ProcessorLoader` falls back to the same processor class without its video processor (images go
-through the PIL image processor), as ``resumable_stream.transforms.load_processor`` does.
+:class:`ProcessorLoader`: where transformers 5 builds a Qwen-VL processor's video processor (it needs
+torchvision) and LLaMA-Factory's loader then drops the whole processor, the same processor without its video
+processor, as ``resumable_stream.transforms.load_processor`` does.
 """
 
 from __future__ import annotations

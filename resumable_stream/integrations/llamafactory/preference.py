@@ -1,12 +1,8 @@
-"""LLaMA-Factory's preference stages, read as our stream.
+"""LLaMA-Factory's preference stages (dpo / rm: pairwise ``ranking: true`` data, one example per row; kto: a
+``kto_tag`` column), read as our stream (docs/llamafactory.md, "Preference stages").
 
-| ``stage`` | its ``get_dataset`` stage | dataset | dataset processor | batch |
-|---|---|---|---|---|
-| ``dpo``, ``rm`` | ``rm`` | ``ranking: true`` (``chosen`` / ``rejected``) | PairwiseDatasetProcessor | one example per row |
-| ``kto`` | ``kto`` | a ``kto_tag`` column | FeedbackDatasetProcessor | chunks of ``preprocessing_batch_size`` rows |
-
-The feedback processor pairs every row with the response of the row before it in the same ``map`` batch (its
-KL pairs), so kto rows are processed in chunks of ``preprocessing_batch_size``, as llamafactory-cli's
+The feedback processor (kto) pairs every row with the response of the row before it in the same ``map`` batch
+(its KL pairs), so kto rows are processed in chunks of ``preprocessing_batch_size``, as llamafactory-cli's
 ``dataset.map(batched=True)`` makes them; the rows of an unfinished chunk are part of the saved state.
 """
 
