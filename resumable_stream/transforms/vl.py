@@ -23,9 +23,9 @@ What happens to it
 
 Bad samples
 -----------
-(docs/vl.md) A sample whose own content fails (an image, the placeholder count, the processor, an assistant message the
+A sample whose own content fails (an image, the placeholder count, the processor, an assistant message the
 template does not render verbatim, over ``max_seq_len``: never truncated) follows ``data.bad_sample``, so a
-resumed run skips the same samples; a failure that depends on the machine (a URL that keeps failing, a local
+resumed run skips the same samples (docs/vl.md, "Bad samples"); a failure that depends on the machine (a URL that keeps failing, a local
 read failing with EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the sample whatever the policy.
 """
 
