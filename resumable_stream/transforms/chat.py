@@ -8,9 +8,10 @@ is rendered with ``add_generation_prompt=True``; when that text is a prefix of t
 Llama-3 and Qwen3 templates) the content is searched from its end, so header text can never be mistaken for
 content; otherwise from the first assistant header after the previous messages. The end-of-turn token is the
 first special token after the content (whitespace in between allowed) unless it is the token that opens a turn.
+Every probe of a template (the token that opens a turn, the assistant header, the tokens of an image part) is here.
 
-(LLaMA-Factory's processor renders and masks with LLaMA-Factory's own template, as ``llamafactory-cli`` does:
-``integrations/llamafactory/processor.py``.)
+LLaMA-Factory's processor (``integrations/llamafactory/processor.py``) renders and masks with LLaMA-Factory's own
+template instead, so that its examples are ``llamafactory-cli``'s, byte for byte.
 """
 
 from __future__ import annotations
@@ -114,6 +115,19 @@ class ChatTemplate:
                 if tok in skip_ids:
                     labels[q] = IGNORE_INDEX
         return ids, labels
+
+    def part_ids(self, part: dict) -> set[int]:
+        """The special tokens the template renders for a structured content ``part`` (e.g. an image part's
+        ``<|vision_start|><|image_pad|><|vision_end|>``): those of a user message holding it and a text, less those
+        of the text alone; none where the template cannot render the probe."""
+        text = [{"type": "text", "text": "x"}]
+        try:
+            plain = self.render([{"role": "user", "content": text}], False)
+            with_part = self.render([{"role": "user", "content": [part, *text]}], False)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe: none found
+            return set()
+        before = set(self.tokenize(plain)[0])
+        return {int(t) for t in self.tokenize(with_part)[0] if t in self.special_ids and t not in before}
 
     def _find_turn_start(self, message: Callable[[str, str], dict]) -> int | None:
         probe = [message("user", "x")]

@@ -432,15 +432,7 @@ class VLProcessor(QueuedProcessor):
             value = getattr(self.processor, name, None)
             if isinstance(value, int) and value >= 0:
                 out.add(value)
-        text = [{"type": "text", "text": "x"}]
-        try:
-            plain = self._chat.render([{"role": "user", "content": text}], False)
-            with_image = self._chat.render([{"role": "user", "content": [{"type": "image"}, *text]}], False)
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe: the known ids only
-            return out
-        before = set(self._tokenize(plain)[0])
-        out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._chat.special_ids and t not in before)
-        return out
+        return out | self._chat.part_ids({"type": "image"})
 
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         # the fast tokenizer's core (processor_digest made sure there is one): same ids, less per-call overhead
