@@ -40,6 +40,7 @@ from .observe.mixture_counts import (
 )
 from .observe.progress import epoch_position, mean_position
 from .runtime import threads
+from .runtime.collectives import max_over_ranks
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import decode_state_dict, encode_state_dict, gather_job_state
@@ -152,8 +153,6 @@ class _BatchProducer(IterableDataset):
         together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
         hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
         data.follow_timeout_s."""
-        from .runtime.collectives import max_over_ranks
-
         self.stream.check_in_step()
 
         def round_of(turn: int) -> Iterator[dict[str, Any]]:
