@@ -233,8 +233,9 @@ class LlamaFactoryProcessor(QueuedProcessor):
         return self._tail
 
     def take(self, with_key_tokens: bool = False) -> dict:
+        example = super().take()
         self._tail = max(0, self._tail - 1)
-        return super().take()
+        return example
 
     def fingerprint(self) -> dict[str, Any]:
         return {**self._fingerprint, "held_out": self._held_out} if self._held_out else dict(self._fingerprint)
