@@ -40,7 +40,7 @@ from ..integrations.transformers.patch import (
     stream_loader,
 )
 from ..io.net import RetryPolicy
-from ..loader import shard_row_key
+from ..loader import check_step_shape, shard_row_key
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
@@ -54,6 +54,9 @@ from .startup import quiet_tied_weights, startup_summary
 log = logging.getLogger(__name__)
 
 RUN_RESULTS = ("trainer_state.json", "train_results.json", "all_results.json")   # as HF's scripts end a run
+# how the data.elastic_determinism errors name the train: keys
+TRAIN_KEYS = {"accumulation": "train.gradient_accumulation_steps", "batch": "train.per_device_train_batch_size",
+              "workers": "train.dataloader_num_workers"}
 
 
 class ColumnKey:
@@ -201,6 +204,8 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
+    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
+    check_step_shape(stream, args.gradient_accumulation_steps, args.per_device_train_batch_size, TRAIN_KEYS)
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
     model = _load_model(cfg, tokenizer, args.seed, processor)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ...config.stream_config import StreamConfig
 from ...errors import ConfigError
+from ...loader import check_step_shape
 from ...stream.mixture import open_stream
 from .held_out import check_val_size, hold_out
 from .media import media_settings
@@ -27,6 +28,8 @@ from .settings import STREAM_KEYS, monitor_settings
 log = logging.getLogger(__name__)
 _LABEL = re.compile(r"[^A-Za-z0-9_.-]")
 _STRATEGIES = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
+# how the data.elastic_determinism errors name LLaMA-Factory's keys and ours
+LLAMAFACTORY_KEYS = {"switch": "resumable_stream.elastic_determinism", "partitions": "resumable_stream.num_partitions"}
 
 
 def _refused(name: str, what: str) -> ConfigError:
@@ -154,6 +157,9 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
                          index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
+    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
+    check_step_shape(stream, training_args.gradient_accumulation_steps, training_args.per_device_train_batch_size,
+                     LLAMAFACTORY_KEYS)
     if hasattr(stream, "set_samples_per_step"):   # a mixture: weight schedules in steps map to draws with it
         stream.set_samples_per_step(training_args.per_device_train_batch_size
                                     * training_args.gradient_accumulation_steps * training_args.world_size)

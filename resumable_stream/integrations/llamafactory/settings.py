@@ -23,7 +23,7 @@ SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
 STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "block_rows", "cache_dir",
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
-               "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
+               "num_partitions", "elastic", "elastic_determinism", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
                "storage_options", "resume_state_path")
 # mixture_change: allow lets a resume change interleave_probs or the datasets of a mixture (data.mixture_change)
 MIXTURE_KEYS = ("mixture_change",)
