@@ -17,6 +17,9 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..limits import MAX_PARTITIONS
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -311,9 +314,6 @@ def _shards_for(layout: Layout, epoch: int) -> Deal:
 def check_consumers(num_partitions: int, world_size: int, slots: int, key: str = "data.num_partitions") -> None:
     """Every consumer (rank, DataLoader worker) needs at least one virtual partition, and a state describes at
     most MAX_PARTITIONS of them."""
-    from ..errors import ConfigError
-    from ..limits import MAX_PARTITIONS
-
     consumers = world_size * slots
     if num_partitions > MAX_PARTITIONS:
         raise ConfigError(f"{key}: got {num_partitions} virtual partitions ({world_size} ranks x {slots} DataLoader "
@@ -371,8 +371,6 @@ def divisors(n: int, limit: int = 12) -> list[int]:
 def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[str, str] | None = None) -> None:
     """With ``data.elastic_determinism`` every rank reads the same number of partitions (a round is the same
     number of micro-batches on every rank): ``num_partitions`` a multiple of ``world_size``."""
-    from ..errors import ConfigError
-
     k = {**ELASTIC_KEYS, **(keys or {})}
     if num_partitions % world_size:
         raise ConfigError(
@@ -394,7 +392,6 @@ def check_global_batch(num_partitions: int, world_size: int, accumulation: int, 
     """``data.elastic_determinism``: an optimizer step of ``world_size`` x ``accumulation`` micro-batches takes
     the same number from every partition (the global batch a multiple of ``num_partitions``), else a
     ConfigError naming the keys (``keys``: the caller's names of them, over :data:`ELASTIC_KEYS`)."""
-    from ..errors import ConfigError
 
     k = {**ELASTIC_KEYS, **(keys or {})}
     check_partitions_per_rank(num_partitions, world_size, keys)

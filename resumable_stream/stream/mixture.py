@@ -41,6 +41,7 @@ made in it), ``consumed`` (samples it yielded), per source ``source_epochs`` (th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -54,6 +55,7 @@ from ..dataset.growth import resume as growth_after_resume
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..observe.progress import partition_progress, progress_summary
+from ..runtime.collectives import broadcast_bytes, shared_over_dist
 from ..runtime.threads import OwnerThread
 from ..sources.base import Source
 from ..sources.index import check_resolution, decode_index
@@ -294,9 +296,7 @@ class MixtureStream(StreamBase):
                               f"allowed: a mapping with a weight for every source: {', '.join(labels)}")
         values = check_weights([weights[label] for label in labels], list(labels),
                                lambda i: f"set_weights: weights[{labels[i]!r}]", allow_zero=True)
-        from ..runtime.collectives import broadcast_bytes, shared_over_dist
         if shared_over_dist(self.rank, self.world_size):     # one history on every rank
-            import json
             mine = json.dumps(list(values)).encode() if self.rank == 0 else None
             values = tuple(json.loads(broadcast_bytes(mine)))
         self._history.append(Segment(labels, values, "set_weights", step))

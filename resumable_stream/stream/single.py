@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import chain, islice
@@ -16,12 +17,13 @@ from typing import Any
 
 from ..cache.cached_source import with_block_cache
 from ..config.stream_config import StreamConfig, not_a_config
-from ..dataset.growth import layout_generations, refresh, stable_fingerprint
+from ..dataset.growth import grow, layout_generations, refresh, stable_fingerprint
 from ..dataset.growth import resume as growth_after_resume
 from ..dataset.job_source import open_job_source
 from ..errors import ConfigError, StreamMismatchError
 from ..observe.progress import position
 from ..plan import Layout, shard_rows
+from ..runtime.collectives import max_each_over_ranks, shared_over_dist
 from ..sources.base import Source
 from ..sources.index import check_resolution, decode_index
 from ..sources.open import open_source
@@ -203,8 +205,6 @@ class ResumableStream(StreamBase):
 
     def check_in_step(self) -> None:
         """Follow mode over several ranks needs their process group (the waits are collectives)."""
-        from ..runtime.collectives import shared_over_dist
-
         if not shared_over_dist(self.rank, self.world_size):
             raise ConfigError(f"data.growth: got 'follow' on rank {self.rank} of {self.world_size} without an "
                               "initialized torch.distributed group; allowed: under torchrun with the group set up")
@@ -216,11 +216,6 @@ class ResumableStream(StreamBase):
         ``growth.refresh``: the grown index broadcast, so every rank adopts the same generation) and every rank
         sleeps the same backoff (poll_interval_s doubling to 16x). True once every rank can go on; False on every
         rank (``follow_ended``) once rank 0 has waited data.follow_timeout_s (its decision, all-reduced)."""
-        import time
-
-        from ..dataset.growth import refresh
-        from ..runtime.collectives import max_each_over_ranks
-
         self.check_in_step()
         c = self.config
         waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
@@ -266,10 +261,6 @@ class ResumableStream(StreamBase):
         """True once epoch ``epoch`` is planned (a generation starts at or after it; an epoch without one is
         empty and passes); else list the files every poll_interval_s (backing off to 16x), at most
         follow_timeout_s in all: False then, with a log line."""
-        import time
-
-        from ..dataset.growth import grow
-
         c = self.config
         waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
         while True:
