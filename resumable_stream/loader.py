@@ -55,6 +55,7 @@ from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
 from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
+from .transforms.protocol import Processor, as_processor
 
 
 def _identity(item):
@@ -114,7 +115,7 @@ class _BatchProducer(IterableDataset):
     """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
-                 processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
+                 processor_factory: Callable[[], Processor] | None, key_fn: Callable, carries: dict[int, dict], turn: int,
                  lane_turns: list[int], keep_keys: bool = True, source_ids: bool = False):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
@@ -214,22 +215,23 @@ class _BatchProducer(IterableDataset):
                 it = round_of(turn)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
-        proc = self.processor_factory() if self.processor_factory is not None else None
+        proc = as_processor(self.processor_factory()) if self.processor_factory is not None else None
         if proc is not None and partition in self.carries:
             proc.load_state(self.carries[partition])
         if self.labels is not None:
             self._source_consumed[partition] = consumed_by_source(self.stream.partition_state(partition))
-        # the tokens each sample put into an example, for the per-source token counts (with packing: its part)
-        take = functools.partial(proc.take, with_key_tokens=True) \
-            if self.labels is not None and getattr(proc, "counts_key_tokens", False) else getattr(proc, "take", None)
+        take = None if proc is None else proc.take
+        if proc is not None and proc.counts_key_tokens and self.labels is not None:
+            # the tokens each sample put into an example, for the per-source token counts (with packing: its part)
+            take = functools.partial(proc.take, with_key_tokens=True)
         examples: list[Any] = []
         keys: list[str] = []
         starved = 0
         epoch_of_last_example = self.stream.partition_epoch(partition)
         # a mixture with per-source transform settings: the processor is told each sample's source
-        source_of = self.stream.source_label if getattr(proc, "takes_source", False) else None
+        source_of = self.stream.source_label if proc is not None and proc.takes_source else None
         # a processor whose chunks end with the data's epoch (LLaMA-Factory's map restarts with every epoch)
-        epoch_bound = callable(getattr(proc, "end_epoch", None))
+        epoch_bound = proc is not None and proc.epoch_bound
         if epoch_bound:
             if proc.data_epoch is None:
                 proc.data_epoch = self.stream.partition_epoch(partition)
@@ -278,14 +280,14 @@ class _BatchProducer(IterableDataset):
         elif proc.ready():
             yield self._processed_item(partition, [take() for _ in range(proc.ready())], proc)
 
-    def _epoch_tail(self, partition: int, proc) -> Iterator[dict[str, Any]]:
+    def _epoch_tail(self, partition: int, proc: Processor) -> Iterator[dict[str, Any]]:
         """The examples of an ended epoch still in the processor, batched apart from the next epoch's (the last
         batch shorter), as a DataLoader over one epoch batches them."""
         while proc.epoch_tail():
             batch = [proc.take() for _ in range(min(self.batch_size, proc.epoch_tail()))]
             yield self._item(partition, batch, [k for ex in batch for k in ex.pop("keys", [])], proc)
 
-    def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
+    def _check_not_starved(self, partition: int, proc: Processor, since_epoch: int) -> None:
         """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""
         epoch = self.stream.partition_epoch(partition)
         if epoch >= since_epoch + 2:
@@ -294,7 +296,7 @@ class _BatchProducer(IterableDataset):
                 f"skipped them all ({proc.stats()}); check data.text_column / data.messages_column / data.format "
                 "and the skip policies", None)
 
-    def _processed_item(self, partition: int, batch: list[dict], proc) -> dict[str, Any]:
+    def _processed_item(self, partition: int, batch: list[dict], proc: Processor) -> dict[str, Any]:
         """The item of a batch of the transform's examples (their keys and key_tokens taken out of them)."""
         runs = [example_runs(ex, self.source_index) for ex in batch] if self.labels is not None else None
         for ex in batch:
@@ -302,7 +304,7 @@ class _BatchProducer(IterableDataset):
         batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
         return self._item(partition, batch, batch_keys, proc, runs)
 
-    def _item(self, partition: int, batch: list, keys: list[str], proc,
+    def _item(self, partition: int, batch: list, keys: list[str], proc: Processor | None,
               runs: list[list[tuple[int, int]]] | None = None) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
         collated = self.collate_fn(batch)
@@ -377,9 +379,9 @@ class StreamLoader:
     """Iterable of training batches from a stream (ResumableStream, MixtureStream), resumable at every batch
     handed out.
 
-    ``processor_factory`` builds a fresh stateful transform per worker (``feed`` / ``ready`` /
-    ``take`` / ``state`` / ``load_state`` / ``fingerprint``); without one, batches are lists of raw
-    samples passed to ``collate_fn``.
+    ``processor_factory`` builds a fresh stateful transform per partition (a
+    :class:`~resumable_stream.transforms.Processor`); without one, batches are lists of raw samples passed to
+    ``collate_fn``.
 
     ``keep_keys``: keep the sample keys of the batches handed out for :meth:`pop_consumed_keys` (a consumed
     log); set it (or the attribute) before iterating. Off, the loader keeps nothing per batch, only the
@@ -397,7 +399,7 @@ class StreamLoader:
     """
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
-                 processor_factory: Callable | None = None, num_workers: int | None = None,
+                 processor_factory: Callable[[], Processor] | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
                  timeout: float = 0, keep_keys: bool = False, source_ids: bool = False, trainer_prefetch: int = 0,
                  per_rank_state: bool = False):

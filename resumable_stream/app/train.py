@@ -39,12 +39,15 @@ from ..integrations.transformers.patch import (
     source_loss,
     stream_loader,
 )
+from ..io.net import RetryPolicy
 from ..loader import check_step_shape, shard_row_key
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
 from ..state.output_dir import check_complete, latest_complete_checkpoint, resume_latest
 from ..stream.mixture import MixtureStream, open_stream
+from ..transforms.text import TextProcessor, collate
+from ..transforms.vl import VLProcessor, collate_vl, load_processor
 from .preflight import check_training_data
 from .startup import quiet_tied_weights, startup_summary
 
@@ -83,8 +86,6 @@ def _load_tokenizer(cfg: TrainerConfig):
 
 
 def _load_processor(cfg: TrainerConfig):
-    from ..transforms.vl import load_processor
-
     name = cfg.model.processor or cfg.model.name_or_path
     key = "model.processor" if cfg.model.processor else "model.name_or_path"
     try:
@@ -190,10 +191,6 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     """Everything but ``train()``: arguments (``args``: made by :func:`training_arguments` already), tokenizer,
     model, stream, patched Trainer."""
     from transformers import Trainer
-
-    from ..io.net import RetryPolicy
-    from ..transforms.text import TextProcessor, collate
-    from ..transforms.vl import VLProcessor, collate_vl
 
     args = args if args is not None else training_arguments(cfg, **argument_overrides)
     vl = cfg.transform.format == "vl"

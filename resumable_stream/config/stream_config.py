@@ -17,9 +17,11 @@ from typing import Any
 
 from ..errors import ConfigError, UnknownKeyError, shown
 from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_number
+from ..observe.monitoring import MONITOR_KEYS
 from . import formats as registry
 from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
+from .transforms import SOURCE_TRANSFORM_KEYS, TransformConfig
 from .weight_schedule import check_weights, normalised, weight_at
 from .yaml_files import load_file
 
@@ -259,9 +261,6 @@ class StreamConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {shown(data)}; allowed: a mapping of data keys")
         if extra_keys is None:
-            from ..observe.monitoring import MONITOR_KEYS
-            from .transforms import TransformConfig
-
             extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples", "eval")   # eval: the trainer's
         if "sources" in data:
             return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
@@ -504,8 +503,6 @@ class MixtureConfig:
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
                   extra_keys: tuple[str, ...] = ()) -> MixtureConfig:
-        from .transforms import SOURCE_TRANSFORM_KEYS  # not at the top: the transforms import torch
-
         raw = data["sources"]
         if not (isinstance(raw, list) and raw):
             raise ConfigError(f"data.sources: got {shown(raw)}; allowed: a non-empty list of mappings, each with "

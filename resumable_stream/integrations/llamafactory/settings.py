@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ...config.stream_config import StreamConfig
 from ...config.yaml_files import load_text, read_config_text
 from ...errors import ConfigError, shown
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
@@ -35,6 +36,7 @@ OWN_KEYS = ("consumed_log", *MIXTURE_KEYS, *MONITOR_KEYS, *MEDIA_KEYS)
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(LLaMA-Factory's arguments, our section) of ``config`` with ``key=value`` overrides merged as
     ``llamafactory-cli`` merges them (OmegaConf: the yaml, then the dotlist)."""
+    # omegaconf comes with llamafactory (an optional extra): imported when used
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -95,8 +97,6 @@ def monitor_settings(ours: dict[str, Any]) -> MonitorSettings:
 
 def _check_stream_keys(ours: dict[str, Any]) -> None:
     """Our data keys checked now, before LLaMA-Factory loads anything (errors name ``resumable_stream.KEY``)."""
-    from ...config.stream_config import StreamConfig
-
     keys = {k: v for k, v in ours.items() if k in STREAM_KEYS}
     try:
         StreamConfig(dataset_name_or_path="org/dataset", **keys)
