@@ -96,10 +96,13 @@ def test_sigkill_after_a_checkpoint_resumes_exactly_through_veomni(tmp_path, ass
     # VeOmni's own per-rank file holds our loader's state (plain values: it loads with weights_only=True)
     import torch
 
+    from resumable_stream.state.job_state import STATE_KEY, decode_state_dict
+
     for r in range(nproc):
         extra = torch.load(tmp_path / "killed" / "checkpoints" / "global_step_6" / "extra_state" /
                            f"extra_state_rank_{r}.pt", weights_only=True)
-        assert extra["train_dataloader"]["topology"]["rank"] == r
+        assert set(extra["train_dataloader"]) == {STATE_KEY}     # our bytes, saved by VeOmni as they are
+        assert decode_state_dict(extra["train_dataloader"], "extra_state")["stream"]["topology"]["rank"] == r
 
     _run(killed, str(tmp_path / "log_killed"), nproc)        # VeOmni's resume: load_path auto -> global_step_6
 
