@@ -83,6 +83,7 @@ def test_an_over_budget_fast_lane_is_reported_and_fails_only_when_opted_in(reque
     names the costliest tests; the session's exit status is left as the tests made it unless
     RS_FAST_LANE_BUDGET_STRICT=1."""
     hooks = _conftest(request.config)
+    monkeypatch.setattr(hooks, "_FIGURES", [])     # figures earlier tests of this session recorded are not these
     costs = {f"tests/test_x.py::test_{i}": {"cpu": 10.0, "wall": 12.0} for i in range(13)}   # 130 s
     monkeypatch.setattr(hooks, "_COSTS", costs)
     monkeypatch.delenv("RS_TEST_COSTS", raising=False)
@@ -118,6 +119,7 @@ def test_an_over_budget_fast_lane_is_reported_and_fails_only_when_opted_in(reque
 def test_without_fast_nothing_is_reported_nor_failed(request, monkeypatch):
     """`make test` (no --fast): the budget is the fast lane's only; the whole suite's CPU time is not judged."""
     hooks = _conftest(request.config)
+    monkeypatch.setattr(hooks, "_FIGURES", [])
     monkeypatch.setattr(hooks, "_COSTS", {"tests/test_x.py::test_0": {"cpu": 1000.0, "wall": 1000.0}})
     monkeypatch.delenv("RS_TEST_COSTS", raising=False)
     monkeypatch.setenv("RS_FAST_LANE_BUDGET_STRICT", "1")
@@ -127,6 +129,17 @@ def test_without_fast_nothing_is_reported_nor_failed(request, monkeypatch):
     session = SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
     hooks.pytest_sessionfinish(session, pytest.ExitCode.OK)
     assert terminal.lines == [] and session.exitstatus == pytest.ExitCode.OK
+
+
+def test_recorded_figures_are_said_at_the_end_of_any_session(request, monkeypatch):
+    """A test's record_property("figure", ...) reaches the terminal summary, in the order recorded."""
+    hooks = _conftest(request.config)
+    monkeypatch.setattr(hooks, "_FIGURES", ["test_a: 1.0e-08", "test_b: 2 rows"])
+    monkeypatch.setattr(hooks, "_COSTS", {})
+    config = SimpleNamespace(getoption=lambda name, default=None: False if name == "fast" else default)
+    terminal = _Terminal()
+    hooks.pytest_terminal_summary(terminal, pytest.ExitCode.OK, config)
+    assert terminal.lines == [("figure: test_a: 1.0e-08", {}), ("figure: test_b: 2 rows", {})]
 
 
 def test_no_test_module_imports_another():
