@@ -32,8 +32,6 @@ import pyarrow as pa
 
 from ..config.specs import SourceSpec
 from ..errors import (
-    BAD_SAMPLE_COLUMN,
-    BAD_SAMPLE_OMIT_NULL,
     IncompleteFileError,
     ResumableStreamError,
     SourceError,
@@ -42,21 +40,16 @@ from ..errors import (
 from ..io.net import RetryPolicy
 from ..io.ranged import WrongBytes, read_range
 from ..observe.metrics import record_retry, record_row_group
-from . import jsonl_index
+from . import jsonl_index, jsonl_rows
 from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
 from .index import identity_of
 from .parquet import prefetch_depth
-from .parquet_local import cast_like_datasets
 from .parquet_rows import decoder_pool
 from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 64 << 10          # the bytes at each end of a local file re-read on resume (``head`` identity)
-
-
-def _marker_field() -> pa.Field:
-    return pa.field(BAD_SAMPLE_COLUMN, pa.string(), metadata=BAD_SAMPLE_OMIT_NULL)
 
 
 # ------------------------------------------------------------------------------ index
@@ -123,12 +116,6 @@ def _starts_an_array(head: bytes, compression: str) -> bool:
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _json_builder():
-    from datasets.packaged_modules.json.json import Json
-
-    return Json
-
-
 def builder_features(path: str, retry: RetryPolicy | None):
     """The features ``datasets``' json builder infers from the file at ``path`` (its first chunk): the builder
     itself is asked, streaming over that one file, as ``load_dataset(..., streaming=True)`` would. None when it
@@ -174,7 +161,8 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
         _fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
     if text is not None:
         text.close()
-    good = [line for line in chunk.splitlines() if not jsonl_index.is_blank(line) and _line_problem(line) is None]
+    good = [line for line in chunk.splitlines()
+            if not jsonl_index.is_blank(line) and jsonl_rows.line_problem(line) is None]
     if not good:
         raise SourceError(f"data file {path!r}: no line of its first {first[0]} rows is a JSON object; the "
                           "features are inferred from them")
@@ -322,137 +310,6 @@ class _Reading:
         return self.table.num_rows if self.table is not None else 0
 
 
-# ------------------------------------------------------------------------------ rows
-class _Rows:
-    """Blocks of lines to tables in the dataset's features, as ``datasets``' json builder makes them."""
-
-    def __init__(self, features: dict):
-        self._features_dict = features
-        self._features = None
-        self._schema = None
-        self._json_paths: list | None = None
-
-    def __getstate__(self) -> dict:
-        return {"_features_dict": self._features_dict, "_features": None, "_schema": None, "_json_paths": None}
-
-    def _ready(self) -> None:
-        if self._features is None:
-            import datasets
-
-            self._features = datasets.Features.from_dict(self._features_dict)
-            self._schema = self._features.arrow_schema
-            try:
-                from datasets.utils.json import get_json_field_paths_from_feature
-            except ImportError:          # a datasets without JSON fields (before 5.x)
-                self._json_paths = []
-            else:
-                self._json_paths = list(get_json_field_paths_from_feature(self._features))
-
-    @property
-    def schema(self) -> pa.Schema:
-        self._ready()
-        return self._schema
-
-    def _encoded(self, block: bytes) -> bytes:
-        """The block with its JSON fields encoded as strings, as the builder does before parsing."""
-        from datasets.utils.json import json_encode_field, ujson_dumps, ujson_loads
-
-        examples = [ujson_loads(line) for line in block.splitlines() if not jsonl_index.is_blank(line)]
-        for path in self._json_paths:
-            examples = [json_encode_field(example, path) for example in examples]
-        return "\n".join(ujson_dumps(example) for example in examples).encode()
-
-    def parse(self, block: bytes) -> pa.Table:
-        """``block`` (whole lines) as a table in the features; raises on anything the builder would refuse."""
-        import pyarrow.json as paj
-
-        self._ready()
-        if self._json_paths:
-            block = self._encoded(block)
-        table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(
-            use_threads=False, block_size=max(len(block) + 1, 1 << 16)))
-        cast = cast_like_datasets(table, self._schema)
-        if cast is not None:
-            return cast
-        return self._cast(table)
-
-    def _cast(self, table: pa.Table) -> pa.Table:
-        """The builder's own ``_cast_table`` (missing columns added, structs to strings where the features say
-        string, then ``table_cast``)."""
-        shim = _BuilderShim(self._features)
-        return _json_builder()._cast_table(shim, table)
-
-    def table(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
-        """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
-        that does not parse whole is parsed row by row, each row that fails a bad sample (``where(i)``: row
-        ``i`` of the block, named for the reason)."""
-        self._ready()
-        block = text[lo:] if lo else text
-        try:
-            table = self.parse(block)
-            if table.num_rows == rows:
-                return table.append_column(_marker_field(), pa.nulls(rows, pa.string()))
-        except Exception:   # noqa: BLE001 - parsed again row by row below, each failure named
-            pass
-        return self._row_by_row(text, lo, rows, where)
-
-    def _row_by_row(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
-        spans = jsonl_index.row_spans(text, lo)
-        if len(spans) != rows:
-            raise WrongBytes(f"{len(spans)} rows where the index says {rows}")
-        good, reasons = [], []
-        for a, b in spans:
-            line = text[a:b]
-            why = _line_problem(line)
-            if why is None:
-                try:
-                    good.append(self.parse(line))
-                except Exception as e:   # noqa: BLE001 - a value the features cannot take: a bad sample
-                    why = f"does not fit the dataset's features ({type(e).__name__}: {str(e)[:200]})"
-            reasons.append(why)
-        schema = self._schema
-        bad_rows = [i for i, why in enumerate(reasons) if why is not None]
-        for i in bad_rows:
-            reasons[i] = _bad(where(i), reasons[i])
-        nulls = pa.table({f.name: pa.nulls(len(bad_rows), f.type) for f in schema}, schema=schema)
-        joined = pa.concat_tables([*good, nulls]) if good else nulls
-        order, g, b = [], 0, len(good)
-        for why in reasons:
-            if why is None:
-                order.append(g)
-                g += 1
-            else:
-                order.append(b)
-                b += 1
-        out = joined.take(pa.array(order, pa.int64()))
-        return out.append_column(_marker_field(), pa.array(reasons, pa.string()))
-
-
-class _BuilderShim:
-    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
-
-    def __init__(self, features):
-        self.info = type("Info", (), {"features": features})()
-        self.config = type("Config", (), {"features": features})()
-
-
-def _line_problem(line: bytes) -> str | None:
-    """Why a row's line is not one JSON object (None: it is)."""
-    try:
-        value = json.loads(line.lstrip(b"\xef\xbb\xbf"))
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"is not JSON ({type(e).__name__}: {str(e)[:200]})"
-    if not isinstance(value, dict):
-        return f"is a JSON {type(value).__name__}, not an object"
-    return None
-
-
-def _bad(where: str, why: str) -> str:
-    reason = f"{where}: {why}"
-    log.warning("%s; a bad sample, its columns are None", reason)
-    return reason
-
-
 # ------------------------------------------------------------------------------ the source
 class JsonLinesSource(FetchesAhead):
     """Indexed JSON-lines files: one shard per run of pieces read from one access point (picklable)."""
@@ -464,7 +321,10 @@ class JsonLinesSource(FetchesAhead):
         self._files = index["files"]
         self._retry = retry if retry.remote else None
         self._options = retry.storage_options
-        self._rows = _Rows(index["features"])
+        self._rows = jsonl_rows.Blocks(index["features"])
+        # features the lines way makes (jsonl_rows): a piece is handed on as its lines, parsed as they are used
+        self._features_json = json.dumps(index["features"], separators=(",", ":")).encode()
+        self._lines = jsonl_rows.Conformer(index["features"]).fast
         runs = []                       # (file, first piece, end piece, rows before each piece in the shard)
         for f, entry in enumerate(self._files):
             pieces = entry["pieces"]
@@ -598,7 +458,13 @@ class JsonLinesSource(FetchesAhead):
         def where(i: int) -> str:
             return f"data file {path!r}: row {row0 + i} (line of bytes from {start + lo}.. of the text)"
 
-        table = self._rows.table(text, lo, rows - inside, where)
+        offsets = jsonl_rows.row_starts(text, lo, rows - inside) if self._lines else None
+        if offsets is not None:
+            table = jsonl_rows.lines_table(text, offsets, path, row0, self._features_json)
+        elif self._lines:
+            raise WrongBytes(f"the text of bytes {start}-{end} does not hold the {rows} rows the index says")
+        else:
+            table = self._rows.table(text, lo, rows - inside, where)
         reading.piece += 1
         return table
 

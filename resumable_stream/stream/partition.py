@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from ..plan import Layout, window_permutation
 from ..runtime.arrow_pool import rows_pool
+from ..sources.table_rows import table_rows
 from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
 
 MAX_EMPTY_EPOCHS = 16
@@ -175,7 +176,7 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
             offset[t.index] = at
             at += t.table.num_rows
         idx = offset[owner[pos]] + within[pos]
-        if perm is not None and all(t.large() for t in ready):
+        if _per_take(ready, perm):
             return _gathered(ready, idx)
         table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
@@ -202,7 +203,19 @@ def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
 
 
 def _rows_of(part: pa.Table, n: int) -> list[dict]:
+    made = table_rows(part)         # a source's table that is not its rows' columns (JSON lines: the lines)
+    if made is not None:
+        return made
     return _rows_from(part.column_names, part.schema, None, n, part)
+
+
+def _per_take(ready: list[_Take], perm: np.ndarray | None) -> bool:
+    """Whether a part of a window is made of each take's rows picked (``_gathered``) rather than of an Arrow take
+    of their concatenation: large rows permuted, or tables that are not the rows' columns (a JSON-lines source's
+    lines are parsed once each, in file order, and not copied by a take; tables of two kinds do not concatenate)."""
+    if perm is not None and all(t.large() for t in ready):
+        return True
+    return any(t.table.schema.names[:1] == ["__json_line__"] for t in ready)
 
 
 def _rows_from(names: list[str], schema: pa.Schema, columns: list[list] | None, n: int,
