@@ -209,7 +209,7 @@ class _Inflate:
         self._shift = 8 - p[2] if p[2] else 0
         self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
         self._carry: int | None = None
-        self._d = zlib.decompressobj(-15, zdict=window) if window else zlib.decompressobj(-15)
+        self._d = jsonl_index.raw_inflater(window)
 
     def more(self, c_end: int) -> bytes:
         """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
@@ -230,7 +230,7 @@ class _Inflate:
                 data, self._carry = _shifted(data, self._shift, self._carry)
         try:
             out = self._d.decompress(data)
-        except zlib.error as e:
+        except jsonl_index.INFLATE_ERRORS as e:
             raise WrongBytes(f"the gzip data does not inflate ({e})") from None
         self.made += len(out)
         return out
@@ -448,7 +448,7 @@ class JsonLinesSource(FetchesAhead):
             text = reading.text.upto(end, cend)
             if reading.text.u - len(text) != start:    # text of the piece starts at its first row
                 text = text[start - (reading.text.u - len(text)):]
-        if zlib.crc32(text) != crc:
+        if jsonl_index.crc32(text) != crc:
             raise WrongBytes(f"the text of rows {rows} at bytes {start}-{end} does not match the index's CRC-32")
         lo = jsonl_index.skip_rows(text, 0, inside) if inside else 0
         piece = reading.piece

@@ -142,54 +142,74 @@ def _struct_fixer(fields: dict[str, Callable]) -> Callable[[Any], tuple[bool, An
 
 
 class Conformer:
-    """A parsed line (orjson's value) to the row the json builder gives for it, or None when it does not fit
-    simply (``__call__``). Made once per features: the checks of the top-level columns are one generated
-    function (``{'id': int, 'text': str}``: two type checks and a key-order check per row)."""
+    """Makes a row of a line: ``orjson.loads``, then the value brought to the row the json builder gives for it
+    (``maker(slow)``: a function of one line; a line that does not fit simply goes to ``slow``). Made once per
+    features: the checks of the top-level columns are one generated function (``{'id': int, 'text': str}``: the
+    parse, two type checks and a key-order check per row)."""
 
     def __init__(self, features: dict):
         self.names = tuple(features)
         fixers = {name: _fixer(f) for name, f in features.items()}
         self.fast = bool(features) and all(f is not None for f in fixers.values()) and \
             all(type(n) is str for n in self.names)
-        self._call = self._compile(features, fixers) if self.fast else None
+        self._factory = self._compile(features, fixers) if self.fast else None
 
-    def __call__(self, value: Any) -> dict | None:
-        return self._call(value)
+    def maker(self, views: list, fill: Callable, slow: Callable) -> Callable[[Any], dict]:
+        """The function making the row of an item (``items_maker``): its line found in ``views`` (per table: its
+        rows' memoryviews, starts and ends; ``fill(k)`` makes table k's), parsed and brought to the builder's row;
+        a line that does not fit simply goes to ``slow(k, j)``."""
+        import orjson
 
-    def _compile(self, features: dict, fixers: dict) -> Callable[[Any], dict | None]:
+        return self._factory(orjson.loads, orjson.JSONDecodeError, views, fill, slow)
+
+    def _compile(self, features: dict, fixers: dict) -> Callable:
         # generated from the feature names (repr'd string literals) and fixed code only: no data goes in
-        lines = ["def conform(d):",
-                 "    if type(d) is not dict:",
-                 "        return None",
-                 "    if tuple(d) != NAMES:",
-                 "        if not NAMESET.issuperset(d):",
-                 "            return None",
-                 "        d = {k: d.get(k) for k in NAMES}"]
+        fail = "            return slow(k, j)"
+        lines = ["def factory(loads, JSONDecodeError, views, fill, slow):",
+                 "    def make(item):",
+                 "        if type(item) is not int:",
+                 "            return item",
+                 "        k = item >> BITS",
+                 "        j = item & MASK",
+                 "        v = views[k]",
+                 "        if v is None:",
+                 "            v = fill(k)",
+                 "        try:",
+                 "            d = loads(v[0][j][v[1][j]:v[2][j]])",
+                 "        except JSONDecodeError:",
+                 "            return slow(k, j)",
+                 "        if type(d) is not dict:",
+                 fail,
+                 "        if tuple(d) != NAMES:",
+                 "            if not NAMESET.issuperset(d):",
+                 "                return slow(k, j)",
+                 "            d = {key: d.get(key) for key in NAMES}"]
         env: dict[str, Any] = {"NAMES": self.names, "NAMESET": frozenset(self.names), "LO": _INT64[0],
                                "HI": _INT64[1], "float": float, "type": type, "tuple": tuple, "dict": dict,
-                               "str": str, "int": int, "bool": bool, "list": list}
+                               "str": str, "int": int, "bool": bool, "list": list, "BITS": ITEM_ROW_BITS,
+                               "MASK": (1 << ITEM_ROW_BITS) - 1}
         for i, (name, feature) in enumerate(features.items()):
             key = repr(name)
             dtype = feature.get("dtype") if feature.get("_type") == "Value" else None
-            lines.append(f"    v = d[{key}]")
+            lines.append(f"        v = d[{key}]")
             if dtype == "string":
-                lines += ["    if type(v) is not str and v is not None:", "        return None"]
+                lines += ["        if type(v) is not str and v is not None:", fail]
             elif dtype == "int64":
-                lines += ["    if type(v) is not int:", "        if v is not None:", "            return None",
-                          "    elif not LO <= v <= HI:", "        return None"]
+                lines += ["        if type(v) is not int:", "            if v is not None:", "    " + fail,
+                          "        elif not LO <= v <= HI:", fail]
             elif dtype == "float64":
-                lines += ["    if type(v) is not float:", "        if type(v) is int:",
-                          f"            d[{key}] = float(v)", "        elif v is not None:", "            return None"]
+                lines += ["        if type(v) is not float:", "            if type(v) is int:",
+                          f"                d[{key}] = float(v)", "            elif v is not None:", "    " + fail]
             elif dtype == "bool":
-                lines += ["    if type(v) is not bool and v is not None:", "        return None"]
+                lines += ["        if type(v) is not bool and v is not None:", fail]
             elif dtype == "null":
-                lines += ["    if v is not None:", "        return None"]
+                lines += ["        if v is not None:", fail]
             else:
                 env[f"fix{i}"] = fixers[name]
-                lines += [f"    ok, v = fix{i}(v)", "    if not ok:", "        return None", f"    d[{key}] = v"]
-        lines.append("    return d")
+                lines += [f"        ok, v = fix{i}(v)", "        if not ok:", fail, f"        d[{key}] = v"]
+        lines += ["        return d", "    return make"]
         exec("\n".join(lines), {"__builtins__": {}, **env}, env)      # noqa: S102 - see above
-        return env["conform"]
+        return env["factory"]
 
 
 _CONFORMERS: dict[bytes, Conformer] = {}
@@ -219,15 +239,19 @@ def row_starts(text: bytes, lo: int, rows: int) -> np.ndarray:
     """The byte offsets of the ``rows`` rows of ``text`` from ``lo`` (a row's start), and the text's end: a row
     is its line and the blank lines after it (JSON whitespace to orjson). None when the text does not hold that
     many rows."""
-    arr = np.frombuffer(text, dtype=np.uint8)
-    starts = np.flatnonzero(arr[lo:] == 10)
-    starts += lo + 1
-    if len(starts) and starts[-1] == len(text):
-        starts = starts[:-1]                        # the last line's newline ends the text
-    if len(starts) + 1 == rows:                     # no blank line: every line is a row
-        out = np.empty(rows + 1, dtype=np.int64)
-        out[0], out[1:rows], out[rows] = lo, starts, len(text)
-        return out
+    # memchr by bytes.find, line by line: numpy's ``== 10`` over the text costs a temporary as large as the text
+    # (fresh pages, each faulted in) and a two-pass nonzero, ~10x the time
+    out = [lo]
+    find, add = text.find, out.append
+    pos = find(b"\n", lo)
+    while pos >= 0:
+        add(pos + 1)
+        pos = find(b"\n", pos + 1)
+    if out[-1] == len(text):
+        out.pop()                                   # the last line's newline ends the text
+    if len(out) == rows:                            # no blank line: every line is a row
+        out.append(len(text))
+        return np.array(out, dtype=np.int64)
     spans = jsonl_index.row_spans(text, lo)         # blank lines: found one by one (rare)
     if len(spans) != rows:
         return None
@@ -252,49 +276,55 @@ def lines_table(text: bytes, offsets: np.ndarray, path: str, first_row: int, fea
 
 
 # ------------------------------------------------------------------------------ rows (stream side)
+# A row handed out is made then, from its line (a window keeps numbers, not rows: parsing a window's rows at once
+# and keeping them costs twice the parse, in fresh memory touched; a view or a copy of each line kept instead is an
+# object the garbage collector walks, or a copy). An item is ``(table << 32) | row``: row ``row`` of table
+# ``table`` (``table_of(table)``).
+ITEM_ROW_BITS = 32
+
+
+def items_maker(schema: pa.Schema, tables: int, table_of: Callable[[int], pa.Table]) -> Callable[[Any], dict]:
+    """The function making the row of an item (a number: above) of ``tables`` lines tables of ``schema``
+    (``table_of(k)``: the k-th, read when a row of it is first made), as the json builder gives it. Anything but
+    a number is handed back as it is (a row already made)."""
+    features_json = schema.field(0).metadata[_KIND]
+    views: list = [None] * tables
+
+    def fill(k: int) -> tuple:
+        table = table_of(k)
+        mvs, starts, ends = [], [], []
+        for chunk in table.column(0).chunks:
+            n = len(chunk)
+            if n == 0:
+                continue
+            _, off_buf, data_buf = chunk.buffers()
+            bounds = np.frombuffer(off_buf, dtype=np.int64, count=n + 1, offset=chunk.offset * 8).tolist()
+            mvs += [memoryview(data_buf) if data_buf is not None else memoryview(b"")] * n
+            starts += bounds[:-1]
+            ends += bounds[1:]
+        views[k] = (mvs, starts, ends)
+        return views[k]
+
+    def slow(k: int, j: int) -> dict:
+        mvs, starts, ends = views[k]
+        table = table_of(k)
+        return _row_alone(bytes(mvs[j][starts[j]:ends[j]]), table.column(1)[j].as_py(), table.column(2)[j].as_py(),
+                          features_json)
+
+    return conformer(features_json).maker(views, fill, slow)
+
+
 def rows_of_lines(table: pa.Table) -> list[dict]:
     """The rows of a lines table, in its order, as the json builder gives them (a bad sample: every column None and
     ``__bad_sample__`` naming the file, the row and why)."""
-    import orjson
-
-    field = table.schema.field(0)
-    features_json = field.metadata[_KIND]
-    conform = conformer(features_json)
-    loads = orjson.loads
-    out: list = []
-    for chunk in table.column(0).chunks:
-        n = len(chunk)
-        if n == 0:
-            continue
-        _, off_buf, data_buf = chunk.buffers()
-        offsets = np.frombuffer(off_buf, dtype=np.int64, count=n + 1, offset=chunk.offset * 8)
-        mv = memoryview(data_buf) if data_buf is not None else memoryview(b"")
-        bounds = offsets.tolist()
-        try:
-            made = [conform(loads(mv[a:b])) for a, b in zip(bounds, bounds[1:])]
-        except orjson.JSONDecodeError:
-            made = []
-            for a, b in zip(bounds, bounds[1:]):
-                try:
-                    made.append(conform(loads(mv[a:b])))
-                except orjson.JSONDecodeError:
-                    made.append(None)
-        if None in made:
-            at = len(out)
-            for i, row in enumerate(made):
-                if row is None:
-                    made[i] = _row_alone(table, at + i, bytes(mv[bounds[i]:bounds[i + 1]]), features_json)
-        out += made
-    return out
+    make = items_maker(table.schema, 1, lambda _: table)
+    return [make(j) for j in range(table.num_rows)]
 
 
-def _row_alone(table: pa.Table, i: int, line: bytes, features_json: bytes) -> dict:
+def _row_alone(line: bytes, path: str, row: int, features_json: bytes) -> dict:
     """A line the lines way does not make: parsed as the json builder parses a block, on its own (the row, or a
     bad sample naming its file and row)."""
-    path = table.column(1)[i].as_py()
-    row = table.column(2)[i].as_py()
-    blocks = _blocks(features_json)
-    made = blocks.table(line, 0, 1, lambda _: f"data file {path!r}: row {row}")
+    made = _blocks(features_json).table(line, 0, 1, lambda _: f"data file {path!r}: row {row}")
     out = made.to_pylist()[0]
     if out.get(BAD_SAMPLE_COLUMN) is None:
         out.pop(BAD_SAMPLE_COLUMN, None)

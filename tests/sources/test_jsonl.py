@@ -399,7 +399,7 @@ def test_the_lines_way_gives_datasets_rows_for_odd_but_valid_lines(tmp_path, mon
     path = _write(str(tmp_path / "odd.jsonl"), b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())
     alone = []
     real = jsonl_rows._row_alone
-    monkeypatch.setattr(jsonl_rows, "_row_alone", lambda *a: alone.append(a[1]) or real(*a))
+    monkeypatch.setattr(jsonl_rows, "_row_alone", lambda *a: alone.append(a[2]) or real(*a))
     theirs, features = _theirs([path])
     src, ours = _ours([path])
     assert src._lines and src.index["features"] == features.to_dict()
