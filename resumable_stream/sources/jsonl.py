@@ -236,8 +236,26 @@ class _Inflate:
         return out
 
 
+class _Compressed:
+    """The compressed bytes of a file from an offset on, as a file object for zstandard's stream reader: a read
+    fetches what it asks for, and at least up to ``hint`` (what the index says the next piece needs: one ranged
+    read, not one per INPUT_CHUNK)."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes], at: int, size: int):
+        self.fetch, self.at, self.size, self.hint = fetch, at, size, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self.at >= self.size:
+            return b""
+        end = min(self.size, max(self.at + max(n, 1), self.hint))
+        data = self.fetch(self.at, end)
+        self.at += len(data)
+        return data
+
+
 class _Text:
-    """The decompressed text of one file from an access point on, handed out piece by piece."""
+    """The decompressed text of one file from an access point on, handed out piece by piece (``upto``) or skipped
+    (``skip``: decompressed into a scratch buffer and dropped, never parsed)."""
 
     def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
         self.entry, self.fetch = entry, fetch
@@ -246,48 +264,63 @@ class _Text:
             return
         p = entry["points"][point]
         self.u = p[0]
-        self._out = bytearray()
+        self._rest = b""                   # (gzip) text inflated past what was handed out
         if self.kind == "zstd":
             import zstandard
 
-            self._dctx = zstandard.ZstdDecompressor()
-            self._obj = self._dctx.decompressobj()
-            self._c = p[1]
+            self._source = _Compressed(fetch, p[1], entry["size"])
+            # its read_size: what each fetch past the index's hint asks for
+            self._reader = zstandard.ZstdDecompressor().stream_reader(
+                self._source, read_size=jsonl_index.INPUT_CHUNK, read_across_frames=True, closefd=False)
         else:
             self._inflate = _Inflate(entry, point, fetch)
 
     def close(self) -> None:
         """(Nothing is held but memory.)"""
 
-    def _more_zstd(self, u_end: int, c_end: int) -> bytes:
-        size = self.entry["size"]
-        if self._c >= size:
-            raise WrongBytes(f"the zstd data ends at text byte {self.u + len(self._out)}, the index says {u_end}")
-        end = min(size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
-        data = self.fetch(self._c, end)
-        self._c += len(data)
-        out = bytearray()
-        try:
-            while data:
-                out += self._obj.decompress(data)
-                if not self._obj.eof:
-                    break
-                data = self._obj.unused_data
-                self._obj = self._dctx.decompressobj()
-        except Exception as e:         # zstandard.ZstdError: bytes that are not the index's
-            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
-        return bytes(out)
+    def _zstd_into(self, out: memoryview, u_end: int, c_end: int) -> None:
+        """Fill ``out`` with the next text (exactly its length)."""
+        import zstandard
 
-    def upto(self, u_end: int, c_end: int) -> bytes:
+        self._source.hint = c_end
+        got = 0
+        try:
+            while got < len(out):
+                n = self._reader.readinto(out[got:])
+                if not n:
+                    raise WrongBytes(f"the zstd data ends at text byte {self.u + got}, the index says {u_end}")
+                got += n
+        except zstandard.ZstdError as e:       # bytes that are not the index's
+            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
+
+    def upto(self, u_end: int, c_end: int) -> bytes | bytearray:
         """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
         bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not."""
-        while len(self._out) < u_end - self.u:
-            self._out += self._more_zstd(u_end, c_end) if self.kind == "zstd" else self._inflate.more(c_end)
         n = u_end - self.u
-        out = bytes(self._out[:n])
-        del self._out[:n]
+        if self.kind == "zstd":
+            out = bytearray(n)                 # decompressed into its place: no copy
+            self._zstd_into(memoryview(out), u_end, c_end)
+        else:
+            parts, have = ([self._rest] if self._rest else []), len(self._rest)
+            while have < n:
+                more = self._inflate.more(c_end)
+                parts.append(more)
+                have += len(more)
+            joined = parts[0] if len(parts) == 1 else b"".join(parts)
+            out, self._rest = (joined, b"") if have == n else (joined[:n], joined[n:])
         self.u = u_end
         return out
+
+    def skip(self, u_end: int, c_end: int) -> None:
+        """Go on to text byte ``u_end``, decompressing what comes before it and dropping it."""
+        if self.kind != "zstd":
+            self.upto(u_end, c_end)
+            return
+        scratch = memoryview(bytearray(min(u_end - self.u, 4 << 20)))
+        while self.u < u_end:
+            part = scratch[:min(len(scratch), u_end - self.u)]
+            self._zstd_into(part, u_end, c_end)
+            self.u += len(part)
 
 
 @dataclass
@@ -419,7 +452,7 @@ class JsonLinesSource(FetchesAhead):
                 text = _Text(entry, entry["pieces"][a][4], self._fetch(path, entry))
                 if piece > a:          # decompress and skip the pieces before the row's: nothing of them parsed
                     prev = entry["pieces"][piece - 1]
-                    text.upto(entry["pieces"][piece][1], prev[5])
+                    text.skip(entry["pieces"][piece][1], prev[5])
             reading = _Reading(shard, piece, text)
             reading.table = self._piece_table(entry, reading, inside)
             reading.first_row = first_row
