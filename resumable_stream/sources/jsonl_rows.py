@@ -141,6 +141,24 @@ def _struct_fixer(fields: dict[str, Callable]) -> Callable[[Any], tuple[bool, An
     return fix
 
 
+def has_orjson() -> bool:
+    """Whether orjson (a native accelerator, declared in pyproject) can be imported: without it every dataset is
+    read the blocks way (pyarrow's JSON reader, the builder's cast): the same rows, more CPU per row."""
+    global _ORJSON
+    if _ORJSON is None:
+        try:
+            import orjson  # noqa: F401
+            _ORJSON = True
+        except ImportError:
+            log.warning("orjson is not installed: JSON lines are parsed by pyarrow's JSON reader (the same rows, "
+                        "slower); pip install orjson")
+            _ORJSON = False
+    return _ORJSON
+
+
+_ORJSON: bool | None = None
+
+
 class Conformer:
     """Makes a row of a line: ``orjson.loads``, then the value brought to the row the json builder gives for it
     (``maker(slow)``: a function of one line; a line that does not fit simply goes to ``slow``). Made once per
@@ -151,7 +169,7 @@ class Conformer:
         self.names = tuple(features)
         fixers = {name: _fixer(f) for name, f in features.items()}
         self.fast = bool(features) and all(f is not None for f in fixers.values()) and \
-            all(type(n) is str for n in self.names)
+            all(type(n) is str for n in self.names) and has_orjson()
         self._factory = self._compile(features, fixers) if self.fast else None
 
     def maker(self, views: list, fill: Callable, slow: Callable) -> Callable[[Any], dict]:

@@ -104,6 +104,25 @@ def test_rows_and_features_equal_datasets_json_builder(tmp_path, ext):
     assert len(ours) == 900 and sum(s.num_rows for s in src.shards) == 900
 
 
+@pytest.mark.parametrize("ext", [".jsonl", ".jsonl.gz"])
+def test_without_the_native_accelerators_the_rows_are_the_same(tmp_path, monkeypatch, ext):
+    """orjson and isal are accelerators: without orjson every line is read the blocks way (pyarrow's reader and
+    the builder's cast), without isal CRC-32 and inflate are zlib's; the rows and the index are the same."""
+    import zlib
+
+    files = [_write(str(tmp_path / f"part-{i}{ext}"), _text(_rows(i, 300, i * 300), blank_every=5)) for i in range(2)]
+    theirs, features = _theirs(files)
+    fast_src, fast = _ours(files)
+    assert fast_src._lines
+    monkeypatch.setattr(jsonl_rows, "_ORJSON", False)
+    monkeypatch.setattr(jsonl_index, "crc32", zlib.crc32)
+    monkeypatch.setattr(jsonl_index, "_isal_decompressobj", None)
+    src, ours = _ours(files)
+    assert not src._lines
+    assert _clean(ours) == theirs == fast
+    assert src.index["files"] == fast_src.index["files"]
+
+
 def test_mixed_struct_types_are_json_fields_as_datasets_makes_them(tmp_path):
     """datasets 5.x turns a field whose structure changes from row to row into a Json feature (its text in the rows,
     undecoded, as every feature of a stream's rows: decoding is the transform's)."""
