@@ -9,10 +9,18 @@ the snapshot of the last batch it handed to the training loop. Batches prefetche
 not yet handed out are therefore never counted: the saved state equals that of a run that stopped
 right there.
 
-The DataLoader hands out batches worker by worker in a fixed rotation; the rotation position is
-saved too, and on resume worker *i* reads lane ``(i + turn) % workers``, each lane starting at its
-saved turn, so the batch order continues unchanged. After an elastic change of ranks or workers
-every partition continues from its cursor and the rotations start afresh.
+A rank hands out its batches in **rounds**, one batch from each of its partitions per round, in partition
+order, whatever its DataLoader workers: the DataLoader takes from its workers strictly in turn, and worker *w*
+reads lane ``w`` (partitions w, w + workers, ...), so lane step t of every worker is one stretch of the round; a
+lane shorter than the others (the partitions do not split evenly over the workers) hands out a *skip* item for
+each partition it lacks, which the main process drops. So an optimizer step that accumulates whole rounds takes
+the next batch of every partition on any number of ranks and workers (``data.elastic_determinism``,
+:func:`resumable_stream.plan.check_global_batch`, docs/elastic.md).
+
+The rotation position is saved too, and on resume worker *i* reads lane ``(i + turn) % workers``, each lane
+starting at its saved step, so the batch order continues unchanged. After an elastic change of ranks or workers
+every partition continues from its cursor and the rounds start afresh: under ``data.elastic_determinism`` only
+from a state saved between rounds (an optimizer step's end), where that is the uninterrupted order.
 """
 
 from __future__ import annotations
@@ -39,16 +47,32 @@ from .observe.mixture_counts import (
     tokens_by_source,
 )
 from .observe.progress import epoch_position, mean_position
+from .plan import check_global_batch, check_partitions_per_rank
 from .runtime import threads
+from .runtime.collectives import max_over_ranks
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
-from .state.job_state import decode_state_dict, encode_state_dict, gather_job_state
+from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
 from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
+from .transforms.protocol import Processor, as_processor
 
 
 def _identity(item):
     return item
+
+
+# what a worker hands out in place of a batch its lane lacks in a round (the main process drops it)
+_SKIP = {"skip": True}
+
+
+def _not_skip(item: dict[str, Any]) -> bool:
+    return "skip" not in item
+
+
+def round_steps(lanes: list[list[int]]) -> int:
+    """Lane steps in a round: the longest lane's partitions."""
+    return max(len(lane) for lane in lanes)
 
 
 def token_count(batch: Any) -> int:
@@ -91,7 +115,7 @@ class _BatchProducer(IterableDataset):
     """Runs in each worker (or the main process): lane of partitions -> transform -> batches + snapshots."""
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable,
-                 processor_factory: Callable | None, key_fn: Callable, carries: dict[int, dict], turn: int,
+                 processor_factory: Callable[[], Processor] | None, key_fn: Callable, carries: dict[int, dict], turn: int,
                  lane_turns: list[int], keep_keys: bool = True, source_ids: bool = False):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
@@ -120,18 +144,38 @@ class _BatchProducer(IterableDataset):
                                   f"has {info.num_workers}")
             j = (info.id + self.turn) % len(lanes)
         lane = lanes[j]
-        turn = self.lane_turns[j] if j < len(self.lane_turns) else 0
+        steps = round_steps(lanes)
+        turn = (self.lane_turns[j] if j < len(self.lane_turns) else 0) % steps
         if self.stream.follows:     # data.growth: follow (main process, one lane)
             if self.stream.world_size > 1:
                 yield from self._rounds_in_step(lane, turn)
             else:
                 yield from self._rounds(lane, turn)
             return
-        if len(lane) == 1:
+        if steps == 1:
             yield from self._batches(lane[0])
             return
         # several partitions: one batch from each in turn, starting where the saved rotation stood
-        yield from round_robin({p: self._batches(p) for p in lane}, lane, turn)
+        yield from self._lane_rounds(lane, steps, turn)
+
+    def _lane_rounds(self, lane: list[int], steps: int, turn: int) -> Iterator[dict[str, Any]]:
+        """A batch of each partition of ``lane`` in turn from lane step ``turn``; ``steps`` lane steps a round, a
+        skip item for each one past the lane's end (a shorter lane than the rank's longest), so that the
+        DataLoader, taking from its workers strictly in turn, hands out one batch of each of the rank's
+        partitions per round. A partition that ended (a finite pass) is passed over; the lane ends with its last."""
+        iterators = {p: self._batches(p) for p in lane}
+        t = turn
+        while iterators:
+            if t < len(lane):
+                it = iterators.get(lane[t])
+                if it is not None:
+                    try:
+                        yield next(it)
+                    except StopIteration:
+                        del iterators[lane[t]]
+            else:
+                yield _SKIP
+            t = (t + 1) % steps
 
     def _rounds(self, lane: list[int], turn: int) -> Iterator[dict[str, Any]]:
         """``data.growth: follow``: the lane's partitions read the round (an epoch of new files) batch by batch
@@ -151,8 +195,6 @@ class _BatchProducer(IterableDataset):
         together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
         hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
         data.follow_timeout_s."""
-        from .runtime.collectives import max_over_ranks
-
         self.stream.check_in_step()
 
         def round_of(turn: int) -> Iterator[dict[str, Any]]:
@@ -173,22 +215,23 @@ class _BatchProducer(IterableDataset):
                 it = round_of(turn)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
-        proc = self.processor_factory() if self.processor_factory is not None else None
+        proc = as_processor(self.processor_factory()) if self.processor_factory is not None else None
         if proc is not None and partition in self.carries:
             proc.load_state(self.carries[partition])
         if self.labels is not None:
             self._source_consumed[partition] = consumed_by_source(self.stream.partition_state(partition))
-        # the tokens each sample put into an example, for the per-source token counts (with packing: its part)
-        take = functools.partial(proc.take, with_key_tokens=True) \
-            if self.labels is not None and getattr(proc, "counts_key_tokens", False) else getattr(proc, "take", None)
+        take = None if proc is None else proc.take
+        if proc is not None and proc.counts_key_tokens and self.labels is not None:
+            # the tokens each sample put into an example, for the per-source token counts (with packing: its part)
+            take = functools.partial(proc.take, with_key_tokens=True)
         examples: list[Any] = []
         keys: list[str] = []
         starved = 0
         epoch_of_last_example = self.stream.partition_epoch(partition)
         # a mixture with per-source transform settings: the processor is told each sample's source
-        source_of = self.stream.source_label if getattr(proc, "takes_source", False) else None
+        source_of = self.stream.source_label if proc is not None and proc.takes_source else None
         # a processor whose chunks end with the data's epoch (LLaMA-Factory's map restarts with every epoch)
-        epoch_bound = callable(getattr(proc, "end_epoch", None))
+        epoch_bound = proc is not None and proc.epoch_bound
         if epoch_bound:
             if proc.data_epoch is None:
                 proc.data_epoch = self.stream.partition_epoch(partition)
@@ -237,14 +280,14 @@ class _BatchProducer(IterableDataset):
         elif proc.ready():
             yield self._processed_item(partition, [take() for _ in range(proc.ready())], proc)
 
-    def _epoch_tail(self, partition: int, proc) -> Iterator[dict[str, Any]]:
+    def _epoch_tail(self, partition: int, proc: Processor) -> Iterator[dict[str, Any]]:
         """The examples of an ended epoch still in the processor, batched apart from the next epoch's (the last
         batch shorter), as a DataLoader over one epoch batches them."""
         while proc.epoch_tail():
             batch = [proc.take() for _ in range(min(self.batch_size, proc.epoch_tail()))]
             yield self._item(partition, batch, [k for ex in batch for k in ex.pop("keys", [])], proc)
 
-    def _check_not_starved(self, partition: int, proc, since_epoch: int) -> None:
+    def _check_not_starved(self, partition: int, proc: Processor, since_epoch: int) -> None:
         """A transform that skips everything (e.g. a wrong column name) would spin over endless epochs."""
         epoch = self.stream.partition_epoch(partition)
         if epoch >= since_epoch + 2:
@@ -253,7 +296,7 @@ class _BatchProducer(IterableDataset):
                 f"skipped them all ({proc.stats()}); check data.text_column / data.messages_column / data.format "
                 "and the skip policies", None)
 
-    def _processed_item(self, partition: int, batch: list[dict], proc) -> dict[str, Any]:
+    def _processed_item(self, partition: int, batch: list[dict], proc: Processor) -> dict[str, Any]:
         """The item of a batch of the transform's examples (their keys and key_tokens taken out of them)."""
         runs = [example_runs(ex, self.source_index) for ex in batch] if self.labels is not None else None
         for ex in batch:
@@ -261,7 +304,7 @@ class _BatchProducer(IterableDataset):
         batch_keys = [k for ex in batch for k in ex.pop("keys", [])]
         return self._item(partition, batch, batch_keys, proc, runs)
 
-    def _item(self, partition: int, batch: list, keys: list[str], proc,
+    def _item(self, partition: int, batch: list, keys: list[str], proc: Processor | None,
               runs: list[list[tuple[int, int]]] | None = None) -> dict[str, Any]:
         snapshot = self.stream.partition_state(partition)
         collated = self.collate_fn(batch)
@@ -299,13 +342,46 @@ def _check_lightning_prefetch(trainer_prefetch: int) -> None:
         frame = frame.f_back
 
 
+def check_step_shape(stream: Stream, accumulation: int, batch_size: int | None = None,
+                     keys: dict[str, str] | None = None) -> None:
+    """Under ``data.elastic_determinism`` (the stream's config): an optimizer step of ``accumulation``
+    micro-batches per rank takes the same number from every partition, else a ConfigError naming the keys
+    (``keys``: the caller's names of them, over :data:`resumable_stream.plan.ELASTIC_KEYS`). Nothing to check
+    without it. The training app, the Trainer patch, LLaMA-Factory's and MindSpore's integrations call it."""
+    if getattr(getattr(stream, "config", None), "same_global_batches", False):
+        check_global_batch(stream.num_partitions, stream.world_size, accumulation, batch_size, stream.num_workers,
+                           keys)
+
+
+def _refuse_inside_a_round(loader: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """``data.elastic_determinism`` on another topology: the saved rotations (of the ranks whose files were read)
+    must stand at a round's start, each partition having given the same number of micro-batches; a state saved
+    inside a round (inside an optimizer step) continues the identical sequence on its own topology only."""
+    slots = max(1, int(saved["num_workers"]))
+    per_rank = int(saved["num_partitions"]) // int(saved["world_size"])
+    for r, turn in sorted((loader.get("turns") or {}).items()):
+        steps = (loader.get("lane_turns") or {}).get(r) or []
+        handed = int(turn) + slots * int(steps[turn]) if turn < len(steps) else int(turn)
+        if turn or any(steps):
+            raise StreamMismatchError(
+                f"{where}: saved inside a round of micro-batches: rank {r} of the {saved['world_size']} that saved "
+                f"it had handed out {handed} of the {per_rank} micro-batches of its round (one from each of its "
+                "partitions), so its partitions stand at different steps. data.elastic_determinism continues the "
+                "identical sequence on another number of ranks or DataLoader workers only from a state saved "
+                "between optimizer steps (a step accumulates whole rounds: StreamLoader.micro_batches_per_step). "
+                f"Resume it on {saved['world_size']} ranks x {saved['num_workers']} DataLoader workers, or from a "
+                "checkpoint saved after an optimizer step; or set data.elastic_determinism: false (each partition "
+                "then continues from its cursor, the rounds afresh)",
+                [("loader.turns", handed, 0)])
+
+
 class StreamLoader:
     """Iterable of training batches from a stream (ResumableStream, MixtureStream), resumable at every batch
     handed out.
 
-    ``processor_factory`` builds a fresh stateful transform per worker (``feed`` / ``ready`` /
-    ``take`` / ``state`` / ``load_state`` / ``fingerprint``); without one, batches are lists of raw
-    samples passed to ``collate_fn``.
+    ``processor_factory`` builds a fresh stateful transform per partition (a
+    :class:`~resumable_stream.transforms.Processor`); without one, batches are lists of raw samples passed to
+    ``collate_fn``.
 
     ``keep_keys``: keep the sample keys of the batches handed out for :meth:`pop_consumed_keys` (a consumed
     log); set it (or the attribute) before iterating. Off, the loader keeps nothing per batch, only the
@@ -323,7 +399,7 @@ class StreamLoader:
     """
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
-                 processor_factory: Callable | None = None, num_workers: int | None = None,
+                 processor_factory: Callable[[], Processor] | None = None, num_workers: int | None = None,
                  key_fn: Callable = shard_row_key, prefetch_factor: int | None = None, pin_memory: bool = False,
                  timeout: float = 0, keep_keys: bool = False, source_ids: bool = False, trainer_prefetch: int = 0,
                  per_rank_state: bool = False):
@@ -357,7 +433,27 @@ class StreamLoader:
         self._restart = False     # set_weights: the running pass starts again from the batches handed out
         self._owner = threads.OwnerThread()   # the thread iterating: only it may call set_weights
         self._place: dict[int, tuple[int, int]] = {}   # partition -> (lane, index in it), set by items()
+        self._round_end: tuple[int, int] | None = None   # (lane, step) of a round's last batch, set by items()
+        # data.elastic_determinism: every optimizer step takes one micro-batch of each partition (plan/)
+        self.same_global_batches = bool(getattr(getattr(stream, "config", None), "same_global_batches", False))
+        self._check_shape()
         self._first_reading = self.metrics_reading()
+
+    def _check_shape(self) -> None:
+        """``data.elastic_determinism``: every rank reads the same number of partitions (ConfigError)."""
+        if self.same_global_batches:
+            check_partitions_per_rank(self.stream.num_partitions, self.stream.world_size)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches this rank hands out per round, one from each of its partitions (``num_partitions /
+        world_size`` when it divides): under ``data.elastic_determinism`` an optimizer step accumulates a
+        multiple of it, and every step then takes the same samples on any number of ranks and workers."""
+        return len(self.stream.partitions)
+
+    def check_accumulation(self, accumulation: int, keys: dict[str, str] | None = None) -> None:
+        """:func:`check_step_shape` for this loader's stream and batch size."""
+        check_step_shape(self.stream, accumulation, self.batch_size, keys)
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -414,10 +510,16 @@ class StreamLoader:
         if self.num_workers > 0:
             kwargs["worker_init_fn"] = threads.worker_threads   # one thread each: the cores are the trainer's
         self._place = {p: (j, i) for j, lane in enumerate(lanes) for i, p in enumerate(lane)}
+        steps = round_steps(lanes)
+        # the last lane step of a round that is a batch (lane, step): after it the round starts afresh
+        self._round_end = (max(j for j, lane in enumerate(lanes) if len(lane) == steps), steps - 1)
         # in the main process a DataLoader would only add its per-item cost (~17 us) to every batch
         if self.num_workers == 0 and not self.pin_memory:
             return iter(producer)
-        return iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
+        items = iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
+        if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (_lane_rounds)
+            return filter(_not_skip, items)
+        return items
 
     def hand_out(self, item: dict[str, Any]) -> None:
         """Count one item of :meth:`items` as consumed: the state is now the one after its batch."""
@@ -428,7 +530,9 @@ class StreamLoader:
         if "carry" in item:
             self._carries[p] = item["carry"]
         self._turn = (j + 1) % len(lanes)
-        self._lane_turns[j] = (i + 1) % len(lanes[j])
+        self._lane_turns[j] = (i + 1) % round_steps(lanes)
+        if (j, i) == self._round_end:     # the round's last batch (shorter lanes' skips follow): a new round
+            self._turn, self._lane_turns = 0, [0] * len(lanes)
         if self.keep_keys:
             self._pending_keys.append(item["keys"])
         self.batches_consumed += 1
@@ -543,9 +647,11 @@ class StreamLoader:
         without an initialized process group (save each rank's with :meth:`save_sidecar` instead). With
         ``per_rank_state``: this rank's state, in the same form, gathered by nobody."""
         _check_lightning_prefetch(self.trainer_prefetch)
-        if self.per_rank_state:
-            return encode_state_dict(self.rank_state())
-        return encode_state_dict(gather_job_state(self.rank_state()))
+        state = self.rank_state() if self.per_rank_state else gather_job_state(self.rank_state())
+        carried = carried_indexes(self.stream.growing_indexes())   # data.growth: no directory saves the index
+        if carried:
+            state["indexes"] = carried
+        return encode_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
         """Restore cursors, transform carries and, with the same ranks and workers, the batch rotation.
@@ -559,6 +665,8 @@ class StreamLoader:
             SidecarError: a damaged or forged state.
         """
         state = decode_state_dict(state, where)
+        if state.get("indexes"):      # a growing dataset's state a trainer kept: its files, and those since
+            self.stream.adopt_saved_indexes(state["indexes"], state["stream"], where)
         self.stream.load_state_dict(state["stream"], where)
         mine = set(self.stream.partitions)
         carries = {int(p): c for p, c in (state.get("transform") or {}).items() if int(p) in mine and c}
@@ -575,7 +683,10 @@ class StreamLoader:
             self._turn = int(loader.get("turns", {}).get(rank, 0)) % len(lanes)
             saved = loader.get("lane_turns", {}).get(rank)
             if saved is not None and len(saved) == len(lanes):
-                self._lane_turns = [int(t) % len(lane) for t, lane in zip(saved, lanes)]
+                self._lane_turns = [int(t) % round_steps(lanes) for t in saved]
+        elif self.same_global_batches:
+            self._check_shape()     # num_partitions may have come from the state (data.num_partitions null)
+            _refuse_inside_a_round(loader, state["stream"]["topology"], where)
 
     def save_sidecar(self, path: str, manifest: bool | None = None) -> str:
         """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file

@@ -126,9 +126,14 @@ def pytest_configure(config):
         config.option.hypothesis_seed = str(TEST_SEED)
 
 
+_FIGURES: list[str] = []    # what tests measured and report (record_property("figure", text)): the summary says them
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
+    if call.when == "call":
+        _FIGURES.extend(f"{item.name}: {value}" for name, value in item.user_properties if name == "figure")
     if report.failed:
         report.sections.append(("random seed", f"rerun with RS_TEST_SEED={TEST_SEED} (and --hypothesis-seed "
                                                f"{item.config.getoption('hypothesis_seed', None)})"))
@@ -183,6 +188,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for figure in _FIGURES:
+        terminalreporter.write_line(f"figure: {figure}")
     if os.environ.get("RS_TEST_COSTS"):      # per-test CPU / wall seconds, to size the lanes
         with open(os.environ["RS_TEST_COSTS"], "w", encoding="utf-8") as f:
             json.dump(_COSTS, f, indent=0)

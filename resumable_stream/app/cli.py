@@ -216,8 +216,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspected(args: argparse.Namespace, path: str, picked: str | None) -> dict[str, Any]:
-    from ..dataset.job_source import saved_index_file
     from ..state.checkpoint import (
+        SavedIndexes,
         read_manifest,
         read_rank_state,
         read_state_file,
@@ -238,14 +238,14 @@ def _inspected(args: argparse.Namespace, path: str, picked: str | None) -> dict[
             _check_rank_file(state, file)     # the rank its name says, as a resume checks it
             states.append(state)
             ranks[rank_file_name(r)] = _summarize_state(states[-1], args.full)
-        saved = saved_index_file(state_dir)      # checked as a resume checks it before using it
+        saved = SavedIndexes(state_dir).index()      # checked as a resume checks it before using it
         index = None if saved is None else {"file": manifest["index"]["file"], **_saved_index_brief(saved)}
         result = {"stream_state": state_dir, "world_size": manifest["world_size"], "ranks": ranks, "index": index,
                   "progress": _progress(states)}
         if "indexes" in manifest:     # a mixture's, one per source: checked as a resume checks them
             result["indexes"] = {}
             for label, entry in manifest["indexes"].items():
-                saved = saved_index_file(state_dir, label)
+                saved = SavedIndexes(state_dir).index(label)
                 result["indexes"][label] = {"file": entry["file"], **_saved_index_brief(saved)}
         if picked is not None:   # say which one: the newest complete checkpoint of the run
             result = {"run_dir": args.path, "checkpoint": picked, **result}

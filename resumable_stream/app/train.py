@@ -39,18 +39,24 @@ from ..integrations.transformers.patch import (
     source_loss,
     stream_loader,
 )
-from ..loader import shard_row_key
+from ..io.net import RetryPolicy
+from ..loader import check_step_shape, shard_row_key
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
 from ..state.output_dir import check_complete, latest_complete_checkpoint, resume_latest
 from ..stream.mixture import MixtureStream, open_stream
+from ..transforms.text import TextProcessor, collate
+from ..transforms.vl import VLProcessor, collate_vl, load_processor
 from .preflight import check_training_data
 from .startup import quiet_tied_weights, startup_summary
 
 log = logging.getLogger(__name__)
 
 RUN_RESULTS = ("trainer_state.json", "train_results.json", "all_results.json")   # as HF's scripts end a run
+# how the data.elastic_determinism errors name the train: keys
+TRAIN_KEYS = {"accumulation": "train.gradient_accumulation_steps", "batch": "train.per_device_train_batch_size",
+              "workers": "train.dataloader_num_workers"}
 
 
 class ColumnKey:
@@ -80,8 +86,6 @@ def _load_tokenizer(cfg: TrainerConfig):
 
 
 def _load_processor(cfg: TrainerConfig):
-    from ..transforms.vl import load_processor
-
     name = cfg.model.processor or cfg.model.name_or_path
     key = "model.processor" if cfg.model.processor else "model.name_or_path"
     try:
@@ -188,10 +192,6 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     model, stream, patched Trainer."""
     from transformers import Trainer
 
-    from ..io.net import RetryPolicy
-    from ..transforms.text import TextProcessor, collate
-    from ..transforms.vl import VLProcessor, collate_vl
-
     args = args if args is not None else training_arguments(cfg, **argument_overrides)
     vl = cfg.transform.format == "vl"
 
@@ -204,6 +204,8 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
+    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
+    check_step_shape(stream, args.gradient_accumulation_steps, args.per_device_train_batch_size, TRAIN_KEYS)
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
     model = _load_model(cfg, tokenizer, args.seed, processor)

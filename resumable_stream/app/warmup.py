@@ -257,14 +257,16 @@ def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int 
     ``samples`` mixture samples read (the real mixture draws over every source's planning source). The
     sources are opened as the job opens them (each source's saved or given index reused)."""
     from ..dataset.job_source import open_job_sources
+    from ..state.checkpoint import SavedIndexes
     from ..stream.mixture import MixtureStream
 
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     if not config.cache_dir:
         _open_cached(config.sources[0], None, block_rows)       # the error naming data.cache_dir
+    resumed = state_path or config.resume_state_path
     opened = sources if sources is not None else open_job_sources(
-        [s.source_spec for s in config.sources], list(config.labels), state_path=state_path or config.resume_state_path)
+        [s.source_spec for s in config.sources], list(config.labels), saved=SavedIndexes(resumed) if resumed else None)
     cached = [_open_cached(scfg, src, block_rows) for scfg, src in zip(config.sources, opened)]
     planners = [_PlanningSource(c) for c in cached]
     written_before = [c.store.stats()["blocks_written"] for c in cached]

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from ..config import formats as registry
 from ..config.specs import CacheSpec
+from ..errors import ConfigError
 from ..sources.base import Source
 from ..sources.footer_cache import FooterCache
 from ..sources.index import identity_of
@@ -62,8 +63,6 @@ class CachedSource(Source):
                  size_limit_gb: float | None = None, block_rows: int | None = None):
         directory = cache_dir or (cache.directory if cache is not None else None)
         if not directory:
-            from ..errors import ConfigError
-
             raise ConfigError("data.cache_dir: got null; the block cache needs a directory")
         limit_gb = size_limit_gb if size_limit_gb is not None else (
             cache.size_limit_gb if cache is not None else 50)

@@ -5,7 +5,7 @@ is (a module path, imported when first used, so that ``config.py`` can consult t
 importing pyarrow's readers; or the reader object itself). The reader is an
 :class:`~resumable_stream.sources.base.IndexedReader`: how one file's index entry is built, what checks an
 entry of a local file on resume, how a source opens from an index. A new format is one module plus one
-:func:`register` call (or one line in ``_BUILTIN``); see docs/architecture.md, "How to add a source".
+:func:`register` call (or one line in ``_BUILTIN``); see docs/internals.md, "How to add a source".
 
 This module imports nothing heavy: ``config.py`` imports it.
 """
@@ -19,9 +19,8 @@ from typing import Any
 
 from ..errors import ConfigError, shown
 
-# The index key that names the format; an index without it (written before formats were registered) is parquet.
+# The index key that names the format that reads it.
 INDEX_READER_KEY = "reader"
-LEGACY_READER = "parquet"
 
 # Single files ``datasets``' packaged builders read (not indexed by us), by extension.
 DATASETS_EXTENSIONS = {
@@ -99,8 +98,12 @@ def format_named(name: Any) -> SourceFormat:
 
 
 def format_of_index(index: dict) -> SourceFormat:
-    """The format an index says it is (``reader``; none: parquet, as every index before the key)."""
-    return format_named(index.get(INDEX_READER_KEY, LEGACY_READER))
+    """The format an index says it is (``reader``)."""
+    reader = index.get(INDEX_READER_KEY)
+    if not isinstance(reader, str):
+        raise ConfigError(f"dataset index: {INDEX_READER_KEY!r} got {shown(reader)}; allowed: the name of the "
+                          f"registered format that reads its files ({', '.join(names())})")
+    return format_named(reader)
 
 
 def format_for_builder(builder: str | None) -> SourceFormat | None:

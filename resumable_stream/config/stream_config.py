@@ -17,9 +17,11 @@ from typing import Any
 
 from ..errors import ConfigError, UnknownKeyError, shown
 from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_number
+from ..observe.monitoring import MONITOR_KEYS
 from . import formats as registry
 from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
+from .transforms import SOURCE_TRANSFORM_KEYS, TransformConfig
 from .weight_schedule import check_weights, normalised, weight_at
 from .yaml_files import load_file
 
@@ -114,6 +116,11 @@ _RULES: dict[str, tuple[Any, str]] = {
                        f"null (ranks x DataLoader workers of the first run) or an integer from 1 to {MAX_PARTITIONS}, "
                        "at least ranks x workers"),
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
+    "elastic_determinism": (lambda v: v is None or isinstance(v, bool),
+                            "null (true when data.num_partitions is set, unless data.growth is follow), true (every "
+                            "optimizer step takes the same micro-batches, one from each partition, on any number of "
+                            "ranks and DataLoader workers; docs/elastic.md) or false (the global batches depend on "
+                            "ranks x workers; any shape)"),
     "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
                    "null or the path of a dataset index file (written by `resumable-stream index`)"),
     "verify_files": (lambda v: isinstance(v, bool), "true or false"),
@@ -172,6 +179,7 @@ class StreamConfig:
     rate_limit_wait_s: float = 600.0    # one request's waits for a store's rate-limit resets, at most
     num_partitions: int | None = None   # virtual partitions; None: ranks x workers (or the checkpoint's)
     elastic: bool = False               # resume a checkpoint on other ranks / workers
+    elastic_determinism: bool | None = None   # the same global batches on any ranks x workers (None: with num_partitions)
     index_path: str | None = None       # dataset index file: used when present, written (rank 0) when not
     verify_files: bool = True           # re-check each file's identity against a saved / given index
     prefetch_blocks: int | None = None  # most parquet row groups fetched ahead per partition (None: adaptive; 0: off)
@@ -216,6 +224,11 @@ class StreamConfig:
         if self.growth != "off" and not (self.backend == "hf" and self.streaming):
             raise ConfigError(f"data.growth: got {shown(self.growth)} with data.backend {shown(self.backend)} and streaming "
                               f"{self.streaming}; allowed: off, or append / follow with backend 'hf' and streaming: true")
+        if self.elastic_determinism and self.growth == "follow":
+            raise ConfigError(
+                "data.elastic_determinism: got true with data.growth 'follow'; allowed: null or false (follow mode "
+                "reads each round of new files to its end in every partition, so partitions give different numbers "
+                "of micro-batches per round and no step can take one from each)")
         if self.backend == "local" and self.data_files is not None:
             raise ConfigError(
                 f"data.data_files: got {shown(self.data_files)} with data.backend 'local'; "
@@ -248,9 +261,6 @@ class StreamConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {shown(data)}; allowed: a mapping of data keys")
         if extra_keys is None:
-            from ..observe.monitoring import MONITOR_KEYS
-            from .transforms import TransformConfig
-
             extra_keys = (*TransformConfig.KEYS, *MONITOR_KEYS, "max_samples", "eval")   # eval: the trainer's
         if "sources" in data:
             return MixtureConfig.from_dict(data, base_dir=base_dir, source_file=source_file, extra_keys=extra_keys)
@@ -298,6 +308,14 @@ class StreamConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
+
+    @property
+    def same_global_batches(self) -> bool:
+        """``data.elastic_determinism`` as it applies: set, or by default whenever ``num_partitions`` is set
+        (not in follow mode)."""
+        if self.elastic_determinism is not None:
+            return self.elastic_determinism
+        return self.num_partitions is not None and self.growth != "follow"
 
     # ----------------------------------------------------------------- the specs of the stages (config/specs.py)
     @functools.cached_property
@@ -373,7 +391,8 @@ SOURCE_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir", "split"
                "retry_budget_s", "prefetch_blocks", "prefetch_memory_mb", "storage_options", "index_path", "weight",
                "label", "max_requests_per_s", "rate_limit_wait_s")
 _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
-_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "verify_files")
+_SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "elastic_determinism",
+                "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -464,6 +483,14 @@ class MixtureConfig:
         return self.sources[0].elastic
 
     @property
+    def elastic_determinism(self) -> bool | None:
+        return self.sources[0].elastic_determinism
+
+    @property
+    def same_global_batches(self) -> bool:
+        return self.sources[0].same_global_batches
+
+    @property
     def growth(self) -> str:
         """``data.growth`` of the mixture: a growing source's mode (the key is the data section's), else off."""
         return next((s.growth for s in self.sources if s.growth != "off"), "off")
@@ -476,8 +503,6 @@ class MixtureConfig:
     @classmethod
     def from_dict(cls, data: dict, *, base_dir: str | None = None, source_file: str | None = None,
                   extra_keys: tuple[str, ...] = ()) -> MixtureConfig:
-        from .transforms import SOURCE_TRANSFORM_KEYS  # not at the top: the transforms import torch
-
         raw = data["sources"]
         if not (isinstance(raw, list) and raw):
             raise ConfigError(f"data.sources: got {shown(raw)}; allowed: a non-empty list of mappings, each with "

@@ -135,7 +135,7 @@ class TransformConfig:
     bad_sample: str = "error"
     max_image_bytes: int = 64 << 20
     allow_absolute_image_paths: bool = False
-    max_image_pixels: int | None = None     # None: Pillow's Image.MAX_IMAGE_PIXELS (transforms.vl.pixel_limit)
+    max_image_pixels: int | None = None     # None: Pillow's Image.MAX_IMAGE_PIXELS (transforms.vl.check_pixels)
     columns: dict[str, str | None] | None = None
     tags: dict[str, str] | None = None
     map: str | Callable | None = None

@@ -15,17 +15,29 @@ saves the index, so a resume in the middle of epoch e continues with epoch e's f
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from typing import Any
 
 from ..config import formats as registry
 from ..config.specs import DataSpec, GrowthSpec, SourceSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
-from ..io.hub import hub_commits, unpinned
+from ..io.hub import commit_sha, hub_commits, unpinned
+from ..io.net import RetryPolicy, is_remote, protocol_options
+from ..io.ranged import listed_identities
 from ..limits import is_int
+from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..runtime.threads import map_files
 from ..sources import fingerprint_files
-from ..sources.index import changed_files, describe_changes
+from ..sources.index import changed_files, decode_index, describe_changes, encode_index
+from ..sources.resolve import (
+    builder_args,
+    explicit_urls,
+    file_identity,
+    hub_identities,
+    index_entry,
+    remote_targets,
+    resolve_split,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,33 +122,6 @@ def describe(index: dict) -> list[dict[str, Any]] | None:
     return out
 
 
-# ------------------------------------------------------------------ a resume: the files now
-def furthest_epoch(state_path: str, source: int | None = None) -> int | None:
-    """The furthest epoch any partition of the checkpoint at ``state_path`` has begun (every rank file read:
-    O(partitions)); ``source``: of that source of a mixture (each source has its own epochs). None when it is a
-    bare sidecar file."""
-    from ..state.checkpoint import find_state_dir, read_manifest, read_rank_state, read_state_fingerprint
-
-    if os.path.isfile(state_path):
-        return None
-    state_dir = find_state_dir(state_path)
-    manifest = read_manifest(state_dir)
-    fingerprint = read_state_fingerprint(state_dir, manifest)
-    furthest = 0
-    for rank in range(int(manifest["world_size"])):
-        state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
-        for ps in state["stream"]["partitions"].values():     # a decoded partition: {"epoch": ..., ...}
-            if source is not None:                   # a mixture's: {"mixture": ..., "sources": [...]}
-                sources = ps.get("sources") if isinstance(ps, dict) else None
-                ps = sources[source] if isinstance(sources, list) and source < len(sources) else None
-            epoch = ps.get("epoch") if isinstance(ps, dict) else None
-            if not is_int(epoch):
-                raise SourceError(f"stream state {state_dir!r}: rank {rank} has a partition without an epoch; "
-                                  "data.growth needs the epoch of every partition")
-            furthest = max(furthest, epoch)
-    return furthest
-
-
 def joins_at(growth: GrowthSpec, index: dict, furthest: int) -> int:
     """The epoch new files join from, ``furthest`` being the furthest epoch a partition stands in: the next one;
     in follow mode ``furthest`` itself when no generation starts there or later (that epoch has no files, so
@@ -150,8 +135,6 @@ def _forget_listings(targets: list[str], storage_options: dict) -> None:
     """Drop the directory listings fsspec keeps per filesystem instance (s3fs, HfFileSystem): a listing made
     before the data grew would hide the new files from this process's resolution."""
     import fsspec
-
-    from ..io.net import protocol_options
 
     for target in targets:
         if "://" not in target:
@@ -177,8 +160,6 @@ def _branch_unmoved(data: DataSpec, index: dict) -> bool:
     one this process found to hold the same files (one repo-info request): then no file can have been added,
     changed or removed, and nothing else needs asking. False for data not on one Hub repo, or when the request
     fails (the full resolution then says why)."""
-    from ..io.hub import commit_sha
-
     pinned = [hub_commits([f["path"]]) for f in reversed(index["files"])]
     repos = {repo for p in pinned for repo in p}
     if len(repos) != 1:
@@ -205,18 +186,6 @@ def grow(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bo
     ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
     without growth); one that disappeared too, unless ``data.growth_allow_removal``. ``running``: the job that
     built ``index`` asks again (same config): a Hub branch that has not moved costs one repo-info request."""
-    from ..io.net import RetryPolicy, is_remote
-    from ..io.ranged import listed_identities
-    from ..sources.resolve import (
-        builder_args,
-        explicit_urls,
-        file_identity,
-        hub_identities,
-        index_entry,
-        remote_targets,
-        resolve_split,
-    )
-
     data = spec.data
     path, data_files = builder_args(data)
     targets = remote_targets(path, data_files)
@@ -295,15 +264,39 @@ def grow(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bo
 
 
 
+def resume(spec: SourceSpec, saved: dict, furthest: int, rank: int, world_size: int, where: str) -> dict:
+    """The index a resume continues with when its state carries the index (a state a trainer keeps in its own
+    checkpoint, not in a stream_state directory): ``saved``, the files it lists checked, those that appeared
+    since joining after ``furthest`` (the furthest epoch any partition of the job has begun: a job's state holds
+    them all). Rank 0 lists the files and broadcasts the result; every rank calls it (a collective)."""
+    return _by_rank_zero(lambda: grow(spec, saved, joins_at(spec.growth, saved, furthest), where),
+                         shared_over_dist(rank, world_size), rank, "resume from the files the state lists")
+
+
+def _by_rank_zero(make: Callable[[], dict | None], shared: bool, rank: int, what: str) -> dict | None:
+    """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job."""
+    import json
+
+    if shared and rank != 0:
+        message = json.loads(broadcast_bytes(None))
+        if "error" in message:
+            raise StreamMismatchError(f"rank 0 could not {what}: {message['error']}")
+        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
+    try:
+        index = make()
+    except Exception as e:
+        if shared:
+            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        raise
+    if shared:
+        broadcast_bytes(json.dumps({"index": None if index is None else encode_index(index).decode()}).encode())
+    return index
+
+
 def refresh(spec: SourceSpec, index: dict, furthest_here: int, rank: int, world_size: int,
             num_workers: int) -> dict | None:
     """A running job's ``refresh_files``: the grown index (None: no change), by rank 0 and broadcast; every
     rank passes the furthest epoch its partitions have begun, the new generation starts after the job's."""
-    import json
-
-    from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
-    from ..sources.index import decode_index, encode_index
-
     if num_workers:
         raise ConfigError(f"refresh_files: the stream is read by {num_workers} DataLoader workers, which read ahead "
                           "with the plan they started with; allowed: with num_workers 0, or take new files in at a "
@@ -313,18 +306,10 @@ def refresh(spec: SourceSpec, index: dict, furthest_here: int, rank: int, world_
         raise ConfigError(f"refresh_files: rank {rank} of {world_size} without an initialized torch.distributed "
                           "group; the ranks must agree on the epoch the files join from")
     furthest = max_over_ranks(furthest_here) if shared else furthest_here
-    if shared and rank != 0:
-        message = json.loads(broadcast_bytes(None))
-        if "error" in message:
-            raise StreamMismatchError(f"rank 0 could not take in the new files: {message['error']}")
-        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
-    try:
-        grown = grow(spec, index, joins_at(spec.growth, index, furthest), "of the running job", running=True)
-    except Exception as e:
-        if shared:
-            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-        raise
-    changed = grown[KEY]["generations"] != generations(index) or len(grown["files"]) != len(index["files"])
-    if shared:
-        broadcast_bytes(json.dumps({"index": encode_index(grown).decode() if changed else None}).encode())
-    return grown if changed else None
+
+    def grown() -> dict | None:
+        new = grow(spec, index, joins_at(spec.growth, index, furthest), "of the running job", running=True)
+        changed = new[KEY]["generations"] != generations(index) or len(new["files"]) != len(index["files"])
+        return new if changed else None
+
+    return _by_rank_zero(grown, shared, rank, "take in the new files")

@@ -1,7 +1,8 @@
 """Open a rank's source so that the whole job resolves its dataset once.
 
-Where the dataset index comes from, in order: the checkpoint being resumed (``stream_state/index.json``,
-verified against the manifest), ``data.index_path`` when that file exists, else it is built (datasets
+Where the dataset index comes from, in order: the checkpoint being resumed (what the stream hands down as
+``saved``: the index its ``stream_state`` saved, verified against the manifest; read by the state layer, only on
+the rank that opens the dataset), ``data.index_path`` when that file exists, else it is built (datasets
 resolves the files, then one metadata request and one footer read per file). With
 ``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
 metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
@@ -18,14 +19,14 @@ import contextlib
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from ..config.specs import SourceSpec
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..io import budget as request_budget
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..sources.base import Source
-from ..sources.index import check_resolution, decode_index, load_index, same_resolution, save_index
+from ..sources.index import check_resolution, load_index, same_resolution, save_index
 from ..sources.open import open_source
 from ..sources.resolve import verified_index
 from . import growth
@@ -36,25 +37,35 @@ log = logging.getLogger(__name__)
 _ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
 
 
-def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, state_path: str | None = None,
+class Saved(Protocol):
+    """What a checkpoint being resumed saved of the dataset (``state.checkpoint.SavedIndexes``): read on demand."""
+
+    def index(self, label: str | None = None) -> dict[str, Any] | None: ...
+
+    def furthest_epoch(self, source: int | None = None) -> int | None: ...
+
+    def where(self, label: str | None = None) -> str: ...
+
+
+def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, saved: Saved | None = None,
                     agree: dict[str, Any] | None = None) -> Source:
-    """This rank's source of one dataset; ``state_path``: a checkpoint being resumed whose saved index may be
-    used (``data.resume_state_path`` or a loader's / trainer's ``index_from``); ``agree``: settings (key ->
+    """This rank's source of one dataset; ``saved``: what a checkpoint being resumed saved of it (its index may
+    be used: ``data.resume_state_path`` or a loader's / trainer's ``index_from``); ``agree``: settings (key ->
     JSON value) every rank must have the same, checked against rank 0's when the index is shared."""
-    return _open_shared([spec], [None], rank, world_size, state_path, agree)[0]
+    return _open_shared([spec], [None], rank, world_size, saved, agree)[0]
 
 
 def open_job_sources(specs: list[SourceSpec], labels: list[str], rank: int = 0, world_size: int = 1,
-                     state_path: str | None = None, agree: dict[str, Any] | None = None) -> list[Source]:
+                     saved: Saved | None = None, agree: dict[str, Any] | None = None) -> list[Source]:
     """This rank's sources of a mixture, one per spec (``labels``: the mixture's source labels), each resolved
     and indexed once per job as :func:`open_job_source` does for one dataset: the saved index of source
-    ``label`` in ``state_path``, its ``index_path``, else built; under ``torch.distributed`` by rank 0 only,
+    ``label`` in ``saved``, its ``index_path``, else built; under ``torch.distributed`` by rank 0 only,
     all sources' indexes broadcast in one message (``agree``: as :func:`open_job_source`)."""
-    return _open_shared(list(specs), list(labels), rank, world_size, state_path, agree)
+    return _open_shared(list(specs), list(labels), rank, world_size, saved, agree)
 
 
 def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, world_size: int,
-                 state_path: str | None, agree: dict[str, Any] | None = None) -> list[Source]:
+                 saved: Saved | None, agree: dict[str, Any] | None = None) -> list[Source]:
     """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
     shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
@@ -72,7 +83,7 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
     try:
         # rank 0 opening for the job (the other ranks wait for its index): the job's whole request rate is its
         with request_budget.opening_alone() if shared else contextlib.nullcontext():
-            sources = [_open_first(c, rank, state_path, label, i if label is not None else None) if c.data.indexed
+            sources = [_open_first(c, rank, saved, label, i if label is not None else None) if c.data.indexed
                        else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
     except Exception as e:
         if shared:
@@ -102,17 +113,17 @@ def _check_agreement(first: dict[str, Any], mine: dict[str, Any], rank: int) -> 
                       "them); allowed: the same data and order keys on every rank")
 
 
-def _open_first(spec: SourceSpec, rank: int, state_path: str | None, label: str | None = None,
+def _open_first(spec: SourceSpec, rank: int, saved_state: Saved | None, label: str | None = None,
                 position: int | None = None) -> Source:
     """Rank 0's (or a lone process's) source: from a saved / given index when there is one, else resolved.
     ``label``: the mixture source whose index the checkpoint saved under that name."""
     if spec.growth.growing:
-        return _open_growing(spec, state_path, label, position)
+        return _open_growing(spec, saved_state, label, position)
     index_path = spec.index.path
     index, where, given = None, None, False
-    saved = saved_index_file(state_path, label) if state_path else None
+    saved = saved_state.index(label) if saved_state is not None else None
     if saved is not None:
-        index, where = saved, f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
+        index, where = saved, saved_state.where(label)
     elif index_path and os.path.isfile(index_path):
         index, where, given = load_index(index_path), repr(index_path), True
         if label is not None:
@@ -131,17 +142,17 @@ def _open_first(spec: SourceSpec, rank: int, state_path: str | None, label: str 
     return src
 
 
-def _open_growing(spec: SourceSpec, state_path: str | None, label: str | None, position: int | None) -> Source:
+def _open_growing(spec: SourceSpec, saved_state: Saved | None, label: str | None, position: int | None) -> Source:
     """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
     and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
     start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
     if spec.index.path:
         log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
                     "grows with the data)", spec.index.path, spec.growth.mode)
-    saved = saved_index_file(state_path, label) if state_path else None
+    saved = saved_state.index(label) if saved_state is not None else None
     if saved is not None and same_resolution(saved, spec.data):
-        where = f"of {state_path!r}" + (f" (source {label!r})" if label is not None else "")
-        furthest = growth.furthest_epoch(state_path, position)
+        where = saved_state.where(label)
+        furthest = saved_state.furthest_epoch(position)
         return open_source(spec, index=growth.grow(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
                                                    where))
     src = open_source(spec)
@@ -151,17 +162,3 @@ def _open_growing(spec: SourceSpec, state_path: str | None, label: str | None, p
                           "through a dataset index; allowed: off, or append for indexed formats (parquet)")
     src.index[growth.KEY] = {"generations": growth.generations(src.index)}
     return src
-
-
-def saved_index_file(state_path: str, label: str | None = None) -> dict[str, Any] | None:
-    """The index saved in a checkpoint's stream state (None when it has none or the state has no manifest),
-    checked against the manifest's entry, then decoded and its shape checked (``inspect`` checks it so too).
-    ``label``: that of the mixture source ``label`` instead of the single dataset's."""
-    from ..state.checkpoint import read_source_index, read_state_index, state_dir_of
-    from ..state.names import MANIFEST
-
-    state_dir = state_dir_of(os.path.dirname(state_path) if os.path.isfile(state_path) else state_path)
-    if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
-        return None
-    saved = read_state_index(state_dir) if label is None else read_source_index(state_dir, label)
-    return None if saved is None else decode_index(saved[1], repr(saved[0]))

@@ -29,6 +29,9 @@ from ..stream.base import Stream
 from ..stream.mixture import open_stream
 
 ID_COLUMN = "_rs_item"     # the column holding each row's item id (dropped from what iterate() hands out)
+# how the data.elastic_determinism errors name this adapter's arguments
+MINDSPORE_KEYS = {"accumulation": "MindSporeSource(gradient_accumulation_steps)",
+                  "batch": "MindSporeSource(batch_size)", "workers": "num_workers"}
 
 
 def mindspore_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int | None, int | None]:
@@ -57,11 +60,16 @@ class MindSporeSource:
 
     Use :meth:`dataset` for the ``GeneratorDataset`` and :meth:`iterate` for the loop: only rows handed out
     by ``iterate`` count as consumed. ``state_dict`` / ``load_state_dict`` / ``save_sidecar`` /
-    ``load_sidecar`` are the loader's (the same files ``StreamLoader`` writes)."""
+    ``load_sidecar`` are the loader's (the same files ``StreamLoader`` writes).
+
+    ``gradient_accumulation_steps``: the rows (micro-batches) the loop accumulates per optimizer step. With
+    ``data.elastic_determinism`` (on by default when ``data.num_partitions`` is set) it must be a multiple of
+    :attr:`micro_batches_per_step` (num_partitions / ranks), so that every step takes one row of each partition
+    and the same samples on any number of ranks; another value is a ConfigError naming it."""
 
     def __init__(self, stream: Stream, batch_size: int, columns: Sequence[str],
                  collate_fn: Callable[[list], dict[str, Any]], processor_factory: Callable | None = None,
-                 key_fn: Callable = shard_row_key, keep_keys: bool = False):
+                 key_fn: Callable = shard_row_key, keep_keys: bool = False, gradient_accumulation_steps: int = 1):
         if getattr(stream, "num_workers", 0) != 0:
             raise ConfigError(f"num_workers: got a stream created with num_workers={stream.num_workers}; allowed: "
                               "0 (MindSpore reads the source in this process; its own num_parallel_workers "
@@ -77,6 +85,8 @@ class MindSporeSource:
         self.columns = columns
         self.loader = StreamLoader(stream, batch_size, collate_fn=collate_fn, processor_factory=processor_factory,
                                    num_workers=0, key_fn=key_fn, keep_keys=keep_keys)
+        self.loader.check_accumulation(gradient_accumulation_steps, MINDSPORE_KEYS)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.stream = stream
         self._lock = threading.Lock()     # held while producing a row; a new pass (or a load) stops the old one
         self._pass = 0
@@ -93,6 +103,13 @@ class MindSporeSource:
         rank, world_size = mindspore_topology(rank, world_size)
         stream = open_stream(config, rank=rank, world_size=world_size, num_workers=0)
         return cls(stream, batch_size, columns, collate_fn, processor_factory, **kwargs)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Rows (micro-batches) per round of this rank, one from each of its partitions
+        (``StreamLoader.micro_batches_per_step``): an optimizer step under ``data.elastic_determinism``
+        accumulates a multiple of it."""
+        return self.loader.micro_batches_per_step
 
     @property
     def read_ahead(self) -> int:

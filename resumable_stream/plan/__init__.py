@@ -17,6 +17,9 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..limits import MAX_PARTITIONS
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -311,9 +314,6 @@ def _shards_for(layout: Layout, epoch: int) -> Deal:
 def check_consumers(num_partitions: int, world_size: int, slots: int, key: str = "data.num_partitions") -> None:
     """Every consumer (rank, DataLoader worker) needs at least one virtual partition, and a state describes at
     most MAX_PARTITIONS of them."""
-    from ..errors import ConfigError
-    from ..limits import MAX_PARTITIONS
-
     consumers = world_size * slots
     if num_partitions > MAX_PARTITIONS:
         raise ConfigError(f"{key}: got {num_partitions} virtual partitions ({world_size} ranks x {slots} DataLoader "
@@ -344,3 +344,68 @@ def partition_lanes(num_partitions: int, world_size: int, slots: int, rank: int)
     # partition_owner(p) == rank  <=>  rank * N / W <= p < (rank + 1) * N / W
     mine = list(range(-(-rank * num_partitions // world_size), -(-(rank + 1) * num_partitions // world_size)))
     return [mine[w::slots] for w in range(slots)]
+
+
+# ------------------------------------------------------------------ the same global batches on any topology
+# data.elastic_determinism (docs/elastic.md): a rank hands out its micro-batches in rounds, one from each of its
+# partitions per round (in partition order); an optimizer step that accumulates whole rounds on every rank takes
+# the same number of micro-batches from every partition, so what it takes is the partitions' next micro-batches
+# whatever the ranks and DataLoader workers. The rule: num_partitions a multiple of the ranks, and the global
+# batch in micro-batches (ranks x gradient accumulation) a multiple of num_partitions.
+ELASTIC_KEYS = {"switch": "data.elastic_determinism", "partitions": "data.num_partitions",
+                "accumulation": "gradient_accumulation_steps", "batch": "per_device_train_batch_size",
+                "workers": "dataloader_num_workers", "world": "world size (ranks)"}
+
+
+def divisors(n: int, limit: int = 12) -> list[int]:
+    """The first ``limit`` divisors of ``n`` (what an error lists as allowed)."""
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out.append(d)
+            if len(out) == limit:
+                break
+    return out
+
+
+def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[str, str] | None = None) -> None:
+    """With ``data.elastic_determinism`` every rank reads the same number of partitions (a round is the same
+    number of micro-batches on every rank): ``num_partitions`` a multiple of ``world_size``."""
+    k = {**ELASTIC_KEYS, **(keys or {})}
+    if num_partitions % world_size:
+        raise ConfigError(
+            f"{k['partitions']}: got {num_partitions} virtual partitions on {world_size} ranks; allowed with "
+            f"{k['switch']} (on by default when num_partitions is set): a multiple of the number of ranks, so that "
+            f"every optimizer step takes one micro-batch from each partition on any topology ({num_partitions} "
+            f"partitions allow {', '.join(map(str, divisors(num_partitions)))} ranks); or set {k['switch']}: false "
+            "(any ranks x workers, but the global batches then depend on them)")
+
+
+def micro_batches_per_round(num_partitions: int, world_size: int) -> int:
+    """Micro-batches a rank hands out per round, one from each of its partitions: an optimizer step under
+    ``data.elastic_determinism`` accumulates a multiple of it on every rank."""
+    return num_partitions // world_size
+
+
+def check_global_batch(num_partitions: int, world_size: int, accumulation: int, batch_size: int | None = None,
+                       workers: int | None = None, keys: dict[str, str] | None = None) -> None:
+    """``data.elastic_determinism``: an optimizer step of ``world_size`` x ``accumulation`` micro-batches takes
+    the same number from every partition (the global batch a multiple of ``num_partitions``), else a
+    ConfigError naming the keys (``keys``: the caller's names of them, over :data:`ELASTIC_KEYS`)."""
+
+    k = {**ELASTIC_KEYS, **(keys or {})}
+    check_partitions_per_rank(num_partitions, world_size, keys)
+    per_round = micro_batches_per_round(num_partitions, world_size)
+    if isinstance(accumulation, int) and accumulation >= 1 and accumulation % per_round == 0:
+        return
+    batch = f" of {k['batch']} {batch_size}" if batch_size is not None else ""
+    shape = f"{world_size} rank(s)" + (f" x {k['workers']} {workers}" if workers is not None else "")
+    raise ConfigError(
+        f"{k['accumulation']}: got {accumulation!r} on {shape} with {k['partitions']} {num_partitions}: an optimizer "
+        f"step of {world_size} x {accumulation!r} micro-batches{batch} would not take one from each of the "
+        f"{num_partitions} partitions, so its samples would depend on the number of ranks and workers; allowed with "
+        f"{k['switch']} (on by default when num_partitions is set): a multiple of num_partitions / ranks = "
+        f"{per_round} (each step then takes the same micro-batches on any ranks x workers: a global batch of "
+        f"{k['batch']} x {num_partitions} x a whole number), or a {k['partitions']} that divides ranks x "
+        f"{k['accumulation']} for a new run; or set {k['switch']}: false (the global batches then depend on ranks x "
+        "workers)")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Device:
@@ -47,8 +49,6 @@ def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
     ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy. With ``deepspeed``
     DeepSpeed's engine does the data parallelism (also on CPU).
     """
-    from ..errors import ConfigError
-
     allowed = BACKENDS[kind]
     backend = train.get("ddp_backend")
     if backend is not None and world_size > 1 and backend not in allowed:

@@ -256,7 +256,7 @@ class IndexedReader:
 
     def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
         """A future of the features when they can be inferred from the first file's path alone, while the files
-        are indexed (a ``concurrent.futures.Future`` whose result may be None: then ``infer_features`` is asked
+        are indexed (an object whose ``result()`` waits for them and may be None: then ``infer_features`` is asked
         as usual); None: not so."""
         return None
 

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from ..config.formats import INDEX_READER_KEY, LEGACY_READER, format_of_index
+from ..config.formats import INDEX_READER_KEY, format_of_index
 from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
@@ -48,10 +48,11 @@ def resolution_key(data: DataSpec) -> dict[str, Any]:
     return key
 
 
-def make_index(data: DataSpec, builder: str, features, files: list[dict]) -> dict[str, Any]:
-    """``features``: a ``datasets.Features`` (a dict too) or its ``to_dict()``."""
+def make_index(data: DataSpec, builder: str, reader: str, features, files: list[dict]) -> dict[str, Any]:
+    """``reader``: the registered format that reads the files; ``features``: a ``datasets.Features`` (a dict
+    too) or its ``to_dict()``."""
     return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "resolution": resolution_key(data),
-            "builder": builder, "features": features.to_dict() if hasattr(features, "to_dict") else features,
+            "builder": builder, INDEX_READER_KEY: reader, "features": features.to_dict() if hasattr(features, "to_dict") else features,
             "files": files}
 
 
@@ -88,7 +89,7 @@ def compact_index(index: dict) -> dict[str, Any]:
     """``index`` with its files columnar (:class:`FileTable`) when its format's entries fit one (parquet); else
     ``index`` itself. The same entries either way: only the memory they take changes."""
     files = index.get("files")
-    if not isinstance(files, list) or index.get(INDEX_READER_KEY, LEGACY_READER) != "parquet":
+    if not isinstance(files, list) or index.get(INDEX_READER_KEY) != "parquet":
         return index
     table = FileTable.from_entries(files)
     return index if table is None else {**index, "files": table}
@@ -107,7 +108,7 @@ def decode_index(data: bytes, where: str) -> dict[str, Any]:
     try:
         if is_packed(data):
             index = unpack_index(data, parse_json)      # every length, offset and span checked there
-            reader = index.get(INDEX_READER_KEY, LEGACY_READER)
+            reader = index.get(INDEX_READER_KEY)
             problem = (_shape_problem({**index, "files": [index["files"][0]]}) if reader == "parquet" else
                        f"a packed index of format {reader!r:.40}; allowed: parquet")
         else:
@@ -126,6 +127,8 @@ def _shape_problem(index: Any) -> str | None:
     version = index.get("version")
     if type(version) is not int or version != INDEX_VERSION:   # True and 1.0 are no version
         return f"version {version!r:.40}; this library reads version {INDEX_VERSION}"
+    if not isinstance(index.get(INDEX_READER_KEY), str):
+        return f"missing {INDEX_READER_KEY!r} (the name of the format that reads the files)"
     if not isinstance(index.get("resolution"), dict) or not isinstance(index.get("features"), dict):
         return "missing 'resolution' or 'features'"
     files = index.get("files")

@@ -116,6 +116,26 @@ def _starts_an_array(head: bytes, compression: str) -> bool:
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
+class _FeaturesAhead:
+    """The first try of :func:`builder_features` runs on a thread beside the indexing pass; ``result()`` takes
+    it and, when it failed on a network fault, tries again here under the step's retries (resolving the file is
+    requests of its own: fsspec's glob and exists). The thread makes one try only, so a pass that fails leaves
+    nothing running behind it."""
+
+    def __init__(self, first, path: str, retry: RetryPolicy | None):
+        self.first, self.path, self.retry = first, path, retry
+
+    def result(self):
+        tries = [self.first.result]
+
+        def attempt():
+            return tries.pop()() if tries else builder_features(self.path, self.retry)
+
+        if self.retry is None:
+            return attempt()
+        return self.retry.call(attempt, f"inferring the features of {self.path!r}", [self.path])
+
+
 def builder_features(path: str, retry: RetryPolicy | None):
     """The features ``datasets``' json builder infers from the file at ``path`` (its first chunk): the builder
     itself is asked, streaming over that one file, as ``load_dataset(..., streaming=True)`` would. None when it
@@ -592,7 +612,7 @@ class JsonLinesReader(IndexedReader):
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="rs-features")
         try:
-            return pool.submit(builder_features, path, retry)
+            return _FeaturesAhead(pool.submit(builder_features, path, retry), path, retry)
         finally:
             pool.shutdown(wait=False)
 

@@ -410,8 +410,7 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
         features = reader.infer_features(spec, entries[0], read.get(files[0]), retry)
     if footers is not None and sum(len(b) for b in read.values()) <= KEPT_FOOTERS_MAX_BYTES:
         footers.update((f, read[f]) for f in files if f in read)
-    index = make_index(spec.data, fmt.builders[0] if fmt.builders else fmt.name, features, entries)
-    index[registry.INDEX_READER_KEY] = fmt.name     # the format that reads it (absent in older ones: parquet)
+    index = make_index(spec.data, fmt.builders[0] if fmt.builders else fmt.name, fmt.name, features, entries)
     return index
 
 

@@ -272,14 +272,65 @@ def open_saved(path: str | os.PathLike, rank: int = 0) -> SavedState:
     return SavedState(path, rank)
 
 
+class SavedIndexes:
+    """What a checkpoint being resumed saved of its dataset, for the stream that opens it again (nothing is read
+    until asked, and only on the rank that opens the dataset for the job): each source's index, checked against
+    the manifest, decoded and its shape checked; the furthest epoch a partition has begun (a growing dataset's new
+    files join after it). A bare sidecar file, or a directory without a manifest, saved none."""
+
+    def __init__(self, state_path: str | os.PathLike):
+        self.path = os.fspath(state_path)
+
+    def where(self, label: str | None = None) -> str:
+        return f"of {self.path!r}" + (f" (source {label!r})" if label is not None else "")
+
+    def _state_dir(self) -> str | None:
+        path = self.path
+        state_dir = state_dir_of(os.path.dirname(path) if os.path.isfile(path) else path)
+        if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
+            return None
+        return state_dir
+
+    def index(self, label: str | None = None) -> dict[str, Any] | None:
+        """The dataset index saved with the state (``label``: mixture source ``label``'s), or None."""
+        state_dir = self._state_dir()
+        if state_dir is None:
+            return None
+        saved = read_state_index(state_dir) if label is None else read_source_index(state_dir, label)
+        return None if saved is None else decode_index(saved[1], repr(saved[0]))
+
+    def furthest_epoch(self, source: int | None = None) -> int | None:
+        """The furthest epoch any partition of the state has begun (every rank file read: O(partitions));
+        ``source``: of that source of a mixture (each has its own epochs). None for a bare sidecar file."""
+        if os.path.isfile(self.path):
+            return None
+        state_dir = find_state_dir(self.path)
+        manifest = read_manifest(state_dir)
+        fingerprint = read_state_fingerprint(state_dir, manifest)
+        furthest = 0
+        for rank in range(int(manifest["world_size"])):
+            state, _ = read_rank_state(state_dir, manifest, rank, fingerprint)
+            for ps in state["stream"]["partitions"].values():   # a decoded partition: {"epoch": ..., ...}
+                if source is not None:                           # a mixture's: {"mixture": ..., "sources": [...]}
+                    ps = ps["sources"][source] if source < len(ps["sources"]) else None
+                if ps is None or not is_int(ps.get("epoch")):
+                    raise SidecarError(f"stream state {state_dir!r}: rank {rank} has a partition without an epoch of "
+                                       f"source {source}; data.growth needs the epoch of every partition")
+                furthest = max(furthest, ps["epoch"])
+        return furthest
+
+
 def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every: bool = False) -> dict[str, Any]:
     """One state of ``partitions`` gathered from states of one save (elastic resume, or the job's state from its
     ranks'): each partition, and its transform carry, taken from the state that held it; the states must agree
-    on the topology. The rotations start afresh (no loader part). ``every``: all of ``partitions`` must be there
-    (else those there: the stream names the missing ones it reads)."""
+    on the topology. The loader part holds the rotations of the ranks whose states were merged, by their rank
+    (a job's state: every rank's), for the loader to look at (a loader of the same ranks and workers takes its
+    own; after a change they start afresh). ``every``: all of ``partitions`` must be there (else those there:
+    the stream names the missing ones it reads)."""
     first = states[0]["stream"]
     merged: dict[int, Any] = {}
     carries: dict[int, Any] = {}
+    rotations: dict[str, dict[int, Any]] = {"turns": {}, "lane_turns": {}}
     for state in states:
         topo = state["stream"]["topology"]
         if any(topo[k] != first["topology"][k] for k in TOPOLOGY_KEYS):
@@ -294,6 +345,8 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
                     raise SidecarError(f"{where}: partition {p} is held by two rank files of one save")
                 merged[p] = ps
         carries.update({p: c for p, c in (state.get("transform") or {}).items() if p in partitions})
+        for key, by_rank in rotations.items():
+            by_rank.update((state.get("loader") or {}).get(key) or {})
     missing = sorted(partitions - set(merged))
     if every and missing:
         raise SidecarError(f"{where}: holds no state of partitions {missing[:8]}{' ...' if len(missing) > 8 else ''}"
@@ -302,7 +355,7 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
     topology = {k: first["topology"][k] for k in TOPOLOGY_KEYS}
     stream = {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
               "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}
-    return {"stream": stream, "transform": carries, "loader": None}
+    return {"stream": stream, "transform": carries, "loader": rotations if rotations["turns"] else None}
 
 
 def saved_identities(path: str | os.PathLike):

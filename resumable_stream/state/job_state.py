@@ -18,10 +18,14 @@ from typing import Any
 from ..errors import ConfigError, SidecarError
 from ..limits import MAX_SIDECAR_BYTES
 from ..runtime.collectives import all_gather_bytes, shared_over_dist
+from ..sources.index import encode_message
 from .checkpoint import merge
 from .sidecar import decode_state, encode_state
 
 STATE_KEY = "resumable_stream_state"
+# A growing dataset's index travels in a state a trainer keeps (no stream_state directory saves it); past this it
+# is refused when written: such a dataset's states belong in stream_state directories, which write it once
+MAX_CARRIED_INDEX_BYTES = 64 << 20
 
 
 def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
@@ -45,18 +49,30 @@ def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
                               f"{state['stream']['topology']['rank']} of {state['stream']['topology']['world_size']}: "
                               "each rank's loader must read its own rank of the job")
     every = set(range(topology["num_partitions"]))
-    job = merge(states, every, "the job's state", every=True)
-    job["loader"] = {"turns": {}, "lane_turns": {}}
-    for state in states:
-        for key in ("turns", "lane_turns"):
-            job["loader"][key].update((state.get("loader") or {}).get(key, {}))
-    return job
+    return merge(states, every, "the job's state", every=True)     # with every rank's rotation
 
 
 def _as_job(state: dict[str, Any]) -> dict[str, Any]:
     """A one-rank job's state: its rank's, with the topology of a job (rank None)."""
     stream = {**state["stream"], "topology": {**state["stream"]["topology"], "rank": None}, "turn": 0}
     return {**state, "stream": stream}
+
+
+def carried_indexes(indexes: dict[str | None, dict]) -> dict[str | None, bytes]:
+    """The growing sources' indexes (``Stream.growing_indexes``) as the bytes a state carries; too large ones
+    refused here, when the state is written, naming the way that keeps them."""
+    out = {}
+    for label, index in indexes.items():
+        data = encode_message(index)
+        if len(data) > MAX_CARRIED_INDEX_BYTES:
+            whose = "the dataset" if label is None else f"source {label!r}"
+            raise ConfigError(
+                f"state_dict(): data.growth: the state of a growing dataset carries its index (which files each epoch "
+                f"reads), and {whose}'s is {len(data) >> 20} MiB; allowed: at most {MAX_CARRIED_INDEX_BYTES >> 20} MiB. "
+                "Keep this run's states in stream_state directories (resumable_stream.Checkpoints, "
+                "loader.save_sidecar, the Trainer patch), which write the index once per job")
+        out[label] = data
+    return out
 
 
 def encode_state_dict(job_state: dict[str, Any]) -> dict[str, bytes]:

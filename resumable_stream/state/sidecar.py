@@ -40,6 +40,7 @@ from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
 from ..limits import (
     MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
     MAX_PARTITIONS,
     MAX_WORLD_SIZE,
     is_int,
@@ -98,6 +99,11 @@ def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -
             tensors[f"transform/{p}/{name}"] = np.ascontiguousarray(arr)
         carried[str(p)] = {"meta": carry.get("meta", {}), "tensors": sorted(carry.get("tensors", {}))}
     metadata["transform"] = json.dumps(carried, sort_keys=True)
+    if state.get("indexes"):     # a growing dataset's index, carried by a state a trainer keeps (not a directory's)
+        labels = list(state["indexes"])
+        for n, label in enumerate(labels):
+            tensors[f"indexes/{n}"] = np.frombuffer(bytes(state["indexes"][label]), dtype=np.uint8)
+        metadata["indexes"] = json.dumps(labels)
     if state.get("loader") is not None:
         loader = state["loader"]
         metadata["loader"] = json.dumps({"turns": {str(r): t for r, t in loader.get("turns", {}).items()},
@@ -337,4 +343,25 @@ def decode_state(data: bytes, path: str = "<bytes>",
     _check_rank_partitions(topology, len(partitions), path)
     stream = {"format_version": FORMAT_VERSION, "kind": kind, "fingerprint": fingerprint, "topology": topology,
               "turn": turn, "partitions": {p: ps.to_dict() for p, ps in partitions.items()}}
-    return {"stream": stream, "transform": _decode_transform(ids, tensors, meta, path), "loader": loader}
+    out = {"stream": stream, "transform": _decode_transform(ids, tensors, meta, path), "loader": loader}
+    indexes = _decode_indexes(tensors, meta, path)
+    if indexes:
+        out["indexes"] = indexes
+    return out
+
+
+def _decode_indexes(tensors: dict[str, np.ndarray], meta: dict[str, str], path: str) -> dict[str | None, bytes]:
+    """The dataset indexes a state carries (``data.growth``), by source label (None: a single dataset's), as their
+    bytes: the stream decodes and checks each (``sources.index.decode_index``)."""
+    if "indexes" not in meta:
+        return {}
+    labels = _json_field(meta, "indexes", path)
+    _require(isinstance(labels, list) and len(labels) <= MAX_RETIRED and len(set(map(str, labels))) == len(labels)
+             and all(x is None or isinstance(x, str) for x in labels), path, "indexes", labels,
+             f"a list of at most {MAX_RETIRED} distinct source labels (null: the dataset's)")
+    out = {}
+    for n, label in enumerate(labels):
+        t = _tensor(tensors, f"indexes/{n}", "uint8", 1, path)
+        _require(len(t) <= MAX_INDEX_BYTES, path, f"tensor indexes/{n}", f"{len(t)} bytes", f"at most {MAX_INDEX_BYTES}")
+        out[label] = t.tobytes()
+    return out

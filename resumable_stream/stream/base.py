@@ -99,7 +99,8 @@ class Stream(Protocol):
 
 
 # the data: keys that decide which rows a partition reads, in which order: the same on every rank of a job
-ORDER_KEYS = ("shuffle", "shuffle_seed", "buffer_size", "interleave_shards", "block_rows", "num_partitions", "elastic")
+ORDER_KEYS = ("shuffle", "shuffle_seed", "buffer_size", "interleave_shards", "block_rows", "num_partitions", "elastic",
+              "elastic_determinism")
 
 
 def order_settings(config: Any, prefix: str = "data.") -> dict[str, Any]:
@@ -368,6 +369,16 @@ class StreamBase(IterableDataset):
         """Write a nested ``state`` (this stream's, or a loader's over it) where ``save_sidecar`` says, with the
         dataset's fingerprint and indexes: see :func:`resumable_stream.state.checkpoint.save`."""
         return checkpoint.save(path, state, self.rank, self.world_size, self.saved_indexes(), manifest)
+
+    def growing_indexes(self) -> dict[str | None, dict]:
+        """The indexes of this stream's growing sources (``data.growth``), by label (None: the dataset's): what a
+        state a trainer keeps itself must carry, since no stream_state directory saves them (none here)."""
+        return {}
+
+    def adopt_saved_indexes(self, indexes: dict[str | None, bytes], state: dict[str, Any], where: str) -> None:
+        """Read through the indexes a state carries (:meth:`growing_indexes` when it was saved), the files that
+        appeared since joining after the furthest epoch the state's partitions have begun; before the state is
+        loaded. Collective (rank 0 lists the files). Nothing to do here."""
 
     def saved_indexes(self) -> dict[str | None, dict]:
         """The dataset indexes a checkpoint saves beside the state (rank 0): the dataset's under None, a mixture

@@ -41,6 +41,7 @@ made in it), ``consumed`` (samples it yielded), per source ``source_epochs`` (th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -49,11 +50,17 @@ from typing import Any
 from ..cache.cached_source import with_block_cache
 from ..config.stream_config import MixtureConfig, StreamConfig, not_a_config
 from ..config.weight_schedule import check_weights
+from ..dataset.growth import refresh
+from ..dataset.growth import resume as growth_after_resume
 from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..observe.progress import partition_progress, progress_summary
+from ..runtime.collectives import broadcast_bytes, shared_over_dist
 from ..runtime.threads import OwnerThread
 from ..sources.base import Source
+from ..sources.index import check_resolution, decode_index
+from ..sources.open import open_source
+from ..state.checkpoint import SavedIndexes
 from ..state.checks import check_fingerprint, fingerprint_diff
 from ..state.mixture_state import MixturePartitionState
 from ..state.relocation import describe_files
@@ -165,8 +172,9 @@ class MixtureStream(StreamBase):
             agree = {"data.sources.weights": list(config.weights), "data.stopping": config.stopping}
             for label, scfg in zip(config.labels, config.sources):
                 agree.update(order_settings(scfg, f"data.sources[{label}]."))
+            resumed = index_from or config.resume_state_path
             sources = open_job_sources([s.source_spec for s in config.sources], list(config.labels), self.rank,
-                                       self.world_size, index_from or config.resume_state_path, agree)
+                                       self.world_size, SavedIndexes(resumed) if resumed else None, agree)
         opened = [with_block_cache(src, scfg.cache_spec) for src, scfg in zip(sources, config.sources)]
         self.source = MixtureSources(opened, config.labels)
         # the weight history (stream/weights.py): the configured weights from draw 0, then each change
@@ -216,7 +224,7 @@ class MixtureStream(StreamBase):
         if self.draws != "hash":        # only then: the fingerprints of hash mixtures stay as they were
             fp["mixture"]["draws"] = self.draws
         if self._history != [Segment(c.labels, c.weights)]:
-            fp["mixture"]["history"] = [s.to_json() for s in self._history]
+            fp["mixture"]["history"] = [s.to_state() for s in self._history]
         if self._samples_per_step is not None and history_unit(self._history) == "steps":
             fp["mixture"]["samples_per_step"] = self._samples_per_step
         if self._retired:
@@ -288,9 +296,7 @@ class MixtureStream(StreamBase):
                               f"allowed: a mapping with a weight for every source: {', '.join(labels)}")
         values = check_weights([weights[label] for label in labels], list(labels),
                                lambda i: f"set_weights: weights[{labels[i]!r}]", allow_zero=True)
-        from ..runtime.collectives import broadcast_bytes, shared_over_dist
         if shared_over_dist(self.rank, self.world_size):     # one history on every rank
-            import json
             mine = json.dumps(list(values)).encode() if self.rank == 0 else None
             values = tuple(json.loads(broadcast_bytes(mine)))
         self._history.append(Segment(labels, values, "set_weights", step))
@@ -327,15 +333,36 @@ class MixtureStream(StreamBase):
         return min(pos.source_epochs) if self.config.stopping == "never" else pos.epoch
 
     # ------------------------------------------------------------------ data.growth
+    def growing_indexes(self) -> dict[str | None, dict]:
+        return {label: self.source.sources[i].index for i, (scfg, label) in enumerate(zip(self.config.sources,
+                                                                                          self.config.labels))
+                if scfg.growth != "off" and self.source.sources[i].index is not None}
+
+    def adopt_saved_indexes(self, indexes: dict[str | None, bytes], state: dict[str, Any], where: str) -> None:
+        """As ``ResumableStream.adopt_saved_indexes``, per growing source: each from the epoch after the furthest
+        one of that source any partition of the state has begun."""
+        saved_labels = list(state.get("fingerprint", {}).get("mixture", {}).get("labels") or [])
+        for i, (scfg, label) in enumerate(zip(self.config.sources, self.config.labels)):
+            if scfg.growth == "off" or label not in indexes:
+                continue
+            at = f"{where} (the dataset index of source {label!r} it carries)"
+            saved = decode_index(indexes[label], at)
+            check_resolution(saved, scfg.source_spec.data, at)
+            j = saved_labels.index(label) if label in saved_labels else None
+            furthest = max((max(int(ps["mixture"]["source_epochs"][j]), int(ps["sources"][j]["epoch"]))
+                            for ps in state["partitions"].values()), default=0) if j is not None else 0
+            index = growth_after_resume(scfg.source_spec, saved, furthest, self.rank, self.world_size, at)
+            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
+            for view in self._views[i].values():
+                view.adopt_index(index, source)
+            self.source.sources[i] = source
+
     def refresh_files(self) -> dict[str, int] | None:
         """Take in the files that appeared in each growing source (``data.growth: append``) while the job runs,
         each source on its own: its new files join from the epoch after the furthest one of that source any
         partition of the job has begun (a mixture partition reads each source's epochs at its own pace).
         Collective, as ``ResumableStream.refresh_files`` (every rank calls it at the same point, no DataLoader
         workers). Returns ``{label: epoch they join at}`` for the sources that grew, or None."""
-        from ..dataset.growth import refresh
-        from ..sources.open import open_source
-
         joins: dict[str, int] = {}
         for i, (scfg, label) in enumerate(zip(self.config.sources, self.config.labels)):
             if scfg.growth == "off":

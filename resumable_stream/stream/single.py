@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import chain, islice
@@ -16,13 +17,17 @@ from typing import Any
 
 from ..cache.cached_source import with_block_cache
 from ..config.stream_config import StreamConfig, not_a_config
-from ..dataset.growth import layout_generations, stable_fingerprint
+from ..dataset.growth import grow, layout_generations, refresh, stable_fingerprint
+from ..dataset.growth import resume as growth_after_resume
 from ..dataset.job_source import open_job_source
 from ..errors import ConfigError, StreamMismatchError
 from ..observe.progress import position
 from ..plan import Layout, shard_rows
+from ..runtime.collectives import max_each_over_ranks, shared_over_dist
 from ..sources.base import Source
+from ..sources.index import check_resolution, decode_index
 from ..sources.open import open_source
+from ..state.checkpoint import SavedIndexes
 from ..state.partition_state import Cursor, PartitionState
 from .base import StreamBase, order_settings, round_robin
 from .partition import PartitionReader, sample_digest
@@ -51,8 +56,9 @@ class ResumableStream(StreamBase):
         # index_from: a checkpoint about to be resumed (by a loader or trainer), whose saved index may be reused
         # the stages below take the specs they need (config/specs.py), built once by the config
         self.spec, self.cache = config.source_spec, config.cache_spec
+        resumed = index_from or config.resume_state_path
         opened = source if source is not None else open_job_source(self.spec, self.rank, self.world_size,
-                                                                   index_from or config.resume_state_path,
+                                                                   SavedIndexes(resumed) if resumed else None,
                                                                    agree=order_settings(config))
         self.source = with_block_cache(opened, self.cache)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
@@ -199,8 +205,6 @@ class ResumableStream(StreamBase):
 
     def check_in_step(self) -> None:
         """Follow mode over several ranks needs their process group (the waits are collectives)."""
-        from ..runtime.collectives import shared_over_dist
-
         if not shared_over_dist(self.rank, self.world_size):
             raise ConfigError(f"data.growth: got 'follow' on rank {self.rank} of {self.world_size} without an "
                               "initialized torch.distributed group; allowed: under torchrun with the group set up")
@@ -212,11 +216,6 @@ class ResumableStream(StreamBase):
         ``growth.refresh``: the grown index broadcast, so every rank adopts the same generation) and every rank
         sleeps the same backoff (poll_interval_s doubling to 16x). True once every rank can go on; False on every
         rank (``follow_ended``) once rank 0 has waited data.follow_timeout_s (its decision, all-reduced)."""
-        import time
-
-        from ..dataset.growth import refresh
-        from ..runtime.collectives import max_each_over_ranks
-
         self.check_in_step()
         c = self.config
         waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
@@ -262,10 +261,6 @@ class ResumableStream(StreamBase):
         """True once epoch ``epoch`` is planned (a generation starts at or after it; an epoch without one is
         empty and passes); else list the files every poll_interval_s (backing off to 16x), at most
         follow_timeout_s in all: False then, with a log line."""
-        import time
-
-        from ..dataset.growth import grow
-
         c = self.config
         waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
         while True:
@@ -312,14 +307,25 @@ class ResumableStream(StreamBase):
                 [("next_sample_digest", expected, got)],
             )
 
+    def growing_indexes(self) -> dict[str | None, dict]:
+        return {None: self.source.index} if self.config.growth != "off" and self.source.index is not None else {}
+
+    def adopt_saved_indexes(self, indexes: dict[str | None, bytes], state: dict[str, Any], where: str) -> None:
+        """A growing dataset's state kept by a trainer (no stream_state directory): its index, with the files that
+        appeared since joining after the furthest epoch begun (as a resume from a checkpoint directory opens it)."""
+        if self.config.growth == "off" or None not in indexes:
+            return
+        saved = decode_index(indexes[None], f"{where} (the dataset index it carries)")
+        check_resolution(saved, self.spec.data, where)
+        furthest = max((int(ps["epoch"]) for ps in state["partitions"].values()), default=0)
+        self.adopt_index(growth_after_resume(self.spec, saved, furthest, self.rank, self.world_size, where))
+
     def refresh_files(self) -> int | None:
         """Take in the files that appeared since the job opened (``data.growth: append``) while it runs: they
         join from the epoch after the furthest one any partition of the job has begun. Collective: every rank
         calls it at the same point (an epoch boundary of the training loop, a save); the stream must be read in
         this process (no DataLoader workers: they read ahead with the plan they started with). Returns that
         epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
-        from ..dataset.growth import refresh
-
         if self.config.growth == "off":
             return None
         furthest = max((r.epoch for r in self._readers.values()), default=0)

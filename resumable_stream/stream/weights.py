@@ -80,6 +80,12 @@ class Segment:
             out["step"] = self.step
         return out
 
+    def to_state(self) -> dict[str, Any]:
+        """:meth:`to_json` with the labels in their order, as the mixture's fingerprint keeps it: a saved state's
+        JSON has its keys sorted, and the order of the labels is the order of the cumulative weights a draw's
+        uniform picks against (another order: other picks under the same weights)."""
+        return {**self.to_json(), "labels": list(self.labels)}
+
     @classmethod
     def from_json(cls, d: Any, where: str) -> Segment:
         ok = (isinstance(d, dict) and d.get("from") in ORIGINS and isinstance(d.get("weights"), dict)
@@ -89,8 +95,15 @@ class Segment:
             raise SidecarError(f"{where}: corrupt weight history entry {d!r:.120}; allowed: a mapping with from "
                                f"({', '.join(ORIGINS)}), weights (label: weight) and an optional step")
         labels = list(d["weights"])
+        order = d.get("labels")       # to_state's: the draws' order of the labels (else the mapping's)
+        if order is not None:
+            if not (isinstance(order, list) and all(isinstance(x, str) for x in order)
+                    and sorted(order) == sorted(labels)):
+                raise SidecarError(f"{where}: corrupt weight history entry: labels {order!r:.120}; allowed: the "
+                                   f"labels of its weights ({', '.join(sorted(labels))}) in some order")
+            labels = order
         try:
-            weights = check_weights(list(d["weights"].values()), labels, lambda i: f"weights.{labels[i]}",
+            weights = check_weights([d["weights"][label] for label in labels], labels, lambda i: f"weights.{labels[i]}",
                                     allow_zero=True)
         except ConfigError as e:
             raise SidecarError(f"{where}: corrupt weight history entry: {e}") from None

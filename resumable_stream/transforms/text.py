@@ -1,14 +1,8 @@
 """Text transform: raw rows -> tokenized training examples, with optional packing.
 
-``TextProcessor`` is a small stateful object a DataLoader worker drives::
-
-    proc.feed(sample, key)          # one raw row and its stream key
-    while proc.ready():
-        example = proc.take()       # {"input_ids", "labels", "keys"}, oldest first
-                                    # (+ "position_ids" with packing_mode neat)
-
-Its ``state()`` holds everything needed to continue exactly (tokens carried over by packing, finished
-examples not taken yet, counters); ``load_state`` on a fresh processor continues as if never stopped.
+``TextProcessor`` is a :class:`~.protocol.Processor`: ``take()`` gives ``{"input_ids", "labels", "keys"}`` (+
+``position_ids`` with ``packing_mode: neat``); its ``state()`` holds the tokens carried over by packing, the
+examples not taken yet and the counters.
 
 Formats
 -------
@@ -16,13 +10,8 @@ Formats
 labels equal input_ids.
 
 ``messages``: ``sample[messages_column]`` (a list of {role, content}) is rendered with the tokenizer's
-chat template and tokenized once, with offsets. Labels are -100 except on assistant turns: the tokens of
-the assistant content plus the end-of-turn token that follows it. Locating the assistant content: the
-conversation before assistant message *i* is rendered with ``add_generation_prompt=True``; when that
-text is a prefix of the full rendering (true of ChatML, Llama-3 and Qwen3 templates) the content is
-searched from its end, so header text can never be mistaken for content; otherwise from the end of the
-previous message's content. The end-of-turn token is the first special token after the content
-(whitespace in between allowed) unless it is the token that opens a turn.
+chat template and labelled on its assistant turns (:mod:`.chat`); ``alpaca`` / ``sharegpt`` rows become
+messages first (:mod:`.formats`).
 
 Packing
 -------
@@ -37,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import deque
 from typing import Any
 
@@ -45,20 +33,19 @@ import numpy as np
 
 from ..config.chat_formats import resolved_columns, resolved_tags
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError, StreamMismatchError
-from .errors import TransformError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError
+from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
+from .errors import TransformError, skip_or_raise
 from .formats import BadRow, to_messages
+from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import BadMapResult, RowMap
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 STATE_VERSION = 1
 STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples", "skipped_bad",
              "dropped_by_map")
 _LATER_STATS = ("skipped_bad", "dropped_by_map")    # absent from the states of earlier versions
-
-Example = dict[str, Any]
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
@@ -83,7 +70,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-class TextProcessor:
+class TextProcessor(QueuedProcessor):
     """Turns raw rows into training examples; see the module docstring."""
 
     def __init__(self, tokenizer: Any, cfg: TransformConfig):
@@ -107,11 +94,8 @@ class TextProcessor:
         chat = [c.format for c in configs if c.is_chat]
         if chat and not getattr(tokenizer, "chat_template", None):
             raise TransformError(f"data.format: {chat[0]!r} but the tokenizer has no chat_template")
-        self._special_ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        self._special_ids.update(int(i) for i in tokenizer.all_special_ids)
-        self._turn_start_id: int | None = self._find_turn_start() if chat else None
-        self._assistant_header = find_assistant_header(self._render, lambda role, text: {"role": role, "content": text}) \
-            if chat else None
+        self._chat = ChatTemplate(tokenizer.apply_chat_template, tokenizer, self._tokenize_with_offsets,
+                                  lambda role, text: {"role": role, "content": text}) if chat else None
         self._reset()
 
     # ------------------------------------------------------------------ state kept between feeds
@@ -185,18 +169,12 @@ class TextProcessor:
             self._stats["truncated"] += 1
         self._emit(ids, labels, [(key, len(ids))])
 
-    def ready(self) -> int:
-        """Number of finished examples waiting to be taken."""
-        return len(self._pending)
-
     def take(self, with_key_tokens: bool = False) -> Example:
         """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists), plus
         ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``, and with
         ``with_key_tokens`` ``key_tokens``: the tokens each key put in it (packing: a sample's part of the
         block), None when not known (an example restored from a state saved without them)."""
-        if not self._pending:
-            raise IndexError("TextProcessor.take: no finished example; feed more samples (check ready())")
-        ids, labels, keys, segments = self._pending.popleft()
+        ids, labels, keys, segments = super().take()
         key_tokens = self._pending_key_tokens.popleft()
         example = {"input_ids": ids, "labels": labels, "keys": keys}
         if with_key_tokens:
@@ -214,13 +192,6 @@ class TextProcessor:
             self._carry_ids, self._carry_labels, self._carry_start = [], [], 0
             self._carry_keys.clear()
             self._emit(ids, labels, parts)
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What decides the outputs: tokenizer identity and the settings that matter for this format."""
-        return dict(self._fingerprint)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -263,8 +234,7 @@ class TextProcessor:
                 "pending_segment_lengths", "pending_segment_counts")} if self._neat else None
             carry_keys = [str(k) for k in meta["carry_keys"]]
             pending_keys = [str(k) for k in meta["pending_keys"]]
-            stats = {k: int(meta["stats"][k] if k not in _LATER_STATS else meta["stats"].get(k, 0))
-                     for k in STAT_KEYS}
+            stats = saved_stats(meta, STAT_KEYS, _LATER_STATS)
         except (KeyError, TypeError, ValueError) as e:
             raise SidecarError(f"transform state: missing or malformed field ({e})") from None
         n_carry = len(t["carry_input_ids"])
@@ -359,17 +329,10 @@ class TextProcessor:
             self._carry_start = 0
 
     def _bad(self, key: str, why: str) -> None:
-        """A row data.bad_sample decides about: an error naming it, or skipped, counted and logged."""
-        if self.cfg.bad_sample == "error":
-            raise TransformError(f"sample {key!r}: {why} (data.bad_sample is 'error'; 'skip' skips such samples)",
-                                 key)
-        self._stats["skipped_bad"] += 1
-        log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, why)
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, "skipped_bad", log)
 
     def _empty(self, key: str, why: str) -> None:
-        if self.cfg.empty == "error":
-            raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)", key)
-        self._stats["skipped_empty"] += 1
+        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _encode_text(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
         col = cfg.text_column
@@ -383,51 +346,16 @@ class TextProcessor:
             raise TransformError(
                 f"sample {key!r}: column data.text_column {col!r} holds {type(text).__name__}, expected a string",
                 key)
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:   # the fast tokenizer's Rust core: same ids, half the per-row overhead
-            ids = backend.encode(text, add_special_tokens=False).ids
-        else:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # the fast tokenizer's Rust core (tokenizer_digest made sure there is one): same ids, half the overhead
+        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         if self.cfg.add_eos:
             ids.append(self._eos)
         return ids, list(ids)
 
     # ---- messages
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        if not isinstance(out, str):
-            raise TransformError(f"chat template rendered {type(out).__name__}, expected a string")
-        return out
-
-    def _find_turn_start(self) -> int | None:
-        """The token that opens an assistant turn (e.g. <|im_start|>): never taken as an end-of-turn."""
-        probe = [{"role": "user", "content": "x"}]
-        try:
-            plain = self._render(probe, False)
-            header = self._render(probe, True)[len(plain):]
-        except Exception:  # a template that cannot render the probe: no turn-start exclusion
-            return None
-        ids = self.tokenizer(header, add_special_tokens=False)["input_ids"] if header else []
-        return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
-
-    def _check_messages(self, msgs: Any, key: str, col: str) -> list[dict]:
-        if not isinstance(msgs, (list, tuple)):
-            raise TransformError(
-                f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
-                "expected a list of {role, content}", key)
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise TransformError(
-                    f"sample {key!r}: column data.messages_column {col!r} message {i} is {m!r}, "
-                    "expected {'role': str, 'content': str}", key)
-            content = m.get("content")
-            if content is not None and not isinstance(content, str):
-                raise TransformError(
-                    f"sample {key!r}: column data.messages_column {col!r} message {i} content is "
-                    f"{type(content).__name__}, expected a string", key)
-            out.append(dict(m))
-        return out
+    def _tokenize_with_offsets(self, text: str) -> tuple[list[int], Any]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [int(x) for x in enc["input_ids"]], enc["offset_mapping"]
 
     def _encode_messages(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
         if cfg.format == "messages":
@@ -437,7 +365,7 @@ class TextProcessor:
             if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
                 self._empty(key, f"{what} is {'missing' if msgs is None else 'empty'}")
                 return None
-            msgs = self._check_messages(msgs, key, col)
+            msgs = checked_messages(msgs, key, col)
         else:     # alpaca / sharegpt: LLaMA-Factory's columns and tags -> messages
             what = f"the {cfg.format} conversation"
             try:
@@ -446,141 +374,18 @@ class TextProcessor:
             except BadRow as e:
                 self._bad(key, f"{e} (data.format {cfg.format!r})")
                 return None
-        if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in msgs):
+        texts = [[c] if (c := (m.get("content") or "").strip()) else [] for m in msgs]
+        if not any(m["role"] == "assistant" and t for m, t in zip(msgs, texts)):
             self._empty(key, f"{what} has no assistant turn with content")
             return None
         try:
-            full = self._render(msgs, False)
+            full = self._chat.render(msgs, False)
         except Exception as e:
             raise TransformError(f"sample {key!r}: the chat template failed on this conversation ({e})", key) from e
-
-        # character spans of the assistant contents in `full`
-        spans: list[tuple[int, int]] = []
-        cursor = 0
-        for i, m in enumerate(msgs):
-            content = (m.get("content") or "").strip()
-            if not content:
-                continue
-            if m["role"] != "assistant":
-                pos = full.find(content, cursor)
-                if pos >= 0:
-                    cursor = pos + len(content)
-                continue
-            start = content_start(self._render, self._assistant_header, full, msgs, i, cursor)
-            pos = full.find(content, start)
-            if pos < 0:
-                raise TransformError(
-                    f"sample {key!r}: assistant message {i} does not appear verbatim in the chat template's "
-                    "rendering, so its tokens cannot be labelled", key)
-            spans.append((pos, pos + len(content)))
-            cursor = pos + len(content)
-
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = [int(x) for x in enc["input_ids"]]
-        return ids, label_spans(full, ids, enc["offset_mapping"], spans, self._special_ids, self._turn_start_id)
-
-
-def checked_state(state: dict[str, Any], version: int, fingerprint: dict) -> tuple[dict, dict]:
-    """(tensors, meta) of a transform ``state()``: ``SidecarError`` if malformed or of another version,
-    ``StreamMismatchError`` naming every setting that differs from ``fingerprint``."""
-    try:
-        tensors, meta = state["tensors"], state["meta"]
-        saved_version = meta["version"]
-    except (KeyError, TypeError):
-        raise SidecarError("transform state: expected {'tensors': ..., 'meta': {'version': ...}}") from None
-    if saved_version != version:
-        raise SidecarError(f"transform state: version {saved_version!r}; this version reads {version}")
-    saved = meta.get("fingerprint") or {}
-    if saved != fingerprint:
-        diffs = [(f"transform.{k}", saved.get(k), fingerprint.get(k))
-                 for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
-        what = "; ".join(f"{w}: saved {s!r}, now {n!r}" for w, s, n in diffs)
-        raise StreamMismatchError(f"transform state belongs to different transform settings ({what})", diffs)
-    return tensors, meta
-
-def find_assistant_header(render, message) -> str | None:
-    """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\n``): the common start of the
-    generation prompt and of the header of a rendered assistant message, last or not (a Qwen3-style
-    template adds an empty <think> block to the last one only); None where the template shows none.
-    ``render(conversation, add_generation_prompt)`` renders; ``message(role, text)`` makes one message."""
-    user = [message("user", "x")]
-    marker = "\x00rs-probe\x00"
-    reply = [message("assistant", marker)]
-    heads = []
-    for conversation, generation_prompt in ((user, True), (user + reply, False), (user + reply + user, False)):
         try:
-            plain = render(user, False)
-            text = render(conversation, generation_prompt)
-        except Exception:  # noqa: BLE001 - a template that cannot render this probe: the others decide
-            continue
-        if not text.startswith(plain):
-            return None
-        text = text[len(plain):]
-        heads.append(text[:text.index(marker)] if marker in text else text)
-    header = os.path.commonprefix(heads) if heads else ""
-    return header if header.strip() else None
-
-
-def content_start(render, header: str | None, full: str, conversation: list, i: int, cursor: int) -> int:
-    """Where to search for assistant message ``i``'s content in the rendering ``full``: never inside the
-    rendering of the messages before it (a default system prompt, a header), whatever message ``i`` is."""
-    try:
-        prefix = render(conversation[:i], True)   # i == 0: the empty conversation's generation prompt
-    except Exception:  # noqa: BLE001 - a template that cannot render it: the fallbacks below
-        prefix = None
-    if prefix and len(prefix) >= cursor and full.startswith(prefix):
-        return len(prefix)
-    base = cursor
-    if i > 0:
-        try:
-            before = render(conversation[:i], False)
-        except Exception:  # noqa: BLE001
-            before = ""
-        if before and full.startswith(before):
-            base = max(base, len(before))
-    if header:     # the first assistant header after the previous messages
-        h = full.find(header, base)
-        if h >= 0:
-            return h + len(header)
-    return base
-
-def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]], special_ids: set[int],
-                turn_start_id: int | None, ends: list[bool] | None = None,
-                skip_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Labels for ``ids`` (tokens of ``full`` with character ``offsets``): the tokens overlapping the
-    assistant ``spans`` and, after each span that ends a message (``ends[k]``; default: every span), its
-    end-of-turn token (the first special token, with only whitespace in between, unless it opens the next
-    turn); everything else is IGNORE_INDEX. Tokens in ``skip_ids`` (e.g. an image's vision tokens between
-    the last text of a message and its end-of-turn) are stepped over on the way to the end-of-turn token and
-    never labelled."""
-    labels = [IGNORE_INDEX] * len(ids)
-    n = len(ids)
-    t = 0
-    for k, (s, e) in enumerate(spans):
-        while t < n and offsets[t][1] <= s:
-            t += 1
-        while t < n and offsets[t][0] < e:
-            labels[t] = ids[t]
-            t += 1
-        if ends is not None and not ends[k]:
-            continue
-        j = t
-        while j < n:
-            if ids[j] in skip_ids:
-                j += 1
-                continue
-            if ids[j] in special_ids:
-                if ids[j] != turn_start_id:
-                    for q in range(t, j + 1):
-                        if ids[q] not in skip_ids:
-                            labels[q] = ids[q]
-                    t = j + 1
-                break
-            a, b = offsets[j]
-            if full[a:b].strip():
-                break
-            j += 1
-    return labels
+            return self._chat.label(full, msgs, texts)
+        except NotVerbatim as e:
+            raise TransformError(f"sample {key!r}: {e}", key) from None
 
 
 def _split_segments(segments: dict[str, list[int]], lengths: list[int]) -> list[list[int]]:

@@ -1,8 +1,7 @@
 """Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
 
-``VLProcessor`` has the same driving interface as ``TextProcessor`` (``feed`` / ``ready`` / ``take`` /
-``state`` / ``load_state`` / ``fingerprint`` / ``stats``) and ``collate_vl`` batches its
-examples, so the loader, sidecars and Trainer patch carry VL training unchanged.
+``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples, so the loader,
+sidecars and Trainer patch carry VL training unchanged.
 
 A row
 -----
@@ -16,24 +15,18 @@ What happens to it
 1. Images are decoded here (never by ``datasets``), so ``data.bad_sample`` can act on a broken one.
 2. Each content becomes HF's structured form (``{"type": "image"}`` / ``{"type": "text", ...}`` parts) and
    the conversation is rendered with the processor's chat template.
-3. Labels: the rendering is tokenized with offsets and labelled as in the text transform (assistant
-   content plus, once per assistant message, its end-of-turn token past any image that ends the message;
-   everything else -100, vision tokens included). An assistant message's content is never searched for
-   inside the rendering of the messages before it (a default system prompt, a turn header).
+3. Labels: as in the text transform (:mod:`.chat`), once per assistant message its end-of-turn token past any
+   image that ends the message; everything else -100, vision tokens included.
 4. ``processor(text=..., images=...)`` makes the model inputs (image tokens expanded, ``pixel_values``,
    ``image_grid_thw`` or the model's equivalents). Its ids must equal the labelled ids with each run of
    image tokens expanded; the labels are expanded the same way (image tokens are never labelled).
 
 Bad samples
 -----------
-An undecodable, missing or unsupported-mode image, a placeholder count that differs from the image count,
-a processor failure, an assistant message the chat template does not render verbatim (e.g. a template
-that moves or drops ``<think>`` reasoning; counted as ``skipped_processor``), or more than ``max_seq_len``
-tokens: ``bad_sample: error`` raises ``TransformError`` naming the sample and the reason; ``skip`` counts
-it (``stats()``), logs a warning and moves on. Both depend on the sample alone, so a resumed run skips the
-same samples. A failure that depends on the machine (a URL that keeps failing, a local read failing with
-anything but a missing file / a directory: EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the
-sample whatever the policy. Samples are never truncated.
+A sample whose own content fails (an image, the placeholder count, the processor, an assistant message the
+template does not render verbatim, over ``max_seq_len``: never truncated) follows ``data.bad_sample``, so a
+resumed run skips the same samples (docs/vl.md, "Bad samples"); a failure that depends on the machine (a URL that keeps failing, a local
+read failing with EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the sample whatever the policy.
 """
 
 from __future__ import annotations
@@ -56,17 +49,11 @@ from ..config.transforms import TransformConfig
 from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
-from .errors import TransformError
+from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
+from .errors import BadSample, TransformError, skip_or_raise
+from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import BadMapResult, RowMap
-from .text import (
-    IGNORE_INDEX,
-    checked_state,
-    collate_numpy,
-    content_start,
-    find_assistant_header,
-    label_spans,
-    tokenizer_digest,
-)
+from .text import collate_numpy, tokenizer_digest
 
 log = logging.getLogger(__name__)
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
@@ -80,16 +67,6 @@ _LATER_STATS = ("skipped_map", "dropped_by_map", "skipped_bad")
 # PIL modes that convert to RGB without losing what the image shows; 16-bit / float / other colour spaces
 # would be clipped or reinterpreted, so they are refused instead.
 SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
-
-Example = dict[str, Any]
-
-
-class BadSample(Exception):
-    """A sample that ``data.bad_sample`` decides about; ``kind`` is its stats counter."""
-
-    def __init__(self, kind: str, reason: str):
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
 
 
 # ---------------------------------------------------------------------------------------------- processor loading
@@ -172,13 +149,14 @@ def processor_digest(processor: Any) -> str:
 def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | None) -> bytes:
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
-        if data:
-            return _bounded(bytes(data), i, "bytes", cfg)
-        if not path:
+        if not (data or path):
             raise BadSample("skipped_image", f"image {i} has neither bytes nor a path")
-        value = path
+        value = bytes(data) if data else path
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _bounded(bytes(value), i, "bytes", cfg)
+        if len(data := bytes(value)) > cfg.max_image_bytes:
+            raise BadSample("skipped_image", f"image {i} bytes: {len(data)} bytes, over data.max_image_bytes "
+                                             f"{cfg.max_image_bytes}")
+        return data
     if not isinstance(value, str):
         raise BadSample("skipped_image",
                    f"image {i} is {type(value).__name__}; expected an Image struct, bytes, a path or a URL")
@@ -203,13 +181,6 @@ def read_image_bytes(value: Any, i: int, cfg: TransformConfig, retry: RetryPolic
         code = errno.errorcode.get(e.errno, "?") if e.errno is not None else "no errno"
         raise TransformError(f"image {i} file {path!r} cannot be read (errno {e.errno} {code}: {e.strerror or e}); "
                              "a local I/O failure is not skipped by data.bad_sample") from None
-
-
-def _bounded(data: bytes, i: int, what: str, cfg: TransformConfig) -> bytes:
-    if len(data) > cfg.max_image_bytes:
-        raise BadSample("skipped_image", f"image {i} {what}: {len(data)} bytes, over data.max_image_bytes "
-                                    f"{cfg.max_image_bytes}")
-    return data
 
 
 def local_image_path(value: str, i: int, cfg: TransformConfig) -> str:
@@ -257,20 +228,13 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def pixel_limit(cfg: TransformConfig) -> int | None:
-    """The most pixels an image may have: ``data.max_image_pixels``, or when null Pillow's own bound
-    (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless changed: above it Pillow only warns of a decompression
-    bomb, and refuses at twice that). None: Pillow's bound is off and the key unset."""
-    if cfg.max_image_pixels is not None:
-        return cfg.max_image_pixels
-    from PIL import Image
-
-    return Image.MAX_IMAGE_PIXELS
-
-
 def check_pixels(img, i: int, cfg: TransformConfig) -> None:
-    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than allowed."""
-    limit = pixel_limit(cfg)
+    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than
+    ``data.max_image_pixels``, or when null Pillow's own bound (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless
+    changed: above it Pillow only warns of a decompression bomb, and refuses at twice that; None: no bound)."""
+    from PIL import Image  # Pillow: the vl extra, imported when used
+
+    limit = cfg.max_image_pixels if cfg.max_image_pixels is not None else Image.MAX_IMAGE_PIXELS
     if limit is not None and img.width * img.height > limit:
         key = "data.max_image_pixels" if cfg.max_image_pixels is not None else \
             "data.max_image_pixels (null: Pillow's Image.MAX_IMAGE_PIXELS)"
@@ -339,8 +303,10 @@ def _as_messages(value: Any, images: int) -> Any:
     return value
 
 
-class VLProcessor:
-    """Turns raw VL rows into model inputs with labels; see the module docstring."""
+class VLProcessor(QueuedProcessor):
+    """Turns raw VL rows into model inputs with labels; see the module docstring. An example: ``input_ids``,
+    ``labels`` (int64 arrays), ``token`` (other per-token arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g.
+    ``pixel_values``, ``image_grid_thw``), ``keys``."""
 
     def __init__(self, processor: Any, cfg: TransformConfig, retry: RetryPolicy | None = None):
         """``retry``: the policy image URLs are fetched under (``RetryPolicy(stream_config, remote=True)``;
@@ -377,12 +343,9 @@ class VLProcessor:
         for key in ("max_image_bytes", "allow_absolute_image_paths", "max_image_pixels"):
             if getattr(cfg, key) != TransformConfig.DEFAULTS[key]:
                 self._fingerprint[key] = getattr(cfg, key)
-        self._special_ids = {int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        self._special_ids.update(int(i) for i in self.tokenizer.all_special_ids)
-        self._turn_start_id = self._find_turn_start()
+        self._chat = ChatTemplate(processor.apply_chat_template, self.tokenizer, self._tokenize,
+                                  lambda role, text: {"role": role, "content": [{"type": "text", "text": text}]})
         self._vision_ids = self._find_vision_ids()
-        self._assistant_header = find_assistant_header(
-            self._render, lambda role, text: {"role": role, "content": [{"type": "text", "text": text}]})
         self._pending: deque[Example] = deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
 
@@ -394,11 +357,7 @@ class VLProcessor:
         self._stats["samples"] += 1
         bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
         if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {bad} (data.bad_sample is 'error'; 'skip' skips such "
-                                     "samples)", key)
-            self._stats["skipped_bad"] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad)
+            self._bad(key, str(bad), "skipped_bad")
             return
         if self._row_map is None:
             self._feed_row(sample, key)
@@ -406,11 +365,7 @@ class VLProcessor:
         try:
             rows = self._row_map.rows(sample, key)
         except BadMapResult as e:
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {e} (data.bad_sample is 'error'; 'skip' skips such samples)",
-                                     key) from None
-            self._stats["skipped_map"] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, e)
+            self._bad(key, str(e), "skipped_map")
             return
         if not rows:
             self._stats["dropped_by_map"] += 1
@@ -425,31 +380,11 @@ class VLProcessor:
                 raise TransformError(f"sample {key!r}: {e}", key) from e.__cause__
             raise
         except BadSample as bad:
-            if self.cfg.bad_sample == "error":
-                raise TransformError(f"sample {key!r}: {bad.reason} (data.bad_sample is 'error'; 'skip' skips "
-                                     "such samples)", key) from None
-            self._stats[bad.kind] += 1
-            log.warning("skipping sample %r: %s (data.bad_sample: skip)", key, bad.reason)
+            self._bad(key, bad.reason, bad.kind)
             return
         if example is not None:
             self._pending.append(example)
             self._stats["examples"] += 1
-
-    def ready(self) -> int:
-        return len(self._pending)
-
-    def take(self) -> Example:
-        """Pop the oldest example: ``input_ids``, ``labels`` (int64 arrays), ``token`` (other per-token
-        arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g. ``pixel_values``, ``image_grid_thw``), ``keys``."""
-        if not self._pending:
-            raise IndexError("VLProcessor.take: no finished example; feed more samples (check ready())")
-        return self._pending.popleft()
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return dict(self._fingerprint)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -482,33 +417,12 @@ class VLProcessor:
                 if ex["labels"].shape != ex["input_ids"].shape:
                     raise ValueError(f"example {i}: labels and input_ids differ in length")
                 pending.append(ex)
-            stats = {k: int(meta["stats"][k] if k not in _LATER_STATS else meta["stats"].get(k, 0))
-                     for k in STAT_KEYS}
+            stats = saved_stats(meta, STAT_KEYS, _LATER_STATS)
         except (KeyError, TypeError, ValueError) as e:
             raise SidecarError(f"transform state: missing or malformed field ({e})") from None
         self._pending, self._stats = pending, stats
 
     # ------------------------------------------------------------------ internals
-    def _render(self, conversation: list[dict], generation_prompt: bool) -> str:
-        out = self.processor.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        if isinstance(out, list) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, str):
-            raise TransformError(f"chat template rendered {type(out).__name__}, expected a string")
-        return out
-
-    def _find_turn_start(self) -> int | None:
-        """The token that opens an assistant turn (e.g. <|im_start|>): never taken as an end-of-turn."""
-        probe = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
-        try:
-            plain = self._render(probe, False)
-            header = self._render(probe, True)[len(plain):]
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe: no exclusion
-            return None
-        ids = self._tokenize(header)[0] if header else []
-        return int(ids[0]) if ids and int(ids[0]) in self._special_ids else None
-
     def _find_vision_ids(self) -> set[int]:
         """Tokens the chat template renders for an image part (e.g. <|vision_start|><|image_pad|>
         <|vision_end|>) and the processor's own vision token ids: never labelled, and stepped over on the
@@ -518,29 +432,18 @@ class VLProcessor:
             value = getattr(self.processor, name, None)
             if isinstance(value, int) and value >= 0:
                 out.add(value)
-        text = [{"type": "text", "text": "x"}]
-        try:
-            plain = self._render([{"role": "user", "content": text}], False)
-            with_image = self._render([{"role": "user", "content": [{"type": "image"}, *text]}], False)
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe: the known ids only
-            return out
-        before = set(self._tokenize(plain)[0])
-        out.update(int(t) for t in self._tokenize(with_image)[0] if t in self._special_ids and t not in before)
-        return out
+        return out | self._chat.part_ids({"type": "image"})
 
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:   # the fast tokenizer's core: same ids, less per-call overhead
-            enc = backend.encode(text, add_special_tokens=False)
-            return enc.ids, enc.offsets
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), list(enc["offset_mapping"])
+        # the fast tokenizer's core (processor_digest made sure there is one): same ids, less per-call overhead
+        enc = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def _bad(self, key: str, why: str, counter: str) -> None:
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
 
     def _empty(self, key: str, why: str) -> None:
-        if self.cfg.empty == "error":
-            raise TransformError(f"sample {key!r}: {why} (data.empty is 'error'; use 'skip' to skip such samples)",
-                                 key)
-        self._stats["skipped_empty"] += 1
+        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _conversation(self, sample: dict, key: str) -> tuple[list[dict], list[Any]] | None:
         """Checked messages in HF's structured content form, and the raw image values."""
@@ -553,16 +456,9 @@ class VLProcessor:
         if msgs is None or (isinstance(msgs, (list, tuple)) and len(msgs) == 0):
             self._empty(key, f"column data.messages_column {col!r} is {'missing' if msgs is None else 'empty'}")
             return None
-        if not isinstance(msgs, (list, tuple)):
-            raise TransformError(f"sample {key!r}: column data.messages_column {col!r} holds {type(msgs).__name__}, "
-                                 "expected a list of {role, content}", key)
         conversation, placeholders = [], 0
-        for i, m in enumerate(msgs):
-            content = m.get("content") if isinstance(m, dict) else None
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, (str, type(None)))):
-                raise TransformError(f"sample {key!r}: column data.messages_column {col!r} message {i} is {m!r}, "
-                                     "expected {'role': str, 'content': str}", key)
-            pieces = (content or "").split(PLACEHOLDER)
+        for m in checked_messages(msgs, key, col):
+            pieces = (m.get("content") or "").split(PLACEHOLDER)
             placeholders += len(pieces) - 1
             parts: list[dict] = []
             for j, piece in enumerate(pieces):
@@ -590,7 +486,7 @@ class VLProcessor:
             return None
         conversation, raw_images = got
         try:
-            full = self._render(conversation, False)
+            full = self._chat.render(conversation, False)
         except TransformError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors of a template that cannot render this sample
@@ -630,38 +526,11 @@ class VLProcessor:
         """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only: each text
         piece of an assistant message, and once per message the end-of-turn token after its last piece
         (past any image that ends the message); vision tokens never."""
-        spans: list[tuple[int, int]] = []
-        ends: list[bool] = []
-        cursor = 0
-        for i, m in enumerate(conversation):
-            pieces = [p["text"].strip() for p in m["content"] if p["type"] == "text" and p["text"].strip()]
-            if m["role"] != "assistant":
-                for piece in pieces:
-                    pos = full.find(piece, cursor)
-                    if pos >= 0:
-                        cursor = pos + len(piece)
-                continue
-            if not pieces:
-                continue
-            start = content_start(self._render, self._assistant_header, full, conversation, i, cursor)
-            for k, piece in enumerate(pieces):
-                pos = full.find(piece, start)
-                if pos < 0:
-                    raise BadSample("skipped_processor",
-                               f"assistant message {i} does not appear verbatim in the chat template's rendering "
-                               "(a template that rewrites assistant text, e.g. moves or drops <think> reasoning), "
-                               "so its tokens cannot be labelled")
-                spans.append((pos, pos + len(piece)))
-                ends.append(k == len(pieces) - 1)
-                start = cursor = pos + len(piece)
-
-        ids, offsets = self._tokenize(full)
-        labels = label_spans(full, ids, offsets, spans, self._special_ids, self._turn_start_id, ends,
-                             self._vision_ids)
-        for q, tok in enumerate(ids):   # an image inside an assistant turn is still not a target
-            if tok in self._vision_ids:
-                labels[q] = IGNORE_INDEX
-        return ids, labels
+        texts = [[t for p in m["content"] if p["type"] == "text" and (t := p["text"].strip())] for m in conversation]
+        try:
+            return self._chat.label(full, conversation, texts, self._vision_ids)
+        except NotVerbatim as e:
+            raise BadSample("skipped_processor", str(e)) from None
 
     def _expand_labels(self, ids0: list[int], labels0: list[int], ids: np.ndarray, key: str) -> np.ndarray:
         """Labels for the processor's ids: ``ids0`` with every run of image tokens expanded must give

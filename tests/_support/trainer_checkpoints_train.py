@@ -20,11 +20,17 @@ VIA is how the state is saved and restored, each through that package's own call
 sleeps until it is SIGKILLed (the test kills the whole process group). The restart (no ``--hold``) resumes from
 the newest complete checkpoint and trains to step S. Model, optimizer and data are seeded alike in every run,
 so the resumed steps K+1..S must repeat the held run's exactly: the same sample ids, the same losses.
+
+``--accumulate`` (dcp, accelerate, statefuldl's loop): ``data.elastic`` with each optimizer step accumulating
+``loader.micro_batches_per_step`` micro-batches (one of each of the 4 partitions, data.elastic_determinism) and
+the loss summed over the global batch, logged all-reduced: a restart on another number of ranks trains the
+same steps (its logged loss the same up to the order of the float additions).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -52,9 +58,10 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"ids": ids, "x": x, "y": y}
 
 
-def config(data: str) -> StreamConfig:
+def config(data: str, elastic: bool = False) -> StreamConfig:
     return StreamConfig.from_dict({"dataset_name_or_path": "parquet", "data_files": os.path.join(data, "*.parquet"),
-                                   "shuffle": True, "shuffle_seed": 3, "buffer_size": 32, "num_partitions": 4})
+                                   "shuffle": True, "shuffle_seed": 3, "buffer_size": 32, "num_partitions": 4,
+                                   "elastic": elastic})
 
 
 def model() -> torch.nn.Module:
@@ -103,6 +110,25 @@ def world_of() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def accumulated_step(net, optimizer, batches, per_step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of ``per_step`` micro-batches per rank, the loss summed and divided by the global
+    batch's samples (DDP averages the gradients over ranks: the global mean's gradient on any number of
+    ranks). Returns this rank's sample ids and the global loss (all-reduced)."""
+    optimizer.zero_grad()
+    ids, squared = [], torch.zeros(())
+    global_samples = BATCH * per_step * world
+    for _ in range(per_step):
+        batch = next(batches)
+        errors = ((net(batch["x"]) - batch["y"]) ** 2).sum()
+        (errors * world / global_samples).backward()
+        ids.append(batch["ids"])
+        squared += errors.detach()
+    optimizer.step()
+    if dist.is_initialized():
+        dist.all_reduce(squared)
+    return torch.cat(ids), squared / global_samples
+
+
 def train_step(net, optimizer, batch) -> torch.Tensor:
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(net(batch["x"]), batch["y"])
@@ -120,7 +146,7 @@ def run_loop(args, via: str) -> None:
         accelerator = Accelerator(cpu=True)
     rank, world = rank_of(), world_of()
     log = Log(args.out, rank, "held" if args.hold else "resumed")
-    stream = ResumableStream(config(args.data), rank=rank, world_size=world, num_workers=2)
+    stream = ResumableStream(config(args.data, elastic=args.accumulate), rank=rank, world_size=world, num_workers=2)
     net = model()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     if via == "statefuldl":
@@ -152,9 +178,14 @@ def run_loop(args, via: str) -> None:
             optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
             loader.load_state_dict(torch.load(os.path.join(path, f"loader-rank{rank}.pt"), weights_only=True))
     step = start
-    for batch in loader:
+    batches = iter(loader)
+    for batch in batches:
         step += 1
-        log.step(step, batch["ids"], train_step(net, optimizer, batch))
+        if args.accumulate:     # this batch is the step's first micro-batch
+            log.step(step, *accumulated_step(net, optimizer, itertools.chain([batch], batches),
+                                             loader.micro_batches_per_step, world))
+        else:
+            log.step(step, batch["ids"], train_step(net, optimizer, batch))
         if step % args.every == 0:
             path = os.path.join(root, f"step-{step}")
             if via == "dcp":
@@ -227,6 +258,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, required=True)
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--trainer-prefetch", type=int, default=1, help="lightning: StreamLoader(trainer_prefetch)")
+    parser.add_argument("--accumulate", action="store_true",
+                        help="data.elastic, steps of one micro-batch per partition (not lightning)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.via == "lightning":

@@ -139,3 +139,40 @@ def test_concatenated_datasets_are_read_in_llamafactorys_order(assets, tmp_path)
     _, data_args, training_args = _args(assets, tmp_path, dataset="alpaca,other", seed=0)
     section, _ = stream_section(data_args, training_args, {})
     assert [os.path.basename(f) for f in section["data_files"]] == ["alpaca.jsonl", "other.jsonl"]
+
+
+def test_our_llamafactory_processor_satisfies_the_processor_protocol(assets, tmp_path):
+    """LlamaFactoryProcessor is a resumable_stream.transforms.Processor with the hooks the loader drives it by
+    (takes_source, epoch_bound); its flush processes the unfinished chunk; with val_size's cut the stream's
+    fingerprint names it while the carry's own fingerprint stays that of the processor without it."""
+    import functools
+
+    from resumable_stream.integrations.llamafactory.data import train_stream
+    from resumable_stream.integrations.llamafactory.processor import LlamaFactoryProcessor
+    from resumable_stream.transforms import Processor
+    from resumable_stream.transforms.protocol import as_processor
+
+    model_args, data_args, training_args = _args(assets, tmp_path, dataset="other", packing=True, cutoff_len=128,
+                                                  preprocessing_batch_size=5)
+    template, tokenizer = _template(model_args, data_args)
+    factory = train_stream(template, data_args, training_args, tokenizer, "sft", {}).processor_factory
+    proc = factory()
+    assert isinstance(proc, LlamaFactoryProcessor) and isinstance(proc, Processor) and as_processor(proc) is proc
+    for name in ("feed", "ready", "take", "state", "load_state", "fingerprint", "stats", "flush", "end_epoch",
+                 "epoch_tail"):
+        assert getattr(LlamaFactoryProcessor, name) is not getattr(Processor, name), name
+    assert (proc.takes_source, proc.counts_key_tokens, proc.epoch_bound) == (True, False, True)
+    row = {"instruction": "say hi", "input": "", "output": "hi there"}
+    for i in range(3):                       # under a chunk of 5: nothing processed yet
+        proc.feed(row, f"0:{i}")
+    assert proc.ready() == 0 and proc.stats()["examples"] == 0
+    proc.flush()                             # the chunk's blocks; the first carries its rows' keys
+    assert proc.ready() >= 1 and [k for _ in range(proc.ready()) for k in proc.take()["keys"]] == ["0:0", "0:1", "0:2"]
+
+    held = functools.partial(factory, held_out=(2, (0, 2)))()
+    assert held.fingerprint() == {**proc.fingerprint(), "held_out": {"val_size": 2, "cut": [0, 2]}}
+    assert held.state()["meta"]["fingerprint"] == proc.fingerprint()
+    for i in range(4):                       # rows 0:0 and 0:1 are held out: never fed
+        held.feed(row, f"0:{i}")
+    held.flush()
+    assert held.stats()["rows"] == 2 and [k for _ in range(held.ready()) for k in held.take()["keys"]] == ["0:2", "0:3"]

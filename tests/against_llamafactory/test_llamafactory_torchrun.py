@@ -1,7 +1,8 @@
 """`resumable-stream llamafactory train` on 2 CPU ranks (gloo) with LLaMA-Factory's pinned accelerate and
 transformers: launched as llamafactory-cli launches (FORCE_TORCHRUN=1) and with a plain `torchrun -m`, the two
 give the same training; data-parallel (the ranks end with equal parameters); killed after a checkpoint and
-started again, it continues exactly (losses and every rank's consumed samples)."""
+started again, it continues exactly (losses and every rank's consumed samples); killed on one rank and resumed on
+two (data.elastic_determinism), it trains the uninterrupted run's steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import sys
 
 import pytest
+import yaml
 from lf_helpers import ENV, assert_losses_equal, consumed, losses, ours, write_yaml
 from training_helpers import complete_checkpoints, count_lines, free_port
 
@@ -58,3 +60,51 @@ def test_two_ranks_killed_after_a_checkpoint_continue_exactly(assets, procs, tmp
     assert_losses_equal(losses(ref_out), losses(out), 0.0, "[2 ranks, killed after checkpoint-10]")
     for rank in (0, 1):
         assert consumed(ref_out, rank) == consumed(out, rank)
+
+
+def test_killed_on_one_rank_and_resumed_on_two_trains_the_identical_steps(assets, procs, tmp_path, record_property):
+    """data.elastic_determinism through LLaMA-Factory's own trainer: num_partitions 4, a global batch of 4
+    micro-batches (gradient_accumulation_steps 4 on one rank, 2 on two), an interleaved mixture shuffled, with a
+    DataLoader worker. Killed on one rank after step 4 (checkpoint 3) and resumed on two (FORCE_TORCHRUN): every
+    step's samples are those of the uninterrupted one-rank run, its losses equal within the float reduction order.
+    An accumulation of 1 on one rank is refused before the model loads, naming the keys."""
+    model, data = assets
+    # one process: no ddp_backend (accelerate would take gloo as a process group to join and find none)
+    keys = {k: v for k, v in KEYS.items() if k != "ddp_backend"} | {"max_steps": 8, "save_steps": 3}
+
+    def config(name, accumulation, **ours_keys):
+        ranks = {"ddp_backend": "gloo"} if accumulation == 2 else {}    # the two-rank resume
+        path, out = write_yaml(str(tmp_path), name, model, data, consumed_log=True, **keys, **ranks,
+                               gradient_accumulation_steps=accumulation)
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        doc["resumable_stream"].update(num_partitions=4, elastic=True, **ours_keys)
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(doc, f)
+        return path, out
+
+    wrong, _ = config("wrong", 1)
+    run = procs.start(wrong, "wrong", env=ENV, command=ours(wrong))
+    assert run.wait(300) == 2, run.describe()
+    assert "gradient_accumulation_steps: got 1 on 1 rank(s) x dataloader_num_workers 1 with " \
+           "resumable_stream.num_partitions 4" in run.stderr, run.describe()
+    reference, ref_out = config("reference", 4)
+    procs.start(reference, "reference", env=ENV, command=ours(reference)).wait_ok(600)
+    one, out = config("elastic", 4)
+    run = procs.start(one, "one", env=ENV, command=ours(one))
+    run.wait_until(lambda: 3 in complete_checkpoints(out) and count_lines(os.path.join(out, "trainer_log.jsonl")) >= 4,
+                   "checkpoint-3 + a step")
+    run.kill()
+    two, _ = config("elastic", 2)
+    procs.start(two, "two", env=FORCE, command=ours(two)).wait_ok(600)
+
+    ref_steps = consumed(ref_out, 0)
+    got = {rank: consumed(out, rank) for rank in (0, 1)}
+    assert sorted(got[0]) == sorted(ref_steps) == list(range(1, 9)) and sorted(got[1]) == list(range(4, 9))
+    for step in ref_steps:
+        keys_of_step = got[0][step] + (got[1][step] if step > 3 else [])
+        assert sorted(keys_of_step) == sorted(ref_steps[step]), f"step {step}: other samples than the reference"
+    a, b = losses(ref_out), losses(out)
+    worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+    record_property("figure", f"LLaMA-Factory, 1 -> 2 ranks: largest relative loss difference {worst:.2e}")
+    assert_losses_equal(a, b, 1e-4 * max(a.values()), "[1 -> 2 ranks, killed after checkpoint-3]")

@@ -256,7 +256,7 @@ FULL_DATA = {
     "block_rows": 64, "resume_state_path": None, "cache_dir": None, "cache_size_limit_gb": 1.5,
     "retries": 2, "retry_backoff_s": 0.5, "timeout_s": 30.0, "retry_budget_s": 90.0, "max_requests_per_s": "hub-team",
     "rate_limit_wait_s": 120.0, "num_partitions": 12, "elastic": True,
-    "index_path": "/abs/x/index.json", "verify_files": False, "prefetch_blocks": 3, "prefetch_memory_mb": 64,
+    "elastic_determinism": False, "index_path": "/abs/x/index.json", "verify_files": False, "prefetch_blocks": 3, "prefetch_memory_mb": 64,
     "max_member_bytes": 1 << 20,
     "growth": "append", "growth_allow_removal": True, "poll_interval_s": 2.5, "follow_timeout_s": 60,
     "storage_options": {"endpoint_url": "http://127.0.0.1:9000", "client_kwargs": {"region_name": "eu-west-1"}},

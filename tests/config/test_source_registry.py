@@ -1,4 +1,4 @@
-"""The source registry, kept honest by docs/architecture.md: the toy format "How to add a source" shows is
+"""The source registry, kept honest by docs/internals.md: the toy format "How to add a source" shows is
 written out of the page, registered as the page says, and must pass the exact-resume checks (shuffled, several
 partitions, saves and resumes at random points, a SIGKILL, an elastic re-partition), be indexed by
 ``resumable-stream index`` and be verified on resume like parquet."""
@@ -32,7 +32,7 @@ ROWS = FILES * LINES
 
 def doc_blocks() -> tuple[str, str]:
     """The module and the registry entry of the section "How to add a source" (its two python blocks)."""
-    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "internals.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## How to add a source", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -47,7 +47,7 @@ def lines_format(tmp_path_factory):
     (where / "lines_source.py").write_text(module)
     sys.path.insert(0, str(where))
     try:
-        exec(compile(entry, "docs/architecture.md (registry entry)", "exec"), {})
+        exec(compile(entry, "docs/internals.md (registry entry)", "exec"), {})
         yield str(where)
     finally:
         registry.unregister("lines")
@@ -226,24 +226,18 @@ def test_an_unregistered_format_is_a_config_error_listing_the_registered_ones(li
         load_index(str(path))
 
 
-def test_an_index_without_a_reader_is_parquet(parquet_small, tmp_path):
-    """Indexes written before formats were registered have no "reader": they are parquet's."""
+def test_an_index_without_a_reader_is_refused(parquet_small, tmp_path):
+    """One index format at 1.0: an index that does not name the format that reads it (as development builds
+    wrote them) is refused, naming the key, not taken for parquet."""
     cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(parquet_small, "*.parquet"))
     index = open_source(cfg.source_spec).index
     assert index["reader"] == "parquet"
     del index["reader"]
     save_index(str(tmp_path / "old.json"), index)
-    old = load_index(str(tmp_path / "old.json"))
-    assert registry.format_of_index(old).name == "parquet"
-    src = open_source(cfg.source_spec, index=old)
-    assert [s.num_rows for s in src.shards] == [s.num_rows for s in open_source(cfg.source_spec).shards]
-    reference = ResumableStream(cfg, source=open_source(cfg.source_spec))
-    assert ids_of_column(ResumableStream(cfg.replace(index_path=str(tmp_path / "old.json"))), 50) == \
-        ids_of_column(reference, 50)
-
-
-def ids_of_column(stream, n):
-    return take_ids(stream, n)
+    with pytest.raises(SourceError, match=r"old\.json.*missing 'reader' \(the name of the format"):
+        load_index(str(tmp_path / "old.json"))
+    with pytest.raises(ConfigError, match=r"dataset index: 'reader' got None; allowed: the name of the registered"):
+        registry.format_of_index(index)
 
 
 def test_a_format_that_claims_anothers_builder_or_extension_is_refused(lines_format):

@@ -596,3 +596,54 @@ def test_torchrun_two_ranks_hub_refresh_asks_the_hub_once_per_job(tmp_path):
     assert [(r.method, r.path) for r in unmoved] == [("GET", info)]      # one repo-info request, nothing else
     epoch1 = collections.Counter(itertools.chain(*(r["epoch1"] for r in results)))
     assert sorted(epoch1) == sorted(list(range(ROWS)) + new) and set(epoch1.values()) == {1}
+
+
+# ---------------------------------------------------------------------------- a state a trainer keeps itself
+def test_a_state_a_trainer_keeps_carries_the_index_and_the_files_since_join_at_the_next_epoch(tmp_path):
+    """DCP, accelerate, Lightning keep StreamLoader.state_dict() in their own checkpoints, with no stream_state
+    directory to hold the index of a growing dataset: the state carries it. A file that appeared between the
+    save and the resume joins at the epoch after the furthest begun, exactly as through a checkpoint directory;
+    an index too large to carry is refused when the state is written."""
+    import torch
+
+    from resumable_stream.loader import StreamLoader
+    from resumable_stream.state import job_state
+    from resumable_stream.state.job_state import decode_state_dict
+
+    d = dataset(tmp_path)
+    cfg = _cfg(d, num_partitions=2)
+
+    def loader():
+        return StreamLoader(ResumableStream(cfg), 10, collate_fn=lambda rows: [r["id"] for r in rows])
+
+    reference = [i for b in itertools.islice(loader(), 2 * ROWS // 10) for i in b]
+    first = loader()
+    head = [i for b in itertools.islice(first, 25) for i in b]
+    saved = torch.load(_saved(first.state_dict(), tmp_path), weights_only=True)   # as a trainer keeps it
+    assert set(decode_state_dict(saved, "x")["indexes"]) == {None}
+    new = add(d, "part-00009", 1000)                        # appears while the job is down
+    resumed = loader()
+    resumed.load_state_dict(saved)
+    rest = [i for b in itertools.islice(resumed, (ROWS - 250) // 10) for i in b]
+    assert head + rest == reference[:ROWS]                  # epoch 0 continues with epoch 0's files, exactly
+    one = [i for b in itertools.islice(resumed, (ROWS + len(new)) // 10) for i in b]
+    assert sorted(one) == sorted(list(range(ROWS)) + new)   # epoch 1: every row once, the new file's included
+    # what a checkpoint directory gives for the same save
+    ckpt = str(tmp_path / "ckpt")
+    first.save_sidecar(ckpt)
+    through_dir = StreamLoader(ResumableStream(cfg, index_from=ckpt), 10, collate_fn=lambda rows: [r["id"] for r in rows])
+    through_dir.load_sidecar(ckpt)
+    assert [i for b in itertools.islice(through_dir, (ROWS - 250) // 10 + (ROWS + len(new)) // 10)
+            for i in b] == rest + one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(job_state, "MAX_CARRIED_INDEX_BYTES", 100)
+        with pytest.raises(ConfigError, match="data.growth: the state of a growing dataset carries its index.*Checkpoints"):
+            loader().state_dict()
+
+
+def _saved(state: dict, tmp_path) -> str:
+    import torch
+
+    path = str(tmp_path / "trainer_state.pt")
+    torch.save(state, path)
+    return path

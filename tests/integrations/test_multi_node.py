@@ -221,8 +221,10 @@ def test_two_nodes_killed_on_one_node_resume_like_an_uninterrupted_run(procs, tm
 
 # -------------------------------------------------------------------------------------- elastic 2 x 2 -> 1 x 3
 FILES, ROWS_PER_FILE, PARTITIONS = 12, 48, 12      # a shard per partition; 6 batches of 8 per partition
-CKPT = 6                                           # 2 x 2: 3 partitions per rank, 2 batches each consumed
-AFTER = (ROWS_PER_FILE // BATCH - CKPT * WORLD // PARTITIONS) * PARTITIONS // 3   # 1 x 3: the rest of the epoch
+# a step takes one micro-batch of every partition (data.elastic_determinism): gradient accumulation 3 on 2 x 2
+# ranks (3 partitions each), 4 on 1 x 3
+CKPT = 2                                           # 2 x 2: 2 batches of each partition consumed
+AFTER = ROWS_PER_FILE // BATCH - CKPT              # 1 x 3: the rest of the epoch, a batch of each partition a step
 
 
 @pytest.mark.timeout(600)
@@ -231,14 +233,16 @@ def test_two_nodes_resumed_on_one_node_of_three_ranks_read_every_row_once(procs,
     write_parquet_dataset(str(data_dir), rows=FILES * ROWS_PER_FILE, files=FILES, row_group_size=ROWS_PER_FILE)
     data = {"data_files": str(data_dir / "*.parquet"), "num_partitions": PARTITIONS, "elastic": True,
             "buffer_size": 256}
-    first, out = write_config(str(tmp_path), "run", max_steps=CKPT, save_steps=CKPT, data=data)
+    first, out = write_config(str(tmp_path), "run", max_steps=CKPT, save_steps=CKPT, data=data,
+                              gradient_accumulation_steps=PARTITIONS // WORLD)
     nodes = _node_configs(first, tmp_path, "first", [{"cache_dir": str(tmp_path / f"cache-node{n}")}
                                                      for n in range(NODES)])
     record = str(tmp_path / "record.jsonl")
     Job(procs, nodes, "first", record).wait_ok()
     assert complete_checkpoints(out) == [CKPT]
 
-    second, _ = write_config(str(tmp_path), "run", max_steps=CKPT + AFTER, save_steps=CKPT, data=data)
+    second, _ = write_config(str(tmp_path), "run", max_steps=CKPT + AFTER, save_steps=CKPT, data=data,
+                             gradient_accumulation_steps=PARTITIONS // 3)
     one = _node_configs(second, tmp_path, "second", [{"cache_dir": str(tmp_path / "cache-node0")}])
     resumed = Job(procs, one, "second", record, nproc=3).wait_ok()
     assert f"resuming from {out}/checkpoint-{CKPT}" in resumed.nodes[0].stderr, resumed.describe()

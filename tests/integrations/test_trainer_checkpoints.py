@@ -86,3 +86,34 @@ def test_lightning_refuses_a_loader_that_does_not_count_the_batch_it_takes_ahead
         procs.cleanup()
     assert "trainer_prefetch: got 0; Lightning's fit loop holds 1 batch(es) taken ahead" in run.stderr, run.describe()
     assert not os.path.exists(os.path.join(out, "ckpt", "step-4.ckpt")), "a checkpoint that would resume late was kept"
+
+
+def test_a_dcp_checkpoint_of_two_ranks_resumes_on_one_with_the_identical_steps(data, tmp_path, record_property):
+    """data.elastic_determinism through DCP (torchtitan's pattern): 2 ranks, 2 workers each, every step one
+    micro-batch of each of the 4 partitions (gradient accumulation 2 per rank), checkpointed by dcp.save after step
+    4 and SIGKILLed after step 7; restarted on 1 rank (accumulation 4), dcp.load of the same dict restores the model,
+    the optimizer and the loader from the 2-rank checkpoint, and steps 5..7 train on the samples of the killed
+    run's, with its losses up to the order of the float additions."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    procs = Procs(str(tmp_path))
+    try:
+        held = procs.start(out, "held", command=[*_command("dcp", 2, out, data, hold=True), "--accumulate"])
+        held.wait_until(lambda: all(os.path.exists(os.path.join(out, f"held-{r}")) for r in range(2)),
+                        f"both ranks past step {STEPS} with the checkpoint of step {EVERY} written", timeout=300)
+        held.kill()
+        procs.start(out, "resumed", command=[*_command("dcp", 1, out, data, hold=False), "--accumulate"]).wait_ok(300)
+    finally:
+        procs.cleanup()
+    before = [_logged(out, rank, "held") for rank in (0, 1)]
+    after = _logged(out, 0, "resumed")
+    assert sorted(after) == list(range(EVERY + 1, STEPS + 1))
+    worst = 0.0
+    for step in after:
+        killed = sorted(before[0][step]["ids"] + before[1][step]["ids"])
+        assert sorted(after[step]["ids"]) == killed, f"step {step}: other samples on 1 rank than on 2"
+        assert len(killed) == 4 * 4          # a micro-batch of 4 from each of the 4 partitions
+        assert before[0][step]["loss"] == before[1][step]["loss"]      # all-reduced: the global loss
+        worst = max(worst, abs(after[step]["loss"] - before[0][step]["loss"]) / before[0][step]["loss"])
+    record_property("figure", f"DCP, 2 -> 1 ranks: largest relative loss difference {worst:.2e}")
+    assert worst <= 1e-5

@@ -343,14 +343,14 @@ def test_last_modified_reported_on_one_side_only_is_no_change_when_the_etags_agr
     older = {"path": url, "size": 10, "etag": '"a"'}
     for saved, now in ((newer, older), (older, newer)):
         assert fingerprint_diff({"files": [saved]}, {"files": [now]}) == []
-        assert changed_files({"files": [saved]}, [now]) == []
+        assert changed_files({"reader": "parquet", "files": [saved]}, [now]) == []
     rewritten = {**older, "etag": '"b"'}
     assert [w for w, _, _ in fingerprint_diff({"files": [newer]}, {"files": [rewritten]})] == [
         f"file modified: {url} (etag)"]
     no_etag = {"path": url, "size": 10}     # no ETag on one side: Last-Modified is all there is to compare
     assert [w for w, _, _ in fingerprint_diff({"files": [newer]}, {"files": [{**no_etag, "etag": None}]})] == [
         f"file modified: {url} (etag)", f"file modified: {url} (last-modified)"]
-    assert changed_files({"files": [{**no_etag, "last-modified": "x"}]}, [no_etag]) == [
+    assert changed_files({"reader": "parquet", "files": [{**no_etag, "last-modified": "x"}]}, [no_etag]) == [
         (url, "last-modified", "x", None)]
 
 

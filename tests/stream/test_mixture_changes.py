@@ -257,6 +257,23 @@ def test_allowed_weight_change_applies_from_the_resume_point_and_sources_keep_th
                                             "added": [], "removed": []}]
 
 
+def test_a_weight_history_resumes_its_draws_whatever_the_order_of_the_labels(dirs):
+    """A saved state's JSON has its keys sorted: the history's labels keep their own order (the order of the
+    cumulative weights a draw's uniform picks against), so a second resume draws as the run it continues
+    (labels b, a: not their sorted order)."""
+    labels = ("b", "a")
+    first = make(mix(dirs, [0.3, 0.7], labels=labels))
+    ids(first, 40)
+    first.set_weights({"b": 0.6, "a": 0.4})
+    head = ids(first, 30)
+    state = reload(first)
+    expected = ids(first, 60)
+    again = make(mix(dirs, [0.3, 0.7], labels=labels))
+    again.load_state_dict(state)
+    assert head and ids(again, 60) == expected
+    assert describe_state(state)["mixture"]["weight_history"][1]["labels"] == ["b", "a"]
+
+
 def test_added_source_starts_at_its_beginning_and_a_removed_one_continues_when_added_back(dirs):
     first = make(mix(dirs, [1, 1]))
     seen = ids(first, 50)
@@ -318,7 +335,7 @@ def test_set_weights_through_a_loader_with_workers_applies_from_the_next_batch_a
     [next(it) for _ in range(2)]
     state = through_sidecar(first.rank_state())["stream"]
     assert state["fingerprint"]["mixture"]["history"][1] == {"from": "set_weights", "step": 3,
-                                                            "weights": {"a": 0.0, "b": 1.0}}
+                                                            "weights": {"a": 0.0, "b": 1.0}, "labels": ["a", "b"]}
     first.save_sidecar(str(tmp_path / "state"))
     resumed = StreamLoader(make(cfg, num_workers=2), 4, _collate, num_workers=2)
     resumed.load_sidecar(str(tmp_path / "state"))

@@ -10,8 +10,9 @@ save, metrics, plots); only its ``get_dataset`` is replaced (:mod:`.data`): the 
 ``dataset_info.json`` become our stream (one source, or a weighted mixture), and every row is formatted by
 LLaMA-Factory's own converter and dataset processor inside the stream (:mod:`.processor`), so its template,
 ``cutoff_len``, ``train_on_prompt``, ``mask_history``, ``packing`` mean what they mean there and a resume is
-exact. :mod:`.run` applies the patches and launches torchrun like ``llamafactory-cli``.
+exact. :mod:`resumable_stream.app.llamafactory` applies the patches and launches torchrun like
+``llamafactory-cli``.
 
-Nothing here is imported by the rest of the package; it needs ``llamafactory`` (``pip install
+Only the command (app/llamafactory.py) imports it; it needs ``llamafactory`` (``pip install
 'resumable-stream[llamafactory]'``).
 """

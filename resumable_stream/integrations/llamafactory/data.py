@@ -1,16 +1,6 @@
-"""LLaMA-Factory's datasets (``dataset`` + ``dataset_info.json``) as our stream, in place of its ``get_dataset``.
-
-| LLaMA-Factory | here |
-|---|---|
-| a ``file_name`` entry (a file, or a directory of files of one type) | its files, by the builder of their extension |
-| an ``hf_hub_url`` entry (with ``subset``, ``folder``, ``split``) | that Hub dataset (``name``, ``data_dir``, ``split``) |
-| ``dataset: a,b`` + ``mix_strategy: interleave_under`` / ``interleave_over`` + ``interleave_probs`` | a weighted mixture, stopping ``first_exhausted`` / ``all_exhausted`` (``buffer_size: 1``: drawn in datasets' sequence, :func:`mixture_draws`) |
-| ``dataset: a,b`` with ``concat`` (the default) | one source over all their files, when they share file type and formatting (``buffer_size: 1``: in LF's order, :func:`lf_concat_order`) |
-| ``buffer_size``, ``seed`` | ``shuffle: buffer_size > 1``, ``buffer_size``, ``shuffle_seed: seed`` (our window shuffle) |
-| ``dataloader_num_workers`` | the stream's DataLoader workers |
-| ``eval_dataset`` | LLaMA-Factory's own evaluation dataset (it needs no resume) |
-
-Everything that decides how a row is formatted stays LLaMA-Factory's (:mod:`.processor`).
+"""LLaMA-Factory's datasets (``dataset`` + ``dataset_info.json``) as our stream, in place of its ``get_dataset``:
+its keys map as docs/llamafactory.md ("How LLaMA-Factory's keys map") says. Everything that decides how a row is
+formatted stays LLaMA-Factory's (:mod:`.processor`).
 """
 
 from __future__ import annotations
@@ -22,16 +12,24 @@ import os
 import re
 from typing import Any
 
+import numpy as np
+
+from ...config.stream_config import StreamConfig
 from ...errors import ConfigError
+from ...loader import check_step_shape
+from ...stream.mixture import open_stream
 from .held_out import check_val_size, hold_out
 from .media import media_settings
+from .preference import ATTR_FIELDS as PREFERENCE_FIELDS
 from .preference import check_stage
-from .processor import Formatting, LlamaFactoryProcessor
+from .processor import ATTR_FIELDS, Formatting, LlamaFactoryProcessor
 from .settings import STREAM_KEYS, monitor_settings
 
 log = logging.getLogger(__name__)
 _LABEL = re.compile(r"[^A-Za-z0-9_.-]")
 _STRATEGIES = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
+# how the data.elastic_determinism errors name LLaMA-Factory's keys and ours
+LLAMAFACTORY_KEYS = {"switch": "resumable_stream.elastic_determinism", "partitions": "resumable_stream.num_partitions"}
 
 
 def _refused(name: str, what: str) -> ConfigError:
@@ -40,7 +38,7 @@ def _refused(name: str, what: str) -> ConfigError:
 
 def _source(attr, data_args) -> dict[str, Any]:
     """The data keys of our stream for one dataset_info.json entry."""
-    from llamafactory.extras.constants import FILEEXT2TYPE
+    from llamafactory.extras.constants import FILEEXT2TYPE  # an optional extra, imported when used
 
     name = attr.dataset_name
     media = [c for c in ("videos", "audios") if getattr(attr, c, None)]
@@ -78,9 +76,6 @@ def _label(i: int, name: str) -> str:
 
 
 def _same_formatting(a, b) -> bool:
-    from .preference import ATTR_FIELDS as PREFERENCE_FIELDS
-    from .processor import ATTR_FIELDS
-
     return all(getattr(a, f, None) == getattr(b, f, None) for f in ATTR_FIELDS + PREFERENCE_FIELDS)
 
 
@@ -91,8 +86,6 @@ def lf_concat_order(sources: list, seed: int) -> list:
     ``VerticallyConcatenatedMultiSourcesExamplesIterable.shuffle_data_sources`` permutes the datasets with the
     shuffle's generator, ``numpy.random.default_rng(seed)``. Its later epochs permute them again (by an epoch
     seed); ours keep this order (docs/llamafactory.md)."""
-    import numpy as np
-
     order = list(range(len(sources)))
     np.random.default_rng(seed).shuffle(order)
     return [sources[i] for i in order]
@@ -110,7 +103,7 @@ def mixture_draws(data_args) -> str:
 
 def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the ``data:`` section of our stream, source label -> DatasetAttr) of LLaMA-Factory's data arguments."""
-    from llamafactory.data.parser import get_dataset_list
+    from llamafactory.data.parser import get_dataset_list  # an optional extra, imported when used
 
     attrs = get_dataset_list(data_args.dataset, data_args.dataset_dir)
     if not attrs:
@@ -156,9 +149,7 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
 def train_stream(template, data_args, training_args, tokenizer, stage: str, ours: dict[str, Any], processor=None):
     """The :class:`~resumable_stream.integrations.transformers.TrainingStream` LLaMA-Factory's trainer reads;
     ``processor``: a multimodal model's (images of the rows checked by :mod:`.media`)."""
-    from ...config.stream_config import StreamConfig
-    from ...stream.mixture import open_stream
-    from ..transformers import TrainingStream
+    from ..transformers import TrainingStream  # transformers and torch: this module imports without them
 
     section, attrs = stream_section(data_args, training_args, ours)
     check_stage(attrs, stage)
@@ -166,6 +157,9 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
                          index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
+    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
+    check_step_shape(stream, training_args.gradient_accumulation_steps, training_args.per_device_train_batch_size,
+                     LLAMAFACTORY_KEYS)
     if hasattr(stream, "set_samples_per_step"):   # a mixture: weight schedules in steps map to draws with it
         stream.set_samples_per_step(training_args.per_device_train_batch_size
                                     * training_args.gradient_accumulation_steps * training_args.world_size)

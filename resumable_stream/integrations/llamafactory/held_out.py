@@ -1,21 +1,16 @@
-"""``val_size: N``: the first N rows of the dataset are the evaluation set, and the training stream never yields them.
+"""``val_size: N``: the first N rows of the dataset (in shard order, whatever the shuffle, seed, epoch or topology)
+are the evaluation set, and the training stream never yields them (docs/llamafactory.md, "Held-out evaluation").
 
-LLaMA-Factory 0.9.5 in streaming mode (``data_utils.split_dataset``) splits the converted *rows*, before its
-dataset processor runs: ``eval = dataset.take(N)``, ``train = dataset.skip(N)``, then each is processed on its
-own (so packing never joins a held-out row with a training one). Here the first N rows are those of the dataset
-in shard order (shard 0 row 0, 1, ..., then shard 1, ...), whatever the shuffle, seed, epoch or topology; the
-*cut* is the (shard, row) after them. The evaluation set is those rows through LLaMA-Factory's converter and the
-processor it evaluates with, held in memory as a ``datasets.Dataset``; the training transform is fed only the
-rows at or after the cut (:class:`WithoutHeldOut`), and the cut is part of its fingerprint, so resuming with
-another ``val_size`` is a StreamMismatchError naming ``transform.held_out``.
-
-The rows are dropped by key, not by a source that starts at the cut, so sample keys stay the dataset's own
-``shard:row`` (the consumed log and the digests compare with the data) and nothing below the transform (plan,
-block cache, index) changes; the cost is reading the N held-out rows once per epoch.
+As LLaMA-Factory 0.9.5 splits the converted *rows* when streaming (``eval = dataset.take(N)``, ``train =
+dataset.skip(N)``, each then processed on its own), the evaluation set is those rows through its converter and
+the processor it evaluates with; the training transform drops the rows before the *cut*, the (shard, row) after
+them (``LlamaFactoryProcessor(..., held_out=...)``), by key, so sample keys stay the dataset's own and nothing
+below the transform changes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ...errors import ConfigError, shown
@@ -79,6 +74,7 @@ def first_rows(source, n: int) -> tuple[list[dict], tuple[int, int]]:
 def eval_dataset(rows: list[dict], attr, template, tokenizer, data_args, training_args, stage: str):
     """The held-out rows as LLaMA-Factory's evaluation set: its converter for the dataset's entry, then the
     processor its loader picks for evaluation, over chunks of ``preprocessing_batch_size`` rows (its ``map``)."""
+    # datasets and llamafactory: heavy, and llamafactory an optional extra; imported when used
     from datasets import Dataset
     from llamafactory.data.converter import get_dataset_converter
     from llamafactory.data.loader import _get_dataset_processor
@@ -100,68 +96,14 @@ def eval_dataset(rows: list[dict], attr, template, tokenizer, data_args, trainin
     return Dataset.from_dict(columns)
 
 
-class WithoutHeldOut:
-    """The training transform, fed only the rows at or after the cut: a held-out row is dropped before it,
-    whichever partition (rank, worker) reads it, in every epoch."""
-
-    def __init__(self, factory, val_size: int, cut: tuple[int, int]):
-        self._inner = factory()
-        self.takes_source = getattr(self._inner, "takes_source", False)
-        self._val_size, self._cut = val_size, tuple(cut)
-
-    def feed(self, sample: dict, key: str, source: str | None = None) -> None:
-        # one dataset (mixtures are refused with val_size): the loader's key is "shard:row"
-        shard, row = key.rsplit(":", 1)
-        if (int(shard), int(row)) < self._cut:
-            return
-        if source is None:
-            self._inner.feed(sample, key)
-        else:
-            self._inner.feed(sample, key, source=source)
-
-    @property
-    def data_epoch(self) -> int | None:
-        return self._inner.data_epoch
-
-    @data_epoch.setter
-    def data_epoch(self, epoch: int | None) -> None:
-        self._inner.data_epoch = epoch
-
-    def end_epoch(self, epoch: int) -> None:
-        self._inner.end_epoch(epoch)
-
-    def epoch_tail(self) -> int:
-        return self._inner.epoch_tail()
-
-    def ready(self) -> int:
-        return self._inner.ready()
-
-    def take(self) -> dict:
-        return self._inner.take()
-
-    def stats(self) -> dict[str, int]:
-        return self._inner.stats()
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {**self._inner.fingerprint(), "held_out": {"val_size": self._val_size, "cut": list(self._cut)}}
-
-    def state(self) -> dict[str, Any]:
-        return self._inner.state()
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self._inner.load_state(state)
-
-
 def hold_out(train, val_size: int, template, tokenizer, data_args, training_args, stage: str):
     """Take the first ``val_size`` rows of the training stream ``train`` (a TrainingStream over one dataset)
     away from it; the evaluation dataset they make."""
-    import functools
-
-    from llamafactory.data.parser import get_dataset_list
+    from llamafactory.data.parser import get_dataset_list  # an optional extra, imported when used
 
     rows, cut = first_rows(train.stream.source, val_size)
     # one dataset, or a concat of datasets of one formatting (stream_section checked it): the first one's converter
     attr = get_dataset_list(data_args.dataset, data_args.dataset_dir)[0]
     dataset = eval_dataset(rows, attr, template, tokenizer, data_args, training_args, stage)
-    train.processor_factory = functools.partial(WithoutHeldOut, train.processor_factory, val_size, cut)
+    train.processor_factory = functools.partial(train.processor_factory, held_out=(val_size, cut))
     return dataset

@@ -1,21 +1,15 @@
 """Multimodal SFT through LLaMA-Factory: the images its rows name, checked before its mm_plugin reads them.
 
-LLaMA-Factory's converter joins a row's image paths to ``media_dir`` (``dataset_dir`` by default) and, when that
-is no file, keeps the path as the row wrote it (an absolute path, ``../..``, anything); its mm_plugin then opens
-it, and a file it cannot open or decode stops the run. Here every image of a row is checked first, with the
-rules of our VL transform (:mod:`resumable_stream.transforms.vl`): a local path relative to ``media_dir`` and
-confined to it (no absolute path, no ``..`` or symlink out of it, unless ``allow_absolute_image_paths``), a
-regular file (never a FIFO or a device: no hang), at most ``max_image_bytes``, at most ``max_image_pixels``
-(read from its header before it is decoded), and it decodes. LLaMA-Factory
-then reads the very file that was checked: the path handed on is its real path. ``bad_sample`` decides what a
-row with an image that fails these checks does: ``error`` (a TransformError naming the sample and why) or
-``skip`` (counted, logged). Pixels are LLaMA-Factory's own (its resizing, its RGB conversion, its processor):
-nothing here changes what a good image becomes.
+LLaMA-Factory's converter keeps a path that is no file under ``media_dir`` as the row wrote it (absolute,
+``../..``), and a file its mm_plugin cannot open stops the run. Here every image of a row is checked first with
+the rules of our VL transform (:mod:`resumable_stream.transforms.vl`: confined to ``media_dir``, a regular file,
+bounded bytes and pixels, decodable), ``bad_sample`` deciding about one that fails, and LLaMA-Factory reads the
+very file that was checked (its real path). Its pixels stay LLaMA-Factory's own (docs/llamafactory.md,
+"Multimodal SFT").
 
-The processor: in transformers 5 ``AutoProcessor`` builds Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's video processor
-too, which needs torchvision; LLaMA-Factory's loader then drops the whole processor (and fails on the first
-image). :class:`ProcessorLoader` falls back to the same processor class without its video processor (images go
-through the PIL image processor), as ``resumable_stream.transforms.load_processor`` does.
+:class:`ProcessorLoader`: where transformers 5 builds a Qwen-VL processor's video processor (it needs
+torchvision) and LLaMA-Factory's loader then drops the whole processor, the same processor without its video
+processor, as ``resumable_stream.transforms.load_processor`` does.
 """
 
 from __future__ import annotations
@@ -24,7 +18,8 @@ from typing import Any
 
 from ...config.transforms import TransformConfig
 from ...errors import ConfigError
-from ...transforms.vl import BadSample, load_processor, local_image_path, open_image, read_image_bytes
+from ...transforms.errors import BadSample
+from ...transforms.vl import load_processor, local_image_path, open_image, processor_digest, read_image_bytes
 
 # keys of the ``resumable_stream:`` section about images (our data keys of the same name, see docs/vl.md)
 MEDIA_KEYS = ("bad_sample", "max_image_bytes", "max_image_pixels", "allow_absolute_image_paths")
@@ -63,7 +58,7 @@ def placeholder_problem(row: dict[str, Any]) -> str | None:
     """Why LLaMA-Factory's mm_plugin would refuse a converted row's images (its ``_validate_messages``: as many
     ``<image>`` placeholders in the messages as images), or None. Rows its processor drops anyway (a prompt of
     even length, not one response) are left to it."""
-    from llamafactory.extras.constants import IMAGE_PLACEHOLDER
+    from llamafactory.extras.constants import IMAGE_PLACEHOLDER  # an optional extra, imported when used
 
     messages = row["_prompt"] + row["_response"]
     if len(row["_prompt"]) % 2 != 1 or len(row["_response"]) != 1:
@@ -78,8 +73,6 @@ def placeholder_problem(row: dict[str, Any]) -> str | None:
 def processor_fingerprint(processor) -> dict[str, Any]:
     """What decides the image tokens and pixels: the processor (tokenizer, image processor settings) and the
     limits LLaMA-Factory's patch_processor set on it from the model arguments (``image_max_pixels``, ...)."""
-    from ...transforms.vl import processor_digest
-
     limits = ("image_max_pixels", "image_min_pixels", "image_do_pan_and_scan", "crop_to_patches",
               "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
               "audio_sampling_rate")

@@ -1,12 +1,8 @@
-"""LLaMA-Factory's preference stages, read as our stream.
+"""LLaMA-Factory's preference stages (dpo / rm: pairwise ``ranking: true`` data, one example per row; kto: a
+``kto_tag`` column), read as our stream (docs/llamafactory.md, "Preference stages").
 
-| ``stage`` | its ``get_dataset`` stage | dataset | dataset processor | batch |
-|---|---|---|---|---|
-| ``dpo``, ``rm`` | ``rm`` | ``ranking: true`` (``chosen`` / ``rejected``) | PairwiseDatasetProcessor | one example per row |
-| ``kto`` | ``kto`` | a ``kto_tag`` column | FeedbackDatasetProcessor | chunks of ``preprocessing_batch_size`` rows |
-
-The feedback processor pairs every row with the response of the row before it in the same ``map`` batch (its
-KL pairs), so kto rows are processed in chunks of ``preprocessing_batch_size``, as llamafactory-cli's
+The feedback processor (kto) pairs every row with the response of the row before it in the same ``map`` batch
+(its KL pairs), so kto rows are processed in chunks of ``preprocessing_batch_size``, as llamafactory-cli's
 ``dataset.map(batched=True)`` makes them; the rows of an unfinished chunk are part of the saved state.
 """
 
@@ -36,13 +32,6 @@ def check_stage(attrs: dict[str, Any], stage: str) -> None:
 
 def fingerprint(attr) -> dict[str, Any]:
     return {f: getattr(attr, f) for f in ATTR_FIELDS if getattr(attr, f, None)}
-
-
-def processor_class(stage: str):
-    """LLaMA-Factory's dataset processor of a preference stage (None for the others)."""
-    from llamafactory.data.processor import FeedbackDatasetProcessor, PairwiseDatasetProcessor
-
-    return {"rm": PairwiseDatasetProcessor, "kto": FeedbackDatasetProcessor}.get(stage)
 
 
 def chunk(stage: str, data_args) -> int | None:

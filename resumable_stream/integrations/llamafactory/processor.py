@@ -14,6 +14,9 @@ with its mm_plugin; the examples carry the image paths its collator decodes.
 of an epoch is shorter) and its DataLoader's last batch of an epoch is shorter too: :meth:`end_epoch` (called by
 the loader on the first row of the next epoch) processes the ended epoch's unfinished chunk, and the examples of
 the ended epoch still waiting (:meth:`epoch_tail`) are batched apart from the next epoch's.
+
+With ``val_size`` (:mod:`.held_out`) the rows before the cut are dropped before anything else, whichever
+partition reads them, and the cut is part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import numpy as np
 
 from ...errors import SidecarError
 from ...io.safe_files import JSONRefused, parse_json
-from ...transforms.errors import TransformError
-from ...transforms.text import checked_state, tokenizer_digest
-from ...transforms.vl import BadSample
+from ...transforms.errors import BadSample, TransformError, skip_or_raise
+from ...transforms.protocol import QueuedProcessor, checked_state, saved_stats
+from ...transforms.text import tokenizer_digest
 from . import media, preference
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
+STAT_KEYS = ("rows", "examples", "dropped", "skipped_image", "skipped_mismatch")
+_LATER_STATS = ("skipped_image", "skipped_mismatch")     # absent from the states of earlier versions
 # DatasetAttr fields that decide how a row is converted (columns and tags of dataset_info.json)
 ATTR_FIELDS = ("formatting", "system", "tools", "prompt", "query", "response", "history", "messages",
                 "role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag",
@@ -52,7 +57,7 @@ _DATA_FIELDS = ("cutoff_len", "train_on_prompt", "mask_history", "packing", "nea
 
 def _plain(value: Any) -> Any:
     """A JSON-able description of a template field (formatters by class, slots and tool format)."""
-    from llamafactory.data.formatter import Formatter
+    from llamafactory.data.formatter import Formatter  # llamafactory: an optional extra, imported when used
 
     if isinstance(value, Formatter):
         return {"class": type(value).__name__, "slots": _plain(value.slots), "tool_format": value.tool_format}
@@ -103,7 +108,7 @@ class Formatting:
         return bool(self.data_args.packing) and self.stage in ("pt", "sft")
 
     def fingerprint(self) -> dict[str, Any]:
-        import llamafactory
+        import llamafactory  # an optional extra, imported when used
 
         fp = {"llamafactory": llamafactory.__version__, "stage": self.stage,
               "template": template_digest(self.template), "tokenizer": tokenizer_digest(self.tokenizer),
@@ -139,48 +144,43 @@ def _bytes_in(value: Any) -> Any:
     return value
 
 
-def _dataset_processor(fmt: Formatting):
-    """LLaMA-Factory's dataset processor for the stage, chosen as its loader chooses it."""
-    from llamafactory.data.processor import (
-        PackedSupervisedDatasetProcessor,
-        PretrainDatasetProcessor,
-        SupervisedDatasetProcessor,
-    )
-
-    if fmt.stage == "pt":
-        cls = PretrainDatasetProcessor
-    elif fmt.stage == "sft":
-        cls = PackedSupervisedDatasetProcessor if fmt.packing else SupervisedDatasetProcessor
-    else:
-        cls = preference.processor_class(fmt.stage)
-    return cls(template=fmt.template, tokenizer=fmt.tokenizer, processor=fmt.processor, data_args=fmt.data_args)
-
-
-class LlamaFactoryProcessor:
-    """The transform protocol of :class:`~resumable_stream.loader.StreamLoader` (``feed`` / ``ready`` /
-    ``take`` / ``state`` / ``load_state`` / ``fingerprint``) around LLaMA-Factory's converter and processor."""
+class LlamaFactoryProcessor(QueuedProcessor):
+    """A :class:`~resumable_stream.transforms.Processor` around LLaMA-Factory's converter and dataset processor;
+    ``held_out``: (val_size, cut), the rows before the (shard, row) ``cut`` dropped (:mod:`.held_out`)."""
 
     takes_source = True              # a mixture tells each sample's source: its dataset's converter
+    epoch_bound = True               # llamafactory-cli maps each epoch afresh: a chunk never spans two
 
-    def __init__(self, fmt: Formatting):
+    def __init__(self, fmt: Formatting, held_out: tuple[int, tuple[int, int]] | None = None):
+        # llamafactory: an optional extra, imported when used
         from llamafactory.data.converter import get_dataset_converter
+        from llamafactory.data.loader import _get_dataset_processor
 
         self.fmt = fmt
         self._converters = {label: get_dataset_converter(attr.formatting, attr, fmt.data_args)
                             for label, attr in fmt.attrs.items()}
         self._default = next(iter(fmt.attrs))
-        self._processor = _dataset_processor(fmt)
+        # the stage's dataset processor, as LLaMA-Factory's loader picks it (its dpo stage reads "rm" data)
+        self._processor = _get_dataset_processor(fmt.data_args, fmt.stage, fmt.template, fmt.tokenizer, fmt.processor)
         self._fingerprint = fmt.fingerprint()
+        self._cut = tuple(held_out[1]) if held_out is not None else None
+        # in the stream's fingerprint; the state's own (below) leaves it out, as it always did
+        self._held_out = {"val_size": held_out[0], "cut": list(self._cut)} if held_out is not None else None
         self._reset()
 
     def _reset(self) -> None:
         self._rows: list[tuple[str, dict]] = []             # converted rows of the unfinished chunk
-        self._ready: deque[dict] = deque()                  # examples, each with its "keys"
-        self._tail = 0                                      # the first examples of _ready: an ended epoch's
+        self._pending: deque[dict] = deque()                # examples, each with its "keys"
+        self._tail = 0                                      # the first examples of _pending: an ended epoch's
         self.data_epoch: int | None = None                  # the epoch of the rows fed (set by the loader)
-        self._stats = {"rows": 0, "examples": 0, "dropped": 0, "skipped_image": 0, "skipped_mismatch": 0}
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
 
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
+        if self._cut is not None:
+            # one dataset (mixtures are refused with val_size): the loader's key is "shard:row"
+            shard, row = key.rsplit(":", 1)
+            if (int(shard), int(row)) < self._cut:
+                return
         label = source if source in self._converters else self._default
         self._stats["rows"] += 1
         attr = self.fmt.attrs[label]
@@ -196,11 +196,8 @@ class LlamaFactoryProcessor:
                                  f"formatting {attr.formatting!r}); the row has "
                                  f"{sorted(sample)}", key) from None
         except BadSample as bad:
-            if self.fmt.media.bad_sample == "error":
-                raise TransformError(f"sample {key!r} of dataset {attr.dataset_name!r}: {bad.reason} "
-                                     "(resumable_stream.bad_sample is 'error'; 'skip' skips such samples)", key) from None
-            self._stats[bad.kind] += 1
-            log.warning("skipping sample %r: %s (resumable_stream.bad_sample: skip)", key, bad.reason)
+            skip_or_raise(self.fmt.media.bad_sample, "resumable_stream.bad_sample", key, bad.reason, self._stats,
+                          bad.kind, log, where=f"sample {key!r} of dataset {attr.dataset_name!r}")
             return
         self._rows.append((key, row))
         if len(self._rows) >= self.fmt.chunk:
@@ -220,53 +217,46 @@ class LlamaFactoryProcessor:
             # without packing a chunk is one row and one example (or none); packed, its first block carries the
             # keys of every row of the chunk (which block holds which row is the knapsack's business)
             example["keys"] = per_example[i] if per_example is not None else keys if i == 0 else []
-            self._ready.append(example)
+            self._pending.append(example)
         self._stats["examples"] += n
 
-    def end_epoch(self, epoch: int) -> None:
-        """The rows fed so far end the data's epoch; the next ones are of ``epoch``."""
+    def flush(self) -> None:
         if self._rows:
             self._process()
-        self._tail = len(self._ready)
+
+    def end_epoch(self, epoch: int) -> None:
+        self.flush()
+        self._tail = len(self._pending)
         self.data_epoch = epoch
 
     def epoch_tail(self) -> int:
-        """How many of the ready examples are of the ended epoch (to be batched apart)."""
         return self._tail
 
-    def ready(self) -> int:
-        return len(self._ready)
-
-    def take(self) -> dict:
-        if not self._ready:
-            raise IndexError("LlamaFactoryProcessor.take: no finished example; feed more samples (check ready())")
+    def take(self, with_key_tokens: bool = False) -> dict:
+        example = super().take()
         self._tail = max(0, self._tail - 1)
-        return self._ready.popleft()
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+        return example
 
     def fingerprint(self) -> dict[str, Any]:
-        return dict(self._fingerprint)
+        return {**self._fingerprint, "held_out": self._held_out} if self._held_out else dict(self._fingerprint)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         pending = json.dumps([[key, row] for key, row in self._rows], default=_bytes_out).encode()
-        ready = json.dumps(list(self._ready), default=_bytes_out).encode()
+        ready = json.dumps(list(self._pending), default=_bytes_out).encode()
         return {"tensors": {"pending_rows": np.frombuffer(pending, dtype=np.uint8).copy(),
                             "ready_examples": np.frombuffer(ready, dtype=np.uint8).copy()},
-                "meta": {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "stats": self.stats(),
+                "meta": {"version": STATE_VERSION, "fingerprint": dict(self._fingerprint), "stats": self.stats(),
                          "data_epoch": self.data_epoch, "epoch_tail": self._tail}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a ``state()``: StreamMismatchError when it was made with another template, tokenizer, stage,
         data argument or dataset_info entry; SidecarError when it is malformed."""
-        tensors, meta = checked_state(state, STATE_VERSION, self.fingerprint())
+        tensors, meta = checked_state(state, STATE_VERSION, self._fingerprint)
         try:
             pending = _bytes_in(parse_json(np.asarray(tensors["pending_rows"], dtype=np.uint8).tobytes()))
             ready = _bytes_in(parse_json(np.asarray(tensors["ready_examples"], dtype=np.uint8).tobytes()))
-            stats = {k: int(meta["stats"][k]) for k in ("rows", "examples", "dropped")}
-            stats.update({k: int(meta["stats"].get(k, 0)) for k in ("skipped_image", "skipped_mismatch")})
+            stats = saved_stats(meta, STAT_KEYS, _LATER_STATS)
             # states saved before epochs bounded the chunks have neither (the loader then asks the stream)
             data_epoch, tail = meta.get("data_epoch"), meta.get("epoch_tail", 0)
             ok = (isinstance(pending, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
@@ -282,6 +272,6 @@ class LlamaFactoryProcessor:
                                "epoch_tail")
         self._reset()
         self._rows = [(key, row) for key, row in pending]
-        self._ready.extend(ready)
+        self._pending.extend(ready)
         self._stats = stats
         self.data_epoch, self._tail = data_epoch, tail

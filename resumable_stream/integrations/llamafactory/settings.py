@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ...config.stream_config import StreamConfig
 from ...config.yaml_files import load_text, read_config_text
 from ...errors import ConfigError, shown
 from ...observe.monitoring import MONITOR_KEYS, MonitorSettings
@@ -22,7 +23,7 @@ SECTION = "resumable_stream"
 # data keys of ours that may be set in the section (the stream's; the dataset comes from dataset_info.json)
 STREAM_KEYS = ("shuffle", "buffer_size", "shuffle_seed", "interleave_shards", "block_rows", "cache_dir",
                "cache_size_limit_gb", "retries", "retry_backoff_s", "timeout_s", "retry_budget_s",
-               "num_partitions", "elastic", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
+               "num_partitions", "elastic", "elastic_determinism", "index_path", "verify_files", "prefetch_blocks", "prefetch_memory_mb",
                "storage_options", "resume_state_path")
 # mixture_change: allow lets a resume change interleave_probs or the datasets of a mixture (data.mixture_change)
 MIXTURE_KEYS = ("mixture_change",)
@@ -35,6 +36,7 @@ OWN_KEYS = ("consumed_log", *MIXTURE_KEYS, *MONITOR_KEYS, *MEDIA_KEYS)
 def read(config: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(LLaMA-Factory's arguments, our section) of ``config`` with ``key=value`` overrides merged as
     ``llamafactory-cli`` merges them (OmegaConf: the yaml, then the dotlist)."""
+    # omegaconf comes with llamafactory (an optional extra): imported when used
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -95,8 +97,6 @@ def monitor_settings(ours: dict[str, Any]) -> MonitorSettings:
 
 def _check_stream_keys(ours: dict[str, Any]) -> None:
     """Our data keys checked now, before LLaMA-Factory loads anything (errors name ``resumable_stream.KEY``)."""
-    from ...config.stream_config import StreamConfig
-
     keys = {k: v for k, v in ours.items() if k in STREAM_KEYS}
     try:
         StreamConfig(dataset_name_or_path="org/dataset", **keys)

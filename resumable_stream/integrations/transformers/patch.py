@@ -39,7 +39,7 @@ import torch.utils.data
 
 from ...config.trainer import check_data_arguments
 from ...errors import ConfigError
-from ...loader import StreamLoader, shard_row_key
+from ...loader import StreamLoader, check_step_shape, shard_row_key
 from ...observe.monitoring import MonitorSettings
 from ...runtime.output_lock import output_dir_lock
 from ...state.output_dir import check_complete, resume_latest
@@ -49,6 +49,10 @@ from .data_metrics import DataMetricsLog
 from .source_loss import SourceLoss
 
 _PATCHED = "_resumable_stream_patched"
+# how the data.elastic_determinism errors name the Trainer's keys
+TRAINING_ARGUMENT_KEYS = {"accumulation": "TrainingArguments.gradient_accumulation_steps",
+                          "batch": "TrainingArguments.per_device_train_batch_size",
+                          "workers": "TrainingArguments.dataloader_num_workers"}
 logger = logging.getLogger(__name__)
 
 
@@ -187,6 +191,10 @@ def _get_train_dataloader(original):
         source = getattr(self, "_rs_resume_checkpoint", None) or ts.resume_state_path
         if source:
             loader.load_sidecar(source)
+        # data.elastic_determinism: a step takes a micro-batch of every partition (after the load: a null
+        # num_partitions is the checkpoint's)
+        check_step_shape(loader.stream, args.gradient_accumulation_steps, self._train_batch_size,
+                         TRAINING_ARGUMENT_KEYS)
         _LOADERS[self] = loader
         config = getattr(ts.stream, "config", None)
         context = {"workers": args.dataloader_num_workers, "cache_dir": getattr(config, "cache_dir", None),
