@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ..config.specs import DataSpec, NetPolicy
@@ -210,6 +210,61 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     return options
 
 
+class _LaterOptions(Mapping):
+    """fsspec storage options ({protocol: kwargs}) made by ``make`` when first read (by any thread, once)."""
+
+    def __init__(self, make: Callable[[], dict]):
+        self._make: Callable[[], dict] | None = make
+        self._made: dict | None = None
+        self._lock = threading.Lock()
+
+    def _options(self) -> dict:
+        if self._made is None:
+            with self._lock:
+                if self._made is None:
+                    self._made, self._make = self._make(), None
+        return self._made
+
+    def __getitem__(self, key: str):
+        return self._options()[key]
+
+    def __iter__(self):
+        return iter(self._options())
+
+    def __len__(self) -> int:
+        return len(self._options())
+
+    def __repr__(self) -> str:
+        return repr(self._options())
+
+    def __reduce__(self):
+        return dict, (dict(self._options()),)      # a plain dict in another process
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return copy.deepcopy(self._options(), memo)
+
+
+_HTTP_STACK: list[threading.Thread] = []
+
+
+def import_http_stack_ahead() -> None:
+    """Import fsspec's HTTP filesystem and aiohttp on a daemon thread, once per process: what reading http(s)
+    data with fsspec needs (0.2-1 s), while the first requests go out (their answers are waited for meanwhile)."""
+    if _HTTP_STACK:
+        return
+
+    def load() -> None:
+        try:
+            import aiohttp  # noqa: F401
+            import fsspec.implementations.http  # noqa: F401
+        except Exception:       # noqa: BLE001 - imported again (and its error raised) where it is needed
+            pass
+
+    thread = threading.Thread(target=load, name="rs-import-http", daemon=True)
+    _HTTP_STACK.append(thread)
+    thread.start()
+
+
 def _data_protocols(data: DataSpec) -> list[str]:
     """The protocols of the data's remote paths (s3, gs, hf, http, ...), in order of appearance."""
     paths = [data.dataset_name_or_path, *flat_files(data.data_files)]
@@ -264,7 +319,8 @@ def _status_of(e: BaseException) -> int | None:
 
 
 def _network_error_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [OSError, TimeoutError]   # ConnectionError, requests' errors, ...
+    # ConnectionError, requests' errors, ...; http.client's cut bodies (IncompleteRead: io/ranged.read_tail)
+    types: list[type[BaseException]] = [OSError, TimeoutError, http.client.HTTPException]
     # huggingface_hub 2.x sends its requests with httpx2, 1.x (beside LLaMA-Factory 0.9.5) with httpx
     for module, name in (("aiohttp", "ClientError"), ("httpx", "TransportError"), ("httpx2", "TransportError")):
         try:
@@ -363,11 +419,20 @@ class RetryPolicy:
         self.requests = request_budget.RequestBudget(net.max_requests_per_s, float(net.rate_limit_wait_s))
         if remote:
             request_budget.register(self.requests)
-        self.storage_options = (_storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES),
-                                                 self.backoff_s) if remote else {})
-        if remote and net.storage_options:
-            self.storage_options = with_user_options(self.storage_options, net.storage_options,
-                                                     _data_protocols(data) if data is not None else [])
+        # the http(s) options are ours alone (no user headers, auth, ...): a read may go without aiohttp
+        self.own_http_options = not net.storage_options
+        self.storage_options: Mapping = {}
+        if remote:
+            # made when first read: their aiohttp objects need aiohttp (0.2-1 s to import), imported meanwhile
+            # on a thread (a first sample's requests need not wait for it: io/ranged.read_tail)
+            protocols = _data_protocols(data) if data is not None else []
+            if any(p in ("http", "https") for p in protocols):
+                import_http_stack_ahead()
+            user = net.storage_options
+            retries, backoff = min(self.retries, HTTP_REQUEST_RETRIES), self.backoff_s
+            self.storage_options = _LaterOptions(lambda: with_user_options(
+                _storage_options(self.timeout_s, retries, backoff), user, protocols) if user else
+                _storage_options(self.timeout_s, retries, backoff))
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

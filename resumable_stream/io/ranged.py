@@ -22,10 +22,13 @@ An answer of another object than the recorded one is :class:`ObjectChanged` (a
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
 import os
 import re
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 from ..errors import SourceError, StreamMismatchError
@@ -132,6 +135,13 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
         return b""
     if "://" not in path or path.startswith("file://"):
         return _timed_read(path, start, end, storage_options, identity, remote=False)
+    return _under_budget(path, f"bytes {start}-{end - 1}",
+                         lambda: _timed_read(path, start, end, storage_options, identity, remote=True))
+
+
+def _under_budget(path: str, what: str, request):
+    """``request()`` (one request to ``path``'s store) in its turn under the job's request budget, made again
+    after a rate-limit answer's pause (read_range)."""
     waited = 0.0
     # a Hub file's reads go to its signed CDN URL once resolved: only its resolver requests are paced (io/hub.py)
     paced = not path.startswith("hf://")
@@ -139,7 +149,7 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
         request_budget.acquire(path, paced=paced)
         before = request_budget.paced_requests()
         try:
-            data = _timed_read(path, start, end, storage_options, identity, remote=True)
+            data = request()
         except Exception as e:
             limit = request_budget.rate_limit_of(e)
             if limit is None:
@@ -148,7 +158,7 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
             most = request_budget.max_wait_s(path)
             if waited + pause > most:
                 raise SourceError(
-                    f"data file {path!r}: bytes {start}-{end - 1}: the store answered that it is asked too often "
+                    f"data file {path!r}: {what}: the store answered that it is asked too often "
                     f"({limit.answer}) and asks to wait {pause:.0f} s more after {waited:.0f} s of such waits, past "
                     f"data.rate_limit_wait_s ({most:g}); the job reads under {request_budget.describe(path)}: lower "
                     "data.max_requests_per_s (another job may be using the same token or bucket), or raise "
@@ -174,6 +184,89 @@ def _timed_read(path: str, start: int, end: int, storage_options: dict, identity
         _CLOCK.seconds = request_seconds() + took
         if remote:       # what a slow or failing link looks like: requests, bytes, response times
             record_request(took, nbytes, ok)
+
+
+def read_tail(path: str, nbytes: int, timeout_s: float) -> tuple[dict, bytes] | None:
+    """The last ``nbytes`` of an http(s) file and its identity (size, ETag, Last-Modified: what a HEAD gives,
+    ``sources/resolve.file_identity``) from one GET of a suffix range, whose Content-Range names the file's size: a
+    file's identity and its footer in one round trip instead of two. Sent with the standard library's http.client
+    (fsspec's aiohttp is not needed for it, nor imported: ``io/net.import_http_stack_ahead``), under the request
+    budget. None where one such request cannot tell both (a redirect, a server that ignores the range, an empty
+    file, credentials in the URL): the caller asks the way it did."""
+    split = urllib.parse.urlsplit(path)
+    if split.scheme not in ("http", "https") or split.username or split.password or nbytes <= 0:
+        return None
+    keep_last_modified = _fsspec_reports_last_modified()
+    if keep_last_modified is None:
+        return None
+
+    def request() -> tuple[dict, bytes] | None:
+        t0, ok, got = time.monotonic(), False, 0
+        try:
+            out = _tail_http(path, split, nbytes, timeout_s, keep_last_modified)
+            ok, got = True, len(out[1]) if out else 0
+            return out
+        finally:
+            took = time.monotonic() - t0
+            _CLOCK.seconds = request_seconds() + took
+            record_request(took, got, ok)
+
+    return _under_budget(path, f"its last {nbytes} bytes", request)
+
+
+@functools.cache
+def _fsspec_reports_last_modified() -> bool | None:
+    """Whether fsspec's HTTP ``info()`` reports Last-Modified (filesystem_spec#1909; 2025.3.0, beside
+    LLaMA-Factory 0.9.5, does not), so that read_tail's identity holds the keys ``file_identity``'s HEAD gives
+    (a resume compares them). Read from its source, not imported: that import is the aiohttp stack read_tail
+    does without. None when it cannot be told (read_tail then leaves the file to fsspec)."""
+    try:
+        spec = importlib.util.find_spec("fsspec")
+        where = spec.submodule_search_locations if spec is not None else None
+        if not where:
+            return None
+        with open(os.path.join(list(where)[0], "implementations", "http.py"), encoding="utf-8") as f:
+            return '"Last-Modified"' in f.read()
+    except (OSError, ImportError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _tail_http(path: str, split, nbytes: int, timeout_s: float,
+               keep_last_modified: bool) -> tuple[dict, bytes] | None:
+    import http.client
+    import urllib.error
+
+    kind = http.client.HTTPSConnection if split.scheme == "https" else http.client.HTTPConnection
+    conn = kind(split.hostname, split.port, timeout=timeout_s)
+    try:
+        target = (split.path or "/") + (f"?{split.query}" if split.query else "")
+        conn.request("GET", target, headers={"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"})
+        r = conn.getresponse()
+        if r.status == 404:
+            raise FileNotFoundError(path)
+        if r.status != 206:
+            if r.status < 400 or r.status == 416:     # a redirect, the whole file, an empty file: asked as before
+                return None
+            raise urllib.error.HTTPError(path, r.status, r.reason, r.headers, None)
+        if r.getheader("Content-Encoding", "identity").strip().lower() not in ("identity", ""):
+            return None                 # encoded bytes, not the file's: fsspec's HEAD would not trust the size
+        m = _CONTENT_RANGE.match(r.getheader("Content-Range") or "")
+        if m is None or m.group(3) == "*":
+            raise WrongBytes(f"the answer to a request for the last {nbytes} bytes has no valid Content-Range "
+                             f"({r.getheader('Content-Range')!r})")
+        first, last, size = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        if last != size - 1 or last - first + 1 != min(nbytes, size):
+            raise WrongBytes(f"asked for the last {nbytes} bytes, the answer holds bytes {first}-{last} of {size}")
+        data = r.read()
+        if len(data) != last - first + 1:
+            raise OSError(f"short read of {path!r}: {len(data)} of {last - first + 1} bytes at {first}")
+        identity: dict[str, Any] = {"path": path, "size": size}
+        for header, key in (("ETag", "etag"), ("Last-Modified", "last-modified")):
+            if r.getheader(header) and (key == "etag" or keep_last_modified):
+                identity[key] = r.getheader(header)
+        return identity, data
+    finally:
+        conn.close()
 
 
 def read_range_parallel(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None,

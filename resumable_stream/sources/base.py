@@ -232,6 +232,12 @@ class IndexedReader:
         metadata read that readers may reuse (checked against the entry when they do)."""
         raise NotImplementedError
 
+    def index_unknown(self, path: str, retry: RetryPolicy | None, footers: dict[str, bytes]) -> dict | None:
+        """``index_file`` of a file whose identity is not known yet, in fewer requests where the store allows it
+        (parquet over http(s): identity and footer from one suffix-range GET); None: the identity is asked first
+        (``file_identity``), then ``index_file``. By default None."""
+        return None
+
     def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
                        footers: dict[str, bytes] | None = None) -> dict:
         """``index_file`` for a growing dataset (``data.growth``): a file not complete yet (still being written)

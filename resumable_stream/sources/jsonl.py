@@ -32,8 +32,6 @@ import pyarrow as pa
 
 from ..config.specs import SourceSpec
 from ..errors import (
-    BAD_SAMPLE_COLUMN,
-    BAD_SAMPLE_OMIT_NULL,
     IncompleteFileError,
     ResumableStreamError,
     SourceError,
@@ -42,21 +40,16 @@ from ..errors import (
 from ..io.net import RetryPolicy
 from ..io.ranged import WrongBytes, read_range
 from ..observe.metrics import record_retry, record_row_group
-from . import jsonl_index
+from . import jsonl_index, jsonl_rows
 from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
 from .index import identity_of
 from .parquet import prefetch_depth
-from .parquet_local import cast_like_datasets
 from .parquet_rows import decoder_pool
 from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 64 << 10          # the bytes at each end of a local file re-read on resume (``head`` identity)
-
-
-def _marker_field() -> pa.Field:
-    return pa.field(BAD_SAMPLE_COLUMN, pa.string(), metadata=BAD_SAMPLE_OMIT_NULL)
 
 
 # ------------------------------------------------------------------------------ index
@@ -121,12 +114,6 @@ def _starts_an_array(head: bytes, compression: str) -> bool:
     except Exception:      # noqa: BLE001 - not even its start decompresses: the pass says why
         return False
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-
-
-def _json_builder():
-    from datasets.packaged_modules.json.json import Json
-
-    return Json
 
 
 class _FeaturesAhead:
@@ -194,7 +181,8 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
         _fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
     if text is not None:
         text.close()
-    good = [line for line in chunk.splitlines() if not jsonl_index.is_blank(line) and _line_problem(line) is None]
+    good = [line for line in chunk.splitlines()
+            if not jsonl_index.is_blank(line) and jsonl_rows.line_problem(line) is None]
     if not good:
         raise SourceError(f"data file {path!r}: no line of its first {first[0]} rows is a JSON object; the "
                           "features are inferred from them")
@@ -241,7 +229,7 @@ class _Inflate:
         self._shift = 8 - p[2] if p[2] else 0
         self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
         self._carry: int | None = None
-        self._d = zlib.decompressobj(-15, zdict=window) if window else zlib.decompressobj(-15)
+        self._d = jsonl_index.raw_inflater(window)
 
     def more(self, c_end: int) -> bytes:
         """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
@@ -262,14 +250,32 @@ class _Inflate:
                 data, self._carry = _shifted(data, self._shift, self._carry)
         try:
             out = self._d.decompress(data)
-        except zlib.error as e:
+        except jsonl_index.INFLATE_ERRORS as e:
             raise WrongBytes(f"the gzip data does not inflate ({e})") from None
         self.made += len(out)
         return out
 
 
+class _Compressed:
+    """The compressed bytes of a file from an offset on, as a file object for zstandard's stream reader: a read
+    fetches what it asks for, and at least up to ``hint`` (what the index says the next piece needs: one ranged
+    read, not one per INPUT_CHUNK)."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes], at: int, size: int):
+        self.fetch, self.at, self.size, self.hint = fetch, at, size, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self.at >= self.size:
+            return b""
+        end = min(self.size, max(self.at + max(n, 1), self.hint))
+        data = self.fetch(self.at, end)
+        self.at += len(data)
+        return data
+
+
 class _Text:
-    """The decompressed text of one file from an access point on, handed out piece by piece."""
+    """The decompressed text of one file from an access point on, handed out piece by piece (``upto``) or skipped
+    (``skip``: decompressed into a scratch buffer and dropped, never parsed)."""
 
     def __init__(self, entry: dict, point: int, fetch: Callable[[int, int], bytes]):
         self.entry, self.fetch = entry, fetch
@@ -278,48 +284,63 @@ class _Text:
             return
         p = entry["points"][point]
         self.u = p[0]
-        self._out = bytearray()
+        self._rest = b""                   # (gzip) text inflated past what was handed out
         if self.kind == "zstd":
             import zstandard
 
-            self._dctx = zstandard.ZstdDecompressor()
-            self._obj = self._dctx.decompressobj()
-            self._c = p[1]
+            self._source = _Compressed(fetch, p[1], entry["size"])
+            # its read_size: what each fetch past the index's hint asks for
+            self._reader = zstandard.ZstdDecompressor().stream_reader(
+                self._source, read_size=jsonl_index.INPUT_CHUNK, read_across_frames=True, closefd=False)
         else:
             self._inflate = _Inflate(entry, point, fetch)
 
     def close(self) -> None:
         """(Nothing is held but memory.)"""
 
-    def _more_zstd(self, u_end: int, c_end: int) -> bytes:
-        size = self.entry["size"]
-        if self._c >= size:
-            raise WrongBytes(f"the zstd data ends at text byte {self.u + len(self._out)}, the index says {u_end}")
-        end = min(size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
-        data = self.fetch(self._c, end)
-        self._c += len(data)
-        out = bytearray()
-        try:
-            while data:
-                out += self._obj.decompress(data)
-                if not self._obj.eof:
-                    break
-                data = self._obj.unused_data
-                self._obj = self._dctx.decompressobj()
-        except Exception as e:         # zstandard.ZstdError: bytes that are not the index's
-            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
-        return bytes(out)
+    def _zstd_into(self, out: memoryview, u_end: int, c_end: int) -> None:
+        """Fill ``out`` with the next text (exactly its length)."""
+        import zstandard
 
-    def upto(self, u_end: int, c_end: int) -> bytes:
+        self._source.hint = c_end
+        got = 0
+        try:
+            while got < len(out):
+                n = self._reader.readinto(out[got:])
+                if not n:
+                    raise WrongBytes(f"the zstd data ends at text byte {self.u + got}, the index says {u_end}")
+                got += n
+        except zstandard.ZstdError as e:       # bytes that are not the index's
+            raise WrongBytes(f"the zstd data does not decompress ({e})") from None
+
+    def upto(self, u_end: int, c_end: int) -> bytes | bytearray:
         """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
         bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not."""
-        while len(self._out) < u_end - self.u:
-            self._out += self._more_zstd(u_end, c_end) if self.kind == "zstd" else self._inflate.more(c_end)
         n = u_end - self.u
-        out = bytes(self._out[:n])
-        del self._out[:n]
+        if self.kind == "zstd":
+            out = bytearray(n)                 # decompressed into its place: no copy
+            self._zstd_into(memoryview(out), u_end, c_end)
+        else:
+            parts, have = ([self._rest] if self._rest else []), len(self._rest)
+            while have < n:
+                more = self._inflate.more(c_end)
+                parts.append(more)
+                have += len(more)
+            joined = parts[0] if len(parts) == 1 else b"".join(parts)
+            out, self._rest = (joined, b"") if have == n else (joined[:n], joined[n:])
         self.u = u_end
         return out
+
+    def skip(self, u_end: int, c_end: int) -> None:
+        """Go on to text byte ``u_end``, decompressing what comes before it and dropping it."""
+        if self.kind != "zstd":
+            self.upto(u_end, c_end)
+            return
+        scratch = memoryview(bytearray(min(u_end - self.u, 4 << 20)))
+        while self.u < u_end:
+            part = scratch[:min(len(scratch), u_end - self.u)]
+            self._zstd_into(part, u_end, c_end)
+            self.u += len(part)
 
 
 @dataclass
@@ -342,137 +363,6 @@ class _Reading:
         return self.table.num_rows if self.table is not None else 0
 
 
-# ------------------------------------------------------------------------------ rows
-class _Rows:
-    """Blocks of lines to tables in the dataset's features, as ``datasets``' json builder makes them."""
-
-    def __init__(self, features: dict):
-        self._features_dict = features
-        self._features = None
-        self._schema = None
-        self._json_paths: list | None = None
-
-    def __getstate__(self) -> dict:
-        return {"_features_dict": self._features_dict, "_features": None, "_schema": None, "_json_paths": None}
-
-    def _ready(self) -> None:
-        if self._features is None:
-            import datasets
-
-            self._features = datasets.Features.from_dict(self._features_dict)
-            self._schema = self._features.arrow_schema
-            try:
-                from datasets.utils.json import get_json_field_paths_from_feature
-            except ImportError:          # a datasets without JSON fields (before 5.x)
-                self._json_paths = []
-            else:
-                self._json_paths = list(get_json_field_paths_from_feature(self._features))
-
-    @property
-    def schema(self) -> pa.Schema:
-        self._ready()
-        return self._schema
-
-    def _encoded(self, block: bytes) -> bytes:
-        """The block with its JSON fields encoded as strings, as the builder does before parsing."""
-        from datasets.utils.json import json_encode_field, ujson_dumps, ujson_loads
-
-        examples = [ujson_loads(line) for line in block.splitlines() if not jsonl_index.is_blank(line)]
-        for path in self._json_paths:
-            examples = [json_encode_field(example, path) for example in examples]
-        return "\n".join(ujson_dumps(example) for example in examples).encode()
-
-    def parse(self, block: bytes) -> pa.Table:
-        """``block`` (whole lines) as a table in the features; raises on anything the builder would refuse."""
-        import pyarrow.json as paj
-
-        self._ready()
-        if self._json_paths:
-            block = self._encoded(block)
-        table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(
-            use_threads=False, block_size=max(len(block) + 1, 1 << 16)))
-        cast = cast_like_datasets(table, self._schema)
-        if cast is not None:
-            return cast
-        return self._cast(table)
-
-    def _cast(self, table: pa.Table) -> pa.Table:
-        """The builder's own ``_cast_table`` (missing columns added, structs to strings where the features say
-        string, then ``table_cast``)."""
-        shim = _BuilderShim(self._features)
-        return _json_builder()._cast_table(shim, table)
-
-    def table(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
-        """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
-        that does not parse whole is parsed row by row, each row that fails a bad sample (``where(i)``: row
-        ``i`` of the block, named for the reason)."""
-        self._ready()
-        block = text[lo:] if lo else text
-        try:
-            table = self.parse(block)
-            if table.num_rows == rows:
-                return table.append_column(_marker_field(), pa.nulls(rows, pa.string()))
-        except Exception:   # noqa: BLE001 - parsed again row by row below, each failure named
-            pass
-        return self._row_by_row(text, lo, rows, where)
-
-    def _row_by_row(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
-        spans = jsonl_index.row_spans(text, lo)
-        if len(spans) != rows:
-            raise WrongBytes(f"{len(spans)} rows where the index says {rows}")
-        good, reasons = [], []
-        for a, b in spans:
-            line = text[a:b]
-            why = _line_problem(line)
-            if why is None:
-                try:
-                    good.append(self.parse(line))
-                except Exception as e:   # noqa: BLE001 - a value the features cannot take: a bad sample
-                    why = f"does not fit the dataset's features ({type(e).__name__}: {str(e)[:200]})"
-            reasons.append(why)
-        schema = self._schema
-        bad_rows = [i for i, why in enumerate(reasons) if why is not None]
-        for i in bad_rows:
-            reasons[i] = _bad(where(i), reasons[i])
-        nulls = pa.table({f.name: pa.nulls(len(bad_rows), f.type) for f in schema}, schema=schema)
-        joined = pa.concat_tables([*good, nulls]) if good else nulls
-        order, g, b = [], 0, len(good)
-        for why in reasons:
-            if why is None:
-                order.append(g)
-                g += 1
-            else:
-                order.append(b)
-                b += 1
-        out = joined.take(pa.array(order, pa.int64()))
-        return out.append_column(_marker_field(), pa.array(reasons, pa.string()))
-
-
-class _BuilderShim:
-    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
-
-    def __init__(self, features):
-        self.info = type("Info", (), {"features": features})()
-        self.config = type("Config", (), {"features": features})()
-
-
-def _line_problem(line: bytes) -> str | None:
-    """Why a row's line is not one JSON object (None: it is)."""
-    try:
-        value = json.loads(line.lstrip(b"\xef\xbb\xbf"))
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"is not JSON ({type(e).__name__}: {str(e)[:200]})"
-    if not isinstance(value, dict):
-        return f"is a JSON {type(value).__name__}, not an object"
-    return None
-
-
-def _bad(where: str, why: str) -> str:
-    reason = f"{where}: {why}"
-    log.warning("%s; a bad sample, its columns are None", reason)
-    return reason
-
-
 # ------------------------------------------------------------------------------ the source
 class JsonLinesSource(FetchesAhead):
     """Indexed JSON-lines files: one shard per run of pieces read from one access point (picklable)."""
@@ -484,7 +374,10 @@ class JsonLinesSource(FetchesAhead):
         self._files = index["files"]
         self._retry = retry if retry.remote else None
         self._options = retry.storage_options
-        self._rows = _Rows(index["features"])
+        self._rows = jsonl_rows.Blocks(index["features"])
+        # features the lines way makes (jsonl_rows): a piece is handed on as its lines, parsed as they are used
+        self._features_json = json.dumps(index["features"], separators=(",", ":")).encode()
+        self._lines = jsonl_rows.Conformer(index["features"]).fast
         runs = []                       # (file, first piece, end piece, rows before each piece in the shard)
         for f, entry in enumerate(self._files):
             pieces = entry["pieces"]
@@ -579,7 +472,7 @@ class JsonLinesSource(FetchesAhead):
                 text = _Text(entry, entry["pieces"][a][4], self._fetch(path, entry))
                 if piece > a:          # decompress and skip the pieces before the row's: nothing of them parsed
                     prev = entry["pieces"][piece - 1]
-                    text.upto(entry["pieces"][piece][1], prev[5])
+                    text.skip(entry["pieces"][piece][1], prev[5])
             reading = _Reading(shard, piece, text)
             reading.table = self._piece_table(entry, reading, inside)
             reading.first_row = first_row
@@ -608,7 +501,7 @@ class JsonLinesSource(FetchesAhead):
             text = reading.text.upto(end, cend)
             if reading.text.u - len(text) != start:    # text of the piece starts at its first row
                 text = text[start - (reading.text.u - len(text)):]
-        if zlib.crc32(text) != crc:
+        if jsonl_index.crc32(text) != crc:
             raise WrongBytes(f"the text of rows {rows} at bytes {start}-{end} does not match the index's CRC-32")
         lo = jsonl_index.skip_rows(text, 0, inside) if inside else 0
         piece = reading.piece
@@ -618,7 +511,13 @@ class JsonLinesSource(FetchesAhead):
         def where(i: int) -> str:
             return f"data file {path!r}: row {row0 + i} (line of bytes from {start + lo}.. of the text)"
 
-        table = self._rows.table(text, lo, rows - inside, where)
+        offsets = jsonl_rows.row_starts(text, lo, rows - inside) if self._lines else None
+        if offsets is not None:
+            table = jsonl_rows.lines_table(text, offsets, path, row0, self._features_json)
+        elif self._lines:
+            raise WrongBytes(f"the text of bytes {start}-{end} does not hold the {rows} rows the index says")
+        else:
+            table = self._rows.table(text, lo, rows - inside, where)
         reading.piece += 1
         return table
 

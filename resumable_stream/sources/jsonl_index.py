@@ -48,6 +48,25 @@ _BLANK = b" \t\r\n"
 _WHITE_AFTER_NEWLINE = re.compile(rb"\n[\n \t\r]")      # where a blank line may start (memchr-fast)
 
 
+# CRC-32 and raw inflate by ISA-L (python-isal) where it is installed: the same values as zlib's, ~10x / ~1.5-3x
+# faster (a piece's text is checked before it is parsed; .gz text inflated as it is read)
+try:
+    from isal.isal_zlib import crc32
+    from isal.isal_zlib import decompressobj as _isal_decompressobj
+    from isal.isal_zlib import error as _isal_error
+except ImportError:             # (zlib's)
+    from zlib import crc32
+
+    _isal_decompressobj, _isal_error = None, zlib.error
+INFLATE_ERRORS = (zlib.error, _isal_error)
+
+
+def raw_inflater(window: bytes = b""):
+    """A decompressor of raw deflate data (no header) whose 32 KiB of text before it is ``window``."""
+    make = _isal_decompressobj or zlib.decompressobj
+    return make(-15, zdict=window) if window else make(-15)
+
+
 def compression_of(path: str) -> str | None:
     """``none`` / ``gzip`` / ``zstd`` by the file's name; None: another compression (not read by us)."""
     low = path.lower().split("?", 1)[0]
@@ -167,7 +186,7 @@ class _Cutter:
             if not chunk:
                 return
         self._rows += count_rows(chunk)
-        self._crc = zlib.crc32(chunk, self._crc)
+        self._crc = crc32(chunk, self._crc)
         self._pos = hi
 
     def _close(self) -> None:

@@ -380,7 +380,12 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
     kept = FooterCache(spec.read.footer_dir) if spec.read.footer_dir else None
 
     def entry(f: str) -> dict | None:
-        identity = known.get(f) or file_identity(f, retry)
+        identity = known.get(f)
+        if identity is None and not growing and kept is None:
+            both = reader.index_unknown(f, retry, read)      # identity and entry in one request, where it can
+            if both is not None:
+                return both
+        identity = identity or file_identity(f, retry)
         # a remote file's footer kept by the block cache under the identity it has now (a rewritten file has
         # another): not read again (the block cache keeps what was read, cache/cached_source.py)
         cached = kept.get(identity) if kept is not None else None

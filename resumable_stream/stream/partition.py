@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from ..plan import Layout, window_permutation
 from ..runtime.arrow_pool import rows_pool
+from ..sources.table_rows import ITEM_ROW_BITS, is_items, item_maker, table_rows
 from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
 
 MAX_EMPTY_EPOCHS = 16
@@ -90,6 +91,8 @@ class Window:
     next_start: Cursor           # the cursor at the start of the following window
     _rest: Callable[[], tuple[list[dict], Callable | None]] | None = field(default=None, repr=False)
     _key_tuples: list | None = field(default=None, repr=False)
+    # rows that are items (a JSON-lines source's lines) made into a row as each is handed out (None: rows are rows)
+    make: Callable[[Any], dict] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -109,7 +112,8 @@ class Window:
         return self.rows
 
     def sample(self, i: int) -> dict:
-        return self.made_past(i)[i]
+        row = self.made_past(i)[i]
+        return row if self.make is None else self.make(row)
 
 
 def _indices(positions: np.ndarray) -> pa.Array:
@@ -147,7 +151,7 @@ def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]
 
 
 def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm: np.ndarray | None, skip: int,
-                 have: int) -> tuple[list, Callable | None]:
+                 have: int) -> tuple[list, Callable | None, Callable | None]:
     """The rows of a window of ``have`` rows (row ``i`` in file order is row ``within[i]`` of ``takes[owner[i]]``;
     ``perm`` the order they are handed out in, None: file order) of which ``skip`` were consumed before a resume:
     None for those (no Python objects made), then a first part, and a function making the next part (None:
@@ -156,9 +160,10 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     read already) holds, up to the first that needs another. The second part ends FIRST_ROWS rows in, the third
     is the rest of the window. The rows are made in the order they are handed out: made in file order and
     permuted as Python objects, they are touched in random memory order by the consumer, which costs more than
-    the Arrow take saves."""
+    the Arrow take saves. The third value: the function making a row of each item of ``rows`` as it is handed out,
+    where the takes hand on items (``_item_maker``), else None."""
     if skip >= have:
-        return [None] * have, None
+        return [None] * have, None, None
     for t in takes:
         if t.tables is not None:       # read as the window was cut (a shard of unknown length)
             t.read()
@@ -168,6 +173,8 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
 
     def made(lo: int, hi: int) -> list[dict]:
         pos = positions(lo, hi)
+        if make is not None:        # items: (take << ITEM_ROW_BITS) | row in it (_item_maker)
+            return ((owner[pos] << ITEM_ROW_BITS) | within[pos]).tolist()
         ready = [t for t in takes if t.table is not None]
         offset = np.zeros(len(takes), dtype=np.int64)
         at = 0
@@ -175,7 +182,7 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
             offset[t.index] = at
             at += t.table.num_rows
         idx = offset[owner[pos]] + within[pos]
-        if perm is not None and all(t.large() for t in ready):
+        if _per_take(ready, perm):
             return _gathered(ready, idx)
         table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:
@@ -184,13 +191,26 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
             part = pc.take(table, _indices(idx), memory_pool=rows_pool())
         return _rows_of(part, hi - lo)
 
-    takes[int(owner[positions(skip, skip + 1)[0]])].read()
+    first = takes[int(owner[positions(skip, skip + 1)[0]])]
+    first.read()
+    make = _item_maker(takes, first.table.schema)
+    if make is not None and have >= 1 << ITEM_ROW_BITS:
+        make = None                 # (a window of 4 billion rows: made the plain way)
     limit = min(have, skip + FIRST_ROWS)
     read = np.array([t.table is not None for t in takes])
     waits = np.nonzero(~read[owner[positions(skip, limit)]])[0]
     cut = skip + (int(waits[0]) if len(waits) else limit - skip)
 
-    return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have))
+    return [None] * skip + made(skip, cut), (None if cut == have else _Part(takes, made, cut, limit, have)), make
+
+
+def _item_maker(takes: list[_Take], schema: pa.Schema) -> Callable[[Any], dict] | None:
+    """Where a window's takes hand on items made into rows one by one as they are handed out (a JSON-lines source's
+    lines): the function making the row of item ``(take << ITEM_ROW_BITS) | row`` (the take read if it was not
+    yet); else None."""
+    if not is_items(schema):
+        return None
+    return item_maker(schema, len(takes), lambda k: takes[k].read())
 
 
 def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
@@ -202,7 +222,19 @@ def _gathered(ready: list[_Take], idx: np.ndarray) -> list[dict]:
 
 
 def _rows_of(part: pa.Table, n: int) -> list[dict]:
+    made = table_rows(part)         # a source's table that is not its rows' columns (JSON lines: the lines)
+    if made is not None:
+        return made
     return _rows_from(part.column_names, part.schema, None, n, part)
+
+
+def _per_take(ready: list[_Take], perm: np.ndarray | None) -> bool:
+    """Whether a part of a window is made of each take's rows picked (``_gathered``) rather than of an Arrow take
+    of their concatenation: large rows permuted, or tables of another kind among them (rows made from items: they
+    do not concatenate with tables of the rows' columns)."""
+    if perm is not None and all(t.large() for t in ready):
+        return True
+    return len({is_items(t.table.schema) for t in ready}) > 1
 
 
 def _rows_from(names: list[str], schema: pa.Schema, columns: list[list] | None, n: int,
@@ -464,7 +496,7 @@ class PartitionReader:
         self._offset = start
         self._live, self._live_rows = it, rows
         self.progress = Progress(self._start, start, rows, it, self._rows_in(self._start.epoch))
-        return it
+        return it if win.make is None else map(win.make, it)
 
     def set_cursor(self, cursor: Cursor) -> None:
         self.close()
@@ -638,7 +670,7 @@ class PartitionReader:
             slot = order[int(owner[perm[skip] if perm is not None else skip])].slot if skip < have else None
             first = [slot.shard] if slot is not None and slot.unread else []
             self.source.prefetch(self.partition, first + ahead, starts=starts)
-        rows, rest = _window_rows(order, owner, within, perm, skip, have)
+        rows, rest, make = _window_rows(order, owner, within, perm, skip, have)
         for shard in live.values():     # open shards this window did not continue: stop reading them now
             if all(shard is not s for s in slots) and (id(shard) not in takes or takes[id(shard)].table is not None):
                 shard.close()
@@ -653,8 +685,9 @@ class PartitionReader:
         )
         if exhausted:
             after = replace(after, offset=0).next_epoch()
-        names = next((t.table.column_names for t in order if t.table is not None), self.source.column_names or [])
-        return Window(list(names), rows, keys, after, rest)
+        names = next((t.table.column_names for t in order if t.table is not None), self.source.column_names or []) \
+            if make is None else self.source.column_names or []
+        return Window(list(names), rows, keys, after, rest, make=make)
 
 
 def _piece_rows(pieces: list) -> np.ndarray:

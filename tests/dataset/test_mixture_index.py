@@ -113,7 +113,7 @@ def test_a_checkpoint_without_source_indexes_still_resumes(two_sites, tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     two_sites.reset_stats()
     resumed = MixtureStream(cfg.replace(resume_state_path=str(tmp_path / "state")))
-    assert _count(two_sites.requests) == {("HEAD", "whole"): 7, ("GET", "ranged"): 7}   # resolved: footers read
+    assert _count(two_sites.requests) == {("GET", "ranged"): 7}   # resolved: identity and footer, one GET each
     assert _samples(resumed, 40) == expected
 
 
@@ -211,7 +211,7 @@ _RANK_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchrun_four_ranks_open_a_two_source_mixture_with_two_requests_per_file(tmp_path):
+def test_torchrun_four_ranks_open_a_two_source_mixture_with_one_request_per_file(tmp_path):
     """4 ranks, 2 sources of 24 remote files: rank 0 resolves and indexes each source (a HEAD and a footer
     read per file), the others get the indexes over gloo: O(files) requests, not O(ranks x files). A
     restart from the checkpoint the job saved makes no resolution request and continues rank 0 exactly;
@@ -237,8 +237,9 @@ def test_torchrun_four_ranks_open_a_two_source_mixture_with_two_requests_per_fil
         marker = next(i for i, r in enumerate(srv.requests) if r.path == "/opened")
         opening = srv.requests[:marker]
         files = 2 * per_source
-        assert _count(opening) == {("HEAD", "whole"): files, ("GET", "ranged"): files}, _count(opening)
-        assert sorted(r.path for r in opening if r.method == "HEAD") == sorted(
+        # each file's identity and footer in one GET of its last bytes (a suffix range)
+        assert _count(opening) == {("GET", "ranged"): files}, _count(opening)
+        assert sorted(r.path for r in opening if (r.range or "").startswith("bytes=-")) == sorted(
             f"/{label}/part-{i:05d}.parquet" for label in urls for i in range(per_source))
 
         cfg = StreamConfig.from_dict(section)

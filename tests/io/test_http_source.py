@@ -410,3 +410,69 @@ def test_file_vanishing_while_streaming_raises_source_error(fresh_site, fmt):
         assert any(url in str(e) for url in site.urls)
         return
     pytest.fail("no SourceError")
+
+
+# ---------------------------------------------------------------------------- a file's identity and footer
+def _suffix_get(rec) -> bool:
+    return rec.method == "GET" and (rec.range or "").startswith("bytes=-")
+
+
+def test_parquet_identity_and_footer_come_in_one_request_per_file(fresh_site):
+    """A cold start over http(s) asks each file once for its tail (a suffix range, whose Content-Range names
+    the size): no HEAD before it. The identity it records is the one a HEAD gives, so a resume (which asks by
+    HEAD) agrees with it."""
+    from resumable_stream.sources.resolve import file_identity
+
+    site = fresh_site("parquet")
+    stream = ResumableStream(site.config(), rank=0, world_size=1)
+    opened = list(site.srv.requests)
+    assert [r.method for r in opened].count("HEAD") == 0
+    assert sum(_suffix_get(r) for r in opened) == PARQUET_FILES
+    assert sorted(r.path for r in opened if _suffix_get(r)) == sorted("/" + os.path.basename(p) for p in site.paths)
+    recorded = identities(stream.fingerprint()["dataset"]["files"])
+    assert [{k: v for k, v in f.items() if k != "footer"} for f in recorded] == [file_identity(u) for u in site.urls]
+    stream.set_epoch(0)
+    assert sorted(row["id"] for row in stream) == list(range(PARQUET_ROWS))
+
+
+def test_server_ignoring_the_suffix_range_is_asked_by_head(fresh_site):
+    """A server that answers the suffix range with something else than 206 (the whole file, a redirect): the
+    file is asked as before (HEAD, then ranged reads), and every row comes once."""
+    site = fresh_site("parquet")
+    site.srv.faults.append(lambda rec: 200 if _suffix_get(rec) else None)
+    stream = ResumableStream(site.config(), rank=0, world_size=1)
+    methods = [r.method for r in site.srv.requests]
+    assert methods.count("HEAD") == PARQUET_FILES
+    stream.set_epoch(0)
+    assert sorted(row["id"] for row in stream) == list(range(PARQUET_ROWS))
+
+
+def test_user_http_options_go_through_fsspec(fresh_site):
+    """With the user's own storage_options (headers, auth, ...) every request goes through fsspec with them:
+    the identity is asked by HEAD."""
+    site = fresh_site("parquet")
+    stream = ResumableStream(site.config(storage_options={"https": {"headers": {"X-Test": "1"}}}),
+                             rank=0, world_size=1)
+    assert [r.method for r in site.srv.requests].count("HEAD") == PARQUET_FILES
+    stream.set_epoch(0)
+    assert sorted(row["id"] for row in stream) == list(range(PARQUET_ROWS))
+
+
+def test_read_tail_gives_the_heads_identity_and_the_last_bytes(fresh_site, monkeypatch):
+    from resumable_stream.io import ranged
+
+    site = fresh_site("parquet")
+    with open(site.paths[0], "rb") as f:
+        data = f.read()
+    st = os.stat(site.paths[0])
+    identity, tail = ranged.read_tail(site.urls[0], 100, 5.0)
+    assert tail == data[-100:]
+    assert identity["size"] == len(data) and identity["etag"] == file_etag(st)
+    assert ranged.read_tail(site.urls[0], 10 * len(data), 5.0)[1] == data      # more than the file: all of it
+    with pytest.raises(FileNotFoundError):
+        ranged.read_tail(site.srv.url("gone.parquet"), 100, 5.0)
+    # an fsspec whose HEAD does not report Last-Modified (2025.3.0): nor does the identity read here
+    monkeypatch.setattr(ranged, "_fsspec_reports_last_modified", lambda: False)
+    assert "last-modified" not in ranged.read_tail(site.urls[0], 100, 5.0)[0]
+    monkeypatch.setattr(ranged, "_fsspec_reports_last_modified", lambda: None)   # cannot tell: asked by HEAD
+    assert ranged.read_tail(site.urls[0], 100, 5.0) is None

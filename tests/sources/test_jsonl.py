@@ -17,8 +17,9 @@ import zstandard
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import BAD_SAMPLE_COLUMN, SourceError, StreamMismatchError
-from resumable_stream.sources import jsonl, jsonl_index, open_source
+from resumable_stream.sources import jsonl, jsonl_index, jsonl_rows, open_source
 from resumable_stream.sources.index import decode_index, encode_index
+from resumable_stream.stream.partition import _rows_of
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("hub_offline")]
 
@@ -77,14 +78,19 @@ def _ours(files: list[str], **kw):
     src = open_source(StreamConfig(dataset_name_or_path="json", data_files=files, **kw).source_spec)
     assert type(src).__name__ == "JsonLinesSource"
     tables = [t for s in range(len(src.shards)) for t in src.read(s)]
-    rows = [r for t in tables for r in t.to_pylist()]
+    rows = [r for t in tables for r in _rows_of(t, t.num_rows)]
     return src, rows
 
 
 def _clean(rows: list[dict]) -> list[dict]:
-    for r in rows:
-        assert r.pop(BAD_SAMPLE_COLUMN) is None
+    assert all(BAD_SAMPLE_COLUMN not in r for r in rows)
     return rows
+
+
+def _dated(rows: list[dict]) -> list[dict]:
+    """The rows with a field of ISO dates (pyarrow's JSON reader makes it a timestamp column): features the
+    lines way does not make, so the blocks way (pyarrow + the builder's cast) makes them."""
+    return [{**r, "day": f"2020-01-{1 + r['id'] % 28:02d}"} for r in rows]
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".json"])
@@ -96,6 +102,25 @@ def test_rows_and_features_equal_datasets_json_builder(tmp_path, ext):
     assert src.index["features"] == features.to_dict()
     assert _clean(ours) == theirs
     assert len(ours) == 900 and sum(s.num_rows for s in src.shards) == 900
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".jsonl.gz"])
+def test_without_the_native_accelerators_the_rows_are_the_same(tmp_path, monkeypatch, ext):
+    """orjson and isal are accelerators: without orjson every line is read the blocks way (pyarrow's reader and
+    the builder's cast), without isal CRC-32 and inflate are zlib's; the rows and the index are the same."""
+    import zlib
+
+    files = [_write(str(tmp_path / f"part-{i}{ext}"), _text(_rows(i, 300, i * 300), blank_every=5)) for i in range(2)]
+    theirs, features = _theirs(files)
+    fast_src, fast = _ours(files)
+    assert fast_src._lines
+    monkeypatch.setattr(jsonl_rows, "_ORJSON", False)
+    monkeypatch.setattr(jsonl_index, "crc32", zlib.crc32)
+    monkeypatch.setattr(jsonl_index, "_isal_decompressobj", None)
+    src, ours = _ours(files)
+    assert not src._lines
+    assert _clean(ours) == theirs == fast
+    assert src.index["files"] == fast_src.index["files"]
 
 
 def test_mixed_struct_types_are_json_fields_as_datasets_makes_them(tmp_path):
@@ -133,12 +158,15 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(jsonl_index, "INPUT_CHUNK", 4 << 10)
 
 
+@pytest.mark.parametrize("way", ["lines", "blocks"])
 @pytest.mark.parametrize("ext,frames", [(".jsonl", 1), (".jsonl.gz", 1), (".jsonl.zst", 1), (".jsonl.zst", 7)])
-def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_pieces, monkeypatch, ext, frames):
+def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_pieces, monkeypatch, ext, frames,
+                                                                way):
     n = 5000 if ext.endswith(".gz") else 1500
-    rows = _rows(3, n)
+    rows = _rows(3, n) if way == "lines" else _dated(_rows(3, n))
     path = _write(str(tmp_path / f"big{ext}"), _text(rows, blank_every=11), frames)
     src = open_source(StreamConfig(dataset_name_or_path="json", data_files=[path]).source_spec)
+    assert src._lines == (way == "lines")
     theirs = _theirs([path])[0]
     entry = src.index["files"][0]
     assert entry["rows"] == n and len(entry["pieces"]) > 5
@@ -147,19 +175,23 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
     else:
         assert len(src.shards) > 2
     parsed = []
-    real_parse = jsonl._Rows.parse
-    monkeypatch.setattr(jsonl._Rows, "parse", lambda self, block: parsed.append(block) or real_parse(self, block))
+    real_parse = jsonl_rows.Blocks.parse
+    monkeypatch.setattr(jsonl_rows.Blocks, "parse", lambda self, block: parsed.append(block) or real_parse(self, block))
     rng = random.Random(1)
     start = 0
     for s, info in enumerate(src.shards):
         for row in sorted({0, info.num_rows - 1, *(rng.randrange(info.num_rows) for _ in range(3))}):
             parsed.clear()
-            got = [r for t in src.read(s, row) for r in t.to_pylist()]
+            tables = list(src.read(s, row))
+            got = [r for t in tables for r in _rows_of(t, t.num_rows)]
             assert _clean(got) == theirs[start + row:start + info.num_rows]
-            # nothing before the row was parsed: the first block parsed begins with the row's own line
-            assert parsed[0].lstrip(b"\xef\xbb\xbf").startswith(json.dumps(rows[start + row],
-                                                                            ensure_ascii=(start + row) % 2 == 0)
-                                                                 .encode()[:40])
+            # nothing before the row was parsed: the first block parsed (the lines way: the first line handed on,
+            # parsed when it is used) begins with the row's own line
+            first = parsed[0] if way == "blocks" else tables[0].column(0)[0].as_py()
+            assert way == "lines" or all(t.schema.names[0] != jsonl_rows.LINE_COLUMN for t in tables)
+            assert first.lstrip(b"\xef\xbb\xbf").startswith(json.dumps(rows[start + row],
+                                                                       ensure_ascii=(start + row) % 2 == 0)
+                                                            .encode()[:40])
         start += info.num_rows
     assert start == n
 
@@ -194,7 +226,7 @@ def test_bad_lines_are_bad_samples_and_good_rows_stay_datasets_rows(tmp_path):
     path = _write(str(tmp_path / "bad.jsonl"), "\n".join(lines).encode() + b"\n")
     src, ours = _ours([path])
     assert len(ours) == 30
-    bad = {i: r[BAD_SAMPLE_COLUMN] for i, r in enumerate(ours) if r[BAD_SAMPLE_COLUMN] is not None}
+    bad = {i: r[BAD_SAMPLE_COLUMN] for i, r in enumerate(ours) if r.get(BAD_SAMPLE_COLUMN) is not None}
     assert sorted(bad) == [3, 10, 17]
     assert bad[3].startswith(f"data file {path!r}: row 3") and "is not JSON" in bad[3]
     assert "not an object" in bad[10] and "is not JSON" in bad[17]
@@ -276,9 +308,7 @@ def test_other_compressions_are_read_by_datasets(tmp_path):
 
 
 def test_the_marker_column_is_omitted_only_where_null():
-    from resumable_stream.stream.partition import _rows_of
-
-    marker = jsonl._marker_field()
+    marker = jsonl_rows.marker_field()
     table = pa.table({"a": [1, 2]}).append_column(marker, pa.array([None, "why"], pa.string()))
     assert _rows_of(table, 2) == [{"a": 1}, {"a": 2, BAD_SAMPLE_COLUMN: "why"}]
     plain = pa.table({"a": [1], BAD_SAMPLE_COLUMN: pa.array([None], pa.string())})      # webdataset's: kept
@@ -363,3 +393,48 @@ def test_the_block_cache_changes_nothing(tmp_path):
         assert list(itertools.islice(s, 200)) == want
         s.close()
     assert sum(BAD_SAMPLE_COLUMN in r for r in want) == 1
+
+
+def test_the_lines_way_gives_datasets_rows_for_odd_but_valid_lines(tmp_path, monkeypatch):
+    """Rows made with orjson (the lines way) equal the json builder's on lines that take its casts: keys in another
+    order or missing, ints in a float column and in lists of floats, numbers past what a
+    float holds exactly, escapes and surrogate pairs, empty and null values, an all-null column. A line that does not
+    fit simply is made alone the builder's way."""
+    lines = []
+    for i in range(400):
+        row = {"id": i, "score": [1.5, i, 2 ** 53 + 1, -0.0, 1e300][i % 5], "nothing": None,
+               "text": ["plain", "\u00e9t\u00e9", "emoji \U0001F600", "", 'quote " and \\ back'][i % 5],
+               "meta": {"w": [1, 2.5, i][: i % 4], "lang": None if i % 3 else "en", "deep": {"k": i % 7}},
+               "flag": [True, False, None][i % 3]}
+        if i % 7 == 2:
+            del row["flag"]                                # a missing top-level key: None
+        if i % 11 == 3:
+            row = dict(reversed(list(row.items())))        # keys in another order
+        if i % 13 == 4:
+            row["meta"] = None
+        lines.append(json.dumps(row, ensure_ascii=i % 2 == 0))
+    lines[5] = lines[5].replace('"score": 1e+300', '"score": 1E+300')
+    # a byte-order mark before the first line: orjson refuses it, pyarrow reads past it
+    path = _write(str(tmp_path / "odd.jsonl"), b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())
+    alone = []
+    real = jsonl_rows._row_alone
+    monkeypatch.setattr(jsonl_rows, "_row_alone", lambda *a: alone.append(a[2]) or real(*a))
+    theirs, features = _theirs([path])
+    src, ours = _ours([path])
+    assert src._lines and src.index["features"] == features.to_dict()
+    assert _clean(ours) == theirs
+    assert [list(r) for r in ours] == [list(r) for r in theirs]          # the keys in the same order too
+    assert alone == [0]                                                   # only the line orjson refuses
+
+
+def test_the_lines_way_fills_and_orders_nested_keys_as_datasets(tmp_path):
+    """Features inferred from the first file (a struct); a later file's objects miss a key of it or give its keys in
+    another order: None there, the features' order, as the builder's cast makes them."""
+    first = [{"id": i, "m": {"x": i, "y": "a", "z": [i, 0.5]}} for i in range(20)]
+    later = [{"id": i, "m": {"x": i} if i % 2 else {"z": [], "y": "q", "x": 1}} for i in range(20)]
+    files = [_write(str(tmp_path / "a.jsonl"), _text(first)), _write(str(tmp_path / "b.jsonl"), _text(later))]
+    theirs, features = _theirs(files)
+    src, ours = _ours(files)
+    assert src._lines and src.index["features"] == features.to_dict()
+    assert _clean(ours) == theirs
+    assert [list(r["m"]) for r in ours] == [list(r["m"]) for r in theirs] == [["x", "y", "z"]] * 40

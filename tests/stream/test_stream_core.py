@@ -86,7 +86,7 @@ THIRD_PARTY_PRIVATES = {
     ("sources/webdataset.py", "_get_pipeline_from_tar"),   # datasets' webdataset builder: grouping + decoders
     ("loader.py", "_getframe"),          # sys._getframe: is Lightning's fit loop saving the state?
     ("loader.py", "_data_fetcher"),      # Lightning's fit loop: the batches its fetcher took ahead
-    ("sources/jsonl.py", "_cast_table"),   # datasets' json builder: its cast of a parsed block to the features
+    ("sources/jsonl_rows.py", "_cast_table"),   # datasets' json builder: its cast of a parsed block to the features
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...errors import ConfigError, shown
 from ...limits import MAX_INT64, is_number
+from ...sources.table_rows import table_rows
 
 
 def _why(value: Any, reason: str) -> ConfigError:
@@ -58,7 +59,8 @@ def first_rows(source, n: int) -> tuple[list[dict], tuple[int, int]]:
                     if table.num_rows:
                         return rows, (shard, taken)
                     continue
-                part = table.slice(0, n - len(rows)).to_pylist()
+                part = table.slice(0, n - len(rows))
+                part = table_rows(part) or part.to_pylist()      # (a JSON-lines source hands on its lines)
                 rows.extend(part)
                 taken += len(part)
                 if len(rows) == n and table.num_rows > len(part):
