@@ -49,11 +49,10 @@ from .observe.mixture_counts import (
 from .observe.progress import epoch_position, mean_position
 from .plan import check_global_batch, check_partitions_per_rank
 from .runtime import threads
-from .runtime.collectives import max_over_ranks
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
-from .stream.base import Stream, round_robin
+from .stream.base import Stream
 from .transforms.errors import TransformError
 from .transforms.protocol import Processor, as_processor
 
@@ -146,11 +145,10 @@ class _BatchProducer(IterableDataset):
         lane = lanes[j]
         steps = round_steps(lanes)
         turn = (self.lane_turns[j] if j < len(self.lane_turns) else 0) % steps
-        if self.stream.follows:     # data.growth: follow (main process, one lane)
-            if self.stream.world_size > 1:
-                yield from self._rounds_in_step(lane, turn)
-            else:
-                yield from self._rounds(lane, turn)
+        if self.stream.follows:     # data.growth: follow (main process, one lane): rounds with waits between
+            follower = self.stream.follower
+            rounds = follower.rounds_in_step if self.stream.world_size > 1 else follower.rounds
+            yield from rounds(lane, turn, self._batches)
             return
         if steps == 1:
             yield from self._batches(lane[0])
@@ -176,43 +174,6 @@ class _BatchProducer(IterableDataset):
             else:
                 yield _SKIP
             t = (t + 1) % steps
-
-    def _rounds(self, lane: list[int], turn: int) -> Iterator[dict[str, Any]]:
-        """``data.growth: follow``: the lane's partitions read the round (an epoch of new files) batch by batch
-        in turn; once all ended it, the stream waits for the next round's files; it ends after a wait past
-        data.follow_timeout_s. The rotation goes on from the partition after the last batch, as a resume's does."""
-        while True:
-            for item in round_robin({p: self._batches(p) for p in lane}, lane, turn):
-                turn = (lane.index(item["partition"]) + 1) % len(lane)
-                yield item
-            if not self.stream.await_next_round():
-                return
-
-    def _rounds_in_step(self, lane: list[int], turn: int) -> Iterator[dict[str, Any]]:
-        """``data.growth: follow`` over several ranks: every batch is handed out only once every rank has one
-        (an all-reduce of one int per batch: the Trainer's steps stay in lock-step, and every rank enters the
-        waits below at the same step). Once some rank is at the end of its round, all enter ``follow_wait``
-        together; a rank that still has a batch holds it (not handed out, so not in a state saved meanwhile) and
-        hands it out after the wait; a rank at its end starts its next round. They all end at the same step after
-        data.follow_timeout_s."""
-        self.stream.check_in_step()
-
-        def round_of(turn: int) -> Iterator[dict[str, Any]]:
-            return iter(round_robin({p: self._batches(p) for p in lane}, lane, turn))
-
-        it, held = round_of(turn), None
-        while True:
-            item = held if held is not None else next(it, None)
-            held = None
-            if not max_over_ranks(int(item is None)):     # every rank has a batch for this step
-                turn = (lane.index(item["partition"]) + 1) % len(lane)
-                yield item
-                continue
-            held = item
-            if not self.stream.follow_wait(holding=item is not None):
-                return
-            if item is None:
-                it = round_of(turn)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = as_processor(self.processor_factory()) if self.processor_factory is not None else None

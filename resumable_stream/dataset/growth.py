@@ -4,7 +4,7 @@ The index lists every file the job has ever read, in the order they appeared (ne
 shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
 "dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
 ``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
-checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``follow_wait`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
+checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``Follower.wait_in_step`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
 from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
 epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. A file not complete
 yet (a tar without its end-of-archive blocks, a parquet file without its footer: still being written) is not

@@ -46,7 +46,8 @@ class Stream(Protocol):
     lanes: list[list[int]]
     source: Any
     transform_fingerprint: dict | None
-    follows: bool       # data.growth: follow: the loader reads in rounds (ResumableStream's follow methods)
+    follows: bool       # data.growth: follow: the loader reads in rounds through ``follower`` (stream/follow.py)
+    follower: Any       # that Follower, or None
 
     def iter_partition(self, partition: int) -> Iterator[tuple[dict, Any]]:
         """(sample, where) pairs of one partition from its cursor; ``where`` names the sample's row."""
@@ -162,7 +163,12 @@ class StreamBase(IterableDataset):
     kind = "stream"
     state_type: Any = None      # the class of a partition's state (to_dict / from_dict / validate)
     follows = False             # a single stream in follow mode overrides it; a mixture never follows
-    follow_ended = False        # follow mode: the last iteration ended after data.follow_timeout_s
+    follower = None             # follow mode's waits (stream/follow.py): a single stream's, in follow mode
+
+    @property
+    def follow_ended(self) -> bool:
+        """Follow mode: the last iteration ended after data.follow_timeout_s (the trainer saves and stops)."""
+        return self.follower is not None and self.follower.ended
 
     def __init__(self, config: Any, rank: int | None, world_size: int | None, num_workers: int):
         super().__init__()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import chain, islice
@@ -17,19 +16,19 @@ from typing import Any
 
 from ..cache.cached_source import with_block_cache
 from ..config.stream_config import StreamConfig, not_a_config
-from ..dataset.growth import grow, layout_generations, refresh, stable_fingerprint
+from ..dataset.growth import layout_generations, refresh, stable_fingerprint
 from ..dataset.growth import resume as growth_after_resume
 from ..dataset.job_source import open_job_source
 from ..errors import ConfigError, StreamMismatchError
 from ..observe.progress import position
 from ..plan import Layout, shard_rows
-from ..runtime.collectives import max_each_over_ranks, shared_over_dist
 from ..sources.base import Source
 from ..sources.index import check_resolution, decode_index
 from ..sources.open import open_source
 from ..state.checkpoint import SavedIndexes
 from ..state.partition_state import Cursor, PartitionState
-from .base import StreamBase, order_settings, round_robin
+from .base import StreamBase, order_settings
+from .follow import Follower
 from .partition import PartitionReader, sample_digest
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class ResumableStream(StreamBase):
                                                                    agree=order_settings(config))
         self.source = with_block_cache(opened, self.cache)
         self._retired: list[Source] = []      # sources replaced by refresh_files (shards still open on them)
-        self.follow_ended = False   # data.growth: follow: the last iteration ended after data.follow_timeout_s
+        self.follower = Follower(self) if config.growth == "follow" else None   # data.growth: follow's waits
         self._start()
 
     def _build_readers(self) -> None:
@@ -146,8 +145,8 @@ class ResumableStream(StreamBase):
         """An iterator over the rest of each window's samples, window after window."""
         reader = self._readers[partition]
         limit = self._epoch_limit
-        if limit is None and self.config.growth == "follow":    # follow: the round being read (see _follow)
-            limit = self._round()
+        if limit is None and self.follower is not None:    # follow: the round being read (stream/follow.py)
+            limit = self.round()
         finite = limit is not None
         while True:
             if finite and reader.cursor.epoch > limit:
@@ -167,120 +166,30 @@ class ResumableStream(StreamBase):
 
     # ------------------------------------------------------------------ data.growth: follow
     def __iter__(self) -> Iterator[dict]:
-        if self.config.growth != "follow" or self._epoch_limit is not None:
+        if not self.follows:
             return super().__iter__()
         if self.world_size > 1:
             raise ConfigError(
                 f"data.growth: got 'follow' iterating the stream of rank {self.rank} of {self.world_size} directly; "
                 "allowed: with several ranks read it through a StreamLoader (or the patched Trainer), which keeps "
                 "the ranks in step (see docs/growing-data.md)")
-        return self._follow()
+        return self.follower.samples(super().__iter__)
 
-    def _round(self) -> int:
+    @property
+    def follows(self) -> bool:
+        """``data.growth: follow`` on endless iteration: partitions read round by round, the waits between rounds
+        by ``self.follower`` (stream/follow.py)."""
+        return self.follower is not None and self._epoch_limit is None
+
+    def round(self) -> int:
         """Follow mode reads in rounds: round e is epoch e (generation e's new files), read by every partition
         of the rank before any starts e + 1; the round is the least epoch of the partitions (one that finished
         round e stands at the start of e + 1), so a resume is in the same round as the save."""
         return min(r.epoch for r in self._readers.values())
 
-    @property
-    def follows(self) -> bool:
-        """``data.growth: follow`` on endless iteration: partitions read round by round (a loader waits for
-        the next with :meth:`await_next_round`, or over several ranks in step with :meth:`follow_wait`)."""
-        return self.config.growth == "follow" and self._epoch_limit is None
-
-    def await_next_round(self) -> bool:
-        """Once every partition ended the round: wait for the next one's files (True), or False (and
-        ``follow_ended``) after data.follow_timeout_s."""
-        ok = self._await_round(self._round())
-        self.follow_ended = not ok
-        return ok
-
-    def round_planned(self) -> bool:
-        """The round this rank stands in has its files."""
-        return self._planned(self._round())
-
-    def _planned(self, epoch: int) -> bool:
-        """Epoch ``epoch`` has its files: a generation starts at or after it (an epoch before it is empty)."""
-        return any(first >= epoch for first, _ in self.layout.generations or ())
-
-    def check_in_step(self) -> None:
-        """Follow mode over several ranks needs their process group (the waits are collectives)."""
-        if not shared_over_dist(self.rank, self.world_size):
-            raise ConfigError(f"data.growth: got 'follow' on rank {self.rank} of {self.world_size} without an "
-                              "initialized torch.distributed group; allowed: under torchrun with the group set up")
-
-    def follow_wait(self, holding: bool) -> bool:
-        """Several ranks (``StreamLoader`` in step): a collective every rank calls at the same step, once some
-        rank is at the end of its round. ``holding``: this rank still has a batch of its round. Until every rank
-        can go on (holding, or its round planned), rank 0 lists the files (one request per poll for the job,
-        ``growth.refresh``: the grown index broadcast, so every rank adopts the same generation) and every rank
-        sleeps the same backoff (poll_interval_s doubling to 16x). True once every rank can go on; False on every
-        rank (``follow_ended``) once rank 0 has waited data.follow_timeout_s (its decision, all-reduced)."""
-        self.check_in_step()
-        c = self.config
-        waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
-        self.follow_ended = False
-        while True:
-            ready = holding or self.round_planned()
-            timed_out = self.rank == 0 and polled and waited >= c.follow_timeout_s   # after one listing at least
-            not_all_ready, ended = max_each_over_ranks([int(not ready), int(timed_out)])
-            if not not_all_ready:
-                return True
-            if ended:
-                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
-                            "ends at epoch %d (rank %d)", waited, c.follow_timeout_s, self._round(), self.rank)
-                self.follow_ended = True
-                return False
-            furthest = max((r.epoch for r in self._readers.values()), default=0)
-            index = refresh(self.spec, self.source.index, furthest, self.rank, self.world_size, 0)   # collective
-            polled = True
-            if index is not None:
-                first = self.adopt_index(index)
-                log.info("data.growth: follow: new file(s) after %.1f s of waiting; epoch %d reads them", waited,
-                         first)
-                continue
-            time.sleep(max(0.0, min(delay, c.follow_timeout_s - waited)))
-            delay = min(delay * 2, 16 * float(c.poll_interval_s))
-            waited = time.monotonic() - start
-
-    def _follow(self) -> Iterator[dict]:
-        """Round after round (the partitions interleaved as without follow, the rotation saved); after each, wait
-        for the files of the next (``_await_round``); the stream ends when a wait passes data.follow_timeout_s."""
-        parts = self.partitions
-        self.follow_ended = False
-        while True:
-            if len(parts) == 1:
-                yield from self._samples(parts[0])
-            else:
-                yield from round_robin({p: self._samples(p) for p in parts}, parts, self._turn, self._set_turn)
-            if not self._await_round(self._round()):
-                self.follow_ended = True     # the trainer ends the run with a checkpoint
-                return
-
-    def _await_round(self, epoch: int) -> bool:
-        """True once epoch ``epoch`` is planned (a generation starts at or after it; an epoch without one is
-        empty and passes); else list the files every poll_interval_s (backing off to 16x), at most
-        follow_timeout_s in all: False then, with a log line."""
-        c = self.config
-        waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
-        while True:
-            if self._planned(epoch):
-                return True
-            index = grow(self.spec, self.source.index, epoch, "while following the data", running=True)
-            if len(index["files"]) != len(self.source.index["files"]):
-                new = len(index["files"]) - len(self.source.index["files"])
-                self.adopt_index(index)
-                log.info("data.growth: follow: %d new file(s) after %.1f s of waiting; epoch %d reads them", new,
-                         waited, epoch)
-                continue
-            waited = time.monotonic() - start
-            left = c.follow_timeout_s - waited
-            if left <= 0:
-                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
-                            "ends at epoch %d", waited, c.follow_timeout_s, epoch)
-                return False
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+    def furthest_epoch(self) -> int:
+        """The furthest epoch any of this rank's partitions has begun: new files join after it."""
+        return max((r.epoch for r in self._readers.values()), default=0)
 
     def adopt_index(self, index: dict, source: Source | None = None) -> int:
         """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
@@ -328,8 +237,8 @@ class ResumableStream(StreamBase):
         epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
         if self.config.growth == "off":
             return None
-        furthest = max((r.epoch for r in self._readers.values()), default=0)
-        index = refresh(self.spec, self.source.index, furthest, self.rank, self.world_size, self.num_workers)
+        index = refresh(self.spec, self.source.index, self.furthest_epoch(), self.rank, self.world_size,
+                        self.num_workers)
         if index is None:
             return None
         return self.adopt_index(index)

@@ -65,7 +65,7 @@ def test_follow_with_several_ranks_reads_through_the_loader_under_a_process_grou
 def test_follow_reads_the_known_data_once_then_ends_after_the_timeout(tmp_path, caplog):
     d = dataset(tmp_path)
     s = ResumableStream(_cfg(d, follow_timeout_s=0.3))
-    with caplog.at_level("WARNING", logger="resumable_stream.stream.single"):
+    with caplog.at_level("WARNING", logger="resumable_stream.stream.follow"):
         ids = _ids(s)
     assert sorted(ids) == list(range(ROWS))      # no second epoch over the old files
     assert "follow: no new files" in caplog.text and "follow_timeout_s" in caplog.text
@@ -90,6 +90,39 @@ def test_follow_picks_up_a_file_written_while_it_waits(tmp_path):
         assert sorted(_ids(s, 50)) == list(range(2000, 2050))   # only the newest file: epoch 2
     finally:
         writer2.join()
+
+
+class _Seams:
+    """The stream as a Follower may use it: its public seams, any other attribute refused."""
+    ALLOWED = {"round", "furthest_epoch", "layout", "source", "adopt_index", "spec", "config", "rank", "world_size"}
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        if name not in self.ALLOWED:
+            raise AssertionError(f"the Follower reached past the stream's seams: {name}")
+        return getattr(self._stream, name)
+
+
+def test_follow_mode_is_a_wrapper_over_the_streams_public_seams(tmp_path):
+    """Issue 50: follow mode is a Follower over the stream (stream/follow.py), not methods of it: driven through
+    a proxy that refuses anything but the seams, it reads the known files, waits, takes in a file written while it
+    waits, and ends after the timeout."""
+    from resumable_stream.stream.base import StreamBase
+    from resumable_stream.stream.follow import Follower
+
+    d = dataset(tmp_path)
+    s = ResumableStream(_cfg(d, follow_timeout_s=1.0))
+    follower = Follower(_Seams(s))
+    writer = threading.Timer(0.3, add, (d, "late", 1000, 40))
+    writer.start()
+    try:
+        ids = [r["id"] for r in follower.samples(lambda: StreamBase.__iter__(s))]
+    finally:
+        writer.join()
+    assert sorted(ids[:ROWS]) == list(range(ROWS)) and sorted(ids[ROWS:]) == list(range(1000, 1040))
+    assert follower.ended and s.round() == 2
 
 
 def test_exact_resume_in_the_middle_of_a_wait(tmp_path):
@@ -224,7 +257,7 @@ if phase == "rest":     # what the checkpoint has not read yet, epoch by epoch (
 staging = os.path.join(out, "staging")
 writer = None
 if rank == 0 and phase == "live":     # a file appears while the job waits (0.3 s into its first wait)
-    waiting, wait = threading.Event(), stream.follow_wait
+    waiting, wait = threading.Event(), stream.follower.wait_in_step
 
     def follow_wait(holding):
         waiting.set()
@@ -236,7 +269,7 @@ if rank == 0 and phase == "live":     # a file appears while the job waits (0.3 
         for n in sorted(os.listdir(staging)):
             os.replace(os.path.join(staging, n), os.path.join(data, n))
 
-    stream.follow_wait = follow_wait
+    stream.follower.wait_in_step = follow_wait
     writer = threading.Thread(target=write)
     writer.start()
 batches = [[row["id"] for row in batch] for batch in loader]     # ends on every rank after follow_timeout_s

@@ -1,0 +1,155 @@
+"""``data.growth: follow``: a stream read round by round, waiting for new files between rounds.
+
+Round e is epoch e (generation e's new files), read by every partition of the rank before any starts e + 1
+(``ResumableStream.round``). A ``Follower`` wraps a ``ResumableStream`` and uses its public seams only: the round
+it stands in, its layout's generations, its index and ``adopt_index`` to read through a grown one. Between
+rounds it lists the files every ``data.poll_interval_s`` (backing off to 16x) and ends the stream (``ended``)
+once a wait passes ``data.follow_timeout_s``. One rank waits alone (``await_next_round``); several ranks wait in
+step (``rounds_in_step``), their decisions all-reduced so that they all end at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..dataset.growth import grow, refresh
+from ..errors import ConfigError
+from ..runtime.collectives import max_each_over_ranks, max_over_ranks, shared_over_dist
+from .base import round_robin
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """The waits of follow mode over one ``ResumableStream`` (see the module docstring)."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream     # a ResumableStream (not imported: it imports this module)
+        self.ended = False       # the last iteration ended after data.follow_timeout_s: the trainer saves and stops
+
+    # ------------------------------------------------------------------ one rank
+    def samples(self, read_round: Callable[[], Iterator[dict]]) -> Iterator[dict]:
+        """The stream iterated directly: ``read_round()`` (the rank's partitions interleaved as without follow, to
+        the end of the round, the rotation saved) round after round, then a wait for the next round's files."""
+        self.ended = False
+        while True:
+            yield from read_round()
+            if not self.await_next_round():
+                return
+
+    def await_next_round(self) -> bool:
+        """Once every partition ended the round: wait for the next one's files (True), or False (and ``ended``)
+        after data.follow_timeout_s."""
+        ok = self._await_round(self.stream.round())
+        self.ended = not ok
+        return ok
+
+    def rounds(self, lane: list[int], turn: int, batches: Callable[[int], Iterator[dict[str, Any]]]
+               ) -> Iterator[dict[str, Any]]:
+        """A loader's lane: its partitions' ``batches(p)`` in turn through the round; once all ended it, the wait
+        for the next. The rotation goes on from the partition after the last batch, as a resume's does."""
+        while True:
+            for item in round_robin({p: batches(p) for p in lane}, lane, turn):
+                turn = (lane.index(item["partition"]) + 1) % len(lane)
+                yield item
+            if not self.await_next_round():
+                return
+
+    def _await_round(self, epoch: int) -> bool:
+        """True once epoch ``epoch`` is planned (an epoch without a generation is empty and passes); else list the
+        files every poll_interval_s (backing off to 16x), at most follow_timeout_s in all: False then."""
+        stream, c = self.stream, self.stream.config
+        waited, delay, start = 0.0, float(c.poll_interval_s), time.monotonic()
+        while True:
+            if self._planned(epoch):
+                return True
+            index = grow(stream.spec, stream.source.index, epoch, "while following the data", running=True)
+            if len(index["files"]) != len(stream.source.index["files"]):
+                new = len(index["files"]) - len(stream.source.index["files"])
+                stream.adopt_index(index)
+                log.info("data.growth: follow: %d new file(s) after %.1f s of waiting; epoch %d reads them", new,
+                         waited, epoch)
+                continue
+            waited = time.monotonic() - start
+            left = c.follow_timeout_s - waited
+            if left <= 0:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d", waited, c.follow_timeout_s, epoch)
+                return False
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+
+    def _planned(self, epoch: int) -> bool:
+        """Epoch ``epoch`` has its files: a generation starts at or after it (an epoch before it is empty)."""
+        return any(first >= epoch for first, _ in self.stream.layout.generations or ())
+
+    # ------------------------------------------------------------------ several ranks
+    def check_in_step(self) -> None:
+        """Follow mode over several ranks needs their process group (the waits are collectives)."""
+        stream = self.stream
+        if not shared_over_dist(stream.rank, stream.world_size):
+            raise ConfigError(f"data.growth: got 'follow' on rank {stream.rank} of {stream.world_size} without an "
+                              "initialized torch.distributed group; allowed: under torchrun with the group set up")
+
+    def rounds_in_step(self, lane: list[int], turn: int, batches: Callable[[int], Iterator[dict[str, Any]]]
+                       ) -> Iterator[dict[str, Any]]:
+        """``rounds`` over several ranks: every batch is handed out only once every rank has one (an all-reduce
+        of one int per batch: the Trainer's steps stay in lock-step, and every rank enters the waits at the same
+        step). Once some rank is at the end of its round, all enter ``wait_in_step`` together; a rank that still
+        has a batch holds it (not handed out, so not in a state saved meanwhile) and hands it out after the wait;
+        a rank at its end starts its next round. They all end at the same step after data.follow_timeout_s."""
+        self.check_in_step()
+
+        def round_of(turn: int) -> Iterator[dict[str, Any]]:
+            return iter(round_robin({p: batches(p) for p in lane}, lane, turn))
+
+        it, held = round_of(turn), None
+        while True:
+            item = held if held is not None else next(it, None)
+            held = None
+            if not max_over_ranks(int(item is None)):     # every rank has a batch for this step
+                turn = (lane.index(item["partition"]) + 1) % len(lane)
+                yield item
+                continue
+            held = item
+            if not self.wait_in_step(holding=item is not None):
+                return
+            if item is None:
+                it = round_of(turn)
+
+    def wait_in_step(self, holding: bool) -> bool:
+        """A collective every rank calls at the same step, once some rank is at the end of its round. ``holding``:
+        this rank still has a batch of its round. Until every rank can go on (holding, or its round planned),
+        rank 0 lists the files (one request per poll for the job, ``growth.refresh``: the grown index broadcast,
+        so every rank adopts the same generation) and every rank sleeps the same backoff (poll_interval_s doubling
+        to 16x). True once every rank can go on; False on every rank (``ended``) once rank 0 has waited
+        data.follow_timeout_s (its decision, all-reduced)."""
+        self.check_in_step()
+        stream, c = self.stream, self.stream.config
+        waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False
+        self.ended = False
+        while True:
+            ready = holding or self._planned(stream.round())
+            timed_out = stream.rank == 0 and polled and waited >= c.follow_timeout_s   # after one listing at least
+            not_all_ready, ended = max_each_over_ranks([int(not ready), int(timed_out)])
+            if not not_all_ready:
+                return True
+            if ended:
+                log.warning("data.growth: follow: no new files for %.1f s (data.follow_timeout_s: %s); the stream "
+                            "ends at epoch %d (rank %d)", waited, c.follow_timeout_s, stream.round(), stream.rank)
+                self.ended = True
+                return False
+            index = refresh(stream.spec, stream.source.index, stream.furthest_epoch(), stream.rank,
+                            stream.world_size, 0)   # collective
+            polled = True
+            if index is not None:
+                first = stream.adopt_index(index)
+                log.info("data.growth: follow: new file(s) after %.1f s of waiting; epoch %d reads them", waited,
+                         first)
+                continue
+            time.sleep(max(0.0, min(delay, c.follow_timeout_s - waited)))
+            delay = min(delay * 2, 16 * float(c.poll_interval_s))
+            waited = time.monotonic() - start
