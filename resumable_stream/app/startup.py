@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from ..config.stream_config import MixtureConfig, StreamConfig
 from ..config.trainer import TrainerConfig
+from ..observe.prometheus import metrics_url
 from ..state.output_dir import checkpoint_step
 
 
@@ -71,7 +72,6 @@ def _metrics_line(monitor, world_size: int) -> str:
     """Where the Prometheus endpoint is (data.metrics_port, data.metrics_addr), or that there is none."""
     if monitor.metrics_port is None:
         return "  metrics endpoint off (data.metrics_port)"
-    from ..observe.prometheus import metrics_url
 
     served = monitor.metrics_addr or "0.0.0.0, every IPv4 interface"
     others = "; another rank on the port + its local rank" if world_size > 1 else ""

@@ -32,9 +32,19 @@ import pyarrow as pa
 
 from ..cache.cached_source import CachedSource
 from ..config.stream_config import MixtureConfig, StreamConfig
+from ..dataset.job_source import open_job_sources
 from ..errors import ConfigError
 from ..sources.base import Source
 from ..sources.open import open_source
+from ..state.checkpoint import (
+    SavedIndexes,
+    find_state_dir,
+    read_manifest,
+    read_state_file,
+    resolve_rank_state,
+)
+from ..stream.mixture import MixtureSources, MixtureStream
+from ..stream.single import ResumableStream
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +214,6 @@ class WarmupResult:
 
 def checkpoint_topology(state_path: str) -> tuple[int, int, list[int]]:
     """(world size, DataLoader workers, ranks present) of a sidecar file, stream_state dir or checkpoint dir."""
-    from ..state.checkpoint import find_state_dir, read_manifest, read_state_file, resolve_rank_state
-
     if os.path.isfile(state_path):     # one rank's file, or a job's (every rank's partitions)
         topo = read_state_file(state_path)["stream"]["topology"]
         world = int(topo["world_size"])
@@ -237,8 +245,6 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     spread over its K partitions as the stream interleaves them. The window after the last sample
     is included when the Nth sample ends a window (saving a checkpoint there reads it).
     """
-    from ..stream.single import ResumableStream
-
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     cached = _open_cached(config, source, block_rows)
@@ -256,10 +262,6 @@ def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int 
     """:func:`plan_warmup` of a mixture: one plan per source, of the blocks of it that the ranks' next
     ``samples`` mixture samples read (the real mixture draws over every source's planning source). The
     sources are opened as the job opens them (each source's saved or given index reused)."""
-    from ..dataset.job_source import open_job_sources
-    from ..state.checkpoint import SavedIndexes
-    from ..stream.mixture import MixtureStream
-
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     if not config.cache_dir:
@@ -411,7 +413,6 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
     if len(plans) == 1:
         stats = plans[0].cached.stats()
     else:
-        from ..stream.mixture import MixtureSources
 
         stats = MixtureSources([p.cached for p in plans], config.labels).stats()
     return WarmupResult(planned_blocks=planned, already_cached=planned - sum(len(p.missing) for p in plans),

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from . import budget as request_budget
+from .net import protocol_options
 
 _HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[^@/]+(?:/[^@/]+)?)(?:@(?P<rev>[^/]+))?(?P<rest>/.*)?$")
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
@@ -289,8 +290,6 @@ def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict
     if not pinned:
         return {}
     import fsspec  # here: local data never imports it
-
-    from .net import protocol_options
 
     first = next(iter(pinned))
     try:

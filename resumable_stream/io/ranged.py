@@ -34,6 +34,7 @@ from typing import Any
 from ..errors import SourceError, StreamMismatchError
 from ..observe.metrics import record_request
 from . import budget as request_budget
+from .hub import get_range
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _BUCKET_STORES = ("s3", "s3a")
@@ -388,8 +389,6 @@ def _read_http(fs, url: str, start: int, end: int, identity: dict | None) -> byt
 
 def _read_hub(path: str, start: int, end: int, identity: dict | None) -> bytes:
     """A file at a pinned commit cannot change: the range and the size are checked, no ETag is asked for."""
-    from .hub import get_range
-
     response = get_range(path, start, end)
     if response.status_code == 200:
         raise RangeNotSupported(f"data file {path!r}: the Hub answered a request for bytes {start}-{end - 1} with "

@@ -15,6 +15,7 @@ from ..config.specs import SourceSpec
 from ..errors import SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, RetriedSource, ShardInfo
+from .resolve import dataset_fingerprint, where_of
 
 
 class DatasetsStreamSource(RetriedSource):
@@ -47,8 +48,6 @@ class DatasetsStreamSource(RetriedSource):
 def open_streaming(spec: SourceSpec, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
                    identities: list[dict]) -> DatasetsStreamSource:
     """``builder``'s split as a stream; ``identities``: its files'."""
-    from .resolve import dataset_fingerprint, where_of
-
     try:
         ids = retry.call(lambda: builder.as_streaming_dataset(split=spec.data.split),
                          f"{where_of(spec.data, targets)}: opening the stream", files or targets)

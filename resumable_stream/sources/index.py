@@ -19,7 +19,7 @@ from typing import Any
 from ..config.formats import INDEX_READER_KEY, format_of_index
 from ..config.specs import DataSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
-from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
+from ..io.safe_files import FileRefused, JSONRefused, atomic_write, parse_json, read_regular_file
 from ..limits import MAX_INDEX_BYTES, is_int
 from .index_table import (
     MAX_PATH_BYTES,
@@ -151,8 +151,6 @@ def _shape_problem(index: Any) -> str | None:
 
 def save_index(path: str, index: dict) -> str:
     """Write ``index`` to ``path`` atomically (a reader sees the old file or the new one)."""
-    from ..io.safe_files import atomic_write
-
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

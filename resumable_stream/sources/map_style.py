@@ -13,6 +13,7 @@ from ..config.specs import SourceSpec
 from ..errors import ConfigError, SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, ShardInfo, Source
+from .resolve import dataset_fingerprint, file_identity, where_of
 
 # Rows per shard when a dataset is loaded normally.
 MAP_STYLE_SHARD_ROWS = 8192
@@ -45,8 +46,6 @@ class MapStyleSource(Source):
 def open_prepared(spec: SourceSpec, builder: Any, files: list[str], targets: list[str], retry: RetryPolicy,
                   fingerprint: dict) -> MapStyleSource:
     """``builder``'s split downloaded and prepared by ``datasets`` (``streaming: false``)."""
-    from .resolve import where_of
-
     def load():
         builder.download_and_prepare()
         return builder.as_dataset(split=spec.data.split)
@@ -64,8 +63,6 @@ def open_prepared(spec: SourceSpec, builder: Any, files: list[str], targets: lis
 def open_local(spec: SourceSpec) -> MapStyleSource:
     """``backend: local``: a directory written by ``save_to_disk``."""
     import datasets
-
-    from .resolve import dataset_fingerprint, file_identity
 
     path = spec.data.dataset_name_or_path
     if not os.path.isdir(path):

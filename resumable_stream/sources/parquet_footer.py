@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SourceError
+from .parquet_local import simple_features
 
 # Bytes read from a file's end to get its footer in one request (a bigger footer takes a second one).
 FOOTER_TAIL_BYTES = 64 * 1024
@@ -68,8 +69,6 @@ def file_entry(identity: dict, footer: bytes) -> dict[str, Any]:
 def features_of(footer: bytes, path: str) -> dict[str, Any]:
     """The features ``datasets``' parquet builder infers from a file, those of its arrow schema, as a dict
     (``Features.to_dict()``). Plain columns need no ``datasets`` (``local_parquet.simple_features``)."""
-    from .parquet_local import simple_features
-
     try:
         schema = pq.read_schema(pa.BufferReader(footer))
     except Exception as e:

@@ -10,6 +10,10 @@ import time
 
 from transformers import TrainerCallback
 
+from ...observe.mixture_counts import realized_shares
+from ...stream.mixture import source_counts
+from .source_loss import source_means
+
 log = logging.getLogger(__name__)
 
 
@@ -108,9 +112,6 @@ class SourceCountsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs:   # the training logs, which every rank makes at the same steps
             return
-        from ...observe.mixture_counts import realized_shares
-        from ...stream.mixture import source_counts
-        from .source_loss import source_means
 
         loader = self.loader_of()
         labels = tuple(loader.stream.config.labels)

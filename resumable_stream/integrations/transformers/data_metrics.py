@@ -15,6 +15,7 @@ from typing import Any
 
 from ...observe.metrics import READING_FIELDS, combined, delta, figures
 from ...observe.monitoring import DataBoundWatch, MonitorSettings
+from ...observe.prometheus import serve
 
 # the figures that go into the Trainer's logs (scalars only: reporting integrations drop anything else)
 LOGGED = ("wait_s", "wait_share", "samples_per_s", "tokens_per_s", "requests", "bytes_read", "retries",
@@ -34,7 +35,6 @@ class DataMetricsLog:
         self._last = loader.metrics_reading()
         self.server = None
         if settings.metrics_port is not None:
-            from ...observe.prometheus import serve
 
             local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
             self.server = serve(loader, settings.metrics_port + local_rank, rank, settings.metrics_addr)
