@@ -64,7 +64,7 @@ def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[
                 builder, files = resolve_files(data, path, data_files, targets, retry)
                 resolved = Resolved(files, None, builder)
         else:
-            return resolved.format.load().open_indexed(spec, index, retry, footers)
+            return resolved.reader.open_indexed(spec, index, retry, footers)
     files, builder = resolved.files, resolved.builder
     identities = map_files(lambda f: file_identity(f, retry), files)
     if data.streaming:

@@ -313,11 +313,13 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
 @dataclass
 class Resolved:
     """A config's split, resolved: the files; the registered format that reads them (None: ``datasets``
-    does); ``datasets``' builder when it resolved them (None: explicit URLs or local parquet)."""
+    does); ``datasets``' builder when it resolved them (None: explicit URLs or local parquet); the format's
+    reader, loaded once here for ``open_source``."""
 
     files: list[str]
     format: registry.SourceFormat | None
     builder: Any = None
+    reader: Any = None
 
     @property
     def features(self) -> Any:
@@ -342,13 +344,15 @@ def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], r
                                       spec.net.storage_options)
     if files is not None:
         fmt = registry.format_for_builder(path)
-        if fmt is not None and fmt.load().reads_files(files):
-            return Resolved(files, fmt)
+        reader = fmt.load() if fmt is not None else None
+        if reader is not None and reader.reads_files(files):
+            return Resolved(files, fmt, reader=reader)
     builder, files = resolve_files(data, path, data_files, targets, retry)
     fmt = registry.format_for_builder(builder.name) if data.streaming and files else None
-    if fmt is not None and not (fmt.load().indexable(builder) and fmt.load().reads_files(files)):
-        fmt = None
-    return Resolved(files, fmt, builder)
+    reader = fmt.load() if fmt is not None else None
+    if reader is None or not (reader.indexable(builder) and reader.reads_files(files)):
+        return Resolved(files, None, builder)
+    return Resolved(files, fmt, builder, reader)
 
 
 def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, footers: dict[str, bytes],
