@@ -7,7 +7,7 @@ partition. So the multiset of every step's samples (their keys and their packed 
 topology (1 -> 2, 2 -> 1, 2 -> 3, 3 -> 4, 4 -> 2 ranks, with and without workers), inside packed blocks and across
 epoch ends; for packing, neat packing of chat (SFT) rows, and a mixture whose weights follow a schedule in steps
 and change on a resume (``data.mixture_change: allow``). Ranks are loaders of their rank in this process (no
-collective is needed to read or save); tests/integrations/test_elastic_training.py trains for real.
+collective is needed to read or save); tests/trainings/test_elastic_training.py trains for real.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A plain PyTorch loop (StreamLoader, resumable_stream.Checkpoints, DistributedDataParallel over gloo) whose
 optimizer steps accumulate ``loader.micro_batches_per_step`` micro-batches per rank: one from each of the
 ``data.num_partitions`` partitions per step (``data.elastic_determinism``), so it may resume on another number of
-ranks and workers (tests/integrations/test_elastic_training.py).
+ranks and workers (tests/trainings/test_elastic_training.py).
 
     python -m torch.distributed.run --nproc_per_node W elastic_loop.py OUT DATA --steps S --workers K
 

@@ -1,4 +1,4 @@
-"""One training run whose data position is kept by another package's own checkpointing (tests/integrations/
+"""One training run whose data position is kept by another package's own checkpointing (tests/trainings/
 test_trainer_checkpoints.py): each rank logs, per step, the ids of the samples it trained on and its loss.
 
     python -m torch.distributed.run --nproc_per_node W trainer_checkpoints_train.py VIA OUT DATA \

@@ -48,7 +48,7 @@ def test_torchdata_stateful_dataloader_resumes_exactly(setup, workers):
 def test_accelerate_register_for_checkpointing_one_rank_and_the_error_across_ranks(setup, tmp_path):
     """accelerate saves registered objects from the main process only (custom_checkpoint_0.pkl). One rank:
     the StreamLoader resumes exactly. Several ranks: the state is the job's, gathered with torch.distributed
-    (tests/integrations/test_trainer_checkpoints.py runs it on 2 ranks); without a process group that cannot
+    (tests/trainings/test_trainer_checkpoints.py runs it on 2 ranks); without a process group that cannot
     be, so save_state refuses it, naming why, instead of writing a state that rank 1 could not resume from."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState

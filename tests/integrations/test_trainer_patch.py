@@ -1,6 +1,7 @@
 """The patched transformers.Trainer: our loader, sidecars in every checkpoint, deferred rotation, no replay."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -35,6 +36,31 @@ def _config(tmp_path, **train):
     return TrainerConfig.from_yaml(str(p))
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One uninterrupted 12-step run of ``_config`` (checkpoints 4, 8 and 12 kept, its consumed log in
+    ``consumed/``): the run the tests below used to train first, each its own; each now takes a copy
+    (``_copy_of_finished_run``) or only reads it."""
+    base = tmp_path_factory.mktemp("finished_run")
+    cfg = _config(base, save_total_limit=10)
+    cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(consumed_log=str(base / "consumed")), cfg.train,
+                        cfg.path)
+    build_trainer(cfg).train()
+    return base
+
+
+def _copy_of_finished_run(finished_run, tmp_path, consumed_log: bool = False) -> TrainerConfig:
+    """``_config(tmp_path, save_total_limit=10)`` whose output_dir holds a copy of the finished run (its
+    consumed log too, and in the config, if ``consumed_log``)."""
+    shutil.copytree(finished_run / "out", tmp_path / "out")
+    cfg = _config(tmp_path, save_total_limit=10)
+    if consumed_log:
+        shutil.copytree(finished_run / "consumed", tmp_path / "consumed")
+        cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(consumed_log=str(tmp_path / "consumed")),
+                            cfg.train, cfg.path)
+    return cfg
+
+
 @pytest.mark.slow          # trains a tiny model in-process
 def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path, monkeypatch):
     cfg = _config(tmp_path, save_total_limit=1)
@@ -61,9 +87,8 @@ def test_checkpoints_carry_sidecars_and_rotation_waits_for_the_manifest(tmp_path
 
 
 @pytest.mark.slow          # trains a tiny model in-process
-def test_resume_replays_no_batches(tmp_path, monkeypatch):
-    cfg = _config(tmp_path)
-    build_trainer(cfg).train()
+def test_resume_replays_no_batches(finished_run, tmp_path, monkeypatch):
+    cfg = _copy_of_finished_run(finished_run, tmp_path)
     import transformers.trainer as tt
 
     def no_skip(*a, **k):
@@ -84,9 +109,8 @@ def test_resume_replays_no_batches(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow          # trains a tiny model in-process
-def test_incomplete_checkpoint_is_refused(tmp_path):
-    cfg = _config(tmp_path, save_total_limit=10)
-    build_trainer(cfg).train()
+def test_incomplete_checkpoint_is_refused(finished_run, tmp_path):
+    cfg = _copy_of_finished_run(finished_run, tmp_path)
     ckpt = os.path.join(cfg.train["output_dir"], "checkpoint-8")
     os.unlink(os.path.join(ckpt, "stream_state", "manifest.json"))
     trainer = build_trainer(cfg)
@@ -122,14 +146,12 @@ def test_unpatched_datasets_keep_the_trainer_path(tmp_path):
 
 
 @pytest.mark.slow          # trains a tiny model in-process
-def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
+def test_data_resume_state_path_continues_the_data_with_a_fresh_model(finished_run, tmp_path):
     import json
 
     (tmp_path / "a").mkdir()
-    cfg = _config(tmp_path / "a", save_total_limit=10)
+    cfg = _copy_of_finished_run(finished_run, tmp_path / "a", consumed_log=True)     # run A
     log_a = tmp_path / "a" / "consumed"
-    cfg = TrainerConfig(cfg.model, cfg.stream, cfg.transform.replace(consumed_log=str(log_a)), cfg.train, cfg.path)
-    build_trainer(cfg).train()
     steps_a = [json.loads(line) for line in open(log_a / "rank-00000.jsonl")]
 
     log_b = tmp_path / "b" / "consumed"
@@ -145,13 +167,12 @@ def test_data_resume_state_path_continues_the_data_with_a_fresh_model(tmp_path):
 
 
 @pytest.mark.slow          # trains a tiny model in-process
-def test_checkpoint_wins_over_data_resume_state_path(tmp_path):
+def test_checkpoint_wins_over_data_resume_state_path(finished_run, tmp_path):
     """A crash-restart of a run seeded with data.resume_state_path continues from its own checkpoint."""
     import json
 
     (tmp_path / "a").mkdir()
-    cfg = _config(tmp_path / "a", save_total_limit=10)
-    build_trainer(cfg).train()
+    cfg = _copy_of_finished_run(finished_run, tmp_path / "a")
     seed_state = os.path.join(cfg.train["output_dir"], "checkpoint-4")
 
     def run(name, max_steps):
@@ -202,13 +223,12 @@ def test_patched_trainer_refuses_ranks_that_would_each_train_their_own_model(tmp
 
 
 @pytest.mark.slow          # trains a tiny model in-process
-def test_train_of_a_finished_run_trains_nothing_and_keeps_its_trainer_state(tmp_path):
+def test_train_of_a_finished_run_trains_nothing_and_keeps_its_trainer_state(finished_run, tmp_path):
     """A workflow that calls save_state() after train() (LLaMA-Factory's does) must not write a state of step
     0 with an empty log over the finished run's."""
     import json
 
-    cfg = _config(tmp_path)
-    build_trainer(cfg).train()
+    cfg = _copy_of_finished_run(finished_run, tmp_path)
     again = build_trainer(cfg)
     out = again.train(resume_from_checkpoint=resolve_resume(cfg, again))
     assert out.global_step == 12 and again.state.global_step == 12

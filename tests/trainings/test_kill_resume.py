@@ -8,7 +8,7 @@ uninterrupted reference run. References are shared through a module fixture and 
 killed run they are compared with (one thread per process, so two processes fill the 2 cores).
 
 The kill step is random; the seed is printed in every assertion message. Reproduce a failure with
-``RS_TEST_SEED=<seed> pytest tests/integrations/test_kill_resume.py`` (the exact step reached when the kill lands
+``RS_TEST_SEED=<seed> pytest tests/trainings/test_kill_resume.py`` (the exact step reached when the kill lands
 still depends on timing, so the message also says where it landed and which checkpoint was used).
 """
 

@@ -3,7 +3,12 @@ per 2 s window through (per token), with a request budget set above that (``data
 a wrong tier or a second job on the same token would leave it): a 429 storm all along. SIGKILLed while the storm
 goes on and restarted, it trains exactly as an uninterrupted run (same losses, same samples on every rank); the
 checkpoint holds no budget, and the restart sends no more requests per second than the budget allows;
-``train_log.jsonl`` shows the 429s and the waits (issue 51)."""
+``train_log.jsonl`` shows the 429s and the waits (issue 51).
+
+It is also the test of a training streamed from the Hub killed and restarted (test_hub_training.py, merged
+here: it trained the same 2-rank job from the loopback Hub without the storm and asserted what this test
+asserts: killed by SIGKILL before the end, resumed from the last complete checkpoint, the same losses and
+samples on every rank as the uninterrupted run, the data fetched through the Hub's ``/resolve/`` URLs)."""
 
 from __future__ import annotations
 
@@ -77,6 +82,7 @@ def test_a_kill_in_a_429_storm_resumes_exactly_without_a_burst(tmp_path):
             # fetches ahead at once (8 per partition) and every rank its footers
             sent = sorted(r.at for r in hub.requests if "/resolve/" in r.path and r.at > killed_at and r.range
                           and r.client == "job-token")
+            assert sent, "the restart fetched no data through the Hub's /resolve/ URLs"
             first = sent[0]
             per_s = [sum(1 for t in sent if first + s <= t < first + s + 1) for s in range(10)]
             print(f"\nrestart: requests per second from its first one: {per_s} (budget {BUDGET:g}/s, "

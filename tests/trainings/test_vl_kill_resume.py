@@ -8,7 +8,7 @@ It kills the run at a random step after the first checkpoint, restarts it, and c
 uninterrupted reference: every step's loss, every rank's consumed samples, and every step's transform
 counters (samples read, examples made, skips) in ``train_log.jsonl``. A broken sample never reaches a batch.
 
-Reproduce a failure with ``RS_TEST_SEED=<seed> pytest tests/integrations/test_vl_kill_resume.py``.
+Reproduce a failure with ``RS_TEST_SEED=<seed> pytest tests/trainings/test_vl_kill_resume.py``.
 """
 
 from __future__ import annotations
