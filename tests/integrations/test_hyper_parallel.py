@@ -181,19 +181,6 @@ def _harness_yaml(tmp_path, data: str, nproc: int, name: str) -> str:
 
 
 def _run(config: str, log_dir: str, nproc: int, hold: int | None = None) -> None:
-    """Run the harness to its end (``hold``: until every rank is past that step, then SIGKILL it)."""
-    run = _start(config, log_dir, nproc, hold)
-    try:
-        if hold is None:
-            run.wait_ok(300)
-            return
-        run.wait_until(lambda: all(hold in _records(log_dir, r) for r in range(nproc)),
-                       f"every rank past step {hold}", timeout=300)
-    finally:
-        run.kill()
-
-
-def _start(config: str, log_dir: str, nproc: int, hold: int | None = None) -> Run:
     import socket
 
     with socket.socket() as s:
@@ -205,9 +192,17 @@ def _start(config: str, log_dir: str, nproc: int, hold: int | None = None) -> Ru
         env["HP_TEST_HOLD_AFTER"] = str(hold)
     # training_helpers.Run: torchrun starts its ranks in sessions of their own, so a kill of its process group
     # would leave them running; Run kills every process of the run by an environment tag
-    return Run(config, f"{log_dir}-{'held' if hold else 'run'}-{time.monotonic_ns()}", env=env,
-               command=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                        f"--master_port={port}", HARNESS, config, log_dir])
+    run = Run(config, f"{log_dir}-{'held' if hold else 'run'}-{time.monotonic_ns()}", env=env,
+              command=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                       f"--master_port={port}", HARNESS, config, log_dir])
+    try:
+        if hold is None:
+            run.wait_ok(300)
+            return
+        run.wait_until(lambda: all(hold in _records(log_dir, r) for r in range(nproc)),
+                       f"every rank past step {hold}", timeout=300)
+    finally:
+        run.kill()
 
 
 def _records(log_dir: str, rank: int) -> dict[int, dict]:
@@ -222,16 +217,11 @@ def _records(log_dir: str, rank: int) -> dict[int, dict]:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigkill_after_a_checkpoint_resumes_exactly_through_the_contract(tmp_path, data, nproc):
     straight = _harness_yaml(tmp_path, data, nproc, "straight")
-    # the uninterrupted run trains alongside the killed one, and is waited for before the comparison
-    uninterrupted = _start(straight, str(tmp_path / "log_straight"), nproc)
-    try:
-        killed = _harness_yaml(tmp_path, data, nproc, "killed")
-        _run(killed, str(tmp_path / "log_killed"), nproc, hold=HOLD)
-        assert (tmp_path / "killed" / "latest").read_text() == "global_step_6"
-        _run(killed, str(tmp_path / "log_killed"), nproc)        # restore_from: LATEST, before the first step
-        uninterrupted.wait_ok(300)
-    finally:
-        uninterrupted.kill()
+    _run(straight, str(tmp_path / "log_straight"), nproc)
+    killed = _harness_yaml(tmp_path, data, nproc, "killed")
+    _run(killed, str(tmp_path / "log_killed"), nproc, hold=HOLD)
+    assert (tmp_path / "killed" / "latest").read_text() == "global_step_6"
+    _run(killed, str(tmp_path / "log_killed"), nproc)        # restore_from: LATEST, before the first step
     for r in range(nproc):
         want, got = _records(str(tmp_path / "log_straight"), r), _records(str(tmp_path / "log_killed"), r)
         assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
