@@ -158,7 +158,7 @@ def test_a_plain_loop_killed_and_resumed_on_other_ranks_trains_the_identical_ste
     ref_out, out = str(tmp_path / "reference"), str(tmp_path / "run")
     os.makedirs(ref_out)
     os.makedirs(out)
-    _loop(procs, ref_out, data, "reference", 1, 2).wait_ok(300)
+    uninterrupted = _loop(procs, ref_out, data, "reference", 1, 2)     # alongside the killed runs, waited for below
 
     def killed_after(run, step):
         run.wait_until(lambda: count_lines(os.path.join(out, "steps.jsonl")) >= step, f"step {step} logged")
@@ -167,6 +167,7 @@ def test_a_plain_loop_killed_and_resumed_on_other_ranks_trains_the_identical_ste
     killed_after(_loop(procs, out, data, "four", 4, 0), 4)           # 4 ranks
     killed_after(_loop(procs, out, data, "two", 2, 1), 7)            # 4 -> 2 ranks, 0 -> 1 worker
     _loop(procs, out, data, "three", 3, 0).wait_ok(300)              # 2 -> 3 ranks, 1 -> 0 workers
+    uninterrupted.wait_ok(300)
 
     reference, got = _loop_steps(ref_out), _loop_steps(out)
     assert sorted(got) == sorted(reference) == list(range(1, LOOP_STEPS + 1))
