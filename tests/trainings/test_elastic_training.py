@@ -70,9 +70,7 @@ def _killed_after(run, out: str, step: int) -> None:
 def test_a_run_killed_and_resumed_on_other_ranks_and_workers_trains_the_identical_steps(procs, tmp_path, data_dir,
                                                                                        record_property):
     reference, ref_out = _config(tmp_path, data_dir, "reference", 1, 0)
-    # the uninterrupted run trains alongside the killed ones (one thread each: two processes fill the 2 cores);
-    # it is waited for before the comparison
-    uninterrupted = procs.start(reference, "reference")
+    procs.start(reference, "reference").wait_ok()
 
     # a gradient accumulation of 4 on one rank takes 4 of the 12 partitions a step: refused, naming the keys
     wrong, _ = write_config(str(tmp_path), "wrong", max_steps=STEPS, save_steps=3, gradient_accumulation_steps=4,
@@ -101,7 +99,6 @@ def test_a_run_killed_and_resumed_on_other_ranks_and_workers_trains_the_identica
     third, _ = _config(tmp_path, data_dir, "run", 1, 1)              # 2 -> 1 rank, 2 -> 1 worker
     run = procs.start(third, "third").wait_ok()
     assert "checkpoint-6" in run.stderr, run.describe()
-    uninterrupted.wait_ok()
 
     ranks_of_step = {s: 1 if s <= 3 or s > 6 else 2 for s in range(1, STEPS + 1)}
     expected = step_multisets(ref_out, {s: 1 for s in range(1, STEPS + 1)})
@@ -158,7 +155,7 @@ def test_a_plain_loop_killed_and_resumed_on_other_ranks_trains_the_identical_ste
     ref_out, out = str(tmp_path / "reference"), str(tmp_path / "run")
     os.makedirs(ref_out)
     os.makedirs(out)
-    uninterrupted = _loop(procs, ref_out, data, "reference", 1, 2)     # alongside the killed runs, waited for below
+    _loop(procs, ref_out, data, "reference", 1, 2).wait_ok(300)
 
     def killed_after(run, step):
         run.wait_until(lambda: count_lines(os.path.join(out, "steps.jsonl")) >= step, f"step {step} logged")
@@ -167,7 +164,6 @@ def test_a_plain_loop_killed_and_resumed_on_other_ranks_trains_the_identical_ste
     killed_after(_loop(procs, out, data, "four", 4, 0), 4)           # 4 ranks
     killed_after(_loop(procs, out, data, "two", 2, 1), 7)            # 4 -> 2 ranks, 0 -> 1 worker
     _loop(procs, out, data, "three", 3, 0).wait_ok(300)              # 2 -> 3 ranks, 1 -> 0 workers
-    uninterrupted.wait_ok(300)
 
     reference, got = _loop_steps(ref_out), _loop_steps(out)
     assert sorted(got) == sorted(reference) == list(range(1, LOOP_STEPS + 1))
