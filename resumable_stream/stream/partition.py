@@ -180,40 +180,25 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     def positions(lo: int, hi: int) -> np.ndarray:
         return perm[lo:hi] if perm is not None else np.arange(lo, hi, dtype=np.int64)
 
-    joined: dict[tuple, Any] = {}
-
-    def once(key: tuple, make_it: Callable[[], Any]) -> Any:
-        """What the window's parts share, made by the first part that needs it (the last kind only is kept)."""
-        if key not in joined:
-            joined.clear()
-            joined[key] = make_it()
-        return joined[key]
+    joined: dict[tuple, _Joined] = {}
 
     def made(lo: int, hi: int) -> list[dict]:
         pos = positions(lo, hi)
         if make is not None:        # items: (take << ITEM_ROW_BITS) | row in it (_item_maker)
             return ((owner[pos] << ITEM_ROW_BITS) | within[pos]).tolist()
         ready = [t for t in takes if t.table is not None]
-        offset = np.zeros(len(takes), dtype=np.int64)
-        at = 0
-        for t in ready:
-            offset[t.index] = at
-            at += t.table.num_rows
-        idx = offset[owner[pos]] + within[pos]
-        both = tuple(t.index for t in ready)
-        if _per_take(ready, perm):
-            rows = ready[0].made_rows() if len(ready) == 1 else \
-                once(("rows", both), lambda: [r for t in ready for r in t.made_rows()])
-            return _gathered(rows, idx)
+        key = tuple(t.index for t in ready)
+        j = joined.get(key)
+        if j is None:               # made once for the parts made from the same takes (the last ones kept)
+            joined.clear()
+            j = joined[key] = _Joined(ready, len(takes), perm)
+        idx = j.offset[owner[pos]] + within[pos]
+        if j.rows is not None:
+            return _gathered(j.rows, idx)
         if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:     # file order: one contiguous slice
-            table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
-            part = table.slice(int(idx[0]), len(idx))
+            part = j.table.slice(int(idx[0]), len(idx))
         else:
-            # one chunk per column, made once for the window's parts: a take from several chunks concatenates
-            # them first, each time
-            table = ready[0].table if len(ready) == 1 else once(("table", both), lambda: pa.concat_tables(
-                [t.table for t in ready]).combine_chunks(memory_pool=rows_pool()))
-            part = pc.take(table, _indices(idx), memory_pool=rows_pool())
+            part = pc.take(j.combined(), _indices(idx), memory_pool=rows_pool())
         return _rows_of(part, hi - lo)
 
     first = takes[int(owner[positions(skip, skip + 1)[0]])]
@@ -236,6 +221,34 @@ def _item_maker(takes: list[_Take], schema: pa.Schema) -> Callable[[Any], dict] 
     if not is_items(schema):
         return None
     return item_maker(schema, len(takes), lambda k: takes[k].read())
+
+
+class _Joined:
+    """What the parts of a window made from the same read takes share: each take's first row in their
+    concatenation (``offset``, by take index), and either the rows picked from (``rows``, made in file order:
+    ``_per_take``) or the table taken from."""
+
+    def __init__(self, ready: list[_Take], takes: int, perm: np.ndarray | None):
+        self.offset = np.zeros(takes, dtype=np.int64)
+        at = 0
+        for t in ready:
+            self.offset[t.index] = at
+            at += t.table.num_rows
+        self.rows: list[dict] | None = None
+        self.table: pa.Table | None = None
+        self._combined: pa.Table | None = None
+        if _per_take(ready, perm):
+            self.rows = ready[0].made_rows() if len(ready) == 1 else [r for t in ready for r in t.made_rows()]
+        else:
+            self.table = ready[0].table if len(ready) == 1 else pa.concat_tables([t.table for t in ready])
+
+    def combined(self) -> pa.Table:
+        """``table`` with one chunk per column, made once for the window's parts: a take from several chunks
+        concatenates them first, on every call."""
+        if self._combined is None:
+            chunked = any(c.num_chunks > 1 for c in self.table.columns)
+            self._combined = self.table.combine_chunks(memory_pool=rows_pool()) if chunked else self.table
+        return self._combined
 
 
 def _gathered(rows: list[dict], idx: np.ndarray) -> list[dict]:
