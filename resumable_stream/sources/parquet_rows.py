@@ -64,20 +64,18 @@ if _extensions is not None:
 
 def read_row_group(source, metadata: pq.FileMetaData, group: int) -> pa.Table:
     """``pq.ParquetFile(source, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
-    .read_row_group(group, use_threads=False)``, allocated from :func:`rows_pool`. Pre-buffering is off: the
-    bytes are in memory already, and a pre-buffering task on Arrow's IO threads would hold this Python file past
-    the read (released by a C++ thread, maybe at interpreter exit). One thread per row group: the prefetch decodes
-    row groups side by side on a thread per core already, and Arrow's pool splitting each group's columns over
-    its threads costs ~20% more CPU per row."""
+    .read_row_group(group)``, allocated from :func:`rows_pool`. Pre-buffering is off: the bytes are in memory
+    already, and a pre-buffering task on Arrow's IO threads would hold this Python file past the read
+    (released by a C++ thread, maybe at interpreter exit)."""
     pool = rows_pool()
     if pool is not None:
         from pyarrow._parquet import ParquetReader
 
         reader = ParquetReader(memory_pool=pool)
         reader.open(source, metadata=metadata, **_OPEN_OPTIONS)
-        return reader.read_row_group(group, column_indices=None, use_threads=False)
+        return reader.read_row_group(group, column_indices=None, use_threads=True)
     return pq.ParquetFile(source, metadata=metadata, pre_buffer=False,
-                          page_checksum_verification=True).read_row_group(group, use_threads=False)
+                          page_checksum_verification=True).read_row_group(group)
 
 
 class _Span(io.RawIOBase):
