@@ -50,12 +50,12 @@ def counter_hashes(seed: int, start: int, count: int) -> np.ndarray:
 
 
 def stable_argsort_u64(values: np.ndarray) -> np.ndarray:
-    """``np.argsort(values, kind="stable")`` of uint64 values, 3-4x faster on millions: each value's low bits
-    replaced by its index, one plain (SIMD) sort of the values, then the few runs whose remaining high bits tie
-    put in (value, index) order."""
+    """``np.argsort(values, kind="stable")`` of uint64 values, 3-4x faster on millions and 1.7x on a window of
+    16,384: each value's low bits replaced by its index, one plain (SIMD) sort of the values, then the few runs
+    whose remaining high bits tie put in (value, index) order. Below 4,096 values numpy's own is as fast."""
     n = len(values)
     bits = max(1, (n - 1).bit_length())
-    if n < 1 << 16 or bits > 40:
+    if n < 1 << 12 or bits > 40:
         return np.argsort(values, kind="stable").astype(np.int64)
     low = np.uint64((1 << bits) - 1)
     keys = values & ~low

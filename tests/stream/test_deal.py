@@ -73,11 +73,12 @@ def test_large_plans_take_the_compiled_deal_and_plan_as_before(monkeypatch):
     assert fast == [tuple(d) for d in plan.deal_shards(order, counts.array.tolist(), 96)]
 
 
-def test_the_packed_sort_is_a_stable_argsort():
-    rng = np.random.default_rng(0)
-    hashes = plan.counter_hashes(plan.derive_seed(1, 7, 0), 0, 200_000)
+@pytest.mark.parametrize("n", [4_096, 10_000, 16_384, 100_000, 200_000])   # windows' sizes and a plan's
+def test_the_packed_sort_is_a_stable_argsort(n):
+    rng = np.random.default_rng(n)
+    hashes = plan.counter_hashes(plan.derive_seed(1, 7, 0), 0, n)
     assert np.array_equal(plan.stable_argsort_u64(hashes), np.argsort(hashes, kind="stable"))
     for distinct_high in (1, 3, 1000):      # many values sharing their high bits, and exact duplicates
-        values = (rng.integers(0, distinct_high, 100_000).astype(np.uint64) << np.uint64(40)) | \
-            rng.integers(0, 4, 100_000).astype(np.uint64)
+        values = (rng.integers(0, distinct_high, n).astype(np.uint64) << np.uint64(40)) | \
+            rng.integers(0, 4, n).astype(np.uint64)
         assert np.array_equal(plan.stable_argsort_u64(values), np.argsort(values, kind="stable"))

@@ -114,3 +114,39 @@ def test_a_window_made_in_two_parts_hands_out_the_samples_a_whole_one_does(cfg, 
         resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
         resumed.load_sidecar(path)
         assert take_ids(resumed, n - k) == whole[k:]
+
+
+@pytest.mark.parametrize("part_rows", [1, 5, 16])
+def test_a_window_made_part_by_part_hands_out_the_samples_a_whole_one_does(cfg, source, whole_windows, monkeypatch,
+                                                                          part_rows, tmp_path):
+    """After its first part a window makes PART_ROWS rows at a time and lets go of each part once the next is made:
+    the same samples and keys as windows made whole, a save at, before and after a part's end resumes exactly, and
+    the window holds no more than one part."""
+    from resumable_stream.stream import partition
+
+    whole_windows(10**9)
+    n = 2 * cfg.buffer_size + 13
+    whole = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), n)
+    pairs = [(row["id"], key) for row, key in
+             itertools.islice(ResumableStream(cfg, rank=0, world_size=1, source=source).iter_partition(0), n)]
+    whole_windows(7)
+    monkeypatch.setattr(partition, "PART_ROWS", part_rows)
+    s = ResumableStream(cfg, rank=0, world_size=1, source=source)
+    it = iter(s)
+    got = []
+    for _ in range(n):
+        got.append(next(it)["id"])
+        win = s._readers[0]._window
+        assert len(win.rows) <= max(7, part_rows) and win.lo <= s._readers[0].offset <= win.lo + len(win.rows)
+    assert got == whole
+    assert [(row["id"], key) for row, key in itertools.islice(
+        ResumableStream(cfg, rank=0, world_size=1, source=source).iter_partition(0), n)] == pairs
+    for k in (6, 7, 8, 7 + part_rows, 7 + 2 * part_rows + 1, cfg.buffer_size + 7 + part_rows):
+        first = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        it = iter(first)
+        assert [row["id"] for row in itertools.islice(it, k)] == whole[:k]
+        path = first.save_sidecar(tmp_path / f"state-{part_rows}-{k}")
+        assert [row["id"] for row in itertools.islice(it, 20)] == whole[k:k + 20]
+        resumed = ResumableStream(cfg, rank=0, world_size=1, source=source)
+        resumed.load_sidecar(path)
+        assert take_ids(resumed, n - k) == whole[k:]
