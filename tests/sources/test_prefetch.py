@@ -267,3 +267,44 @@ def test_a_local_partitions_first_fetch_runs_alone_until_it_is_done():
             time.sleep(0.01)
         assert sorted(rows.started) == [0, 1, 2, 3]
         prefetcher.close()
+
+
+def test_a_sources_own_ratio_lets_its_first_fetches_fit_the_budget():
+    """Before anything is decoded a fetch reserves its bytes and what they decode to: INITIAL_RATIO (8x) unless the
+    source knows better. JSON lines know it from the index (a piece's table is its text): with 8x, 1 MB pieces under
+    an 8 MB budget were not fetched ahead at all; with the source's 1x, four go out at once. The ratio survives the
+    prefetcher's copy into a spawned worker."""
+    import threading
+
+    import pyarrow as pa
+
+    from resumable_stream.sources.prefetch import Prefetcher
+
+    class Pieces:                  # (the prefetcher holds its source's methods weakly)
+        def __init__(self):
+            self.started, self.gate = [], threading.Event()
+
+        def fetch(self, shard):
+            self.started.append(shard)
+            self.gate.wait(30)
+            return pa.table({"x": [shard]})
+
+        def size(self, shard):
+            return 1 << 20
+
+    for ratio, fits in ((None, 0), (1.0, 4)):
+        pieces = Pieces()
+        started, gate = pieces.started, pieces.gate
+        prefetcher = Prefetcher(pieces.fetch, cap=8, budget=8 << 20, size=pieces.size, threads=8, ratio=ratio)
+        prefetcher.hint(0, list(range(8)))
+        deadline = time.monotonic() + 10
+        while len(started) < fits and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                              # (none more starts: the budget is full)
+        assert len(started) == fits, (ratio, started)
+        copy = Prefetcher.__new__(Prefetcher)
+        copy.__setstate__(prefetcher.__getstate__())
+        assert copy._first_ratio == prefetcher._first_ratio
+        gate.set()
+        prefetcher.close()
+        copy.close()
