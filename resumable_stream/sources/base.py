@@ -92,12 +92,11 @@ class FetchesAhead(Source):
     _prefetch = None
 
     def _fetch_ahead(self, fetch, depth: int | None, memory_mb: float | None, bytes_of, remote: bool,
-                     rate=None, run=None, adjacent=None, ratio: float | None = None) -> None:
+                     rate=None, run=None, adjacent=None) -> None:
         """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive, prefetch.py;
         0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers. ``rate()``: the requests per
         second this process may send (the request budget bounds the depth); ``run(shards)`` and
-        ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py);
-        ``ratio``: decoded bytes per fetched byte, where the source knows it before decoding anything."""
+        ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py)."""
         if depth is not None and depth <= 0:
             return
         budget = None if memory_mb is None else int(memory_mb * 2**20)
@@ -106,7 +105,7 @@ class FetchesAhead(Source):
         cores = os.cpu_count() or 1
         threads = None if remote else max(1, min(depth or cores, cores))
         self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads, first_alone=not remote, rate=rate,
-                                    run=run, adjacent=adjacent, ratio=ratio)
+                                    run=run, adjacent=adjacent)
 
     def _taken(self, shard: int) -> pa.Table | None:
         """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the

@@ -399,12 +399,8 @@ class JsonLinesSource(FetchesAhead):
                                                self.shards)
         self.column_names = list(index["features"])
         self._starts: dict[int, int] = {}
-        # a lines table is its piece's text and 20 bytes a row (offset, file, row number): what a fetch becomes is
-        # known from the index before anything is decoded
-        ratio = max(((f["length"] + 24 * f["rows"]) / max(1, f["size"]) for f in self._files), default=None) \
-            if self._lines else None
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
-                          self._shard_bytes, remote=retry.remote, ratio=ratio)
+                          self._shard_bytes, remote=retry.remote)
 
     # ------------------------------------------------------------------ where rows are
     def _offsets(self, shard: int) -> list[int]:

@@ -26,7 +26,7 @@ and cut the depth, leaving the consumer to wait on every fetch for the next few 
 
 **Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
 starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
-so far; before the first decode the source's own estimate where it knows one, else ``INITIAL_RATIO``) fits beside what is already in flight or held; a
+so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
 decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
 than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
 prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
@@ -183,8 +183,7 @@ class Prefetcher:
                  size: Callable[[int], int | None] | None = None, threads: int | None = None,
                  first_alone: bool = False, rate: Callable[[], float | None] | None = None,
                  run: Callable[[list[int]], list[pa.Table]] | None = None,
-                 adjacent: Callable[[int], tuple[int | None, int | None]] | None = None,
-                 ratio: float | None = None):
+                 adjacent: Callable[[int], tuple[int | None, int | None]] | None = None):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
         self._fetch = weakref.WeakMethod(fetch)
         self._size = _weak(size)
@@ -197,10 +196,6 @@ class Prefetcher:
         # local files: a partition's first fetch runs alone until it is done (decoding is CPU: the row groups
         # fetched beside it would share the cores its first sample waits for)
         self.first_alone = first_alone
-        # decoded / fetched bytes before the first decode: the source's estimate (JSON lines: its text, known from
-        # the index), else INITIAL_RATIO. 8x for a 16 MiB piece whose table is its text reserved 150 MB a fetch:
-        # with the default budget the first window's pieces past the second waited for a decode to start
-        self._first_ratio = INITIAL_RATIO if ratio is None else float(ratio)
         self._reset()
 
     def _reset(self) -> None:
@@ -222,12 +217,11 @@ class Prefetcher:
     def __getstate__(self) -> dict:
         return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": _strong(self._size),
                 "threads": self._threads, "first_alone": self.first_alone, "rate": _strong(self._rate),
-                "run": _strong(self._run), "adjacent": _strong(self._adjacent), "ratio": self._first_ratio}
+                "run": _strong(self._run), "adjacent": _strong(self._adjacent)}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"],
-                      state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"),
-                      state.get("ratio"))
+                      state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"))
 
     @property
     def depth(self) -> int:
@@ -282,7 +276,7 @@ class Prefetcher:
         n = size(shard) if size is not None else None
         if n is None:
             return 0
-        return int(n * (1.0 + (self._ratio if self._ratio is not None else self._first_ratio)))
+        return int(n * (1.0 + (self._ratio if self._ratio is not None else INITIAL_RATIO)))
 
     # ------------------------------------------------------------------ hints and hand-overs
     def hint(self, owner: int, shards: list[int]) -> None:

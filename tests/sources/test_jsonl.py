@@ -466,19 +466,3 @@ def test_items_of_several_tables_in_any_order_are_their_rows(tmp_path):
     assert short(0) == want[0]
     with pytest.raises(SourceError, match="1 rows where 2 were planned"):
         short(5)
-
-
-def test_a_lines_source_tells_its_prefetcher_what_a_fetch_becomes(tmp_path):
-    """A piece's lines table is its text (and 20 bytes a row): the prefetcher's reservation before the first decode
-    is the index's text / file bytes, not the 8x a parquet row group may decode to."""
-    text = _text(_rows(1, 300))
-    plain = _write(str(tmp_path / "p.jsonl"), text)
-    packed = _write(str(tmp_path / "p.jsonl.zst"), text)
-    ratios = []
-    for path in (plain, packed):
-        src = open_source(StreamConfig(dataset_name_or_path="json", data_files=[path]).source_spec)
-        entry = src.index["files"][0]
-        assert src._prefetch._first_ratio == pytest.approx((entry["length"] + 24 * entry["rows"]) / entry["size"])
-        ratios.append(src._prefetch._first_ratio)
-        src.close()
-    assert 1 < ratios[0] < 1.2 < ratios[1]         # plain: ~its text; zstd: what its text inflates to
