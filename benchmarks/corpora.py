@@ -26,7 +26,10 @@ times (default 3), and the medians are printed:
 
 Remote (``--remote``, on by default): the same files on the loopback server (tests/_support/http_server.py) with
 100 ms per request: ours (index built in the process; and ``ours_indexed``) and HF plain / shuffled, rows/s after
-the first sample, first sample, requests and bytes served.
+the first sample, first sample, requests and bytes served; and ``net_limit``: the files' bytes alone over the same
+client (``read_range``, 16 MiB ranges, 8 at a time: what ours keeps in flight), nothing parsed; its first sample
+is the first range's arrival, its rows/s the rows the later bytes hold per second: what the server and the link
+deliver on this machine, the bound of any reader of these files.
 
 Per reader: rows/s after the first sample, CPU seconds per 1,000 rows, first sample; ratios are taken between
 medians of the same run. The machine's load average is printed at start and end.
@@ -193,6 +196,26 @@ def _limit(layout: str, files: list[str], n: int) -> int:
     return count
 
 
+def _net_limit(files: list[str], n: int) -> tuple[float, float]:
+    """The files' bytes over our HTTP client, nothing parsed (remote only), measured as the other readers are:
+    the first range's arrival (their first sample), then the rows the rest of the bytes hold (``n`` rows in all the
+    bytes) per second after it."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from resumable_stream.io import ranged
+
+    part = 16 << 20                         # a JSON-lines piece's most (jsonl_index.PIECE_MAX_BYTES)
+    sizes = [ranged.filesystem("http", {}).size(url) for url in files]
+    jobs = [(url, a, min(a + part, size)) for url, size in zip(files, sizes) for a in range(0, size, part)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        done = [(time.perf_counter(), len(f.result())) for f in
+                as_completed([pool.submit(ranged.read_range, url, a, b, {}) for url, a, b in jobs])]
+    first_t, first_bytes = done[0]
+    rest = sum(size for _, size in done[1:]) / sum(size for _, size in done)
+    return first_t - t0, n * rest / max(done[-1][0] - first_t, 1e-9)
+
+
 def _child(args: argparse.Namespace) -> None:
     import gc
 
@@ -212,6 +235,9 @@ def _child(args: argparse.Namespace) -> None:
         secs = time.perf_counter() - t0
         out = {"rows": n, "rows_s": n / secs, "cpu_ms_per_krows": (time.process_time() - c0) * 1e6 / n,
                "first_s": None}
+    elif args.reader == "net_limit":
+        first, rate = _net_limit(files, args.rows)
+        out = {"rows": args.rows, "rows_s": rate, "first_s": first}
     elif args.reader == "resume_save":
         cfg = StreamConfig(dataset_name_or_path=builder, data_files=files, shuffle=True, buffer_size=BUFFER,
                            index_path=args.index)
@@ -391,10 +417,11 @@ def report_remote(layout: str, r: dict, file_bytes: int) -> None:
         print(f"    {name:13s} {_fmt(x['rows_s'], ',.0f'):>9} rows/s  first sample {_fmt(x['first_s'], '.2f')} s "
               f"(runs " + "/".join(_fmt(v, ".2f") for v in x["runs_first_s"]) + f")  {x['requests']:.0f} requests, "
               f"{(x['served'] or 0) / 1e6:.0f} MB served", flush=True)
-    ours = rd.get("ours", {})
-    for peer in ("hf_shuffled", "hf_plain"):
-        if ours.get("rows_s") and rd.get(peer, {}).get("rows_s"):
-            print(f"    ours / {peer} {ours['rows_s'] / rd[peer]['rows_s']:.2f}x", flush=True)
+    for name in ("ours", "ours_indexed"):
+        ours = rd.get(name, {})
+        for peer in ("hf_shuffled", "hf_plain", "net_limit"):
+            if ours.get("rows_s") and rd.get(peer, {}).get("rows_s"):
+                print(f"    {name} / {peer} {ours['rows_s'] / rd[peer]['rows_s']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -407,7 +434,7 @@ def main() -> None:
     p.add_argument("--resume-at", type=int, default=25000)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--readers", default="ours,ours_indexed,hf_plain,hf_shuffled,limit")
-    p.add_argument("--remote-readers", default="ours,ours_indexed,hf_plain,hf_shuffled")
+    p.add_argument("--remote-readers", default="ours,ours_indexed,hf_plain,hf_shuffled,net_limit")
     p.add_argument("--no-remote", action="store_true")
     p.add_argument("--no-local", action="store_true")
     p.add_argument("--latency", type=float, default=0.1)

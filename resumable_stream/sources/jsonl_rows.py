@@ -23,6 +23,7 @@ is a bad sample for pyarrow (so for ``datasets``) and the last value for orjson:
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL
+from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from . import jsonl_index
 from .parquet_local import cast_like_datasets
 
@@ -172,40 +173,37 @@ class Conformer:
             all(type(n) is str for n in self.names) and has_orjson()
         self._factory = self._compile(features, fixers) if self.fast else None
 
-    def maker(self, views: list, fill: Callable, slow: Callable) -> Callable[[Any], dict]:
-        """The function making the row of an item (``items_maker``): its line found in ``views`` (per table: its
-        rows' memoryviews, starts and ends; ``fill(k)`` makes table k's), parsed and brought to the builder's row;
-        a line that does not fit simply goes to ``slow(k, j)``."""
+    def maker(self, mvs: list, starts: list, ends: list, fill: Callable, slow: Callable) -> Callable[[Any], dict]:
+        """The function making the row of item ``i`` (``items_maker``): its line ``mvs[i][starts[i]:ends[i]]``
+        (``mvs[i]`` None: ``fill(i)`` fills its table's and returns it), parsed and brought to the builder's row; a
+        line that does not fit simply goes to ``slow(i)``."""
         import orjson
 
-        return self._factory(orjson.loads, orjson.JSONDecodeError, views, fill, slow)
+        return self._factory(orjson.loads, orjson.JSONDecodeError, mvs, starts, ends, fill, slow)
 
     def _compile(self, features: dict, fixers: dict) -> Callable:
         # generated from the feature names (repr'd string literals) and fixed code only: no data goes in
-        fail = "            return slow(k, j)"
-        lines = ["def factory(loads, JSONDecodeError, views, fill, slow):",
-                 "    def make(item):",
-                 "        if type(item) is not int:",
-                 "            return item",
-                 "        k = item >> BITS",
-                 "        j = item & MASK",
-                 "        v = views[k]",
-                 "        if v is None:",
-                 "            v = fill(k)",
+        fail = "            return slow(i)"
+        lines = ["def factory(loads, JSONDecodeError, mvs, starts, ends, fill, slow):",
+                 "    def make(i):",
+                 "        if type(i) is not int:",
+                 "            return i",
+                 "        m = mvs[i]",
+                 "        if m is None:",
+                 "            m = fill(i)",
                  "        try:",
-                 "            d = loads(v[0][j][v[1][j]:v[2][j]])",
+                 "            d = loads(m[starts[i]:ends[i]])",
                  "        except JSONDecodeError:",
-                 "            return slow(k, j)",
+                 "            return slow(i)",
                  "        if type(d) is not dict:",
                  fail,
                  "        if tuple(d) != NAMES:",
                  "            if not NAMESET.issuperset(d):",
-                 "                return slow(k, j)",
+                 "                return slow(i)",
                  "            d = {key: d.get(key) for key in NAMES}"]
         env: dict[str, Any] = {"NAMES": self.names, "NAMESET": frozenset(self.names), "LO": _INT64[0],
                                "HI": _INT64[1], "float": float, "type": type, "tuple": tuple, "dict": dict,
-                               "str": str, "int": int, "bool": bool, "list": list, "BITS": ITEM_ROW_BITS,
-                               "MASK": (1 << ITEM_ROW_BITS) - 1}
+                               "str": str, "int": int, "bool": bool, "list": list}
         for i, (name, feature) in enumerate(features.items()):
             key = repr(name)
             dtype = feature.get("dtype") if feature.get("_type") == "Value" else None
@@ -296,46 +294,53 @@ def lines_table(text: bytes, offsets: np.ndarray, path: str, first_row: int, fea
 # ------------------------------------------------------------------------------ rows (stream side)
 # A row handed out is made then, from its line (a window keeps numbers, not rows: parsing a window's rows at once
 # and keeping them costs twice the parse, in fresh memory touched; a view or a copy of each line kept instead is an
-# object the garbage collector walks, or a copy). An item is ``(table << 32) | row``: row ``row`` of table
-# ``table`` (``table_of(table)``).
-ITEM_ROW_BITS = 32
-
-
-def items_maker(schema: pa.Schema, tables: int, table_of: Callable[[int], pa.Table]) -> Callable[[Any], dict]:
-    """The function making the row of an item (a number: above) of ``tables`` lines tables of ``schema``
+# object the garbage collector walks, or a copy). An item is a row's place in the tables one after another: table
+# k's row j is ``bases[k] + j``. So a row's line is three list lookups by that one number (``mvs[i]``,
+# ``starts[i]``, ``ends[i]``), filled table by table as a first row of each is made.
+def items_maker(schema: pa.Schema, sizes: list[int], table_of: Callable[[int], pa.Table]) -> Callable[[Any], dict]:
+    """The function making the row of an item (a number: above) of lines tables of ``schema`` of ``sizes`` rows
     (``table_of(k)``: the k-th, read when a row of it is first made), as the json builder gives it. Anything but
     a number is handed back as it is (a row already made)."""
     features_json = schema.field(0).metadata[_KIND]
-    views: list = [None] * tables
+    bases = [0]
+    for n in sizes:
+        bases.append(bases[-1] + n)
+    total = bases[-1]
+    mvs: list = [None] * total       # None: its table not filled yet
+    starts: list = [0] * total
+    ends: list = [0] * total
 
-    def fill(k: int) -> tuple:
+    def fill(i: int) -> memoryview:
+        k = bisect.bisect_right(bases, i) - 1
         table = table_of(k)
-        mvs, starts, ends = [], [], []
+        at = bases[k]
+        if table.num_rows != bases[k + 1] - at:
+            raise SourceError(f"a lines table of {table.num_rows} rows where {bases[k + 1] - at} were planned")
         for chunk in table.column(0).chunks:
             n = len(chunk)
             if n == 0:
                 continue
             _, off_buf, data_buf = chunk.buffers()
             bounds = np.frombuffer(off_buf, dtype=np.int64, count=n + 1, offset=chunk.offset * 8).tolist()
-            mvs += [memoryview(data_buf) if data_buf is not None else memoryview(b"")] * n
-            starts += bounds[:-1]
-            ends += bounds[1:]
-        views[k] = (mvs, starts, ends)
-        return views[k]
+            mvs[at:at + n] = [memoryview(data_buf) if data_buf is not None else memoryview(b"")] * n
+            starts[at:at + n] = bounds[:-1]
+            ends[at:at + n] = bounds[1:]
+            at += n
+        return mvs[i]
 
-    def slow(k: int, j: int) -> dict:
-        mvs, starts, ends = views[k]
-        table = table_of(k)
-        return _row_alone(bytes(mvs[j][starts[j]:ends[j]]), table.column(1)[j].as_py(), table.column(2)[j].as_py(),
+    def slow(i: int) -> dict:
+        k = bisect.bisect_right(bases, i) - 1
+        table, j = table_of(k), i - bases[k]
+        return _row_alone(bytes(mvs[i][starts[i]:ends[i]]), table.column(1)[j].as_py(), table.column(2)[j].as_py(),
                           features_json)
 
-    return conformer(features_json).maker(views, fill, slow)
+    return conformer(features_json).maker(mvs, starts, ends, fill, slow)
 
 
 def rows_of_lines(table: pa.Table) -> list[dict]:
     """The rows of a lines table, in its order, as the json builder gives them (a bad sample: every column None and
     ``__bad_sample__`` naming the file, the row and why)."""
-    make = items_maker(table.schema, 1, lambda _: table)
+    make = items_maker(table.schema, [table.num_rows], lambda _: table)
     return [make(j) for j in range(table.num_rows)]
 
 

@@ -34,13 +34,10 @@ def table_rows(table: pa.Table) -> list[dict] | None:
     return rows_of_lines(table)
 
 
-def item_maker(schema: pa.Schema, tables: int, table_of: Callable[[int], pa.Table]) -> Callable[[Any], dict]:
-    """For tables of ``schema`` that hold items: the function making the row of item ``(k << ITEM_ROW_BITS) | j``
-    (row ``j`` of table ``table_of(k)``, one of ``tables``), as it is handed out. Anything but such a number is
+def item_maker(schema: pa.Schema, sizes: list[int], table_of: Callable[[int], pa.Table]) -> Callable[[Any], dict]:
+    """For tables of ``schema`` that hold items, of ``sizes`` rows: the function making the row of item
+    ``sum(sizes[:k]) + j`` (row ``j`` of table ``table_of(k)``), as it is handed out. Anything but such a number is
     handed back as it is (a row made already)."""
     from .jsonl_rows import items_maker
 
-    return items_maker(schema, tables, table_of)
-
-
-ITEM_ROW_BITS = 32      # (jsonl_rows.ITEM_ROW_BITS)
+    return items_maker(schema, sizes, table_of)

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from ..errors import BAD_SAMPLE_COLUMN, BAD_SAMPLE_OMIT_NULL, SourceError
 from ..plan import Layout, window_permutation
 from ..runtime.arrow_pool import rows_pool
-from ..sources.table_rows import ITEM_ROW_BITS, is_items, item_maker, table_rows
+from ..sources.table_rows import is_items, item_maker, table_rows
 from ..state.partition_state import DIGEST_BYTES, Cursor, PartitionState
 
 MAX_EMPTY_EPOCHS = 16
@@ -184,8 +184,8 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
 
     def made(lo: int, hi: int) -> list[dict]:
         pos = positions(lo, hi)
-        if make is not None:        # items: (take << ITEM_ROW_BITS) | row in it (_item_maker)
-            return ((owner[pos] << ITEM_ROW_BITS) | within[pos]).tolist()
+        if make is not None:        # items: the rows of the takes before it + row in it (_item_maker)
+            return (bases[owner[pos]] + within[pos]).tolist()
         ready = [t for t in takes if t.table is not None]
         key = tuple(t.index for t in ready)
         j = joined.get(key)
@@ -204,8 +204,7 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
     first = takes[int(owner[positions(skip, skip + 1)[0]])]
     first.read()
     make = _item_maker(takes, first.table.schema)
-    if make is not None and have >= 1 << ITEM_ROW_BITS:
-        make = None                 # (a window of 4 billion rows: made the plain way)
+    bases = np.cumsum([0] + [t.count for t in takes[:-1]], dtype=np.int64)
     limit = min(have, skip + FIRST_ROWS)
     read = np.array([t.table is not None for t in takes])
     waits = np.nonzero(~read[owner[positions(skip, limit)]])[0]
@@ -216,11 +215,11 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
 
 def _item_maker(takes: list[_Take], schema: pa.Schema) -> Callable[[Any], dict] | None:
     """Where a window's takes hand on items made into rows one by one as they are handed out (a JSON-lines source's
-    lines): the function making the row of item ``(take << ITEM_ROW_BITS) | row`` (the take read if it was not
-    yet); else None."""
+    lines): the function making the row of item ``sum(take.count of the takes before it) + row`` (the take read if
+    it was not yet); else None."""
     if not is_items(schema):
         return None
-    return item_maker(schema, len(takes), lambda k: takes[k].read())
+    return item_maker(schema, [t.count for t in takes], lambda k: takes[k].read())
 
 
 class _Joined:

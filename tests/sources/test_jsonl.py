@@ -438,3 +438,31 @@ def test_the_lines_way_fills_and_orders_nested_keys_as_datasets(tmp_path):
     assert src._lines and src.index["features"] == features.to_dict()
     assert _clean(ours) == theirs
     assert [list(r["m"]) for r in ours] == [list(r["m"]) for r in theirs] == [["x", "y", "z"]] * 40
+
+
+def test_items_of_several_tables_in_any_order_are_their_rows(tmp_path):
+    """A window's items number the rows of its tables one table after another (partition.py): item
+    ``sum(sizes[:k]) + j`` is row j of table k, whatever order they are made in and whichever table is read first;
+    a table of another length than planned is an error, never rows of the wrong lines."""
+    features = {"id": {"dtype": "int64", "_type": "Value"}, "text": {"dtype": "string", "_type": "Value"}}
+    fj = json.dumps(features, separators=(",", ":")).encode()
+    tables, want = [], []
+    for k, n in enumerate([5, 1, 9, 3]):
+        rows = [{"id": k * 100 + j, "text": f"t{k}.{j}"} for j in range(n)]
+        text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        tables.append(jsonl_rows.lines_table(text, jsonl_rows.row_starts(text, 0, n), f"f{k}", 0, fj))
+        want += rows
+    read = []
+
+    def table_of(k):
+        read.append(k)
+        return tables[k]
+
+    make = jsonl_rows.items_maker(tables[0].schema, [t.num_rows for t in tables], table_of)
+    order = random.Random(3).sample(range(len(want)), len(want))
+    assert [make(i) for i in order] == [want[i] for i in order]
+    assert sorted(read) == [0, 1, 2, 3] and read[0] != 0          # each table read once, as first needed
+    short = jsonl_rows.items_maker(tables[0].schema, [5, 2], lambda k: tables[k])
+    assert short(0) == want[0]
+    with pytest.raises(SourceError, match="1 rows where 2 were planned"):
+        short(5)
