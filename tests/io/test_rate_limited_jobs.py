@@ -35,8 +35,9 @@ PARTITIONS = RANKS * WORKERS
 FILES, GROUPS, GROUP_ROWS = 16, 32, 40
 ROWS = FILES * GROUPS * GROUP_ROWS
 # requests per second for the whole job: a store lets 60 through per 2 s; the job sends at most BUDGET x 2 s + one
-# request per consumer (16) in any 2 s: 56 (io/budget.py)
-BUDGET = 20.0
+# request per consumer (16) in any 2 s: 52 (io/budget.py); the margin to 60 is for requests sent apart that arrive
+# together (a budget of 20 left 4, and a loaded run saw 2-4 SlowDowns)
+BUDGET = 18.0
 ORDER = {"shuffle": True, "shuffle_seed": 11, "buffer_size": 160, "num_partitions": PARTITIONS}
 
 
