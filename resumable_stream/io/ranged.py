@@ -58,22 +58,39 @@ _FILESYSTEMS: dict[tuple, Any] = {}
 def filesystem(protocol: str, storage_options: dict):
     """This process's fsspec filesystem for ``protocol`` (a fresh one after a fork: with some fsspec versions
     a filesystem made before the fork hangs in a forked DataLoader worker)."""
-    import fsspec
-
     options = copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
     key = (os.getpid(), protocol, repr(sorted(options.items())))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
-        if any(k[0] != key[0] for k in _FILESYSTEMS):
-            _FILESYSTEMS.clear()         # the parent's, unusable here
-            fsspec.asyn.reset_lock()
-        if protocol in _BUCKET_STORES and "session" not in options:
-            session = _session_of_this_process(protocol, options)
-            if session is not None:
-                options["session"] = session
-        fs = _FILESYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-        if protocol in _BUCKET_STORES:
-            fs.retries = 1       # s3fs would retry a timed-out call 5 times inside one of our tries
+        with _CREATING.setdefault(key[0], threading.Lock()):     # a lock of this process, never the parent's
+            fs = _FILESYSTEMS.get(key) or _new_filesystem(protocol, options, key)
+    return fs
+
+
+_CREATING: dict[int, threading.Lock] = {}
+
+
+def _new_filesystem(protocol: str, options: dict, key: tuple):
+    import fsspec
+
+    if any(k[0] != key[0] for k in _FILESYSTEMS):
+        _FILESYSTEMS.clear()         # the parent's, unusable here
+        fsspec.asyn.reset_lock()
+    if protocol in _BUCKET_STORES and "session" not in options:
+        session = _session_of_this_process(protocol, options)
+        if session is not None:
+            options["session"] = session
+    fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    if protocol in _BUCKET_STORES:
+        fs.retries = 1       # s3fs would retry a timed-out call 5 times inside one of our tries
+        # The client now, before a request waits its turn under the budget: made lazily, it takes seconds in a
+        # fresh DataLoader worker on busy cores, and the requests whose turns came meanwhile would reach the store
+        # together once it is ready (a burst past its rate: the SlowDowns the budget is there to avoid).
+        try:
+            fs.connect()
+        except Exception:      # noqa: BLE001 - the first request makes it again, under its retries and errors
+            pass
+    _FILESYSTEMS[key] = fs
     return fs
 
 
@@ -136,6 +153,9 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
         return b""
     if "://" not in path or path.startswith("file://"):
         return _timed_read(path, start, end, storage_options, identity, remote=False)
+    protocol = path.split("://", 1)[0]
+    if protocol in _BUCKET_STORES:
+        filesystem(protocol, storage_options)    # made (and connected) before the request's turn: see _new_filesystem
     return _under_budget(path, f"bytes {start}-{end - 1}",
                          lambda: _timed_read(path, start, end, storage_options, identity, remote=True))
 

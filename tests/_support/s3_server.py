@@ -86,12 +86,13 @@ class S3Server:
         self.reader_key: dict[str, str] = {}
         self.allowed_at: list[float] = []      # with limit_rate: when each GET / HEAD let through came in
         self.slowdowns = 0
+        self.refused: list[tuple[float, str, str]] = []   # with limit_rate: (when, method, path) of each SlowDown
 
     def limit_rate(self, per_s: float, window_s: float = 1.0, methods: tuple[str, ...] = ("GET", "HEAD")) -> None:
         """Answer ``methods`` 503 SlowDown past ``per_s x window_s`` requests let through in the last ``window_s``
         seconds (a sliding window, as a partitioned prefix takes ~5,500 a second)."""
         recent: collections.deque = collections.deque()
-        self.allowed_at, self.slowdowns = [], 0
+        self.allowed_at, self.slowdowns, self.refused = [], 0, []
 
         def rule(method: str, path: str) -> str | None:
             if method not in methods:
@@ -102,6 +103,7 @@ class S3Server:
                     recent.popleft()
                 if len(recent) >= per_s * window_s:
                     self.slowdowns += 1
+                    self.refused.append((now, method, path))
                     return "503"
                 recent.append(now)
                 self.allowed_at.append(now)

@@ -2,7 +2,7 @@
 processes on loopback) read one shuffled epoch of 16 parquet files x 32 row groups from a loopback Hub that lets
 each client through 60 resolver requests per fixed 2 s window (answering 429 with ``RateLimit`` headers past it),
 and from a loopback S3 that answers 503 SlowDown past 60 GET / HEAD in any 2 s. The job plans
-``data.max_requests_per_s: 20``, shared by its 16 consumers: at most 20 x 2 + 16 = 56 requests in any 2 s.
+``data.max_requests_per_s: 18``, shared by its 16 consumers: at most 18 x 2 + 16 = 52 requests in any 2 s.
 
 What must hold: no rank fails; every partition yields exactly the samples (keys and ids) that an unlimited read
 of local copies of the files yields, in its order; the stores saw the job's requests at >= 0.8x the rate the
@@ -105,7 +105,7 @@ def steady_rate(times: list[float], ranks: list[dict], paused: tuple[float, floa
 
 def test_eight_ranks_of_two_workers_read_the_rate_limited_hub_exactly_within_its_limit(tmp_path, files, reference):
     """A Hub that allows 60 resolver requests per 2 s per client (all ranks are one IP here, as one token is
-    one client on the Hub), a job that plans 20 a second. Midway another client on the same IP spends two
+    one client on the Hub), a job that plans 18 a second. Midway another client on the same IP spends two
     windows' quota (as a second job on the same token would): the ranks meet 429s, wait for the resets the
     answers name, and go on, no step lost."""
     import shutil
@@ -161,8 +161,9 @@ def test_eight_ranks_of_two_workers_read_the_rate_limited_hub_exactly_within_its
 
 
 def test_eight_ranks_of_two_workers_read_a_slowing_s3_exactly_within_its_rate(tmp_path, files, reference):
-    """An S3 endpoint that takes 60 GET / HEAD in any 2 s and answers 503 SlowDown beyond; the job plans 20 a
-    second."""
+    """An S3 endpoint that takes 60 GET / HEAD in any 2 s and answers 503 SlowDown beyond; the job plans 18 a
+    second. (Its DataLoader workers make their s3fs clients before their first turn: made inside the first request,
+    the 16 workers' first requests of ~5 s reached the store together, 56-60 in 2 s.)"""
     from s3_server import S3Server
 
     with S3Server() as srv:
@@ -186,5 +187,6 @@ def test_eight_ranks_of_two_workers_read_a_slowing_s3_exactly_within_its_rate(tm
               f"{ratio:.2f}x of the budget; budget waits {summed(ranks, 'budget_wait_s'):.1f} s, coalesced "
               f"{summed(ranks, 'coalesced_row_groups'):.0f}")
     assert ratio >= 0.8
-    assert srv.slowdowns == 0 and summed(ranks, "rate_limited") == 0     # inside the limit by design
+    refused = [f"{at - allowed[0]:.2f} s: {method} {path}" for at, method, path in srv.refused[:5]]
+    assert srv.slowdowns == 0 and summed(ranks, "rate_limited") == 0, refused     # inside the limit by design
     assert summed(ranks, "budget_waits") > 0

@@ -173,6 +173,26 @@ def test_identities_from_one_listing_are_those_a_head_of_each_object_gives(bucke
     assert listed_identities([u.replace("/ds/", "/nothing/") for u in urls], options) == {}   # not listed: HEADs
 
 
+def test_the_s3_client_is_made_before_a_request_waits_its_turn(bucket, monkeypatch):
+    """A client made lazily, inside the first request, takes seconds in a fresh DataLoader worker on busy cores: the
+    requests whose turns under the job's budget came meanwhile then reach the store together, past its rate (8 ranks
+    x 2 workers drew SlowDowns so). The client is made first, then the request waits its turn."""
+    import s3fs
+
+    from resumable_stream.io import budget, ranged
+
+    events = []
+    connect, acquire = s3fs.S3FileSystem.connect, budget.acquire
+    monkeypatch.setattr(s3fs.S3FileSystem, "connect", lambda fs, *a, **k: events.append("client") or connect(fs, *a, **k))
+    monkeypatch.setattr(budget, "acquire", lambda path, paced=True: events.append("turn") or acquire(path, paced))
+    monkeypatch.setattr(ranged, "_FILESYSTEMS", {})                    # this process has made none yet
+    url = f"s3://data/ds/{os.path.basename(sorted(bucket.local)[0])}"
+    options = {"s3": {"endpoint_url": bucket.srv.endpoint}}
+    assert ranged.read_range(url, 0, 4, options) == b"PAR1"
+    assert ranged.read_range(url, 4, 8, options)
+    assert events == ["client", "turn", "turn"]
+
+
 def test_a_single_s3_file_as_dataset_name_or_path(bucket):
     url = f"s3://data/ds/{os.path.basename(sorted(bucket.local)[1])}"
     cfg = StreamConfig(dataset_name_or_path=url, storage_options={"endpoint_url": bucket.srv.endpoint})
