@@ -95,13 +95,17 @@ class Job:
         endpoint, rdzv_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:12]
         self.nodes = []
         for node, config in enumerate(configs):
+            # Node 0's launcher hosts the rendezvous store, named (on one machine each launcher would guess it is the
+            # host, and the one that binds first wins); a store call waits up to 300 s on 2 busy cores, not 60 (a CI
+            # run lost a job to torch's launcher failing a store call in its monitoring loop).
+            conf = f"is_host={int(node == 0)},read_timeout=300"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(configs)), "--node-rank",
                    str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                   "--rdzv-id", rdzv_id, DATA_PARALLEL_TRAIN, TRAIN_LM, config]
+                   "--rdzv-id", rdzv_id, "--rdzv-conf", conf, DATA_PARALLEL_TRAIN, TRAIN_LM, config]
             self.nodes.append(procs.start(config, f"{label}-node{node}", command=cmd, env={"RS_TEST_RECORD": record}))
 
     def describe(self) -> str:
-        return "\n".join(f"=== node {n} ===\n{run.describe(2500)}" for n, run in enumerate(self.nodes))
+        return "\n".join(f"=== node {n} ===\n{run.describe(6000)}" for n, run in enumerate(self.nodes))
 
     def wait_ok(self, timeout: float = 300) -> Job:
         for run in self.nodes:
