@@ -1,12 +1,6 @@
 """Two runs side by side, for ``resumable-stream report RUN --compare OTHER``: the losses at the steps both logged
-and, where both kept their consumed samples (``data.consumed_log: true``: ``RUN/consumed/rank-NNNNN.jsonl``),
-whether every rank consumed the same samples at each step. A killed and resumed run compared with an
-uninterrupted one: "the same as uninterrupted" as a picture (a loss difference of 0 and the same samples at
-every step), or the first step where they part.
-
-What is read is bounded as the report's log is (report.py): regular files inside the run directory (a link out
-of it is refused), at most MAX_LOG_BYTES each; lines that do not parse are skipped and counted.
-"""
+and, where both kept ``consumed/rank-NNNNN.jsonl``, whether every rank consumed the same samples at each step.
+Files are read as the report's log is (report.py): regular files inside the run directory, bounded."""
 
 from __future__ import annotations
 

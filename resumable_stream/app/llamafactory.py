@@ -1,25 +1,10 @@
 """``resumable-stream llamafactory train CONFIG [key=value ...]``: LLaMA-Factory's ``run_exp`` with our stream.
 
-What is patched while it runs (and restored after):
-
-* ``get_dataset`` of the ``pt``, ``sft``, ``dpo``, ``kto`` and ``rm`` workflows: the training dataset is our
-  stream (:mod:`.data`; the preference stages: :mod:`.preference`);
-* ``AutoProcessor`` of its model loader: a Qwen2-VL-style processor loads without torchvision (images only,
-  :mod:`.media`);
-* the checkpoint LLaMA-Factory resumes automatically: the newest *complete* one (with ``trainer_state.json``
-  and the stream's manifest), never one a kill cut short (``get_last_checkpoint`` of its argument parser);
-* the weights a full fine-tune resumes: a checkpoint saved under legacy names (Qwen2-VL) is loaded under the
-  model's own (:mod:`.weights`; the Trainer of transformers 5.6 loads none of them);
-* its trainers (``CustomSeq2SeqTrainer``, ``CustomTrainer``, ``CustomDPOTrainer``, ``CustomKTOTrainer``,
-  ``PairwiseTrainer``) through :func:`patch_trainer`: no batch replay,
-  the stream state saved into and restored from every checkpoint, one job per ``output_dir``.
-
-A run whose newest complete checkpoint (or final ``trainer_state.json``) reached ``max_steps`` is finished:
-the command says so and changes nothing (LLaMA-Factory would save the freshly loaded model and an empty state
-over the finished outputs). ``FORCE_TORCHRUN=1`` (or several devices) launches torchrun as
-``llamafactory-cli`` does, with the same environment variables (NNODES, NODE_RANK, NPROC_PER_NODE,
-MASTER_ADDR, MASTER_PORT, RDZV_ID, MAX_RESTARTS), each rank running ``python -m resumable_stream llamafactory train``.
-"""
+While it runs (restored after) we patch: ``get_dataset`` of its workflows (:mod:`.data`, :mod:`.preference`);
+its ``AutoProcessor`` (:mod:`.media`); the checkpoint it resumes (the newest *complete* one); the weights a full
+fine-tune resumes (:mod:`.weights`); and its trainers through :func:`patch_trainer`. A run already at
+``max_steps`` is left unchanged (LLaMA-Factory would save over its outputs). ``FORCE_TORCHRUN=1`` (or several
+devices) launches torchrun as ``llamafactory-cli`` does, with the same environment variables."""
 
 from __future__ import annotations
 
@@ -155,11 +140,9 @@ _REMOTE_ENTRIES = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "clou
 
 
 def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
-    """What would be wrong with the data only once LLaMA-Factory has parsed its arguments and loaded the tokenizer
-    (seconds of imports, then the model), said before: ``dataset_info.json`` and the ``dataset`` entries it
-    names, the local files of ``file_name`` entries, ``resumable_stream.resume_state_path`` and
-    ``resume_from_checkpoint`` (resumable_stream.app.preflight). Read as LLaMA-Factory's ``get_dataset_list``
-    reads them (without importing it: its package imports transformers); remote entries are left to it."""
+    """What LLaMA-Factory would find wrong with the data only after seconds of imports and the model, said before:
+    ``dataset_info.json`` and its ``dataset`` entries, local ``file_name`` files and the resume paths. Read as
+    its ``get_dataset_list`` reads them, without importing it; remote entries are left to it."""
     from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
     from .preflight import check_resume_state
 

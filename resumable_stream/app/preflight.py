@@ -1,18 +1,7 @@
-"""The checks of a training command that need no model and no network, run before anything heavy is imported
-or built: a bad data config is refused in well under a second, before the startup summary and the model.
-
-* local data: a data folder (``dataset_name_or_path``, ``data_dir``, ``backend: local``) that is not there, a
-  ``data_files`` pattern that matches no file, a ``split`` the ``data_files`` do not have (each source of a
-  mixture, and the validation stream of ``data.eval``). Only what ``datasets`` would refuse too: a pattern is
-  looked for as ``datasets`` looks for it (from the working directory, or inside a local dataset folder);
-  remote paths and Hub ids are left to the resolution (it needs the network);
-* ``data.resume_state_path``: there, and a sidecar file or a stream_state / checkpoint directory whose manifest
-  reads (``state.checkpoint``'s own readers, the same errors);
-* ``train.resume_from_checkpoint``: a complete checkpoint (``check_complete``, as the Trainer's resume checks).
-
-What needs the stream (the files' contents, the columns, a saved state's fingerprint) is checked when the stream
-opens, which ``build_trainer`` does before it builds the model.
-"""
+"""The checks of a training command that need no model and no network, run before anything heavy is imported: a
+bad data config is refused in well under a second. Local data folders, ``data_files`` patterns and splits (as
+``datasets`` looks for them; remote paths are left to the resolution), ``data.resume_state_path`` and
+``train.resume_from_checkpoint``. What needs the stream is checked when it opens, before the model is built."""
 
 from __future__ import annotations
 

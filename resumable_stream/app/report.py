@@ -1,17 +1,10 @@
-"""``resumable-stream report RUN_DIR``: a picture of a run (a PNG of stacked panels over steps) and a short text
-summary, both from ``RUN_DIR/train_log.jsonl`` alone.
+"""``resumable-stream report RUN_DIR``: a PNG of stacked panels over steps and a short text summary, both from
+``RUN_DIR/train_log.jsonl`` alone (docs/cli.md).
 
-The log is read once, as bytes (their blake2b digest goes into the PNG's text metadata, with the number of
-records plotted and the resume steps, so a picture says what it was drawn from). Lines that do not parse as
-records are skipped and counted; the log is never followed outside RUN_DIR (a ``train_log.jsonl`` symlink out
-of it is refused) and nothing it names (checkpoints, paths) is opened. matplotlib (the ``report`` extra) is
-imported only when the picture is drawn, with its Agg canvas and no pyplot state.
-
-Any number a line holds can be reported: the summary is computed without overflow (a mean or median of values
-near the float maximum included), and a value the picture cannot draw (NaN, an infinity, an int past the float
-range, or beyond +-DRAW_LIMIT, where matplotlib's tick arithmetic overflows) is left out of the picture and named
-in one warning line.
-"""
+The log is read once as bytes (their blake2b digest goes into the PNG's metadata); lines that do not parse are
+skipped and counted; a log linked out of RUN_DIR is refused and nothing it names is opened. matplotlib (the
+``report`` extra) is imported only to draw, with its Agg canvas. The summary never overflows; a value the
+picture cannot draw (NaN, infinities, beyond +-DRAW_LIMIT) is left out and named in one warning line."""
 
 from __future__ import annotations
 

@@ -313,10 +313,8 @@ def _finished(checkpoint: str | None, max_steps: int) -> bool:
 
 
 def save_results(trainer, metrics: dict, nothing_left: bool) -> None:
-    """End a run as HF's example scripts and LLaMA-Factory do, with the Trainer's own writers (main process):
-    ``train_results.json`` and ``all_results.json`` (``save_metrics``) and ``trainer_state.json`` with the whole
-    ``log_history`` (``save_state``). A rerun with nothing left to train keeps those of the run that trained
-    (its metrics are those of no step, its state the last checkpoint's, without the final summary)."""
+    """End a run as HF's example scripts do: ``train_results.json``, ``all_results.json`` and ``trainer_state.json``
+    (main process). A rerun with nothing left to train keeps those of the run that trained."""
     out = trainer.args.output_dir
     if nothing_left and all(os.path.isfile(os.path.join(out, name)) for name in RUN_RESULTS):
         return

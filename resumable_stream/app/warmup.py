@@ -1,18 +1,10 @@
-"""Cache warmup: fetch exactly the blocks some ranks will read in their next N samples.
+"""Cache warmup: fetch exactly the blocks some ranks will read in their next N samples (docs/cache-and-warmup.md).
 
-Planning runs the real stream (partition reader, windows, interleave, epoch roll-over) for each
-rank over a *planning source*: for shards whose row counts are known (parquet row groups,
-map-style slices) it yields tables that carry only row numbers, cut at the same block
-boundaries as the cache serves them, and records every block the reader pulls. Nothing is
-downloaded while planning those shards, and the trace is exactly the set of lookups the cached
-stream will do. Shards of unknown length (json, csv, text files) cannot be planned without
-their data, so the planner reads them through the cache, which fills it as a side effect; each
-such shard is read by its own thread a few blocks ahead of the planner, so the shards a
-partition interleaves download in parallel.
-
-The planned blocks that are not cached yet are then fetched in parallel, consecutive blocks of
-one shard in one job (a shard's prefix is read once), in the order they will be needed.
-"""
+Planning runs the real stream for each rank over a *planning source* whose tables carry only row numbers, cut
+at the cache's block boundaries, and records every block the reader pulls: nothing is downloaded, and the
+trace is exactly the cached stream's lookups. Shards of unknown length (json, csv, text) are read through the
+cache instead, each by its own thread a few blocks ahead. The missing blocks are then fetched in parallel,
+consecutive blocks of a shard in one job, in the order they will be needed."""
 
 from __future__ import annotations
 
@@ -78,10 +70,8 @@ def _pump(tables: Iterator[pa.Table], q: queue.Queue, stop: threading.Event) -> 
 
 
 class _ReadAhead:
-    """The row counts of ``tables``, read by a thread that starts at once and keeps up to ``depth``
-    tables ahead of the caller. The partition reader opens all its interleaved shards before it
-    takes from any, so they download in parallel. ``close()`` (also on garbage collection) stops
-    the thread; a read error is raised in the caller."""
+    """The row counts of ``tables``, read by a thread up to ``depth`` tables ahead, so that the shards a partition
+    interleaves download in parallel. ``close()`` stops it; a read error is raised in the caller."""
 
     def __init__(self, tables: Iterator[pa.Table], depth: int = READ_AHEAD_TABLES):
         self._q, self._stop, self._done = queue.Queue(maxsize=depth), threading.Event(), False
@@ -239,12 +229,9 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
                 source: Source | None = None, block_rows: int | None = None) -> WarmupPlan:
     """The blocks ranks ``ranks`` of ``world_size`` read in their next ``samples`` samples each.
 
-    The cursors are fresh, or loaded from ``state_path`` (default ``config.resume_state_path``): a
-    sidecar file, stream_state dir or checkpoint dir, whose topology gives the defaults of
-    ``world_size`` / ``num_workers`` / ``ranks``. With ``num_workers`` K each rank's samples are
-    spread over its K partitions as the stream interleaves them. The window after the last sample
-    is included when the Nth sample ends a window (saving a checkpoint there reads it).
-    """
+    The cursors are fresh, or loaded from ``state_path`` (default ``config.resume_state_path``), whose topology
+    gives the defaults of ``world_size`` / ``num_workers`` / ``ranks``. The window after the last sample is
+    included when the Nth sample ends a window (saving a checkpoint there reads it)."""
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     cached = _open_cached(config, source, block_rows)
@@ -378,20 +365,9 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
                ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
                jobs: int = 8, progress: bool = True, source: Source | None = None,
                block_rows: int | None = None) -> WarmupResult:
-    """Plan (see :func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch. Warming a warm cache fetches
-    nothing. A mixture's result sums its sources'.
-
-    Args:
-        config: the data section, with ``cache_dir`` set.
-        samples: how many samples each rank will read next.
-        world_size, ranks, num_workers, state_path, block_rows: as :func:`plan_warmup`.
-        jobs: fetches in flight at once.
-        progress: show a progress bar (stderr).
-        source: an opened source to warm (default: opened as the job opens it).
-    Returns:
-        planned, already cached and fetched blocks, bytes, times, and the blocks still not cached after the
-        fetch with the cache's reason (``not_cached`` / ``why``: a full disk, an eviction, a locked cache).
-    """
+    """Plan (:func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch, ``jobs`` fetches at once; a warm cache
+    fetches nothing, a mixture's result sums its sources'. ``source``: an opened source (default: opened as the
+    job opens it). The result names the blocks still not cached after the fetch and why (``not_cached`` / ``why``)."""
     keys = dict(world_size=world_size, ranks=ranks, num_workers=num_workers, state_path=state_path,
                 block_rows=block_rows)
     if isinstance(config, MixtureConfig):

@@ -1,9 +1,5 @@
-"""Optional local block cache (``data.cache_dir``).
-
-``CachedSource`` wraps a source with a read-through block store on ``diskcache``; the stream wraps its source
-automatically when ``cache_dir`` is set. Filling the cache ahead (``plan_warmup`` / ``run_warmup``) runs
-the stream's own readers, so it lives above the stream: :mod:`resumable_stream.app.warmup`.
-"""
+"""Optional local block cache (``data.cache_dir``): ``CachedSource`` wraps a source with a read-through block
+store; filling it ahead runs the stream's readers, so it lives above the stream (:mod:`resumable_stream.app.warmup`)."""
 
 from .cached_source import CachedSource
 from .store import DEFAULT_BLOCK_ROWS, BlockStore, CorruptBlock, decode_block, encode_block

@@ -1,13 +1,8 @@
 """``CachedSource``: a read-through block cache around any :class:`~resumable_stream.sources.base.Source`.
 
-``read(shard, start_row)`` serves the shard block by block from the store while blocks are
-there, and from the first missing block on reads the source (from that block's first row),
-cutting what it yields into blocks and handing each to the store's writer thread as it passes
-(a block being written is simply a miss for a reader that wants it meanwhile). It yields the same rows
-in the same order as the source; only the table boundaries differ (one table per block), which
-the partition reader does not see. Shards, fingerprint and column names are the source's own,
-so sidecars written with the cache on resume with it off and the other way round.
-"""
+``read(shard, start_row)`` serves blocks from the store while they are there, then reads the source from the
+first missing block, handing each block to the store's writer thread as it passes. Rows, order, shards and
+fingerprint are the source's own (only table boundaries differ), so sidecars resume with the cache on or off."""
 
 from __future__ import annotations
 
@@ -99,11 +94,9 @@ class CachedSource(Source):
 
     # ------------------------------------------------------------------ reading
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Pass the plan's next shards on to the source's prefetch, leaving out those the cache holds whole,
-        once this process has missed the cache (until then every read was a hit: a warm cache makes no
-        request, not even ahead). A cold cache fills from the very fetches made ahead: the reader takes a
-        prefetched row group in ``_read_through`` and stores its blocks as they pass. ``starts`` go on
-        rounded down to a block: ``_read_through`` reads from the first block it lacks, whole blocks."""
+        """Pass the plan's next shards on to the source's prefetch, leaving out those the cache holds whole, once this
+        process has missed the cache (a warm cache makes no request, not even ahead). ``starts`` are rounded down
+        to a block: ``_read_through`` reads whole blocks."""
         if self.inner.prefetch_depth <= 0:
             return
         starts = starts or {}
@@ -200,10 +193,8 @@ class CachedSource(Source):
 
     # ------------------------------------------------------------------ warmup
     def fetch_blocks(self, shard: int, first: int, last: int, on_block=None) -> tuple[int, int]:
-        """Fetch blocks ``first..last`` of a shard from the source into the store (those missing).
-
-        Returns (blocks written, bytes written). ``on_block(bytes_written)`` is called per block.
-        """
+        """Fetch the missing blocks ``first..last`` of a shard into the store: (blocks, bytes) written;
+        ``on_block(bytes_written)`` per block."""
         R = self.block_rows
         written = nbytes = 0
         block, parts, have = first, [], 0

@@ -1,15 +1,9 @@
 """What the block cache trusts in its directory: raw bytes only, and only files inside the directory.
 
-``cache.db`` may be written by anyone who can write the cache directory (one cache is shared by a
-node). Its rows say how a value is stored (``mode``) and in which file (``filename``); diskcache
-would unpickle a row in pickle mode and open or delete whatever path a row names. Here a row is
-only ever read as raw bytes (in the row, or in a regular file inside the directory), any other
-mode is an :class:`UnsafeEntry`, and a file name that resolves outside the directory (``../``,
-absolute, through a symlink) is never opened nor deleted.
-
-:class:`SafeDisk` is the ``diskcache.Disk`` the store writes with (so diskcache's own deletes and
-evictions are confined too); :func:`read_value` is how values are read back.
-"""
+``cache.db`` may be written by anyone who can write the (node-shared) cache directory, and diskcache would
+unpickle a row in pickle mode and open or delete any path a row names. Here a row is only read as raw bytes,
+any other mode is an :class:`UnsafeEntry`, and a file name resolving outside the directory is never opened
+nor deleted. :class:`SafeDisk` is the ``diskcache.Disk`` the store writes with; :func:`read_value` reads back."""
 
 from __future__ import annotations
 
@@ -55,11 +49,8 @@ def _read_regular_file(path: str) -> bytes:
 
 
 def read_value(directory: str, mode, filename, value) -> bytes:
-    """The bytes of a cache row (``mode``, ``filename``, ``value`` columns); never unpickles anything.
-
-    Raises UnsafeEntry for a row in any other mode or naming a file outside ``directory``, and
-    OSError when its file cannot be read (e.g. evicted meanwhile).
-    """
+    """The bytes of a cache row (``mode``, ``filename``, ``value``), never unpickled: UnsafeEntry for another mode
+    or a file outside ``directory``, OSError when its file cannot be read (evicted meanwhile)."""
     if mode == MODE_RAW and isinstance(value, bytes):
         return value
     if mode == MODE_BINARY and value is None:
@@ -71,11 +62,8 @@ def read_value(directory: str, mode, filename, value) -> bytes:
 
 
 class SafeDisk(diskcache.Disk):
-    """A ``diskcache.Disk`` for str keys and bytes values only, its files confined to the directory.
-
-    Settings planted in ``cache.db`` (``disk_*``) are ignored. A value file whose write fails
-    (disk full) is removed; :meth:`remove_last_write` removes the one a failed transaction left.
-    """
+    """A ``diskcache.Disk`` for str keys and bytes values, its files confined to the directory; ``disk_*`` settings
+    planted in ``cache.db`` are ignored, and the file of a failed write is removed."""
 
     def __init__(self, directory, **_settings):
         super().__init__(directory, min_file_size=2**15, pickle_protocol=0)
@@ -145,11 +133,8 @@ class SafeDisk(diskcache.Disk):
 
 
 def sweep_orphans(directory: str, referenced: set[str], min_age_s: float) -> int:
-    """Remove value files no row refers to (left by a deleted ``cache.db`` or a killed write).
-
-    Only the ``xx/yy/<28 hex>.rsb`` names :class:`SafeDisk` gives are considered, and only files older than
-    ``min_age_s`` (a file is written before its row is committed). Returns the files removed.
-    """
+    """Remove value files no row refers to (a deleted ``cache.db``, a killed write): only :class:`SafeDisk`'s names,
+    older than ``min_age_s`` (a file is written before its row commits). Returns the files removed."""
     removed, now = 0, time.time()
     with os.scandir(directory) as top:
         firsts = [e.path for e in top if _VALUE_DIR.match(e.name) and e.is_dir(follow_symlinks=False)]

@@ -1,10 +1,5 @@
-"""Which directory is a block cache of ours: the only kind of directory the cache deletes files in.
-
-The cache evicts blocks and sweeps value files no entry refers to, so pointed at the wrong directory
-(another diskcache, a dataset, a home directory) it would delete what is not its own. It marks a
-directory as a cache when it makes it (or finds it empty), with :data:`MARKER`, and refuses any other
-non-empty directory with a ConfigError naming it.
-"""
+"""Which directory is a block cache of ours: the only kind the cache deletes files in. A directory is marked
+with :data:`MARKER` when the cache makes it (or finds it empty); any other non-empty one is a ConfigError."""
 
 from __future__ import annotations
 

@@ -1,32 +1,17 @@
 """The block store: Arrow IPC blocks bound to their key, in a ``diskcache`` directory shared by a node.
 
-A *block* is ``block_rows`` consecutive rows of one shard (block *b* holds rows
-``[b * block_rows, (b + 1) * block_rows)``; the shard's last block may be shorter, and is marked
-*last* so that a fully cached shard is read without asking the source anything).
+A block is ``block_rows`` consecutive rows of one shard (the shard's last one marked *last*, so that a fully
+cached shard is read without asking the source). Keys are ``<namespace>/<shard>/<block>``, the namespace a
+digest of the dataset fingerprint, block size and block format, so changed data never meets an old entry.
+A value is a header (magic, flags, rows, length, key digest, CRC-32) and the Arrow IPC stream; one that fails
+a check (moved under another key included) is dropped with a warning and fetched again.
 
-Keys are ``"<namespace>/<shard>/<block>"`` where the namespace is a digest of the dataset
-fingerprint (files with sizes / versions, split, builder...), the block size and the block format,
-so a changed file, another block size or an older format never meets an old entry. Values are raw
-bytes: a fixed header (magic, flags, rows, payload length, digest of the key, CRC-32 over the
-header's fields and the payload) followed by the Arrow IPC stream of the block. A value that fails
-any check (a block moved under another key included) is dropped with a warning and fetched again.
-
-``cache.db`` is not trusted (see :mod:`.disk`): lookups read the row themselves on a read-only
-SQLite connection (never through diskcache's ``get``, which unpickles and writes), take only raw
-bytes inside the directory, and give up on a locked database after READ_TIMEOUT_S. Writes go
-through ``diskcache.Cache`` with :class:`~.disk.SafeDisk`; a read-only, locked or full cache skips
-them (counted), it never stops reading.
-
-Every process (rank, DataLoader worker, warmup thread pool) opens its connections itself, lazily
-and again after a fork: SQLite connections must not cross a fork. diskcache's SQLite (WAL) and
-its file writes are safe between processes and threads, so one directory serves a whole node.
-Counters (hits, misses, bytes...) live in shared memory created by the process that made the
-store, so DataLoader workers' reads show up in the main process's :meth:`BlockStore.stats`.
-Blocks read from the source are written by one background thread per process
-(:meth:`BlockStore.put_behind`), which also records hits for the LRU order, so a read does not
-wait for the disk; pending writes finish before the process exits, and :meth:`BlockStore.flush`
-waits for them.
-"""
+``cache.db`` is not trusted (:mod:`.disk`): lookups read rows themselves on a read-only SQLite connection
+(diskcache's ``get`` unpickles and writes) and give up on a locked database after READ_TIMEOUT_S. Writes go
+through ``diskcache.Cache`` with :class:`~.disk.SafeDisk` on one background thread per process
+(:meth:`BlockStore.put_behind`); a read-only, locked or full cache skips them, it never stops reading.
+Connections are opened per process (again after a fork); counters live in shared memory, so DataLoader
+workers' reads show in the main process's :meth:`BlockStore.stats`."""
 
 from __future__ import annotations
 
@@ -109,12 +94,8 @@ def _has_dictionary(t: pa.DataType) -> bool:
 
 
 def _ipc_stream_parts(table: pa.Table) -> list:
-    """The Arrow IPC stream of ``table`` as a list of buffers (schema, batches, end marker).
-
-    Each record batch is serialized into a buffer of its exact size: ~10x faster than
-    ``ipc.new_stream`` into a growing ``BufferOutputStream`` on the cache-filling path. Dictionary
-    columns need dictionary messages, so they go through the stream writer.
-    """
+    """The Arrow IPC stream of ``table`` as buffers (schema, batches, end marker), each batch serialized at its
+    exact size (~10x faster than a growing ``BufferOutputStream``); dictionary columns go through the writer."""
     if any(_has_dictionary(f.type) for f in table.schema):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -128,11 +109,8 @@ def _key_digest(key: str) -> bytes:
 
 
 def encode_block_parts(table: pa.Table, last: bool, key: str) -> list:
-    """[header, *Arrow IPC stream buffers] of the block stored under ``key``.
-
-    The header names the key (a digest): a block moved under another key fails :func:`check_block`.
-    The checksum covers the header's fields and the whole stream.
-    """
+    """[header, *Arrow IPC stream buffers] of the block stored under ``key``: the header names the key (a digest,
+    checked by :func:`check_block`), the checksum covers the header's fields and the whole stream."""
     parts = _ipc_stream_parts(table)
     size = sum(memoryview(p).nbytes for p in parts)
     flags, digest = _FLAG_LAST if last else 0, _key_digest(key)
@@ -196,12 +174,8 @@ def decode_block(data: bytes, key: str) -> tuple[pa.Table, bool]:
 
 
 def _open_read_only(db: str) -> sqlite3.Connection:
-    """A connection that only ever reads ``cache.db``: lookups never write (nor wait for a writer).
-
-    In WAL mode readers are not blocked by writers; only an exclusive lock of another kind makes
-    a read wait, at most READ_TIMEOUT_S. A WAL database in a directory nobody may write (no ``-shm``
-    file can be made next to it) cannot be opened read-only: it is opened immutable, which it is.
-    """
+    """A connection that only reads ``cache.db``, waiting at most READ_TIMEOUT_S for a lock (WAL readers are not
+    blocked by writers). A WAL database in a directory nobody may write cannot be opened read-only: immutable."""
     uri = "file:" + urllib.parse.quote(db)
     con = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=READ_TIMEOUT_S, isolation_level=None)
     try:
@@ -482,11 +456,8 @@ class BlockStore:
             self._error(what, err)
 
     def put(self, shard: int, block: int, table: pa.Table, last: bool, where: str = "") -> int:
-        """Store a block unless a sound copy is already there; returns the bytes written (0 if present or
-        not written: a read-only, locked or full cache is skipped, counted in ``writes_skipped``).
-
-        An entry already there is checked (header and checksum) and replaced if it is corrupt.
-        """
+        """Store a block unless a sound copy is there (a corrupt one is replaced): the bytes written, 0 when present
+        or skipped (a read-only, locked or full cache, counted in ``writes_skipped``)."""
         st = self._proc()
         if not self._may_write(st):
             self._counters.add(writes_skipped=1)

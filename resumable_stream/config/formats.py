@@ -1,14 +1,9 @@
 """The registry of the formats we index and read ourselves; everything else goes to ``datasets``' readers.
 
-An entry says how a format is recognised (``datasets`` builder names, file extensions) and where its reader
-is (a module path, imported when first used, so that ``config.py`` can consult the registry without
-importing pyarrow's readers; or the reader object itself). The reader is an
-:class:`~resumable_stream.sources.base.IndexedReader`: how one file's index entry is built, what checks an
-entry of a local file on resume, how a source opens from an index. A new format is one module plus one
-:func:`register` call (or one line in ``_BUILTIN``); see docs/internals.md, "How to add a source".
-
-This module imports nothing heavy: ``config.py`` imports it.
-"""
+An entry names how a format is recognised (builder names, extensions) and its
+:class:`~resumable_stream.sources.base.IndexedReader` (a module path imported on first use, so that this
+module imports nothing heavy). A new format is one module plus one :func:`register` call; see
+docs/internals.md, "How to add a source"."""
 
 from __future__ import annotations
 

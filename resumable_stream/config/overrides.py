@@ -1,12 +1,6 @@
-"""``key=value`` overrides of a yaml on the command line, as ``llamafactory-cli`` takes them:
-``resumable-stream train x.yaml train.max_steps=5 data.shuffle_seed=7``.
-
-A key is the dotted path of a yaml key (``data.eval.num_samples``; ``data.sources.0.weight`` for a list item),
-a value is read as a yaml scalar or flow collection (``5`` an int, ``true`` a bool, ``[a, b]`` a list, ``null``
-None; ``key=`` an empty string). Overrides are merged into the yaml before it is validated, so they are checked
-exactly like the yaml's own keys; an error about an override names it as it was typed. A relative path in an
-override is taken from the current directory (in the yaml: from the yaml's folder).
-"""
+"""``key=value`` overrides of a yaml on the command line, as ``llamafactory-cli`` takes them
+(``train.max_steps=5 data.sources.0.weight=2``; a value is read as yaml). They are merged into the yaml before
+it is validated, and an error about one names it as typed. A relative path is taken from the current directory."""
 
 from __future__ import annotations
 
@@ -106,10 +100,8 @@ def _is_input_path(path: tuple[str | int, ...]) -> bool:
 
 def apply(doc: dict, items: Sequence[str], *, base_dir: str | None, data_only: bool = False,
           source: str = "the yaml") -> tuple[dict, list[Override]]:
-    """``doc`` (not changed) with the overrides merged in, and the overrides.
-
-    ``data_only``: the caller reads only the data section (peek, warmup, index). A yaml that is only data keys
-    takes them bare (``shuffle_seed=7``) or under ``data.``; a trainer yaml takes ``data.`` keys only."""
+    """``doc`` (not changed) with the overrides merged in, and the overrides. ``data_only`` (peek, warmup, index):
+    data keys only, bare (``shuffle_seed=7``, in a yaml of data keys only) or under ``data.``."""
     doc = copy.deepcopy(doc)
     bare = data_only and "data" not in doc and not ({"model", "train"} & set(doc))
     done = []

@@ -1,18 +1,6 @@
-"""The small typed specs each stage of the data path takes, built once from a validated ``data:`` section.
-
-``StreamConfig`` is the user-facing parse of ``data:`` (every key, every error). Below ``config/`` no function
-takes it whole: a stage takes the spec it needs, so that a reader cannot come to depend on, say, the cache
-settings, and a reader's signature says what it reads. ``StreamConfig.source_spec`` and
-``StreamConfig.cache_spec`` build them (once per config); the order settings go into ``plan.Layout``.
-
-    DataSpec     which data: the keys that name the dataset and its split (resolution, fingerprint, index key)
-    NetPolicy    how the network is used: retries, backoff, deadlines, fsspec storage options
-    ReadSpec     how a reader reads: open shards, row groups fetched ahead and their memory, tar member limit
-    GrowthSpec   whether the files grow while the job runs, and how it waits for them
-    IndexSpec    the dataset index file given by the user, and whether a loaded index is checked
-    SourceSpec   all of the above: what opening one dataset needs
-    CacheSpec    the local block cache
-"""
+"""The small typed specs each stage of the data path takes, built once from a validated ``data:`` section
+(``StreamConfig.source_spec`` / ``cache_spec``): below ``config/`` a stage takes the spec it needs, never
+the whole config, so its signature says what it reads."""
 
 from __future__ import annotations
 
@@ -42,10 +30,8 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class NetPolicy:
-    """``data.retries`` / ``retry_backoff_s`` / ``timeout_s`` / ``retry_budget_s``, the fsspec ``storage_options``
-    (see ``io/net.py``, which turns it into a ``RetryPolicy`` for a source's paths) and the request budget:
-    ``max_requests_per_s`` (the job's rate per store; None: automatic) and ``rate_limit_wait_s`` (see
-    ``io/budget.py``)."""
+    """How the network is used: retries, deadlines, fsspec ``storage_options`` (``io/net.py``) and the request
+    budget (``io/budget.py``; ``max_requests_per_s`` None: automatic)."""
 
     retries: int = 5
     retry_backoff_s: float = 1.0
@@ -58,10 +44,8 @@ class NetPolicy:
 
 @dataclass(frozen=True)
 class ReadSpec:
-    """How a reader reads: ``data.interleave_shards`` (open shards per partition, which bounds how far ahead
-    it may fetch), ``prefetch_blocks`` (None: adaptive; 0: off), ``prefetch_memory_mb``,
-    ``max_member_bytes`` (the largest WebDataset tar member read) and ``footer_dir`` (``data.cache_dir``: the
-    footers an index build reads are kept there by file identity, ``sources/footer_cache.py``)."""
+    """How a reader reads: open shards per partition, row groups fetched ahead (None: adaptive; 0: off) and their
+    memory, the largest tar member, and ``footer_dir`` (``data.cache_dir``: index footers kept by identity)."""
 
     interleave_shards: int = 4
     prefetch_blocks: int | None = None

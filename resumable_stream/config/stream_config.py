@@ -243,21 +243,11 @@ class StreamConfig:
     @classmethod
     def from_dict(cls, data: Any, *, base_dir: str | None = None, source_file: str | None = None,
                   extra_keys: tuple[str, ...] | None = None) -> StreamConfig | MixtureConfig:
-        """The ``data:`` section as a validated config.
+        """The ``data:`` section as a :class:`StreamConfig` (a :class:`MixtureConfig` with ``sources``).
 
-        Args:
-            data: the section's mapping (a ``sources`` list makes it a weighted mixture of datasets).
-            base_dir: where relative paths (data_files, index_path, resume_state_path, a local dataset) are
-                looked for first: the yaml's directory.
-            source_file: the yaml it came from (named in errors; not compared).
-            extra_keys: other keys of the ``data:`` section (the transform's), accepted and left out. Default:
-                the text transform's keys, so a trainer yaml's data section reads as a stream config.
-        Returns:
-            a :class:`StreamConfig`, or a :class:`MixtureConfig` for a section with ``sources``.
-        Raises:
-            ConfigError: naming the key, the value and what is allowed (UnknownKeyError for a key no stage
-                reads, with the closest known key).
-        """
+        ``base_dir``: where relative paths are looked for first (the yaml's folder); ``source_file``: named in
+        errors; ``extra_keys``: other keys accepted and left out (default: the transform's, monitoring's and
+        trainer's). Raises ConfigError naming key, value and what is allowed (UnknownKeyError with a suggestion)."""
         if not isinstance(data, dict):
             raise ConfigError(f"data: got {type(data).__name__} {shown(data)}; allowed: a mapping of data keys")
         if extra_keys is None:
@@ -282,17 +272,8 @@ class StreamConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
-        """Read the ``data:`` section of a trainer yaml, or a yaml that is only the data section.
-
-        Args:
-            path: the yaml file; relative paths in it are taken from its directory first.
-            overrides: ``key=value`` texts merged in first (:mod:`resumable_stream.config.overrides`), e.g.
-                ``data.shuffle_seed=7``.
-        Returns:
-            a :class:`StreamConfig`, or a :class:`MixtureConfig` when the section has ``sources``.
-        Raises:
-            ConfigError: the file cannot be read or parsed, or a key has a wrong value (named).
-        """
+        """The ``data:`` section of a trainer yaml, or of a yaml of data keys only, with ``key=value`` ``overrides``
+        merged in first (:mod:`resumable_stream.config.overrides`); relative paths from the yaml's folder first."""
         path = os.fspath(path)
         doc = load_file(path)
         if not isinstance(doc, dict):
@@ -398,13 +379,9 @@ _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 @dataclass(frozen=True)
 class MixtureConfig:
-    """A weighted mixture of datasets (``data.sources``): one full :class:`StreamConfig` per source.
-
-    ``weights`` are relative (``probabilities`` normalises them); ``labels`` name the sources in sample
-    keys, logs and errors (default ``source0``, ``source1``, ...). ``stopping`` says where a mixture
-    epoch ends (see ``resumable_stream.stream.mixture``). Keys of the ``data:`` section other than the
-    sources' apply to every source; ``resume_state_path`` is the mixture's own.
-    """
+    """A weighted mixture of datasets (``data.sources``): one full :class:`StreamConfig` per source, relative
+    ``weights``, ``labels`` (default ``source0``, ...) and ``stopping`` (docs/mixtures.md). The other keys of
+    ``data:`` apply to every source; ``resume_state_path`` is the mixture's own."""
 
     sources: tuple[StreamConfig, ...]
     weights: tuple[float, ...]

@@ -176,10 +176,8 @@ def _model_section(section: dict, base_dir: str | None, transform: TransformConf
 
 
 def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
-    """The data of ``peek``, ``index`` and ``warmup``, with every key of the yaml checked as ``train`` checks
-    it (the same errors), though these commands read only the data: a trainer yaml's model: and train:
-    sections, a data section's transform, monitoring and eval keys. A yaml that is only data keys is the data
-    section. Overrides are data keys only (:func:`resumable_stream.config.overrides.apply`)."""
+    """The data of ``peek``, ``index`` and ``warmup``, every key of the yaml checked as ``train`` checks it (the same
+    errors), though they read only the data. Overrides are data keys only."""
     doc = _read_yaml(path, "a mapping with a data: section (and model: and train:), or of data keys")
     base_dir = os.path.dirname(os.path.abspath(path))
     doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
@@ -202,10 +200,8 @@ def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamCon
 def data_sections_from_yaml(path: str, overrides: Sequence[str] = ()) -> tuple[StreamConfig | MixtureConfig,
                                                                              StreamConfig | MixtureConfig | None,
                                                                              dict[str, Any]]:
-    """(the stream, the validation stream, the train: section as written) of a trainer yaml: its data section
-    validated as :meth:`TrainerConfig.from_yaml` validates it (the same errors), but neither the model: nor the
-    train: section, whose checks import transformers: what ``train`` checks before anything heavy
-    (resumable_stream.app.preflight)."""
+    """(stream, validation stream, train: section as written) of a trainer yaml, the data checked as
+    :meth:`TrainerConfig.from_yaml` checks it, but not model: / train: (those checks import transformers)."""
     doc = _read_yaml(path)
     base_dir = os.path.dirname(os.path.abspath(path))
     doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)

@@ -1,9 +1,5 @@
-"""Transform keys of the ``data:`` section, validated into a frozen dataclass.
-
-The caller splits a ``data:`` mapping into stream keys and transform keys (``TransformConfig.KEYS``);
-``from_dict`` reads only its own keys and ignores the rest. Every bad value raises ``ConfigError``
-naming ``data.<key>``, the value and what is allowed.
-"""
+"""Transform keys of the ``data:`` section (``TransformConfig.KEYS``), validated into a frozen dataclass;
+every bad value raises ``ConfigError`` naming ``data.<key>``, the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -81,40 +77,10 @@ _RULES: dict[str, tuple[Any, str]] = {
 
 @dataclass(frozen=True)
 class TransformConfig:
-    """How raw rows become training examples.
-
-    - ``format``: ``text`` (one string column) or ``messages`` (a list of {role, content}, rendered with
-      the tokenizer's chat template; only assistant turns are labelled).
-    - ``max_seq_len``: tokens per example (packing: exactly this many per block).
-    - ``packing``: concatenate consecutive examples and cut blocks of ``max_seq_len``; leftovers carry
-      over (and are part of the saved state). ``overlong`` does not apply with packing.
-    - ``packing_mode``: ``concat`` (one token stream, attention and loss across documents) or ``neat``
-      (position ids restart at every document, no token attends to or is predicted from another document;
-      see docs/packing.md). Only with ``packing: true``.
-    - ``overlong``: an example longer than ``max_seq_len`` is truncated (its head is kept), dropped, or an error.
-    - ``empty``: empty/whitespace/missing text, or a conversation without an assistant turn: skip or error.
-    - ``add_eos``: append the tokenizer's EOS to every ``text`` document (``messages`` end with the
-      template's own end-of-turn token).
-    - ``id_column``: column the loader takes sample keys from (null: the stream's (shard, row) key).
-    - ``consumed_log``: directory the loader logs consumed sample keys to (null / false: off; true: the run's
-      ``train.output_dir/consumed``, resolved by the trainer config); never changes outputs.
-    - ``format: vl``: ``messages`` with ``<image>`` placeholders plus ``images_column`` (a list of images:
-      HF ``Image`` structs, bytes, local paths relative to ``image_dir``, or http(s) URLs), run through the
-      model's processor. ``bad_sample`` decides what an undecodable / missing / unsupported image, a
-      placeholder count that differs from the image count, a processor failure or an over-length sample
-      does: ``error`` (``TransformError`` naming the sample) or ``skip`` (counted and logged). VL samples
-      are never truncated (``overlong`` does not apply) and never packed. Image reads are bounded: regular
-      files only (a FIFO or device is a bad sample, never a hang), at most ``max_image_bytes`` per file,
-      download or bytes value, and local paths confined to ``image_dir`` (the working directory when null:
-      no absolute path, no ``..`` or symlink out of it) unless ``allow_absolute_image_paths``; an image is
-      decoded only when its header says it has at most ``max_image_pixels`` pixels (null: Pillow's own bound).
-    - ``format: alpaca`` / ``sharegpt``: LLaMA-Factory's formats, read through ``columns`` (and ``tags`` for
-      sharegpt) with LLaMA-Factory's names and defaults, turned into ``messages`` (``transforms.formats``).
-      A row that does not fit follows ``bad_sample``.
-    - ``map``: "package.module:function" (or, from Python, the function itself) applied to every row first
-      (``transforms.row_map``); ``map_version`` replaces its source digest in the fingerprint.
-    - ``sources``: a mixture's per-source settings (``SOURCE_TRANSFORM_KEYS`` over this config), by label.
-    """
+    """How raw rows become training examples: ``format`` (text, messages, vl, alpaca, sharegpt), ``max_seq_len``,
+    ``packing`` / ``packing_mode``, ``overlong``, ``empty``, ``bad_sample``, the image bounds of ``format: vl``,
+    ``map`` and ``sources`` (per-source settings by label). Each key is documented in docs/configuration.md;
+    ``consumed_log: true`` is resolved to ``train.output_dir/consumed`` by the trainer config."""
 
     KEYS: ClassVar[tuple[str, ...]] = tuple(_RULES)
     DEFAULTS: ClassVar[dict[str, Any]]

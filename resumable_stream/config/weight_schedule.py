@@ -1,17 +1,7 @@
-"""Mixture weights that change with training: ``data.sources[i].weight`` as a number or a schedule.
-
-A schedule is a mapping (checked here, kept as plain JSON values, so it goes into a fingerprint as is)::
-
-    weight: {schedule: linear, unit: steps, points: [[0, 0.9], [1000, 0.1]]}
-
-``points`` are (position, weight) pairs with positions strictly increasing from >= 0 and weights >= 0;
-``schedule: linear`` interpolates between points, ``constant`` holds each point's weight until the next
-one; before the first point a schedule has the first weight, after the last one the last weight. ``unit``
-says what a position counts: ``steps`` (optimizer steps) or ``samples`` (samples of the whole job). Weights
-are relative at every position: the mixture normalises them over its sources there.
-
-How a position maps to a partition's draw index is the stream's (resumable_stream.stream.weights).
-"""
+"""Mixture weights that change with training: ``data.sources[i].weight`` as a number or a schedule such as
+``{schedule: linear, unit: steps, points: [[0, 0.9], [1000, 0.1]]}`` (docs/mixtures.md). A schedule is checked
+here and kept as plain JSON values, so it goes into a fingerprint as is; how a position maps to a partition's
+draw index is the stream's (resumable_stream.stream.weights)."""
 
 from __future__ import annotations
 

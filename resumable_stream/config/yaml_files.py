@@ -1,18 +1,9 @@
 """Reading yaml (config files, ``key=value`` overrides) in bounded time and memory.
 
-A config file is read only if it is a regular file (a FIFO or a device never hangs the read) of at most
-``MAX_CONFIG_BYTES``. It is parsed with libyaml's C loader where PyYAML has it (``yaml.CSafeLoader``, ~5x the
-pure-Python parser), else with ``yaml.SafeLoader``: the same documents, the same errors (a ConfigError). The
-parsed node graph is checked before any Python value is built from it:
-
-* aliases: a yaml anchor can be referred to many times, and an alias chain ("billion laughs": ten aliases of
-  ten aliases of ...) describes a value of 10**9 items in 1 KB. PyYAML builds it as shared objects, but anything
-  that walks it (an error message's repr, a copy, a check of every item) walks all of it. The nodes the
-  aliases add to the document, counted as a walk would meet them, are at most ``MAX_ALIAS_NODES``;
-* an alias inside the node it refers to (``&a [*a]``) is refused: it makes a value that contains itself;
-* nesting: at most ``MAX_YAML_DEPTH`` levels, counted through aliases (recursive walkers stay far from
-  Python's recursion limit).
-"""
+A config file is read only if it is a regular file of at most ``MAX_CONFIG_BYTES``, parsed with libyaml's C
+loader where PyYAML has it (the same documents and errors as ``SafeLoader``). The node graph is checked before
+any value is built: the nodes aliases add, counted as a walk meets them, at most ``MAX_ALIAS_NODES`` ("billion
+laughs"); no alias inside its own node; at most ``MAX_YAML_DEPTH`` levels through aliases."""
 
 from __future__ import annotations
 

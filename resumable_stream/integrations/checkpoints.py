@@ -1,7 +1,5 @@
 """A run's checkpoints for any training loop: ``checkpoint-N/`` directories in an output dir, each completed by
-the stream state every rank writes after the user's own files, with the manifest last.
-
-    from resumable_stream import Checkpoints
+the stream state every rank writes after the user's own files, with the manifest last (docs/trainers.md).
 
     checkpoints = Checkpoints(output_dir, keep=3)
     start = checkpoints.resume(loader)               # the newest complete checkpoint's step (0: none)
@@ -10,13 +8,9 @@ the stream state every rank writes after the user's own files, with the manifest
         if step % 100 == 0:
             with checkpoints.save(step, loader) as path:     # output_dir/checkpoint-<step>
                 torch.save(model.state_dict(), f"{path}/model.pt")   # your files first
-            # here every rank wrote its stream state and rank 0 the manifest: the checkpoint is complete
 
-A checkpoint is complete once its ``stream_state/manifest.json`` is there (written last, after a barrier that
-follows every rank's own writes), so a kill at any moment leaves the one before it as the newest complete one;
-a restart removes those a kill cut short (rank 0) before it resumes. The Trainer integration writes the same
-stream state into the Trainer's checkpoints (:func:`save_stream_state`).
-"""
+A kill at any moment leaves the previous checkpoint as the newest complete one; a restart removes those a
+kill cut short (rank 0) before it resumes."""
 
 from __future__ import annotations
 
@@ -74,14 +68,9 @@ def save_stream_state(loader, checkpoint: str, world_size: int, is_main: bool,
 
 
 class Checkpoints:
-    """The ``checkpoint-N`` directories of ``output_dir`` for a training loop of one or more ranks (module doc).
-
-    Args:
-        output_dir: the run's directory, the same on every rank (a shared filesystem across nodes).
-        keep: complete checkpoints to keep (the oldest are removed after each save); None keeps all.
-        required: files of yours a checkpoint must have to count as complete, besides the stream state (with
-            :meth:`save` they are written before it anyway; this also guards checkpoints written otherwise).
-    """
+    """The ``checkpoint-N`` directories of ``output_dir`` (the same on every rank) for a training loop of one or
+    more ranks; ``keep``: complete checkpoints kept (None: all); ``required``: files of yours a checkpoint must
+    have to count as complete, besides the stream state."""
 
     def __init__(self, output_dir: str | os.PathLike, keep: int | None = None, required: Sequence[str] = ()):
         if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
@@ -108,10 +97,8 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def save(self, step: int, loader: Any) -> Iterator[str]:
-        """``checkpoint-<step>``, made for the files of yours written inside the block; when the block ends (on
-        every rank), every rank writes the loader's state and rank 0 the manifest that completes it, then
-        removes the oldest complete ones beyond ``keep``. An exception inside the block leaves the checkpoint
-        incomplete (the next restart removes it)."""
+        """``checkpoint-<step>`` for your files, written inside the block; when it ends (on every rank) the stream
+        state completes it and rank 0 removes the oldest beyond ``keep``. An exception leaves it incomplete."""
         if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
             raise ConfigError(f"step: got {step!r}; allowed: an integer >= 0")
         path = self.path(step)

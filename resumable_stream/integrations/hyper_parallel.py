@@ -1,43 +1,11 @@
 """``_target_`` builders for HyperParallel's trainer (mindspore-ai/hyper-parallel): our stream as its dataset and
-its train dataloader.
+its train dataloader (examples/hyper_parallel/train_stream.yaml).
 
-In HyperParallel's yaml (examples/hyper_parallel/train_stream.yaml is the whole file)::
-
-    dataset:
-      _target_: resumable_stream.integrations.hyper_parallel.build_dataset
-      backend: hf                    # our data: keys, inline (the RFC's keys and ours) ...
-      dataset_name_or_path: parquet
-      data_files: /data/*.parquet
-      shuffle: true
-      shuffle_seed: 42
-      # ... or `config: stream.yml` naming a resumable-stream yaml
-    dataloader:
-      _target_: resumable_stream.integrations.hyper_parallel.build_dataloader
-      num_workers: 2
-      use_background_prefetcher: true
-
-The contract, as HyperParallel's public sources define it (the files and lines the tests' harness follows are
-quoted there, tests/_support/hp_trainer.py):
-
-- ``BaseTrainer._build_dataset`` calls ``config.dataset.build(transform=, tokenizer=, mesh_context=,
-  training_config=)``: :func:`build_dataset` takes those, reads this rank's place from ``mesh_context``
-  (``dp_rank`` / ``dp_size``: tensor / context / pipeline peers read the same rows) and returns an iterable
-  dataset (so no batch sampler is made for it).
-- ``data.batching.build_dataloader`` calls the dataloader target's ``build(dataset=, collate_fn=,
-  batch_sampler=, batch_size=<micro_batch_size>, sampler_type=, dp_world_size=, max_seq_len=, seed=)`` next to
-  the yaml's own keys: :func:`build_dataloader` returns a :class:`HyperParallelStreamLoader` whose items are
-  ``collate_fn([transform(row) for row in batch_size rows])``, as its ``FixedBatchDataLoader`` makes them.
-- ``len(train_dataloader)`` raises ``TypeError`` (an unsized stream: the run is ``training.train_iters``
-  steps long); ``set_epoch`` does nothing (the stream's epochs roll over per partition).
-- ``HyperIter`` with ``use_background_prefetcher`` calls ``state_dict()`` after every item it prefetches and
-  keeps the one of the item training took; without it, ``CheckpointerCallback`` calls it at the save. Either
-  way it is this rank's state, O(its partitions), with no collective: a snapshot per item costs what copying
-  a few small dicts costs. ``CheckpointerCallback`` writes it into ``extra_state['train_dataloader']`` (per
-  rank with ``save_extra_state_per_rank: true``, its default) and calls ``load_state_dict`` before the first
-  step of a resume.
-
-HyperParallel itself is not imported here (it is not on the package index); the builders need only the
-arguments it passes.
+The calls HyperParallel makes and what each builder answers are in docs/hyper-parallel.md ("The contract");
+tests/_support/hp_trainer.py quotes its sources. In short: ``build_dataset`` takes this rank's place from
+``mesh_context`` (``dp_rank`` / ``dp_size``), ``build_dataloader`` returns an unsized loader whose
+``state_dict`` is this rank's, cheap and with no collective (``HyperIter`` asks after every item it prefetches).
+HyperParallel itself is not imported here (it is not on the package index).
 """
 
 from __future__ import annotations
@@ -77,19 +45,9 @@ class HyperParallelStreamDataset(IterableDataset):
 def build_dataset(*, transform: Callable | None = None, tokenizer: Any = None, mesh_context: Any = None,
                   training_config: Any = None, config: str | None = None, **data_keys: Any,
                   ) -> HyperParallelStreamDataset:
-    """The ``dataset._target_`` of HyperParallel's yaml.
-
-    Args:
-        transform: HyperParallel's sample transform (``dataset.data_transform``): a row to a training sample.
-        tokenizer, training_config: passed by HyperParallel; the tokenizer is the transform's, the seeds and
-            batch sizes are the dataloader's and ours (``shuffle_seed``).
-        mesh_context: HyperParallel's MeshContext: ``dp_rank`` / ``dp_size`` place this rank (None: the
-            stream's defaults, torch.distributed or $RANK / $WORLD_SIZE).
-        config: a resumable-stream yaml (its ``data:`` section), instead of the keys inline.
-        **data_keys: our ``data:`` keys (docs/configuration.md).
-    Raises:
-        ConfigError: no keys, both a file and keys, or a wrong key or value (named).
-    """
+    """The ``dataset._target_`` of HyperParallel's yaml: our ``data:`` keys inline, or ``config``: a resumable-stream
+    yaml. ``transform`` is HyperParallel's sample transform; ``mesh_context``'s ``dp_rank`` / ``dp_size`` place
+    this rank (None: the stream's defaults); ``tokenizer`` and ``training_config`` are not used."""
     del tokenizer, training_config
     if config is not None and data_keys:
         raise ConfigError(f"dataset: got config={config!r} and the keys {sorted(data_keys)}; allowed: one of them "
@@ -168,14 +126,9 @@ def build_dataloader(*, dataset: Any, collate_fn: Callable | None = None, batch_
                      max_seq_len: int | None = None, seed: int | None = None, num_workers: int = 0,
                      drop_last: bool = True, pin_memory: bool = False, prefetch_factor: int | None = None,
                      **hyper_parallel_keys: Any) -> HyperParallelStreamLoader:
-    """The ``dataloader._target_`` of HyperParallel's yaml (its ``data.batching.build_dataloader`` passes the
-    keyword arguments; ``num_workers`` / ``pin_memory`` / ``prefetch_factor`` / ``drop_last`` come from the
-    yaml).
-
-    Raises:
-        ConfigError: another dataset, a batch sampler, a dp_world_size that is not the dataset's, drop_last
-            false, or a key neither HyperParallel's nor ours (named).
-    """
+    """The ``dataloader._target_`` of HyperParallel's yaml (``num_workers``, ``pin_memory``, ``prefetch_factor``,
+    ``drop_last`` from the yaml): refuses another dataset, a batch sampler, another dp_world_size, drop_last false
+    and unknown keys, named."""
     del max_seq_len, seed     # the stream's order is its own (shuffle_seed); no token budget: fixed batches
     unknown = sorted(set(hyper_parallel_keys) - _HP_LOADER_KEYS)
     if unknown:

@@ -1,17 +1,11 @@
-"""A resumable stream as the source of a ``mindspore.dataset.GeneratorDataset``, saving what was consumed.
+"""A resumable stream as the source of a ``mindspore.dataset.GeneratorDataset``, saving what was consumed
+(docs/mindspore.md).
 
-MindSpore pulls an iterable source from a thread of its own pipeline and prefetches ahead of the training
-loop (``mindspore.dataset.config.set_prefetch_size``, 16 rows by default, plus each op's queue), so the
-position of the source is not what training consumed. As with :class:`~resumable_stream.loader.StreamLoader`
-(which does the batching, the transform and the bookkeeping here, in this process), every row travels with
-an id: the source yields ``(*columns, id)`` and keeps the item's snapshot (the partition's cursor and
-transform carry after it) under that id; :meth:`MindSporeSource.iterate` wraps the dataset's iterator and,
-for each row it hands to the loop, records the snapshot of its id (consumed, not produced). The state and the
-sidecar files are the loader's, so a checkpoint written here resumes under PyTorch and vice versa.
-
-mindspore is imported only when a dataset is made or a topology asked for: this module imports without it
-(and without torch).
-"""
+MindSpore prefetches ahead of the training loop from a thread of its own, so the source's position is not what
+training consumed. As in :class:`~resumable_stream.loader.StreamLoader` (which batches and transforms here),
+every row travels with an id whose snapshot the source keeps; :meth:`MindSporeSource.iterate` records the
+snapshot of each row it hands to the loop. The state and sidecars are the loader's, so a checkpoint resumes
+under PyTorch and vice versa. mindspore (and torch) are imported only when needed."""
 
 from __future__ import annotations
 
@@ -50,22 +44,13 @@ def mindspore_topology(rank: int | None = None, world_size: int | None = None) -
 
 
 class MindSporeSource:
-    """The iterable source of a ``GeneratorDataset``: batches of ``batch_size`` examples of a stream's rank,
-    collated by ``collate_fn`` into a dict of numpy arrays with exactly the keys ``columns``.
+    """The iterable source of a ``GeneratorDataset``: batches of ``batch_size`` examples of a stream's rank (made by
+    ``processor_factory`` and ``collate_fn``, as for ``StreamLoader``), a dict of numpy arrays keyed ``columns``.
 
-    ``processor_factory`` (a ``TextProcessor`` / ``VLProcessor`` factory, as for ``StreamLoader``) and
-    ``collate_fn`` (e.g. ``lambda ex: collate_numpy(ex, tokenizer.pad_token_id)``) make the batches; without
-    a processor ``collate_fn`` gets the raw samples. The stream must be read in this process
-    (``num_workers=0``): MindSpore's own workers map and batch rows, the stream has one reader per rank.
-
-    Use :meth:`dataset` for the ``GeneratorDataset`` and :meth:`iterate` for the loop: only rows handed out
-    by ``iterate`` count as consumed. ``state_dict`` / ``load_state_dict`` / ``save_sidecar`` /
-    ``load_sidecar`` are the loader's (the same files ``StreamLoader`` writes).
-
-    ``gradient_accumulation_steps``: the rows (micro-batches) the loop accumulates per optimizer step. With
-    ``data.elastic_determinism`` (on by default when ``data.num_partitions`` is set) it must be a multiple of
-    :attr:`micro_batches_per_step` (num_partitions / ranks), so that every step takes one row of each partition
-    and the same samples on any number of ranks; another value is a ConfigError naming it."""
+    The stream is read in this process (``num_workers=0``). :meth:`dataset` makes the ``GeneratorDataset``,
+    :meth:`iterate` wraps the loop (only rows it hands out count as consumed); the state and sidecar methods are
+    the loader's. With ``data.elastic_determinism``, ``gradient_accumulation_steps`` must be a multiple of
+    :attr:`micro_batches_per_step`, so every step takes one row of each partition (else a ConfigError)."""
 
     def __init__(self, stream: Stream, batch_size: int, columns: Sequence[str],
                  collate_fn: Callable[[list], dict[str, Any]], processor_factory: Callable | None = None,

@@ -1,35 +1,13 @@
-"""A resumable stream as VeOmni's training dataset and dataloader (VeOmni 0.1.12).
+"""A resumable stream as VeOmni's training dataset and dataloader (VeOmni 0.1.12); docs/veomni.md.
 
-    import resumable_stream.integrations.veomni      # before VeOmni builds its trainer
+Importing this module (before VeOmni builds its trainer) registers :func:`build_dataset` and
+:func:`build_dataloader` in VeOmni's registries as ``resumable_stream`` (``datasets_type`` and
+``dataloader.type`` in its yaml). VeOmni's transform, collators and ``CheckpointerCallback`` run as they are.
 
-and in VeOmni's yaml::
-
-    data:
-      train_path: stream.yml             # a resumable-stream yaml (our ``data:`` keys; docs/veomni.md)
-      datasets_type: resumable_stream
-      dataloader:
-        type: resumable_stream
-        num_workers: 2
-    train:
-      dyn_bsz: false
-
-Importing this module registers :func:`build_dataset` in VeOmni's ``DATASET_REGISTRY`` and
-:func:`build_dataloader` in its ``DATALOADER_REGISTRY``, both as ``resumable_stream``. VeOmni's trainer then
-runs as it is: its data transform (tokenizer, chat template, ``max_seq_len``) turns each row into an example,
-its collators make the micro-batches of a step, and its ``CheckpointerCallback`` saves
-``train_dataloader.state_dict()`` per rank beside its DCP shards and hands it back to ``load_state_dict``
-before the first step of a resume.
-
-Why a dataloader of ours and not VeOmni's ``StatefulDataLoader``: VeOmni starts a new iterator over its
-dataloader at every one of its epochs (a fixed number of steps for an unsized dataset), and a torchdata
-iterator over an iterable dataset starts the dataset again, unless a state was loaded just before; and
-torchdata's state of an iterable dataset with workers is the workers' position plus a count of batches to
-replay. Our :class:`~resumable_stream.loader.StreamLoader` keeps, with every batch it hands out, the
-position after it: a new iterator continues after the last batch consumed (VeOmni's epochs do not restart
-the data), the state is what training consumed, with DataLoader workers, and a resume reads nothing twice.
-
-VeOmni is imported only here and only when this module is imported or a builder is called: the rest of the
-package never needs it.
+Why our dataloader, not VeOmni's ``StatefulDataLoader`` (docs/veomni.md has the measurements): VeOmni starts
+a new iterator at every one of its epochs, which restarts a torchdata iterable dataset, and torchdata's state
+with workers replays batches; our :class:`~resumable_stream.loader.StreamLoader` continues after the last
+batch consumed and saves what training consumed.
 """
 
 from __future__ import annotations
@@ -63,18 +41,8 @@ class VeOmniStreamDataset:
 
 def build_dataset(train_path: str, transform: Callable | None = None, dataloader: dict | None = None,
                   **_veomni_data_keys: Any) -> VeOmniStreamDataset:
-    """VeOmni's ``build_dataset(dataset_name=..., transform=..., seed=..., **asdict(args.data))`` for
-    ``datasets_type: resumable_stream``.
-
-    Args:
-        train_path: a resumable-stream yaml (``.yml``): the ``data:`` section of one, or a file that is only
-            those keys. The order, shuffle seed, partitions and resume checks are that file's (VeOmni's
-            ``train.seed`` seeds the model, not the data).
-        transform: VeOmni's data transform (a row to a list of examples).
-        dataloader: VeOmni's ``data.dataloader`` section (its ``type`` must be ``resumable_stream``).
-    Raises:
-        ConfigError: a train_path that is not such a yaml, or another dataloader type (named).
-    """
+    """VeOmni's ``build_dataset`` for ``datasets_type: resumable_stream``: ``train_path`` is a resumable-stream
+    ``*.yml`` whose data keys decide the order (VeOmni's ``train.seed`` seeds the model, not the data)."""
     dl_type = (dataloader or {}).get("type", NAME)
     if dl_type != NAME:
         raise ConfigError(f"data.dataloader.type: got {dl_type!r}; allowed: {NAME!r} with data.datasets_type: "
@@ -137,13 +105,8 @@ def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int
                      dyn_bsz: bool = True, num_workers: int = 0, prefetch_factor: int | None = None,
                      pin_memory: bool = False, collate_fn: Callable | None = None, drop_last: bool = True,
                      **_veomni_loader_keys: Any) -> VeOmniStreamLoader:
-    """VeOmni's ``build_dataloader(dataloader_type=..., dataset=..., ...)`` for ``data.dataloader.type:
-    resumable_stream``: the stream of this data-parallel rank (VeOmni's ``dp_rank`` / ``dp_size``: sequence-
-    parallel peers read the same rows), read by ``num_workers`` DataLoader workers.
-
-    Raises:
-        ConfigError: another dataset type, ``train.dyn_bsz: true``, or batch sizes that do not divide (named).
-    """
+    """VeOmni's ``build_dataloader`` for ``data.dataloader.type: resumable_stream``: the stream of this
+    data-parallel rank (sequence-parallel peers read the same rows), micro-batched as VeOmni's own loader does."""
     from veomni.data.data_collator import MainCollator, MakeMicroBatchCollator
     from veomni.distributed.parallel_state import get_parallel_state
 
@@ -173,12 +136,7 @@ def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int
 
 
 def register() -> None:
-    """Register :func:`build_dataset` and :func:`build_dataloader` in VeOmni's registries as
-    ``resumable_stream`` (again: nothing happens).
-
-    Raises:
-        ConfigError: VeOmni is not installed.
-    """
+    """Register the builders in VeOmni's registries as ``resumable_stream`` (once); ConfigError without VeOmni."""
     try:
         from veomni.data.data_loader import DATALOADER_REGISTRY
         from veomni.data.dataset import DATASET_REGISTRY

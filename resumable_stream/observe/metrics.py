@@ -1,18 +1,11 @@
-"""Data-path counters: requests, bytes, response times, retries and their causes, row groups decoded,
-prefetch depth in use, the request budget's waits and the stores' rate-limit answers.
+"""Data-path counters: requests, bytes, response times, retries and their causes, row groups, prefetch depth,
+the request budget's waits and the stores' rate-limit answers.
 
-Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``):
-its DataLoader workers inherit them (fork) or are handed them with the stream (spawn, forkserver), so the
-main process reads the whole rank's figures with :func:`snapshot`. Recording is a few integer additions
-under one lock, at most once per request or row group, never per sample.
-
-Response times go into a histogram of fixed buckets (``RESPONSE_BUCKETS_MS``, the same the Prometheus
-endpoint exports); percentiles are read from it, to within a bucket (:func:`percentile_ms`).
-
-What the training loop sees (the time it waited for each batch, samples and tokens) is the loader's
-part: :class:`LoaderCounters`, in the main process only. :func:`interval` turns two readings of both into
-the figures of the steps in between.
-"""
+Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``),
+inherited or handed to its DataLoader workers, so the main process reads the whole rank's figures; recording
+is at most once per request or row group, never per sample. Response times go into fixed buckets
+(``RESPONSE_BUCKETS_MS``, as Prometheus exports them). :class:`LoaderCounters` is the training loop's side
+(main process); :func:`interval` turns two readings into the figures of the steps in between."""
 
 from __future__ import annotations
 
@@ -39,14 +32,12 @@ SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
 
 
 class SharedCounters:
-    """Integer counters in shared memory (inherited by forked or spawned DataLoader workers).
+    """Integer counters in shared memory (a ``RawArray``: nothing to clean up, whatever ends the process).
 
-    The memory is a ``RawArray`` (an unlinked file: nothing to clean up, whatever ends the process). The lock
-    is one without a name (a fork-context semaphore), inherited by forked workers: a named one is registered with
-    multiprocessing's resource tracker, which outlives a SIGKILLed process and reports it as "leaked semaphore
-    objects". A spawned or forkserver worker cannot open a lock without a name, so the first one started gets a
-    named lock, made then; from then on this process takes both (forked workers the first, spawned ones the
-    second). Workers of both kinds alive at once in one rank could lose an addition to each other."""
+    The lock has no name (a fork-context semaphore): a named one is registered with multiprocessing's resource
+    tracker, which reports a SIGKILLed process's as "leaked". Spawned workers cannot open an unnamed lock, so the
+    first one gets a named lock, and from then on this process takes both. Workers of both kinds alive at once in
+    one rank could lose an addition to each other."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names

@@ -1,18 +1,9 @@
-"""The realized mixture: what each source of a mixture (``data.sources``) put into the batches the training loop
-consumed, next to the target weights.
+"""The realized mixture: what each source of a mixture put into the batches the training loop consumed.
 
-Counted where a batch is built (a DataLoader worker or the main process) and carried with the batch, so that the
-loader adds up exactly the batches it hands out (prefetched ones never count) and the main process has every
-worker's figures without sharing anything:
-
-* ``source_samples``: per source, the samples its cursor moved past since the partition's previous batch (the
-  per-source ``consumed`` of the partition's state: the same count as ``source_samples`` in ``train_log.jsonl``;
-  with packing it includes samples whose tokens are still carried over to the next batch);
-* ``source_tokens``: per source, the tokens (padding excluded) of the batch's examples, by the sample each token
-  came from (with packing a block's tokens are split between the samples that fill it).
-
-A sample's source is the label its key starts with (``label/shard:row`` or ``label/<id>``).
-"""
+Counted where a batch is built (a worker or the main process) and carried with it, so the loader adds up
+exactly the batches it hands out (prefetched ones never count) without sharing memory: ``source_samples``
+(the samples each source's cursor moved past, as ``train_log.jsonl`` logs them) and ``source_tokens`` (tokens
+without padding, by the sample each came from). A sample's source is its key's label prefix."""
 
 from __future__ import annotations
 

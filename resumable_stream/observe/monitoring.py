@@ -1,11 +1,6 @@
-"""Watching the data path during training: the settings (``data.metrics_port``, ``data.metrics_addr``,
-``data.data_bound_share``, ``data.data_bound_steps``) and the data-bound warning.
-
-A step is *data-bound* when the training loop spends a large share of it waiting for its batch. Over each
-window of ``data_bound_steps`` optimizer steps the worst rank's share is compared with
-``data_bound_share``; above it, one warning per window says so, with the measured figures and the likely
-cure (a local block cache, a deeper prefetch, more DataLoader workers, a slow server).
-"""
+"""Watching the data path during training: the ``data.metrics_*`` / ``data.data_bound_*`` settings and the
+data-bound warning (over each window of ``data_bound_steps`` steps, the worst rank's share of step time spent
+waiting for data compared with ``data_bound_share``; one warning per window, with the likely cure)."""
 
 from __future__ import annotations
 
@@ -48,11 +43,8 @@ def is_address(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """``metrics_port``: a Prometheus endpoint per rank on port + local rank (null: none); ``metrics_addr``: the
-    address it is served on (null: prometheus_client's default, ``0.0.0.0``: every IPv4 interface; needs
-    ``metrics_port``); ``data_bound_share``: the share of step time spent waiting for data above which a
-    window is reported (null: never); ``data_bound_steps``: the window, in optimizer steps; ``log_source_loss``:
-    a mixture's training loss per source in ``train_log.jsonl`` (``source_loss``)."""
+    """The monitoring keys of ``data:`` (docs/configuration.md): a Prometheus endpoint per rank on ``metrics_port``
+    + local rank, served on ``metrics_addr``; the data-bound warning's share and window; ``log_source_loss``."""
 
     metrics_port: int | None = None
     metrics_addr: str | None = None

@@ -1,29 +1,9 @@
-"""A Prometheus endpoint per rank with the data path's counters (``data.metrics_port``; needs the ``metrics``
-extra: ``prometheus_client``).
+"""A Prometheus endpoint per rank with the data path's counters (``data.metrics_port``; the ``metrics`` extra).
 
-Every figure is read when Prometheus scrapes (nothing is done per step), under the prefix ``resumable_stream_``
-with a ``rank`` label:
-
-* counters: ``requests_total``, ``request_errors_total``, ``bytes_read_total``, ``retries_total`` (label
-  ``cause``), ``row_groups_total``, ``rows_decoded_total``, ``batches_total``, ``batch_wait_seconds_total``
-  (its rate is the share of time the training loop waits for data), ``samples_total``, ``tokens_total``,
-  ``cache_hits_total``, ``cache_misses_total``, ``cache_bytes_read_total``, ``prefetch_takes_total`` and
-  ``prefetch_depth_sum_total`` (their ratio: the prefetch depth in use), ``rate_limited_total`` (a store's
-  429 / 503 SlowDown answers), ``rate_limit_wait_seconds_total`` (the waits for the resets they named),
-  ``budget_waits_total`` and ``budget_wait_seconds_total`` (requests paced by ``data.max_requests_per_s``);
-* a histogram ``response_seconds`` (buckets: ``metrics.RESPONSE_BUCKETS_MS``);
-* a gauge ``data_epoch`` (epochs of data consumed, fractional);
-* of a mixture (``data.sources``), with a ``source`` label too: counters ``source_samples_total`` and
-  ``source_tokens_total`` (what each source put into the batches handed to the training loop, since the process
-  started: ``observe.mixture_counts``) and a gauge ``source_target_weight`` (the mixture's target weight now); the
-  realized share of a source is its ``rate(source_samples_total)`` over their sum;
-
-and prometheus_client's default collectors of the process, unprefixed and without the ``rank`` label (each rank's
-endpoint is its own process): ``process_*`` (CPU seconds, resident memory, open files, start time),
-``python_gc_*`` and ``python_info``.
-
-``examples/grafana/resumable-stream.json`` is a dashboard over them.
-"""
+Every figure is read when Prometheus scrapes (nothing per step), prefixed ``resumable_stream_`` with a ``rank``
+label (a mixture's per-source ones with a ``source`` label too), next to prometheus_client's default process
+collectors. The metrics are listed in docs/training.md; ``examples/grafana/resumable-stream.json`` is a
+dashboard over them."""
 
 from __future__ import annotations
 

@@ -80,22 +80,17 @@ def _same_formatting(a, b) -> bool:
 
 
 def lf_concat_order(sources: list, seed: int) -> list:
-    """The datasets of ``mix_strategy: concat`` in the order llamafactory-cli reads them in its first epoch.
-
-    Its ``split_dataset`` shuffles the concatenated stream even with ``buffer_size: 1``, and datasets'
-    ``VerticallyConcatenatedMultiSourcesExamplesIterable.shuffle_data_sources`` permutes the datasets with the
-    shuffle's generator, ``numpy.random.default_rng(seed)``. Its later epochs permute them again (by an epoch
-    seed); ours keep this order (docs/llamafactory.md)."""
+    """The datasets of ``mix_strategy: concat`` in the order llamafactory-cli reads them in its first epoch: its
+    ``split_dataset`` shuffle permutes the datasets with ``numpy.random.default_rng(seed)`` even with
+    ``buffer_size: 1``. Its later epochs permute them again; ours keep this order (docs/llamafactory.md)."""
     order = list(range(len(sources)))
     np.random.default_rng(seed).shuffle(order)
     return [sources[i] for i in order]
 
 
 def mixture_draws(data_args) -> str:
-    """An interleaved mixture read in file order (``buffer_size: 1``) draws its datasets in the sequence of
-    ``datasets.interleave_datasets``, as llamafactory-cli's (in turn without ``interleave_probs``, numpy's choice
-    with them), with its epochs (each restarts every dataset: ``MixtureStream``); shuffled, our own draws (the
-    order is ours anyway)."""
+    """An interleaved mixture read in file order (``buffer_size: 1``) draws its datasets as
+    ``datasets.interleave_datasets`` does for llamafactory-cli; shuffled, our own draws (the order is ours anyway)."""
     if data_args.buffer_size > 1:
         return "hash"
     return "datasets_choice" if data_args.interleave_probs else "datasets_cycle"

@@ -1,12 +1,7 @@
-"""``val_size: N``: the first N rows of the dataset (in shard order, whatever the shuffle, seed, epoch or topology)
-are the evaluation set, and the training stream never yields them (docs/llamafactory.md, "Held-out evaluation").
-
-As LLaMA-Factory 0.9.5 splits the converted *rows* when streaming (``eval = dataset.take(N)``, ``train =
-dataset.skip(N)``, each then processed on its own), the evaluation set is those rows through its converter and
-the processor it evaluates with; the training transform drops the rows before the *cut*, the (shard, row) after
-them (``LlamaFactoryProcessor(..., held_out=...)``), by key, so sample keys stay the dataset's own and nothing
-below the transform changes.
-"""
+"""``val_size: N``: the first N rows of the dataset in shard order are the evaluation set, and the training stream
+never yields them (docs/llamafactory.md, "Held-out evaluation"). As LLaMA-Factory 0.9.5 splits the converted
+rows when streaming (``take(N)`` / ``skip(N)``), the training transform drops the rows before the cut by key,
+so sample keys stay the dataset's own and nothing below the transform changes."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""Multimodal SFT through LLaMA-Factory: the images its rows name, checked before its mm_plugin reads them.
+"""Multimodal SFT through LLaMA-Factory: the images its rows name, checked before its mm_plugin reads them
+(docs/llamafactory.md, "Multimodal SFT"). Its converter keeps a path outside ``media_dir`` as written and an
+unreadable file stops its run; here every image is checked first with the rules of our VL transform
+(confined, regular, bounded, decodable; ``bad_sample`` decides) and LLaMA-Factory reads the very file checked.
 
-LLaMA-Factory's converter keeps a path that is no file under ``media_dir`` as the row wrote it (absolute,
-``../..``), and a file its mm_plugin cannot open stops the run. Here every image of a row is checked first with
-the rules of our VL transform (:mod:`resumable_stream.transforms.vl`: confined to ``media_dir``, a regular file,
-bounded bytes and pixels, decodable), ``bad_sample`` deciding about one that fails, and LLaMA-Factory reads the
-very file that was checked (its real path). Its pixels stay LLaMA-Factory's own (docs/llamafactory.md,
-"Multimodal SFT").
-
-:class:`ProcessorLoader`: where transformers 5 builds a Qwen-VL processor's video processor (it needs
-torchvision) and LLaMA-Factory's loader then drops the whole processor, the same processor without its video
-processor, as ``resumable_stream.transforms.load_processor`` does.
-"""
+:class:`ProcessorLoader`: a Qwen-VL processor without its video processor (which needs torchvision), as
+``resumable_stream.transforms.load_processor`` loads it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""LLaMA-Factory's preference stages (dpo / rm: pairwise ``ranking: true`` data, one example per row; kto: a
-``kto_tag`` column), read as our stream (docs/llamafactory.md, "Preference stages").
-
-The feedback processor (kto) pairs every row with the response of the row before it in the same ``map`` batch
-(its KL pairs), so kto rows are processed in chunks of ``preprocessing_batch_size``, as llamafactory-cli's
-``dataset.map(batched=True)`` makes them; the rows of an unfinished chunk are part of the saved state.
-"""
+"""LLaMA-Factory's preference stages (dpo / rm: pairwise rows; kto: a ``kto_tag`` column) as our stream
+(docs/llamafactory.md, "Preference stages"). kto pairs every row with the previous row's response within a
+``map`` batch, so kto rows are processed in chunks of ``preprocessing_batch_size``, an unfinished chunk saved."""
 
 from __future__ import annotations
 

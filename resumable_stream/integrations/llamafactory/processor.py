@@ -1,23 +1,13 @@
 """LLaMA-Factory's formatting of rows, as a stateful transform inside the stream.
 
-Each row goes through LLaMA-Factory's converter for its dataset (``formatting`` alpaca / sharegpt / openai with
-the ``columns`` and ``tags`` of dataset_info.json), then its dataset processor (``pt``: the pretrain processor;
-``sft``: supervised, or packed supervised with ``packing`` / ``neat_packing``) turns converted rows into
-examples with its template, exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A
-packing processor works on chunks of ``preprocessing_batch_size`` rows (its greedy knapsack and pt's block
-cutting are per chunk), so the rows of an unfinished chunk are part of the transform's state; without packing
-every row is its own chunk (the outputs are the same, and nothing waits). With a multimodal model's processor,
-a row's images are checked first (:mod:`.media`, ``bad_sample``) and LLaMA-Factory's processor expands them
-with its mm_plugin; the examples carry the image paths its collator decodes.
+Each row goes through LLaMA-Factory's converter for its dataset, then its dataset processor (``pt``, ``sft``,
+packed ``sft``), exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A packing
+processor works on chunks of ``preprocessing_batch_size`` rows, so an unfinished chunk is part of the state
+(without packing every row is its own chunk). A multimodal row's images are checked first (:mod:`.media`).
 
-``llamafactory-cli`` maps each epoch of its data afresh, so a chunk never spans the end of the data (the last one
-of an epoch is shorter) and its DataLoader's last batch of an epoch is shorter too: :meth:`end_epoch` (called by
-the loader on the first row of the next epoch) processes the ended epoch's unfinished chunk, and the examples of
-the ended epoch still waiting (:meth:`epoch_tail`) are batched apart from the next epoch's.
-
-With ``val_size`` (:mod:`.held_out`) the rows before the cut are dropped before anything else, whichever
-partition reads them, and the cut is part of the fingerprint.
-"""
+``llamafactory-cli`` maps each epoch afresh, so a chunk never spans an epoch's end: :meth:`end_epoch` processes
+the ended epoch's unfinished chunk and :meth:`epoch_tail` batches its last examples apart. With ``val_size``
+(:mod:`.held_out`) the rows before the cut are dropped first, and the cut is part of the fingerprint."""
 
 from __future__ import annotations
 

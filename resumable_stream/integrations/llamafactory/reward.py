@@ -1,11 +1,6 @@
-"""Resuming LLaMA-Factory's reward model (``stage: rm`` with LoRA) from a checkpoint.
-
-Its model is trl's value-head wrapper around a PeftModel; a checkpoint holds the adapter
-(``adapter_model.safetensors``) and the value head (``value_head.safetensors``, LLaMA-Factory's
-FixValueHeadModelCallback). The Trainer's own loading looks for a full model or a top-level PeftModel and fails
-("Can't find a checkpoint index"), so ``llamafactory-cli`` cannot resume it; this loads both files in place.
-LLaMA-Factory does not resume a full / freeze reward model at all (its argument parser drops the checkpoint).
-"""
+"""Resuming LLaMA-Factory's LoRA reward model (``stage: rm``): a checkpoint holds the adapter and the value head
+(``value_head.safetensors``), which the Trainer's own loading cannot find ("Can't find a checkpoint index"),
+so this loads both in place. LLaMA-Factory does not resume a full / freeze reward model at all."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The yaml ``llamafactory-cli train`` reads, split into LLaMA-Factory's arguments and our section.
-
-LLaMA-Factory's keys go to its own parser unchanged (its errors are its own). Ours live under
-``resumable_stream:`` and are checked here; a LLaMA-Factory key whose meaning we cannot keep exactly with a
-resumable stream is a ConfigError naming the key and why (:func:`refuse_unsupported`).
-"""
+"""The yaml ``llamafactory-cli train`` reads, split into LLaMA-Factory's arguments (to its own parser, unchanged)
+and our ``resumable_stream:`` section, checked here; a key whose meaning a resumable stream cannot keep exactly
+is a ConfigError naming it and why (:func:`refuse_unsupported`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Resuming a full fine-tune whose checkpoint holds the weights under their saved (legacy) names.
 
-transformers 5 renames some models' weights when it loads them (Qwen2-VL / Qwen2.5-VL: ``visual.*`` ->
-``model.visual.*``, ``model.layers.*`` -> ``model.language_model.layers.*``) and ``save_pretrained`` writes them
-back under the old names, but the Trainer's ``_load_from_checkpoint`` loads ``model.safetensors`` as it is: no
-key matches, it only warns ("There were missing keys in the checkpoint model loaded") and the resumed run trains
-on from the *base* weights (seen with transformers 5.6 on a full Qwen2-VL fine-tune: the losses after the resume
-were those of a fresh model; ``llamafactory-cli`` resumes through the same Trainer code). Here such a checkpoint is loaded under the model's own names, found by reverting them the way
-``save_pretrained`` does; any other checkpoint (names that match, an adapter, shards of another layout) is left
-to the Trainer.
-"""
+transformers 5 renames some models' weights on load (Qwen2-VL: ``visual.*`` -> ``model.visual.*``, ...) and
+``save_pretrained`` writes the old names back, but the Trainer's ``_load_from_checkpoint`` loads them as they
+are: nothing matches, it only warns, and the resumed run trains on from the base weights (transformers 5.6).
+Such a checkpoint is loaded here under the model's names; any other is left to the Trainer."""
 
 from __future__ import annotations
 

@@ -90,18 +90,10 @@ def transform_stats(loader) -> dict:
 
 
 class SourceCountsCallback(TrainerCallback):
-    """A mixture's (``data.sources``) figures per source for ``train_log.jsonl``, summed over ranks:
-
-    * ``source_samples``: the samples each source contributed since the run began, from the loader's state of
-      what the training loop consumed (the batch snapshots, not what workers prefetched), including with packing
-      those whose tokens are still carried over to the next batch; a resumed run continues the counts;
-    * ``source_interval_samples`` / ``source_interval_tokens``: the same samples, and the tokens (padding
-      excluded), of the logging interval (the batches handed out since the previous log; after a resume, since
-      the checkpoint), counted with each batch (``observe.mixture_counts``);
-    * ``source_target_weights``: the mixture's target weights at the log (``MixtureStream.current_weights``);
-    * ``source_realized_weights``: each source's share of the interval's samples;
-    * ``source_loss`` (``data.log_source_loss``): each source's mean training loss per labelled token over the
-      interval (None for a source without labelled tokens in it), ``source_loss_tokens`` those tokens."""
+    """A mixture's figures per source for ``train_log.jsonl``, summed over ranks (docs/mixtures.md):
+    ``source_samples`` (since the run began, from the loader's consumed state), ``source_interval_samples`` /
+    ``source_interval_tokens`` (of the logging interval, counted with each batch), ``source_target_weights``,
+    ``source_realized_weights`` and, with ``data.log_source_loss``, ``source_loss`` / ``source_loss_tokens``."""
 
     def __init__(self, loader_of, loss_of=None):
         self.loader_of = loader_of   # () -> the trainer's StreamLoader
@@ -172,11 +164,9 @@ def weight_changes(stream) -> dict:
 class MixtureWeightsCallback(TrainerCallback):
     """The hook for a mixture's weights decided by code during training: override :meth:`new_weights`.
 
-    After every optimizer step it is asked for new weights; weights it returns apply from the next batch on
-    (``StreamLoader.set_weights``: each partition after the last sample handed out, the batches prefetched
-    under the old weights dropped), are recorded in the weight history saved with the next checkpoint and
-    logged in train_log.jsonl, so a resumed run replays the same samples. Every rank must return weights
-    at the same steps (decide from the step, or from values every rank has); rank 0's values apply."""
+    Asked after every optimizer step; weights it returns apply from the next batch (``StreamLoader.set_weights``),
+    are saved with the next checkpoint and logged, so a resume replays the same samples. Every rank must return
+    weights at the same steps; rank 0's values apply."""
 
     def new_weights(self, args, state, current: dict[str, float], **kwargs) -> dict[str, float] | None:
         """The weights (label -> number >= 0, or a schedule) from the next batch on, or None to keep them.
@@ -194,10 +184,8 @@ class MixtureWeightsCallback(TrainerCallback):
 
 
 class TrainLogCallback(TrainerCallback):
-    """``output_dir/train_log.jsonl`` (main process): step, loss, learning rate, samples/s, the Trainer's
-    epoch and the data's (``data_epoch``), the data path's figures of the interval (``data_*``, every rank's
-    in ``data_ranks``); the first line after a resume names the checkpoint (``resumed_from``); after each
-    evaluation a line with step and the ``eval_*`` metrics (eval_loss, ...)."""
+    """``output_dir/train_log.jsonl`` (main process): a line per training log (step, loss, throughput, epochs, the
+    data path's ``data_*`` figures; ``resumed_from`` after a resume) and one per evaluation (docs/training.md)."""
 
     def __init__(self, output_dir: str, samples_per_step: int, extra_of=None):
         self.path = os.path.join(output_dir, "train_log.jsonl")
@@ -240,12 +228,8 @@ class TrainLogCallback(TrainerCallback):
 
 
 class CacheStatsCallback(TrainerCallback):
-    """Block cache counters of this rank (its DataLoader workers included) during training.
-
-    Logged (``logging``, INFO, logger ``resumable_stream.integrations.transformers.callbacks``) every ``every_s``
-    seconds and/or ``every_steps`` steps and at the end of training; :meth:`fields` gives them as
-    ``cache_*`` fields for ``train_log.jsonl``.
-    """
+    """Block cache counters of this rank (its DataLoader workers included), logged every ``every_s`` seconds and/or
+    ``every_steps`` steps and at the end; :meth:`fields` gives them as ``cache_*`` fields for ``train_log.jsonl``."""
 
     def __init__(self, stats_of, rank: int = 0, every_s: float | None = 60.0, every_steps: int | None = None):
         self.stats_of = stats_of   # () -> CachedSource.stats()

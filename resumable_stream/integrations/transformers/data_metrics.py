@@ -1,11 +1,6 @@
-"""Per logging step, the data path's figures of every rank: in the Trainer's logs (so ``report_to``
-TensorBoard / W&B / ... get them), in ``train_log.jsonl``, and watched for data-bound windows.
-
-At each training log (every rank logs at the same steps) each rank reads its counters, takes the difference
-to its previous reading, and the ranks gather these into one tensor (a single ``all_gather``), so that the
-main process reports every rank's figures and the combined ones. The Prometheus endpoint
-(``data.metrics_port``, on ``data.metrics_addr``) is started here too, one per rank.
-"""
+"""Per logging step, every rank's data-path figures, gathered in one ``all_gather``: in the Trainer's logs (so
+``report_to`` gets them), in ``train_log.jsonl``, and watched for data-bound windows. The Prometheus endpoint
+(``data.metrics_port``) is started here too, one per rank."""
 
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
-"""One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream.
+"""One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream (docs/trainers.md).
 
     from resumable_stream.integrations.transformers import patch_trainer, TrainingStream
     patch_trainer()                                   # once; or patch_trainer(MyTrainerSubclass)
     trainer = Trainer(model, args, train_dataset=TrainingStream(stream, ...))
     trainer.train(resume_from_checkpoint=True)
 
-When ``train_dataset`` is a :class:`TrainingStream` the patched Trainer
-
-* uses our rank-aware :class:`StreamLoader` as its train dataloader (no accelerate dispatch, no
-  ``IterableDatasetShard`` re-sharding on top of ours);
-* replays no batches on resume: the stream is restored from the checkpoint's ``stream_state/`` sidecars
-  instead (with ``data.elastic``, also on another number of ranks or workers: each rank gathers its virtual
-  partitions from the files that hold them), and a checkpoint without complete sidecars is refused; the
-  Trainer's skip of the trained batches hands the restored loader back unchanged, so that it still counts
-  them (its ``epoch`` continues as in an uninterrupted run);
-* writes ``checkpoint-N/stream_state/rank-*.safetensors`` from every rank plus the manifest, and only
-  then lets the Trainer rotate old checkpoints (so a kill never leaves no complete checkpoint);
-* holds ``output_dir`` for the job while ``train()`` runs (:mod:`resumable_stream.runtime.output_lock`): a second
-  job on the same directory is refused with an ``OutputDirLockedError`` naming the holder.
-
-An :class:`EvalStream` as ``eval_dataset`` is evaluated over the same fixed samples every time.
-
-Any other ``train_dataset`` goes through the Trainer's own code unchanged.
-"""
+With a :class:`TrainingStream` the patched Trainer reads through our rank-aware :class:`StreamLoader`, replays
+no batch on resume (the stream is restored from ``stream_state/``, elastically with ``data.elastic``; the
+Trainer's skip hands the loader back unchanged so its epoch count continues), writes every rank's stream state
+before the Trainer rotates checkpoints, and holds ``output_dir`` for the job while ``train()`` runs. An
+:class:`EvalStream` is evaluated over the same samples every time. Any other dataset is left to the Trainer."""
 
 from __future__ import annotations
 
@@ -335,10 +322,8 @@ def _log(original):
 
 @contextlib.contextmanager
 def _rotation_deferred(trainer):
-    """Hold back the Trainer's checkpoint rotation until the stream state completes the new checkpoint.
-
-    Rotation is ``transformers.trainer.rotate_checkpoints`` in recent transformers and the method
-    ``Trainer._rotate_checkpoints`` in older ones (4.x)."""
+    """Hold back the Trainer's checkpoint rotation (``trainer.rotate_checkpoints``, or ``Trainer._rotate_checkpoints``
+    in 4.x) until the stream state completes the new checkpoint."""
     import transformers.trainer as trainer_module
 
     if hasattr(trainer_module, "rotate_checkpoints"):

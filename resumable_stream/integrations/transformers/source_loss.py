@@ -1,12 +1,8 @@
 """``data.log_source_loss``: the training loss of each source of a mixture, for ``train_log.jsonl``.
 
-The batches carry ``source_ids`` (the source of every token, -1 on padding; ``StreamLoader(source_ids=True)``).
-The patched Trainer's ``compute_loss`` takes them out of the batch before the model sees it, lets the Trainer
-compute the loss as always, and adds up, without gradients, each source's summed next-token cross-entropy and
-its number of labelled tokens from the model's logits (the causal-LM loss: the logits at token t predict the
-label of token t+1, whose source it counts for). At each training log the sums of every rank give each source's
-mean loss per labelled token over the interval.
-"""
+The batches carry ``source_ids`` (-1 on padding); the patched ``compute_loss`` takes them out before the model
+sees them and adds up, without gradients, each source's next-token cross-entropy and labelled tokens from the
+logits (token t's logits predict label t+1, whose source counts). Each log gives per-source mean loss per token."""
 
 from __future__ import annotations
 
