@@ -33,14 +33,15 @@ from ..integrations.transformers.callbacks import (
 from ..integrations.transformers.patch import (
     EvalStream,
     TrainingStream,
-    barrier,
     data_metrics_log,
+    finished_step,
     patch_trainer,
     source_loss,
     stream_loader,
 )
 from ..io.net import RetryPolicy
 from ..loader import check_step_shape, shard_row_key
+from ..runtime.collectives import barrier
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
 from ..runtime.threads import set_trainer_threads
@@ -296,20 +297,12 @@ def run_training(config_path: str, overrides=(), callbacks=(), **argument_overri
         checkpoint = resolve_resume(cfg, trainer)
         if args.process_index == 0:
             log.warning("%s", startup_summary(cfg, args, checkpoint, threads))
-        nothing_left = _finished(checkpoint, args.max_steps)
+        nothing_left = finished_step(checkpoint, args.max_steps) is not None
         with quiet_tied_weights(trainer.model):
             result = trainer.train(resume_from_checkpoint=checkpoint)
             save_final_model(trainer, checkpoint if nothing_left else None)
         save_results(trainer, result.metrics, nothing_left)
         return result
-
-
-def _finished(checkpoint: str | None, max_steps: int) -> bool:
-    from transformers.trainer_callback import TrainerState
-
-    if not checkpoint:
-        return False
-    return TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json")).global_step >= max_steps
 
 
 def save_results(trainer, metrics: dict, nothing_left: bool) -> None:

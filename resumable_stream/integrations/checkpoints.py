@@ -126,3 +126,29 @@ def _rank(loader: Any) -> int:
 def _world_size(loader: Any) -> int:
     stream = getattr(loader, "stream", loader)
     return int(getattr(stream, "world_size", 1))
+
+
+class TrainerLoader:
+    """A :class:`~resumable_stream.loader.StreamLoader` as another trainer's train dataloader (VeOmni,
+    HyperParallel): its batches, ``set_epoch`` and state; a state that does not load names ``where``."""
+
+    where = "the trainer's checkpoint"
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state, where=self.where)
+
+    def pop_consumed_keys(self) -> list[str]:
+        """The keys of the samples handed out since the last call (``loader.keep_keys``)."""
+        return self.loader.pop_consumed_keys()

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..loader import StreamLoader
 from ..runtime.torch_compat import IterableDataset
 from ..stream.mixture import open_stream
+from .checkpoints import TrainerLoader
 
 TARGET = "resumable_stream.integrations.hyper_parallel"
 
@@ -81,32 +82,15 @@ def _dp_place(mesh_context: Any) -> tuple[int | None, int | None]:
     return rank, size
 
 
-class HyperParallelStreamLoader:
-    """HyperParallel's ``train_dataloader`` over our stream: unsized, ``set_epoch``, and the
-    :class:`StreamLoader`'s ``state_dict`` / ``load_state_dict`` (what training consumed, cheap, local)."""
+class HyperParallelStreamLoader(TrainerLoader):
+    """HyperParallel's ``train_dataloader`` over our stream: unsized, and the :class:`StreamLoader`'s state (what
+    training consumed, cheap, local)."""
 
-    def __init__(self, loader: StreamLoader):
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+    where = "HyperParallel checkpoint extra_state['train_dataloader']"
 
     def __len__(self) -> int:
         raise TypeError("a resumable stream has no length: the run is training.train_iters (or train_samples) "
                         "steps long")
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state, where="HyperParallel checkpoint extra_state['train_dataloader']")
-
-    def pop_consumed_keys(self) -> list[str]:
-        """The keys of the samples in the items handed out since the last call (``loader.keep_keys``)."""
-        return self.loader.pop_consumed_keys()
 
 
 class _ItemCollator:

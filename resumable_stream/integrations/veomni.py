@@ -21,6 +21,7 @@ from ..config.stream_config import StreamConfig
 from ..errors import ConfigError
 from ..loader import StreamLoader
 from ..stream.mixture import open_stream
+from .checkpoints import TrainerLoader
 
 NAME = "resumable_stream"     # the datasets_type and dataloader.type this module registers
 
@@ -62,31 +63,14 @@ def build_dataset(train_path: str, transform: Callable | None = None, dataloader
     return VeOmniStreamDataset(StreamConfig.from_yaml(train_path), transform, train_path)
 
 
-class VeOmniStreamLoader:
+class VeOmniStreamLoader(TrainerLoader):
     """VeOmni's ``train_dataloader``: each item is one optimizer step's micro-batches on this rank (VeOmni's
     ``MakeMicroBatchCollator`` over its collator, as its native dataloader makes them with ``dyn_bsz:
     false``); ``state_dict`` / ``load_state_dict`` are the :class:`StreamLoader`'s. ``set_epoch`` does
     nothing: the stream's epochs roll over per partition, and VeOmni's epochs (``max_steps`` steps each for an
     unsized dataset) continue the data where the previous one stopped."""
 
-    def __init__(self, loader: StreamLoader):
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state, where="VeOmni checkpoint extra_state['train_dataloader']")
-
-    def pop_consumed_keys(self) -> list[str]:
-        """The keys of the samples in the steps handed out since the last call (``loader.keep_keys``)."""
-        return self.loader.pop_consumed_keys()
+    where = "VeOmni checkpoint extra_state['train_dataloader']"
 
 
 class _StepCollator:

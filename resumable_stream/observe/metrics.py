@@ -47,13 +47,13 @@ class SharedCounters:
             self._arr = multiprocessing.RawArray("q", len(names))
             self._fork_lock = multiprocessing.get_context("fork").Lock()
         except (OSError, ImportError, ValueError):     # no shared memory (or no fork): this process only
-            self._arr, self._fork_lock = None, None
-        self._local = [0] * len(names)
+            self._arr, self._fork_lock = [0] * len(names), None
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        locks = [lock for lock in (self._fork_lock, self._spawn_lock) if lock is not None]   # always in this order
+        # the process-shared locks, always in this order; a private list of counters: this process's lock
+        locks = [lock for lock in (self._fork_lock, self._spawn_lock) if lock is not None] or [self._lock]
         for lock in locks:
             lock.acquire()
         try:
@@ -63,28 +63,19 @@ class SharedCounters:
                 lock.release()
 
     def add(self, **deltas: int) -> None:
-        if self._arr is not None:
-            with self._locked():
-                for name, d in deltas.items():
-                    self._arr[self._index[name]] += d
-        else:
-            with self._lock:
-                for name, d in deltas.items():
-                    self._local[self._index[name]] += d
+        with self._locked():
+            for name, d in deltas.items():
+                self._arr[self._index[name]] += d
 
     def snapshot(self) -> dict[str, int]:
-        if self._arr is not None:
-            with self._locked():
-                values = self._arr[:]
-        else:
-            with self._lock:
-                values = list(self._local)
+        with self._locked():
+            values = self._arr[:]
         return dict(zip(self.names, values))
 
     def __getstate__(self) -> dict[str, Any]:
         from multiprocessing.context import get_spawning_popen
 
-        if self._arr is not None and get_spawning_popen() is not None:   # handed to a worker being started
+        if not isinstance(self._arr, list) and get_spawning_popen() is not None:   # to a worker being started
             with self._lock:
                 if self._spawn_lock is None:
                     self._spawn_lock = multiprocessing.get_context("spawn").Lock()
@@ -96,7 +87,8 @@ class SharedCounters:
         self.names = state["names"]
         self._index = {name: i for i, name in enumerate(self.names)}
         self._arr, self._fork_lock, self._spawn_lock = state["arr"], None, state["lock"]
-        self._local = [0] * len(self.names)
+        if self._arr is None:
+            self._arr = [0] * len(self.names)
         self._lock = threading.Lock()
 
 

@@ -36,14 +36,13 @@ _COUNTERS = {
     "prefetch_depth_sum": ("prefetch_depth_sum", "Sum of the prefetch depth at each hand-over"),
     "rate_limited": ("rate_limited", "Rate-limit answers of remote stores (HTTP 429, S3 503 SlowDown)"),
     "budget_waits": ("budget_waits", "Requests that waited for their turn under data.max_requests_per_s"),
-}
-# reading field (microseconds) -> (metric name, help), exported in seconds
-_SECONDS = {
+    # microseconds in the reading, exported in seconds (_DIVIDED)
     "budget_wait_us": ("budget_wait_seconds", "Seconds requests waited for their turn under data.max_requests_per_s "
                        "(summed over the requests)"),
     "rate_limit_wait_us": ("rate_limit_wait_seconds", "Seconds requests waited for the reset a store's rate-limit "
                            "answer named (summed over the requests)"),
 }
+_DIVIDED = {"budget_wait_us": 1e6, "rate_limit_wait_us": 1e6}
 
 
 class DataPathCollector:
@@ -61,11 +60,7 @@ class DataPathCollector:
         r = self.reading_of()
         for field, (name, text) in _COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, text, labels=["rank"])
-            family.add_metric([self.rank], float(r.get(field, 0)))
-            yield family
-        for field, (name, text) in _SECONDS.items():
-            family = CounterMetricFamily(PREFIX + name, text, labels=["rank"])
-            family.add_metric([self.rank], float(r.get(field, 0)) / 1e6)
+            family.add_metric([self.rank], float(r.get(field, 0)) / _DIVIDED.get(field, 1))
             yield family
         retries = CounterMetricFamily(PREFIX + "retries", "Requests or reads tried again, by cause",
                                       labels=["rank", "cause"])

@@ -28,6 +28,7 @@ from ...config.trainer import check_data_arguments
 from ...errors import ConfigError
 from ...loader import StreamLoader, check_step_shape, shard_row_key
 from ...observe.monitoring import MonitorSettings
+from ...runtime.collectives import barrier
 from ...runtime.output_lock import output_dir_lock
 from ...state.output_dir import check_complete, resume_latest
 from ...stream.base import Stream
@@ -127,14 +128,6 @@ class _EvalPass:
         return itertools.islice(iter(loader), self.num_batches)
 
 
-def barrier() -> None:
-    """Wait for every rank (a no-op without torch.distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _uses_stream(trainer) -> bool:
     return isinstance(getattr(trainer, "train_dataset", None), TrainingStream)
 
@@ -205,7 +198,8 @@ def _get_eval_dataloader(original):
     return get_eval_dataloader
 
 
-def _finished_step(checkpoint: str | None, max_steps: int) -> int | None:
+def finished_step(checkpoint: str | None, max_steps: int) -> int | None:
+    """The step of ``checkpoint`` when it reached ``max_steps`` (a run with nothing left to train), else None."""
     if not checkpoint or max_steps is None or max_steps <= 0:
         return None
     try:
@@ -233,7 +227,7 @@ def _train(original):
             # epoch + trained-or-skipped / steps_in_epoch); the skip is ours and a no-op (_patch_skip), so that
             # is what it must do: with ignore_data_skip its epoch would restart from 0 at the checkpoint.
             self.args.ignore_data_skip = False
-            done = _finished_step(resume_from_checkpoint, self.args.max_steps)
+            done = finished_step(resume_from_checkpoint, self.args.max_steps)
             if done is not None:
                 # Without a dataset length the Trainer would run one more step past max_steps. The trainer's
                 # state is the checkpoint's, so that a save_state() after this train() (LLaMA-Factory's
