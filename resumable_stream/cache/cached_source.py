@@ -25,6 +25,28 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)   # zero-copy: chunks stay chunks
 
 
+def _in_blocks(tables: Iterator[pa.Table], rows: int, schema: pa.Schema | None = None
+               ) -> Iterator[tuple[pa.Table, bool]]:
+    """The rows of ``tables`` cut into (block, whole) of ``rows`` rows; once they end, what is left as a block that
+    is not whole (empty when they ended on a boundary; none when no schema is known)."""
+    parts: list[pa.Table] = []
+    have = 0
+    for table in tables:
+        schema = table.schema
+        while table.num_rows:
+            take = min(rows - have, table.num_rows)
+            parts.append(table.slice(0, take))
+            table = table.slice(take)
+            have += take
+            if have == rows:
+                yield _concat(parts), True
+                parts, have = [], 0
+    if parts:
+        yield _concat(parts), False
+    elif schema is not None:
+        yield schema.empty_table(), False
+
+
 def _keep_footers(directory: str, source: Source) -> None:
     """Keep the footers ``source``'s index was built from, by file identity, in the (claimed) cache directory:
     a later process building the index again reads none of them (``sources/footer_cache.py``)."""
@@ -148,37 +170,16 @@ class CachedSource(Source):
         if not self._missed:
             self._first_miss()
         tables = self.inner.read(shard, block * R)
-        parts: list[pa.Table] = []
-        have = 0
         try:
-            for table in tables:
-                schema = table.schema
-                while table.num_rows:
-                    take = min(R - have, table.num_rows)
-                    parts.append(table.slice(0, take))
-                    table = table.slice(take)
-                    have += take
-                    if have < R:
-                        continue
-                    full = _concat(parts)
-                    last = self._is_last(shard, block)
-                    out = self._keep(shard, block, full, last, skip)
-                    parts, have, skip = [], 0, 0
-                    block += 1
-                    if out is not None:
-                        yield out
-                    if last:
-                        return
-            # the source ended: what is left is the last block (empty when the shard ended on a boundary)
-            if parts:
-                rest = _concat(parts)
-            elif schema is not None:
-                rest = schema.empty_table()
-            else:       # nothing read and no schema known: leave it uncached
-                return
-            out = self._keep(shard, block, rest, True, skip)
-            if out is not None:
-                yield out
+            # the block where the source ended is the shard's last (empty when it ended on a boundary)
+            for table, whole in _in_blocks(tables, R, schema):
+                last = self._is_last(shard, block) if whole else True
+                out = self._keep(shard, block, table, last, skip)
+                skip, block = 0, block + 1
+                if out is not None:
+                    yield out
+                if last:
+                    return
         finally:
             close = getattr(tables, "close", None)
             if close is not None:
@@ -195,35 +196,22 @@ class CachedSource(Source):
     def fetch_blocks(self, shard: int, first: int, last: int, on_block=None) -> tuple[int, int]:
         """Fetch the missing blocks ``first..last`` of a shard into the store: (blocks, bytes) written;
         ``on_block(bytes_written)`` per block."""
-        R = self.block_rows
         written = nbytes = 0
-        block, parts, have = first, [], 0
-        tables = self.inner.read(shard, first * R)
+        block = first
+        tables = self.inner.read(shard, first * self.block_rows)
         try:
-            for table in tables:
-                while table.num_rows and block <= last:
-                    take = min(R - have, table.num_rows)
-                    parts.append(table.slice(0, take))
-                    table = table.slice(take)
-                    have += take
-                    if have == R:
-                        is_last = self._is_last(shard, block)
-                        b = self.store.put(shard, block, _concat(parts), is_last)
-                        self.store.count(rows_fetched=R)
-                        written, nbytes = written + (b > 0), nbytes + b
-                        if on_block is not None:
-                            on_block(b)
-                        parts, have, block = [], 0, block + 1
-                        if is_last:
-                            return written, nbytes
-                if block > last:
-                    return written, nbytes
-            if block <= last and parts:
-                b = self.store.put(shard, block, _concat(parts), True)
-                self.store.count(rows_fetched=have)
+            for table, whole in _in_blocks(tables, self.block_rows):
+                if not (whole or table.num_rows):
+                    break
+                is_last = self._is_last(shard, block) if whole else True
+                b = self.store.put(shard, block, table, is_last)
+                self.store.count(rows_fetched=table.num_rows)
                 written, nbytes = written + (b > 0), nbytes + b
                 if on_block is not None:
                     on_block(b)
+                block += 1
+                if is_last or block > last:
+                    break
         finally:
             close = getattr(tables, "close", None)
             if close is not None:
