@@ -4,13 +4,12 @@ Files are read as the report's log is (report.py): regular files inside the run 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 
 from ..errors import RunLogError
-from .report import RunLog, number, read_log, read_log_bytes, record_step
+from .report import RunLog, number, read_log, read_log_bytes, records
 
 CONSUMED_DIR = "consumed"
 _RANK_FILE = re.compile(r"rank-(\d{5})\.jsonl")
@@ -43,14 +42,7 @@ def read_consumed(run_dir: str) -> Consumed | None:
         if os.path.commonpath([real_dir, real]) != real_dir:
             raise RunLogError(f"{path!r}: a link to {real!r}, outside the run directory; refused")
         steps: dict[int, list] = {}
-        for raw in read_log_bytes(path, real).split(b"\n"):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8", errors="replace"))
-            except (ValueError, RecursionError):
-                rec = None
-            step = record_step(rec)
+        for _, rec, step in records(read_log_bytes(path, real)):
             if step is None or not isinstance(rec.get("samples"), list):
                 out.damaged += 1
                 continue

@@ -144,7 +144,7 @@ def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
     ``dataset_info.json`` and its ``dataset`` entries, local ``file_name`` files and the resume paths. Read as
     its ``get_dataset_list`` reads them, without importing it; remote entries are left to it."""
     from ..io.safe_files import FileRefused, JSONRefused, parse_json, read_regular_file
-    from .preflight import check_resume_state
+    from .preflight import check_checkpoint, check_resume_state
 
     names = args.get("dataset")
     dataset_dir = args.get("dataset_dir", "data")
@@ -169,11 +169,7 @@ def check_data(args: dict[str, Any], ours: dict[str, Any]) -> None:
             if not os.path.exists(path):          # the words of integrations/llamafactory/data.py, which finds it
                 raise ConfigError(f"dataset {entry['file_name']!r} (dataset_info.json file_name): {path!r} not found")
     check_resume_state(ours.get("resume_state_path"), "resumable_stream.resume_state_path")
-    explicit = args.get("resume_from_checkpoint")
-    if isinstance(explicit, str) and explicit:
-        from ..state.output_dir import check_complete
-
-        check_complete(explicit)
+    check_checkpoint(args)
 
 
 def train(config: str, overrides: list[str], callbacks: tuple = ()) -> int:

@@ -15,6 +15,7 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,20 @@ def record_step(rec) -> int | None:
     return step if ok else None
 
 
+def records(data: bytes) -> Iterator[tuple[int, Any, int | None]]:
+    """(line number, record, :func:`record_step`) of each non-blank line of a JSON-lines log (only "\n" ends a
+    line, as the writer's); the record None where the line is not JSON (or nested too deeply)."""
+    for number_, raw in enumerate(data.split(b"\n"), 1):
+        line = raw.decode("utf-8", errors="replace")
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            rec = None
+        yield number_, rec, record_step(rec)
+
+
 def log_path(run_dir: str) -> tuple[str, str]:
     """``RUN_DIR/train_log.jsonl`` and the file it is (symlinks resolved), checked: RUN_DIR a directory, the
     log inside it."""
@@ -167,15 +182,7 @@ def read_log(run_dir: str) -> RunLog:
     data = read_log_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())
     by_step: dict[int, dict] = {}
-    for number_, raw in enumerate(data.split(b"\n"), 1):   # only "\n" ends a line, as the writer's
-        line = raw.decode("utf-8", errors="replace")
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):   # not JSON; nested too deeply
-            rec = None
-        step = record_step(rec)
+    for number_, rec, step in records(data):
         if step is None:
             log.damaged.append(number_)
         elif "loss" in rec:
@@ -335,6 +342,22 @@ def _why_empty(ax, why: str) -> None:
             bbox={"facecolor": "white", "edgecolor": "0.8", "alpha": 0.9})
 
 
+def _panel(ax, lines, ylabel: str, fields: str, top: float | None = None, legend: bool = True,
+           why: str | None = None) -> bool:
+    """A panel of quantities that are never negative: ``lines`` of (points, label, style), or, when none has a
+    point, a note that ``fields`` were not recorded (or ``why``). Whether something was drawn."""
+    ax.set_ylabel(ylabel)
+    if not any(points for points, _, _ in lines):
+        _not_recorded(ax, fields, why)
+        return False
+    for points, label, style in lines:
+        _line(ax, points, label, **style)
+    _from_zero(ax, top=top)
+    if legend:
+        _legend(ax)
+    return True
+
+
 def _twin(ax, present, ylabel: str, lines, fields: str) -> list:
     """A second y axis with ``lines`` when ``present``, else a note that ``fields`` were not recorded."""
     if not present:
@@ -419,37 +442,20 @@ def figure(log: RunLog, comparison=None):
     ax.set_ylabel("loss")
     _legend(ax)
 
-    ax = axes[1]
     _, wait = log.series("data_wait_share", drawn=True)
-    if wait:
-        _line(ax, wait, "data wait share", color=COLOURS["data_wait_share"])
-        _from_zero(ax, top=1.05)
-        ax.set_ylabel("data wait / step")
-    else:
-        _not_recorded(ax, "data_wait_share")
-        ax.set_ylabel("data wait share")
-
-    ax = axes[2]     # the trainer's and the data path's samples/s: the same quantity, one axis
+    if not _panel(axes[1], [(wait, "data wait share", {"color": COLOURS["data_wait_share"]})], "data wait / step",
+                  "data_wait_share", top=1.05, legend=False):
+        axes[1].set_ylabel("data wait share")
+    # the trainer's and the data path's samples/s: the same quantity, one axis
     _, trainer_rate = log.series("samples_per_s", drawn=True)
     _, data_rate = log.series("data_samples_per_s", drawn=True)
-    if trainer_rate or data_rate:
-        _line(ax, trainer_rate, "samples/s (trainer)", color=COLOURS["samples_per_s"])
-        _line(ax, data_rate, "samples/s (data)", color=COLOURS["data_samples_per_s"], linestyle="--")
-        _from_zero(ax)
-        _legend(ax)
-    else:
-        _not_recorded(ax, "samples_per_s, data_samples_per_s")
-    ax.set_ylabel("samples/s")
-
-    ax = axes[3]     # its own panel: tokens/s follows samples/s, on a twin axis it would cover that line
+    _panel(axes[2], [(trainer_rate, "samples/s (trainer)", {"color": COLOURS["samples_per_s"]}),
+                     (data_rate, "samples/s (data)", {"color": COLOURS["data_samples_per_s"], "linestyle": "--"})],
+           "samples/s", "samples_per_s, data_samples_per_s")
+    # its own panel: tokens/s follows samples/s, on a twin axis it would cover that line
     _, tokens = log.series("data_tokens_per_s", drawn=True)
-    if tokens:
-        _line(ax, tokens, "tokens/s (data)", color=COLOURS["data_tokens_per_s"])
-        _from_zero(ax)
-        _legend(ax)
-    else:
-        _not_recorded(ax, "data_tokens_per_s")
-    ax.set_ylabel("tokens/s")
+    _panel(axes[3], [(tokens, "tokens/s (data)", {"color": COLOURS["data_tokens_per_s"]})], "tokens/s",
+           "data_tokens_per_s")
 
     ax = axes[4]
     _, requests = log.series("data_requests", drawn=True)
@@ -474,19 +480,12 @@ def figure(log: RunLog, comparison=None):
         _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
                        "count http(s), hf:// and s3:// reads)")
 
-    ax = axes[5]
     key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate", drawn=True)
-    if cache:
-        _line(ax, cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
-              color=COLOURS["cache_hit_rate"])
-        _from_zero(ax, top=1.05)
-        _legend(ax)
-    elif log.series("data_cache_hits", "data_cache_misses", "cache_hits_total")[0] is not None:
-        _not_recorded(ax, "", "no block cache lookups: data.cache_dir is not set (the cache keeps the blocks of "
-                          "remote data on local disk)")
-    else:
-        _not_recorded(ax, "data_cache_hit_rate, cache_hit_rate")
-    ax.set_ylabel("cache hit rate")
+    counted = log.series("data_cache_hits", "data_cache_misses", "cache_hits_total")[0] is not None
+    _panel(axes[5], [(cache, "cache hit rate, " + ("per interval" if key == "data_cache_hit_rate" else "cumulative"),
+                      {"color": COLOURS["cache_hit_rate"]})], "cache hit rate", "data_cache_hit_rate, cache_hit_rate",
+           top=1.05, why="no block cache lookups: data.cache_dir is not set (the cache keeps the blocks of remote "
+                         "data on local disk)" if counted else None)
     if sources:
         _mixture_panel(axes[6], log, sources)
     if comparison is not None:

@@ -160,21 +160,12 @@ class WarmupPlan:
     def jobs(self) -> list[tuple[int, int, int]]:
         """(shard, first block, last block) runs of consecutive missing blocks, in the order needed."""
         order = {b: i for i, b in enumerate(self.missing)}
-        by_shard: dict[int, list[int]] = {}
-        for shard, block in self.missing:
-            by_shard.setdefault(shard, []).append(block)
         runs = []
-        for shard, blocks in by_shard.items():
-            blocks.sort()
-            start = prev = blocks[0]
-            for b in blocks[1:] + [None]:
-                if b is not None and b == prev + 1:
-                    prev = b
-                    continue
-                first_need = min(order[(shard, x)] for x in range(start, prev + 1))
-                runs.append((first_need, shard, start, prev))
-                if b is not None:
-                    start = prev = b
+        for shard, group in itertools.groupby(sorted(self.missing), key=lambda b: b[0]):
+            # consecutive blocks keep block - position constant
+            for _, run in itertools.groupby(enumerate(b for _, b in group), key=lambda ib: ib[1] - ib[0]):
+                blocks = [b for _, b in run]
+                runs.append((min(order[(shard, b)] for b in blocks), shard, blocks[0], blocks[-1]))
         runs.sort()
         return [(shard, a, b) for _, shard, a, b in runs]
 

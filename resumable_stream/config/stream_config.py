@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, UnknownKeyError, shown
-from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_number
+from ..limits import MAX_OPEN_SHARDS, MAX_PARTITIONS, is_int, is_number
 from ..observe.monitoring import MONITOR_KEYS
 from . import formats as registry
 from . import overrides as override
@@ -26,10 +26,6 @@ from .weight_schedule import check_weights, normalised, weight_at
 from .yaml_files import load_file
 
 BACKENDS = ("hf", "local")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_str_list(v: Any) -> bool:
@@ -89,16 +85,16 @@ _RULES: dict[str, tuple[Any, str]] = {
                  "null or a folder of the dataset (datasets' load_dataset data_dir)"),
     "split": (lambda v: isinstance(v, str) and v.strip() != "", "a split name such as train"),
     "shuffle": (lambda v: isinstance(v, bool), "true or false"),
-    "shuffle_seed": (lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
-    "buffer_size": (lambda v: _is_int(v) and 1 <= v <= 10_000_000, "an integer from 1 to 10000000 (rows)"),
-    "interleave_shards": (lambda v: _is_int(v) and 1 <= v <= MAX_OPEN_SHARDS, f"an integer from 1 to {MAX_OPEN_SHARDS}"),
-    "block_rows": (lambda v: _is_int(v) and 1 <= v <= 1_000_000, "an integer from 1 to 1000000 (rows)"),
+    "shuffle_seed": (lambda v: is_int(v, 0, 2**63 - 1), "an integer in [0, 2**63)"),
+    "buffer_size": (lambda v: is_int(v, 1, 10_000_000), "an integer from 1 to 10000000 (rows)"),
+    "interleave_shards": (lambda v: is_int(v, 1, MAX_OPEN_SHARDS), f"an integer from 1 to {MAX_OPEN_SHARDS}"),
+    "block_rows": (lambda v: is_int(v, 1, 1_000_000), "an integer from 1 to 1000000 (rows)"),
     "resume_state_path": (lambda v: v is None or (isinstance(v, str) and v), "null or a sidecar file / directory"),
     "cache_dir": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null (off) or a directory"),
     "cache_size_limit_gb": (lambda v: is_number(v) and 0 < v <= 1e9,
                             "a number of gigabytes > 0 and at most 1e9 (diskcache keeps the limit in bytes as a "
                             "64-bit integer)"),
-    "retries": (lambda v: _is_int(v) and 0 <= v <= 100, "an integer from 0 to 100"),
+    "retries": (lambda v: is_int(v, 0, 100), "an integer from 0 to 100"),
     "retry_backoff_s": (lambda v: is_number(v) and 0 <= v <= 600,
                         "a number of seconds from 0 to 600"),
     "timeout_s": (lambda v: is_number(v) and 0 < v <= 3600,
@@ -112,7 +108,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "rate_limit_wait_s": (lambda v: is_number(v) and 0 <= v <= 86400,
                           "a number of seconds from 0 to 86400: how long one request may wait out a store's "
                           "rate-limit answers (HTTP 429, S3 503 SlowDown) before it fails"),
-    "num_partitions": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_PARTITIONS),
+    "num_partitions": (lambda v: v is None or is_int(v, 1, MAX_PARTITIONS),
                        f"null (ranks x DataLoader workers of the first run) or an integer from 1 to {MAX_PARTITIONS}, "
                        "at least ranks x workers"),
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
@@ -124,14 +120,14 @@ _RULES: dict[str, tuple[Any, str]] = {
     "index_path": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
                    "null or the path of a dataset index file (written by `resumable-stream index`)"),
     "verify_files": (lambda v: isinstance(v, bool), "true or false"),
-    "prefetch_blocks": (lambda v: v is None or (_is_int(v) and 0 <= v <= 256),
+    "prefetch_blocks": (lambda v: v is None or is_int(v, 0, 256),
                         "null (adaptive, at most 64) or an integer from 0 (off) to 256: the most row groups fetched "
                         "ahead per partition"),
     "prefetch_memory_mb": (lambda v: is_number(v)
                            and 1 <= v <= 1_048_576,
                            "a number of MiB from 1 to 1048576: the bytes the row groups fetched ahead may hold, "
                            "in flight and decoded, per process"),
-    "max_member_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_MEMBER_BYTES,
+    "max_member_bytes": (lambda v: is_int(v, 1, MAX_MEMBER_BYTES),
                          f"an integer from 1 to {MAX_MEMBER_BYTES} (bytes): the largest WebDataset tar member read; "
                          "a sample with a larger one is a bad sample"),
     "growth": (lambda v: v in GROWTH_MODES, "one of off (the files are fixed), append (files that appear join at "
@@ -336,19 +332,20 @@ def _resolve_one(p: str, base_dir: str) -> str:
     return p
 
 
+def _resolve_paths(value: Any, base_dir: str) -> Any:
+    """A path or a list of paths, each taken as :func:`_resolve_one` takes it; anything else as it is."""
+    if isinstance(value, list):
+        return [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in value]
+    return _resolve_one(value, base_dir) if isinstance(value, str) else value
+
+
 def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, Any]:
     out = dict(values)
     dfs = out.get("data_files")
-    if isinstance(dfs, str):
-        out["data_files"] = _resolve_one(dfs, base_dir)
-    elif isinstance(dfs, list):
-        out["data_files"] = [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in dfs]
-    elif isinstance(dfs, dict):
-        out["data_files"] = {
-            k: (_resolve_one(v, base_dir) if isinstance(v, str)
-                else [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in v] if isinstance(v, list) else v)
-            for k, v in dfs.items()
-        }
+    if isinstance(dfs, dict):      # split -> a path or a list of them
+        out["data_files"] = {k: _resolve_paths(v, base_dir) for k, v in dfs.items()}
+    else:
+        out["data_files"] = _resolve_paths(dfs, base_dir)
     for key in ("resume_state_path", "index_path"):
         value = out.get(key)
         if isinstance(value, str) and value:
@@ -375,6 +372,10 @@ _IDENTITY_KEYS = ("dataset_name_or_path", "name", "data_files", "data_dir")
 _SHARED_KEYS = ("shuffle_seed", "cache_dir", "cache_size_limit_gb", "num_partitions", "elastic", "elastic_determinism",
                 "verify_files")
 _LABEL = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _shared(name: str) -> property:
+    return property(lambda self: getattr(self.sources[0], name), doc=f"data.{name}: the same for every source")
 
 
 @dataclass(frozen=True)
@@ -442,30 +443,13 @@ class MixtureConfig:
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "labels", labels)
 
-    # settings every source shares
-    @property
-    def shuffle_seed(self) -> int:
-        return self.sources[0].shuffle_seed
-
-    @property
-    def cache_dir(self) -> str | None:
-        return self.sources[0].cache_dir
-
-    @property
-    def num_partitions(self) -> int | None:
-        return self.sources[0].num_partitions
-
-    @property
-    def elastic(self) -> bool:
-        return self.sources[0].elastic
-
-    @property
-    def elastic_determinism(self) -> bool | None:
-        return self.sources[0].elastic_determinism
-
-    @property
-    def same_global_batches(self) -> bool:
-        return self.sources[0].same_global_batches
+    # settings every source shares (set in data:)
+    shuffle_seed = _shared("shuffle_seed")
+    cache_dir = _shared("cache_dir")
+    num_partitions = _shared("num_partitions")
+    elastic = _shared("elastic")
+    elastic_determinism = _shared("elastic_determinism")
+    same_global_batches = _shared("same_global_batches")
 
     @property
     def growth(self) -> str:

@@ -4,11 +4,13 @@ every bad value raises ``ConfigError`` naming ``data.<key>``, the value and what
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConfigError, shown
+from ..limits import is_int
 from .chat_formats import COLUMN_KEYS, SHAREGPT_TAGS, resolved_columns, same_role_tags
 from .user_function import function_identity, load_function
 
@@ -27,10 +29,6 @@ MAX_IMAGE_PIXELS = 1 << 40
 SOURCE_TRANSFORM_KEYS = ("format", "text_column", "messages_column", "columns", "tags", "map", "map_version")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _name(v: Any) -> bool:
     return isinstance(v, str) and v.strip() != ""
 
@@ -45,7 +43,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "format": (lambda v: v in FORMATS, f"one of {', '.join(FORMATS)}"),
     "text_column": (_name, "a non-empty column name"),
     "messages_column": (_name, "a non-empty column name"),
-    "max_seq_len": (lambda v: _is_int(v) and MIN_SEQ_LEN <= v <= MAX_SEQ_LEN,
+    "max_seq_len": (lambda v: is_int(v, MIN_SEQ_LEN, MAX_SEQ_LEN),
                     f"an integer from {MIN_SEQ_LEN} to {MAX_SEQ_LEN} (tokens)"),
     "packing": (lambda v: isinstance(v, bool), "true or false"),
     "packing_mode": (lambda v: v in PACKING_MODES, f"one of {', '.join(PACKING_MODES)}"),
@@ -58,10 +56,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "images_column": (_name, "a non-empty column name"),
     "image_dir": (lambda v: v is None or _name(v), "null or a directory"),
     "bad_sample": (lambda v: v in BAD_SAMPLE, f"one of {', '.join(BAD_SAMPLE)}"),
-    "max_image_bytes": (lambda v: _is_int(v) and 1 <= v <= MAX_IMAGE_BYTES,
+    "max_image_bytes": (lambda v: is_int(v, 1, MAX_IMAGE_BYTES),
                         f"an integer from 1 to {MAX_IMAGE_BYTES} (bytes per image file, download or bytes value)"),
     "allow_absolute_image_paths": (lambda v: isinstance(v, bool), "true or false"),
-    "max_image_pixels": (lambda v: v is None or (_is_int(v) and 1 <= v <= MAX_IMAGE_PIXELS),
+    "max_image_pixels": (lambda v: v is None or is_int(v, 1, MAX_IMAGE_PIXELS),
                          f"null (Pillow's own bound, PIL.Image.MAX_IMAGE_PIXELS: 89478485 unless changed) or an "
                          f"integer from 1 to {MAX_IMAGE_PIXELS} (width x height, read from the image's header "
                          "before it is decoded)"),
@@ -71,7 +69,7 @@ _RULES: dict[str, tuple[Any, str]] = {
              f"null or a mapping from {', '.join(SHAREGPT_TAGS)} to non-empty strings"),
     "map": (lambda v: v is None or isinstance(v, str) or callable(v),
             "null, 'package.module:function', or (from Python) a function"),
-    "map_version": (lambda v: v is None or _name(v) or _is_int(v), "null, a non-empty string or an integer"),
+    "map_version": (lambda v: v is None or _name(v) or is_int(v, -math.inf, math.inf), "null, a non-empty string or an integer"),
 }
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, shown
+from ..limits import is_int
 from .metrics import READING_FIELDS, combined
 
 log = logging.getLogger(__name__)
@@ -19,10 +21,6 @@ MONITOR_KEYS = ("metrics_port", "metrics_addr", "data_bound_share", "data_bound_
 MAX_PORT = 65535
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")   # a label of a host name (RFC 1123)
 SLOW_RESPONSE_MS = 200.0     # a p50 above this: the server (or the link) is slow, whatever we do here
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_address(v: Any) -> bool:
@@ -54,7 +52,7 @@ class MonitorSettings:
 
     def __post_init__(self) -> None:
         port, share, steps = self.metrics_port, self.data_bound_share, self.data_bound_steps
-        if port is not None and not (_is_int(port) and 1 <= port <= MAX_PORT):
+        if port is not None and not is_int(port, 1, MAX_PORT):
             raise ConfigError(f"data.metrics_port: got {shown(port)}; allowed: null or a port from 1 to {MAX_PORT} "
                               "(each rank serves on port + its local rank)")
         addr = self.metrics_addr
@@ -74,7 +72,7 @@ class MonitorSettings:
         if not isinstance(self.log_source_loss, bool):
             raise ConfigError(f"data.log_source_loss: got {shown(self.log_source_loss)}; allowed: true or false (a "
                               "mixture's training loss per source in train_log.jsonl)")
-        if not (_is_int(steps) and steps >= 1):
+        if not is_int(steps, 1, math.inf):
             raise ConfigError(f"data.data_bound_steps: got {shown(steps)}; allowed: an integer >= 1 (optimizer steps "
                               "per window)")
 
