@@ -175,9 +175,8 @@ def _resume_step(name: Any, step: int) -> int:
 
 
 def read_log(run_dir: str) -> RunLog:
-    """Parse ``RUN_DIR/train_log.jsonl``. A training line has an int ``step`` and a ``loss`` key; the first one
-    after a resume names its checkpoint (``resumed_from: "checkpoint-N"``: a resume point at step N); an
-    evaluation line has ``eval_*`` keys. A step logged twice (a restart that did not cut the log back) keeps its later line."""
+    """Parse ``RUN_DIR/train_log.jsonl``: training lines (int ``step`` and ``loss``; a step logged twice keeps its
+    later line), resume points (``resumed_from: "checkpoint-N"``) and evaluation lines (``eval_*`` keys)."""
     path, real = log_path(run_dir)
     data = read_log_bytes(path, real)
     log = RunLog(path=path, digest=hashlib.blake2b(data).hexdigest())

@@ -317,9 +317,8 @@ def save_results(trainer, metrics: dict, nothing_left: bool) -> None:
 
 
 def save_final_model(trainer, finished_checkpoint: str | None) -> None:
-    """The final model (and tokenizer / processor) in output_dir, for from_pretrained. Every rank calls
-    save_model (sharded states are gathered), the main process writes. ``finished_checkpoint``: the run had
-    nothing left to train, so the model is that checkpoint's, loaded first by the Trainer's own loader."""
+    """The final model (and tokenizer / processor) in output_dir: every rank calls save_model, the main process
+    writes. ``finished_checkpoint``: nothing was left to train, so the model is that checkpoint's, loaded first."""
     if finished_checkpoint is not None:
         if trainer.args.deepspeed or trainer.args.fsdp:   # their engines load inside train() only
             log.warning("the final model is %s's (DeepSpeed / FSDP: not saved again in %s)", finished_checkpoint,

@@ -237,9 +237,8 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
 def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int | None = None,
                         ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
                         sources: list[Source] | None = None, block_rows: int | None = None) -> list[WarmupPlan]:
-    """:func:`plan_warmup` of a mixture: one plan per source, of the blocks of it that the ranks' next
-    ``samples`` mixture samples read (the real mixture draws over every source's planning source). The
-    sources are opened as the job opens them (each source's saved or given index reused)."""
+    """:func:`plan_warmup` of a mixture: one plan per source, traced with the real mixture draws; the sources are
+    opened as the job opens them (each source's saved or given index reused)."""
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
     if not config.cache_dir:

@@ -31,9 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def refresh_stream_files(stream) -> None:
-    """At each save (every rank saves at the same step): with ``data.growth``, the files that appeared join the
-    plan, so the checkpoint's index has them. DataLoader workers read ahead with the plan they started with:
-    with them, new files join at the next resume instead (said once)."""
+    """At each save, with ``data.growth``: the files that appeared join the plan, so the checkpoint's index has them
+    (with DataLoader workers, which read ahead with their plan, they join at the next resume: said once)."""
     if getattr(stream.config, "growth", "off") == "off":
         return
     if stream.num_workers:
@@ -83,9 +82,8 @@ class Checkpoints:
         return resume_latest(self.output_dir, _rank(loader) == 0, barrier, self.required)
 
     def resume(self, loader: Any) -> int:
-        """Restore ``loader`` (a StreamLoader, or anything with ``load_sidecar``) from the newest complete
-        checkpoint; its step, or 0 when there is none (the loader is left as it is). Restore your model and
-        optimizer from :meth:`latest`'s path, or ``self.path(step)``."""
+        """Restore ``loader`` (anything with ``load_sidecar``) from the newest complete checkpoint: its step, or 0 when
+        there is none. Restore your model and optimizer from :meth:`latest`'s path, or ``self.path(step)``."""
         latest = self.latest(loader)
         if latest is None:
             return 0

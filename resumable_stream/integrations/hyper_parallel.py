@@ -29,9 +29,8 @@ _HP_LOADER_KEYS = frozenset({"dataloader_type", "data_rearrange_map", "data_shar
 
 
 class HyperParallelStreamDataset(IterableDataset):
-    """What :func:`build_dataset` returns: the stream's ``data:`` config, this rank's place and HyperParallel's
-    sample transform. An iterable dataset (HyperParallel makes no batch sampler for it); the stream is opened
-    by :func:`build_dataloader`, which knows the DataLoader workers."""
+    """What :func:`build_dataset` returns: the ``data:`` config, this rank's place and HyperParallel's transform; the
+    stream is opened by :func:`build_dataloader`, which knows the DataLoader workers."""
 
     def __init__(self, config: StreamConfig | MixtureConfig, transform: Callable | None, rank: int | None,
                  world_size: int | None):

@@ -27,10 +27,8 @@ NAME = "resumable_stream"     # the datasets_type and dataloader.type this modul
 
 
 class VeOmniStreamDataset:
-    """What :func:`build_dataset` returns: the ``data:`` config of the stream and VeOmni's data transform.
-
-    The stream itself is opened by :func:`build_dataloader`, which knows the DataLoader workers it is read
-    with. It has no ``__len__``: VeOmni counts its steps from ``train.max_steps`` or ``data.train_sample``."""
+    """What :func:`build_dataset` returns: the ``data:`` config and VeOmni's transform; the stream is opened by
+    :func:`build_dataloader`, which knows the workers. No ``__len__``: VeOmni counts steps from its own keys."""
 
     def __init__(self, config: Any, transform: Callable | None, train_path: str):
         self.config, self.transform, self.train_path = config, transform, train_path
@@ -64,11 +62,8 @@ def build_dataset(train_path: str, transform: Callable | None = None, dataloader
 
 
 class VeOmniStreamLoader(TrainerLoader):
-    """VeOmni's ``train_dataloader``: each item is one optimizer step's micro-batches on this rank (VeOmni's
-    ``MakeMicroBatchCollator`` over its collator, as its native dataloader makes them with ``dyn_bsz:
-    false``); ``state_dict`` / ``load_state_dict`` are the :class:`StreamLoader`'s. ``set_epoch`` does
-    nothing: the stream's epochs roll over per partition, and VeOmni's epochs (``max_steps`` steps each for an
-    unsized dataset) continue the data where the previous one stopped."""
+    """VeOmni's ``train_dataloader``: each item is one optimizer step's micro-batches on this rank, as its native
+    dataloader makes them with ``dyn_bsz: false``. ``set_epoch`` does nothing: VeOmni's epochs continue the data."""
 
     where = "VeOmni checkpoint extra_state['train_dataloader']"
 

@@ -18,9 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def truncate_jsonl(path: str, last_step: int, step_key: str = "step") -> None:
-    """Keep the lines of steps <= last_step (a resumed run redoes the later ones), by each line's own step
-    (its ``step_key`` field): a damaged line is kept (with a warning) and costs none of the lines after it; a
-    cut last line is dropped."""
+    """Keep the lines of steps <= last_step (a resumed run redoes the later ones), by each line's ``step_key``: a
+    damaged line is kept (with a warning), a cut last line is dropped."""
     if not os.path.isfile(path):
         return
     keep, damaged = [], 0
@@ -77,9 +76,8 @@ class ConsumedLogCallback(TrainerCallback):
 
 
 def transform_stats(loader) -> dict:
-    """The transform's counters (samples, examples, skipped / dropped samples, ...) as of the last batch the
-    training loop consumed, summed over this rank's partitions, as ``data_<name>`` fields. They travel
-    with the batch snapshots, so DataLoader workers' counts are included and a resumed run continues them."""
+    """The transform's counters as of the last batch the training loop consumed, summed over this rank's partitions,
+    as ``data_<name>`` fields (they travel with the batch snapshots: workers' counts and resumes included)."""
     totals: dict[str, int] = {}
     if loader is None:
         return totals
