@@ -1,16 +1,7 @@
-"""The state of one mixture partition (``data.sources``), made by :class:`~resumable_stream.stream.mixture.MixtureStream`.
-
-A mixture partition's own position is its mixture epoch, the draws made in it, the samples it yielded,
-and per source the epoch being read and whether it ended during this mixture epoch; beside it, each
-source's :class:`~resumable_stream.state.partition_state.PartitionState` (nested: each source's state is its own). In a sidecar the
-positions are the tensors ``mixture/positions`` (epoch, draws, consumed), ``mixture/source_epochs`` and
-``mixture/ended`` (one column per source), and source i's states are under ``sources/<i>/``.
-
-With a weight history (resumable_stream.stream.weights) a partition also holds ``changes``: the draw index
-(its ``consumed`` then) where each history entry after the first starts for it, the tensor
-``mixture/changes`` (written only when there are some). Sources removed by a change of mixture keep their
-columns after the mixture's own (their labels: ``fingerprint.mixture.retired``).
-"""
+"""The state of one mixture partition (``data.sources``): its mixture epoch, draws, samples yielded, per source the
+epoch being read and whether it ended in this mixture epoch, ``changes`` (where each weight-history entry after
+the first starts for it), and each source's nested
+:class:`~resumable_stream.state.partition_state.PartitionState` (docs/internals.md, "Sidecar schema")."""
 
 from __future__ import annotations
 

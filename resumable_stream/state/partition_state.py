@@ -46,9 +46,8 @@ class Cursor:
 
 @dataclass
 class PartitionState:
-    """Where one partition stands after the last sample it yielded: the cursor at the start of its current
-    window plus the samples of that window consumed (so a snapshot after every batch copies nothing) and the
-    digests that check a resume (what a transform carries over is the loader's state, not this). It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and its bounds
+    """Where one partition stands: the cursor at the start of its window, the samples of it consumed and the digests
+    that check a resume. It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and bounds
     (:meth:`validate`): a new cursor field is a change here (and in :class:`Cursor`) only."""
 
     start: Cursor                    # offset 0: the window's start
