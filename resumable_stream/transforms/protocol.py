@@ -6,11 +6,8 @@
         carry = proc.state()            # saved beside the partition's cursor after every batch
 
 A fresh processor given ``load_state(carry)`` continues as if it had never stopped; ``fingerprint()`` names what
-decides its outputs, so a resume with another one is a ``StreamMismatchError``. The implementations
-(``TextProcessor``, ``VLProcessor``, LLaMA-Factory's) subclass :class:`QueuedProcessor`, inheriting the optional
-hooks' defaults and setting those they use; one written with the required methods only is driven through
-:func:`as_processor`, with the defaults.
-"""
+decides its outputs. Implementations subclass :class:`QueuedProcessor`; one with the required methods only is
+driven through :func:`as_processor`."""
 
 from __future__ import annotations
 
@@ -114,9 +111,8 @@ class _RequiredOnly(Processor):
 
 
 def as_processor(obj: Any) -> Processor:
-    """``obj`` when it has every member of :class:`Processor` (as its subclasses do); one with the required methods
-    only, wrapped with the hooks' defaults. TypeError for one that defines some hooks but not all: they would be
-    ignored silently."""
+    """``obj`` when it has every member of :class:`Processor`; one with the required methods only, wrapped with the
+    hooks' defaults. TypeError for one that defines some hooks but not all (they would be ignored silently)."""
     if isinstance(obj, Processor):
         return obj
     some = [name for name in HOOKS if hasattr(obj, name)]
