@@ -36,7 +36,7 @@ from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
-from .stream.base import Stream
+from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
 from .transforms.protocol import Processor, as_processor
 
@@ -137,25 +137,9 @@ class _BatchProducer(IterableDataset):
         if steps == 1:
             yield from self._batches(lane[0])
             return
-        # several partitions: one batch from each in turn, starting where the saved rotation stood
-        yield from self._lane_rounds(lane, steps, turn)
-
-    def _lane_rounds(self, lane: list[int], steps: int, turn: int) -> Iterator[dict[str, Any]]:
-        """A batch of each partition of ``lane`` in turn from lane step ``turn``, a skip item for each of the ``steps``
-        past the lane's end, so that the DataLoader (taking from its workers in turn) hands out one round."""
-        iterators = {p: self._batches(p) for p in lane}
-        t = turn
-        while iterators:
-            if t < len(lane):
-                it = iterators.get(lane[t])
-                if it is not None:
-                    try:
-                        yield next(it)
-                    except StopIteration:
-                        del iterators[lane[t]]
-            else:
-                yield _SKIP
-            t = (t + 1) % steps
+        # one batch of each partition in turn from the saved lane step, a skip item for each step past the
+        # lane's end, so that the DataLoader (taking from its workers in turn) hands out whole rounds
+        yield from round_robin({p: self._batches(p) for p in lane}, lane, turn, steps=steps, skip=_SKIP)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = as_processor(self.processor_factory()) if self.processor_factory is not None else None
@@ -179,24 +163,20 @@ class _BatchProducer(IterableDataset):
             if proc.data_epoch is None:
                 proc.data_epoch = self.stream.partition_epoch(partition)
             yield from self._epoch_tail(partition, proc)     # a resume between the batches of an epoch's end
-        if proc is None and not self.keep_keys:    # raw samples, nobody asks for their keys: the lean loop
-            for sample, _ in self.stream.iter_partition(partition):
+        if proc is None:     # raw samples (their keys only when asked for)
+            key_fn = self.key_fn if self.keep_keys else None
+            for sample, where in self.stream.iter_partition(partition):
                 examples.append(sample)
-                if len(examples) == self.batch_size:
-                    yield self._item(partition, examples, [], None)
-                    examples = []
-            if examples:
-                yield self._item(partition, examples, [], None)
-            return
-        for sample, where in self.stream.iter_partition(partition):
-            key = self.key_fn(sample, where)
-            if proc is None:
-                examples.append(sample)
-                keys.append(key)
+                if key_fn is not None:
+                    keys.append(key_fn(sample, where))
                 if len(examples) == self.batch_size:
                     yield self._item(partition, examples, keys, None)
                     examples, keys = [], []
-                continue
+            if examples:
+                yield self._item(partition, examples, keys, None)
+            return
+        for sample, where in self.stream.iter_partition(partition):
+            key = self.key_fn(sample, where)
             ended = epoch_bound and self.stream.partition_epoch(partition) != proc.data_epoch
             if ended:      # the sample is the first of the next epoch: the ended one's last chunk is processed
                 proc.end_epoch(self.stream.partition_epoch(partition))
@@ -217,10 +197,7 @@ class _BatchProducer(IterableDataset):
                 yield self._processed_item(partition, [take() for _ in range(self.batch_size)], proc)
         # the partition's epoch ended (finite mode, set_epoch): what is left is one shorter batch; packed
         # tokens not yet in a block stay in the processor's state and carry over to the next epoch
-        if proc is None:
-            if examples:
-                yield self._item(partition, examples, keys, None)
-        elif proc.ready():
+        if proc.ready():
             yield self._processed_item(partition, [take() for _ in range(proc.ready())], proc)
 
     def _epoch_tail(self, partition: int, proc: Processor) -> Iterator[dict[str, Any]]:
@@ -439,7 +416,7 @@ class StreamLoader:
         if self.num_workers == 0 and not self.pin_memory:
             return iter(producer)
         items = iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
-        if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (_lane_rounds)
+        if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (round_robin)
             return filter(_not_skip, items)
         return items
 

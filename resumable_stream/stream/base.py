@@ -124,21 +124,25 @@ def resolve_topology(rank: int | None, world_size: int | None, num_workers: int)
 
 
 def round_robin(iterators: dict[int, Iterator], order: list[int], turn: int = 0,
-                on_turn: Callable[[int], None] | None = None) -> Iterator:
+                on_turn: Callable[[int], None] | None = None, steps: int | None = None, skip: Any = None) -> Iterator:
     """Item by item from ``iterators`` in the rotation ``order``, starting at ``order[turn]`` and skipping
-    those that ended; ``on_turn(turn)`` is told where the rotation stands after each step (to save it)."""
+    those that ended; ``on_turn(turn)`` is told where the rotation stands after each step (to save it). With
+    ``steps`` longer than ``order``, each step past its end yields ``skip`` (the loader's shorter lanes)."""
+    steps = steps or len(order)
     while iterators:
-        key = order[turn % len(order)]
-        turn = (turn + 1) % len(order)
+        t, turn = turn % steps, (turn + 1) % steps
         if on_turn is not None:
             on_turn(turn)
-        it = iterators.get(key)
+        if t >= len(order):
+            yield skip
+            continue
+        it = iterators.get(order[t])
         if it is None:
             continue
         try:
             yield next(it)
         except StopIteration:
-            del iterators[key]
+            del iterators[order[t]]
 
 
 class StreamBase(IterableDataset):

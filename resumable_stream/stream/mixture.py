@@ -316,11 +316,14 @@ class MixtureStream(StreamBase):
             j = saved_labels.index(label) if label in saved_labels else None
             furthest = max((max(int(ps["mixture"]["source_epochs"][j]), int(ps["sources"][j]["epoch"]))
                             for ps in state["partitions"].values()), default=0) if j is not None else 0
-            index = growth_after_resume(scfg.source_spec, saved, furthest, self.rank, self.world_size, at)
-            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
-            for view in self._views[i].values():
-                view.adopt_index(index, source)
-            self.source.sources[i] = source
+            self._adopt_index(i, growth_after_resume(scfg.source_spec, saved, furthest, self.rank, self.world_size, at))
+
+    def _adopt_index(self, i: int, index: dict) -> int:
+        """Source i over a grown ``index``: one source for every partition's view (they share it, as at the start);
+        the epoch its new files join at."""
+        scfg = self.config.sources[i]
+        self.source.sources[i] = source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
+        return min(view.adopt_index(index, source) for view in self._views[i].values())
 
     def refresh_files(self) -> dict[str, int] | None:
         """``ResumableStream.refresh_files`` per growing source (each joins after the furthest epoch of that source any
@@ -337,13 +340,8 @@ class MixtureStream(StreamBase):
                                 self.num_workers)
             except StreamMismatchError as e:
                 raise StreamMismatchError(f"data.sources[{i}] ({label!r}): {e}", e.differences) from e
-            if index is None:
-                continue
-            # one source over the grown index for every partition's view (they share it, as at the start)
-            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
-            for view in views.values():
-                joins[label] = view.adopt_index(index, source)
-            self.source.sources[i] = source
+            if index is not None:
+                joins[label] = self._adopt_index(i, index)
         return joins or None
 
     # ------------------------------------------------------------------ iteration
@@ -524,10 +522,7 @@ class MixtureStream(StreamBase):
             super().check_saved_identity(state, where)
             return
         self._compare(fp, where)
-        ours = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
-        if "transform" in fp:
-            ours["transform"] = fp["transform"]
-        super().check_saved_identity({**state, "fingerprint": ours}, where)     # the kind and the transform
+        super().check_saved_identity({**state, "fingerprint": self._ours_with_transform_of(fp)}, where)
 
     def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
         """Take the saved weight history, compare, and return the state in this mixture's form: its sources in this order
@@ -568,10 +563,15 @@ class MixtureStream(StreamBase):
             self._events.append({"from": "resume", "weights": dict(zip(labels, self.config.weights)),
                                  "added": [label for label in labels if label not in every],
                                  "removed": [label for label in saved_labels if label not in labels]})
+        return {**state, "fingerprint": self._ours_with_transform_of(saved_fp), "partitions": partitions}
+
+    def _ours_with_transform_of(self, saved_fp: dict[str, Any]) -> dict[str, Any]:
+        """This mixture's fingerprint (compared by :meth:`_compare`) with the saved transform's, which
+        ``StreamBase.check_saved_identity`` then checks."""
         fp = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
         if "transform" in saved_fp:
             fp["transform"] = saved_fp["transform"]
-        return {**state, "fingerprint": fp, "partitions": partitions}
+        return fp
 
     def _reorder(self, ps: MixturePartitionState, every: list[str], changes: int, changed: bool, p: int,
                  num_partitions: int, where: str) -> dict[str, Any]:
