@@ -350,13 +350,7 @@ ELASTIC_KEYS = {"switch": "data.elastic_determinism", "partitions": "data.num_pa
 
 def divisors(n: int, limit: int = 12) -> list[int]:
     """The first ``limit`` divisors of ``n`` (what an error lists as allowed)."""
-    out = []
-    for d in range(1, n + 1):
-        if n % d == 0:
-            out.append(d)
-            if len(out) == limit:
-                break
-    return out
+    return [d for d in range(1, n + 1) if n % d == 0][:limit]
 
 
 def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[str, str] | None = None) -> None:
@@ -372,21 +366,14 @@ def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[s
             "(any ranks x workers, but the global batches then depend on them)")
 
 
-def micro_batches_per_round(num_partitions: int, world_size: int) -> int:
-    """Micro-batches a rank hands out per round, one from each of its partitions: an optimizer step under
-    ``data.elastic_determinism`` accumulates a multiple of it on every rank."""
-    return num_partitions // world_size
-
-
 def check_global_batch(num_partitions: int, world_size: int, accumulation: int, batch_size: int | None = None,
                        workers: int | None = None, keys: dict[str, str] | None = None) -> None:
     """``data.elastic_determinism``: an optimizer step of ``world_size`` x ``accumulation`` micro-batches takes
     the same number from every partition (the global batch a multiple of ``num_partitions``), else a
     ConfigError naming the keys (``keys``: the caller's names of them, over :data:`ELASTIC_KEYS`)."""
-
     k = {**ELASTIC_KEYS, **(keys or {})}
     check_partitions_per_rank(num_partitions, world_size, keys)
-    per_round = micro_batches_per_round(num_partitions, world_size)
+    per_round = num_partitions // world_size     # micro-batches a rank hands out per round
     if isinstance(accumulation, int) and accumulation >= 1 and accumulation % per_round == 0:
         return
     batch = f" of {k['batch']} {batch_size}" if batch_size is not None else ""
