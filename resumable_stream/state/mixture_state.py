@@ -12,9 +12,8 @@ import numpy as np
 
 from ..errors import SidecarError
 from ..limits import MAX_EPOCH, is_int
-from ..plan import Layout
 from .fields import require, tensor
-from .partition_state import PartitionState, merge_partitions
+from .partition_state import PartitionState
 
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
 
@@ -126,14 +125,3 @@ class MixturePartitionState:
             out[p] = cls(**position, source_epochs=epochs, ended=[bool(f) for f in flags],
                          sources=[sources[i][p] for i in range(n)], changes=drawn)
         return out
-
-    def validate(self, layouts: list[Layout], partition: int, where: str, labels: list[str]) -> None:
-        """Each source's cursor points inside its partition's data (``layouts``: one per source)."""
-        for ps, layout, label in zip(self.sources, layouts, labels):
-            ps.validate(layout, partition, f"{where}, source {label!r}")
-
-    @classmethod
-    def merge(cls, rank_states: list[dict[int, MixturePartitionState]],
-              partitions: set[int]) -> dict[int, MixturePartitionState]:
-        """Elastic gathering, as :meth:`PartitionState.merge`: a mixture partition moves whole."""
-        return merge_partitions(rank_states, partitions)

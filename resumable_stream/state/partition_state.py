@@ -213,21 +213,3 @@ class PartitionState:
         check(0 <= c.block_taken < lay.block, "block_taken", c.block_taken, f"0 .. {lay.block - 1}")
         check(0 <= self.offset <= lay.buffer_size, "offset", self.offset, f"0 .. {lay.buffer_size} (one window)")
         check(0 <= c.window and 0 <= c.consumed_before, "window", c.window, "an integer >= 0")
-
-    @classmethod
-    def merge(cls, rank_states: list[dict[int, PartitionState]], partitions: set[int]) -> dict[int, PartitionState]:
-        """Elastic gathering: ``partitions``' states from the rank states of one save. A partition moves whole
-        between ranks (its cursor is its own), so each is taken from the rank that held it."""
-        return merge_partitions(rank_states, partitions)
-
-
-def merge_partitions(rank_states: list[dict[int, Any]], partitions: set[int]) -> dict[int, Any]:
-    """Each of ``partitions`` from the one rank state that holds it (a partition held twice is refused)."""
-    merged: dict[int, Any] = {}
-    for states in rank_states:
-        for p, ps in states.items():
-            if p in partitions:
-                if p in merged:
-                    raise SidecarError(f"partition {p} is held by two rank files of one save")
-                merged[p] = ps
-    return merged
