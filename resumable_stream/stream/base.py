@@ -265,6 +265,7 @@ class StreamBase(IterableDataset):
         if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
             got = state.get("format_version") if isinstance(state, dict) else type(state).__name__
             raise StreamMismatchError(f"{where}: format version {got!r:.40}, expected {FORMAT_VERSION}")
+        state = self._in_own_form(state, where)
         self._read_by_workers.value = 0   # the position is the loaded one again
         self.check_saved_identity(state, where)
         same = self.adopt_topology(state["topology"], where)
@@ -281,6 +282,10 @@ class StreamBase(IterableDataset):
         self._turn = int(state.get("turn", 0)) if same and state["topology"].get("rank") is not None else 0
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded state
             self.set_epoch(self._epoch_limit)
+
+    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """A saved state put in this stream's form before it is loaded (a mixture's other weights or sources)."""
+        return state
 
     def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
         """The saved state is of this kind of stream and of the same data, order and transform."""

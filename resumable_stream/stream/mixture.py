@@ -468,17 +468,13 @@ class MixtureStream(StreamBase):
                              if partition in views) if x is not None]
         return sum(known) / len(known) if known else None
 
-    def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
-                        verify_next_sample: bool = True) -> None:
-        """As ``StreamBase.load_state_dict``; the saved weight history is taken over, and with
-        ``data.mixture_change: allow`` other weights or sources than the saved ones apply from each partition's
-        next draw on (the state is first put in this mixture's form: see :meth:`_take_over`)."""
-        if isinstance(state, dict) and "stream" in state and "partitions" not in state:
-            state = state["stream"]      # a loader's (nested) state: the stream's part
-        fp = state.get("fingerprint") if isinstance(state, dict) else None
+    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """The saved weight history is taken over, and with ``data.mixture_change: allow`` other weights or sources
+        apply from each partition's next draw on (:meth:`_take_over`)."""
+        fp = state.get("fingerprint")
         if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
-            state = self._take_over(state, where)
-        super().load_state_dict(state, where, verify_next_sample)
+            return self._take_over(state, where)
+        return state
 
     def _core(self, fp: dict[str, Any], labels: list[str], weights: bool = True) -> dict[str, Any]:
         """What must agree for a state to resume here: the mixture's labels, stopping and seed, its sources'
