@@ -19,12 +19,12 @@ import numpy as np
 
 from ..config.chat_formats import resolved_columns, resolved_tags
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError
+from ..errors import SidecarError
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import TransformError, skip_or_raise
 from .formats import BadRow, to_messages
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
-from .row_map import BadMapResult, RowMap
+from .row_map import RowMap
 
 log = logging.getLogger(__name__)
 
@@ -101,25 +101,8 @@ class TextProcessor(QueuedProcessor):
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
         """Take one raw row (``source``: its mixture source, whose settings apply). ``data.map`` runs first; every row
         it returns is encoded now, so what is not yet taken is in ``state()``."""
-        key = str(key)
-        self._stats["samples"] += 1
-        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
-        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            self._bad(key, str(bad))
-            return
         cfg, row_map = self._settings.get(source, self._settings[None])
-        if row_map is None:
-            self._feed_row(sample, key, cfg)
-            return
-        try:
-            rows = row_map.rows(sample, key)
-        except BadMapResult as e:
-            self._bad(key, str(e))
-            return
-        if not rows:
-            self._stats["dropped_by_map"] += 1
-        for row, row_key in rows:
-            self._feed_row(row, row_key, cfg)
+        self._feed_mapped(sample, key, row_map, lambda row, row_key: self._feed_row(row, row_key, cfg))
 
     def _feed_row(self, sample: dict, key: str, cfg: TransformConfig) -> None:
         if cfg.format == "text":
@@ -311,8 +294,8 @@ class TextProcessor(QueuedProcessor):
             del self._carry_labels[:self._carry_start]
             self._carry_start = 0
 
-    def _bad(self, key: str, why: str) -> None:
-        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, "skipped_bad", log)
+    def _bad(self, key: str, why: str, counter: str = "skipped_bad") -> None:
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
 
     def _empty(self, key: str, why: str) -> None:
         skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")

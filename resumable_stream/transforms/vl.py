@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError, shown
+from ..errors import SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import BadSample, TransformError, skip_or_raise
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
-from .row_map import BadMapResult, RowMap
+from .row_map import RowMap
 from .text import collate_numpy, tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -324,24 +324,7 @@ class VLProcessor(QueuedProcessor):
     def feed(self, sample: dict, key: str) -> None:
         """Take one raw row; a finished example becomes available through ``ready`` / ``take``. ``data.map``
         runs first; every row it returns is encoded now (so what is not yet taken is in ``state()``)."""
-        key = str(key)
-        self._stats["samples"] += 1
-        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
-        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            self._bad(key, str(bad), "skipped_bad")
-            return
-        if self._row_map is None:
-            self._feed_row(sample, key)
-            return
-        try:
-            rows = self._row_map.rows(sample, key)
-        except BadMapResult as e:
-            self._bad(key, str(e), "skipped_map")
-            return
-        if not rows:
-            self._stats["dropped_by_map"] += 1
-        for row, row_key in rows:
-            self._feed_row(row, row_key)
+        self._feed_mapped(sample, key, self._row_map, self._feed_row, "skipped_map")
 
     def _feed_row(self, sample: dict, key: str) -> None:
         try:
