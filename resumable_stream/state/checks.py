@@ -74,16 +74,13 @@ def _unlisted_hint(diffs: list[tuple[str, Any, Any]]) -> str:
 def check_fingerprint(saved: dict, now: dict, where: str) -> None:
     moves: list[tuple] = []
     diffs = fingerprint_diff(saved, now, moves=moves)
-    if not diffs:
-        for note in moves:
-            announce(note)
     if diffs:
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for different data or settings; resuming would "
             f"read other samples than the interrupted run.{_revision_hint(diffs)}{_unlisted_hint(diffs)} "
-            f"Differences:\n{_describe(diffs)}",
-            diffs,
-        )
+            f"Differences:\n{_describe(diffs)}", diffs)
+    for note in moves:
+        announce(note)
 
 
 def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,

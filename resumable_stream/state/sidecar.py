@@ -259,22 +259,14 @@ def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> N
              f"over num_partitions {n}")
 
 
-def development_format(version: Any) -> str:
-    """How a file of the development builds is named in errors."""
-    return (f"format {DEVELOPMENT_FORMAT!r} version {str(version)[:20]}, written by a development build of "
-            "resumable-stream 0.1.0 before its first release")
-
-
-REFUSED_DEVELOPMENT = ("this release reads only {format!r} version {version}: start the data afresh (without "
-                       "this state), or finish the run with the build that wrote it")
-
-
 def check_format(fmt: Any, version: Any, path: str, what: str = "sidecar") -> None:
     """A file's ``format`` / ``format_version`` are this release's (a manifest's version an int, a sidecar's a
     string); the development builds' are refused, naming them."""
     if fmt == DEVELOPMENT_FORMAT:
-        raise SidecarError(f"{what} {path!r}: {development_format(version)}; "
-                           + REFUSED_DEVELOPMENT.format(format=FORMAT, version=FORMAT_VERSION))
+        raise SidecarError(f"{what} {path!r}: format {DEVELOPMENT_FORMAT!r} version {str(version)[:20]}, written by a "
+                           "development build of resumable-stream 0.1.0 before its first release; this release reads "
+                           f"only {FORMAT!r} version {FORMAT_VERSION}: start the data afresh (without this state), or "
+                           "finish the run with the build that wrote it")
     if fmt != FORMAT:
         raise SidecarError(f"{what} {path!r}: format {str(fmt)[:40]!r}, expected {FORMAT!r}; not a resumable-stream "
                            "state")
