@@ -7,6 +7,7 @@ after a move, not the markers a copy changes (mtime, Last-Modified, http or mult
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -25,16 +26,7 @@ def _protocol(path: str) -> str:
 
 def dataset_root(paths: list[str]) -> str:
     """The deepest directory (or URL prefix) that holds every path: what the relative paths are relative to."""
-    dirs = [p.rstrip("/").split("/")[:-1] for p in paths]
-    if not dirs:
-        return ""
-    common = dirs[0]
-    for d in dirs[1:]:
-        n = 0
-        while n < min(len(common), len(d)) and common[n] == d[n]:
-            n += 1
-        common = common[:n]
-    return "/".join(common)
+    return "/".join(os.path.commonprefix([p.rstrip("/").split("/")[:-1] for p in paths]))   # by component
 
 
 def relative_paths(paths: list[str]) -> list[str]:
