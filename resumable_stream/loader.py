@@ -1,27 +1,11 @@
 """Batches for training, with the state of what the training loop *consumed*.
 
-Each DataLoader worker reads one lane of the rank's virtual partitions (by default exactly one
-partition), runs the transform (tokenize, pack) and collates batches; every batch comes from ONE
-partition, whose lane rotates over its partitions batch by batch, with one transform processor
-(and carry) per partition. With every batch the worker sends a snapshot of that partition's cursor
-and the transform's carried-over state *after* that batch. The main process keeps, per partition,
-the snapshot of the last batch it handed to the training loop. Batches prefetched by workers but
-not yet handed out are therefore never counted: the saved state equals that of a run that stopped
-right there.
-
-A rank hands out its batches in **rounds**, one batch from each of its partitions per round, in partition
-order, whatever its DataLoader workers: the DataLoader takes from its workers strictly in turn, and worker *w*
-reads lane ``w`` (partitions w, w + workers, ...), so lane step t of every worker is one stretch of the round; a
-lane shorter than the others (the partitions do not split evenly over the workers) hands out a *skip* item for
-each partition it lacks, which the main process drops. So an optimizer step that accumulates whole rounds takes
-the next batch of every partition on any number of ranks and workers (``data.elastic_determinism``,
-:func:`resumable_stream.plan.check_global_batch`, docs/elastic.md).
-
-The rotation position is saved too, and on resume worker *i* reads lane ``(i + turn) % workers``, each lane
-starting at its saved step, so the batch order continues unchanged. After an elastic change of ranks or workers
-every partition continues from its cursor and the rounds start afresh: under ``data.elastic_determinism`` only
-from a state saved between rounds (an optimizer step's end), where that is the uninterrupted order.
-"""
+Each DataLoader worker reads one lane of the rank's partitions, runs the transform and collates batches; every
+batch comes from ONE partition and carries a snapshot of its cursor and the transform's carry *after* it. The
+main process keeps the snapshot of the last batch handed out per partition, so batches prefetched but not handed
+out are never counted. A rank hands out its batches in rounds, one from each partition in order (shorter lanes
+hand out skip items the main process drops), and saves where the rotation stands; after an elastic change the
+rounds start afresh (docs/elastic.md, docs/architecture.md "Each layer owns its state")."""
 
 from __future__ import annotations
 
@@ -52,7 +36,7 @@ from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
-from .stream.base import Stream
+from .stream.base import Stream, round_robin
 from .transforms.errors import TransformError
 from .transforms.protocol import Processor, as_processor
 
@@ -153,27 +137,9 @@ class _BatchProducer(IterableDataset):
         if steps == 1:
             yield from self._batches(lane[0])
             return
-        # several partitions: one batch from each in turn, starting where the saved rotation stood
-        yield from self._lane_rounds(lane, steps, turn)
-
-    def _lane_rounds(self, lane: list[int], steps: int, turn: int) -> Iterator[dict[str, Any]]:
-        """A batch of each partition of ``lane`` in turn from lane step ``turn``; ``steps`` lane steps a round, a
-        skip item for each one past the lane's end (a shorter lane than the rank's longest), so that the
-        DataLoader, taking from its workers strictly in turn, hands out one batch of each of the rank's
-        partitions per round. A partition that ended (a finite pass) is passed over; the lane ends with its last."""
-        iterators = {p: self._batches(p) for p in lane}
-        t = turn
-        while iterators:
-            if t < len(lane):
-                it = iterators.get(lane[t])
-                if it is not None:
-                    try:
-                        yield next(it)
-                    except StopIteration:
-                        del iterators[lane[t]]
-            else:
-                yield _SKIP
-            t = (t + 1) % steps
+        # one batch of each partition in turn from the saved lane step, a skip item for each step past the
+        # lane's end, so that the DataLoader (taking from its workers in turn) hands out whole rounds
+        yield from round_robin({p: self._batches(p) for p in lane}, lane, turn, steps=steps, skip=_SKIP)
 
     def _batches(self, partition: int) -> Iterator[dict[str, Any]]:
         proc = as_processor(self.processor_factory()) if self.processor_factory is not None else None
@@ -197,24 +163,20 @@ class _BatchProducer(IterableDataset):
             if proc.data_epoch is None:
                 proc.data_epoch = self.stream.partition_epoch(partition)
             yield from self._epoch_tail(partition, proc)     # a resume between the batches of an epoch's end
-        if proc is None and not self.keep_keys:    # raw samples, nobody asks for their keys: the lean loop
-            for sample, _ in self.stream.iter_partition(partition):
+        if proc is None:     # raw samples (their keys only when asked for)
+            key_fn = self.key_fn if self.keep_keys else None
+            for sample, where in self.stream.iter_partition(partition):
                 examples.append(sample)
-                if len(examples) == self.batch_size:
-                    yield self._item(partition, examples, [], None)
-                    examples = []
-            if examples:
-                yield self._item(partition, examples, [], None)
-            return
-        for sample, where in self.stream.iter_partition(partition):
-            key = self.key_fn(sample, where)
-            if proc is None:
-                examples.append(sample)
-                keys.append(key)
+                if key_fn is not None:
+                    keys.append(key_fn(sample, where))
                 if len(examples) == self.batch_size:
                     yield self._item(partition, examples, keys, None)
                     examples, keys = [], []
-                continue
+            if examples:
+                yield self._item(partition, examples, keys, None)
+            return
+        for sample, where in self.stream.iter_partition(partition):
+            key = self.key_fn(sample, where)
             ended = epoch_bound and self.stream.partition_epoch(partition) != proc.data_epoch
             if ended:      # the sample is the first of the next epoch: the ended one's last chunk is processed
                 proc.end_epoch(self.stream.partition_epoch(partition))
@@ -235,10 +197,7 @@ class _BatchProducer(IterableDataset):
                 yield self._processed_item(partition, [take() for _ in range(self.batch_size)], proc)
         # the partition's epoch ended (finite mode, set_epoch): what is left is one shorter batch; packed
         # tokens not yet in a block stay in the processor's state and carry over to the next epoch
-        if proc is None:
-            if examples:
-                yield self._item(partition, examples, keys, None)
-        elif proc.ready():
+        if proc.ready():
             yield self._processed_item(partition, [take() for _ in range(proc.ready())], proc)
 
     def _epoch_tail(self, partition: int, proc: Processor) -> Iterator[dict[str, Any]]:
@@ -284,9 +243,8 @@ class _BatchProducer(IterableDataset):
 
 
 def _check_lightning_prefetch(trainer_prefetch: int) -> None:
-    """Lightning's fit loop saves the loader's state while it holds batches it took ahead of the one it trains on
-    (its ``_PrefetchDataFetcher``: 1 for a loader without a length): a ``trainer_prefetch`` that does not say so
-    would resume past a batch never trained on. Found by the caller's frame, only when Lightning saves."""
+    """Lightning's fit loop saves while it holds ``_PrefetchDataFetcher`` batches taken ahead: a ``trainer_prefetch``
+    that does not say so would resume past a batch never trained on. Found by the caller's frame."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
@@ -305,19 +263,16 @@ def _check_lightning_prefetch(trainer_prefetch: int) -> None:
 
 def check_step_shape(stream: Stream, accumulation: int, batch_size: int | None = None,
                      keys: dict[str, str] | None = None) -> None:
-    """Under ``data.elastic_determinism`` (the stream's config): an optimizer step of ``accumulation``
-    micro-batches per rank takes the same number from every partition, else a ConfigError naming the keys
-    (``keys``: the caller's names of them, over :data:`resumable_stream.plan.ELASTIC_KEYS`). Nothing to check
-    without it. The training app, the Trainer patch, LLaMA-Factory's and MindSpore's integrations call it."""
+    """Under ``data.elastic_determinism``: an optimizer step of ``accumulation`` micro-batches per rank takes the same
+    number from every partition, else a ConfigError naming ``keys`` (the caller's names of ELASTIC_KEYS)."""
     if getattr(getattr(stream, "config", None), "same_global_batches", False):
         check_global_batch(stream.num_partitions, stream.world_size, accumulation, batch_size, stream.num_workers,
                            keys)
 
 
 def _refuse_inside_a_round(loader: dict[str, Any], saved: dict[str, Any], where: str) -> None:
-    """``data.elastic_determinism`` on another topology: the saved rotations (of the ranks whose files were read)
-    must stand at a round's start, each partition having given the same number of micro-batches; a state saved
-    inside a round (inside an optimizer step) continues the identical sequence on its own topology only."""
+    """``data.elastic_determinism`` on another topology: the saved rotations must stand at a round's start (a state
+    saved inside an optimizer step continues the identical sequence on its own topology only)."""
     slots = max(1, int(saved["num_workers"]))
     per_rank = int(saved["num_partitions"]) // int(saved["world_size"])
     for r, turn in sorted((loader.get("turns") or {}).items()):
@@ -337,27 +292,13 @@ def _refuse_inside_a_round(loader: dict[str, Any], saved: dict[str, Any], where:
 
 
 class StreamLoader:
-    """Iterable of training batches from a stream (ResumableStream, MixtureStream), resumable at every batch
-    handed out.
+    """Iterable of training batches from a stream, resumable at every batch handed out (docs/python-api.md).
 
-    ``processor_factory`` builds a fresh stateful transform per partition (a
-    :class:`~resumable_stream.transforms.Processor`); without one, batches are lists of raw samples passed to
-    ``collate_fn``.
-
-    ``keep_keys``: keep the sample keys of the batches handed out for :meth:`pop_consumed_keys` (a consumed
-    log); set it (or the attribute) before iterating. Off, the loader keeps nothing per batch, only the
-    last snapshot of each partition, so its memory does not grow with the batches consumed.
-
-    ``trainer_prefetch``: batches the training loop takes from the loader before it trains on the one before
-    them (Lightning's fit loop over a loader without a length: 1): a batch counts as consumed only once that
-    many more were taken, so a checkpoint saved during a step holds the batch trained on, not the one taken
-    ahead. At the end of a finite pass every batch taken counts.
-
-    ``per_rank_state``: :meth:`state_dict` returns this rank's state, without the collective that gathers the
-    job's: for trainers that save every rank's state themselves and take it from a background thread (VeOmni's
-    and HyperParallel's prefetchers ask for it after every batch, on each rank at its own moment, where a
-    collective would deadlock). A state of one rank resumes that rank only (another rank refuses it).
-    """
+    ``processor_factory``: a fresh :class:`~resumable_stream.transforms.Processor` per partition (without one,
+    batches are lists of raw samples). ``keep_keys``: keep the keys handed out for :meth:`pop_consumed_keys`.
+    ``trainer_prefetch``: batches the training loop takes ahead of the one it trains on (Lightning: 1); a batch counts
+    as consumed only once that many more were taken. ``per_rank_state``: :meth:`state_dict` returns this rank's
+    state without the gathering collective (for trainers asking from a background thread, e.g. VeOmni)."""
 
     def __init__(self, stream: Stream, batch_size: int, collate_fn: Callable | None = None,
                  processor_factory: Callable[[], Processor] | None = None, num_workers: int | None = None,
@@ -407,9 +348,8 @@ class StreamLoader:
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches this rank hands out per round, one from each of its partitions (``num_partitions /
-        world_size`` when it divides): under ``data.elastic_determinism`` an optimizer step accumulates a
-        multiple of it, and every step then takes the same samples on any number of ranks and workers."""
+        """Micro-batches this rank hands out per round, one from each of its partitions (under
+        ``data.elastic_determinism`` an optimizer step accumulates a multiple of it)."""
         return len(self.stream.partitions)
 
     def check_accumulation(self, accumulation: int, keys: dict[str, str] | None = None) -> None:
@@ -442,10 +382,8 @@ class StreamLoader:
             yield item["batch"]
 
     def items(self) -> Iterator[dict[str, Any]]:
-        """A new pass's items as they are produced (``batch``, ``partition``, ``snapshot``, ``keys``,
-        ``samples``, ``tokens``), none of them counted as consumed: a consumer that hands items out later
-        than it pulls them (a prefetching pipeline, resumable_stream.integrations.mindspore) calls :meth:`hand_out` with
-        each one it hands out. Iterating the loader does both."""
+        """A new pass's items (``batch``, ``partition``, ``snapshot``, ``keys``, ``samples``, ``tokens``), none counted
+        as consumed until given to :meth:`hand_out` (a prefetching consumer, e.g. MindSpore's, calls it itself)."""
         if self._iterated:
             # a new pass continues after the last batch handed out: the readers (and workers' processors)
             # of the previous pass may have run ahead of it
@@ -478,7 +416,7 @@ class StreamLoader:
         if self.num_workers == 0 and not self.pin_memory:
             return iter(producer)
         items = iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
-        if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (_lane_rounds)
+        if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (round_robin)
             return filter(_not_skip, items)
         return items
 
@@ -499,10 +437,8 @@ class StreamLoader:
         self.batches_consumed += 1
 
     def set_weights(self, weights: dict[str, Any], step: int | None = None) -> None:
-        """A mixture's new weights (``MixtureStream.set_weights``) from the next batch on: each partition's
-        change starts after the last sample handed out, and the running pass reads again from there (what its
-        readers or DataLoader workers prefetched under the old weights is dropped). Collective under
-        torch.distributed, as the stream's. Only from the thread iterating the loader (WrongThreadError)."""
+        """A mixture's new weights from the next batch on, each partition's change after the last sample handed out
+        (what was prefetched under the old weights is dropped). Collective; only from the iterating thread."""
         self._owner.check("StreamLoader.set_weights", "loader")
         if not hasattr(self.stream, "set_weights"):
             raise ConfigError(f"set_weights: the stream is a {type(self.stream).__name__}; weights are a mixture's "
@@ -514,9 +450,7 @@ class StreamLoader:
         self._restart = self._iterated
 
     def current_weights(self) -> dict[str, float]:
-        """A mixture's target weights (normalised, by label) of the next draw after what training consumed, in
-        this rank's first partition (``MixtureStream.current_weights``; the stream's own readers, or its
-        DataLoader workers, may be ahead)."""
+        """A mixture's target weights (by label) of the next draw after what training consumed, in the first partition."""
         p = self.stream.partitions[0]
         return self.stream.current_weights(p, self._consumed.get(p) or self.stream.partition_state(p))
 
@@ -524,12 +458,7 @@ class StreamLoader:
         """The Trainer calls this; the stream is endless (epochs roll over per partition), so it is a no-op."""
 
     def pop_consumed_keys(self) -> list[str]:
-        """Keys of the samples in the batches handed out since the last call (needs ``keep_keys``).
-
-        Returns:
-            the keys (``key_fn``'s; by default ``"shard:row"``, ``"label/shard:row"`` in a mixture), in hand-out
-            order; the loader forgets them.
-        """
+        """Keys (``key_fn``'s) of the samples handed out since the last call, in order (needs ``keep_keys``)."""
         if not self.keep_keys:
             raise ConfigError("pop_consumed_keys: this StreamLoader does not keep the keys of the samples it hands "
                               "out (they would pile up with every batch); create it with keep_keys=True, or set "
@@ -545,19 +474,16 @@ class StreamLoader:
         return metrics.reading(self.counters, metrics.cache_stats(self.stream.source))
 
     def data_metrics(self, since: dict[str, float] | None = None) -> dict[str, Any]:
-        """Figures of the data path since ``since`` (a :meth:`metrics_reading`; default: since this loader was
-        made): the seconds the training loop waited for its batches and their share of the time, samples and
-        tokens per second, requests, bytes, retries and their causes, response-time percentiles, cache hits
-        and misses, the prefetch depth in use; and ``epoch``, the data's epoch from the consumed cursors."""
+        """Figures of the data path since ``since`` (a :meth:`metrics_reading`; default: since this loader was made),
+        with ``epoch``, the data's epoch from the consumed cursors (docs/training.md)."""
         now = self.metrics_reading()
         out = metrics.figures(metrics.delta(since or self._first_reading, now))
         out["epoch"] = self.data_epoch()
         return out
 
     def source_figures(self) -> dict[str, Any] | None:
-        """Of a mixture: ``labels``, per source the ``samples`` and ``tokens`` of the batches handed out by this
-        loader, and the ``target`` weights now (``current_weights``: after what training consumed); None for a single dataset.
-        Any thread may call it (a Prometheus scrape does): it reads counters and moves no reader."""
+        """Of a mixture: ``labels``, per source the ``samples`` and ``tokens`` handed out, and the ``target`` weights
+        now; None for a single dataset. Any thread may call it: it moves no reader."""
         labels = mixture_labels(self.stream)
         if labels is None:
             return None
@@ -572,12 +498,8 @@ class StreamLoader:
                 "target": target}
 
     def data_epoch(self) -> float | None:
-        """Epochs of data consumed (fractional), the mean over this rank's partitions, from the cursors of the
-        batches handed out; None when an epoch's size is unknown (e.g. json shards).
-
-        Any thread may call it, as :meth:`metrics_reading` and :meth:`data_metrics` (a Prometheus scrape does):
-        it reads the snapshots the consuming thread handed out, and for a partition nothing was handed out from
-        yet the position its reader published, never the readers themselves."""
+        """Epochs of data consumed (fractional; None when an epoch's size is unknown), from the snapshots handed out.
+        Any thread may call it: it never touches the readers ("One owner per cursor")."""
         consumed = self._consumed          # replaced whole by load_state_dict: read it once
         return mean_position([epoch_position(consumed[p]) if p in consumed else self.stream.partition_position(p)
                               for p in self.stream.partitions])
@@ -589,9 +511,8 @@ class StreamLoader:
         return {p: self._carries[p] for p in self.stream.partitions if self._carries.get(p)}
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's state after the last batch handed out, nested (``state.sidecar``): the stream's part (its
-        partitions' cursors), the transform's (each partition's carry) and the loader's own (the batch rotation).
-        What :meth:`save_sidecar` writes; :meth:`state_dict` gathers every rank's."""
+        """This rank's nested state after the last batch handed out: ``{"stream", "transform", "loader"}``, each
+        layer's own part (what :meth:`save_sidecar` writes; :meth:`state_dict` gathers every rank's)."""
         parts = {p: self._consumed.get(p) or self.stream.partition_state(p) for p in self.stream.partitions}
         rank, lanes = self.stream.rank, self.stream.lanes
         lane_turns = list(self._lane_turns) if len(self._lane_turns) == len(lanes) else [0] * len(lanes)
@@ -599,14 +520,9 @@ class StreamLoader:
                 "loader": {"turns": {rank: self._turn}, "lane_turns": {rank: lane_turns}}}
 
     def state_dict(self) -> dict[str, Any]:
-        """The job's state after the last batch each rank handed out, as one plain value that any trainer keeps
-        as it is: ``{"resumable_stream_state": bytes}`` (a self-verifying sidecar, no pickle). It holds every
-        rank's partitions and rotation, gathered here with a collective under torch.distributed (every rank
-        calls ``state_dict()`` at a checkpoint: DCP, accelerate, Lightning do), so whichever rank's copy is
-        saved (rank 0's alone, every rank's, or DCP's one of them) restores every rank, and under
-        ``data.elastic`` a job of another size. Refused here, when it could not do that: several ranks
-        without an initialized process group (save each rank's with :meth:`save_sidecar` instead). With
-        ``per_rank_state``: this rank's state, in the same form, gathered by nobody."""
+        """The job's state as one plain value any trainer keeps: ``{"resumable_stream_state": bytes}`` (a
+        self-verifying sidecar). Every rank's partitions are gathered here (a collective: every rank calls it), so
+        any rank's copy restores the whole job; with ``per_rank_state``, this rank's alone."""
         _check_lightning_prefetch(self.trainer_prefetch)
         state = self.rank_state() if self.per_rank_state else gather_job_state(self.rank_state())
         carried = carried_indexes(self.stream.growing_indexes())   # data.growth: no directory saves the index
@@ -615,16 +531,9 @@ class StreamLoader:
         return encode_state_dict(state)
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state") -> None:
-        """Restore cursors, transform carries and, with the same ranks and workers, the batch rotation.
-
-        Args:
-            state: a :meth:`state_dict` (the job's, any rank's copy), or a nested state (:meth:`rank_state`,
-                :meth:`read_sidecar`'s).
-            where: how the state is named in errors.
-        Raises:
-            StreamMismatchError: other data, transform, order settings or topology than the saved ones (named);
-            SidecarError: a damaged or forged state.
-        """
+        """Restore cursors, transform carries and, with the same ranks and workers, the batch rotation, from a
+        :meth:`state_dict` or a nested state. Raises StreamMismatchError (other data / settings / topology, named) or
+        SidecarError (damaged or forged)."""
         state = decode_state_dict(state, where)
         if state.get("indexes"):      # a growing dataset's state a trainer kept: its files, and those since
             self.stream.adopt_saved_indexes(state["indexes"], state["stream"], where)
@@ -650,9 +559,7 @@ class StreamLoader:
             _refuse_inside_a_round(loader, state["stream"]["topology"], where)
 
     def save_sidecar(self, path: str, manifest: bool | None = None) -> str:
-        """Write this rank's state, like ``ResumableStream.save_sidecar``: ``path`` is a ``.safetensors`` file
-        or a directory (then ``rank-NNNNN.safetensors`` inside it, rank 0 adds the dataset index, plus the
-        manifest when world_size is 1, or as ``manifest`` says)."""
+        """Write this rank's state to a ``.safetensors`` file or a directory (``ResumableStream.save_sidecar``)."""
         return self.stream.write_sidecar(path, self.rank_state(), manifest)
 
     def read_sidecar(self, path: str) -> tuple[dict[str, Any], str]:

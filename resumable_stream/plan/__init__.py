@@ -93,10 +93,8 @@ def epoch_shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> 
 
 
 def deal_shards(order: np.ndarray, row_counts: list[int | None], num_partitions: int) -> list[list[int]]:
-    """Deal shards (in ``order``) to partitions, each to the partition with the fewest rows so far.
-
-    Unknown row counts count as the mean of the known ones, so with no counts this is round-robin.
-    """
+    """Deal shards (in ``order``) to partitions, each to the one with the fewest rows so far; unknown counts count as
+    the mean of the known ones (no counts: round-robin)."""
     known = [c for c in row_counts if c is not None]
     fallback = (sum(known) / len(known)) if known else 1.0
     rows = row_counts if len(known) == len(row_counts) else [fallback if c is None else c for c in row_counts]
@@ -181,11 +179,8 @@ def shard_rows(shards: Sequence) -> tuple[int | None, ...] | RowCounts:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one epoch's rows are split among ``num_partitions`` ordered partitions.
-
-    With at least as many shards as partitions each partition owns whole shards; with fewer,
-    every partition reads every shard and keeps the rows where ``row % num_partitions == partition``.
-    """
+    """How one epoch's rows are split among ``num_partitions`` ordered partitions: whole shards each with at least as
+    many shards as partitions, else every partition reads every shard and keeps ``row % num_partitions``'s rows."""
 
     num_shards: int
     row_counts: tuple[int | None, ...] | RowCounts
@@ -332,14 +327,10 @@ def partition_owner(partition: int, num_partitions: int, world_size: int) -> int
 
 
 def partition_lanes(num_partitions: int, world_size: int, slots: int, rank: int) -> list[list[int]]:
-    """The virtual partitions of ``rank``, split into ``slots`` lanes: lane w is read by DataLoader worker w
-    (or, with one slot, by the main process), which interleaves its partitions batch by batch.
-
-    The one place that decides which consumer reads which partition. Ranks get contiguous blocks
-    (:func:`partition_owner`), balanced to within one partition; inside a rank, lane w takes every
-    ``slots``-th partition from the w-th. With ``num_partitions == world_size * slots`` (the default)
-    worker w of rank r reads exactly partition ``r * slots + w``.
-    """
+    """The virtual partitions of ``rank`` in ``slots`` lanes (lane w: DataLoader worker w, or the main process); the
+    one place that decides which consumer reads which partition. Ranks get contiguous blocks
+    (:func:`partition_owner`); lane w takes every ``slots``-th from the w-th (default: worker w of rank r reads
+    partition ``r * slots + w``)."""
     check_consumers(num_partitions, world_size, slots)
     # partition_owner(p) == rank  <=>  rank * N / W <= p < (rank + 1) * N / W
     mine = list(range(-(-rank * num_partitions // world_size), -(-(rank + 1) * num_partitions // world_size)))
@@ -359,13 +350,7 @@ ELASTIC_KEYS = {"switch": "data.elastic_determinism", "partitions": "data.num_pa
 
 def divisors(n: int, limit: int = 12) -> list[int]:
     """The first ``limit`` divisors of ``n`` (what an error lists as allowed)."""
-    out = []
-    for d in range(1, n + 1):
-        if n % d == 0:
-            out.append(d)
-            if len(out) == limit:
-                break
-    return out
+    return [d for d in range(1, n + 1) if n % d == 0][:limit]
 
 
 def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[str, str] | None = None) -> None:
@@ -381,21 +366,14 @@ def check_partitions_per_rank(num_partitions: int, world_size: int, keys: dict[s
             "(any ranks x workers, but the global batches then depend on them)")
 
 
-def micro_batches_per_round(num_partitions: int, world_size: int) -> int:
-    """Micro-batches a rank hands out per round, one from each of its partitions: an optimizer step under
-    ``data.elastic_determinism`` accumulates a multiple of it on every rank."""
-    return num_partitions // world_size
-
-
 def check_global_batch(num_partitions: int, world_size: int, accumulation: int, batch_size: int | None = None,
                        workers: int | None = None, keys: dict[str, str] | None = None) -> None:
     """``data.elastic_determinism``: an optimizer step of ``world_size`` x ``accumulation`` micro-batches takes
     the same number from every partition (the global batch a multiple of ``num_partitions``), else a
     ConfigError naming the keys (``keys``: the caller's names of them, over :data:`ELASTIC_KEYS`)."""
-
     k = {**ELASTIC_KEYS, **(keys or {})}
     check_partitions_per_rank(num_partitions, world_size, keys)
-    per_round = micro_batches_per_round(num_partitions, world_size)
+    per_round = num_partitions // world_size     # micro-batches a rank hands out per round
     if isinstance(accumulation, int) and accumulation >= 1 and accumulation % per_round == 0:
         return
     batch = f" of {k['batch']} {batch_size}" if batch_size is not None else ""

@@ -1,14 +1,7 @@
-"""The Arrow memory pool decoded row groups and shuffle windows are allocated from.
-
-jemalloc where pyarrow was built with it (its Linux wheels), else the system allocator, unless
-``ARROW_DEFAULT_MEMORY_POOL`` chooses one (then pyarrow's default, as the user asked). pyarrow's own default,
-mimalloc, keeps freed row groups mapped, per thread: over a shuffled pass of the benchmark data that was
-10-25 MiB more peak RSS. The system allocator gives a freed row group back at once but maps every large buffer
-afresh (glibc serves them with mmap), so each decode touches new pages: a row group of 16,384 rows cost
-~4,000 page faults and 2-3x the CPU of a decode into reused memory. pyarrow's jemalloc (decay 0) reuses freed
-extents and returns the rest: on the same pass 100 MiB peak RSS above imports against the system's 130 MiB,
-and a resume's first sample ~15% sooner (docs/benchmarks.md).
-"""
+"""The Arrow memory pool decoded row groups and shuffle windows are allocated from: pyarrow's jemalloc where built
+with it, else the system's, unless ``ARROW_DEFAULT_MEMORY_POOL`` chooses. mimalloc (pyarrow's default) kept
+10-25 MiB more peak RSS; the system allocator maps every large buffer afresh (2-3x the CPU of a decode into
+reused memory); jemalloc (decay 0) reuses and returns them (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

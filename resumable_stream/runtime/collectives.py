@@ -4,8 +4,7 @@ from __future__ import annotations
 
 
 def shared_over_dist(rank: int, world_size: int) -> bool:
-    """The ranks ``rank`` of ``world_size`` are those of an initialized process group (so collectives reach
-    them all)."""
+    """The ranks ``rank`` of ``world_size`` are those of an initialized process group (collectives reach all)."""
     if world_size <= 1:
         return False
     try:
@@ -56,17 +55,6 @@ def broadcast_bytes(data: bytes | None) -> bytes:
     return bytes(buf.cpu().numpy().tobytes())
 
 
-def max_over_ranks(value: int) -> int:
-    """The largest of every rank's ``value`` (an all-reduce of one int64)."""
-    import torch
-    import torch.distributed as dist
-
-    device = _device()
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def max_each_over_ranks(values: list[int]) -> list[int]:
     """Each of ``values``, the largest over every rank (one all-reduce of len(values) int64)."""
     import torch
@@ -76,6 +64,11 @@ def max_each_over_ranks(values: list[int]) -> list[int]:
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.cpu().tolist()]
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's ``value`` (an all-reduce of one int64)."""
+    return max_each_over_ranks([value])[0]
 
 
 def all_gather_bytes(data: bytes) -> list[bytes]:

@@ -41,14 +41,9 @@ BACKENDS = {"cpu": ("gloo",), "cuda": ("nccl", "gloo"), "npu": ("hccl",)}
 
 
 def data_parallel_arguments(kind: str, world_size: int, train: dict) -> dict:
-    """TrainingArguments values that make every rank of a ``world_size`` job train one model
-    (DistributedDataParallel) on a ``kind`` device, given the user's ``train:`` values.
-
-    accelerate (``PartialState._prepare_backend``) picks MULTI_GPU / MULTI_NPU by itself under torchrun
-    (``LOCAL_RANK`` set, accelerator present), but on CPU it reports ``DistributedType.NO`` unless
-    ``use_cpu`` is set: the model is then never wrapped and each rank trains its own copy. With ``deepspeed``
-    DeepSpeed's engine does the data parallelism (also on CPU).
-    """
+    """TrainingArguments values that make every rank of a ``world_size`` job train one model (DDP) on a ``kind``
+    device: on CPU accelerate reports ``DistributedType.NO`` unless ``use_cpu`` is set, and each rank would train
+    its own copy; with ``deepspeed`` its engine does the data parallelism."""
     allowed = BACKENDS[kind]
     backend = train.get("ddp_backend")
     if backend is not None and world_size > 1 and backend not in allowed:

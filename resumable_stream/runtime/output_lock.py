@@ -1,20 +1,11 @@
 """One training job per output directory: an exclusive lock on ``<output_dir>/.resumable-stream.lock``.
 
-Two jobs writing one output_dir interleave their checkpoints and logs, and each removes the other's
-checkpoints as "cut short" when it starts. The job's rank 0 (global process index 0) takes
-``flock(LOCK_EX | LOCK_NB)`` on the lock file and keeps the descriptor open until training returns. The
-kernel drops the lock when the process dies, however it dies, so a SIGKILLed job never blocks its restart
-and no stale-lock heuristics are needed. The holder writes who it is (host, pid, start time, job id) into
-the file, for the message of a job that finds the lock taken. Under ``torch.distributed`` rank 0's outcome
-is broadcast, so every rank of a refused job raises instead of waiting for rank 0 in a collective.
-
-A lock lives on an inode, and a new file under the same name would let a second job lock it while the first
-still holds the old one. So the file is never replaced, and removed only by a job that created it and leaves
-nothing else in the directory (a start refused by a config error, a model that does not load): it unlinks the
-file and the directories it made while it still holds the lock, and a job that takes a lock checks that the
-name still leads to the inode it locked (else it opens the name again), so that a lock on an unlinked file is
-never taken for the directory's.
-"""
+Two jobs writing one output_dir would interleave checkpoints and remove each other's. Rank 0 holds
+``flock(LOCK_EX | LOCK_NB)`` until training returns; the kernel drops it however the process dies (no stale
+locks). The holder writes who it is for the refusal's message; rank 0's outcome is broadcast so every rank of a
+refused job raises. A lock lives on an inode: the file is never replaced, only removed (with the directories it
+made) by the job that created it and left nothing else, and a job that takes a lock checks that the name still
+leads to the inode it locked."""
 
 from __future__ import annotations
 
@@ -45,9 +36,8 @@ _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 @contextlib.contextmanager
 def output_dir_lock(output_dir: str, rank: int = 0, world_size: int = 1) -> Iterator[None]:
-    """Hold ``output_dir`` for this job while the block runs (created if missing). Every rank of the job
-    enters it; only rank 0 locks. Raises :class:`OutputDirLockedError` naming the holder when another job
-    (or another thread of this process) holds it, :class:`ConfigError` when the directory is not writable."""
+    """Hold ``output_dir`` for this job while the block runs (created if missing); every rank enters, rank 0 locks.
+    :class:`OutputDirLockedError` naming the holder, :class:`ConfigError` when not writable."""
     key = os.path.realpath(output_dir)
     held = _HELD.get(key)
     if held is not None:

@@ -67,10 +67,8 @@ def _local(item: Any) -> bool:
 
 def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None] | None = None,
               cpu_bound: bool = False) -> list:
-    """``fn`` over ``items`` on up to 16 threads (network-bound), in order; ``progress()`` after each. Local
-    files are done in turn on this thread: nothing to overlap, and the threads cost more CPU than the stats and
-    footer reads (16 files: ~5 ms inline, 7-11 ms on threads); ``cpu_bound`` (a pass over every byte that
-    releases the GIL: decompressing JSON lines to index them): one thread per core for them."""
+    """``fn`` over ``items`` on up to 16 threads (network-bound), in order; ``progress()`` after each. Local files
+    in turn on this thread (threads cost more than stats and footer reads); ``cpu_bound``: a thread per core."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(x):
@@ -89,9 +87,8 @@ def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None
 
 
 class OwnerThread:
-    """The thread that iterates a stream or a loader (docs/architecture.md, "One owner per cursor"): it owns the
-    readers' cursors, so a call that moves them from another thread is refused, not left to race the reader
-    (two threads in one generator: "generator already executing", or a cursor changed under the reader)."""
+    """The thread that iterates a stream or loader owns its readers' cursors ("One owner per cursor"): a call that
+    moves them from another thread is refused, not left to race the reader."""
 
     def __init__(self) -> None:
         self.ident: int | None = None

@@ -1,29 +1,12 @@
-"""The stream_state directory and sidecar files: a saved state on disk. It takes values (a nested state, the
-dataset's fingerprint and indexes, a rank and a world size) and gives values back; it never sees a stream.
-The bytes of one state are :mod:`resumable_stream.state.sidecar`'s, the names of the files
-:mod:`resumable_stream.state.names`', which checkpoint of a run's output_dir resumes
-:mod:`resumable_stream.state.output_dir`'s.
+"""The stream_state directory and sidecar files: a saved state on disk (docs/internals.md, "States and
+checkpoints"). It takes values (a nested state, the dataset's fingerprint and indexes, a rank and a world size)
+and gives values back; it never sees a stream. The bytes of one state are :mod:`.sidecar`'s, the file names
+:mod:`.names`', which checkpoint of an output_dir resumes :mod:`.output_dir`'s.
 
-A directory save (what a checkpoint holds)::
-
-    rank-00000.safetensors ... rank-NNNNN.safetensors   each rank's state (cursors, digests, carries, rotation)
-    fingerprint.json                                    the dataset fingerprint, once (rank 0): a parquet
-                                                        dataset's files as their count and digest (their
-                                                        identities: the index's)
-    index.bin                                           the dataset index, once (rank 0; indexed sources):
-                                                        packed (index_table) for parquet, index.json else
-    index-<label>.bin                                   a mixture's: each indexed source's, once (rank 0)
-    manifest.json                                       rank 0, last: the files of this save and their digests
-
-A rank file holds its partitions and the digest of ``fingerprint.json``, so it is O(its partitions)
-however many files the dataset has. Rank 0 writes what describes the dataset once per save, and once
-per job: a save whose fingerprint or index did not change since this process last wrote it links the
-earlier file instead of writing it again (a hard link; a copy where links are not possible).
-
-Reading (:func:`open_saved`) checks every file against the manifest. The caller (a stream) checks the state is
-its own and asks for one rank's file, or, after a change of ranks or workers (``data.elastic``), for the
-partitions it reads now, gathered from the files of the ranks that held them (:meth:`SavedState.gather`).
-"""
+A directory save: ``rank-NNNNN.safetensors`` per rank (its partitions and the digest of ``fingerprint.json``,
+so O(its partitions)), and from rank 0 the dataset's ``fingerprint.json``, ``index.bin`` / ``index-<label>.bin``
+(linked, not rewritten, while unchanged since this process wrote them) and, last, ``manifest.json``: the files
+of the save and their digests. Reading (:class:`SavedState`) checks every file against the manifest."""
 
 from __future__ import annotations
 
@@ -82,19 +65,18 @@ _written: dict[tuple[str, str], tuple[str, int, int]] = {}
 # ------------------------------------------------------------------ saving
 def save(path: str | os.PathLike, state: dict[str, Any], rank: int, world_size: int,
          indexes: dict[str | None, dict] | None = None, manifest: bool | None = None) -> str:
-    """Write a nested state (``state.sidecar``) of ``rank`` of ``world_size``. ``path``: a ``.safetensors``
-    file (the whole state, fingerprint included), or a stream_state directory (this rank's file of the next
-    save; rank 0 adds the dataset's fingerprint and ``indexes``: the dataset index under None, a mixture
-    source's under its label). ``manifest``: complete the save now (default: when world_size is 1; a
-    multi-rank job calls :func:`finish` on rank 0 once every rank wrote its file)."""
+    """Write a nested state of ``rank`` of ``world_size`` to a ``.safetensors`` file (the whole state) or a
+    stream_state directory (this rank's file; rank 0 adds the fingerprint and ``indexes``: the dataset's under None,
+    a mixture source's under its label). ``manifest``: complete the save now (default: with one rank; else rank 0
+    calls :func:`finish` once every rank wrote its file)."""
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         return write_state_file(path, state)
     fp, digest = _encoded_fingerprint(state["stream"]["fingerprint"])
     file = write_rank_file(path, rank, state, digest)
     if rank == 0:
-        write_shared(path, "fingerprint", fp)
         generation = generation_of(path) + 1
+        _write_once(path, "fingerprint", shared_file_name("fingerprint", generation, _extension(fp)), fp)
         for label, index in sorted((indexes or {}).items(), key=lambda kv: kv[0] or ""):
             if label is None:      # packed (index_table) when its files are a table, else JSON
                 _write_index(path, "index", index, lambda ext: shared_file_name("index", generation, ext))
@@ -117,27 +99,6 @@ def _encoded_fingerprint(fingerprint: dict[str, Any]) -> tuple[bytes, str]:
         data = fingerprint_bytes(fingerprint)
         _last_fingerprint = (fingerprint, data, _digest(data))
     return _last_fingerprint[1], _last_fingerprint[2]
-
-
-def finish(state_dir: str, world_size: int) -> str:
-    """Rank 0, after every rank wrote its file: the manifest that completes the save.
-
-    Args:
-        state_dir: the stream_state directory the ranks' files were written into.
-        world_size: how many rank files it must hold.
-    Returns:
-        the manifest's path.
-    Raises:
-        SidecarError: a rank's file is missing or does not belong to this save.
-    """
-    return write_manifest(state_dir, world_size)
-
-
-def write_shared(state_dir: str, what: str, data: bytes) -> str:
-    """The dataset's ``fingerprint`` or ``index`` for the next save into ``state_dir``: a link to the file this
-    process last wrote with the same bytes when there is one (unchanged since), else written."""
-    return _write_once(state_dir, what, shared_file_name(what, generation_of(state_dir) + 1, _extension(data)),
-                       data)
 
 
 def _extension(data: bytes) -> str:
@@ -167,10 +128,8 @@ def _write_index(state_dir: str, what: str, index: dict[str, Any], name_of: Call
 
 def _write_once(state_dir: str, what: str, name: str, data: bytes | Callable[[], bytes],
                 digest: str | None = None) -> str:
-    """``data`` (or what ``data()`` makes, only when it must be written) as ``state_dir/name``: linked to the
-    file of this ``what`` this process last wrote with the same bytes (``digest``) when it is unchanged, else
-    written. The file of the other form of the same name (a save cut short by an older release) goes: a
-    generation has one file of each."""
+    """``data`` (or what ``data()`` makes) as ``state_dir/name``: a link to the file this process last wrote with the
+    same ``digest`` when it is unchanged, else written. A generation has one file of each name (.json or .bin)."""
     stem = name.rsplit(".", 1)[0]
     for other in (f"{stem}.json", f"{stem}.bin"):
         if other != name:
@@ -222,10 +181,9 @@ def _new_file_mode() -> int | None:
 
 # ------------------------------------------------------------------ reading
 class SavedState:
-    """A saved state as found at a path: a sidecar file, or the newest save of a stream_state directory (every
-    file checked against its manifest). ``first`` is the state a resume looks at first (the file; in a
-    directory the file of the rank asked for, else rank 0's): its stream part says the kind, fingerprint and
-    topology the caller checks before it takes :meth:`rank` or :meth:`gather`."""
+    """A saved state at a path: a sidecar file, or the newest save of a stream_state directory (every file checked
+    against its manifest). ``first``: the file, or the rank asked for (else rank 0's), whose stream part the caller
+    checks before it takes :meth:`gather`."""
 
     def __init__(self, path: str | os.PathLike, rank: int = 0):
         path = os.fspath(path)
@@ -251,9 +209,8 @@ class SavedState:
         return saved_identities(self.path)
 
     def gather(self, partitions: Iterable[int]) -> tuple[dict[str, Any], str]:
-        """(state, description) of ``partitions`` after a change of ranks or workers: each taken from the state
-        that holds it (a job's state holds them all; else the files of the ranks that held them). The
-        rotations start afresh."""
+        """(state, description) of ``partitions`` after a change of ranks or workers, each from the state that holds it;
+        the rotations start afresh."""
         mine = set(partitions)
         saved = self.stream["topology"]
         if saved["rank"] is None or self.state_dir is None:       # one state: all it has, or a clear error
@@ -266,17 +223,12 @@ class SavedState:
         return merge(states, mine, where), where
 
 
-def open_saved(path: str | os.PathLike, rank: int = 0) -> SavedState:
-    """The saved state at ``path`` (a sidecar file, a stream_state directory or a checkpoint directory), first
-    looking at ``rank``'s file."""
-    return SavedState(path, rank)
+open_saved = SavedState     # the saved state at a path (file, stream_state or checkpoint directory), rank first
 
 
 class SavedIndexes:
-    """What a checkpoint being resumed saved of its dataset, for the stream that opens it again (nothing is read
-    until asked, and only on the rank that opens the dataset for the job): each source's index, checked against
-    the manifest, decoded and its shape checked; the furthest epoch a partition has begun (a growing dataset's new
-    files join after it). A bare sidecar file, or a directory without a manifest, saved none."""
+    """What a checkpoint being resumed saved of its dataset, read on demand on the rank that opens the dataset: each
+    source's index (checked against the manifest) and the furthest epoch begun. A bare sidecar file saved none."""
 
     def __init__(self, state_path: str | os.PathLike):
         self.path = os.fspath(state_path)
@@ -284,16 +236,9 @@ class SavedIndexes:
     def where(self, label: str | None = None) -> str:
         return f"of {self.path!r}" + (f" (source {label!r})" if label is not None else "")
 
-    def _state_dir(self) -> str | None:
-        path = self.path
-        state_dir = state_dir_of(os.path.dirname(path) if os.path.isfile(path) else path)
-        if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
-            return None
-        return state_dir
-
     def index(self, label: str | None = None) -> dict[str, Any] | None:
         """The dataset index saved with the state (``label``: mixture source ``label``'s), or None."""
-        state_dir = self._state_dir()
+        state_dir = _manifest_dir(self.path)
         if state_dir is None:
             return None
         saved = read_state_index(state_dir) if label is None else read_source_index(state_dir, label)
@@ -322,11 +267,8 @@ class SavedIndexes:
 
 def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every: bool = False) -> dict[str, Any]:
     """One state of ``partitions`` gathered from states of one save (elastic resume, or the job's state from its
-    ranks'): each partition, and its transform carry, taken from the state that held it; the states must agree
-    on the topology. The loader part holds the rotations of the ranks whose states were merged, by their rank
-    (a job's state: every rank's), for the loader to look at (a loader of the same ranks and workers takes its
-    own; after a change they start afresh). ``every``: all of ``partitions`` must be there (else those there:
-    the stream names the missing ones it reads)."""
+    ranks'), each partition and carry from the state that held it; the loader part keeps the merged ranks'
+    rotations by rank. ``every``: all of ``partitions`` must be there."""
     first = states[0]["stream"]
     merged: dict[int, Any] = {}
     carries: dict[int, Any] = {}
@@ -359,12 +301,10 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
 
 
 def saved_identities(path: str | os.PathLike):
-    """A context in which the dataset files a compact fingerprint (``fingerprint_files``) of the state at
-    ``path`` stands for can be listed: the indexes saved in its stream_state directory, decoded only when a
-    comparison needs them (the digests differ)."""
-    path = os.path.abspath(os.fspath(path))
-    state_dir = state_dir_of(os.path.dirname(path) if os.path.isfile(path) else path) if os.path.exists(path) else None
-    if state_dir is None or not os.path.isfile(os.path.join(state_dir, MANIFEST)):
+    """A context in which the files a compact fingerprint of the state at ``path`` stands for can be listed: its saved
+    indexes, decoded only when a comparison needs them."""
+    state_dir = _manifest_dir(path)
+    if state_dir is None:
         return fingerprint_files.saved_indexes(None)
 
     def tables() -> list:
@@ -378,6 +318,13 @@ def saved_identities(path: str | os.PathLike):
 
 
 # ------------------------------------------------------------------ files, manifests, directories
+def _manifest_dir(path: str | os.PathLike) -> str | None:
+    """The stream_state directory of a sidecar file or directory at ``path`` when it has a manifest, else None."""
+    path = os.path.abspath(os.fspath(path))
+    state_dir = state_dir_of(os.path.dirname(path) if os.path.isfile(path) else path) if os.path.exists(path) else None
+    return state_dir if state_dir is not None and os.path.isfile(os.path.join(state_dir, MANIFEST)) else None
+
+
 def _source_index_files(state_dir: str, generation: int) -> dict[str, str]:
     """label -> file name of the mixture source indexes of ``generation`` in ``state_dir``."""
     out = {}
@@ -446,9 +393,8 @@ def generation_of(state_dir: str) -> int:
 
 
 def write_rank_file(state_dir: str, rank: int, state: dict[str, Any], fingerprint_digest: str | None = None) -> str:
-    """This rank's sidecar for the next save into ``state_dir``; the save is complete once rank 0 wrote the
-    manifest (:func:`write_manifest`) after every rank wrote its file. With ``fingerprint_digest`` the file
-    holds only that digest: rank 0 writes the fingerprint once, as the generation's ``fingerprint.json``."""
+    """This rank's sidecar for the next save into ``state_dir`` (complete once rank 0 wrote the manifest). With
+    ``fingerprint_digest`` it holds only that digest (rank 0 writes ``fingerprint.json`` once)."""
     path = os.path.join(state_dir, rank_file_name(rank, generation_of(state_dir) + 1))
     atomic_write(path, encode_state(state, fingerprint_digest))
     return path
@@ -501,10 +447,12 @@ def write_manifest(state_dir: str, world_size: int) -> str:
     return path
 
 
+finish = write_manifest     # rank 0, once every rank wrote its file: the manifest completes the save
+
+
 def _size_and_digest(path: str, what: str) -> dict[str, Any]:
-    """``{"bytes", "blake2b"}`` of a file of the dataset: known without reading it when this process wrote (or
-    linked) it and it is unchanged since (the test a link makes; a 196 MB index is then not hashed again), else
-    read."""
+    """``{"bytes", "blake2b"}`` of a dataset file: from what this process wrote when unchanged since (a 196 MB index
+    is not hashed again), else read."""
     st = os.stat(path)
     for (_, digest), (target, size, mtime_ns) in list(_written.items()):
         if os.path.abspath(target) == os.path.abspath(path) and (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
@@ -578,9 +526,8 @@ def read_manifest(state_dir: str) -> dict[str, Any]:
 
 
 def read_shared_file(state_dir: str, manifest: dict[str, Any], what: str) -> tuple[str, bytes] | None:
-    """(path, bytes) of the dataset ``index`` or ``fingerprint`` saved with the state in ``state_dir`` (None
-    without one), checked against the manifest's entry: a file the manifest does not list, or that differs
-    from its entry, is never used."""
+    """(path, bytes) of the dataset ``index`` or ``fingerprint`` saved in ``state_dir`` (None without one); a file
+    the manifest does not list or that differs from its entry is never used."""
     return _read_listed(state_dir, manifest.get(what), f"dataset {what}")
 
 
@@ -619,9 +566,7 @@ def read_state_index(state_dir: str) -> tuple[str, bytes] | None:
 
 
 def read_source_index(state_dir: str, label: str, manifest: dict[str, Any] | None = None) -> tuple[str, bytes] | None:
-    """The dataset index of mixture source ``label`` saved with the state in ``state_dir`` (None without one:
-    a single dataset's state, or a mixture's written before mixtures saved their indexes), checked against the
-    manifest's entry."""
+    """The index of mixture source ``label`` saved in ``state_dir`` (None without one), checked against the manifest."""
     manifest = read_manifest(state_dir) if manifest is None else manifest
     return _read_listed(state_dir, manifest.get("indexes", {}).get(label), f"dataset index of source {label!r}")
 
@@ -656,9 +601,8 @@ def find_state_dir(path: str) -> str:
 
 def read_rank_state(state_dir: str, manifest: dict[str, Any], rank: int,
                     fingerprint: tuple[dict[str, Any], str] | None = None) -> tuple[dict[str, Any], str]:
-    """(state, file) of ``rank`` in a stream_state directory, checked against its manifest entry (read once,
-    so what is checked is what is decoded). ``fingerprint``: the directory's (:func:`read_state_fingerprint`,
-    read once by a caller that reads several ranks), read here when not given."""
+    """(state, file) of ``rank`` in a stream_state directory, checked against its manifest entry (read once, so what
+    is checked is what is decoded). ``fingerprint``: the directory's, read here when not given."""
     entry = manifest["files"].get(rank_file_name(rank))
     if entry is None:
         raise SidecarError(f"stream state {state_dir!r}: written by {manifest['world_size']} ranks, has no file for "

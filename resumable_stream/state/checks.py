@@ -16,9 +16,8 @@ _ORDER_KEYS = {"seed": "shuffle_seed", "buffer_size": "buffer_size", "shuffle": 
 
 def fingerprint_diff(saved: dict, now: dict, prefix: str = "", moves: list[tuple] | None = None,
                      source: str | None = None) -> list[tuple[str, Any, Any]]:
-    """Every difference, named. Files under another root with the same relative paths are compared by
-    content identity (see relocation.py) and the move's note appended to ``moves`` when given. ``source``: the
-    mixture source being compared, named after each of its file differences."""
+    """Every difference, named. Files moved under another root are compared by content (relocation.py), the move's
+    note appended to ``moves``; ``source``: the mixture source being compared."""
     out: list[tuple[str, Any, Any]] = []
     files = compare_files(saved.get("files"), now.get("files"))
     moved = files is not None and files.moved is not None
@@ -75,24 +74,19 @@ def _unlisted_hint(diffs: list[tuple[str, Any, Any]]) -> str:
 def check_fingerprint(saved: dict, now: dict, where: str) -> None:
     moves: list[tuple] = []
     diffs = fingerprint_diff(saved, now, moves=moves)
-    if not diffs:
-        for note in moves:
-            announce(note)
     if diffs:
         raise StreamMismatchError(
             f"{where}: the saved stream state was written for different data or settings; resuming would "
             f"read other samples than the interrupted run.{_revision_hint(diffs)}{_unlisted_hint(diffs)} "
-            f"Differences:\n{_describe(diffs)}",
-            diffs,
-        )
+            f"Differences:\n{_describe(diffs)}", diffs)
+    for note in moves:
+        announce(note)
 
 
 def check_topology(saved: dict, now: dict, where: str, elastic: bool = False,
                    compare_partitions: bool = True) -> bool:
-    """May a state saved under topology ``saved`` resume under ``now``? True: same ranks and workers, the
-    state continues exactly as saved; False: another topology, allowed with ``elastic`` (every virtual
-    partition then continues from its own cursor). ``compare_partitions``: num_partitions is set in the
-    config (else it is taken from the saved state and cannot differ)."""
+    """May a state saved under ``saved`` resume under ``now``? True: same ranks and workers (continues exactly);
+    False: another topology, allowed with ``elastic``. ``compare_partitions``: num_partitions is configured."""
     n_saved, n_now = saved.get("num_partitions"), now.get("num_partitions")
     if compare_partitions and n_saved != n_now:
         raise StreamMismatchError(
@@ -126,10 +120,8 @@ _LOAD_THE_MATCHING_RANK = (
 
 def check_rank(saved_rank: Any, rank: Any, where: str, whose: str = "this is",
                cure: str = _LOAD_THE_MATCHING_RANK, listed: bool = True) -> None:
-    """A rank's saved state is that rank's: the resume's check (:func:`check_topology`: against this
-    process's rank) and ``inspect``'s (against the rank a rank file's name says: ``whose`` and ``cure`` say
-    so; ``listed=False``: one line, without the differences block). A saved rank of None (a state gathered
-    from several ranks' files) is any rank's."""
+    """A rank's saved state is that rank's (the resume's check, and ``inspect``'s against the rank a file name says:
+    ``whose``, ``cure``; ``listed=False``: one line). A saved rank of None (gathered) is any rank's."""
     if saved_rank is not None and saved_rank != rank:
         diffs = [("rank", saved_rank, rank)]
         tail = f". Differences:\n{_describe(diffs)}" if listed else ""

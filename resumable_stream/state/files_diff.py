@@ -1,11 +1,6 @@
-"""Which data files of a saved fingerprint differ from this run's, each named: removed, added, resized,
-modified (with the key), the file order; after a move of the whole dataset (``relocation``), compared by content.
-
-A fingerprint's files are a list of identities (states written before) or their count and digest
-(``sources.fingerprint_files``). Equal digests are the same files; otherwise the identities are looked up and
-the files compared one by one as the lists always were: when both sides list the same paths, only the files
-whose identity columns differ (found with numpy over the columns) are made into dicts and compared.
-"""
+"""Which data files of a saved fingerprint differ from this run's, each named (removed, added, resized, modified,
+the order; after a move, by content). Equal digests of compact lists are the same files; else only the files
+whose identity columns differ (found with numpy) are made into dicts and compared."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The job's state: every rank's, in one plain value any trainer's own checkpoint keeps as it is.
-
-Trainers save what ``state_dict()`` returns in their own way: DCP keeps one rank's copy of a value every rank
-holds under the same key, accelerate and Lightning write rank 0's, a plain loop may ``torch.save`` on rank 0
-only. So a loader's ``state_dict()`` is the job's, not the rank's: each rank's state (~1 KB a partition) is
-gathered at save time with one collective (every rank calls ``state_dict()`` at a checkpoint), merged, and
-encoded as one sidecar (``state.sidecar``: safetensors, self-verifying, no pickle) under one key
-(:data:`STATE_KEY`). A template made by a fresh loader has the same one key, which is what DCP loads into. Each
-rank then loads its own partitions and rotation from it, or, under ``data.elastic``, the partitions it reads on
-another number of ranks. A state that could not restore every rank (several ranks and no process group to
-gather them with) is refused here, when it is written, never discovered at resume.
-"""
+"""The job's state: every rank's, in one plain value any trainer's own checkpoint keeps as it is (DCP keeps one
+rank's copy, accelerate and Lightning rank 0's). Each rank's state is gathered at save time with one collective,
+merged and encoded as one sidecar under :data:`STATE_KEY`; each rank loads its own partitions from it (or, under
+``data.elastic``, those it reads now). A state that could not restore every rank (several ranks, no process
+group) is refused when written, never discovered at resume."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""The state of one mixture partition (``data.sources``), made by :class:`~resumable_stream.stream.mixture.MixtureStream`.
-
-A mixture partition's own position is its mixture epoch, the draws made in it, the samples it yielded,
-and per source the epoch being read and whether it ended during this mixture epoch; beside it, each
-source's :class:`~resumable_stream.state.partition_state.PartitionState` (nested: each source's state is its own). In a sidecar the
-positions are the tensors ``mixture/positions`` (epoch, draws, consumed), ``mixture/source_epochs`` and
-``mixture/ended`` (one column per source), and source i's states are under ``sources/<i>/``.
-
-With a weight history (resumable_stream.stream.weights) a partition also holds ``changes``: the draw index
-(its ``consumed`` then) where each history entry after the first starts for it, the tensor
-``mixture/changes`` (written only when there are some). Sources removed by a change of mixture keep their
-columns after the mixture's own (their labels: ``fingerprint.mixture.retired``).
-"""
+"""The state of one mixture partition (``data.sources``): its mixture epoch, draws, samples yielded, per source the
+epoch being read and whether it ended in this mixture epoch, ``changes`` (where each weight-history entry after
+the first starts for it), and each source's nested
+:class:`~resumable_stream.state.partition_state.PartitionState` (docs/internals.md, "Sidecar schema")."""
 
 from __future__ import annotations
 
@@ -21,9 +12,8 @@ import numpy as np
 
 from ..errors import SidecarError
 from ..limits import MAX_EPOCH, is_int
-from ..plan import Layout
 from .fields import require, tensor
-from .partition_state import PartitionState, merge_partitions
+from .partition_state import PartitionState
 
 MIXTURE_POSITION = ("epoch", "draws", "consumed")   # columns of the tensor mixture/positions
 
@@ -135,14 +125,3 @@ class MixturePartitionState:
             out[p] = cls(**position, source_epochs=epochs, ended=[bool(f) for f in flags],
                          sources=[sources[i][p] for i in range(n)], changes=drawn)
         return out
-
-    def validate(self, layouts: list[Layout], partition: int, where: str, labels: list[str]) -> None:
-        """Each source's cursor points inside its partition's data (``layouts``: one per source)."""
-        for ps, layout, label in zip(self.sources, layouts, labels):
-            ps.validate(layout, partition, f"{where}, source {label!r}")
-
-    @classmethod
-    def merge(cls, rank_states: list[dict[int, MixturePartitionState]],
-              partitions: set[int]) -> dict[int, MixturePartitionState]:
-        """Elastic gathering, as :meth:`PartitionState.merge`: a mixture partition moves whole."""
-        return merge_partitions(rank_states, partitions)

@@ -1,37 +1,21 @@
-"""The names of the files of a ``stream_state`` directory (rank files, manifest, the dataset's index and
-fingerprint, a mixture's per-source indexes), with their generations.
-"""
+"""The names of the files of a ``stream_state`` directory, with their generations."""
 
 from __future__ import annotations
 
 import re
 
 MANIFEST = "manifest.json"
-
-
-INDEX = "index.json"         # the dataset index, written by rank 0 next to the rank files (JSON: ``index.json``;
-                             # packed, ``index_table.pack_index``, when its files are a table: ``index.bin``)
-
-
+INDEX = "index.json"               # the dataset index, by rank 0 (``index.bin`` when packed: index_table.pack_index)
 FINGERPRINT = "fingerprint.json"   # the dataset fingerprint of every rank file, written once by rank 0
-
-
 STATE_DIR = "stream_state"
-
 
 # generations up to MAX_GENERATION (9 digits), ranks below MAX_WORLD_SIZE (5 digits)
 RANK_FILE = re.compile(r"^rank-(\d{5})(?:\.g[1-9]\d{0,8})?\.safetensors$")
-
-
 INDEX_FILE = re.compile(r"^index(?:\.g[1-9]\d{0,8})?\.(?:json|bin)$")
-
-
 FINGERPRINT_FILE = re.compile(r"^fingerprint(?:\.g[1-9]\d{0,8})?\.json$")
-
 
 # what a manifest may list beside the rank files: one file of each, confined to the state directory
 SHARED_FILES = {"index": (INDEX, INDEX_FILE), "fingerprint": (FINGERPRINT, FINGERPRINT_FILE)}
-
 
 # a mixture's: one dataset index per source, ``index-<label>.json`` (generation N: ``index.gN-<label>.json``, the
 # generation before the label so that a label with dots never reads as one), listed under the manifest's
@@ -50,11 +34,6 @@ def rank_of_file_name(name: str) -> int | None:
     None for any other name."""
     m = RANK_FILE.match(name)
     return int(m.group(1)) if m else None
-
-
-def index_file_name(generation: int = 0, extension: str = "json") -> str:
-    """The dataset index saved with a generation of the state (rank 0 writes it before the manifest)."""
-    return shared_file_name("index", generation, extension)
 
 
 def shared_file_name(what: str, generation: int = 0, extension: str = "json") -> str:

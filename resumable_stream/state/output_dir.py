@@ -1,11 +1,6 @@
-"""A run's ``output_dir``: its ``checkpoint-N/`` directories, which of them are complete, which one a restart
-resumes, and the removal of those a kill cut short. The policy, apart from the files' format
-(:mod:`resumable_stream.state.checkpoint`).
-
-A checkpoint is complete when what its trainer writes is there (the transformers Trainer's
-``trainer_state.json``: ``required``) and its ``stream_state/`` has a manifest that loads: the manifest is
-written last, after every rank wrote its state (and after the model), so a save cut short has none.
-"""
+"""A run's ``output_dir``: its ``checkpoint-N/`` directories, which are complete, which one a restart resumes, and
+the removal of those a kill cut short; the policy, apart from the format (:mod:`.checkpoint`). Complete: the
+trainer's files (``required``) and a ``stream_state/`` manifest that loads (written last)."""
 
 from __future__ import annotations
 
@@ -42,9 +37,8 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
 
 
 def is_complete(checkpoint: str, required: Sequence[str] = TRAINER_FILES) -> bool:
-    """Complete = the files ``required`` (the Trainer's state) and a stream-state manifest (written last) are
-    all there, as regular files: a symlink (to any file) or a FIFO named manifest.json was not written by a
-    save, and would make its checkpoint the newest complete one ahead of an older good one."""
+    """Complete = ``required`` and the manifest are there as regular files: a symlink or FIFO named manifest.json was
+    not written by a save, and would put its checkpoint ahead of an older good one."""
     return (all(_regular_file(os.path.join(checkpoint, name)) for name in required)
             and _regular_file(os.path.join(checkpoint, STATE_DIR, MANIFEST)))
 

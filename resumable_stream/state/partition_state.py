@@ -46,9 +46,8 @@ class Cursor:
 
 @dataclass
 class PartitionState:
-    """Where one partition stands after the last sample it yielded: the cursor at the start of its current
-    window plus the samples of that window consumed (so a snapshot after every batch copies nothing) and the
-    digests that check a resume (what a transform carries over is the loader's state, not this). It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and its bounds
+    """Where one partition stands: the cursor at the start of its window, the samples of it consumed and the digests
+    that check a resume. It owns its sidecar encoding (:meth:`to_arrays` / :meth:`from_arrays`) and bounds
     (:meth:`validate`): a new cursor field is a change here (and in :class:`Cursor`) only."""
 
     start: Cursor                    # offset 0: the window's start
@@ -214,21 +213,3 @@ class PartitionState:
         check(0 <= c.block_taken < lay.block, "block_taken", c.block_taken, f"0 .. {lay.block - 1}")
         check(0 <= self.offset <= lay.buffer_size, "offset", self.offset, f"0 .. {lay.buffer_size} (one window)")
         check(0 <= c.window and 0 <= c.consumed_before, "window", c.window, "an integer >= 0")
-
-    @classmethod
-    def merge(cls, rank_states: list[dict[int, PartitionState]], partitions: set[int]) -> dict[int, PartitionState]:
-        """Elastic gathering: ``partitions``' states from the rank states of one save. A partition moves whole
-        between ranks (its cursor is its own), so each is taken from the rank that held it."""
-        return merge_partitions(rank_states, partitions)
-
-
-def merge_partitions(rank_states: list[dict[int, Any]], partitions: set[int]) -> dict[int, Any]:
-    """Each of ``partitions`` from the one rank state that holds it (a partition held twice is refused)."""
-    merged: dict[int, Any] = {}
-    for states in rank_states:
-        for p, ps in states.items():
-            if p in partitions:
-                if p in merged:
-                    raise SidecarError(f"partition {p} is held by two rank files of one save")
-                merged[p] = ps
-    return merged

@@ -1,17 +1,13 @@
-"""Relocated data: the same files under another root (directory, bucket, store) resume as the same data.
+"""Relocated data: the same files under another root resume as the same data (docs/relocating-data.md).
 
-A data file is identified by its path relative to the dataset root (the deepest directory holding every
-file), its size and a content identity that costs no extra read: the parquet footer digest of the dataset
-index, an LFS sha256, or an S3 ETag that is the MD5 of the content. Where the files still are where they
-were saved, every identity field is compared as before (mtime, ETag, Last-Modified, blob id included).
-When the root moved, only what means the same thing in both places is compared: markers of a store or
-a copy (mtime, Last-Modified, an http ETag, a multipart S3 ETag, a blob id) are not, since a copy made
-with ``cp``, ``rsync`` without ``-t`` or an upload changes them while the content stays the same.
-"""
+A file is its path relative to the dataset root, its size and a content identity that costs no extra read (a
+parquet footer digest, an LFS sha256, an S3 ETag that is an MD5). Under the saved root every field is compared;
+after a move, not the markers a copy changes (mtime, Last-Modified, http or multipart ETags, blob ids)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -30,16 +26,7 @@ def _protocol(path: str) -> str:
 
 def dataset_root(paths: list[str]) -> str:
     """The deepest directory (or URL prefix) that holds every path: what the relative paths are relative to."""
-    dirs = [p.rstrip("/").split("/")[:-1] for p in paths]
-    if not dirs:
-        return ""
-    common = dirs[0]
-    for d in dirs[1:]:
-        n = 0
-        while n < min(len(common), len(d)) and common[n] == d[n]:
-            n += 1
-        common = common[:n]
-    return "/".join(common)
+    return "/".join(os.path.commonprefix([p.rstrip("/").split("/")[:-1] for p in paths]))   # by component
 
 
 def relative_paths(paths: list[str]) -> list[str]:
@@ -92,10 +79,8 @@ def relocated_files_diff(saved: list[dict], now: list[dict]) -> list[tuple[str, 
 
 
 def describe_files(files: Any, full: bool) -> dict[str, Any]:
-    """The identities of a fingerprint's files, for ``inspect``: the root, how many files each kind of
-    content identity covers, and with ``full`` every file (relative path, size, identity, its fields). Files
-    held compactly (``fingerprint_files``) are listed from the index they stand for; without it at hand, their
-    count and digest."""
+    """The identities of a fingerprint's files for ``inspect``: the root, files per kind of identity, with ``full``
+    every file (compact lists from their index; without it, their count and digest)."""
     compact = fingerprint_files.is_compact(files)
     key = (files["count"], files["digest"], full) if compact else None
     if key in _described:            # inspect describes the same files for every rank

@@ -1,29 +1,11 @@
 """A saved state <-> the bytes of a safetensors sidecar: every field checked when read, no pickle.
 
-The state is nested, each layer's own part (docs/architecture.md, "Each layer owns its state")::
-
-    {"stream":    {"kind", "fingerprint", "topology", "turn", "partitions": {p: partition state}},
-     "transform": {p: {"meta": {...}, "tensors": {name: array}}},     # what a transform carries over (optional)
-     "loader":    {"turns": {rank: t}, "lane_turns": {rank: [t, ...]}}}  # the loader's batch rotation (optional)
-
-``topology.rank`` is the rank the state is of, or None for a job's state (every rank's partitions, each rank's
-rotation: what ``StreamLoader.state_dict()`` gathers) and for one gathered after a change of ranks.
-
-In the file, tensors hold the integer cursors and digest chains and ``__metadata__`` the rest as JSON strings:
-
-* ``stream`` kind: a cursor per partition: ``cursors`` (one column per ``Cursor.FIELDS``), ``slots`` (open
-  shards), ``chains`` (digest of the keys consumed), metadata ``digests`` and ``progress`` per partition;
-* ``mixture`` kind: the mixture's own position, ``mixture/positions`` (epoch, draws, consumed),
-  ``mixture/source_epochs`` and ``mixture/ended`` (one column per source, then per removed source kept),
-  ``mixture/changes`` (with a weight history), plus source i's cursors under ``sources/<i>/``;
-* the transform's carry of partition p under ``transform/<p>/<name>`` (metadata ``transform``), the loader's
-  rotation as metadata ``loader``, the stream's own as ``turn``.
-
-Every file carries the digest of its own bytes (``self_blake2b``), so a file alone is verified; a rank file of a
-stream_state directory holds the digest of the directory's ``fingerprint.json`` instead of the fingerprint.
-This is version 1 of the released format (:data:`FORMAT`); the files of resumable-stream's development builds
-(format ``resumable-stream``, versions 1-3) are refused, naming them.
-"""
+The state is nested, each layer's own part (docs/architecture.md, "Each layer owns its state"); tensors hold
+the integer cursors and digest chains, ``__metadata__`` the rest as JSON (docs/internals.md, "Sidecar schema").
+``topology.rank`` is None for a job's state and one gathered after a change of ranks. Every file carries the
+digest of its own bytes (``self_blake2b``); a rank file of a stream_state directory holds the digest of its
+``fingerprint.json`` instead of the fingerprint. Version 1 of the released format (:data:`FORMAT`); development
+builds' files (format ``resumable-stream``, versions 1-3) are refused, naming them."""
 
 from __future__ import annotations
 
@@ -71,9 +53,8 @@ def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
 
 # ------------------------------------------------------------------ encode
 def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -> bytes:
-    """A nested state (module doc) as sidecar bytes. With ``fingerprint_digest`` (a rank file of a stream_state
-    directory, whose ``fingerprint.json`` holds the fingerprint once for every rank) only that digest is written,
-    so the file is O(its partitions) however many files the dataset has; else the whole fingerprint."""
+    """A nested state as sidecar bytes; with ``fingerprint_digest`` only that digest instead of the fingerprint (a
+    rank file, O(its partitions))."""
     stream = state["stream"]
     kind = stream.get("kind", "stream")
     parts = sorted(stream["partitions"])
@@ -278,22 +259,14 @@ def _check_rank_partitions(topology: dict[str, Any], count: int, path: str) -> N
              f"over num_partitions {n}")
 
 
-def development_format(version: Any) -> str:
-    """How a file of the development builds is named in errors."""
-    return (f"format {DEVELOPMENT_FORMAT!r} version {str(version)[:20]}, written by a development build of "
-            "resumable-stream 0.1.0 before its first release")
-
-
-REFUSED_DEVELOPMENT = ("this release reads only {format!r} version {version}: start the data afresh (without "
-                       "this state), or finish the run with the build that wrote it")
-
-
 def check_format(fmt: Any, version: Any, path: str, what: str = "sidecar") -> None:
     """A file's ``format`` / ``format_version`` are this release's (a manifest's version an int, a sidecar's a
     string); the development builds' are refused, naming them."""
     if fmt == DEVELOPMENT_FORMAT:
-        raise SidecarError(f"{what} {path!r}: {development_format(version)}; "
-                           + REFUSED_DEVELOPMENT.format(format=FORMAT, version=FORMAT_VERSION))
+        raise SidecarError(f"{what} {path!r}: format {DEVELOPMENT_FORMAT!r} version {str(version)[:20]}, written by a "
+                           "development build of resumable-stream 0.1.0 before its first release; this release reads "
+                           f"only {FORMAT!r} version {FORMAT_VERSION}: start the data afresh (without this state), or "
+                           "finish the run with the build that wrote it")
     if fmt != FORMAT:
         raise SidecarError(f"{what} {path!r}: format {str(fmt)[:40]!r}, expected {FORMAT!r}; not a resumable-stream "
                            "state")
@@ -308,9 +281,8 @@ def check_format(fmt: Any, version: Any, path: str, what: str = "sidecar") -> No
 
 def decode_state(data: bytes, path: str = "<bytes>",
                  fingerprint: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
-    """The nested state in sidecar bytes (module doc), every field checked; the file's self-digest must match.
-    ``fingerprint``: (fingerprint, digest) of the stream_state directory the file is in, for a rank file that
-    holds only the digest."""
+    """The nested state in sidecar bytes, every field checked and the self-digest matched. ``fingerprint``: (fingerprint,
+    digest) of the directory, for a rank file holding only the digest."""
     meta, header_len = read_header_metadata(data, path)
     check_format(meta.get("format"), meta.get("format_version"), path)
     _check_seal(data, header_len, meta, path)

@@ -1,13 +1,6 @@
-"""The stream core: the :class:`Stream` protocol and what a single stream and a mixture share.
-
-``Stream`` is what the loader and the integrations use of a stream.
-:class:`StreamBase` implements the parts that do not depend on what a partition reads: the topology
-(ranks, DataLoader workers, virtual partitions and their lanes), iteration with the saved turn, the
-refusal of a state read by DataLoader workers, the state envelope (format version, kind, fingerprint,
-topology, turn, per-partition states) and loading it with its checks. Files and directories are
-:mod:`resumable_stream.state.checkpoint`'s (``save_sidecar`` / ``load_sidecar`` call it). A subclass builds
-its partition readers, yields one partition's samples, and saves / restores one partition's state.
-"""
+"""The stream core: the :class:`Stream` protocol and what a single stream and a mixture share (topology,
+iteration with the saved turn, the state envelope and loading it with its checks). Files and directories are
+:mod:`resumable_stream.state.checkpoint`'s; a subclass reads, saves and restores one partition."""
 
 from __future__ import annotations
 
@@ -30,12 +23,8 @@ from ..state.sidecar import FORMAT_VERSION
 
 @runtime_checkable
 class Stream(Protocol):
-    """What readers of a stream (the loader, the integrations) rely on.
-
-    ``partitions``: the virtual partitions this rank reads (sorted); ``lanes[w]``: those DataLoader
-    worker w reads (one lane without workers). A partition's state is a JSON-able dict (plus numpy
-    arrays under ``extra``, the transform's carry); a stream's state adds the envelope of
-    :meth:`StreamBase.state_dict`."""
+    """What readers of a stream (the loader, the integrations) rely on. ``partitions``: the virtual partitions this
+    rank reads (sorted); ``lanes[w]``: those DataLoader worker w reads (one lane without workers)."""
 
     config: Any
     rank: int
@@ -135,30 +124,30 @@ def resolve_topology(rank: int | None, world_size: int | None, num_workers: int)
 
 
 def round_robin(iterators: dict[int, Iterator], order: list[int], turn: int = 0,
-                on_turn: Callable[[int], None] | None = None) -> Iterator:
+                on_turn: Callable[[int], None] | None = None, steps: int | None = None, skip: Any = None) -> Iterator:
     """Item by item from ``iterators`` in the rotation ``order``, starting at ``order[turn]`` and skipping
-    those that ended; ``on_turn(turn)`` is told where the rotation stands after each step (to save it)."""
+    those that ended; ``on_turn(turn)`` is told where the rotation stands after each step (to save it). With
+    ``steps`` longer than ``order``, each step past its end yields ``skip`` (the loader's shorter lanes)."""
+    steps = steps or len(order)
     while iterators:
-        key = order[turn % len(order)]
-        turn = (turn + 1) % len(order)
+        t, turn = turn % steps, (turn + 1) % steps
         if on_turn is not None:
             on_turn(turn)
-        it = iterators.get(key)
+        if t >= len(order):
+            yield skip
+            continue
+        it = iterators.get(order[t])
         if it is None:
             continue
         try:
             yield next(it)
         except StopIteration:
-            del iterators[key]
+            del iterators[order[t]]
 
 
 class StreamBase(IterableDataset):
-    """The :class:`Stream` implementation a single stream and a mixture share (module doc).
-
-    Subclasses set ``kind`` (the state schema: "stream" or "mixture") and implement ``_build_readers()``
-    (fresh readers of ``self.partitions``), ``_samples(p)``, ``partition_state(p)``,
-    ``_restore_partition(p, state, where, verify_next_sample)``, ``partition_epoch(p)``, ``fingerprint()``,
-    ``set_epoch(e)`` and ``close()``."""
+    """The :class:`Stream` implementation a single stream and a mixture share. Subclasses set ``kind`` ("stream" or
+    "mixture") and implement the methods at the end of the class, ``partition_state``, ``fingerprint`` and friends."""
 
     kind = "stream"
     state_type: Any = None      # the class of a partition's state (to_dict / from_dict / validate)
@@ -199,9 +188,8 @@ class StreamBase(IterableDataset):
         self._build_readers()
 
     def state_fingerprint(self) -> dict[str, Any]:
-        """``fingerprint()``, made once while the transform's fingerprint stays the same: every state of this
-        stream then carries the same object, which a checkpoint encodes (and digests) once, however many files
-        the dataset lists."""
+        """``fingerprint()``, made once while the transform's stays the same: every state then carries the same object,
+        which a checkpoint encodes once, however many files the dataset lists."""
         key = json.dumps(self.transform_fingerprint, sort_keys=True, default=repr)
         if self._fingerprint is None or self._fingerprint[0] != key:
             self._fingerprint = (key, self.fingerprint())
@@ -219,9 +207,8 @@ class StreamBase(IterableDataset):
         return None
 
     def data_epoch(self) -> float | None:
-        """Epochs of data this stream yielded (fractional), the mean over this rank's partitions; None when an
-        epoch's size is unknown (e.g. json shards). Any thread may call it: it reads the progress the consuming
-        thread published, never the readers (docs/architecture.md, "One owner per cursor")."""
+        """Epochs this stream yielded (fractional; None when an epoch's size is unknown). Any thread: it reads the
+        published progress, never the readers ("One owner per cursor")."""
         return mean_position([self.partition_position(p) for p in self.partitions])
 
     def set_endless(self) -> None:
@@ -252,15 +239,9 @@ class StreamBase(IterableDataset):
 
     # ------------------------------------------------------------------ state
     def state_dict(self, partitions: dict[int, Any] | None = None) -> dict[str, Any]:
-        """This rank's position after the last sample this stream yielded: a state per partition, in the stream's
-        envelope.
-
-        Args:
-            partitions: per-partition states to save instead of the stream's own (the loader passes what
-                training consumed, which may lag what its workers read ahead).
-        Returns:
-            ``{"format_version", "kind", "fingerprint", "topology", "turn", "partitions": {p: state}}``: plain
-            values only; :meth:`load_state_dict` takes it back, ``save_sidecar`` writes it as safetensors."""
+        """This rank's position after the last sample yielded, in the stream's envelope (``format_version``, ``kind``,
+        ``fingerprint``, ``topology``, ``turn``, ``partitions``). ``partitions``: per-partition states to save instead
+        of the stream's own (the loader passes what training consumed)."""
         if partitions is None and self._read_by_workers.value and worker_info() is None:
             # inside a worker the copy's state is that worker's own, exact (torchdata's StatefulDataLoader)
             raise ConfigError(
@@ -276,19 +257,15 @@ class StreamBase(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
                         verify_next_sample: bool = True) -> None:
-        """Continue every partition of this rank from its saved state.
-
-        ``state``: a :meth:`state_dict` (this rank's), or the stream part of a loader's state, of a job's (every
-        rank's partitions) or gathered after a change of ranks. Same ranks and workers: the interleaving
-        continues exactly. Other ranks / workers (``data.elastic``): each partition continues from its cursor,
-        the interleaving starts afresh. ``verify_next_sample=False`` skips the content check of each
-        partition's first sample (for readers of other data than the rows, e.g. the warmup planner's row
-        numbers)."""
+        """Continue every partition of this rank from a :meth:`state_dict` (this rank's, a job's, or gathered after a
+        change of ranks; elastic: each partition from its cursor, the interleaving afresh).
+        ``verify_next_sample=False`` skips the content check of each partition's first sample (the warmup planner)."""
         if isinstance(state, dict) and "stream" in state and "partitions" not in state:
             state = state["stream"]      # a loader's (nested) state: the stream's part is this stream's
         if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
             got = state.get("format_version") if isinstance(state, dict) else type(state).__name__
             raise StreamMismatchError(f"{where}: format version {got!r:.40}, expected {FORMAT_VERSION}")
+        state = self._in_own_form(state, where)
         self._read_by_workers.value = 0   # the position is the loaded one again
         self.check_saved_identity(state, where)
         same = self.adopt_topology(state["topology"], where)
@@ -305,6 +282,10 @@ class StreamBase(IterableDataset):
         self._turn = int(state.get("turn", 0)) if same and state["topology"].get("rank") is not None else 0
         if self._epoch_limit is not None:     # set_epoch before the load: apply it to the loaded state
             self.set_epoch(self._epoch_limit)
+
+    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """A saved state put in this stream's form before it is loaded (a mixture's other weights or sources)."""
+        return state
 
     def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
         """The saved state is of this kind of stream and of the same data, order and transform."""
@@ -337,10 +318,8 @@ class StreamBase(IterableDataset):
 
     # ------------------------------------------------------------------ sidecar files (resumable_stream.state.checkpoint)
     def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
-        """(state, description) of this rank's partitions, nested (``state.sidecar``), from a sidecar file, a
-        stream_state directory or a checkpoint directory: this rank's file, or after a change of ranks or
-        workers (``data.elastic``) the partitions this rank reads now, gathered from the files that hold
-        them. The stream takes the saved num_partitions when data.num_partitions is null."""
+        """(nested state, description) of this rank's partitions from a sidecar file, a stream_state or a checkpoint
+        directory; after a change of ranks or workers gathered from the files that hold them."""
         saved = checkpoint.open_saved(path, self.rank)
         with saved.identities():     # the files a compact fingerprint stands for: the indexes saved there
             self.check_saved_identity(saved.stream, saved.where)
@@ -350,25 +329,13 @@ class StreamBase(IterableDataset):
         return saved.gather(self.partitions)
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
-        """Restore from a sidecar file, a stream_state directory or a checkpoint directory.
-
-        Raises:
-            StreamMismatchError: the state was saved for other data, order settings or topology (named);
-            SidecarError: the file is damaged, forged, incomplete or not a stream state.
-        """
+        """Restore from a sidecar file, a stream_state or a checkpoint directory (StreamMismatchError, SidecarError)."""
         state, where = self.read_sidecar(path)
         self.load_state_dict(state["stream"], where=where)
 
     def save_sidecar(self, path: str | os.PathLike, manifest: bool | None = None) -> str:
-        """Write this rank's state.
-
-        Args:
-            path: a ``.safetensors`` file, or a directory (then ``rank-NNNNN.safetensors`` inside it, plus the
-                manifest when world_size is 1; a multi-rank job completes it with ``checkpoint.finish``).
-            manifest: write the manifest now (default: with one rank).
-        Returns:
-            the path of the file written.
-        """
+        """Write this rank's state to a ``.safetensors`` file or a directory (``rank-NNNNN.safetensors``, the manifest
+        when ``manifest`` or one rank; a multi-rank job completes it with ``checkpoint.finish``). Returns the file."""
         return self.write_sidecar(path, {"stream": self.state_dict()}, manifest)
 
     def write_sidecar(self, path: str | os.PathLike, state: dict, manifest: bool | None = None) -> str:
@@ -382,9 +349,8 @@ class StreamBase(IterableDataset):
         return {}
 
     def adopt_saved_indexes(self, indexes: dict[str | None, bytes], state: dict[str, Any], where: str) -> None:
-        """Read through the indexes a state carries (:meth:`growing_indexes` when it was saved), the files that
-        appeared since joining after the furthest epoch the state's partitions have begun; before the state is
-        loaded. Collective (rank 0 lists the files). Nothing to do here."""
+        """Read through the indexes a state carries (:meth:`growing_indexes`), before the state is loaded. Collective.
+        Nothing to do here."""
 
     def saved_indexes(self) -> dict[str | None, dict]:
         """The dataset indexes a checkpoint saves beside the state (rank 0): the dataset's under None, a mixture

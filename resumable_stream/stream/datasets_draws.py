@@ -1,19 +1,8 @@
-"""The sources a mixture draws, in the sequence of ``datasets.interleave_datasets`` over iterable datasets
-(datasets 4.0; what ``llamafactory-cli`` mixes with ``mix_strategy: interleave_*``), for a mixture that must
-take the very samples it takes.
-
-* without probabilities: the sources in turn (``CyclingMultiSourcesExamplesIterable``);
-* with them: ``numpy.random.default_rng(seed).choice(n, size=1000, p=probabilities)``, block after block
-  (``RandomlyCyclingMultiSourcesExamplesIterable``); from the second epoch the generator is seeded as datasets'
-  ``IterableDataset._effective_generator`` seeds it for ``set_epoch(epoch)``.
-
-Draw k of an epoch is a pure function of (seed, epoch, k): a resume regenerates the blocks before k once
-(k / 1000 calls of numpy), then continues block by block.
-
-datasets' epochs go with its draws (``MixtureStream`` does them): each epoch restarts every source from its first
-row and draws from draw 0 again; a source runs out with its last row (datasets reads one row ahead), and the epoch
-ends right after it (``first_exhausted``) or after that of the last source to run out (``all_exhausted``; one
-that ran out before restarts at once from its first row)."""
+"""The sources a mixture draws in the sequence of ``datasets.interleave_datasets`` (datasets 4.0; LLaMA-Factory's
+``mix_strategy: interleave_*``): the sources in turn without probabilities, else
+``numpy.random.default_rng(seed).choice(n, size=1000, p=...)`` block after block, seeded per epoch as datasets'
+``_effective_generator``. Draw k of an epoch is a pure function of (seed, epoch, k); the epochs are datasets'
+too (docs/mixtures.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""``data.growth: follow``: a stream read round by round, waiting for new files between rounds.
+"""``data.growth: follow``: a stream read round by round, waiting for new files between rounds (docs/growing-data.md).
 
-Round e is epoch e (generation e's new files), read by every partition of the rank before any starts e + 1
-(``ResumableStream.round``). A ``Follower`` wraps a ``ResumableStream`` and uses its public seams only: the round
-it stands in, its layout's generations, its index and ``adopt_index`` to read through a grown one. Between
-rounds it lists the files every ``data.poll_interval_s`` (backing off to 16x) and ends the stream (``ended``)
-once a wait passes ``data.follow_timeout_s``. One rank waits alone (``await_next_round``); several ranks wait in
-step (``rounds_in_step``), their decisions all-reduced so that they all end at the same step.
-"""
+A ``Follower`` wraps a ``ResumableStream`` through its public seams (``round``, its layout, index and
+``adopt_index``). One rank waits alone (``await_next_round``); several wait in step (``rounds_in_step``), their
+decisions all-reduced so that they all end at the same step."""
 
 from __future__ import annotations
 
@@ -96,11 +92,9 @@ class Follower:
 
     def rounds_in_step(self, lane: list[int], turn: int, batches: Callable[[int], Iterator[dict[str, Any]]]
                        ) -> Iterator[dict[str, Any]]:
-        """``rounds`` over several ranks: every batch is handed out only once every rank has one (an all-reduce
-        of one int per batch: the Trainer's steps stay in lock-step, and every rank enters the waits at the same
-        step). Once some rank is at the end of its round, all enter ``wait_in_step`` together; a rank that still
-        has a batch holds it (not handed out, so not in a state saved meanwhile) and hands it out after the wait;
-        a rank at its end starts its next round. They all end at the same step after data.follow_timeout_s."""
+        """``rounds`` over several ranks: a batch is handed out once every rank has one (an all-reduce per batch keeps the
+        steps in lock-step); at a round's end all enter ``wait_in_step`` together, a rank still holding a batch hands it
+        out after the wait. They all end at the same step after data.follow_timeout_s."""
         self.check_in_step()
 
         def round_of(turn: int) -> Iterator[dict[str, Any]]:
@@ -121,12 +115,9 @@ class Follower:
                 it = round_of(turn)
 
     def wait_in_step(self, holding: bool) -> bool:
-        """A collective every rank calls at the same step, once some rank is at the end of its round. ``holding``:
-        this rank still has a batch of its round. Until every rank can go on (holding, or its round planned),
-        rank 0 lists the files (one request per poll for the job, ``growth.refresh``: the grown index broadcast,
-        so every rank adopts the same generation) and every rank sleeps the same backoff (poll_interval_s doubling
-        to 16x). True once every rank can go on; False on every rank (``ended``) once rank 0 has waited
-        data.follow_timeout_s (its decision, all-reduced)."""
+        """A collective at the same step on every rank: rank 0 lists the files (the grown index broadcast) and all sleep
+        the same backoff. True once every rank can go on; False everywhere (``ended``) once rank 0 waited
+        data.follow_timeout_s."""
         self.check_in_step()
         stream, c = self.stream, self.stream.config
         waited, delay, start, polled = 0.0, float(c.poll_interval_s), time.monotonic(), False

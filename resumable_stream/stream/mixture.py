@@ -1,43 +1,11 @@
-"""Weighted mixtures of datasets (``data.sources``) that resume exactly.
+"""Weighted mixtures of datasets (``data.sources``) that resume exactly (docs/mixtures.md).
 
-Every source is cut into the same ``num_partitions`` virtual partitions, and partition *p* of the
-mixture reads partition *p* of each source: a mixture partition moves between ranks (elastic
-resume) exactly like a single stream's. Its *k*-th draw of mixture epoch *e* takes the next sample
-of the source picked by a counter-based hash of (seed, e, p, k) against the cumulative weights. The
-sampler therefore has no state to save but (e, k); a partition's state is that, per source the
-epoch of it being read and whether it ended during this mixture epoch, and each source's own cursor.
-
-The weights may follow schedules and change on resume (``data.mixture_change: allow``) or from code
-(:meth:`MixtureStream.set_weights`): a weight history whose weight at a draw is a pure function of the
-draw's index (``resumable_stream.stream.weights``); fixed weights draw exactly as they always did.
-
-A source *ends* when its partition *p* has yielded all of its current epoch. ``stopping`` says what
-happens then:
-
-* ``first_exhausted`` (default): the draw that finds a source ended yields nothing and ends the
-  mixture epoch (as ``datasets.interleave_datasets``). The other sources keep their positions: the
-  next mixture epoch continues each where it was, the ended one with its next, reshuffled, epoch.
-  Nothing is skipped.
-* ``all_exhausted``: the ended source restarts at once with its next epoch (the draw takes its first
-  sample); the mixture epoch ends at the draw that finds the last source that had not yet ended
-  during it ended too. Small sources are oversampled, as with ``interleave_datasets``.
-* ``never``: sources restart as with ``all_exhausted`` and the mixture has no epochs.
-
-With ``datasets.interleave_datasets``' draws (``draws="datasets_cycle"`` / ``"datasets_choice"``: LLaMA-Factory's
-``interleave_*`` read with ``buffer_size: 1``) the epochs are datasets' too: a source ends with its last row (a
-look-ahead: :meth:`ResumableStream.epoch_ended`), so the mixture epoch ends right after the last row of the source
-that ends it, and the next one starts every source from its first row (with new draws).
-
-Without ``set_epoch`` a mixture is endless in every mode (mixture epoch e+1 follows e) and every
-draw picks source i with probability weight_i. ``set_epoch(e)`` yields mixture epoch e only (not
-with ``never``). Sample keys name the source: ``("label/shard", row)``.
-
-A mixture's state (``kind: "mixture"`` in the sidecar) holds per partition a
-:class:`~resumable_stream.state.mixture_state.MixturePartitionState`: ``epoch`` (mixture epoch), ``draws`` (draws
-made in it), ``consumed`` (samples it yielded), per source ``source_epochs`` (the epoch being read) and
-``ended`` (it ended during this mixture epoch), each source's state (that of
-:meth:`ResumableStream.partition_state`) and the transform's carry.
-"""
+Mixture partition *p* reads partition *p* of every source, so it moves between ranks like a single stream's.
+Its *k*-th draw of mixture epoch *e* takes the next sample of the source picked by a counter-based hash of
+(seed, e, p, k) against the cumulative weights (or datasets' draws, :mod:`.datasets_draws`): the sampler has no
+state but (e, k). ``stopping`` (``first_exhausted``, ``all_exhausted``, ``never``) says what a source's end does.
+A partition's state is a :class:`~resumable_stream.state.mixture_state.MixturePartitionState` that nests each
+source's own state."""
 
 from __future__ import annotations
 
@@ -188,9 +156,8 @@ class MixtureStream(StreamBase):
         self._start()
 
     def _view(self, i: int, partition: int) -> ResumableStream:
-        """Source i's partition ``partition`` alone: a stream of one of ``num_partitions`` consumers. Its
-        epoch limit (``set_epoch``) concerns that partition only, so each mixture partition ends a source's
-        epoch without reading into the next one."""
+        """Source i's partition ``partition`` alone, whose epoch limit concerns that partition only (each mixture
+        partition ends a source's epoch without reading into the next one)."""
         scfg: StreamConfig = self.config.sources[i].replace(num_partitions=self.num_partitions)
         return ResumableStream(scfg, rank=partition, world_size=self.num_partitions, num_workers=0,
                                source=self.source.sources[i])
@@ -283,11 +250,9 @@ class MixtureStream(StreamBase):
 
     def set_weights(self, weights: dict[str, Any], starts: dict[int, int] | None = None,
                     step: int | None = None) -> None:
-        """Draw with ``weights`` (label -> number >= 0 or schedule, every source of the mixture) from each
-        partition's next draw on (``starts``: partition -> draw index, default where this process's reader
-        is; the StreamLoader passes what training consumed). Recorded in the weight history, so a resume
-        draws the same samples. Collective under torch.distributed: every rank calls it at the same point and
-        rank 0's weights apply everywhere. Only from the thread iterating the stream (WrongThreadError)."""
+        """Draw with ``weights`` (label -> number or schedule) from each partition's next draw on (``starts``: partition ->
+        draw index; the loader passes what training consumed), recorded in the weight history. Collective (rank 0's
+        apply); only from the iterating thread."""
         self._owner.check("MixtureStream.set_weights", "stream")
         self._refuse_changes_in_datasets_draws()
         labels = self.config.labels
@@ -351,18 +316,18 @@ class MixtureStream(StreamBase):
             j = saved_labels.index(label) if label in saved_labels else None
             furthest = max((max(int(ps["mixture"]["source_epochs"][j]), int(ps["sources"][j]["epoch"]))
                             for ps in state["partitions"].values()), default=0) if j is not None else 0
-            index = growth_after_resume(scfg.source_spec, saved, furthest, self.rank, self.world_size, at)
-            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
-            for view in self._views[i].values():
-                view.adopt_index(index, source)
-            self.source.sources[i] = source
+            self._adopt_index(i, growth_after_resume(scfg.source_spec, saved, furthest, self.rank, self.world_size, at))
+
+    def _adopt_index(self, i: int, index: dict) -> int:
+        """Source i over a grown ``index``: one source for every partition's view (they share it, as at the start);
+        the epoch its new files join at."""
+        scfg = self.config.sources[i]
+        self.source.sources[i] = source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
+        return min(view.adopt_index(index, source) for view in self._views[i].values())
 
     def refresh_files(self) -> dict[str, int] | None:
-        """Take in the files that appeared in each growing source (``data.growth: append``) while the job runs,
-        each source on its own: its new files join from the epoch after the furthest one of that source any
-        partition of the job has begun (a mixture partition reads each source's epochs at its own pace).
-        Collective, as ``ResumableStream.refresh_files`` (every rank calls it at the same point, no DataLoader
-        workers). Returns ``{label: epoch they join at}`` for the sources that grew, or None."""
+        """``ResumableStream.refresh_files`` per growing source (each joins after the furthest epoch of that source any
+        partition began). Collective. Returns ``{label: epoch they join at}`` of the sources that grew, or None."""
         joins: dict[str, int] = {}
         for i, (scfg, label) in enumerate(zip(self.config.sources, self.config.labels)):
             if scfg.growth == "off":
@@ -375,13 +340,8 @@ class MixtureStream(StreamBase):
                                 self.num_workers)
             except StreamMismatchError as e:
                 raise StreamMismatchError(f"data.sources[{i}] ({label!r}): {e}", e.differences) from e
-            if index is None:
-                continue
-            # one source over the grown index for every partition's view (they share it, as at the start)
-            source = with_block_cache(open_source(scfg.source_spec, index=index), scfg.cache_spec)
-            for view in views.values():
-                joins[label] = view.adopt_index(index, source)
-            self.source.sources[i] = source
+            if index is not None:
+                joins[label] = self._adopt_index(i, index)
         return joins or None
 
     # ------------------------------------------------------------------ iteration
@@ -463,9 +423,8 @@ class MixtureStream(StreamBase):
             yield i, sample, where
 
     def _restarts_epochs(self) -> bool:
-        """datasets.interleave_datasets' epochs (draws ``datasets_*`` with first_exhausted / all_exhausted): a
-        mixture epoch ends right after the last row of the source that ends it, and the next one starts every
-        source from its first row (see :meth:`_start_next_epoch`)."""
+        """datasets' epochs (``datasets_*`` draws, not ``never``): the next mixture epoch starts every source from its
+        first row (:meth:`_start_next_epoch`)."""
         return self._datasets_draws is not None and self.config.stopping != "never"
 
     def _epoch_over(self, pos: _Position) -> bool:
@@ -477,9 +436,8 @@ class MixtureStream(StreamBase):
         return all(e or now.get(label, 0.0) == 0 for e, label in zip(pos.ended, self.config.labels))
 
     def _start_next_epoch(self, p: int) -> None:
-        """Start mixture epoch + 1 of partition ``p`` as datasets starts its next epoch (``_restarts_epochs``):
-        every source that read rows of its epoch moves to the start of its next one (with ``buffer_size: 1`` the
-        same rows in the same order), so each is read from its first row; new draws (draw 0 of the epoch)."""
+        """Start mixture epoch + 1 of partition ``p`` as datasets does: every source that read rows moves to its next
+        epoch's start; new draws."""
         pos = self._pos[p]
         pos.epoch, pos.draws, pos.ended = pos.epoch + 1, 0, [False] * len(pos.ended)
         for i, views in enumerate(self._views):
@@ -510,17 +468,13 @@ class MixtureStream(StreamBase):
                              if partition in views) if x is not None]
         return sum(known) / len(known) if known else None
 
-    def load_state_dict(self, state: dict[str, Any], where: str = "stream state",
-                        verify_next_sample: bool = True) -> None:
-        """As ``StreamBase.load_state_dict``; the saved weight history is taken over, and with
-        ``data.mixture_change: allow`` other weights or sources than the saved ones apply from each partition's
-        next draw on (the state is first put in this mixture's form: see :meth:`_take_over`)."""
-        if isinstance(state, dict) and "stream" in state and "partitions" not in state:
-            state = state["stream"]      # a loader's (nested) state: the stream's part
-        fp = state.get("fingerprint") if isinstance(state, dict) else None
+    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """The saved weight history is taken over, and with ``data.mixture_change: allow`` other weights or sources
+        apply from each partition's next draw on (:meth:`_take_over`)."""
+        fp = state.get("fingerprint")
         if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
-            state = self._take_over(state, where)
-        super().load_state_dict(state, where, verify_next_sample)
+            return self._take_over(state, where)
+        return state
 
     def _core(self, fp: dict[str, Any], labels: list[str], weights: bool = True) -> dict[str, Any]:
         """What must agree for a state to resume here: the mixture's labels, stopping and seed, its sources'
@@ -564,15 +518,11 @@ class MixtureStream(StreamBase):
             super().check_saved_identity(state, where)
             return
         self._compare(fp, where)
-        ours = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
-        if "transform" in fp:
-            ours["transform"] = fp["transform"]
-        super().check_saved_identity({**state, "fingerprint": ours}, where)     # the kind and the transform
+        super().check_saved_identity({**state, "fingerprint": self._ours_with_transform_of(fp)}, where)
 
     def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
-        """Take the saved weight history (and samples_per_step, removed sources), compare the mixture with the
-        saved one, and return the state in this mixture's form: its sources' columns in this order (a removed
-        one's kept after them, an added one from its start) and, after a change, a history entry from each
+        """Take the saved weight history, compare, and return the state in this mixture's form: its sources in this order
+        (a removed one's kept after them, an added one from its start), after a change a history entry from each
         partition's next draw."""
         saved_fp = state["fingerprint"]
         mix = saved_fp["mixture"]
@@ -609,10 +559,15 @@ class MixtureStream(StreamBase):
             self._events.append({"from": "resume", "weights": dict(zip(labels, self.config.weights)),
                                  "added": [label for label in labels if label not in every],
                                  "removed": [label for label in saved_labels if label not in labels]})
+        return {**state, "fingerprint": self._ours_with_transform_of(saved_fp), "partitions": partitions}
+
+    def _ours_with_transform_of(self, saved_fp: dict[str, Any]) -> dict[str, Any]:
+        """This mixture's fingerprint (compared by :meth:`_compare`) with the saved transform's, which
+        ``StreamBase.check_saved_identity`` then checks."""
         fp = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
         if "transform" in saved_fp:
             fp["transform"] = saved_fp["transform"]
-        return {**state, "fingerprint": fp, "partitions": partitions}
+        return fp
 
     def _reorder(self, ps: MixturePartitionState, every: list[str], changes: int, changed: bool, p: int,
                  num_partitions: int, where: str) -> dict[str, Any]:
@@ -724,21 +679,9 @@ def mixture_progress(states: list[dict[str, Any]]) -> dict[str, Any]:
 def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, world_size: int | None = None,
                 num_workers: int = 0, index_from: str | None = None,
                 mixture_draws: str = "hash") -> ResumableStream | MixtureStream:
-    """The stream of a ``data:`` config: a :class:`MixtureStream` for one with ``sources``, else a
-    :class:`ResumableStream`.
-
-    Args:
-        config: ``StreamConfig.from_yaml(...)``'s result.
-        rank, world_size: this process among the job's (default: torch.distributed, else $RANK / $WORLD_SIZE).
-        num_workers: the DataLoader workers the stream will be read with (0: the main process).
-        index_from: a checkpoint about to be resumed, whose saved dataset indexes the stream reuses (nothing
-            is resolved again); the position itself is restored by ``load_sidecar`` / a loader.
-        mixture_draws: a mixture's draws: ``hash`` (ours), or ``datasets_cycle`` / ``datasets_choice``
-            (``datasets.interleave_datasets``' sequence without / with probabilities; :mod:`.datasets_draws`).
-    Returns:
-        the stream, opened (the dataset resolved once per job) at its fresh position or at
-        ``data.resume_state_path``'s.
-    """
+    """The stream of a ``data:`` config (a :class:`MixtureStream` with ``sources``), opened at its fresh position or
+    at ``data.resume_state_path``'s. ``index_from``: a checkpoint about to be resumed, whose saved indexes are
+    reused; ``mixture_draws``: ``hash`` or ``datasets_cycle`` / ``datasets_choice`` (:mod:`.datasets_draws`)."""
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                              index_from=index_from, draws=mixture_draws)

@@ -37,10 +37,9 @@ LARGE_ROW_BYTES = 512      # rows of at least this many Arrow bytes are permuted
 
 @dataclass(frozen=True)
 class Progress:
-    """How far a partition's reader stands, as its consuming thread last published it (one attribute store,
-    ``PartitionReader.progress``): what any other thread reads instead of the reader (metrics, Prometheus,
-    ``data_epoch``). ``live`` is the iterator handing out the window's rows up to row ``end`` of it: the rows
-    handed out are read off its length hint, a read that moves nothing."""
+    """How far a partition's reader stands, as its consuming thread last published it (one attribute store): what
+    other threads read instead of the reader. ``live``: the iterator handing out the window's rows up to ``end``
+    (the rows handed out are read off its length hint, a read that moves nothing)."""
 
     start: Cursor                  # the current window's start (offset 0)
     offset: int = 0                # rows of the window consumed, while no iterator hands them out
@@ -56,10 +55,8 @@ class Progress:
 
 
 def _chain(prev: bytes, keys: np.ndarray) -> bytes:
-    """The digest chain after the samples ``keys`` ((shard, row) pairs, in order) followed ``prev``.
-
-    The pairs are hashed interleaved, so a prefix of a window extends a running hash: the consumed
-    digest of a snapshot costs the rows consumed since the last one, not the window's prefix."""
+    """The digest chain after the samples ``keys`` ((shard, row) pairs, in order) followed ``prev``; hashed
+    interleaved, so a snapshot's consumed digest extends a running hash (O(rows since the last one))."""
     h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
     h.update(keys)
     return h.digest()
@@ -86,11 +83,8 @@ def sample_digest(sample: dict) -> str:
 @dataclass
 class Window:
     names: list[str]
-    rows: list[dict]             # the part of the permuted rows being handed out: rows lo .. lo + len(rows) - 1 of
-                                 # the window, in the order handed out. The next part is made by ``_rest`` when a
-                                 # sample past it is first asked for (``made_past``); the window lets go of a part
-                                 # once the next is made (rows before ``lo``: handed out, or consumed before the
-                                 # resume this window was rebuilt for and never made)
+    rows: list[dict]             # the part being handed out: window rows lo .. lo + len(rows) - 1, in that order;
+                                 # ``_rest`` makes the next when first asked for, and the part before is let go
     keys: np.ndarray             # (global shard, raw row) of each permuted row: C-contiguous little-endian int64
     next_start: Cursor           # the cursor at the start of the following window
     _rest: Callable[[], tuple[list[dict], Callable | None]] | None = field(default=None, repr=False)
@@ -137,10 +131,8 @@ _MAX_LITERAL_COLUMNS = 256
 
 
 def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]]:
-    """A function turning column lists into one dict per row, made once per column names: a dict display
-    with the names as constants (``{'id': v0, 'text': v1} for v0, v1 in zip(*columns)``) builds the rows
-    ~1.6x faster than ``dict(zip(names, row))`` per row. The same dicts (a name given twice keeps its last
-    value, as ``dict(zip(...))`` does)."""
+    """A function turning column lists into one dict per row, made once per column names: a dict display with the
+    names as constants builds rows ~1.6x faster than ``dict(zip(names, row))`` (the same dicts)."""
     make = _ROW_MAKERS.get(names)
     if make is None:
         if not names:
@@ -162,15 +154,11 @@ def _row_maker(names: tuple[str, ...]) -> Callable[[list[list], int], list[dict]
 def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm: np.ndarray | None, skip: int,
                  have: int) -> tuple[list, Callable | None, Callable | None]:
     """The first part of the rows of a window of ``have`` rows (row ``i`` in file order is row ``within[i]`` of
-    ``takes[owner[i]]``; ``perm`` the order they are handed out in, None: file order) of which ``skip`` were
-    consumed before a resume (no Python objects made for those: the part starts at row ``skip``), and a function
-    making the next part (None: nothing left). The first part waits only for the shard holding the first sample
-    handed out (the other shards' row groups are still being decoded ahead): the rows of the next FIRST_ROWS
-    that shard (or a shard read already) holds, up to the first that needs another. The second part ends
-    FIRST_ROWS rows in, the next ones are PART_ROWS each. The rows are made in the order they are handed out:
-    made in file order and permuted as Python objects, they are touched in random memory order by the
-    consumer, which costs more than the Arrow take saves. The third value: the function making a row of each
-    item of the parts as it is handed out, where the takes hand on items (``_item_maker``), else None."""
+    ``takes[owner[i]]``; ``perm``: the order handed out, None: file order), from row ``skip`` (consumed before a
+    resume: never made), a function making the next part (None: nothing left), and the item maker (``_item_maker``)
+    or None. The first part waits only for the shard of the first sample (up to FIRST_ROWS rows it or a read shard
+    holds); then FIRST_ROWS, then PART_ROWS at a time. Rows are made in the order handed out: made in file order
+    and permuted, the consumer would touch them in random memory order, which costs more than the take saves."""
     if skip >= have:
         return [], None, None
     for t in takes:

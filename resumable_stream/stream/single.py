@@ -1,9 +1,5 @@
-"""``ResumableStream``: a torch IterableDataset over a HF dataset that saves and resumes exactly.
-
-It implements the :class:`~resumable_stream.stream.base.Stream` protocol on :class:`StreamBase`: each
-virtual partition is a :class:`~resumable_stream.stream.partition.PartitionReader` over the dataset's shards,
-and a partition's state is its reader's cursor plus the digests that check a resume.
-"""
+"""``ResumableStream``: a torch IterableDataset over a HF dataset that saves and resumes exactly; each virtual
+partition is a :class:`~resumable_stream.stream.partition.PartitionReader` over the dataset's shards."""
 
 from __future__ import annotations
 
@@ -36,13 +32,8 @@ _warned: set[tuple] = set()
 
 
 class ResumableStream(StreamBase):
-    """The samples of one rank, as dicts with the dataset's own columns, in a resumable order.
-
-    The data is cut into ``data.num_partitions`` ordered virtual partitions (default: ranks x
-    DataLoader workers, one per consumer); each rank reads its own, each DataLoader worker one lane
-    of them. ``num_workers`` is the DataLoader worker count the stream will be read with (0: the
-    main process). Iterating in the main process interleaves this rank's partitions sample by sample.
-    """
+    """The samples of one rank, as dicts with the dataset's own columns, in a resumable order: ``data.num_partitions``
+    virtual partitions (default ranks x workers); ``num_workers`` is the DataLoader worker count it is read with."""
 
     kind = "stream"
     state_type = PartitionState
@@ -116,10 +107,7 @@ class ResumableStream(StreamBase):
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch ``epoch`` only: continue it if a partition is inside it, else start it.
-
-        Without ``set_epoch`` the stream is endless: each partition moves on to the next epoch by itself.
-        """
+        """Iterate epoch ``epoch`` only (continue it if a partition is inside it); without it the stream is endless."""
         if not (isinstance(epoch, int) and epoch >= 0):
             raise ConfigError(f"epoch: got {epoch!r}; allowed: an integer >= 0")
         self._epoch_limit = epoch
@@ -136,9 +124,8 @@ class ResumableStream(StreamBase):
         return self._samples(partition, with_keys=True)
 
     def _samples(self, partition: int, with_keys: bool = False) -> Iterator:
-        """The samples of one partition from its cursor (to the end of the epoch after ``set_epoch``);
-        ``with_keys``: (sample, (shard, row)) pairs. Window by window, each window's rows from C iterators
-        (a list's, chained): no Python frame runs per sample."""
+        """The samples of one partition from its cursor; ``with_keys``: (sample, (shard, row)) pairs. Each window's rows
+        from C iterators (a list's, chained): no Python frame runs per sample."""
         return chain.from_iterable(self._windows(partition, with_keys))
 
     def _windows(self, partition: int, with_keys: bool) -> Iterator[Iterator]:
@@ -182,9 +169,8 @@ class ResumableStream(StreamBase):
         return self.follower is not None and self._epoch_limit is None
 
     def round(self) -> int:
-        """Follow mode reads in rounds: round e is epoch e (generation e's new files), read by every partition
-        of the rank before any starts e + 1; the round is the least epoch of the partitions (one that finished
-        round e stands at the start of e + 1), so a resume is in the same round as the save."""
+        """Follow mode's round: the least epoch of the rank's partitions (round e is epoch e, generation e's new files),
+        so a resume is in the same round as the save."""
         return min(r.epoch for r in self._readers.values())
 
     def furthest_epoch(self) -> int:
@@ -192,9 +178,8 @@ class ResumableStream(StreamBase):
         return max((r.epoch for r in self._readers.values()), default=0)
 
     def adopt_index(self, index: dict, source: Source | None = None) -> int:
-        """Read through ``index`` (grown): the epochs being read keep their plan; later ones get the new.
-        ``source``: already opened over ``index`` (a mixture opens a source's once for all its views). Returns
-        the first epoch of the newest generation."""
+        """Read through a grown ``index``: the epochs being read keep their plan, later ones get the new (``source``:
+        already opened over it). Returns the first epoch of the newest generation."""
         self._retired.append(self.source)      # its open shards finish their windows (closed with the stream)
         self.source = source if source is not None else with_block_cache(open_source(self.spec, index=index),
                                                                           self.cache)
@@ -230,11 +215,9 @@ class ResumableStream(StreamBase):
         self.adopt_index(growth_after_resume(self.spec, saved, furthest, self.rank, self.world_size, where))
 
     def refresh_files(self) -> int | None:
-        """Take in the files that appeared since the job opened (``data.growth: append``) while it runs: they
-        join from the epoch after the furthest one any partition of the job has begun. Collective: every rank
-        calls it at the same point (an epoch boundary of the training loop, a save); the stream must be read in
-        this process (no DataLoader workers: they read ahead with the plan they started with). Returns that
-        epoch, or None when the files are unchanged. A changed or vanished file raises as at a resume."""
+        """Take in the files that appeared (``data.growth: append``): they join from the epoch after the furthest any
+        partition of the job has begun. Collective, no DataLoader workers (docs/growing-data.md). Returns that epoch,
+        or None when unchanged."""
         if self.config.growth == "off":
             return None
         index = refresh(self.spec, self.source.index, self.furthest_epoch(), self.rank, self.world_size,
@@ -259,9 +242,8 @@ class ResumableStream(StreamBase):
         return cursor.window > 0 or cursor.offset > 0
 
     def close(self) -> None:
-        """Stop reading: close every open shard now, so no reader (nor the native threads of a pyarrow scan
-        behind it) outlives its use, and wait for the source's fetches ahead. Iterating again reopens the
-        shards where the cursors stand."""
+        """Close every open shard now (no pyarrow scan outlives its use) and wait for the source's fetches ahead;
+        iterating again reopens them where the cursors stand."""
         for reader in self._readers.values():
             reader.close()
         self.source.close()

@@ -1,20 +1,9 @@
-"""A mixture's weight history and the sources its draws pick.
+"""A mixture's weight history and the sources its draws pick (docs/mixtures.md).
 
-The history is an ordered list of segments, each the weights of a set of sources (numbers or schedules,
-resumable_stream.config.weight_schedule) from a draw on: the first one is the configured weights from draw
-0; a resume with ``data.mixture_change: allow`` or ``MixtureStream.set_weights`` appends one. The
-segments (labels, weights, origin) are the same for every partition and live in the mixture's fingerprint;
-the draw each segment starts at is a partition's own (``changes`` in its state), as partitions move at
-their own pace.
-
-The weight of source s at a partition's draw d (0-based, counted over all mixture epochs: the partition's
-``consumed`` before the draw) is that of the segment d falls in; a schedule is read at position
-``d * num_partitions`` (unit samples) or ``d * num_partitions / samples_per_step`` (unit steps), where
-samples_per_step (samples of the whole job per optimizer step: batch x gradient accumulation x ranks) is
-fixed when the run starts and saved with it. The pick itself is the draw's counter-based uniform against
-the cumulative normalised weights, so it is a pure function of (seed, mixture epoch, partition, draw in
-epoch, d, history): a resume anywhere, inside a ramp or at a breakpoint, draws the same sources.
-"""
+The history is an ordered list of segments, each the weights (numbers or schedules) of a set of sources from a
+draw on; segments live in the fingerprint, the draw each starts at in a partition's state (``changes``). A
+schedule is read at ``d * num_partitions`` (unit samples) or ``/ samples_per_step`` (unit steps); the pick is
+the draw's counter-based uniform against the cumulative weights, a pure function of the draw and the history."""
 
 from __future__ import annotations
 
@@ -81,9 +70,8 @@ class Segment:
         return out
 
     def to_state(self) -> dict[str, Any]:
-        """:meth:`to_json` with the labels in their order, as the mixture's fingerprint keeps it: a saved state's
-        JSON has its keys sorted, and the order of the labels is the order of the cumulative weights a draw's
-        uniform picks against (another order: other picks under the same weights)."""
+        """:meth:`to_json` with the labels in their order: the order of the cumulative weights a draw's uniform picks
+        against (a saved state's JSON sorts keys)."""
         return {**self.to_json(), "labels": list(self.labels)}
 
     @classmethod

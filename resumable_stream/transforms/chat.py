@@ -1,18 +1,9 @@
-"""Chat-template rendering and label masking, shared by the text (``messages``, ``alpaca``, ``sharegpt``) and VL
-transforms.
+"""Chat-template rendering and label masking, shared by the text and VL transforms (every probe of a template).
 
-A conversation is rendered with the chat template (a tokenizer's, or a multimodal processor's) and tokenized
-once, with offsets. Labels are -100 except on assistant turns: the tokens of the assistant content plus the
-end-of-turn token that follows it. Locating the assistant content: the conversation before assistant message *i*
-is rendered with ``add_generation_prompt=True``; when that text is a prefix of the full rendering (true of ChatML,
-Llama-3 and Qwen3 templates) the content is searched from its end, so header text can never be mistaken for
-content; otherwise from the first assistant header after the previous messages. The end-of-turn token is the
-first special token after the content (whitespace in between allowed) unless it is the token that opens a turn.
-Every probe of a template (the token that opens a turn, the assistant header, the tokens of an image part) is here.
-
-LLaMA-Factory's processor (``integrations/llamafactory/processor.py``) renders and masks with LLaMA-Factory's own
-template instead, so that its examples are ``llamafactory-cli``'s, byte for byte.
-"""
+A conversation is rendered and tokenized once, with offsets. Labels are -100 except on assistant content and the
+end-of-turn token after it. Assistant content is searched from the end of the rendering with
+``add_generation_prompt=True`` when that is a prefix of the full one (ChatML, Llama-3, Qwen3), else from the first
+assistant header after the previous messages. LLaMA-Factory's processor masks with its own template instead."""
 
 from __future__ import annotations
 
@@ -84,10 +75,9 @@ class ChatTemplate:
 
     def label(self, full: str, conversation: list[dict], texts: list[list[str]],
               skip_ids: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
-        """(ids, labels) of the rendering ``full`` of ``conversation``, whose message *i* shows the stripped,
-        non-empty ``texts[i]`` in order: each text of an assistant message labelled, and once per message the
-        end-of-turn token after its last one (past any ``skip_ids``, e.g. an image's tokens, which are never
-        labelled). NotVerbatim when an assistant text is not in ``full``."""
+        """(ids, labels) of the rendering ``full``, whose message *i* shows ``texts[i]``: each assistant text labelled and
+        once per message its end-of-turn token (past any ``skip_ids``, never labelled). NotVerbatim when an assistant
+        text is not in ``full``."""
         spans: list[tuple[int, int]] = []
         ends: list[bool] = []
         cursor = 0
@@ -117,9 +107,8 @@ class ChatTemplate:
         return ids, labels
 
     def part_ids(self, part: dict) -> set[int]:
-        """The special tokens the template renders for a structured content ``part`` (e.g. an image part's
-        ``<|vision_start|><|image_pad|><|vision_end|>``): those of a user message holding it and a text, less those
-        of the text alone; none where the template cannot render the probe."""
+        """The special tokens the template renders for a content ``part`` (e.g. an image's): those of a user message
+        holding it and a text, less those of the text alone; none where the probe cannot render."""
         text = [{"type": "text", "text": "x"}]
         try:
             plain = self.render([{"role": "user", "content": text}], False)
@@ -140,9 +129,8 @@ class ChatTemplate:
         return int(ids[0]) if ids and int(ids[0]) in self.special_ids else None
 
     def _find_assistant_header(self, message: Callable[[str, str], dict]) -> str | None:
-        """The text that opens an assistant turn (e.g. ``<|im_start|>assistant\\n``): the common start of the
-        generation prompt and of the header of a rendered assistant message, last or not (a Qwen3-style
-        template adds an empty <think> block to the last one only); None where the template shows none."""
+        """The text that opens an assistant turn: the common start of the generation prompt and of a rendered assistant
+        message's header, last or not (Qwen3 adds a <think> block to the last only); None where none shows."""
         user = [message("user", "x")]
         marker = "\x00rs-probe\x00"
         reply = [message("assistant", marker)]
@@ -186,10 +174,8 @@ class ChatTemplate:
 
 def label_spans(full: str, ids: list[int], offsets, spans: list[tuple[int, int]], special_ids: set[int],
                 turn_start_id: int | None, ends: list[bool], skip_ids: set[int] | frozenset[int]) -> list[int]:
-    """Labels for ``ids`` (tokens of ``full`` with character ``offsets``): the tokens overlapping the
-    assistant ``spans`` and, after each span that ends a message (``ends[k]``), its end-of-turn token (the first
-    special token, with only whitespace in between, unless it opens the next turn); everything else is
-    IGNORE_INDEX. Tokens in ``skip_ids`` are stepped over on the way to the end-of-turn token and never labelled."""
+    """Labels for ``ids`` (tokens of ``full`` with ``offsets``): tokens overlapping the assistant ``spans`` and, after
+    a span that ends a message, its end-of-turn token (stepping over ``skip_ids``); else IGNORE_INDEX."""
     labels = [IGNORE_INDEX] * len(ids)
     n = len(ids)
     t = 0

@@ -8,11 +8,8 @@ from ..errors import ResumableStreamError
 
 
 class TransformError(ResumableStreamError, ValueError):
-    """A sample cannot be turned into a training example under the configured policy
-    (empty text, over-length with ``overlong: error``, malformed messages, ...).
-
-    The message names the sample key and what was wrong; ``key`` holds the sample key.
-    """
+    """A sample cannot be turned into a training example under the configured policy; the message names the sample
+    key (``key``) and what was wrong."""
 
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)

@@ -1,18 +1,7 @@
-"""LLaMA-Factory's dataset formats (``alpaca``, ``sharegpt``) turned into the ``messages`` form.
-
-The column names and role tags follow LLaMA-Factory's ``dataset_info.json`` (``columns``, ``tags``), with
-its defaults, so an entry there maps one to one onto ``data.format`` / ``data.columns`` / ``data.tags``:
-
-* ``alpaca``: optional ``system``; ``history`` (a list of [prompt, response] pairs) as earlier turns; then
-  one user turn, ``prompt`` and ``query`` joined by a newline (either may be empty), and the assistant turn
-  ``response``.
-* ``sharegpt``: ``messages`` is a list of {role_tag: ..., content_tag: ...}; an optional leading system turn
-  (or the ``system`` column), then user / observation turns alternating with assistant / function turns,
-  ending with an assistant / function turn. ``function`` turns (tool calls) are the model's output and are
-  trained like assistant turns; ``observation`` turns (tool results) become role ``tool``.
-
-A row that breaks these rules raises :class:`BadRow`; the processor applies ``data.bad_sample`` to it.
-"""
+"""LLaMA-Factory's dataset formats (``alpaca``, ``sharegpt``) turned into the ``messages`` form, with the column
+names, role tags and defaults of its ``dataset_info.json`` (docs/formats.md): ``function`` turns are trained
+like assistant turns, ``observation`` turns become role ``tool``. A row that breaks the format's rules raises
+:class:`BadRow`; the processor applies ``data.bad_sample`` to it."""
 
 from __future__ import annotations
 
@@ -30,10 +19,8 @@ class BadRow(ValueError):
 
 def to_messages(fmt: str, row: Any, columns: dict[str, str | None], tags: dict[str, str],
                 explicit: frozenset[str]) -> list[dict[str, str]]:
-    """The conversation of ``row`` in the ``messages`` form ({role, content} dicts).
-
-    ``columns``/``tags``: from :func:`resolved_columns` / :func:`resolved_tags`; ``explicit``: the column
-    keys the user set (those must be present in every row, like the format's required ones)."""
+    """The conversation of ``row`` as {role, content} dicts. ``columns`` / ``tags``: :func:`resolved_columns` /
+    :func:`resolved_tags`; ``explicit``: the column keys the user set (required in every row)."""
     if not isinstance(row, dict):
         raise BadRow(f"the row is {type(row).__name__}, expected a mapping of columns")
     for key, column in columns.items():

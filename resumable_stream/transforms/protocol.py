@@ -6,17 +6,16 @@
         carry = proc.state()            # saved beside the partition's cursor after every batch
 
 A fresh processor given ``load_state(carry)`` continues as if it had never stopped; ``fingerprint()`` names what
-decides its outputs, so a resume with another one is a ``StreamMismatchError``. The implementations
-(``TextProcessor``, ``VLProcessor``, LLaMA-Factory's) subclass :class:`QueuedProcessor`, inheriting the optional
-hooks' defaults and setting those they use; one written with the required methods only is driven through
-:func:`as_processor`, with the defaults.
-"""
+decides its outputs. Implementations subclass :class:`QueuedProcessor`; one with the required methods only is
+driven through :func:`as_processor`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import SidecarError, StreamMismatchError
+from ..errors import BAD_SAMPLE_COLUMN, SidecarError, StreamMismatchError
+from .row_map import BadMapResult
 
 Example = dict[str, Any]
 HOOKS = ("takes_source", "counts_key_tokens", "epoch_bound", "data_epoch", "flush", "end_epoch", "epoch_tail")
@@ -84,6 +83,29 @@ class QueuedProcessor(Processor):
     def fingerprint(self) -> dict[str, Any]:
         return dict(self._fingerprint)
 
+    def _feed_mapped(self, sample: dict, key: str, row_map: Any, feed_row: Callable[[dict, str], None],
+                     map_counter: str = "skipped_bad") -> None:
+        """One raw row: one the source could not read whole (a tar member) or that ``data.map`` refuses goes to
+        ``self._bad``; every row ``data.map`` returns is fed now, so what is not yet taken is in ``state()``."""
+        key = str(key)
+        self._stats["samples"] += 1
+        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
+        if bad is not None:
+            self._bad(key, str(bad), "skipped_bad")
+            return
+        if row_map is None:
+            feed_row(sample, key)
+            return
+        try:
+            rows = row_map.rows(sample, key)
+        except BadMapResult as e:
+            self._bad(key, str(e), map_counter)
+            return
+        if not rows:
+            self._stats["dropped_by_map"] += 1
+        for row, row_key in rows:
+            feed_row(row, row_key)
+
 
 class _RequiredOnly(Processor):
     """A processor written with the required methods only, driven with the optional hooks' defaults."""
@@ -114,9 +136,8 @@ class _RequiredOnly(Processor):
 
 
 def as_processor(obj: Any) -> Processor:
-    """``obj`` when it has every member of :class:`Processor` (as its subclasses do); one with the required methods
-    only, wrapped with the hooks' defaults. TypeError for one that defines some hooks but not all: they would be
-    ignored silently."""
+    """``obj`` when it has every member of :class:`Processor`; one with the required methods only, wrapped with the
+    hooks' defaults. TypeError for one that defines some hooks but not all (they would be ignored silently)."""
     if isinstance(obj, Processor):
         return obj
     some = [name for name in HOOKS if hasattr(obj, name)]

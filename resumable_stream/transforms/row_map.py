@@ -1,17 +1,8 @@
-"""``data.map``: a user function applied to every raw row before the built-in transform.
+"""``data.map``: a user's deterministic function of one row applied before the built-in transform (docs/configuration.md).
 
-``data.map: "package.module:function"`` names a deterministic function of one row that returns a row, a
-list of rows, or None (the row is dropped). It runs wherever the transform runs (the DataLoader workers),
-and all the rows it returns are fed to the transform at once, so examples not yet handed out are part of
-the transform's saved state: a resume continues inside a row that produced several outputs.
-
-The function's identity goes into the transform fingerprint: its name and a digest of its source
-(``inspect.getsource``; of its code object where the source is not available). A changed function is
-therefore a ``StreamMismatchError`` on resume, unless ``data.map_version`` is set: then the fingerprint
-records that version instead of the digest, so a change the user declares harmless (same version)
-resumes, and a changed version is a mismatch. Only the configuration names a module to import; nothing
-read from a sidecar or the cache does.
-"""
+It returns a row, a list of rows or None (dropped); all its rows are fed at once, so examples not yet handed out
+are in the transform's saved state. Its name and a digest of its source (or ``data.map_version``) go into the
+transform fingerprint. Only the configuration names a module to import; nothing read from a sidecar does."""
 
 from __future__ import annotations
 

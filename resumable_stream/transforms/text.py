@@ -1,25 +1,11 @@
-"""Text transform: raw rows -> tokenized training examples, with optional packing.
+"""Text transform: raw rows -> tokenized training examples, with optional packing (docs/packing.md, docs/formats.md).
 
-``TextProcessor`` is a :class:`~.protocol.Processor`: ``take()`` gives ``{"input_ids", "labels", "keys"}`` (+
-``position_ids`` with ``packing_mode: neat``); its ``state()`` holds the tokens carried over by packing, the
-examples not taken yet and the counters.
-
-Formats
--------
-``text``: ``sample[text_column]`` is tokenized without special tokens, EOS appended (``add_eos``);
-labels equal input_ids.
-
-``messages``: ``sample[messages_column]`` (a list of {role, content}) is rendered with the tokenizer's
-chat template and labelled on its assistant turns (:mod:`.chat`); ``alpaca`` / ``sharegpt`` rows become
-messages first (:mod:`.formats`).
-
-Packing
--------
-``concat``: the token stream of all documents is cut into blocks of ``max_seq_len``. ``neat``: the same
-cut, but each block remembers its segments (a document, or the part of one that falls in this block):
-``position_ids`` restart at 0 at every segment and the first token of every segment is labelled -100, so
-no token is predicted from another document. The carry's per-sample token counts are those segments.
-"""
+``TextProcessor`` is a :class:`~.protocol.Processor`; its ``state()`` holds the tokens carried over by packing,
+the examples not taken yet and the counters. ``text``: tokenized without special tokens, EOS appended, labels =
+input_ids. ``messages`` (and ``alpaca`` / ``sharegpt``, :mod:`.formats`): rendered with the chat template and
+labelled on assistant turns (:mod:`.chat`). Packing ``concat`` cuts the token stream into blocks of
+``max_seq_len``; ``neat`` also restarts ``position_ids`` and masks the first token of every segment, so no
+token is predicted from another document."""
 
 from __future__ import annotations
 
@@ -33,12 +19,12 @@ import numpy as np
 
 from ..config.chat_formats import resolved_columns, resolved_tags
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError
+from ..errors import SidecarError
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import TransformError, skip_or_raise
 from .formats import BadRow, to_messages
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
-from .row_map import BadMapResult, RowMap
+from .row_map import RowMap
 
 log = logging.getLogger(__name__)
 
@@ -113,28 +99,10 @@ class TextProcessor(QueuedProcessor):
 
     # ------------------------------------------------------------------ public API
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
-        """Take one raw row (of the mixture source labelled ``source``: its own settings apply). Finished
-        examples become available through ``ready``/``take``. ``data.map`` runs first; every row it
-        returns is encoded now, so what is not yet taken is in ``state()``."""
-        key = str(key)
-        self._stats["samples"] += 1
-        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
-        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            self._bad(key, str(bad))
-            return
+        """Take one raw row (``source``: its mixture source, whose settings apply). ``data.map`` runs first; every row
+        it returns is encoded now, so what is not yet taken is in ``state()``."""
         cfg, row_map = self._settings.get(source, self._settings[None])
-        if row_map is None:
-            self._feed_row(sample, key, cfg)
-            return
-        try:
-            rows = row_map.rows(sample, key)
-        except BadMapResult as e:
-            self._bad(key, str(e))
-            return
-        if not rows:
-            self._stats["dropped_by_map"] += 1
-        for row, row_key in rows:
-            self._feed_row(row, row_key, cfg)
+        self._feed_mapped(sample, key, row_map, lambda row, row_key: self._feed_row(row, row_key, cfg))
 
     def _feed_row(self, sample: dict, key: str, cfg: TransformConfig) -> None:
         if cfg.format == "text":
@@ -170,10 +138,8 @@ class TextProcessor(QueuedProcessor):
         self._emit(ids, labels, [(key, len(ids))])
 
     def take(self, with_key_tokens: bool = False) -> Example:
-        """Pop the oldest finished example: ``{"input_ids", "labels", "keys"}`` (lists), plus
-        ``position_ids`` (restarting at 0 at every document) with ``packing_mode: neat``, and with
-        ``with_key_tokens`` ``key_tokens``: the tokens each key put in it (packing: a sample's part of the
-        block), None when not known (an example restored from a state saved without them)."""
+        """Pop the oldest example: ``{"input_ids", "labels", "keys"}`` (+ ``position_ids`` with ``packing_mode: neat``;
+        with ``with_key_tokens`` the tokens each key put in it, None when restored from a state without them)."""
         ids, labels, keys, segments = super().take()
         key_tokens = self._pending_key_tokens.popleft()
         example = {"input_ids": ids, "labels": labels, "keys": keys}
@@ -328,8 +294,8 @@ class TextProcessor(QueuedProcessor):
             del self._carry_labels[:self._carry_start]
             self._carry_start = 0
 
-    def _bad(self, key: str, why: str) -> None:
-        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, "skipped_bad", log)
+    def _bad(self, key: str, why: str, counter: str = "skipped_bad") -> None:
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
 
     def _empty(self, key: str, why: str) -> None:
         skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
@@ -425,10 +391,8 @@ def _arr(values: list[int]) -> np.ndarray:
 
 
 def collate_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np.ndarray]:
-    """``collate``'s padding as int64 numpy arrays, for frameworks other than PyTorch (MindSpore; no torch
-    needed): ``input_ids`` right-padded with ``pad_token_id``, ``labels`` with -100, ``attention_mask`` 1/0,
-    and with ``position_ids`` (packing_mode neat) ``position_ids`` too, whose padded tail of a row counts
-    0, 1, ... as a segment of its own (the model decides which of the last two it uses)."""
+    """``collate``'s padding as int64 numpy arrays (no torch needed: MindSpore); with ``position_ids`` the padded tail
+    of a row counts 0, 1, ... as a segment of its own."""
     if not examples:
         raise ValueError("collate: empty batch")
     if pad_token_id is None:
@@ -460,16 +424,10 @@ def collate_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np.nd
 
 
 def collate(examples: list[Example], pad_token_id: int, flash_attn_kwargs: bool = False) -> dict[str, Any]:
-    """Right-pad a batch: input_ids with ``pad_token_id``, labels with -100, attention_mask 1/0.
-    Returns int64 torch tensors ``input_ids``, ``labels``, ``attention_mask`` ("keys" are dropped).
-
-    Examples with ``position_ids`` (``packing_mode: neat``) give ``position_ids`` instead of
-    ``attention_mask``: transformers builds the block-diagonal causal mask from the restarts of
-    ``position_ids`` when no attention_mask is passed (eager, sdpa, flex). The padded tail of a row gets
-    positions 0, 1, ... of its own, so it is a segment of its own that no real token attends to. The batch
-    also holds ``use_cache: False``: with a KV cache, transformers ignores the restarts.
-    ``flash_attn_kwargs`` adds ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the segments of the flattened
-    batch), which flash-attention's varlen path needs when a batch has more than one row."""
+    """Right-pad a batch as int64 torch tensors: input_ids with ``pad_token_id``, labels with -100, attention_mask.
+    With ``position_ids`` (``packing_mode: neat``) no attention_mask: transformers builds the block-diagonal mask
+    from the restarts (and ``use_cache: False``, with which it would not); ``flash_attn_kwargs`` adds the
+    ``cu_seq_lens_q/k`` and ``max_length_q/k`` flash-attention's varlen path needs."""
     import torch
 
     arrays = {name: torch.from_numpy(a) for name, a in collate_numpy(examples, pad_token_id).items()}

@@ -1,33 +1,12 @@
-"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels.
+"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels (docs/vl.md).
 
-``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples, so the loader,
-sidecars and Trainer patch carry VL training unchanged.
-
-A row
------
-``sample[messages_column]``: a list of ``{role, content}`` whose string contents hold ``<image>``
-placeholders; ``sample[images_column]``: one image per placeholder, in order, each an HF ``Image`` value
-(``{"bytes", "path"}``), raw bytes, a local path (relative paths against ``data.image_dir``), an
-``http(s)://`` URL, or a PIL image.
-
-What happens to it
-------------------
-1. Images are decoded here (never by ``datasets``), so ``data.bad_sample`` can act on a broken one.
-2. Each content becomes HF's structured form (``{"type": "image"}`` / ``{"type": "text", ...}`` parts) and
-   the conversation is rendered with the processor's chat template.
-3. Labels: as in the text transform (:mod:`.chat`), once per assistant message its end-of-turn token past any
-   image that ends the message; everything else -100, vision tokens included.
-4. ``processor(text=..., images=...)`` makes the model inputs (image tokens expanded, ``pixel_values``,
-   ``image_grid_thw`` or the model's equivalents). Its ids must equal the labelled ids with each run of
-   image tokens expanded; the labels are expanded the same way (image tokens are never labelled).
-
-Bad samples
------------
-A sample whose own content fails (an image, the placeholder count, the processor, an assistant message the
-template does not render verbatim, over ``max_seq_len``: never truncated) follows ``data.bad_sample``, so a
-resumed run skips the same samples (docs/vl.md, "Bad samples"); a failure that depends on the machine (a URL that keeps failing, a local
-read failing with EMFILE, EIO, EACCES, ...) is a ``TransformError`` naming the sample whatever the policy.
-"""
+``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples. Images (HF
+``Image`` values, bytes, paths under ``data.image_dir``, URLs, PIL images) are decoded here, never by
+``datasets``, so ``data.bad_sample`` can act on a broken one; the conversation is rendered with the processor's
+chat template and labelled as the text transform's (:mod:`.chat`), vision tokens never; the processor's ids
+must equal the labelled ids with each run of image tokens expanded. A failure that depends on the machine (a
+URL that keeps failing, EMFILE, EIO, ...) is a ``TransformError`` whatever the policy, so a resumed run skips
+the same samples."""
 
 from __future__ import annotations
 
@@ -46,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from ..config.transforms import TransformConfig
-from ..errors import BAD_SAMPLE_COLUMN, SidecarError, SourceError, shown
+from ..errors import SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import BadSample, TransformError, skip_or_raise
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
-from .row_map import BadMapResult, RowMap
+from .row_map import RowMap
 from .text import collate_numpy, tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -71,10 +50,8 @@ SUPPORTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX
 
 # ---------------------------------------------------------------------------------------------- processor loading
 def load_processor(name: str, trust_remote_code: bool = False, **kwargs):
-    """``AutoProcessor.from_pretrained(name, **kwargs)``; where that fails only because of the processor's
-    *video* processor (it needs torchvision for Qwen2-VL / Qwen2.5-VL / Qwen3-VL in transformers 5, and a
-    processor saved without one has no video config), the same processor class is built without its video
-    processor: images go through the image processor AutoImageProcessor picks (PIL without torchvision)."""
+    """``AutoProcessor.from_pretrained(name, **kwargs)``; where only its *video* processor fails (torchvision missing,
+    or saved without one), the same class without it: images go through the image processor (PIL)."""
     from transformers import AutoProcessor
 
     try:
@@ -111,9 +88,8 @@ def _processor_class(name: str, trust_remote_code: bool):
 
 @functools.cache
 def _image_only(cls, name: str, trust_remote_code: bool):
-    """``cls`` without its video processor attribute (saved and reported under ``cls``'s own name), for the
-    processor at ``name``: a class made at run time cannot be pickled by name, so its instances pickle as
-    ``load_processor(name, trust_remote_code)`` (the origin lives in this class, not on the processor)."""
+    """``cls`` without its video processor attribute (under ``cls``'s own name); a class made at run time cannot be
+    pickled by name, so its instances pickle as ``load_processor(name, trust_remote_code)``."""
 
     def get_attributes(klass):
         return [a for a in cls.get_attributes() if "video" not in a]
@@ -203,10 +179,8 @@ def local_image_path(value: str, i: int, cfg: TransformConfig) -> str:
 
 
 def _fetch(url: str, i: int, max_bytes: int, retry: RetryPolicy) -> bytes:
-    """GET under the data's retry policy (``data.retries``, ``data.timeout_s``, ``data.retry_backoff_s``:
-    sources/net.py). A status that describes the resource (404, 403, ...) makes the sample bad; a network
-    failure that outlasts the retries is an error whatever the policy: skipping on it would make the skipped
-    samples depend on the network, and a resumed run could differ."""
+    """GET under the data's retry policy. A status that describes the resource (404, 403, ...) makes the sample bad; a
+    network failure past the retries is an error whatever the policy (skips must not depend on the network)."""
     try:
         return fetch_url(url, lambda r: _read_body(r, i, url, max_bytes), retry, f"image {i} URL {url}")
     except HttpAnswer as e:
@@ -229,9 +203,8 @@ def _read_body(response, i: int, url: str, max_bytes: int) -> bytes:
 
 
 def check_pixels(img, i: int, cfg: TransformConfig) -> None:
-    """BadSample when ``img`` (opened: its header read, its pixels not yet decoded) has more pixels than
-    ``data.max_image_pixels``, or when null Pillow's own bound (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless
-    changed: above it Pillow only warns of a decompression bomb, and refuses at twice that; None: no bound)."""
+    """BadSample when ``img`` (header read, pixels not decoded) has more pixels than ``data.max_image_pixels``, or when
+    null Pillow's own bound (``PIL.Image.MAX_IMAGE_PIXELS``; above it Pillow only warns of a decompression bomb)."""
     from PIL import Image  # Pillow: the vl extra, imported when used
 
     limit = cfg.max_image_pixels if cfg.max_image_pixels is not None else Image.MAX_IMAGE_PIXELS
@@ -291,9 +264,8 @@ def decode_image(value: Any, i: int, cfg: TransformConfig, retry: RetryPolicy | 
 
 # ---------------------------------------------------------------------------------------------- the transform
 def _as_messages(value: Any, images: int) -> Any:
-    """A WebDataset sample's text as messages: a ``.txt`` caption (or a ``.json`` member holding ``messages``, a
-    ``caption`` or a ``text``) becomes a user turn of the images' placeholders and an assistant turn of the text.
-    Anything else is returned as it is (checked by the caller)."""
+    """A WebDataset sample's text as messages: a ``.txt`` caption (or a ``.json`` with ``messages``, ``caption`` or
+    ``text``) becomes a user turn of the images' placeholders and an assistant turn; anything else as it is."""
     if isinstance(value, dict):
         if isinstance(value.get("messages"), list):
             return value["messages"]
@@ -304,9 +276,8 @@ def _as_messages(value: Any, images: int) -> Any:
 
 
 class VLProcessor(QueuedProcessor):
-    """Turns raw VL rows into model inputs with labels; see the module docstring. An example: ``input_ids``,
-    ``labels`` (int64 arrays), ``token`` (other per-token arrays, e.g. ``mm_token_type_ids``), ``vision`` (e.g.
-    ``pixel_values``, ``image_grid_thw``), ``keys``."""
+    """Raw VL rows -> examples: ``input_ids``, ``labels`` (int64 arrays), ``token`` (other per-token arrays, e.g.
+    ``mm_token_type_ids``), ``vision`` (e.g. ``pixel_values``, ``image_grid_thw``), ``keys``."""
 
     def __init__(self, processor: Any, cfg: TransformConfig, retry: RetryPolicy | None = None):
         """``retry``: the policy image URLs are fetched under (``RetryPolicy(stream_config, remote=True)``;
@@ -353,24 +324,7 @@ class VLProcessor(QueuedProcessor):
     def feed(self, sample: dict, key: str) -> None:
         """Take one raw row; a finished example becomes available through ``ready`` / ``take``. ``data.map``
         runs first; every row it returns is encoded now (so what is not yet taken is in ``state()``)."""
-        key = str(key)
-        self._stats["samples"] += 1
-        bad = sample.get(BAD_SAMPLE_COLUMN) if isinstance(sample, dict) else None
-        if bad is not None:          # the source could not read it whole (a tar member): data.bad_sample
-            self._bad(key, str(bad), "skipped_bad")
-            return
-        if self._row_map is None:
-            self._feed_row(sample, key)
-            return
-        try:
-            rows = self._row_map.rows(sample, key)
-        except BadMapResult as e:
-            self._bad(key, str(e), "skipped_map")
-            return
-        if not rows:
-            self._stats["dropped_by_map"] += 1
-        for row, row_key in rows:
-            self._feed_row(row, row_key)
+        self._feed_mapped(sample, key, self._row_map, self._feed_row, "skipped_map")
 
     def _feed_row(self, sample: dict, key: str) -> None:
         try:
@@ -424,9 +378,8 @@ class VLProcessor(QueuedProcessor):
 
     # ------------------------------------------------------------------ internals
     def _find_vision_ids(self) -> set[int]:
-        """Tokens the chat template renders for an image part (e.g. <|vision_start|><|image_pad|>
-        <|vision_end|>) and the processor's own vision token ids: never labelled, and stepped over on the
-        way from an assistant message's last text to its end-of-turn token."""
+        """Tokens the template renders for an image part and the processor's vision token ids: never labelled, stepped
+        over on the way to an assistant message's end-of-turn token."""
         out = {self.image_token_id}
         for name in ("vision_start_token_id", "vision_end_token_id", "video_token_id"):
             value = getattr(self.processor, name, None)
@@ -523,9 +476,8 @@ class VLProcessor(QueuedProcessor):
         return example
 
     def _label(self, full: str, conversation: list[dict], key: str) -> tuple[list[int], list[int]]:
-        """Token ids of the rendering (image slots unexpanded) and labels on assistant turns only: each text
-        piece of an assistant message, and once per message the end-of-turn token after its last piece
-        (past any image that ends the message); vision tokens never."""
+        """Token ids of the rendering (image slots unexpanded) and labels on assistant text only, plus each message's
+        end-of-turn token; vision tokens never."""
         texts = [[t for p in m["content"] if p["type"] == "text" and (t := p["text"].strip())] for m in conversation]
         try:
             return self._chat.label(full, conversation, texts, self._vision_ids)
@@ -568,10 +520,8 @@ def _image_token_id(processor: Any) -> int:
 
 
 def collate_vl_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np.ndarray]:
-    """``collate_vl`` as numpy arrays, for frameworks other than PyTorch (MindSpore; no torch needed):
-    ``collate_numpy``'s ``input_ids`` / ``labels`` / ``attention_mask``, per-token fields
-    (``mm_token_type_ids``, ...) right-padded with 0, per-image fields (``pixel_values``,
-    ``image_grid_thw``, ...) concatenated along their first axis in sample order."""
+    """``collate_vl`` as numpy arrays (no torch needed): ``collate_numpy``'s fields, per-token fields padded with 0,
+    per-image fields concatenated along their first axis in sample order."""
     batch = collate_numpy(examples, pad_token_id)
     rows, width = batch["input_ids"].shape
     for name in sorted({n for ex in examples for n in ex.get("token", {})}):
@@ -589,10 +539,7 @@ def collate_vl_numpy(examples: list[Example], pad_token_id: int) -> dict[str, np
 
 
 def collate_vl(examples: list[Example], pad_token_id: int) -> dict[str, Any]:
-    """Batch VL examples as torch tensors: ``input_ids`` / ``labels`` / ``attention_mask`` right-padded as in
-    ``collate``; per-token fields (``mm_token_type_ids``, ...) padded with 0; per-image fields
-    (``pixel_values``, ``image_grid_thw``, ...) concatenated along their first axis in sample order, so a
-    batch holds any number of images and patches per sample (``collate_vl_numpy``, then tensors)."""
+    """``collate_vl_numpy`` as torch tensors: any number of images and patches per sample."""
     import torch
 
     return {name: torch.from_numpy(np.ascontiguousarray(arr))
