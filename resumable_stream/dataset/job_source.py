@@ -28,7 +28,6 @@ from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_d
 from ..sources.base import Source
 from ..sources.index import check_resolution, load_index, same_resolution, save_index
 from ..sources.open import open_source
-from ..sources.resolve import verified_index
 from . import growth
 from .index_message import decode_message, encode_message
 
@@ -133,7 +132,7 @@ def _open_first(spec: SourceSpec, rank: int, saved_state: Saved | None, label: s
     if index is not None:
         check_resolution(index, spec.data, where)
         if spec.index.verify_files:
-            index = verified_index(spec, index, where, given)
+            index = growth.recheck(spec, index, None, where, given=given)
         if index is not None:
             return open_source(spec, index=index)
     src = open_source(spec)
@@ -144,7 +143,7 @@ def _open_first(spec: SourceSpec, rank: int, saved_state: Saved | None, label: s
 
 def _open_growing(spec: SourceSpec, saved_state: Saved | None, label: str | None, position: int | None) -> Source:
     """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
-    and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
+    and adds those that appeared since, from the epoch after the furthest one begun (``growth.recheck``); a fresh
     start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
     if spec.index.path:
         log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
@@ -153,7 +152,7 @@ def _open_growing(spec: SourceSpec, saved_state: Saved | None, label: str | None
     if saved is not None and same_resolution(saved, spec.data):
         where = saved_state.where(label)
         furthest = saved_state.furthest_epoch(position)
-        return open_source(spec, index=growth.grow(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
+        return open_source(spec, index=growth.recheck(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
                                                    where))
     src = open_source(spec)
     if src.index is None:

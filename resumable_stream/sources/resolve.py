@@ -2,8 +2,8 @@
 
 Dataset and Hub resolution (``datasets``' builder for a hub id, a pattern, a builder config; an explicit list of
 URLs or local parquet files without it), file identities (size plus every version marker the filesystem gives),
-the dataset index built from a registered format's entries, and whether a saved index still describes the
-data (:func:`verified_index`, on resume). Everything here runs under the one network policy (``net.py``).
+and the dataset index built from a registered format's entries (a saved one is checked again by
+``dataset.growth.recheck``). Everything here runs under the one network policy (``net.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import formats as registry
 from ..config.specs import DataSpec, SourceSpec
-from ..errors import ConfigError, IncompleteFileError, SourceError, StreamMismatchError
+from ..errors import ConfigError, IncompleteFileError, SourceError
 from ..io.hub import (
     commit_sha,
     file_identities,
@@ -47,7 +47,7 @@ from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
 from . import fingerprint_files
 from .footer_cache import FooterCache
-from .index import changed_files, describe_changes, make_index
+from .index import make_index
 from .index_table import FileTable
 from .parquet_local import resolve_local_parquet
 
@@ -416,50 +416,3 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
         footers.update((f, read[f]) for f in files if f in read)
     index = make_index(spec.data, fmt.builders[0] if fmt.builders else fmt.name, fmt.name, features, entries)
     return index
-
-
-def verified_index(spec: SourceSpec, index: dict, where: str, given: bool) -> dict | None:
-    """``index`` if it still describes the data: the same files (patterns and repositories are listed again
-    by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
-    given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
-    dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
-    data = spec.data
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
-    listed = [f["path"] for f in index["files"]]
-    reader = registry.format_of_index(index).load()
-    if explicit_urls(data, path, data_files) is None:
-        files = resolve_split(spec, path, data_files, targets, retry).files
-        if files != listed:
-            if not given:
-                return None
-            added, removed = sorted(set(files) - set(listed)), sorted(set(listed) - set(files))
-            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
-            raise StreamMismatchError(
-                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
-                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
-                diffs or [("file order", listed, files)])
-
-    try:
-        known = hub_identities(listed, retry)       # Hub files: one batched request, not one per file
-    except SourceError:
-        known = {}                                   # asked file by file below, each error named
-
-    def now(entry: dict) -> dict:
-        try:
-            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
-        except SourceError as e:
-            return {"path": entry["path"], "error": str(e)}
-        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
-            ident.update(reader.local_check(entry["path"], ident, retry, entry))
-        return ident
-
-    changes = changed_files(index, map_files(now, index["files"]))
-    if not changes:
-        return index
-    if given:
-        raise StreamMismatchError(
-            f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`):\n"
-            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
-    return None
