@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import pyarrow as pa
 from ..config.specs import SourceSpec
 from ..errors import ResumableStreamError, SourceError
 from ..io.net import RetryPolicy, datasets_retries_off
+from ..io.ranged import read_range
 from .prefetch import Prefetcher
 
 # Rows per Arrow table handed to the stream while reading a shard.
@@ -37,6 +38,30 @@ class ShardInfo:
     def name(self) -> str:
         base = os.path.basename(self.file.rstrip("/")) or f"shard{self.index}"
         return base if self.part is None else f"{base}#{self.part}"
+
+
+def fetcher(path: str, retry: RetryPolicy | None, identity: dict, what: str = "") -> Callable[[int, int], bytes]:
+    """``fetch(start, end)``: bytes of ``path`` (checked against ``identity`` on every answer) under ``retry``."""
+    options = retry.storage_options if retry else {}
+
+    def fetch(start: int, end: int) -> bytes:
+        if retry is not None and retry.applies(path):
+            return retry.call(lambda: read_range(path, start, end, options, identity),
+                              f"data file {path!r}: reading bytes {start}-{end}{what and ' ' + what}", [path])
+        return read_range(path, start, end, options, identity)
+
+    return fetch
+
+
+def shards_of_runs(files: list[dict], runs: list[tuple[int, int, int]],
+                   rows: Callable[[tuple[int, int, int]], int]) -> list[ShardInfo]:
+    """One shard per run ``(file, first, end)`` of a file's parts, numbered inside its file; ``rows(run)``."""
+    out, last, j = [], None, 0
+    for i, run in enumerate(runs):
+        j = j + 1 if run[0] == last else 0
+        last = run[0]
+        out.append(ShardInfo(i, files[run[0]]["path"], j, rows(run)))
+    return out
 
 
 class Source:
@@ -97,6 +122,7 @@ class FetchesAhead(Source):
         0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers. ``rate()``: the requests per
         second this process may send (the request budget bounds the depth); ``run(shards)`` and
         ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py)."""
+        self._starts: dict[int, int] = {}     # shard -> the row its next fetch ahead starts at (a resume)
         if depth is not None and depth <= 0:
             return
         budget = None if memory_mb is None else int(memory_mb * 2**20)
@@ -129,8 +155,26 @@ class FetchesAhead(Source):
         return self._prefetch.depth if self._prefetch is not None else 0
 
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """Fetch ``shards`` ahead; ``starts`` (a resume inside a shard) kept for ``fetch`` to start there."""
         if self._prefetch is not None:
+            self._starts.update((s, (starts or {}).get(s, 0)) for s in shards)
             self._prefetch.hint(partition, shards)
+
+    def _opened(self, shard: int, start_row: int, open_at: Callable[[int, int], Any]) -> Any:
+        """``open_at(shard, start_row)`` under ``data.retries`` (a network fault opening it: tried again)."""
+        info, retry = self.shards[shard], getattr(self, "_retry", None)
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                return open_at(shard, start_row)
+            except ResumableStreamError:
+                raise
+            except Exception as e:
+                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
+                if retry is None or not retry.applies(info.file) or not retry.failed(
+                        e, attempt, label, [info.file], started):
+                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
+                attempt += 1
 
     def prefetch_ahead(self, partition: int) -> int:
         """Its adaptive depth, and a margin (at most the prefetcher's cap)."""

@@ -221,7 +221,6 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self.column_names = parquet.column_names
         files = index["files"]
         self._file_of = None if isinstance(files, FileTable) else {f["path"]: i for i, f in enumerate(files)}
-        self._starts: dict[int, int] = {}    # shard -> the row a fetch ahead of a large row group decodes up to
         remote = retry is not None
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
                           remote=remote, rate=self._request_rate if remote else None,
@@ -231,14 +230,6 @@ class ParquetSource(FetchesAhead, RetriedSource):
     @property
     def footers(self) -> dict[str, bytes]:
         return self._parquet.footers
-
-    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it
-        (a large one decodes up to its start and the batch after it ahead: GroupReading)."""
-        if self._prefetch is not None:
-            starts = starts or {}
-            self._starts.update((s, starts.get(s, 0)) for s in shards)
-        super().prefetch(partition, shards)
 
     def _row_group_bytes(self, shard: int) -> int:
         """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""

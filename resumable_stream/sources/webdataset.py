@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 from collections.abc import Iterator
-from itertools import islice
-from typing import Any
+from itertools import islice, pairwise
 
 import pyarrow as pa
 
 from ..config.specs import SourceSpec
-from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
+from ..errors import BAD_SAMPLE_COLUMN, SourceError, StreamMismatchError
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..observe.metrics import record_row_group
 from . import tar_index
-from .base import FetchesAhead, IndexedReader, ShardInfo
+from .base import FetchesAhead, IndexedReader, fetcher, shards_of_runs
 from .index import identity_of
 from .parquet import prefetch_depth
 from .resolve import dataset_fingerprint
@@ -57,14 +55,7 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool
     not complete yet (``tar_index.scan_tar``)."""
     if not isinstance(identity.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a tar needs one to be indexed")
-    options = retry.storage_options if retry else {}
-
-    def fetch(start: int, end: int) -> bytes:
-        what = f"data file {path!r}: reading bytes {start}-{end} to index it"
-        if retry is not None and retry.applies(path):
-            return retry.call(lambda: read_range(path, start, end, options, identity), what, [path])
-        return read_range(path, start, end, options, identity)
-
+    fetch = fetcher(path, retry, identity, "to index it")
     return tar_index.tar_entry(identity, tar_index.scan_tar(path, identity["size"], fetch, whole=whole))
 
 
@@ -246,18 +237,13 @@ class WebDatasetSource(FetchesAhead):
         self._retry = retry if retry.remote else None
         self._policy = retry
         self._max_bytes = spec.read.max_member_bytes
-        shards = []
-        for f, entry in enumerate(self._files):
-            cuts = [*entry["shards"], len(entry["samples"])]
-            shards += [(f, a, b) for a, b in zip(cuts, cuts[1:])]
-        self._runs = shards
-        self.shards = [ShardInfo(i, self._files[f]["path"], j, b - a)
-                       for i, (j, (f, a, b)) in enumerate(_numbered(shards))]
+        self._runs = [(f, a, b) for f, entry in enumerate(self._files)
+                      for a, b in pairwise([*entry["shards"], len(entry["samples"])])]
+        self.shards = shards_of_runs(self._files, self._runs, lambda run: run[2] - run[1])
         self.fingerprint = dataset_fingerprint(spec, index["builder"],
                                                [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
                                                self.shards, max_member_bytes=spec.read.max_member_bytes)
         self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
-        self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
                           self._shard_bytes, remote=retry.remote)
 
@@ -273,15 +259,6 @@ class WebDatasetSource(FetchesAhead):
 
             self._features = datasets.Features.from_dict(self._features_dict)
         return self._features
-
-    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that sample on: a resume inside a
-        shard fetches none of the samples before it (``_first_table`` uses a fetch that starts at or before
-        the row it reads from, any other is read afresh)."""
-        if self._prefetch is not None:
-            starts = starts or {}
-            self._starts.update((s, starts.get(s, 0)) for s in shards)
-            super().prefetch(partition, shards)
 
     def _shard_bytes(self, shard: int) -> int:
         """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
@@ -320,21 +297,7 @@ class WebDatasetSource(FetchesAhead):
         return table.append_column(pa.field(BAD_SAMPLE_COLUMN, pa.string()), pa.array(bad, pa.string()))
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
-        info = self.shards[shard]
-        retry = self._retry
-        attempt, started = 0, time.monotonic()
-        while True:
-            try:
-                table = self._first_table(shard, start_row)
-                break
-            except ResumableStreamError:
-                raise
-            except Exception as e:
-                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
-                if retry is None or not retry.applies(info.file) or not retry.failed(
-                        e, attempt, label, [info.file], started):
-                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
-                attempt += 1
+        table = self._opened(shard, start_row, self._first_table)
         if table.num_rows:
             yield table
 
@@ -347,15 +310,6 @@ class WebDatasetSource(FetchesAhead):
                 return table.slice(start_row - first) if start_row > first else table
             # it starts after the row asked for (another reader's hint): read from the row here
         return self._read_from(shard, start_row)   # inside the shard: only the samples from there
-
-
-def _numbered(runs: list) -> Iterator[tuple[int, Any]]:
-    """(run number inside its file, run) for each run."""
-    last, j = None, 0
-    for run in runs:
-        j = j + 1 if run[0] == last else 0
-        last = run[0]
-        yield j, run
 
 
 class WebDatasetReader(IndexedReader):
