@@ -310,15 +310,12 @@ def _layout(cutter: _Cutter, length: int, points: list[list], windows: list[str]
 def _scan_plain(size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     cutter = _Cutter(plain=True)
     pos = 0
-    while pos < size:
-        data = fetch(pos, min(size, pos + READ_CHUNK))
-        if not data:
-            break
-        pos += len(data)
+    for start, data in _chunks(size, fetch):
+        pos = start + len(data)
         cutter.feed(data, pos, eof=pos >= size)
     if size == 0:
         cutter.feed(b"", 0, eof=True)
-    return {"length": pos, "rows": sum(p[0] for p in cutter.pieces), "pieces": cutter.pieces, "points": []}
+    return _layout(cutter, pos, [], [])
 
 
 def _chunks(size: int, fetch: Callable[[int, int], bytes]) -> Iterator[tuple[int, bytes]]:

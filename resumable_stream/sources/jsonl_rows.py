@@ -24,10 +24,12 @@ is a bad sample for pyarrow (so for ``datasets``) and the last value for orjson:
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import json
 import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -83,29 +85,20 @@ def _fixer(feature: Any) -> Callable[[Any], tuple[bool, Any]] | None:
     return _struct_fixer(fields)
 
 
-def _scalar_fixer(dtype: str) -> Callable[[Any], tuple[bool, Any]]:
-    lo, hi = _INT64
+_FITS: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: type(v) is str, "int64": lambda v: type(v) is int and _INT64[0] <= v <= _INT64[1],
+    "bool": lambda v: type(v) is bool, "null": lambda v: False}
 
-    if dtype == "string":
-        def fix(v):
-            return (v is None or type(v) is str), v
-    elif dtype == "int64":
-        def fix(v):
-            return (v is None or (type(v) is int and lo <= v <= hi)), v
-    elif dtype == "float64":
+
+def _scalar_fixer(dtype: str) -> Callable[[Any], tuple[bool, Any]]:
+    if dtype == "float64":
         def fix(v):
             if type(v) is float or v is None:
                 return True, v
-            if type(v) is int:
-                return True, float(v)
-            return False, v
-    elif dtype == "bool":
-        def fix(v):
-            return (v is None or type(v) is bool), v
-    else:   # null
-        def fix(v):
-            return v is None, v
-    return fix
+            return (True, float(v)) if type(v) is int else (False, v)
+        return fix
+    fits = _FITS[dtype]
+    return lambda v: (v is None or fits(v), v)
 
 
 def _list_fixer(item: Callable[[Any], tuple[bool, Any]]) -> Callable[[Any], tuple[bool, Any]]:
@@ -142,22 +135,17 @@ def _struct_fixer(fields: dict[str, Callable]) -> Callable[[Any], tuple[bool, An
     return fix
 
 
+@functools.cache
 def has_orjson() -> bool:
     """Whether orjson (a native accelerator, declared in pyproject) can be imported: without it every dataset is
     read the blocks way (pyarrow's JSON reader, the builder's cast): the same rows, more CPU per row."""
-    global _ORJSON
-    if _ORJSON is None:
-        try:
-            import orjson  # noqa: F401
-            _ORJSON = True
-        except ImportError:
-            log.warning("orjson is not installed: JSON lines are parsed by pyarrow's JSON reader (the same rows, "
-                        "slower); pip install orjson")
-            _ORJSON = False
-    return _ORJSON
-
-
-_ORJSON: bool | None = None
+    try:
+        import orjson  # noqa: F401
+    except ImportError:
+        log.warning("orjson is not installed: JSON lines are parsed by pyarrow's JSON reader (the same rows, "
+                    "slower); pip install orjson")
+        return False
+    return True
 
 
 class Conformer:
@@ -228,14 +216,9 @@ class Conformer:
         return env["factory"]
 
 
-_CONFORMERS: dict[bytes, Conformer] = {}
-
-
+@functools.cache
 def conformer(features_json: bytes) -> Conformer:
-    found = _CONFORMERS.get(features_json)
-    if found is None:
-        found = _CONFORMERS[features_json] = Conformer(json.loads(features_json))
-    return found
+    return Conformer(json.loads(features_json))
 
 
 # ------------------------------------------------------------------------------ lines tables (source side)
@@ -354,14 +337,9 @@ def _row_alone(line: bytes, path: str, row: int, features_json: bytes) -> dict:
     return out
 
 
-_BLOCKS: dict[bytes, Blocks] = {}
-
-
+@functools.cache
 def _blocks(features_json: bytes) -> Blocks:
-    found = _BLOCKS.get(features_json)
-    if found is None:
-        found = _BLOCKS[features_json] = Blocks(json.loads(features_json))
-    return found
+    return Blocks(json.loads(features_json))
 
 
 # ------------------------------------------------------------------------------ blocks (pyarrow, as datasets)
@@ -423,7 +401,10 @@ class Blocks:
         string, then ``table_cast``)."""
         from datasets.packaged_modules.json.json import Json
 
-        return Json._cast_table(_BuilderShim(self._features), table)
+        # what _cast_table reads of its builder: info.features (datasets 5.x), config.features (4.x)
+        shim = SimpleNamespace(info=SimpleNamespace(features=self._features),
+                               config=SimpleNamespace(features=self._features))
+        return Json._cast_table(shim, table)
 
     def table(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
         """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
@@ -471,14 +452,6 @@ class Blocks:
                 b += 1
         out = joined.take(pa.array(order, pa.int64()))
         return out.append_column(marker_field(), pa.array(reasons, pa.string()))
-
-
-class _BuilderShim:
-    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
-
-    def __init__(self, features):
-        self.info = type("Info", (), {"features": features})()
-        self.config = type("Config", (), {"features": features})()
 
 
 def line_problem(line: bytes) -> str | None:

@@ -114,7 +114,7 @@ def test_without_the_native_accelerators_the_rows_are_the_same(tmp_path, monkeyp
     theirs, features = _theirs(files)
     fast_src, fast = _ours(files)
     assert fast_src._lines
-    monkeypatch.setattr(jsonl_rows, "_ORJSON", False)
+    monkeypatch.setattr(jsonl_rows, "has_orjson", lambda: False)
     monkeypatch.setattr(jsonl_index, "crc32", zlib.crc32)
     monkeypatch.setattr(jsonl_index, "_isal_decompressobj", None)
     src, ours = _ours(files)
