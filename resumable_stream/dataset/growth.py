@@ -1,15 +1,10 @@
 """Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
 
-The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
-shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
-"dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
-``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
-checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``Follower.wait_in_step`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
-from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
-epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. A file not complete
-yet (a tar without its end-of-archive blocks, a parquet file without its footer: still being written) is not
-added; it is listed again at the next refresh or resume. The checkpoint
-saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
+The index lists every file the job has read, new ones at the end (old shard ids never change), and
+``growth.generations``: ``{"from_epoch", "files", "dropped"}``; epoch e reads the first ``files`` files of the last
+generation with ``from_epoch <= e``, less its ``dropped``. A generation is added at a resume or a refresh
+(``refresh_files``, follow mode) by rank 0 and broadcast, from the epoch after the furthest one any partition
+has begun; a file not complete yet waits for the next one (docs/growing-data.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The one message rank 0 broadcasts when a job opens its sources: each source's index (a packed binary one
-for parquet, ``sources.index.encode_message``), the footers rank 0 read building it, and the order settings
-every rank must share; or the error that kept rank 0 from opening them.
-
-Layout: an 8-byte magic, a length-prefixed JSON header (``agree``, ``error``, per source: indexed or not and
-its footers' paths), then per indexed source its length-prefixed index and footers. No pickle: every length
-is checked against what is left of the message before anything is sliced.
+"""The one message rank 0 broadcasts when a job opens its sources: each source's index (packed for parquet), the
+footers rank 0 read building it and the order settings every rank must share, or rank 0's error. No pickle: an
+8-byte magic, a length-prefixed JSON header, then the framed indexes and footers, every length checked.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Open a rank's source so that the whole job resolves its dataset once.
 
-Where the dataset index comes from, in order: the checkpoint being resumed (what the stream hands down as
-``saved``: the index its ``stream_state`` saved, verified against the manifest; read by the state layer, only on
-the rank that opens the dataset), ``data.index_path`` when that file exists, else it is built (datasets
-resolves the files, then one metadata request and one footer read per file). With
-``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
-metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
-only rank 0 does any of this and broadcasts the index (one binary message, no pickle: ``index_message``) to
-the other ranks,
-which then make no request at all to open the stream. Rank 0 sends its order settings with it (``agree``:
-seed, buffer, partitions, ...), and a rank whose own differ (on several nodes each node reads its own yaml)
-makes every rank raise a ConfigError naming them, before any sample is read in two orders.
+The index comes from the checkpoint being resumed (``saved``: read on demand by the state layer), else
+``data.index_path``, else it is built; a loaded one is checked first (``data.verify_files``: ``growth.recheck``).
+Under ``torch.distributed`` only rank 0 does this and broadcasts the index (``index_message``: no pickle), with
+its order settings (``agree``): a rank whose own differ makes every rank raise a ConfigError naming them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""A dataset fingerprint's files, held compactly: what every rank keeps and every state carries.
+"""A dataset fingerprint's files, held compactly: ``{"count": n, "digest": d}`` (the blake2b of the identities of
+a table's first ``n`` files, in columns) instead of a dict a file on every rank and in every state.
 
-A fingerprint lists what decides a source's content, every data file's identity among it (path, size, mtime
-or a remote file's markers, parquet footer digest). For an indexed parquet dataset that list was a dict a file
-(~400 bytes of Python objects on every rank: 400 MB at a million files) in every state. It is now
-``{"count": n, "digest": d}``: the number of files and the blake2b of their identities in columns
-(:func:`columns_digest` of ``FileTable.identity_arrays``), which stands for the identities of the first ``n``
-files of a table. The identities themselves stay in the table (the source's index) and in the dataset index a
-checkpoint saves (written once, by rank 0).
-
-Two such values are compared by their digests. Only when they differ are the identities looked up
-(:func:`identities`): in a table this process holds (the current source's, made known by :func:`compact`), or
-in the indexes of the checkpoint being read (:func:`saved_indexes`), and compared file by file as the lists
-always were (``state.checks``). A fingerprint written before, which lists the identities, gets the same
-digest from its list (put in columns), so that it is compared with a table's at the same cost.
+Two such values compare by their digests; only when they differ are the identities looked up
+(:func:`identities`: in a table this process holds, or in the indexes of the checkpoint being read,
+:func:`saved_indexes`) and compared file by file (``state.checks``). A listed fingerprint (a reader without a
+columnar index) gets the same digest from its list. docs/internals.md has the why.
 """
 
 from __future__ import annotations

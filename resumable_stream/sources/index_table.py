@@ -1,13 +1,9 @@
 """A parquet dataset index's files, columnar: what a rank holds in memory and what rank 0 broadcasts.
 
-The JSON form lists one object per file (~2 KB of Python objects each with 10 row groups: 2 GB at a million
-files, on every rank). :class:`FileTable` keeps the same content in a few numpy arrays (sizes, mtimes, footer
-digests, row-group rows / first byte / end byte) plus two string tables (the paths; the other identity keys a
-remote filesystem gives, as compact JSON), about 12 bytes per row group and 50 per file plus the path. It is
-a read-only sequence of the very dicts the JSON form has (made on demand), so the code that reads an index
-entry by entry is unchanged, and :func:`pack_index` / :func:`unpack_index` turn an index into one binary
-message and back: an 8-byte magic, a length-prefixed JSON header (everything but the files, the counts and
-the dtypes) and length-prefixed arrays, every length, dtype, offset and span checked on the way in.
+:class:`FileTable` keeps the JSON form's content in a few numpy arrays plus two string tables (~12 bytes per row
+group and 50 per file plus the path, against ~2 KB of Python objects per file), as a read-only sequence of the
+very dicts the JSON form has. :func:`pack_index` / :func:`unpack_index`: one binary message (magic, a
+length-prefixed JSON header, length-prefixed arrays), every length, dtype, offset and span checked on the way in.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """JSON lines (``.jsonl`` / ``.json`` lines, plain, ``.gz`` or ``.zst``), indexed: read by byte ranges from a sparse
-line-offset index (:mod:`.jsonl_index`).
-
-A shard is a run of rows read from one access point (plain text and gzip: one piece of at most 16 MiB / 16,384
-rows; a one-frame zstd file: the whole file). ``read(shard, row)`` fetches the compressed bytes from the shard's
-access point (one ranged read per piece), decompresses them (a one-frame zstd file: from its start, skipping what
-comes before the row's piece without parsing it), checks each piece's text against the CRC-32 the index recorded
-and parses rows from ``row`` on only. Rows are parsed as ``datasets``' json builder parses them (pyarrow's JSON
-reader on a block of lines, the builder's own cast to the features it inferred from the first file, its JSON
-fields re-encoded the way it does), so they equal ``load_dataset("json", ..., streaming=True)``'s
-(``tests/sources/test_jsonl.py`` compares them).
-
-A line that does not parse (or is no JSON object, or holds more than one value, or cannot be cast to the
-features) is a **bad sample**: every column None and ``__bad_sample__`` naming the file, the row and why. The row
-count never changes; the transforms apply ``data.bad_sample`` to it. A good row has no ``__bad_sample__`` key (the
-column is marked so: the stream leaves a null mark out of the row).
+line-offset index (:mod:`.jsonl_index`), each piece's text checked against its CRC-32 before it is parsed, rows
+equal to ``load_dataset("json", ..., streaming=True)``'s (:mod:`.jsonl_rows`). A line that does not parse is a
+bad sample (``__bad_sample__`` says why; the row count never changes). docs/formats.md says what a shard and a
+resume cost.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """One pass over a JSON-lines file (plain, gzip or zstd): where its rows are, cut into pieces, and where a read
 of each piece starts (a sparse line-offset index).
 
-A **row** is a line holding anything but JSON whitespace (space, tab, CR), as pyarrow's JSON reader (``datasets``'
-json builder) counts them: blank lines are no rows. A **piece** is a run of consecutive rows, cut at
-``PIECE_MAX_BYTES`` of text or ``PIECE_MAX_ROWS`` rows, whichever comes first; the index keeps per piece its rows,
-the byte span of its text in the decompressed file, the CRC-32 of that text (checked before any of it becomes a
-row), the access point its decompression starts from and how far into the compressed file that decompression
-reads. An **access point** is where decompression can start without reading what comes before:
-
-* plain text: every line start (a piece is its own byte range);
-* zstd: the start of every frame (a file of many frames is cut at frame starts; a file of one frame has one
-  access point, its start: a read of a piece decompresses from there and skips what comes before, never parsing
-  it);
-* gzip: zran points, found by ``indexed_gzip`` (a deflate block boundary: its compressed byte and bit offset and the
-  32 KiB of text before it, kept zlib-compressed in the index), about every ``GZIP_SPACING`` bytes; a piece is cut
-  at the first point after it is full (so it starts at its own point), and at every gzip member start.
-
-A **shard** (what the plan deals and a window reads from) is a run of pieces read from one access point: for plain
-text and gzip every piece, for a one-frame zstd file the whole file.
+A **row** is a line holding anything but JSON whitespace (as pyarrow's JSON reader counts them). A **piece** is a
+run of rows cut at ``PIECE_MAX_BYTES`` of text or ``PIECE_MAX_ROWS`` rows; the index keeps per piece its rows, its
+text's byte span and CRC-32, its access point and its compressed end. An **access point** is where decompression
+can start: every line (plain), every frame start (zstd), zran points found by ``indexed_gzip`` (gzip: a deflate
+block boundary with its bit offset and 32 KiB window) and member starts. A **shard** is a run of pieces read from
+one access point (a one-frame zstd file: the whole file).
 """
 
 from __future__ import annotations

@@ -2,23 +2,14 @@
 
 Two ways, picked once per dataset by its features:
 
-* **Lines** (``LineRows.fast``: every feature a ``Value`` of string / int64 / float64 / bool / null, a ``List`` of
-  such, or a struct of such, as the json builder infers them): a piece's text is handed on as a **lines table**
-  (``lines_table``): one ``large_binary`` row per JSON line pointing into the piece's text (no copy), plus the
-  file's name and the row's number there. The stream makes rows of the lines it hands out only
-  (``rows_of_lines``): ``orjson.loads`` per line, and each row brought to what the builder gives (its keys in the
-  features' order, a missing key None, an int of a float64 column a float; ``Conformer``), the way pyarrow's JSON
-  reader and the builder's cast would make it. A line that does not fit that simply (another type, an extra
-  key, no JSON, a BOM) is parsed as the builder does it, alone (the block way below, on its line): the row, or a
-  bad sample.
-* **Blocks** (any other features: Json fields, timestamps, ...): pyarrow's JSON reader parses a block of lines,
-  then ``datasets``' own ``Json._cast_table`` casts it to the features (``Blocks``), as before.
+* **Lines** (plain string / int64 / float64 / bool / null values, lists and structs of them): a piece is handed on
+  as a **lines table** (``lines_table``: one row per line pointing into the piece's text, no copy); a row is made
+  only when the stream hands it out (``rows_of_lines``: ``orjson.loads`` and ``Conformer``). A line that does not
+  fit that simply is parsed alone the blocks way: the row, or a bad sample.
+* **Blocks** (any other features): pyarrow's JSON reader on a block of lines, then ``datasets``' own
+  ``Json._cast_table`` (``Blocks``).
 
-Arrow's JSON reader makes a string column whose every value in a block looks like an ISO-8601 time a timestamp
-column, and the builder casts it back to text reformatted (``"2020-01-01"`` -> ``"2020-01-01 00:00:00"``) when
-its features say string (they were inferred from the first chunk, where some value did not look like a time).
-The lines way keeps such text as it is written (docs/limitations.md). A JSON object with a key given twice
-is a bad sample for pyarrow (so for ``datasets``) and the last value for orjson: the lines way gives that row.
+Where the two ways differ from ``datasets`` (ISO-8601-looking text, a key given twice): docs/limitations.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Does a decoded parquet row group agree with what its file's footer says about it?
 
-Bytes of the right length can still be the wrong bytes (a proxy answering with another file's range,
-an object rewritten between two reads). Before a row group becomes rows (or cache blocks) it is
-checked against the footer the index vouches for: its row count, and per column chunk the statistics
-the writer stored (null count, min, max). Pages' CRCs are checked while decoding, where the writer
-stored them (``page_checksum_verification``).
-
-Statistics are compared exactly where they are known to be exact (every value of a numeric, boolean or
-temporal column; byte arrays written by Arrow, which never truncates them), and as bounds elsewhere
-(other writers may truncate a long string's min / max). A column whose statistics cannot be compared
-with its decoded values (an Arrow type stored under another physical type, such as a duration) is
-left to the row count and the CRCs.
+Bytes of the right length can still be the wrong bytes (a proxy answering with another range, an object
+rewritten between two reads): before a row group becomes rows it is checked against the footer the index vouches
+for, its row count and per column chunk the statistics (null count, min, max): exactly where they are exact
+(numbers, booleans, times; byte arrays written by Arrow), as bounds elsewhere (writers may truncate strings).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """WebDataset tar shards read by byte ranges from a tar index (:mod:`.tar_index`).
 
-A shard is a run of consecutive samples of one tar (the index records the cuts). ``read(shard, row)`` is one
-ranged read of exactly the bytes of the samples from ``row`` on (their members' headers and data, coalesced;
-a member over ``data.max_member_bytes`` is left out of it), fetched ahead by the :class:`Prefetcher` as
-parquet row groups are. Each member's ustar header in that read is checked against the index before its
-data is used. The samples are made by ``datasets``' own webdataset builder code (grouping, decoders,
-compressed members), then filled and wrapped as its ``_generate_examples`` does and encoded with the
-dataset's features, so they come out as ``load_dataset("webdataset", ..., streaming=True)`` gives them.
-
-A bad sample (a member over the limit, cut short by the end of the tar, sparse, or that its decoder refuses) comes
-out with every member column None (``__key__`` and ``__url__`` kept) and the column ``__bad_sample__``
-(:data:`~resumable_stream.errors.BAD_SAMPLE_COLUMN`; None in a good row) saying why, naming the tar, the key
-and the member: the row count of a shard never changes, and the transform's ``data.bad_sample`` skips the row
-or raises that reason.
+A shard is a run of samples of one tar; ``read(shard, row)`` is one ranged read of the samples from ``row`` on,
+each member's ustar header checked against the index before its data is used. The samples are made by
+``datasets``' own webdataset builder code, so they equal ``load_dataset("webdataset", ..., streaming=True)``'s.
+A bad sample (a member over ``data.max_member_bytes``, cut short, sparse, or refused by its decoder) keeps its
+row, every member column None and ``__bad_sample__`` naming the tar, key and member (docs/webdataset.md).
 """
 
 from __future__ import annotations
