@@ -247,10 +247,9 @@ def pack_index(index: dict) -> bytes:
     header = {"index": {k: v for k, v in index.items() if k != "files"}, "files": len(table),
               "row_groups": table.num_row_groups, "dtypes": {k: arrays[k].dtype.str for k, _ in _ARRAYS}}
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    out = [MAGIC, struct.pack("<Q", len(head)), head]
+    out = [MAGIC, *framed(head)]
     for name, _ in _ARRAYS:
-        data = np.ascontiguousarray(arrays[name]).tobytes()
-        out += [struct.pack("<Q", len(data)), data]
+        out += framed(np.ascontiguousarray(arrays[name]).tobytes())
     return b"".join(out)
 
 
@@ -258,9 +257,16 @@ def is_packed(data: bytes) -> bool:
     return data[:len(MAGIC)] == MAGIC
 
 
-class _Cursor:
-    def __init__(self, data: memoryview):
-        self.data, self.pos = data, len(MAGIC)
+def framed(data: bytes) -> list[bytes]:
+    """``data`` as a frame of a message: its length (8 bytes, little-endian), then itself."""
+    return [struct.pack("<Q", len(data)), data]
+
+
+class Frames:
+    """The length-prefixed frames of a message from ``pos`` on, each length checked against what is left."""
+
+    def __init__(self, data: memoryview, pos: int = len(MAGIC)):
+        self.data, self.pos = data, pos
 
     def take(self, what: str) -> memoryview:
         if self.pos + 8 > len(self.data):
@@ -279,7 +285,7 @@ def unpack_index(data: bytes, parse_header) -> dict:
     ``parse_header``: the bounded JSON parser for its header. Raises IndexTableError saying what is wrong."""
     if not is_packed(data):
         raise IndexTableError("not a packed dataset index (no magic)")
-    cur = _Cursor(memoryview(data))
+    cur = Frames(memoryview(data))
     header = parse_header(bytes(cur.take("the header")))
     if not (isinstance(header, dict) and isinstance(header.get("index"), dict) and isinstance(header.get("dtypes"), dict)):
         raise IndexTableError("malformed header")
