@@ -9,6 +9,7 @@ call them instead of probing for them.
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,31 @@ def fetcher(path: str, retry: RetryPolicy | None, identity: dict, what: str = ""
         return read_range(path, start, end, options, identity)
 
     return fetch
+
+
+class SeekableFile(io.RawIOBase):
+    """A read-only file object of ``size`` bytes at ``pos`` for pyarrow, tarfile and indexed_gzip to read through;
+    a subclass gives ``read`` (or ``readinto``)."""
+
+    size = pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
 
 
 def shards_of_runs(files: list[dict], runs: list[tuple[int, int, int]],

@@ -24,9 +24,7 @@ from .index_table import (
     pack_index,
     unpack_index,
 )
-from .parquet_footer import (
-    PARQUET_LAYOUT_KEYS,
-)
+from .parquet_footer import PARQUET_LAYOUT_KEYS
 
 INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1

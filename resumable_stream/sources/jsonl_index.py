@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import SourceError
 from ..limits import is_int
+from .base import NotIndexable, SeekableFile
 
 PIECE_MAX_BYTES = 16 << 20
 PIECE_MAX_ROWS = 16384
@@ -345,26 +346,13 @@ def _scan_zstd(size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     return _layout(cutter, u, [[pu, pc, 0] for pu, pc in cutter.points], [])
 
 
-class _RangedFile(io.RawIOBase):
+class _RangedFile(SeekableFile):
     """A read-only file over ``fetch(start, end)`` (what indexed_gzip reads a remote gzip through)."""
 
     def __init__(self, size: int, fetch: Callable[[int, int], bytes]):
         super().__init__()
         self.size, self._fetch, self.pos = size, fetch, 0
         self._chunks: list[tuple[int, bytes]] = []      # the last two chunks read (indexed_gzip steps back a little)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
-        return self.pos
 
     def readinto(self, buffer) -> int:
         n = min(len(buffer), self.size - self.pos)
@@ -404,8 +392,6 @@ def _scan_gzip(path: str, size: int, fetch: Callable[[int, int], bytes]) -> dict
     try:
         import indexed_gzip
     except ImportError:
-        from .base import NotIndexable
-
         raise NotIndexable(f"data file {path!r}: reading a .gz JSON-lines file by its access points needs the "
                            "package indexed_gzip (pip install indexed_gzip)") from None
     raw = _RangedFile(size, fetch)

@@ -9,7 +9,6 @@ naming the file and row group, never a row. Tables are cast to the index's featu
 from __future__ import annotations
 
 import inspect
-import io
 import logging
 import os
 import threading
@@ -25,6 +24,7 @@ from ..io.ranged import ObjectChanged, WrongBytes, read_range, read_range_parall
 from ..observe.metrics import record_retry
 from ..runtime.arrow_pool import rows_pool
 from . import parquet_checks as row_group_check
+from .base import SeekableFile
 from .parquet_footer import footer_digest, parse_footer, row_group_layout
 from .parquet_local import cast_like_datasets, simple_schema
 
@@ -73,39 +73,20 @@ def read_row_group(source, metadata: pq.FileMetaData, group: int) -> pa.Table:
                           page_checksum_verification=True).read_row_group(group)
 
 
-class _Span(io.RawIOBase):
+class _Span(SeekableFile):
     """A read-only file of ``size`` bytes of which only ``data``, at ``offset``, is present."""
 
     def __init__(self, offset: int, data: bytes, size: int):
         super().__init__()
-        self._offset, self._data, self._size, self._pos = offset, memoryview(data), size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+        self._offset, self._data, self.size, self.pos = offset, memoryview(data), size, 0
 
     def read(self, n: int = -1):
         """A view of the fetched bytes, not a copy (pyarrow wraps what ``read`` returns as its buffer)."""
-        start = self._pos - self._offset
-        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        start = self.pos - self._offset
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
         if start < 0 or start + n > len(self._data):
-            raise OSError(f"parquet read outside the fetched span ({self._pos}+{n})")
-        self._pos += n
+            raise OSError(f"parquet read outside the fetched span ({self.pos}+{n})")
+        self.pos += n
         return self._data[start:start + n]
 
 

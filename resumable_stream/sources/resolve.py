@@ -246,22 +246,6 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
     return builder, files
 
 
-def _data_dir(data: DataSpec) -> dict:
-    """``data_dir`` in the fingerprint when set (fingerprints saved before the key still match)."""
-    return {"data_dir": data.data_dir} if data.data_dir is not None else {}
-
-
-def _hub_fingerprint(files: list[str]) -> dict:
-    """The Hub commits the files come from (a new commit on the repo is then a mismatch naming it)."""
-    commits = hub_commits(files)
-    return {"hub_commits": commits} if commits else {}
-
-
-def _hub_paths(table: FileTable) -> list[str]:
-    """A table's paths when some may be Hub files (a million paths are ~100 MB of str, made only then)."""
-    return table.paths() if b"hf://datasets/" in table.arrays()["paths"].tobytes() else []
-
-
 def _data_key(data: DataSpec) -> str:
     """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
     if data.data_files is not None:
@@ -301,8 +285,14 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
     table = isinstance(identities, FileTable)
     fp["files"] = fingerprint_files.compact(identities) if table else identities
     if not local:
-        fp.update(_hub_fingerprint(_hub_paths(identities) if table else [i["path"] for i in identities]))
-        fp.update(_data_dir(data))
+        # the Hub commits the files come from (a new commit is then a mismatch naming it); a table's paths are
+        # made only when some may be Hub files (a million paths are ~100 MB of str)
+        hub = b"hf://datasets/" in identities.arrays()["paths"].tobytes() if table else True
+        commits = hub_commits((identities.paths() if table else [i["path"] for i in identities]) if hub else [])
+        if commits:
+            fp["hub_commits"] = commits
+        if data.data_dir is not None:       # only when set: fingerprints saved before the key still match
+            fp["data_dir"] = data.data_dir
     if shards is not None:
         fp["num_shards"] = len(shards)
         fp["shard_rows"] = _rows_digest(shard_rows(shards))
@@ -327,16 +317,9 @@ class Resolved:
 
 
 def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
-    """The files of ``spec``'s split: explicit http(s) URLs and local files of a registered format need no
-    ``datasets`` (nothing to resolve, or resolved by its rules without importing it); else ``datasets``
-    resolves them (hub ids, hf://, patterns, builder configs).
-
-    Args:
-        spec: the source; ``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote paths.
-    Returns:
-        the files, the registered format that reads them (None: ``datasets`` does) and ``datasets``' builder
-        when it resolved them.
-    """
+    """The files of ``spec``'s split (``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote
+    paths): explicit http(s) URLs and local files of a registered format need no ``datasets``; else
+    ``datasets`` resolves them (hub ids, hf://, patterns, builder configs)."""
     data = spec.data
     files = explicit_urls(data, path, data_files) if data.streaming else None
     if files is None and not targets:
