@@ -160,9 +160,6 @@ class FileTable(Sequence):
         file = int(np.searchsorted(offsets, shard, side="right")) - 1
         return file, shard - int(offsets[file])
 
-    def group_bytes(self, shard: int) -> int:
-        return int(self._a["end"][shard]) - int(self._a["start"][shard])
-
     def group_span(self, shard: int) -> tuple[int, int]:
         """[first byte, end byte) of the ``shard``-th row group in its file."""
         return int(self._a["start"][shard]), int(self._a["end"][shard])
