@@ -25,13 +25,12 @@ from ..runtime.threads import map_files
 from ..sources import fingerprint_files
 from ..sources.index import changed_files, decode_index, describe_changes, encode_index
 from ..sources.resolve import (
-    builder_args,
     explicit_urls,
     file_identity,
     hub_identities,
     index_entry,
-    remote_targets,
     resolve_split,
+    where_to_look,
 )
 
 log = logging.getLogger(__name__)
@@ -190,9 +189,7 @@ def recheck(spec: SourceSpec, index: dict, from_epoch: int | None, where: str, r
     an error unless ``data.growth_allow_removal``. ``running``: the job that built ``index`` asks again (same
     config): a Hub branch that has not moved costs one repo-info request."""
     data = spec.data
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
+    path, data_files, targets, retry = where_to_look(spec)
     reader = registry.format_of_index(index).load()
     growing = from_epoch is not None
     listed = [f["path"] for f in index["files"]]

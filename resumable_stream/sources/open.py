@@ -15,12 +15,11 @@ from .map_style import open_local, open_prepared
 from .resolve import (
     Resolved,
     build_index,
-    builder_args,
     dataset_fingerprint,
     file_identity,
-    remote_targets,
     resolve_files,
     resolve_split,
+    where_to_look,
 )
 
 log = logging.getLogger(__name__)
@@ -37,9 +36,7 @@ def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[
     data = spec.data
     if data.backend == "local":
         return open_local(spec)
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
+    path, data_files, targets, retry = where_to_look(spec)
     if index is not None and data.streaming:
         return open_indexed(spec, index, retry, footers)
     resolved = resolve_split(spec, path, data_files, targets, retry)

@@ -152,6 +152,14 @@ def _rows_digest(rows) -> str:
     return h.hexdigest()
 
 
+def where_to_look(spec: SourceSpec) -> tuple[str, Any, list[str], RetryPolicy]:
+    """``builder_args``, the remote paths opening the data touches and the retry policy over them: the first
+    step of opening a source and of checking a saved index again, the same for both."""
+    path, data_files = builder_args(spec.data)
+    targets = remote_targets(path, data_files)
+    return path, data_files, targets, RetryPolicy(spec.net, remote=bool(targets), data=spec.data)
+
+
 def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *flat_files(data_files)] if is_remote(p)]
