@@ -23,7 +23,7 @@ from ..limits import is_int
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..runtime.threads import map_files
 from ..sources import fingerprint_files
-from ..sources.index import changed_files, decode_index, describe_changes, encode_index
+from ..sources.index import changed_files, describe_changes
 from ..sources.resolve import (
     explicit_urls,
     file_identity,
@@ -32,6 +32,7 @@ from ..sources.resolve import (
     resolve_split,
     where_to_look,
 )
+from .index_message import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
@@ -310,22 +311,23 @@ def resume(spec: SourceSpec, saved: dict, furthest: int, rank: int, world_size: 
 
 
 def _by_rank_zero(make: Callable[[], dict | None], shared: bool, rank: int, what: str) -> dict | None:
-    """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job."""
-    import json
-
+    """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job
+    (the message a job's sources are opened with, ``index_message``)."""
     if shared and rank != 0:
-        message = json.loads(broadcast_bytes(None))
-        if "error" in message:
-            raise StreamMismatchError(f"rank 0 could not {what}: {message['error']}")
-        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
+        message = decode_message(broadcast_bytes(None))
+        error, sent = message["error"], message["sources"][:1]
+        if error is not None:
+            error = error if isinstance(error, dict) else {}
+            raise StreamMismatchError(f"rank 0 could not {what}: {error.get('type')}: {error.get('message')}")
+        return sent[0]["index"] if sent and sent[0] is not None else None
     try:
         index = make()
     except Exception as e:
         if shared:
-            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
         raise
     if shared:
-        broadcast_bytes(json.dumps({"index": None if index is None else encode_index(index).decode()}).encode())
+        broadcast_bytes(encode_message([None if index is None else {"index": index, "footers": {}}], {}))
     return index
 
 
