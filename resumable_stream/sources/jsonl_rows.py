@@ -339,30 +339,27 @@ class Blocks:
 
     def __init__(self, features: dict):
         self._features_dict = features
-        self._features = None
-        self._schema = None
-        self._json_paths: list | None = None
 
     def __getstate__(self) -> dict:
-        return {"_features_dict": self._features_dict, "_features": None, "_schema": None, "_json_paths": None}
+        return {"_features_dict": self._features_dict}      # the rest made again where it is read
 
-    def _ready(self) -> None:
-        if self._features is None:
-            import datasets
+    @functools.cached_property
+    def _features(self):
+        import datasets
 
-            self._features = datasets.Features.from_dict(self._features_dict)
-            self._schema = self._features.arrow_schema
-            try:
-                from datasets.utils.json import get_json_field_paths_from_feature
-            except ImportError:          # a datasets without JSON fields (before 5.x)
-                self._json_paths = []
-            else:
-                self._json_paths = list(get_json_field_paths_from_feature(self._features))
+        return datasets.Features.from_dict(self._features_dict)
 
-    @property
+    @functools.cached_property
     def schema(self) -> pa.Schema:
-        self._ready()
-        return self._schema
+        return self._features.arrow_schema
+
+    @functools.cached_property
+    def _json_paths(self) -> list:
+        try:
+            from datasets.utils.json import get_json_field_paths_from_feature
+        except ImportError:          # a datasets without JSON fields (before 5.x)
+            return []
+        return list(get_json_field_paths_from_feature(self._features))
 
     def _encoded(self, block: bytes) -> bytes:
         """The block with its JSON fields encoded as strings, as the builder does before parsing."""
@@ -377,12 +374,11 @@ class Blocks:
         """``block`` (whole lines) as a table in the features; raises on anything the builder would refuse."""
         import pyarrow.json as paj
 
-        self._ready()
         if self._json_paths:
             block = self._encoded(block)
         table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(
             use_threads=False, block_size=max(len(block) + 1, 1 << 16)))
-        cast = cast_like_datasets(table, self._schema)
+        cast = cast_like_datasets(table, self.schema)
         if cast is not None:
             return cast
         return self._cast(table)
@@ -401,7 +397,6 @@ class Blocks:
         """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
         that does not parse whole is parsed row by row, each row that fails a bad sample (``where(i)``: row
         ``i`` of the block, named for the reason)."""
-        self._ready()
         block = text[lo:] if lo else text
         try:
             table = self.parse(block)
@@ -427,7 +422,7 @@ class Blocks:
                 except Exception as e:   # noqa: BLE001 - a value the features cannot take: a bad sample
                     why = f"does not fit the dataset's features ({type(e).__name__}: {str(e)[:200]})"
             reasons.append(why)
-        schema = self._schema
+        schema = self.schema
         bad_rows = [i for i, why in enumerate(reasons) if why is not None]
         for i in bad_rows:
             reasons[i] = _bad(where(i), reasons[i])

@@ -9,6 +9,7 @@ row, every member column None and ``__bad_sample__`` naming the tar, key and mem
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from collections.abc import Iterator
@@ -224,7 +225,6 @@ class WebDatasetSource(FetchesAhead):
     def __init__(self, spec: SourceSpec, index: dict, retry: RetryPolicy, footers: dict | None = None):
         self.index = index
         self._features_dict = index["features"]
-        self._features = None
         self._files = index["files"]
         self._retry = retry if retry.remote else None
         self._policy = retry
@@ -240,17 +240,13 @@ class WebDatasetSource(FetchesAhead):
                           self._shard_bytes, remote=retry.remote)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_features"] = None
-        return state
+        return {k: v for k, v in self.__dict__.items() if k != "features"}      # made again where it is read
 
-    @property
+    @functools.cached_property
     def features(self):
-        if self._features is None:
-            import datasets
+        import datasets
 
-            self._features = datasets.Features.from_dict(self._features_dict)
-        return self._features
+        return datasets.Features.from_dict(self._features_dict)
 
     def _shard_bytes(self, shard: int) -> int:
         """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
