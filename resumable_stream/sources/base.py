@@ -1,10 +1,6 @@
-"""What every reader is: a shard list, a fingerprint, ``read(shard, start_row)``; the optional parts declared.
-
-A ``Source`` knows its shard list (with identities and, where cheap, row counts), a fingerprint of everything
-that determines its content, and can open shard *s* at row *r* and yield Arrow tables from there. Everything
-above it (plan, stream, cache) uses ``shards``, ``fingerprint`` and ``read``, and the capabilities declared
-here with the values of a source that has none of them (no index, no prefetch, no cache), so that callers
-call them instead of probing for them.
+"""What every reader is: a shard list, a fingerprint, ``read(shard, start_row)``; the optional parts declared
+here with the values of a source that has none of them, so that callers call them instead of probing for them;
+and the plumbing the indexed readers share (ranged fetches, fetching ahead, retried opens, file objects).
 """
 
 from __future__ import annotations
@@ -136,9 +132,8 @@ class Source:
 
 
 class FetchesAhead(Source):
-    """The prefetch capabilities of a source that fetches whole shards ahead in plan order through a
-    :class:`~resumable_stream.sources.prefetch.Prefetcher` (``_fetch_ahead`` starts it; without it nothing is fetched
-    ahead). Subclasses read a shard's fetch with ``_taken(shard)``."""
+    """A source that fetches whole shards ahead in plan order through a :class:`~.prefetch.Prefetcher`
+    (``_fetch_ahead`` starts it); subclasses read a shard's fetch with ``_taken(shard)``."""
 
     _prefetch = None
 
@@ -286,11 +281,9 @@ class NotIndexable(SourceError):
 
 
 class IndexedReader:
-    """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`).
-
-    The index lists, per file, what ``index_file`` returns: the file's identity (given, as listed or asked for
-    by the caller) plus the layout the reader needs to cut it into shards without reading it again. Exact
-    resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
+    """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`): per file
+    ``index_file`` gives its identity plus the layout that cuts it into shards; exact resume rests on
+    ``open_indexed`` making the same shards from the same index in every process (docs/internals.md)."""
 
     layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
     index_reads_files = False            # index_file reads every byte (JSON lines): files indexed one per core
@@ -319,15 +312,13 @@ class IndexedReader:
         raise SourceError(f"data file {path!r}: its features are unknown")
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
-        """What ``build_index`` asks when ``datasets`` gives no features: the first file's entry, its raw
-        metadata (``footers``), the source's spec and the retries. By default :meth:`features` of its path and
-        metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
+        """The features when ``datasets`` gives none, from the first file's entry and raw metadata: by default
+        :meth:`features`; a format whose features come from the data (webdataset: its first samples) overrides it."""
         return self.features(entry["path"], footer)
 
     def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
-        """A future of the features when they can be inferred from the first file's path alone, while the files
-        are indexed (an object whose ``result()`` waits for them and may be None: then ``infer_features`` is asked
-        as usual); None: not so."""
+        """An object whose ``result()`` gives the features (or None: ``infer_features`` is asked), inferred from
+        the first file's path while the files are indexed; None: not so."""
         return None
 
     def entry_problem(self, entry: dict) -> str | None:
@@ -351,3 +342,18 @@ class IndexedReader:
                      footers: dict[str, bytes] | None) -> Source:
         """The source of an index this reader built (the shard list a pure function of the index)."""
         raise NotImplementedError
+
+
+class ScannedReader(IndexedReader):
+    """A format indexed by one pass over each file: ``scan(path, retry, identity, whole)``, ``whole`` for a
+    growing dataset (IncompleteFileError for a file still being written)."""
+
+    scan: Callable[..., dict]
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        return self.scan(path, retry, identity)
+
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        return self.scan(path, retry, identity, whole=True)

@@ -29,7 +29,7 @@ from ..io.net import RetryPolicy
 from ..io.ranged import WrongBytes
 from ..observe.metrics import record_retry, record_row_group
 from . import jsonl_index, jsonl_rows
-from .base import FetchesAhead, IndexedReader, NotIndexable, fetcher, shards_of_runs
+from .base import FetchesAhead, NotIndexable, ScannedReader, fetcher, shards_of_runs
 from .index import identity_of
 from .parquet import prefetch_depth
 from .parquet_rows import decoder_pool
@@ -520,7 +520,7 @@ class JsonLinesSource(FetchesAhead):
         return self._opened(shard, start_row, self._open)
 
 
-class JsonLinesReader(IndexedReader):
+class JsonLinesReader(ScannedReader):
     """The registry's jsonl entry (``config/formats.py``): JSON-lines files indexed by :mod:`.jsonl_index`."""
 
     # the compression, the decompressed length, rows, pieces and points, the cut rule: layout, not identity
@@ -529,13 +529,7 @@ class JsonLinesReader(IndexedReader):
     content_keys = ("head",)
     index_reads_files = True
 
-    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
-                   footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity)
-
-    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
-                       footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity, whole=True)
+    scan = staticmethod(index_file)
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(spec, entry, retry)

@@ -23,7 +23,7 @@ from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..observe.metrics import record_row_group
 from . import tar_index
-from .base import FetchesAhead, IndexedReader, fetcher, shards_of_runs
+from .base import FetchesAhead, ScannedReader, fetcher, shards_of_runs
 from .index import identity_of
 from .parquet import prefetch_depth
 from .resolve import dataset_fingerprint
@@ -300,7 +300,7 @@ class WebDatasetSource(FetchesAhead):
         return self._read_from(shard, start_row)   # inside the shard: only the samples from there
 
 
-class WebDatasetReader(IndexedReader):
+class WebDatasetReader(ScannedReader):
     """The registry's webdataset entry (``registry._BUILTIN``): tars indexed by :mod:`.tar_index`."""
 
     # per sample its key and members, the cut into shards and the rule that made it: layout, not identity
@@ -308,13 +308,7 @@ class WebDatasetReader(IndexedReader):
     # the layout digest: a local tar's headers are re-checked against it on resume (a remote one: not re-read)
     content_keys = ("layout",)
 
-    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
-                   footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity)
-
-    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
-                       footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity, whole=True)
+    scan = staticmethod(index_file)
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(entry, retry, spec.read.max_member_bytes)
