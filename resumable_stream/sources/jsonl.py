@@ -151,12 +151,11 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
     first = entry["pieces"][0] if entry["pieces"] else None
     if first is None:
         raise SourceError(f"data file {path!r}: holds no rows; the features are inferred from the first file")
-    text = _Text(entry, first[4], fetcher(path, retry, entry, "to infer the features")) \
-        if entry["compression"] != "none" else None
-    chunk = text.upto(first[2], first[5]) if text is not None else \
-        fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
-    if text is not None:
-        text.close()
+    fetch = fetcher(path, retry, entry, "to infer the features")
+    if entry["compression"] == "none":
+        chunk = fetch(first[1], first[2])
+    else:
+        chunk = _Text(entry, first[4], fetch).upto(first[2], first[5])
     good = [line for line in chunk.splitlines()
             if not jsonl_index.is_blank(line) and jsonl_rows.line_problem(line) is None]
     if not good:
@@ -270,9 +269,6 @@ class _Text:
                 self._source, read_size=jsonl_index.INPUT_CHUNK, read_across_frames=True, closefd=False)
         else:
             self._inflate = _Inflate(entry, point, fetch)
-
-    def close(self) -> None:
-        """(Nothing is held but memory.)"""
 
     def _zstd_into(self, out: memoryview, u_end: int, c_end: int) -> None:
         """Fill ``out`` with the next text (exactly its length)."""
@@ -494,8 +490,6 @@ class JsonLinesSource(FetchesAhead):
                     ahead.result()
                 except Exception:      # noqa: BLE001 - a piece nobody reads
                     pass
-            if reading.text is not None:
-                reading.text.close()
 
     def _checked_next(self, shard: int, entry: dict, reading: _Reading) -> pa.Table:
         """The next piece's table; a piece whose text fails its check is read again from the shard's point."""
@@ -504,8 +498,6 @@ class JsonLinesSource(FetchesAhead):
             return self._piece_table(entry, reading, 0)
         except WrongBytes as e:
             log.warning("data file %r: %s; reading it once more from the source", entry["path"], e)
-        if reading.text is not None:
-            reading.text.close()
         rows_before = self._offsets(shard)[piece - self._runs[shard][1]]
         again = self._open(shard, rows_before)
         reading.piece, reading.text = again.piece, again.text
@@ -515,8 +507,6 @@ class JsonLinesSource(FetchesAhead):
         ahead = self._taken(shard)
         if ahead is not None and ahead.first_row <= start_row < ahead.first_row + ahead.num_rows:
             return ahead
-        if ahead is not None and ahead.text is not None:
-            ahead.text.close()
         return self._opened(shard, start_row, self._open)
 
 
