@@ -1,18 +1,11 @@
 """One sequential pass over a WebDataset tar: which samples it holds and where their bytes are.
 
-A sample is a run of consecutive members sharing a key, grouped exactly as ``datasets``' webdataset builder
-groups them (its ``base_plus_ext`` splits a name into key and suffix; directories, links, hidden names and
-names that have no suffix are left out, as its tar iterator leaves them out). Per member the index keeps its
-suffix, the offset of its data and its declared size; the 512-byte ustar header right before each member's
-data is what a reader checks again, so a tar whose layout changed is noticed before a byte of it is used.
-
-Member names are only ever strings here: a key of ``../x`` or ``/etc/x`` is never a path.
-Headers are parsed by ``tarfile`` over a reader that refuses any single read larger than
-``MAX_HEADER_READ`` (a forged extended header cannot make us allocate its claimed size, nor feed tarfile's
-pax parser, quadratic on some Pythons, more than it parses quickly) and only moves forward (one pass; a
-remote tar is fetched in ``SCAN_CHUNK`` ranged reads, chunks holding no header skipped); a header whose size
-would not move the scan forward is refused. A sparse member (``tar --sparse``) is indexed with the bytes
-the tar stores of it and marked ``SPARSE``: a bad sample, never read.
+Samples are grouped as ``datasets``' webdataset builder groups them (its ``base_plus_ext``; directories, links,
+hidden and suffix-less names left out); per member the index keeps its suffix, data offset and size, and a
+reader checks the ustar header before each member's data again. Member names are only ever strings, never
+paths. ``tarfile`` parses the headers over a forward-only reader that refuses any read over
+``MAX_HEADER_READ`` (a forged extended header sizes no allocation and cannot feed tarfile's pax parser more than
+it parses quickly); a sparse member is marked ``SPARSE``: a bad sample, never read (docs/webdataset.md).
 """
 
 from __future__ import annotations

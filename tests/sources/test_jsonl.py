@@ -17,7 +17,7 @@ import zstandard
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import BAD_SAMPLE_COLUMN, SourceError, StreamMismatchError
-from resumable_stream.sources import jsonl, jsonl_index, jsonl_rows, open_source
+from resumable_stream.sources import jsonl_index, jsonl_rows, open_source
 from resumable_stream.sources.index import decode_index, encode_index
 from resumable_stream.stream.partition import _rows_of
 
@@ -199,7 +199,7 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
 def test_a_resume_reads_one_piece_not_the_prefix(tmp_path, small_pieces, monkeypatch):
     """A shard reopened at a row reads its bytes from the row's piece (plain, gzip: its own access point)."""
     from resumable_stream.io import ranged
-    from resumable_stream.sources import base      # where jsonl's ranged reads are made (base.fetcher)
+    from resumable_stream.sources import base  # where jsonl's ranged reads are made (base.fetcher)
 
     for ext in (".jsonl", ".jsonl.gz"):
         path = _write(str(tmp_path / f"r{ext}"), _text(_rows(5, 5000)))
