@@ -10,6 +10,7 @@ columnar index) gets the same digest from its list. docs/internals.md has the wh
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import struct
 import weakref
@@ -26,7 +27,7 @@ _PERSON = b"rs-files-1"      # the digest of this column layout (another layout:
 # (table, {count: digest}) of the tables this process made compact fingerprints of, held weakly
 _known: list[tuple[weakref.ref, dict[int, str]]] = []
 # loaders of the indexes of the checkpoints being read (innermost last), each decoded when first needed
-_saved: list[_Lazy] = []
+_saved: list[Callable[[], list[tuple[FileTable, dict[int, str]]]]] = []
 
 
 class TableIdentities(Sequence):
@@ -127,18 +128,8 @@ def _tables() -> Iterator[tuple[FileTable, dict[int, str]]]:
         table = ref()
         if table is not None:
             yield table, digests
-    for lazy in reversed(_saved):
-        yield from lazy.tables()
-
-
-class _Lazy:
-    def __init__(self, load: Callable[[], list[FileTable]]):
-        self._load, self._tables = load, None
-
-    def tables(self) -> list[tuple[FileTable, dict[int, str]]]:
-        if self._tables is None:
-            self._tables = [(t, {}) for t in self._load()]
-        return self._tables
+    for tables in reversed(_saved):
+        yield from tables()
 
 
 @contextlib.contextmanager
@@ -148,7 +139,7 @@ def saved_indexes(load: Callable[[], list[FileTable]] | None):
     if load is None:
         yield
         return
-    lazy = _Lazy(load)
+    lazy = functools.cache(lambda: [(t, {}) for t in load()])      # decoded once, when first asked
     _saved.append(lazy)
     try:
         yield
