@@ -8,7 +8,7 @@ the same 1M-row dataset, shuffled, buffer 16384:
   file resolution), ``build_index`` / ``ParquetReader.index_file`` (one stat + footer read per file), the source
   from the index, the layout and readers, the first window (``PartitionReader._build``) and inside it the row
   group reads (``ParquetFiles.row_group``, ``_decoded``, ``table_cast``), the permutation, ``concat_tables``;
-  on resume ``checkpoint.read`` (manifest, rank file), the saved index and its check (``verified_index``:
+  on resume ``checkpoint.read`` (manifest, rank file), the saved index and its check (``growth.recheck``:
   ``file_identity`` + ``parquet_footer`` + ``footer_digest`` per file), ``load_state_dict`` and the digest of
   the first sample.
 * **cProfile**: the same paths under cProfile, the functions with the most cumulative and own time (C
@@ -102,7 +102,7 @@ def _install(timers: Timers) -> None:
     import pyarrow.parquet as pq
 
     from resumable_stream import plan
-    from resumable_stream.dataset import job_source
+    from resumable_stream.dataset import growth, job_source
     from resumable_stream.sources import index, resolve
     from resumable_stream.sources import open as sources_open
     from resumable_stream.sources import parquet as sources_parquet
@@ -121,7 +121,7 @@ def _install(timers: Timers) -> None:
     w(sources_parquet.ParquetReader, "index_file", "ParquetReader.index_file (stat + footer, per file)")
     w(resolve, "file_identity", "sources.resolve.file_identity")
     w(sources_parquet, "parquet_footer", "sources.parquet.parquet_footer")
-    w(job_source, "verified_index", "job_source.verified_index (saved index checked)")
+    w(growth, "recheck", "growth.recheck (saved index checked)")
     w(resolve, "hub_identities", "sources.resolve.hub_identities")
     w(job_source, "saved_index_file", "job_source.saved_index_file")
     w(sources_parquet, "source_from_index", "sources.parquet.source_from_index")

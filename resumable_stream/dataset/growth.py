@@ -1,15 +1,10 @@
 """Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
 
-The index lists every file the job has ever read, in the order they appeared (new files go to the end, so the
-shard ids of the old ones never change), and ``growth.generations``: ``{"from_epoch": e, "files": n,
-"dropped": [paths]}``, by ``from_epoch``. Epoch e reads the first ``files`` files of the last generation with
-``from_epoch <= e``, less its ``dropped`` ones. A generation is added by rank 0 when it opens the job from a
-checkpoint (a resume), or when every rank calls ``ResumableStream.refresh_files`` or, in follow mode over several ranks, ``Follower.wait_in_step`` (both ``refresh``): the files the config resolves to now, less those the index lists, appended; it applies
-from the epoch after the furthest one any partition of the job has begun, so no partition ever reads an
-epoch whose file set is not yet fixed, and every rank gets the same index by the broadcast. A file not complete
-yet (a tar without its end-of-archive blocks, a parquet file without its footer: still being written) is not
-added; it is listed again at the next refresh or resume. The checkpoint
-saves the index, so a resume in the middle of epoch e continues with epoch e's files, whatever appeared since.
+The index lists every file the job has read, new ones at the end (old shard ids never change), and
+``growth.generations``: ``{"from_epoch", "files", "dropped"}``; epoch e reads the first ``files`` files of the last
+generation with ``from_epoch <= e``, less its ``dropped``. A generation is added at a resume or a refresh
+(``refresh_files``, follow mode) by rank 0 and broadcast, from the epoch after the furthest one any partition
+has begun; a file not complete yet waits for the next one (docs/growing-data.md).
 """
 
 from __future__ import annotations
@@ -28,16 +23,16 @@ from ..limits import is_int
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..runtime.threads import map_files
 from ..sources import fingerprint_files
-from ..sources.index import changed_files, decode_index, describe_changes, encode_index
+from ..sources.index import changed_files, describe_changes
 from ..sources.resolve import (
-    builder_args,
     explicit_urls,
     file_identity,
     hub_identities,
     index_entry,
-    remote_targets,
     resolve_split,
+    where_to_look,
 )
+from .index_message import decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
@@ -181,58 +176,101 @@ def _remember_unchanged(data: DataSpec, index: dict, files_now: list[str]) -> No
         _CHECKED_AT[(repo, data.revision)] = (_file_set(index), sha)
 
 
-def grow(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bool = False) -> dict:
-    """``index`` after checking the files it lists and adding those that appeared: a new generation from
-    ``from_epoch`` when the file set changed. A listed file that changed is a StreamMismatchError naming it (as
-    without growth); one that disappeared too, unless ``data.growth_allow_removal``. ``running``: the job that
-    built ``index`` asks again (same config): a Hub branch that has not moved costs one repo-info request."""
+def recheck(spec: SourceSpec, index: dict, from_epoch: int | None, where: str, running: bool = False,
+            given: bool = False) -> dict | None:
+    """``index`` checked against the data now, the one way a saved or given index is checked: the files the
+    config resolves to now (patterns and repositories listed again; an explicit list of URLs needs no request)
+    and the identities of the listed files still read. A listed file that changed is a StreamMismatchError
+    naming it.
+
+    Without growth (``from_epoch`` None) the files must be the same: else a ``given`` index
+    (``data.index_path``) is an error naming what changed, and a checkpoint's gives None (the dataset is then
+    resolved afresh, so that the resume check names the change with the saved fingerprint). A growing dataset
+    may gain files: a new generation from ``from_epoch`` when the file set changed; a file that disappeared is
+    an error unless ``data.growth_allow_removal``. ``running``: the job that built ``index`` asks again (same
+    config): a Hub branch that has not moved costs one repo-info request."""
     data = spec.data
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
+    path, data_files, targets, retry = where_to_look(spec)
     reader = registry.format_of_index(index).load()
-    gens = generations(index)
-    reading = files_of(index, gens[-1])
-    listed = {unpinned(f["path"]) for f in index["files"]}
+    growing = from_epoch is not None
+    listed = [f["path"] for f in index["files"]]
     now = explicit_urls(data, path, data_files)
-    if now is None and running and _branch_unmoved(data, index):
-        return with_generations(index, gens)
-    if now is None:     # a Hub branch is resolved again: its files pinned to the commit it points to now
-        _forget_listings(targets, retry.storage_options)
+    if not growing and now is not None:
+        now = listed        # an explicit list of URLs: check_resolution compared it with the index's
+    if now is None and growing and running and _branch_unmoved(data, index):
+        return with_generations(index, generations(index))
+    if now is None:     # resolved again (a Hub branch: its files pinned to the commit it points to now)
+        if growing:
+            _forget_listings(targets, retry.storage_options)
         now = resolve_split(spec, path, data_files, targets, retry).files
-    at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
-    removed = [p for p in reading if unpinned(p) not in at_now]
-    if removed and not spec.growth.allow_removal:
-        raise StreamMismatchError(
-            f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; with "
-            "data.growth: append files may only be added (set data.growth_allow_removal: true to drop them from "
-            "the next epoch on)", [(f"file removed: {p}", p, None) for p in removed])
-    # the files read so far (and still there) must be those the index describes (a Hub file: at the new commit)
-    gone = set(gens[-1]["dropped"])
-    kept = [f for f in index["files"] if unpinned(f["path"]) in at_now and f["path"] not in gone]
-    asked = [at_now[unpinned(f["path"])] for f in kept]
-    known = hub_identities(asked, retry)
+    if not growing:
+        if now != listed:
+            if not given:
+                return None
+            added, removed = sorted(set(now) - set(listed)), sorted(set(listed) - set(now))
+            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
+            raise StreamMismatchError(
+                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
+                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
+                diffs or [("file order", listed, now)])
+        kept, removed, at_now = index["files"], [], {p: p for p in listed}
+    else:
+        gens = generations(index)
+        at_now = {unpinned(p): p for p in now}      # a Hub file read at an older commit is the same file now
+        removed = [p for p in files_of(index, gens[-1]) if unpinned(p) not in at_now]
+        if removed and not spec.growth.allow_removal:
+            raise StreamMismatchError(
+                f"dataset index {where}: {len(removed)} file(s) it reads disappeared: {', '.join(removed[:12])}; "
+                "with data.growth: append files may only be added (set data.growth_allow_removal: true to drop them "
+                "from the next epoch on)", [(f"file removed: {p}", p, None) for p in removed])
+        # the files read so far (and still there) must be those the index describes (a Hub file: at the new commit)
+        gone = set(gens[-1]["dropped"])
+        kept = [f for f in index["files"] if unpinned(f["path"]) in at_now and f["path"] not in gone]
+        at_now = {f["path"]: at_now[unpinned(f["path"])] for f in kept}
+    changes = changed_files({**index, "files": kept}, map_files(_identity_now(reader, at_now, retry), kept))
+    if changes and (growing or given):
+        head = (f"dataset index {where}: files it has read changed (a growing dataset may only gain files)" if growing
+                else f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`)")
+        raise StreamMismatchError(f"{head}:\n{describe_changes(changes)}",
+                                  [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    if not growing:
+        return None if changes else index
+    return _grown(spec, index, from_epoch, where, running, reader, retry, now, removed)
+
+
+def _identity_now(reader, at_now: dict[str, str], retry: RetryPolicy) -> Callable[[dict], dict]:
+    """An index entry's identity now (a Hub file: at the commit ``at_now`` maps it to), compared as the file
+    the index lists; an error naming the file in place of an identity that cannot be read."""
+    asked = list(at_now.values())
+    try:
+        known = hub_identities(asked, retry)      # Hub files: one batched request, not one per file
+    except SourceError:
+        known = {}                                 # asked file by file below, each error named
     known.update(listed_identities(asked, retry.storage_options))     # S3: from a listing, no HEAD per object
 
     def identity(entry: dict) -> dict:
-        where_now = at_now[unpinned(entry["path"])]
+        where_now = at_now[entry["path"]]
         try:
             ident = known.get(where_now) or file_identity(where_now, retry)
         except SourceError as e:
             return {"path": entry["path"], "error": str(e)}
         if not is_remote(where_now) and isinstance(ident.get("size"), int):
             ident.update(reader.local_check(where_now, ident, retry, entry))
-        return {**ident, "path": entry["path"]}     # compared as the file the index lists
+        return {**ident, "path": entry["path"]}
 
-    changes = changed_files({**index, "files": kept}, map_files(identity, kept))
-    if changes:
-        raise StreamMismatchError(
-            f"dataset index {where}: files it has read changed (a growing dataset may only gain files):\n"
-            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
+    return identity
+
+
+def _grown(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bool, reader, retry: RetryPolicy,
+           now: list[str], removed: list[str]) -> dict:
+    """A growing ``index`` whose files were checked, with the files of ``now`` it does not list yet indexed and
+    added as a generation from ``from_epoch`` (with ``removed`` dropped)."""
+    gens = generations(index)
+    listed = {unpinned(f["path"]) for f in index["files"]}
     added = [p for p in now if unpinned(p) not in listed]
     if not added and not removed:
         if running:
-            _remember_unchanged(data, index, now)
+            _remember_unchanged(spec.data, index, now)
         return with_generations(index, gens)
     new_known = hub_identities(added, retry)
     new_known.update(listed_identities(added, retry.storage_options))
@@ -263,33 +301,33 @@ def grow(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: bo
     return with_generations(grown, [*begun, gen])
 
 
-
 def resume(spec: SourceSpec, saved: dict, furthest: int, rank: int, world_size: int, where: str) -> dict:
     """The index a resume continues with when its state carries the index (a state a trainer keeps in its own
     checkpoint, not in a stream_state directory): ``saved``, the files it lists checked, those that appeared
     since joining after ``furthest`` (the furthest epoch any partition of the job has begun: a job's state holds
     them all). Rank 0 lists the files and broadcasts the result; every rank calls it (a collective)."""
-    return _by_rank_zero(lambda: grow(spec, saved, joins_at(spec.growth, saved, furthest), where),
+    return _by_rank_zero(lambda: recheck(spec, saved, joins_at(spec.growth, saved, furthest), where),
                          shared_over_dist(rank, world_size), rank, "resume from the files the state lists")
 
 
 def _by_rank_zero(make: Callable[[], dict | None], shared: bool, rank: int, what: str) -> dict | None:
-    """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job."""
-    import json
-
+    """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job
+    (the message a job's sources are opened with, ``index_message``)."""
     if shared and rank != 0:
-        message = json.loads(broadcast_bytes(None))
-        if "error" in message:
-            raise StreamMismatchError(f"rank 0 could not {what}: {message['error']}")
-        return None if message["index"] is None else decode_index(message["index"].encode(), "from rank 0")
+        message = decode_message(broadcast_bytes(None))
+        error, sent = message["error"], message["sources"][:1]
+        if error is not None:
+            error = error if isinstance(error, dict) else {}
+            raise StreamMismatchError(f"rank 0 could not {what}: {error.get('type')}: {error.get('message')}")
+        return sent[0]["index"] if sent and sent[0] is not None else None
     try:
         index = make()
     except Exception as e:
         if shared:
-            broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
         raise
     if shared:
-        broadcast_bytes(json.dumps({"index": None if index is None else encode_index(index).decode()}).encode())
+        broadcast_bytes(encode_message([None if index is None else {"index": index, "footers": {}}], {}))
     return index
 
 
@@ -308,7 +346,7 @@ def refresh(spec: SourceSpec, index: dict, furthest_here: int, rank: int, world_
     furthest = max_over_ranks(furthest_here) if shared else furthest_here
 
     def grown() -> dict | None:
-        new = grow(spec, index, joins_at(spec.growth, index, furthest), "of the running job", running=True)
+        new = recheck(spec, index, joins_at(spec.growth, index, furthest), "of the running job", running=True)
         changed = new[KEY]["generations"] != generations(index) or len(new["files"]) != len(index["files"])
         return new if changed else None
 

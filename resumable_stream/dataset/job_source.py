@@ -1,16 +1,9 @@
 """Open a rank's source so that the whole job resolves its dataset once.
 
-Where the dataset index comes from, in order: the checkpoint being resumed (what the stream hands down as
-``saved``: the index its ``stream_state`` saved, verified against the manifest; read by the state layer, only on
-the rank that opens the dataset), ``data.index_path`` when that file exists, else it is built (datasets
-resolves the files, then one metadata request and one footer read per file). With
-``data.verify_files`` (default) a loaded index is checked against each file's identity first: one
-metadata request per remote file (local files: a stat and a footer read). Under ``torch.distributed``
-only rank 0 does any of this and broadcasts the index (one binary message, no pickle: ``index_message``) to
-the other ranks,
-which then make no request at all to open the stream. Rank 0 sends its order settings with it (``agree``:
-seed, buffer, partitions, ...), and a rank whose own differ (on several nodes each node reads its own yaml)
-makes every rank raise a ConfigError naming them, before any sample is read in two orders.
+The index comes from the checkpoint being resumed (``saved``: read on demand by the state layer), else
+``data.index_path``, else it is built; a loaded one is checked first (``data.verify_files``: ``growth.recheck``).
+Under ``torch.distributed`` only rank 0 does this and broadcasts the index (``index_message``: no pickle), with
+its order settings (``agree``): a rank whose own differ makes every rank raise a ConfigError naming them.
 """
 
 from __future__ import annotations
@@ -28,7 +21,6 @@ from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_d
 from ..sources.base import Source
 from ..sources.index import check_resolution, load_index, same_resolution, save_index
 from ..sources.open import open_source
-from ..sources.resolve import verified_index
 from . import growth
 from .index_message import decode_message, encode_message
 
@@ -133,7 +125,7 @@ def _open_first(spec: SourceSpec, rank: int, saved_state: Saved | None, label: s
     if index is not None:
         check_resolution(index, spec.data, where)
         if spec.index.verify_files:
-            index = verified_index(spec, index, where, given)
+            index = growth.recheck(spec, index, None, where, given=given)
         if index is not None:
             return open_source(spec, index=index)
     src = open_source(spec)
@@ -144,7 +136,7 @@ def _open_first(spec: SourceSpec, rank: int, saved_state: Saved | None, label: s
 
 def _open_growing(spec: SourceSpec, saved_state: Saved | None, label: str | None, position: int | None) -> Source:
     """A growing dataset (``data.growth``): a resume takes the checkpoint's index, checks the files it has read
-    and adds those that appeared since, from the epoch after the furthest one begun (``growth.grow``); a fresh
+    and adds those that appeared since, from the epoch after the furthest one begun (``growth.recheck``); a fresh
     start resolves the files, its one generation from epoch 0. ``position``: the source's in a mixture."""
     if spec.index.path:
         log.warning("data.index_path %r is not used with data.growth: %s (the checkpoint's index is, which "
@@ -153,7 +145,7 @@ def _open_growing(spec: SourceSpec, saved_state: Saved | None, label: str | None
     if saved is not None and same_resolution(saved, spec.data):
         where = saved_state.where(label)
         furthest = saved_state.furthest_epoch(position)
-        return open_source(spec, index=growth.grow(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
+        return open_source(spec, index=growth.recheck(spec, saved, growth.joins_at(spec.growth, saved, furthest or 0),
                                                    where))
     src = open_source(spec)
     if src.index is None:

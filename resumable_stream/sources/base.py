@@ -1,17 +1,14 @@
-"""What every reader is: a shard list, a fingerprint, ``read(shard, start_row)``; the optional parts declared.
-
-A ``Source`` knows its shard list (with identities and, where cheap, row counts), a fingerprint of everything
-that determines its content, and can open shard *s* at row *r* and yield Arrow tables from there. Everything
-above it (plan, stream, cache) uses ``shards``, ``fingerprint`` and ``read``, and the capabilities declared
-here with the values of a source that has none of them (no index, no prefetch, no cache), so that callers
-call them instead of probing for them.
+"""What every reader is: a shard list, a fingerprint, ``read(shard, start_row)``; the optional parts declared
+here with the values of a source that has none of them, so that callers call them instead of probing for them;
+and the plumbing the indexed readers share (ranged fetches, fetching ahead, retried opens, file objects).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +17,7 @@ import pyarrow as pa
 from ..config.specs import SourceSpec
 from ..errors import ResumableStreamError, SourceError
 from ..io.net import RetryPolicy, datasets_retries_off
+from ..io.ranged import read_range
 from .prefetch import Prefetcher
 
 # Rows per Arrow table handed to the stream while reading a shard.
@@ -37,6 +35,55 @@ class ShardInfo:
     def name(self) -> str:
         base = os.path.basename(self.file.rstrip("/")) or f"shard{self.index}"
         return base if self.part is None else f"{base}#{self.part}"
+
+
+def fetcher(path: str, retry: RetryPolicy | None, identity: dict, what: str = "") -> Callable[[int, int], bytes]:
+    """``fetch(start, end)``: bytes of ``path`` (checked against ``identity`` on every answer) under ``retry``."""
+    options = retry.storage_options if retry else {}
+
+    def fetch(start: int, end: int) -> bytes:
+        if retry is not None and retry.applies(path):
+            return retry.call(lambda: read_range(path, start, end, options, identity),
+                              f"data file {path!r}: reading bytes {start}-{end}{what and ' ' + what}", [path])
+        return read_range(path, start, end, options, identity)
+
+    return fetch
+
+
+class SeekableFile(io.RawIOBase):
+    """A read-only file object of ``size`` bytes at ``pos`` for pyarrow, tarfile and indexed_gzip to read through;
+    a subclass gives ``read`` (or ``readinto``)."""
+
+    size = pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def shards_of_runs(files: list[dict], runs: list[tuple[int, int, int]],
+                   rows: Callable[[tuple[int, int, int]], int]) -> list[ShardInfo]:
+    """One shard per run ``(file, first, end)`` of a file's parts, numbered inside its file; ``rows(run)``."""
+    out, last, j = [], None, 0
+    for i, run in enumerate(runs):
+        j = j + 1 if run[0] == last else 0
+        last = run[0]
+        out.append(ShardInfo(i, files[run[0]]["path"], j, rows(run)))
+    return out
 
 
 class Source:
@@ -85,9 +132,8 @@ class Source:
 
 
 class FetchesAhead(Source):
-    """The prefetch capabilities of a source that fetches whole shards ahead in plan order through a
-    :class:`~resumable_stream.sources.prefetch.Prefetcher` (``_fetch_ahead`` starts it; without it nothing is fetched
-    ahead). Subclasses read a shard's fetch with ``_taken(shard)``."""
+    """A source that fetches whole shards ahead in plan order through a :class:`~.prefetch.Prefetcher`
+    (``_fetch_ahead`` starts it); subclasses read a shard's fetch with ``_taken(shard)``."""
 
     _prefetch = None
 
@@ -97,6 +143,7 @@ class FetchesAhead(Source):
         0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers. ``rate()``: the requests per
         second this process may send (the request budget bounds the depth); ``run(shards)`` and
         ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py)."""
+        self._starts: dict[int, int] = {}     # shard -> the row its next fetch ahead starts at (a resume)
         if depth is not None and depth <= 0:
             return
         budget = None if memory_mb is None else int(memory_mb * 2**20)
@@ -129,8 +176,26 @@ class FetchesAhead(Source):
         return self._prefetch.depth if self._prefetch is not None else 0
 
     def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
+        """Fetch ``shards`` ahead; ``starts`` (a resume inside a shard) kept for ``fetch`` to start there."""
         if self._prefetch is not None:
+            self._starts.update((s, (starts or {}).get(s, 0)) for s in shards)
             self._prefetch.hint(partition, shards)
+
+    def _opened(self, shard: int, start_row: int, open_at: Callable[[int, int], Any]) -> Any:
+        """``open_at(shard, start_row)`` under ``data.retries`` (a network fault opening it: tried again)."""
+        info, retry = self.shards[shard], getattr(self, "_retry", None)
+        attempt, started = 0, time.monotonic()
+        while True:
+            try:
+                return open_at(shard, start_row)
+            except ResumableStreamError:
+                raise
+            except Exception as e:
+                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
+                if retry is None or not retry.applies(info.file) or not retry.failed(
+                        e, attempt, label, [info.file], started):
+                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
+                attempt += 1
 
     def prefetch_ahead(self, partition: int) -> int:
         """Its adaptive depth, and a margin (at most the prefetcher's cap)."""
@@ -216,11 +281,9 @@ class NotIndexable(SourceError):
 
 
 class IndexedReader:
-    """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`).
-
-    The index lists, per file, what ``index_file`` returns: the file's identity (given, as listed or asked for
-    by the caller) plus the layout the reader needs to cut it into shards without reading it again. Exact
-    resume then rests on ``open_indexed`` making the same shards from the same index in every process."""
+    """A format we index and read ourselves (registered in :mod:`~resumable_stream.config.formats`): per file
+    ``index_file`` gives its identity plus the layout that cuts it into shards; exact resume rests on
+    ``open_indexed`` making the same shards from the same index in every process (docs/internals.md)."""
 
     layout_keys: tuple[str, ...] = ()    # entry keys that describe the layout, not the file's identity
     index_reads_files = False            # index_file reads every byte (JSON lines): files indexed one per core
@@ -249,15 +312,13 @@ class IndexedReader:
         raise SourceError(f"data file {path!r}: its features are unknown")
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
-        """What ``build_index`` asks when ``datasets`` gives no features: the first file's entry, its raw
-        metadata (``footers``), the source's spec and the retries. By default :meth:`features` of its path and
-        metadata; a format whose features come from the data (webdataset: its first samples) overrides it."""
+        """The features when ``datasets`` gives none, from the first file's entry and raw metadata: by default
+        :meth:`features`; a format whose features come from the data (webdataset: its first samples) overrides it."""
         return self.features(entry["path"], footer)
 
     def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
-        """A future of the features when they can be inferred from the first file's path alone, while the files
-        are indexed (an object whose ``result()`` waits for them and may be None: then ``infer_features`` is asked
-        as usual); None: not so."""
+        """An object whose ``result()`` gives the features (or None: ``infer_features`` is asked), inferred from
+        the first file's path while the files are indexed; None: not so."""
         return None
 
     def entry_problem(self, entry: dict) -> str | None:
@@ -281,3 +342,18 @@ class IndexedReader:
                      footers: dict[str, bytes] | None) -> Source:
         """The source of an index this reader built (the shard list a pure function of the index)."""
         raise NotImplementedError
+
+
+class ScannedReader(IndexedReader):
+    """A format indexed by one pass over each file: ``scan(path, retry, identity, whole)``, ``whole`` for a
+    growing dataset (IncompleteFileError for a file still being written)."""
+
+    scan: Callable[..., dict]
+
+    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
+                   footers: dict[str, bytes] | None = None) -> dict:
+        return self.scan(path, retry, identity)
+
+    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
+                       footers: dict[str, bytes] | None = None) -> dict:
+        return self.scan(path, retry, identity, whole=True)

@@ -1,23 +1,16 @@
-"""A dataset fingerprint's files, held compactly: what every rank keeps and every state carries.
+"""A dataset fingerprint's files, held compactly: ``{"count": n, "digest": d}`` (the blake2b of the identities of
+a table's first ``n`` files, in columns) instead of a dict a file on every rank and in every state.
 
-A fingerprint lists what decides a source's content, every data file's identity among it (path, size, mtime
-or a remote file's markers, parquet footer digest). For an indexed parquet dataset that list was a dict a file
-(~400 bytes of Python objects on every rank: 400 MB at a million files) in every state. It is now
-``{"count": n, "digest": d}``: the number of files and the blake2b of their identities in columns
-(:func:`columns_digest` of ``FileTable.identity_arrays``), which stands for the identities of the first ``n``
-files of a table. The identities themselves stay in the table (the source's index) and in the dataset index a
-checkpoint saves (written once, by rank 0).
-
-Two such values are compared by their digests. Only when they differ are the identities looked up
-(:func:`identities`): in a table this process holds (the current source's, made known by :func:`compact`), or
-in the indexes of the checkpoint being read (:func:`saved_indexes`), and compared file by file as the lists
-always were (``state.checks``). A fingerprint written before, which lists the identities, gets the same
-digest from its list (put in columns), so that it is compared with a table's at the same cost.
+Two such values compare by their digests; only when they differ are the identities looked up
+(:func:`identities`: in a table this process holds, or in the indexes of the checkpoint being read,
+:func:`saved_indexes`) and compared file by file (``state.checks``). A listed fingerprint (a reader without a
+columnar index) gets the same digest from its list. docs/internals.md has the why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import struct
 import weakref
@@ -34,7 +27,7 @@ _PERSON = b"rs-files-1"      # the digest of this column layout (another layout:
 # (table, {count: digest}) of the tables this process made compact fingerprints of, held weakly
 _known: list[tuple[weakref.ref, dict[int, str]]] = []
 # loaders of the indexes of the checkpoints being read (innermost last), each decoded when first needed
-_saved: list[_Lazy] = []
+_saved: list[Callable[[], list[tuple[FileTable, dict[int, str]]]]] = []
 
 
 class TableIdentities(Sequence):
@@ -135,18 +128,8 @@ def _tables() -> Iterator[tuple[FileTable, dict[int, str]]]:
         table = ref()
         if table is not None:
             yield table, digests
-    for lazy in reversed(_saved):
-        yield from lazy.tables()
-
-
-class _Lazy:
-    def __init__(self, load: Callable[[], list[FileTable]]):
-        self._load, self._tables = load, None
-
-    def tables(self) -> list[tuple[FileTable, dict[int, str]]]:
-        if self._tables is None:
-            self._tables = [(t, {}) for t in self._load()]
-        return self._tables
+    for tables in reversed(_saved):
+        yield from tables()
 
 
 @contextlib.contextmanager
@@ -156,7 +139,7 @@ def saved_indexes(load: Callable[[], list[FileTable]] | None):
     if load is None:
         yield
         return
-    lazy = _Lazy(load)
+    lazy = functools.cache(lambda: [(t, {}) for t in load()])      # decoded once, when first asked
     _saved.append(lazy)
     try:
         yield

@@ -1,16 +1,7 @@
-"""Footers of remote data files kept on local disk, keyed by the file's identity (``data.cache_dir``/footers).
-
-Building a dataset index reads each file's identity (one metadata request, or a listing) and its footer (one
-more ranged read). With the block cache on (``data.cache_dir``), the block cache keeps the footers its source's
-index was built from (``cache/cached_source.py``), and an index build looks here before reading one: the key is a digest of the
-identity the file has *now* (path, size and its version markers: ETag, mtime, Last-Modified, blob id,
-sha256), so a file rewritten since (another ETag or size) looks up another key and its footer is read afresh;
-a stale footer is never served for changed bytes. A file whose identity has no version marker (only a size)
-is never served from here: a same-size rewrite would be invisible.
-
-Each entry is one small file written atomically: a magic, a digest of the key and the footer, the footer.
-An entry that fails its check (truncated, edited, moved under another key) is ignored and read again from
-the source. Entries are a few KiB per file version; they are not evicted with the blocks.
+"""Footers of remote data files kept on local disk (``data.cache_dir``/footers), keyed by a digest of the file's
+identity *now* (path, size, ETag / mtime / ...): a rewritten file looks up another key, so a stale footer is
+never served; a file without a version marker is never served from here. Each entry is written atomically
+and checked on read (magic, digest of key and footer); one that fails is ignored (docs/cache-and-warmup.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The dataset index: what a job needs to read an indexed dataset (parquet, ...) without resolving it again.
-
-One JSON document: the config that resolved it (dataset, builder config, data_files, split), the
-features ``datasets`` would cast to, the format that reads it (``reader``, a name of the source registry;
-absent: parquet, as in every index written before the key), and per data file its identity (size plus every
-version marker the filesystem gives at no extra request: mtime, ETag, Last-Modified, blob id, LFS sha256) and
-what its format records (parquet: the digest of its footer and its row-group layout, rows and the byte range
-of each row group's column chunks). Built once per job (``sources.resolve.build_index``: one metadata request
-and one footer read per file), it can be shared between ranks, saved next to the checkpoints and loaded again,
-so that no rank resolves the dataset or reads a footer at a restart.
+"""The dataset index: what a job needs to read an indexed dataset without resolving it again (the config that
+resolved it, the features, the format that reads it, and per file its identity and layout). Built once per job
+(``resolve.build_index``), shared between ranks and saved with the checkpoints, so that no rank resolves the
+dataset or reads a footer at a restart.
 """
 
 from __future__ import annotations
@@ -30,9 +24,7 @@ from .index_table import (
     pack_index,
     unpack_index,
 )
-from .parquet_footer import (
-    PARQUET_LAYOUT_KEYS,
-)
+from .parquet_footer import PARQUET_LAYOUT_KEYS
 
 INDEX_FORMAT = "resumable-stream-index"
 INDEX_VERSION = 1

@@ -1,13 +1,9 @@
 """A parquet dataset index's files, columnar: what a rank holds in memory and what rank 0 broadcasts.
 
-The JSON form lists one object per file (~2 KB of Python objects each with 10 row groups: 2 GB at a million
-files, on every rank). :class:`FileTable` keeps the same content in a few numpy arrays (sizes, mtimes, footer
-digests, row-group rows / first byte / end byte) plus two string tables (the paths; the other identity keys a
-remote filesystem gives, as compact JSON), about 12 bytes per row group and 50 per file plus the path. It is
-a read-only sequence of the very dicts the JSON form has (made on demand), so the code that reads an index
-entry by entry is unchanged, and :func:`pack_index` / :func:`unpack_index` turn an index into one binary
-message and back: an 8-byte magic, a length-prefixed JSON header (everything but the files, the counts and
-the dtypes) and length-prefixed arrays, every length, dtype, offset and span checked on the way in.
+:class:`FileTable` keeps the JSON form's content in a few numpy arrays plus two string tables (~12 bytes per row
+group and 50 per file plus the path, against ~2 KB of Python objects per file), as a read-only sequence of the
+very dicts the JSON form has. :func:`pack_index` / :func:`unpack_index`: one binary message (magic, a
+length-prefixed JSON header, length-prefixed arrays), every length, dtype, offset and span checked on the way in.
 """
 
 from __future__ import annotations
@@ -164,9 +160,6 @@ class FileTable(Sequence):
         file = int(np.searchsorted(offsets, shard, side="right")) - 1
         return file, shard - int(offsets[file])
 
-    def group_bytes(self, shard: int) -> int:
-        return int(self._a["end"][shard]) - int(self._a["start"][shard])
-
     def group_span(self, shard: int) -> tuple[int, int]:
         """[first byte, end byte) of the ``shard``-th row group in its file."""
         return int(self._a["start"][shard]), int(self._a["end"][shard])
@@ -251,10 +244,9 @@ def pack_index(index: dict) -> bytes:
     header = {"index": {k: v for k, v in index.items() if k != "files"}, "files": len(table),
               "row_groups": table.num_row_groups, "dtypes": {k: arrays[k].dtype.str for k, _ in _ARRAYS}}
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    out = [MAGIC, struct.pack("<Q", len(head)), head]
+    out = [MAGIC, *framed(head)]
     for name, _ in _ARRAYS:
-        data = np.ascontiguousarray(arrays[name]).tobytes()
-        out += [struct.pack("<Q", len(data)), data]
+        out += framed(np.ascontiguousarray(arrays[name]).tobytes())
     return b"".join(out)
 
 
@@ -262,9 +254,16 @@ def is_packed(data: bytes) -> bool:
     return data[:len(MAGIC)] == MAGIC
 
 
-class _Cursor:
-    def __init__(self, data: memoryview):
-        self.data, self.pos = data, len(MAGIC)
+def framed(data: bytes) -> list[bytes]:
+    """``data`` as a frame of a message: its length (8 bytes, little-endian), then itself."""
+    return [struct.pack("<Q", len(data)), data]
+
+
+class Frames:
+    """The length-prefixed frames of a message from ``pos`` on, each length checked against what is left."""
+
+    def __init__(self, data: memoryview, pos: int = len(MAGIC)):
+        self.data, self.pos = data, pos
 
     def take(self, what: str) -> memoryview:
         if self.pos + 8 > len(self.data):
@@ -283,7 +282,7 @@ def unpack_index(data: bytes, parse_header) -> dict:
     ``parse_header``: the bounded JSON parser for its header. Raises IndexTableError saying what is wrong."""
     if not is_packed(data):
         raise IndexTableError("not a packed dataset index (no magic)")
-    cur = _Cursor(memoryview(data))
+    cur = Frames(memoryview(data))
     header = parse_header(bytes(cur.take("the header")))
     if not (isinstance(header, dict) and isinstance(header.get("index"), dict) and isinstance(header.get("dtypes"), dict)):
         raise IndexTableError("malformed header")

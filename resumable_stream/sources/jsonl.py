@@ -1,19 +1,8 @@
 """JSON lines (``.jsonl`` / ``.json`` lines, plain, ``.gz`` or ``.zst``), indexed: read by byte ranges from a sparse
-line-offset index (:mod:`.jsonl_index`).
-
-A shard is a run of rows read from one access point (plain text and gzip: one piece of at most 16 MiB / 16,384
-rows; a one-frame zstd file: the whole file). ``read(shard, row)`` fetches the compressed bytes from the shard's
-access point (one ranged read per piece), decompresses them (a one-frame zstd file: from its start, skipping what
-comes before the row's piece without parsing it), checks each piece's text against the CRC-32 the index recorded
-and parses rows from ``row`` on only. Rows are parsed as ``datasets``' json builder parses them (pyarrow's JSON
-reader on a block of lines, the builder's own cast to the features it inferred from the first file, its JSON
-fields re-encoded the way it does), so they equal ``load_dataset("json", ..., streaming=True)``'s
-(``tests/sources/test_jsonl.py`` compares them).
-
-A line that does not parse (or is no JSON object, or holds more than one value, or cannot be cast to the
-features) is a **bad sample**: every column None and ``__bad_sample__`` naming the file, the row and why. The row
-count never changes; the transforms apply ``data.bad_sample`` to it. A good row has no ``__bad_sample__`` key (the
-column is marked so: the stream leaves a null mark out of the row).
+line-offset index (:mod:`.jsonl_index`), each piece's text checked against its CRC-32 before it is parsed, rows
+equal to ``load_dataset("json", ..., streaming=True)``'s (:mod:`.jsonl_rows`). A line that does not parse is a
+bad sample (``__bad_sample__`` says why; the row count never changes). docs/formats.md says what a shard and a
+resume cost.
 """
 
 from __future__ import annotations
@@ -22,10 +11,10 @@ import bisect
 import io
 import json
 import logging
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import pyarrow as pa
@@ -33,15 +22,14 @@ import pyarrow as pa
 from ..config.specs import SourceSpec
 from ..errors import (
     IncompleteFileError,
-    ResumableStreamError,
     SourceError,
     StreamMismatchError,
 )
 from ..io.net import RetryPolicy
-from ..io.ranged import WrongBytes, read_range
+from ..io.ranged import WrongBytes
 from ..observe.metrics import record_retry, record_row_group
 from . import jsonl_index, jsonl_rows
-from .base import FetchesAhead, IndexedReader, NotIndexable, ShardInfo
+from .base import FetchesAhead, NotIndexable, ScannedReader, fetcher, shards_of_runs
 from .index import identity_of
 from .parquet import prefetch_depth
 from .parquet_rows import decoder_pool
@@ -53,18 +41,6 @@ HEAD_BYTES = 64 << 10          # the bytes at each end of a local file re-read o
 
 
 # ------------------------------------------------------------------------------ index
-def _fetcher(path: str, retry: RetryPolicy | None, identity: dict, what: str) -> Callable[[int, int], bytes]:
-    options = retry.storage_options if retry else {}
-
-    def fetch(start: int, end: int) -> bytes:
-        if retry is not None and retry.applies(path):
-            return retry.call(lambda: read_range(path, start, end, options, identity),
-                              f"data file {path!r}: reading bytes {start}-{end} {what}", [path])
-        return read_range(path, start, end, options, identity)
-
-    return fetch
-
-
 def head_digest(path: str, size: int, fetch: Callable[[int, int], bytes]) -> str:
     """CRC-32s of a file's first and last HEAD_BYTES: what a local file is re-checked on (a same-size, same-mtime
     rewrite), at the cost of two reads."""
@@ -83,7 +59,7 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool
     if compression is None:
         raise SourceError(f"data file {path!r}: a compression this library does not index (allowed: none, .gz, "
                           ".zst)")
-    fetch = _fetcher(path, retry, identity, "to index it")
+    fetch = fetcher(path, retry, identity, "to index it")
     size = identity["size"]
     if ".json." in path.lower().split("?", 1)[0] + "." and _starts_an_array(fetch(0, min(size, 65536)), compression):
         raise NotIndexable(f"data file {path!r}: a JSON array, not JSON lines")
@@ -175,12 +151,11 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
     first = entry["pieces"][0] if entry["pieces"] else None
     if first is None:
         raise SourceError(f"data file {path!r}: holds no rows; the features are inferred from the first file")
-    text = _Text(entry, first[4], _fetcher(path, retry, entry, "to infer the features")) \
-        if entry["compression"] != "none" else None
-    chunk = text.upto(first[2], first[5]) if text is not None else \
-        _fetcher(path, retry, entry, "to infer the features")(first[1], first[2])
-    if text is not None:
-        text.close()
+    fetch = fetcher(path, retry, entry, "to infer the features")
+    if entry["compression"] == "none":
+        chunk = fetch(first[1], first[2])
+    else:
+        chunk = _Text(entry, first[4], fetch).upto(first[2], first[5])
     good = [line for line in chunk.splitlines()
             if not jsonl_index.is_blank(line) and jsonl_rows.line_problem(line) is None]
     if not good:
@@ -295,9 +270,6 @@ class _Text:
         else:
             self._inflate = _Inflate(entry, point, fetch)
 
-    def close(self) -> None:
-        """(Nothing is held but memory.)"""
-
     def _zstd_into(self, out: memoryview, u_end: int, c_end: int) -> None:
         """Fill ``out`` with the next text (exactly its length)."""
         import zstandard
@@ -373,7 +345,6 @@ class JsonLinesSource(FetchesAhead):
         self.index = index
         self._files = index["files"]
         self._retry = retry if retry.remote else None
-        self._options = retry.storage_options
         self._rows = jsonl_rows.Blocks(index["features"])
         # features the lines way makes (jsonl_rows): a piece is handed on as its lines, parsed as they are used
         self._features_json = json.dumps(index["features"], separators=(",", ":")).encode()
@@ -387,18 +358,12 @@ class JsonLinesSource(FetchesAhead):
                     runs.append((f, a, b))
         self._runs = runs
         self._before: dict[int, list[int]] = {}
-        self.shards = []
-        last, j = None, 0
-        for i, (f, a, b) in enumerate(runs):
-            j = j + 1 if f == last else 0
-            last = f
-            self.shards.append(ShardInfo(i, self._files[f]["path"], j,
-                                         sum(p[0] for p in self._files[f]["pieces"][a:b])))
+        self.shards = shards_of_runs(self._files, runs,
+                                     lambda r: sum(p[0] for p in self._files[r[0]]["pieces"][r[1]:r[2]]))
         self.fingerprint = dataset_fingerprint(spec, index["builder"],
                                                [identity_of(f, JsonLinesReader.layout_keys) for f in self._files],
                                                self.shards)
         self.column_names = list(index["features"])
-        self._starts: dict[int, int] = {}
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
                           self._shard_bytes, remote=retry.remote)
 
@@ -408,11 +373,7 @@ class JsonLinesSource(FetchesAhead):
         known = self._before.get(shard)
         if known is None:
             f, a, b = self._runs[shard]
-            known, n = [0], 0
-            for p in self._files[f]["pieces"][a:b]:
-                n += p[0]
-                known.append(n)
-            self._before[shard] = known
+            known = self._before[shard] = [0, *accumulate(p[0] for p in self._files[f]["pieces"][a:b])]
         return known
 
     def _locate(self, shard: int, row: int) -> tuple[int, int]:
@@ -422,25 +383,7 @@ class JsonLinesSource(FetchesAhead):
         k = bisect.bisect_right(before, row) - 1
         return a + k, row - before[k]
 
-    def _fetch(self, path: str, entry: dict) -> Callable[[int, int], bytes]:
-        retry, options = self._retry, self._options
-
-        def fetch(start: int, end: int) -> bytes:
-            if retry is not None and retry.applies(path):
-                return retry.call(lambda: read_range(path, start, end, options, entry),
-                                  f"data file {path!r}: reading bytes {start}-{end}", [path])
-            return read_range(path, start, end, options, entry)
-
-        return fetch
-
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that row's piece on."""
-        if self._prefetch is not None:
-            starts = starts or {}
-            self._starts.update((s, starts.get(s, 0)) for s in shards)
-            super().prefetch(partition, shards)
-
     def _shard_bytes(self, shard: int) -> int:
         """The compressed bytes a fetch ahead of ``shard`` transfers: its first piece's, from its access point."""
         f, a, _ = self._runs[shard]
@@ -469,7 +412,7 @@ class JsonLinesSource(FetchesAhead):
         def attempt() -> _Reading:
             text = None
             if entry["compression"] != "none":
-                text = _Text(entry, entry["pieces"][a][4], self._fetch(path, entry))
+                text = _Text(entry, entry["pieces"][a][4], fetcher(path, self._retry, entry))
                 if piece > a:          # decompress and skip the pieces before the row's: nothing of them parsed
                     prev = entry["pieces"][piece - 1]
                     text.skip(entry["pieces"][piece][1], prev[5])
@@ -496,7 +439,7 @@ class JsonLinesSource(FetchesAhead):
         """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on."""
         rows, start, end, crc, _, cend = entry["pieces"][reading.piece]
         if reading.text is None:
-            text = self._fetch(entry["path"], entry)(start, end)
+            text = fetcher(entry["path"], self._retry, entry)(start, end)
         else:
             text = reading.text.upto(end, cend)
             if reading.text.u - len(text) != start:    # text of the piece starts at its first row
@@ -547,8 +490,6 @@ class JsonLinesSource(FetchesAhead):
                     ahead.result()
                 except Exception:      # noqa: BLE001 - a piece nobody reads
                     pass
-            if reading.text is not None:
-                reading.text.close()
 
     def _checked_next(self, shard: int, entry: dict, reading: _Reading) -> pa.Table:
         """The next piece's table; a piece whose text fails its check is read again from the shard's point."""
@@ -557,8 +498,6 @@ class JsonLinesSource(FetchesAhead):
             return self._piece_table(entry, reading, 0)
         except WrongBytes as e:
             log.warning("data file %r: %s; reading it once more from the source", entry["path"], e)
-        if reading.text is not None:
-            reading.text.close()
         rows_before = self._offsets(shard)[piece - self._runs[shard][1]]
         again = self._open(shard, rows_before)
         reading.piece, reading.text = again.piece, again.text
@@ -568,25 +507,10 @@ class JsonLinesSource(FetchesAhead):
         ahead = self._taken(shard)
         if ahead is not None and ahead.first_row <= start_row < ahead.first_row + ahead.num_rows:
             return ahead
-        if ahead is not None and ahead.text is not None:
-            ahead.text.close()
-        info = self.shards[shard]
-        retry = self._retry
-        attempt, started = 0, time.monotonic()
-        while True:
-            try:
-                return self._open(shard, start_row)
-            except ResumableStreamError:
-                raise
-            except Exception as e:
-                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
-                if retry is None or not retry.applies(info.file) or not retry.failed(
-                        e, attempt, label, [info.file], started):
-                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
-                attempt += 1
+        return self._opened(shard, start_row, self._open)
 
 
-class JsonLinesReader(IndexedReader):
+class JsonLinesReader(ScannedReader):
     """The registry's jsonl entry (``config/formats.py``): JSON-lines files indexed by :mod:`.jsonl_index`."""
 
     # the compression, the decompressed length, rows, pieces and points, the cut rule: layout, not identity
@@ -595,13 +519,7 @@ class JsonLinesReader(IndexedReader):
     content_keys = ("head",)
     index_reads_files = True
 
-    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
-                   footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity)
-
-    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
-                       footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity, whole=True)
+    scan = staticmethod(index_file)
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(spec, entry, retry)
@@ -624,7 +542,7 @@ class JsonLinesReader(IndexedReader):
 
     def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
         try:
-            return {"head": head_digest(path, identity["size"], _fetcher(path, None, identity, "to check it"))}
+            return {"head": head_digest(path, identity["size"], fetcher(path, None, identity, "to check it"))}
         except (OSError, SourceError, StreamMismatchError) as e:
             return {"head": f"unreadable ({type(e).__name__}: {e})"}
 

@@ -1,23 +1,12 @@
 """One pass over a JSON-lines file (plain, gzip or zstd): where its rows are, cut into pieces, and where a read
 of each piece starts (a sparse line-offset index).
 
-A **row** is a line holding anything but JSON whitespace (space, tab, CR), as pyarrow's JSON reader (``datasets``'
-json builder) counts them: blank lines are no rows. A **piece** is a run of consecutive rows, cut at
-``PIECE_MAX_BYTES`` of text or ``PIECE_MAX_ROWS`` rows, whichever comes first; the index keeps per piece its rows,
-the byte span of its text in the decompressed file, the CRC-32 of that text (checked before any of it becomes a
-row), the access point its decompression starts from and how far into the compressed file that decompression
-reads. An **access point** is where decompression can start without reading what comes before:
-
-* plain text: every line start (a piece is its own byte range);
-* zstd: the start of every frame (a file of many frames is cut at frame starts; a file of one frame has one
-  access point, its start: a read of a piece decompresses from there and skips what comes before, never parsing
-  it);
-* gzip: zran points, found by ``indexed_gzip`` (a deflate block boundary: its compressed byte and bit offset and the
-  32 KiB of text before it, kept zlib-compressed in the index), about every ``GZIP_SPACING`` bytes; a piece is cut
-  at the first point after it is full (so it starts at its own point), and at every gzip member start.
-
-A **shard** (what the plan deals and a window reads from) is a run of pieces read from one access point: for plain
-text and gzip every piece, for a one-frame zstd file the whole file.
+A **row** is a line holding anything but JSON whitespace (as pyarrow's JSON reader counts them). A **piece** is a
+run of rows cut at ``PIECE_MAX_BYTES`` of text or ``PIECE_MAX_ROWS`` rows; the index keeps per piece its rows, its
+text's byte span and CRC-32, its access point and its compressed end. An **access point** is where decompression
+can start: every line (plain), every frame start (zstd), zran points found by ``indexed_gzip`` (gzip: a deflate
+block boundary with its bit offset and 32 KiB window) and member starts. A **shard** is a run of pieces read from
+one access point (a one-frame zstd file: the whole file).
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ from typing import Any
 
 from ..errors import SourceError
 from ..limits import is_int
+from .base import NotIndexable, SeekableFile
 
 PIECE_MAX_BYTES = 16 << 20
 PIECE_MAX_ROWS = 16384
@@ -310,15 +300,12 @@ def _layout(cutter: _Cutter, length: int, points: list[list], windows: list[str]
 def _scan_plain(size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     cutter = _Cutter(plain=True)
     pos = 0
-    while pos < size:
-        data = fetch(pos, min(size, pos + READ_CHUNK))
-        if not data:
-            break
-        pos += len(data)
+    for start, data in _chunks(size, fetch):
+        pos = start + len(data)
         cutter.feed(data, pos, eof=pos >= size)
     if size == 0:
         cutter.feed(b"", 0, eof=True)
-    return {"length": pos, "rows": sum(p[0] for p in cutter.pieces), "pieces": cutter.pieces, "points": []}
+    return _layout(cutter, pos, [], [])
 
 
 def _chunks(size: int, fetch: Callable[[int, int], bytes]) -> Iterator[tuple[int, bytes]]:
@@ -359,26 +346,13 @@ def _scan_zstd(size: int, fetch: Callable[[int, int], bytes]) -> dict[str, Any]:
     return _layout(cutter, u, [[pu, pc, 0] for pu, pc in cutter.points], [])
 
 
-class _RangedFile(io.RawIOBase):
+class _RangedFile(SeekableFile):
     """A read-only file over ``fetch(start, end)`` (what indexed_gzip reads a remote gzip through)."""
 
     def __init__(self, size: int, fetch: Callable[[int, int], bytes]):
         super().__init__()
         self.size, self._fetch, self.pos = size, fetch, 0
         self._chunks: list[tuple[int, bytes]] = []      # the last two chunks read (indexed_gzip steps back a little)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
-        return self.pos
 
     def readinto(self, buffer) -> int:
         n = min(len(buffer), self.size - self.pos)
@@ -418,8 +392,6 @@ def _scan_gzip(path: str, size: int, fetch: Callable[[int, int], bytes]) -> dict
     try:
         import indexed_gzip
     except ImportError:
-        from .base import NotIndexable
-
         raise NotIndexable(f"data file {path!r}: reading a .gz JSON-lines file by its access points needs the "
                            "package indexed_gzip (pip install indexed_gzip)") from None
     raw = _RangedFile(size, fetch)

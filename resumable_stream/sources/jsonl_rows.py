@@ -2,32 +2,25 @@
 
 Two ways, picked once per dataset by its features:
 
-* **Lines** (``LineRows.fast``: every feature a ``Value`` of string / int64 / float64 / bool / null, a ``List`` of
-  such, or a struct of such, as the json builder infers them): a piece's text is handed on as a **lines table**
-  (``lines_table``): one ``large_binary`` row per JSON line pointing into the piece's text (no copy), plus the
-  file's name and the row's number there. The stream makes rows of the lines it hands out only
-  (``rows_of_lines``): ``orjson.loads`` per line, and each row brought to what the builder gives (its keys in the
-  features' order, a missing key None, an int of a float64 column a float; ``Conformer``), the way pyarrow's JSON
-  reader and the builder's cast would make it. A line that does not fit that simply (another type, an extra
-  key, no JSON, a BOM) is parsed as the builder does it, alone (the block way below, on its line): the row, or a
-  bad sample.
-* **Blocks** (any other features: Json fields, timestamps, ...): pyarrow's JSON reader parses a block of lines,
-  then ``datasets``' own ``Json._cast_table`` casts it to the features (``Blocks``), as before.
+* **Lines** (plain string / int64 / float64 / bool / null values, lists and structs of them): a piece is handed on
+  as a **lines table** (``lines_table``: one row per line pointing into the piece's text, no copy); a row is made
+  only when the stream hands it out (``rows_of_lines``: ``orjson.loads`` and ``Conformer``). A line that does not
+  fit that simply is parsed alone the blocks way: the row, or a bad sample.
+* **Blocks** (any other features): pyarrow's JSON reader on a block of lines, then ``datasets``' own
+  ``Json._cast_table`` (``Blocks``).
 
-Arrow's JSON reader makes a string column whose every value in a block looks like an ISO-8601 time a timestamp
-column, and the builder casts it back to text reformatted (``"2020-01-01"`` -> ``"2020-01-01 00:00:00"``) when
-its features say string (they were inferred from the first chunk, where some value did not look like a time).
-The lines way keeps such text as it is written (docs/limitations.md). A JSON object with a key given twice
-is a bad sample for pyarrow (so for ``datasets``) and the last value for orjson: the lines way gives that row.
+Where the two ways differ from ``datasets`` (ISO-8601-looking text, a key given twice): docs/limitations.md.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import json
 import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -83,29 +76,20 @@ def _fixer(feature: Any) -> Callable[[Any], tuple[bool, Any]] | None:
     return _struct_fixer(fields)
 
 
-def _scalar_fixer(dtype: str) -> Callable[[Any], tuple[bool, Any]]:
-    lo, hi = _INT64
+_FITS: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: type(v) is str, "int64": lambda v: type(v) is int and _INT64[0] <= v <= _INT64[1],
+    "bool": lambda v: type(v) is bool, "null": lambda v: False}
 
-    if dtype == "string":
-        def fix(v):
-            return (v is None or type(v) is str), v
-    elif dtype == "int64":
-        def fix(v):
-            return (v is None or (type(v) is int and lo <= v <= hi)), v
-    elif dtype == "float64":
+
+def _scalar_fixer(dtype: str) -> Callable[[Any], tuple[bool, Any]]:
+    if dtype == "float64":
         def fix(v):
             if type(v) is float or v is None:
                 return True, v
-            if type(v) is int:
-                return True, float(v)
-            return False, v
-    elif dtype == "bool":
-        def fix(v):
-            return (v is None or type(v) is bool), v
-    else:   # null
-        def fix(v):
-            return v is None, v
-    return fix
+            return (True, float(v)) if type(v) is int else (False, v)
+        return fix
+    fits = _FITS[dtype]
+    return lambda v: (v is None or fits(v), v)
 
 
 def _list_fixer(item: Callable[[Any], tuple[bool, Any]]) -> Callable[[Any], tuple[bool, Any]]:
@@ -142,22 +126,17 @@ def _struct_fixer(fields: dict[str, Callable]) -> Callable[[Any], tuple[bool, An
     return fix
 
 
+@functools.cache
 def has_orjson() -> bool:
     """Whether orjson (a native accelerator, declared in pyproject) can be imported: without it every dataset is
     read the blocks way (pyarrow's JSON reader, the builder's cast): the same rows, more CPU per row."""
-    global _ORJSON
-    if _ORJSON is None:
-        try:
-            import orjson  # noqa: F401
-            _ORJSON = True
-        except ImportError:
-            log.warning("orjson is not installed: JSON lines are parsed by pyarrow's JSON reader (the same rows, "
-                        "slower); pip install orjson")
-            _ORJSON = False
-    return _ORJSON
-
-
-_ORJSON: bool | None = None
+    try:
+        import orjson  # noqa: F401
+    except ImportError:
+        log.warning("orjson is not installed: JSON lines are parsed by pyarrow's JSON reader (the same rows, "
+                    "slower); pip install orjson")
+        return False
+    return True
 
 
 class Conformer:
@@ -228,14 +207,9 @@ class Conformer:
         return env["factory"]
 
 
-_CONFORMERS: dict[bytes, Conformer] = {}
-
-
+@functools.cache
 def conformer(features_json: bytes) -> Conformer:
-    found = _CONFORMERS.get(features_json)
-    if found is None:
-        found = _CONFORMERS[features_json] = Conformer(json.loads(features_json))
-    return found
+    return Conformer(json.loads(features_json))
 
 
 # ------------------------------------------------------------------------------ lines tables (source side)
@@ -354,14 +328,9 @@ def _row_alone(line: bytes, path: str, row: int, features_json: bytes) -> dict:
     return out
 
 
-_BLOCKS: dict[bytes, Blocks] = {}
-
-
+@functools.cache
 def _blocks(features_json: bytes) -> Blocks:
-    found = _BLOCKS.get(features_json)
-    if found is None:
-        found = _BLOCKS[features_json] = Blocks(json.loads(features_json))
-    return found
+    return Blocks(json.loads(features_json))
 
 
 # ------------------------------------------------------------------------------ blocks (pyarrow, as datasets)
@@ -370,30 +339,27 @@ class Blocks:
 
     def __init__(self, features: dict):
         self._features_dict = features
-        self._features = None
-        self._schema = None
-        self._json_paths: list | None = None
 
     def __getstate__(self) -> dict:
-        return {"_features_dict": self._features_dict, "_features": None, "_schema": None, "_json_paths": None}
+        return {"_features_dict": self._features_dict}      # the rest made again where it is read
 
-    def _ready(self) -> None:
-        if self._features is None:
-            import datasets
+    @functools.cached_property
+    def _features(self):
+        import datasets
 
-            self._features = datasets.Features.from_dict(self._features_dict)
-            self._schema = self._features.arrow_schema
-            try:
-                from datasets.utils.json import get_json_field_paths_from_feature
-            except ImportError:          # a datasets without JSON fields (before 5.x)
-                self._json_paths = []
-            else:
-                self._json_paths = list(get_json_field_paths_from_feature(self._features))
+        return datasets.Features.from_dict(self._features_dict)
 
-    @property
+    @functools.cached_property
     def schema(self) -> pa.Schema:
-        self._ready()
-        return self._schema
+        return self._features.arrow_schema
+
+    @functools.cached_property
+    def _json_paths(self) -> list:
+        try:
+            from datasets.utils.json import get_json_field_paths_from_feature
+        except ImportError:          # a datasets without JSON fields (before 5.x)
+            return []
+        return list(get_json_field_paths_from_feature(self._features))
 
     def _encoded(self, block: bytes) -> bytes:
         """The block with its JSON fields encoded as strings, as the builder does before parsing."""
@@ -408,12 +374,11 @@ class Blocks:
         """``block`` (whole lines) as a table in the features; raises on anything the builder would refuse."""
         import pyarrow.json as paj
 
-        self._ready()
         if self._json_paths:
             block = self._encoded(block)
         table = paj.read_json(io.BytesIO(block), read_options=paj.ReadOptions(
             use_threads=False, block_size=max(len(block) + 1, 1 << 16)))
-        cast = cast_like_datasets(table, self._schema)
+        cast = cast_like_datasets(table, self.schema)
         if cast is not None:
             return cast
         return self._cast(table)
@@ -423,13 +388,15 @@ class Blocks:
         string, then ``table_cast``)."""
         from datasets.packaged_modules.json.json import Json
 
-        return Json._cast_table(_BuilderShim(self._features), table)
+        # what _cast_table reads of its builder: info.features (datasets 5.x), config.features (4.x)
+        shim = SimpleNamespace(info=SimpleNamespace(features=self._features),
+                               config=SimpleNamespace(features=self._features))
+        return Json._cast_table(shim, table)
 
     def table(self, text: bytes, lo: int, rows: int, where: Callable[[int], str]) -> pa.Table:
         """The ``rows`` rows of ``text`` from byte ``lo`` (a row's start), with the bad-sample column; a block
         that does not parse whole is parsed row by row, each row that fails a bad sample (``where(i)``: row
         ``i`` of the block, named for the reason)."""
-        self._ready()
         block = text[lo:] if lo else text
         try:
             table = self.parse(block)
@@ -455,7 +422,7 @@ class Blocks:
                 except Exception as e:   # noqa: BLE001 - a value the features cannot take: a bad sample
                     why = f"does not fit the dataset's features ({type(e).__name__}: {str(e)[:200]})"
             reasons.append(why)
-        schema = self._schema
+        schema = self.schema
         bad_rows = [i for i, why in enumerate(reasons) if why is not None]
         for i in bad_rows:
             reasons[i] = _bad(where(i), reasons[i])
@@ -471,14 +438,6 @@ class Blocks:
                 b += 1
         out = joined.take(pa.array(order, pa.int64()))
         return out.append_column(marker_field(), pa.array(reasons, pa.string()))
-
-
-class _BuilderShim:
-    """What ``Json._cast_table`` reads of its builder: ``info.features`` (datasets 5.x), ``config.features`` (4.x)."""
-
-    def __init__(self, features):
-        self.info = type("Info", (), {"features": features})()
-        self.config = type("Config", (), {"features": features})()
 
 
 def line_problem(line: bytes) -> str | None:

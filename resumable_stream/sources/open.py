@@ -15,12 +15,11 @@ from .map_style import open_local, open_prepared
 from .resolve import (
     Resolved,
     build_index,
-    builder_args,
     dataset_fingerprint,
     file_identity,
-    remote_targets,
     resolve_files,
     resolve_split,
+    where_to_look,
 )
 
 log = logging.getLogger(__name__)
@@ -28,29 +27,16 @@ log = logging.getLogger(__name__)
 
 def open_source(spec: SourceSpec, index: dict | None = None, progress: Callable[[int], None] | None = None,
                 footers: dict[str, bytes] | None = None) -> Source:
-    """Open a dataset split. Raises ConfigError / SourceError with the reason.
+    """Open a dataset split (``spec``: ``StreamConfig.source_spec``); ConfigError / SourceError with the reason.
 
-    Remote datasets are resolved under ``data.retries`` / ``data.retry_backoff_s`` (each step on its
-    own) with ``data.timeout_s`` on every HTTP connection and read. Files of a registered format (parquet)
-    are read from their dataset index: ``index`` when given (checked against the config; nothing is resolved
-    then), otherwise built here (``progress(number of files)`` after each file). Anything else is read by
-    ``datasets``.
-
-    Args:
-        spec: the dataset's ``StreamConfig.source_spec``.
-        index: a dataset index of it (from a checkpoint, a file or rank 0); None: resolve and build one.
-        progress: called after each file indexed, with the number of files (a progress bar's total).
-        footers: the raw metadata (parquet footers) of the index's files already read elsewhere (path -> bytes,
-            checked against the index).
-    Returns:
-        the source; its ``footers`` hold what it read to build the index.
-    """
+    Files of a registered format are read from their dataset index: ``index`` when given (from a checkpoint, a
+    file or rank 0: nothing is resolved), else built here (``progress(number of files)`` after each file;
+    ``footers``: parquet footers read elsewhere, checked against the index). Anything else is read by
+    ``datasets``. Every remote step runs under ``data.retries`` and ``data.timeout_s``."""
     data = spec.data
     if data.backend == "local":
         return open_local(spec)
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
+    path, data_files, targets, retry = where_to_look(spec)
     if index is not None and data.streaming:
         return open_indexed(spec, index, retry, footers)
     resolved = resolve_split(spec, path, data_files, targets, retry)

@@ -180,9 +180,6 @@ class RowGroupShards(Sequence):
         file, group = self.files.group_of(i)
         return ShardInfo(i, self.files.path(file), group, int(self.rows[i]))
 
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
     def row_counts(self) -> RowCounts:
         return RowCounts(self.rows)
 
@@ -221,7 +218,6 @@ class ParquetSource(FetchesAhead, RetriedSource):
         self.column_names = parquet.column_names
         files = index["files"]
         self._file_of = None if isinstance(files, FileTable) else {f["path"]: i for i, f in enumerate(files)}
-        self._starts: dict[int, int] = {}    # shard -> the row a fetch ahead of a large row group decodes up to
         remote = retry is not None
         self._fetch_ahead(self._fetch_row_group, prefetch_blocks, prefetch_memory_mb, self._row_group_bytes,
                           remote=remote, rate=self._request_rate if remote else None,
@@ -232,20 +228,9 @@ class ParquetSource(FetchesAhead, RetriedSource):
     def footers(self) -> dict[str, bytes]:
         return self._parquet.footers
 
-    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead whole: a row group is one read and one decode, ``starts`` does not shorten it
-        (a large one decodes up to its start and the batch after it ahead: GroupReading)."""
-        if self._prefetch is not None:
-            starts = starts or {}
-            self._starts.update((s, starts.get(s, 0)) for s in shards)
-        super().prefetch(partition, shards)
-
     def _row_group_bytes(self, shard: int) -> int:
         """The bytes one fetch of ``shard`` transfers (its row group's span in the index)."""
-        if self._file_of is None:
-            return self.index["files"].group_bytes(shard)
-        info = self.shards[shard]
-        _, start, end = self.index["files"][self._file_of[info.file]]["row_groups"][info.part]
+        _, _, start, end = self._span(shard)
         return end - start
 
     # ------------------------------------------------------------------ the request budget and coalescing
@@ -289,17 +274,11 @@ class ParquetSource(FetchesAhead, RetriedSource):
         record_coalesced(len(tables) - 1)
         return tables
 
-    def _group_of(self, shard: int) -> tuple[int, int]:
-        if self._file_of is None:
-            return self.index["files"].group_of(shard)
-        info = self.shards[shard]
-        return self._file_of[info.file], info.part
-
     def _fetch_row_group(self, shard: int) -> pa.Table | GroupReading:
         """The row group's table; a large one (LARGE_GROUP_BYTES) as a GroupReading with the rows the hinted start
         and the batch after it decoded (a fetch ahead), the rest decoded as they are read."""
-        file, group = self._group_of(shard)
-        if self._row_group_bytes(shard) > LARGE_GROUP_BYTES:
+        file, group, start, end = self._span(shard)
+        if end - start > LARGE_GROUP_BYTES:
             reading = self._parquet.group_reading(file, group)
             reading.decode_first(self._starts.get(shard, 0) + GROUP_BATCH_ROWS)
             record_row_group(reading.rows)

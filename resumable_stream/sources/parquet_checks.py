@@ -1,16 +1,9 @@
 """Does a decoded parquet row group agree with what its file's footer says about it?
 
-Bytes of the right length can still be the wrong bytes (a proxy answering with another file's range,
-an object rewritten between two reads). Before a row group becomes rows (or cache blocks) it is
-checked against the footer the index vouches for: its row count, and per column chunk the statistics
-the writer stored (null count, min, max). Pages' CRCs are checked while decoding, where the writer
-stored them (``page_checksum_verification``).
-
-Statistics are compared exactly where they are known to be exact (every value of a numeric, boolean or
-temporal column; byte arrays written by Arrow, which never truncates them), and as bounds elsewhere
-(other writers may truncate a long string's min / max). A column whose statistics cannot be compared
-with its decoded values (an Arrow type stored under another physical type, such as a duration) is
-left to the row count and the CRCs.
+Bytes of the right length can still be the wrong bytes (a proxy answering with another range, an object
+rewritten between two reads): before a row group becomes rows it is checked against the footer the index vouches
+for, its row count and per column chunk the statistics (null count, min, max): exactly where they are exact
+(numbers, booleans, times; byte arrays written by Arrow), as bounds elsewhere (writers may truncate strings).
 """
 
 from __future__ import annotations
@@ -70,37 +63,10 @@ def _same(a: Any, b: Any) -> bool:
 
 def problem(table: pa.Table, metadata: pq.FileMetaData, group: int) -> str | None:
     """What in the decoded ``table`` of row group ``group`` contradicts the footer ``metadata`` (None: nothing)."""
-    rg = metadata.row_group(group)
-    if table.num_rows != rg.num_rows:
-        return f"{table.num_rows} rows decoded, the footer says {rg.num_rows}"
-    columns = leaves(table)
-    if len(columns) != rg.num_columns:
-        return None          # an Arrow type parquet stores in another shape: rows and CRCs vouch for it
-    exact_bytes = (metadata.created_by or "").startswith(_EXACT_WRITERS)
-    for j, (values, nested) in enumerate(columns):
-        stats = rg.column(j).statistics
-        if stats is None:
-            continue
-        name = rg.column(j).path_in_schema
-        if stats.has_null_count and not nested and values.null_count != stats.null_count:
-            return f"column {name!r}: {values.null_count} nulls decoded, the footer says {stats.null_count}"
-        if not stats.has_min_max or len(values) == values.null_count:
-            continue
-        try:
-            low, high = (x.as_py() for x in pc.min_max(values).values())
-            saved_low, saved_high = stats.min, stats.max
-        except (pa.ArrowException, ValueError, TypeError, OverflowError):
-            continue         # no min / max for this type in Arrow, or stored in a form we do not read back
-        if not (_comparable(low, saved_low) and _comparable(high, saved_high)):
-            continue
-        exact = exact_bytes or not isinstance(low, (str, bytes, float))
-        if exact and not (_same(low, saved_low) and _same(high, saved_high)):
-            return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, the footer says "
-                    f"{_short(saved_low)} .. {_short(saved_high)}")
-        if not exact and not (saved_low <= low and high <= saved_high):
-            return (f"column {name!r}: decoded values span {_short(low)} .. {_short(high)}, outside the footer's "
-                    f"{_short(saved_low)} .. {_short(saved_high)}")
-    return None
+    check = RunningCheck(metadata, group)
+    if table.num_rows != check.rg.num_rows:
+        return f"{table.num_rows} rows decoded, the footer says {check.rg.num_rows}"
+    return check.add(table) or check.finish()
 
 
 def _short(value: Any) -> str:

@@ -1,25 +1,12 @@
-"""Local parquet files opened without importing ``datasets``, exactly as ``datasets`` would open them.
+"""Local parquet files opened without importing ``datasets`` (~0.45 s of CPU, ~60 MiB), exactly as it would.
 
-Importing ``datasets`` costs ~0.45 s of CPU (and ~60 MiB), ``load_dataset_builder`` more: for
-``dataset_name_or_path: parquet`` with local ``data_files`` that is most of a fresh start, though all
-``datasets`` does there is list the files and infer the features from the first file's schema. This
-module does those two steps itself for that case, with ``datasets``' own rules, and says None for
-everything else (then ``datasets`` does it, as before):
-
-* :func:`resolve_local_parquet`: the split's files as ``datasets``' packaged parquet builder resolves
-  them (``data_files`` patterns through fsspec's glob, relative to the resolved working directory,
-  hidden files and ``__special__`` directories left out unless the pattern names them, ``README.md``
-  and its kin left out, directories dropped, patterns concatenated in order). Outside its scope (a
-  builder config name, ``data_dir``, ``revision``, ``storage_options``, any ``:`` in a pattern (URLs,
-  ``::`` chains), a pattern that matches nothing, a split it lacks) it returns None;
-* :func:`simple_features` / :func:`simple_schema`: the features ``datasets`` infers from a schema of
-  plain columns (booleans, integers, floats, strings, binaries), and the Arrow schema (with the
-  ``huggingface`` metadata) those features cast to; None for anything else (lists, structs, dates,
-  dictionaries, a schema carrying ``datasets``' own metadata, ...);
-* :func:`cast_like_datasets`: ``datasets.table.table_cast`` for a table whose columns already have the
-  target's names and types (in any order); None when a real cast is needed.
-
-``tests/sources/test_local_parquet.py`` compares each with ``datasets`` itself on the same inputs.
+For ``dataset_name_or_path: parquet`` with local ``data_files`` all ``datasets`` does is list the files and infer
+the features from the first file's schema; this module does those steps with its rules and says None for
+anything else (then ``datasets`` does it): :func:`resolve_local_parquet` (``data_files`` patterns as the
+packaged builder resolves them; None for a builder config, ``data_dir``, ``revision``, ``storage_options``, a
+``:`` in a pattern, no match), :func:`simple_features` / :func:`simple_schema` (plain columns only) and
+:func:`cast_like_datasets` (``table_cast`` when no value needs a cast). ``tests/sources/test_local_parquet.py``
+compares each with ``datasets`` on the same inputs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Row groups of indexed parquet files, read with pyarrow through fsspec in one ranged read each.
+"""Row groups of indexed parquet files, read with pyarrow in one ranged read each.
 
-The dataset index gives every row group's byte span, so reading row group *g* of a file is one
-ranged read of that span plus, once per file and process, one read of the footer (checked against
-the index's footer digest and row-group layout: a file rewritten since the index was built is a
-StreamMismatchError naming it, never decoded against a stale layout). Every read is checked against the
-file's recorded identity (:mod:`.ranged`) and every decoded row group against its footer
-(:mod:`.row_group_check`) before it is handed on: an answer that fails a check is read once more from
-the source, and a second failure is an error naming the file and row group, never a row. Tables are cast
-to the index's features exactly as ``datasets``' parquet builder casts them, so rows come out as
-``datasets`` would give them.
+The footer is read once per file and process and checked against the index (a rewritten file is a
+StreamMismatchError naming it); every read is checked against the file's identity and every decoded row group
+against its footer (:mod:`.parquet_checks`): an answer that fails is read once more, a second failure is an error
+naming the file and row group, never a row. Tables are cast to the index's features as ``datasets`` casts them.
 """
 
 from __future__ import annotations
 
 import inspect
-import io
 import logging
 import os
 import threading
@@ -30,6 +24,7 @@ from ..io.ranged import ObjectChanged, WrongBytes, read_range, read_range_parall
 from ..observe.metrics import record_retry
 from ..runtime.arrow_pool import rows_pool
 from . import parquet_checks as row_group_check
+from .base import SeekableFile
 from .parquet_footer import footer_digest, parse_footer, row_group_layout
 from .parquet_local import cast_like_datasets, simple_schema
 
@@ -78,39 +73,20 @@ def read_row_group(source, metadata: pq.FileMetaData, group: int) -> pa.Table:
                           page_checksum_verification=True).read_row_group(group)
 
 
-class _Span(io.RawIOBase):
+class _Span(SeekableFile):
     """A read-only file of ``size`` bytes of which only ``data``, at ``offset``, is present."""
 
     def __init__(self, offset: int, data: bytes, size: int):
         super().__init__()
-        self._offset, self._data, self._size, self._pos = offset, memoryview(data), size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+        self._offset, self._data, self.size, self.pos = offset, memoryview(data), size, 0
 
     def read(self, n: int = -1):
         """A view of the fetched bytes, not a copy (pyarrow wraps what ``read`` returns as its buffer)."""
-        start = self._pos - self._offset
-        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        start = self.pos - self._offset
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
         if start < 0 or start + n > len(self._data):
-            raise OSError(f"parquet read outside the fetched span ({self._pos}+{n})")
-        self._pos += n
+            raise OSError(f"parquet read outside the fetched span ({self.pos}+{n})")
+        self.pos += n
         return self._data[start:start + n]
 
 
@@ -207,11 +183,7 @@ class ParquetFiles:
     def row_group(self, file: int, group: int) -> pa.Table:
         """Row group ``group`` of file ``file`` as one table, cast to the index's features, once its bytes
         passed every check."""
-        entry = self._files[file]
-        md = self.metadata(file)
-        table = read_checked(f"data file {entry['path']!r} (row group {group})",
-                             lambda: self._decoded(entry, md, group))
-        return self.cast(table)
+        return self.row_groups(file, [group])[0]
 
     def cast(self, table: pa.Table) -> pa.Table:
         """``table`` cast to the index's features (no value to cast: datasets' result, without it)."""
@@ -233,15 +205,15 @@ class ParquetFiles:
 
     def row_groups(self, file: int, groups: list[int]) -> list[pa.Table]:
         """Row groups ``groups`` of file ``file`` (adjacent, in file order) in one ranged read of their bytes, each
-        decoded, checked against the footer and cast as :meth:`row_group` does: fewer requests, the same rows
-        and checks. Bytes that fail a check are read once more, all of them (read_checked)."""
+        decoded, checked against the footer and cast: fewer requests, the same rows and checks. Bytes that fail a
+        check are read once more, all of them (read_checked)."""
         entry = self._files[file]
         md = self.metadata(file)
-        what = f"data file {entry['path']!r} (row groups {groups[0]}-{groups[-1]})"
-        tables = read_checked(what, lambda: self._decoded_run(entry, md, groups))
+        span = f"row group {groups[0]}" if len(groups) == 1 else f"row groups {groups[0]}-{groups[-1]}"
+        tables = read_checked(f"data file {entry['path']!r} ({span})", lambda: self._decoded(entry, md, groups))
         return [self.cast(table) for table in tables]
 
-    def _decoded_run(self, entry: dict, md: pq.FileMetaData, groups: list[int]) -> list[pa.Table]:
+    def _decoded(self, entry: dict, md: pq.FileMetaData, groups: list[int]) -> list[pa.Table]:
         spans = [entry["row_groups"][g] for g in groups]
         start, end = spans[0][1], spans[-1][2]
         if any(b[1] < a[2] for a, b in zip(spans, spans[1:])):
@@ -249,27 +221,16 @@ class ParquetFiles:
         data = read_range(entry["path"], start, end, self._storage_options, entry)
         tables = []
         for group in groups:
+            which = f"row group {group}: " if len(groups) > 1 else ""
             try:
                 table = read_row_group(_Span(start, data, entry["size"]), md, group)
             except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not these row groups'
-                raise WrongBytes(f"row group {group}: its bytes do not decode ({type(e).__name__}: {e})") from None
+                raise WrongBytes(f"{which}its bytes do not decode ({type(e).__name__}: {e})") from None
             problem = row_group_check.problem(table, md, group)
             if problem is not None:
-                raise WrongBytes(f"row group {group}: its decoded rows contradict the file's footer: {problem}")
+                raise WrongBytes(f"{which}its decoded rows contradict the file's footer: {problem}")
             tables.append(table)
         return tables
-
-    def _decoded(self, entry: dict, md: pq.FileMetaData, group: int) -> pa.Table:
-        _, start, end = entry["row_groups"][group]
-        data = read_range(entry["path"], start, end, self._storage_options, entry)
-        try:
-            table = read_row_group(_Span(start, data, entry["size"]), md, group)
-        except (pa.ArrowException, OSError) as e:    # the bytes of the right length are not this row group's
-            raise WrongBytes(f"its bytes do not decode ({type(e).__name__}: {e})") from None
-        problem = row_group_check.problem(table, md, group)
-        if problem is not None:
-            raise WrongBytes(f"its decoded rows contradict the file's footer: {problem}")
-        return table
 
 
 # A row group whose column chunks span more bytes than this is decoded batch by batch: a window's first sample

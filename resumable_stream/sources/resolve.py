@@ -2,8 +2,8 @@
 
 Dataset and Hub resolution (``datasets``' builder for a hub id, a pattern, a builder config; an explicit list of
 URLs or local parquet files without it), file identities (size plus every version marker the filesystem gives),
-the dataset index built from a registered format's entries, and whether a saved index still describes the
-data (:func:`verified_index`, on resume). Everything here runs under the one network policy (``net.py``).
+and the dataset index built from a registered format's entries (a saved one is checked again by
+``dataset.growth.recheck``). Everything here runs under the one network policy (``net.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import formats as registry
 from ..config.specs import DataSpec, SourceSpec
-from ..errors import ConfigError, IncompleteFileError, SourceError, StreamMismatchError
+from ..errors import ConfigError, IncompleteFileError, SourceError
 from ..io.hub import (
     commit_sha,
     file_identities,
@@ -47,7 +47,7 @@ from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
 from . import fingerprint_files
 from .footer_cache import FooterCache
-from .index import changed_files, describe_changes, make_index
+from .index import make_index
 from .index_table import FileTable
 from .parquet_local import resolve_local_parquet
 
@@ -152,6 +152,14 @@ def _rows_digest(rows) -> str:
     return h.hexdigest()
 
 
+def where_to_look(spec: SourceSpec) -> tuple[str, Any, list[str], RetryPolicy]:
+    """``builder_args``, the remote paths opening the data touches and the retry policy over them: the first
+    step of opening a source and of checking a saved index again, the same for both."""
+    path, data_files = builder_args(spec.data)
+    targets = remote_targets(path, data_files)
+    return path, data_files, targets, RetryPolicy(spec.net, remote=bool(targets), data=spec.data)
+
+
 def remote_targets(path: str, data_files: object) -> list[str]:
     """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *flat_files(data_files)] if is_remote(p)]
@@ -246,22 +254,6 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
     return builder, files
 
 
-def _data_dir(data: DataSpec) -> dict:
-    """``data_dir`` in the fingerprint when set (fingerprints saved before the key still match)."""
-    return {"data_dir": data.data_dir} if data.data_dir is not None else {}
-
-
-def _hub_fingerprint(files: list[str]) -> dict:
-    """The Hub commits the files come from (a new commit on the repo is then a mismatch naming it)."""
-    commits = hub_commits(files)
-    return {"hub_commits": commits} if commits else {}
-
-
-def _hub_paths(table: FileTable) -> list[str]:
-    """A table's paths when some may be Hub files (a million paths are ~100 MB of str, made only then)."""
-    return table.paths() if b"hf://datasets/" in table.arrays()["paths"].tobytes() else []
-
-
 def _data_key(data: DataSpec) -> str:
     """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
     if data.data_files is not None:
@@ -301,8 +293,14 @@ def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[
     table = isinstance(identities, FileTable)
     fp["files"] = fingerprint_files.compact(identities) if table else identities
     if not local:
-        fp.update(_hub_fingerprint(_hub_paths(identities) if table else [i["path"] for i in identities]))
-        fp.update(_data_dir(data))
+        # the Hub commits the files come from (a new commit is then a mismatch naming it); a table's paths are
+        # made only when some may be Hub files (a million paths are ~100 MB of str)
+        hub = b"hf://datasets/" in identities.arrays()["paths"].tobytes() if table else True
+        commits = hub_commits((identities.paths() if table else [i["path"] for i in identities]) if hub else [])
+        if commits:
+            fp["hub_commits"] = commits
+        if data.data_dir is not None:       # only when set: fingerprints saved before the key still match
+            fp["data_dir"] = data.data_dir
     if shards is not None:
         fp["num_shards"] = len(shards)
         fp["shard_rows"] = _rows_digest(shard_rows(shards))
@@ -327,16 +325,9 @@ class Resolved:
 
 
 def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
-    """The files of ``spec``'s split: explicit http(s) URLs and local files of a registered format need no
-    ``datasets`` (nothing to resolve, or resolved by its rules without importing it); else ``datasets``
-    resolves them (hub ids, hf://, patterns, builder configs).
-
-    Args:
-        spec: the source; ``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote paths.
-    Returns:
-        the files, the registered format that reads them (None: ``datasets`` does) and ``datasets``' builder
-        when it resolved them.
-    """
+    """The files of ``spec``'s split (``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote
+    paths): explicit http(s) URLs and local files of a registered format need no ``datasets``; else
+    ``datasets`` resolves them (hub ids, hf://, patterns, builder configs)."""
     data = spec.data
     files = explicit_urls(data, path, data_files) if data.streaming else None
     if files is None and not targets:
@@ -416,50 +407,3 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
         footers.update((f, read[f]) for f in files if f in read)
     index = make_index(spec.data, fmt.builders[0] if fmt.builders else fmt.name, fmt.name, features, entries)
     return index
-
-
-def verified_index(spec: SourceSpec, index: dict, where: str, given: bool) -> dict | None:
-    """``index`` if it still describes the data: the same files (patterns and repositories are listed again
-    by ``datasets``; an explicit list of URLs needs no request) with the identities it lists. Otherwise a
-    given index (``data.index_path``) is an error naming what changed, and a checkpoint's gives None: the
-    dataset is then resolved afresh, so that the resume check names the change with the saved fingerprint."""
-    data = spec.data
-    path, data_files = builder_args(data)
-    targets = remote_targets(path, data_files)
-    retry = RetryPolicy(spec.net, remote=bool(targets), data=data)
-    listed = [f["path"] for f in index["files"]]
-    reader = registry.format_of_index(index).load()
-    if explicit_urls(data, path, data_files) is None:
-        files = resolve_split(spec, path, data_files, targets, retry).files
-        if files != listed:
-            if not given:
-                return None
-            added, removed = sorted(set(files) - set(listed)), sorted(set(listed) - set(files))
-            diffs = [(f"file added: {f}", None, f) for f in added] + [(f"file removed: {f}", f, None) for f in removed]
-            raise StreamMismatchError(
-                f"dataset index {where} does not list the files the config resolves to now (rebuild it with "
-                f"`resumable-stream index`): " + "; ".join(w for w, _, _ in diffs[:12] or [("file order", 0, 0)]),
-                diffs or [("file order", listed, files)])
-
-    try:
-        known = hub_identities(listed, retry)       # Hub files: one batched request, not one per file
-    except SourceError:
-        known = {}                                   # asked file by file below, each error named
-
-    def now(entry: dict) -> dict:
-        try:
-            ident = known.get(entry["path"]) or file_identity(entry["path"], retry)
-        except SourceError as e:
-            return {"path": entry["path"], "error": str(e)}
-        if not is_remote(entry["path"]) and isinstance(ident.get("size"), int):
-            ident.update(reader.local_check(entry["path"], ident, retry, entry))
-        return ident
-
-    changes = changed_files(index, map_files(now, index["files"]))
-    if not changes:
-        return index
-    if given:
-        raise StreamMismatchError(
-            f"dataset index {where} does not match the data (rebuild it with `resumable-stream index`):\n"
-            f"{describe_changes(changes)}", [(f"file modified: {p} ({k})", a, b) for p, k, a, b in changes])
-    return None

@@ -1,18 +1,11 @@
 """One sequential pass over a WebDataset tar: which samples it holds and where their bytes are.
 
-A sample is a run of consecutive members sharing a key, grouped exactly as ``datasets``' webdataset builder
-groups them (its ``base_plus_ext`` splits a name into key and suffix; directories, links, hidden names and
-names that have no suffix are left out, as its tar iterator leaves them out). Per member the index keeps its
-suffix, the offset of its data and its declared size; the 512-byte ustar header right before each member's
-data is what a reader checks again, so a tar whose layout changed is noticed before a byte of it is used.
-
-Member names are only ever strings here: a key of ``../x`` or ``/etc/x`` is never a path.
-Headers are parsed by ``tarfile`` over a reader that refuses any single read larger than
-``MAX_HEADER_READ`` (a forged extended header cannot make us allocate its claimed size, nor feed tarfile's
-pax parser, quadratic on some Pythons, more than it parses quickly) and only moves forward (one pass; a
-remote tar is fetched in ``SCAN_CHUNK`` ranged reads, chunks holding no header skipped); a header whose size
-would not move the scan forward is refused. A sparse member (``tar --sparse``) is indexed with the bytes
-the tar stores of it and marked ``SPARSE``: a bad sample, never read.
+Samples are grouped as ``datasets``' webdataset builder groups them (its ``base_plus_ext``; directories, links,
+hidden and suffix-less names left out); per member the index keeps its suffix, data offset and size, and a
+reader checks the ustar header before each member's data again. Member names are only ever strings, never
+paths. ``tarfile`` parses the headers over a forward-only reader that refuses any read over
+``MAX_HEADER_READ`` (a forged extended header sizes no allocation and cannot feed tarfile's pax parser more than
+it parses quickly); a sparse member is marked ``SPARSE``: a bad sample, never read (docs/webdataset.md).
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from typing import Any
 
 from ..errors import IncompleteFileError, SourceError
 from ..limits import is_int
+from .base import SeekableFile
 
 BLOCK = tarfile.BLOCKSIZE
 # The longest extended header (pax records, a GNU long name) we read: real ones are a few hundred bytes, a
@@ -57,54 +51,39 @@ def base_plus_ext(name: str) -> tuple[str | None, str | None]:
     return (m.group(1), m.group(2)) if m else (None, None)
 
 
-class _Forward(io.RawIOBase):
+class _Forward(SeekableFile):
     """What ``tarfile`` reads a tar through: forward only, each read bounded, bytes from ``fetch(start, end)``
     in chunks of ``chunk`` (a local file: its own reads and seeks)."""
 
     def __init__(self, path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int):
         super().__init__()
         self.path, self.size, self._fetch, self._chunk = path, size, fetch, chunk
-        self._pos, self._lo, self._data = 0, 0, b""
+        self._lo, self._data = 0, b""
         self.ended = False        # a read came up short: the file ends before what tarfile asked for
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        target = super().seek(offset, whence)
         if target < self._lo:
             raise SourceError(f"data file {self.path!r}: malformed tar (a header points back to byte {target})")
-        self._pos = target
         return target
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0 or n > MAX_HEADER_READ:
-            raise SourceError(f"data file {self.path!r}: malformed tar header at byte {self._pos} (an extended "
+            raise SourceError(f"data file {self.path!r}: malformed tar header at byte {self.pos} (an extended "
                               f"header of {n} bytes; at most {MAX_HEADER_READ} are read)")
         out = b""
-        while n > 0 and self._pos < self.size:
-            if not (self._lo <= self._pos < self._lo + len(self._data)):
-                self._lo = self._pos - self._pos % self._chunk
+        while n > 0 and self.pos < self.size:
+            if not (self._lo <= self.pos < self._lo + len(self._data)):
+                self._lo = self.pos - self.pos % self._chunk
                 self._data = self._fetch(self._lo, min(self.size, self._lo + self._chunk))
                 if not self._data:
                     break
-            piece = self._data[self._pos - self._lo:self._pos - self._lo + n]
+            piece = self._data[self.pos - self._lo:self.pos - self._lo + n]
             out += piece
-            self._pos += len(piece)
+            self.pos += len(piece)
             n -= len(piece)
         self.ended = self.ended or n > 0
         return out
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
 
 
 def scan_tar(path: str, size: int, fetch: Callable[[int, int], bytes], chunk: int = SCAN_CHUNK,

@@ -1,38 +1,29 @@
 """WebDataset tar shards read by byte ranges from a tar index (:mod:`.tar_index`).
 
-A shard is a run of consecutive samples of one tar (the index records the cuts). ``read(shard, row)`` is one
-ranged read of exactly the bytes of the samples from ``row`` on (their members' headers and data, coalesced;
-a member over ``data.max_member_bytes`` is left out of it), fetched ahead by the :class:`Prefetcher` as
-parquet row groups are. Each member's ustar header in that read is checked against the index before its
-data is used. The samples are made by ``datasets``' own webdataset builder code (grouping, decoders,
-compressed members), then filled and wrapped as its ``_generate_examples`` does and encoded with the
-dataset's features, so they come out as ``load_dataset("webdataset", ..., streaming=True)`` gives them.
-
-A bad sample (a member over the limit, cut short by the end of the tar, sparse, or that its decoder refuses) comes
-out with every member column None (``__key__`` and ``__url__`` kept) and the column ``__bad_sample__``
-(:data:`~resumable_stream.errors.BAD_SAMPLE_COLUMN`; None in a good row) saying why, naming the tar, the key
-and the member: the row count of a shard never changes, and the transform's ``data.bad_sample`` skips the row
-or raises that reason.
+A shard is a run of samples of one tar; ``read(shard, row)`` is one ranged read of the samples from ``row`` on,
+each member's ustar header checked against the index before its data is used. The samples are made by
+``datasets``' own webdataset builder code, so they equal ``load_dataset("webdataset", ..., streaming=True)``'s.
+A bad sample (a member over ``data.max_member_bytes``, cut short, sparse, or refused by its decoder) keeps its
+row, every member column None and ``__bad_sample__`` naming the tar, key and member (docs/webdataset.md).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
-import time
 from collections.abc import Iterator
-from itertools import islice
-from typing import Any
+from itertools import islice, pairwise
 
 import pyarrow as pa
 
 from ..config.specs import SourceSpec
-from ..errors import BAD_SAMPLE_COLUMN, ResumableStreamError, SourceError, StreamMismatchError
+from ..errors import BAD_SAMPLE_COLUMN, SourceError, StreamMismatchError
 from ..io.net import RetryPolicy
 from ..io.ranged import read_range
 from ..observe.metrics import record_row_group
 from . import tar_index
-from .base import FetchesAhead, IndexedReader, ShardInfo
+from .base import FetchesAhead, ScannedReader, fetcher, shards_of_runs
 from .index import identity_of
 from .parquet import prefetch_depth
 from .resolve import dataset_fingerprint
@@ -57,14 +48,7 @@ def index_file(path: str, retry: RetryPolicy | None, identity: dict, whole: bool
     not complete yet (``tar_index.scan_tar``)."""
     if not isinstance(identity.get("size"), int):
         raise SourceError(f"data file {path!r}: its size is unknown; a tar needs one to be indexed")
-    options = retry.storage_options if retry else {}
-
-    def fetch(start: int, end: int) -> bytes:
-        what = f"data file {path!r}: reading bytes {start}-{end} to index it"
-        if retry is not None and retry.applies(path):
-            return retry.call(lambda: read_range(path, start, end, options, identity), what, [path])
-        return read_range(path, start, end, options, identity)
-
+    fetch = fetcher(path, retry, identity, "to index it")
     return tar_index.tar_entry(identity, tar_index.scan_tar(path, identity["size"], fetch, whole=whole))
 
 
@@ -241,47 +225,28 @@ class WebDatasetSource(FetchesAhead):
     def __init__(self, spec: SourceSpec, index: dict, retry: RetryPolicy, footers: dict | None = None):
         self.index = index
         self._features_dict = index["features"]
-        self._features = None
         self._files = index["files"]
         self._retry = retry if retry.remote else None
         self._policy = retry
         self._max_bytes = spec.read.max_member_bytes
-        shards = []
-        for f, entry in enumerate(self._files):
-            cuts = [*entry["shards"], len(entry["samples"])]
-            shards += [(f, a, b) for a, b in zip(cuts, cuts[1:])]
-        self._runs = shards
-        self.shards = [ShardInfo(i, self._files[f]["path"], j, b - a)
-                       for i, (j, (f, a, b)) in enumerate(_numbered(shards))]
+        self._runs = [(f, a, b) for f, entry in enumerate(self._files)
+                      for a, b in pairwise([*entry["shards"], len(entry["samples"])])]
+        self.shards = shards_of_runs(self._files, self._runs, lambda run: run[2] - run[1])
         self.fingerprint = dataset_fingerprint(spec, index["builder"],
                                                [identity_of(f, WebDatasetReader.layout_keys) for f in self._files],
                                                self.shards, max_member_bytes=spec.read.max_member_bytes)
         self.column_names = [*self._features_dict, BAD_SAMPLE_COLUMN]
-        self._starts: dict[int, int] = {}    # shard -> the sample its next fetch ahead starts at (a resume)
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
                           self._shard_bytes, remote=retry.remote)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_features"] = None
-        return state
+        return {k: v for k, v in self.__dict__.items() if k != "features"}      # made again where it is read
 
-    @property
+    @functools.cached_property
     def features(self):
-        if self._features is None:
-            import datasets
+        import datasets
 
-            self._features = datasets.Features.from_dict(self._features_dict)
-        return self._features
-
-    def prefetch(self, partition: int, shards: list[int], starts: dict[int, int] | None = None) -> None:
-        """Fetch ``shards`` ahead; one reopened at a row (``starts``) from that sample on: a resume inside a
-        shard fetches none of the samples before it (``_first_table`` uses a fetch that starts at or before
-        the row it reads from, any other is read afresh)."""
-        if self._prefetch is not None:
-            starts = starts or {}
-            self._starts.update((s, starts.get(s, 0)) for s in shards)
-            super().prefetch(partition, shards)
+        return datasets.Features.from_dict(self._features_dict)
 
     def _shard_bytes(self, shard: int) -> int:
         """The bytes a fetch ahead of ``shard`` transfers (from its hinted start)."""
@@ -320,21 +285,7 @@ class WebDatasetSource(FetchesAhead):
         return table.append_column(pa.field(BAD_SAMPLE_COLUMN, pa.string()), pa.array(bad, pa.string()))
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
-        info = self.shards[shard]
-        retry = self._retry
-        attempt, started = 0, time.monotonic()
-        while True:
-            try:
-                table = self._first_table(shard, start_row)
-                break
-            except ResumableStreamError:
-                raise
-            except Exception as e:
-                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
-                if retry is None or not retry.applies(info.file) or not retry.failed(
-                        e, attempt, label, [info.file], started):
-                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
-                attempt += 1
+        table = self._opened(shard, start_row, self._first_table)
         if table.num_rows:
             yield table
 
@@ -349,16 +300,7 @@ class WebDatasetSource(FetchesAhead):
         return self._read_from(shard, start_row)   # inside the shard: only the samples from there
 
 
-def _numbered(runs: list) -> Iterator[tuple[int, Any]]:
-    """(run number inside its file, run) for each run."""
-    last, j = None, 0
-    for run in runs:
-        j = j + 1 if run[0] == last else 0
-        last = run[0]
-        yield j, run
-
-
-class WebDatasetReader(IndexedReader):
+class WebDatasetReader(ScannedReader):
     """The registry's webdataset entry (``registry._BUILTIN``): tars indexed by :mod:`.tar_index`."""
 
     # per sample its key and members, the cut into shards and the rule that made it: layout, not identity
@@ -366,13 +308,7 @@ class WebDatasetReader(IndexedReader):
     # the layout digest: a local tar's headers are re-checked against it on resume (a remote one: not re-read)
     content_keys = ("layout",)
 
-    def index_file(self, path: str, retry: RetryPolicy | None, identity: dict,
-                   footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity)
-
-    def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
-                       footers: dict[str, bytes] | None = None) -> dict:
-        return index_file(path, retry, identity, whole=True)
+    scan = staticmethod(index_file)
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None):
         return infer_features(entry, retry, spec.read.max_member_bytes)

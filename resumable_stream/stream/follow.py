@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..dataset.growth import grow, refresh
+from ..dataset.growth import recheck, refresh
 from ..errors import ConfigError
 from ..runtime.collectives import max_each_over_ranks, max_over_ranks, shared_over_dist
 from .base import round_robin
@@ -62,7 +62,7 @@ class Follower:
         while True:
             if self._planned(epoch):
                 return True
-            index = grow(stream.spec, stream.source.index, epoch, "while following the data", running=True)
+            index = recheck(stream.spec, stream.source.index, epoch, "while following the data", running=True)
             if len(index["files"]) != len(stream.source.index["files"]):
                 new = len(index["files"]) - len(stream.source.index["files"])
                 stream.adopt_index(index)

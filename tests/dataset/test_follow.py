@@ -227,15 +227,15 @@ cfg = StreamConfig(dataset_name_or_path="parquet", data_files=os.path.join(data,
                    poll_interval_s=0.05, follow_timeout_s=3)
 ckpt = os.path.join(out, phase, "stream_state")
 import resumable_stream.dataset.growth as growth
-polls, grow = [0], growth.grow
+polls, recheck = [0], growth.recheck
 
 
 def counted(*args, **kwargs):     # a listing of the files (growth.refresh calls it on rank 0 only)
     polls[0] += 1
-    return grow(*args, **kwargs)
+    return recheck(*args, **kwargs)
 
 
-growth.grow = counted
+growth.recheck = counted
 if phase == "live":
     stream = ResumableStream(cfg, rank=rank, world_size=world)
     loader = StreamLoader(stream, batch_size=8)

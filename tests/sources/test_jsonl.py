@@ -17,7 +17,7 @@ import zstandard
 
 from resumable_stream import ResumableStream, StreamConfig
 from resumable_stream.errors import BAD_SAMPLE_COLUMN, SourceError, StreamMismatchError
-from resumable_stream.sources import jsonl, jsonl_index, jsonl_rows, open_source
+from resumable_stream.sources import jsonl_index, jsonl_rows, open_source
 from resumable_stream.sources.index import decode_index, encode_index
 from resumable_stream.stream.partition import _rows_of
 
@@ -114,7 +114,7 @@ def test_without_the_native_accelerators_the_rows_are_the_same(tmp_path, monkeyp
     theirs, features = _theirs(files)
     fast_src, fast = _ours(files)
     assert fast_src._lines
-    monkeypatch.setattr(jsonl_rows, "_ORJSON", False)
+    monkeypatch.setattr(jsonl_rows, "has_orjson", lambda: False)
     monkeypatch.setattr(jsonl_index, "crc32", zlib.crc32)
     monkeypatch.setattr(jsonl_index, "_isal_decompressobj", None)
     src, ours = _ours(files)
@@ -199,13 +199,14 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
 def test_a_resume_reads_one_piece_not_the_prefix(tmp_path, small_pieces, monkeypatch):
     """A shard reopened at a row reads its bytes from the row's piece (plain, gzip: its own access point)."""
     from resumable_stream.io import ranged
+    from resumable_stream.sources import base  # where jsonl's ranged reads are made (base.fetcher)
 
     for ext in (".jsonl", ".jsonl.gz"):
         path = _write(str(tmp_path / f"r{ext}"), _text(_rows(5, 5000)))
         src = open_source(StreamConfig(dataset_name_or_path="json", data_files=[path]).source_spec)
         read = []
         real = ranged.read_range
-        monkeypatch.setattr(jsonl, "read_range",
+        monkeypatch.setattr(base, "read_range",
                             lambda p, a, b, *x, read=read, real=real: read.append(b - a) or real(p, a, b, *x))
         last = len(src.shards) - 1
         next(iter(src.read(last, src.shards[last].num_rows - 2)))
@@ -214,7 +215,7 @@ def test_a_resume_reads_one_piece_not_the_prefix(tmp_path, small_pieces, monkeyp
                       for p in entry["pieces"])
         assert sum(read) <= biggest + jsonl_index.INPUT_CHUNK, (ext, read, biggest)
         assert sum(read) < os.path.getsize(path) / 5
-        monkeypatch.setattr(jsonl, "read_range", real)
+        monkeypatch.setattr(base, "read_range", real)
 
 
 def test_bad_lines_are_bad_samples_and_good_rows_stay_datasets_rows(tmp_path):
