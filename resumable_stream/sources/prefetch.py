@@ -13,7 +13,10 @@ the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides
 latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
 (the pipeline stays full between two windows). Before anything was measured the depth is
 ``FIRST_DEPTH`` until the partition's reader takes its first row group (the first window's requests go out
-alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``.
+alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``. A
+source of large shards gives ``first_depth`` instead (JSON lines: ``interleave_shards``, the pieces of 16 MiB a
+window opens): that many fetches in all, the one the reader waits on included, until that one has arrived, so
+the first window's pieces share the link with nobody else's and the next ones go out with its first sample.
 ``cap`` bounds the depth (``data.prefetch_blocks``).
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
@@ -25,12 +28,13 @@ that counts as a slow one, where a running mean of the intervals took its whole 
 and cut the depth, leaving the consumer to wait on every fetch for the next few dozen row groups.
 
 **Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
-starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
-so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
+starts only when its reservation (its compressed bytes, plus their decoded size: what the source says where
+it knows it, ``decoded(shard)``, a JSON-lines piece's text; else at the largest ratio seen so far,
+``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
 decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
 than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
 prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
-the budget is not fetched ahead.
+the budget is not fetched ahead. ``stats()["held_for_memory"]``: the hinted shards that waited for room.
 
 **The request budget** (``data.max_requests_per_s``, io/budget.py) paces every request of the process; the
 prefetcher need not run further ahead than that pace can serve. With ``rate`` (requests per second this
