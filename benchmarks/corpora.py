@@ -268,11 +268,13 @@ def _child(args: argparse.Namespace) -> None:
             json.dump(ds.state_dict(), f)
         out = {"saved_after": args.rows}
     else:
+        stream = None
         if args.reader.startswith("ours"):
             cfg = StreamConfig(dataset_name_or_path=builder, data_files=files, shuffle=True, buffer_size=BUFFER,
                                index_path=args.index if args.reader == "ours_indexed" else None,
                                verify_files=args.reader != "ours_indexed")
-            it = iter(ResumableStream(cfg))
+            stream = ResumableStream(cfg)
+            it = iter(stream)
         else:
             ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
             if args.reader == "hf_shuffled":
@@ -283,12 +285,20 @@ def _child(args: argparse.Namespace) -> None:
         first_bytes = _BYTES["n"]
         n = 1
         t1, c1 = time.perf_counter(), time.process_time()
+        marks = []
         for _ in it:
             n += 1
+            if n % 10_000 == 0:
+                marks.append(round(time.perf_counter() - t0, 3))
             if n >= args.rows:
                 break
         secs = time.perf_counter() - t1
-        out = {"rows": n, "first_s": first, "first_bytes": first_bytes, "bytes": _BYTES["n"],
+        if args.trace:
+            out["t0_monotonic"] = time.monotonic() - (time.perf_counter() - t0)
+            out["rows_at_s"] = marks           # when each 10,000th row came, from the start
+            if stream is not None:
+                out["prefetch"] = {k: v for k, v in stream.source.prefetch_stats().items() if k != "busy_s"}
+        out |= {"rows": n, "first_s": first, "first_bytes": first_bytes, "bytes": _BYTES["n"],
                "rows_s": (n - 1) / secs if n > 1 else None,
                "cpu_ms_per_krows": (time.process_time() - c1) * 1e6 / (n - 1) if n > 1 else None}
     out["peak_rss_mib"] = _common.peak_rss_mib()
@@ -298,13 +308,15 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run(layout: str, reader: str, files: list[str], rows: int, index: str | None = None,
-         state: str | None = None) -> dict:
+         state: str | None = None, trace: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", reader, "--layout", layout, "--paths",
            json.dumps(files), "--rows", str(rows)]
     if index:
         cmd += ["--index", index]
     if state:
         cmd += ["--state", state]
+    if trace:
+        cmd += ["--trace"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_common.REPO_ROOT, os.environ.get("PYTHONPATH"))
                                                         if p)}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -381,8 +393,21 @@ def report_layout(layout: str, r: dict) -> None:
           f"{_fmt(rs['hf']['first_s'], '.2f')} s (rchar {(rs['hf']['rchar'] or 0) / 1e6:.1f} MB)", flush=True)
 
 
+def _print_trace(layout: str, reader: str, res: dict, requests: list) -> None:
+    """``--trace``: each request of a remote run (when the server read it, from the reader's start; its range and
+    bytes), when each 10,000th row came, and the prefetcher's counters."""
+    t0 = res.get("t0_monotonic")
+    print(f"    trace {layout} {reader}: first sample {res.get('first_s', 0):.2f} s, rows every 10,000 at "
+          f"{res.get('rows_at_s')} s", flush=True)
+    for r in requests:
+        at = f"{r.at - t0:6.2f} s" if t0 is not None else "      "
+        print(f"      {at} {r.method} {r.path.rsplit('/', 1)[-1]} {r.range or ''} {r.bytes_sent / 1e6:.1f} MB", flush=True)
+    if res.get("prefetch"):
+        print(f"      prefetch {res['prefetch']}", flush=True)
+
+
 def bench_remote(layout: str, files: list[str], rows: int, repeat: int, work: str, latency: float,
-                 readers: tuple[str, ...]) -> dict:
+                 readers: tuple[str, ...], trace: bool = False) -> dict:
     from http_server import FileServer
 
     directory = os.path.dirname(files[0])
@@ -398,9 +423,11 @@ def bench_remote(layout: str, files: list[str], rows: int, repeat: int, work: st
         for _ in range(repeat):
             for reader in readers:
                 srv.reset_stats()
-                res = _run(layout, reader, urls, rows, index=index)
+                res = _run(layout, reader, urls, rows, index=index, trace=trace)
                 st = srv.stats()
                 res["requests"], res["served"] = st["requests"], st["bytes_sent"]
+                if trace:
+                    _print_trace(layout, reader, res, list(srv.requests))
                 runs[reader].append(res)
         for reader, rs in runs.items():
             out["readers"][reader] = {k: _median(rs, k) for k in ("rows_s", "first_s", "requests", "served", "bytes")}
@@ -439,6 +466,8 @@ def main() -> None:
     p.add_argument("--no-local", action="store_true")
     p.add_argument("--latency", type=float, default=0.1)
     p.add_argument("--json", default=None)
+    p.add_argument("--trace", action="store_true", help="remote: print each run's requests, rows over time and "
+                   "the prefetcher's counters")
     p.add_argument("--data-dir", default=_common.DEFAULT_DATA_DIR)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
@@ -465,7 +494,8 @@ def main() -> None:
         if not args.no_remote:
             for layout in args.layouts.split(","):
                 r = out["remote"][layout] = bench_remote(layout, files[layout], args.rows, args.repeat, work,
-                                                         args.latency, tuple(args.remote_readers.split(",")))
+                                                         args.latency, tuple(args.remote_readers.split(",")),
+                                                         args.trace)
                 report_remote(layout, r, sum(os.path.getsize(f) for f in files[layout]))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -138,11 +138,13 @@ class FetchesAhead(Source):
     _prefetch = None
 
     def _fetch_ahead(self, fetch, depth: int | None, memory_mb: float | None, bytes_of, remote: bool,
-                     rate=None, run=None, adjacent=None) -> None:
+                     rate=None, run=None, adjacent=None, decoded=None, first_depth=None) -> None:
         """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive, prefetch.py;
         0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers. ``rate()``: the requests per
         second this process may send (the request budget bounds the depth); ``run(shards)`` and
-        ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py)."""
+        ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py);
+        ``decoded(shard)``: the bytes its fetch holds once decoded, where the source knows them; ``first_depth``:
+        the fetches ahead before a partition's first hand-over (None: the prefetcher's)."""
         self._starts: dict[int, int] = {}     # shard -> the row its next fetch ahead starts at (a resume)
         if depth is not None and depth <= 0:
             return
@@ -152,7 +154,8 @@ class FetchesAhead(Source):
         cores = os.cpu_count() or 1
         threads = None if remote else max(1, min(depth or cores, cores))
         self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads, first_alone=not remote, rate=rate,
-                                    run=run, adjacent=adjacent)
+                                    run=run, adjacent=adjacent, decoded=decoded,
+                                    first_depth=first_depth)
 
     def _taken(self, shard: int) -> pa.Table | None:
         """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the

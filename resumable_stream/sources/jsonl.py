@@ -365,7 +365,8 @@ class JsonLinesSource(FetchesAhead):
                                                self.shards)
         self.column_names = list(index["features"])
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
-                          self._shard_bytes, remote=retry.remote)
+                          self._shard_bytes, remote=retry.remote, decoded=self._shard_text,
+                          first_depth=spec.read.interleave_shards)
 
     # ------------------------------------------------------------------ where rows are
     def _offsets(self, shard: int) -> list[int]:
@@ -393,6 +394,13 @@ class JsonLinesSource(FetchesAhead):
         if entry["compression"] == "none":
             return p[2] - p[1]
         return p[5] - entry["points"][p[4]][1]
+
+    def _shard_text(self, shard: int) -> int:
+        """What a fetch ahead of ``shard`` holds once decoded: its first piece's text and a line offset per row."""
+        f, _, _ = self._runs[shard]
+        piece, _ = self._locate(shard, min(self._starts.get(shard, 0), self.shards[shard].num_rows - 1))
+        rows, start, end = self._files[f]["pieces"][piece][:3]
+        return end - start + 24 * rows
 
     def _fetch_shard(self, shard: int) -> _Reading:
         start = min(self._starts.get(shard, 0), max(0, self.shards[shard].num_rows - 1))

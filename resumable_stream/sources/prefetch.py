@@ -13,7 +13,10 @@ the time it waited); keeping ``ceil(fetch_s / busy_s)`` fetches ahead then hides
 latency or smaller row groups: deeper. Each hand-over starts the next fetch of the hinted plan at once
 (the pipeline stays full between two windows). Before anything was measured the depth is
 ``FIRST_DEPTH`` until the partition's reader takes its first row group (the first window's requests go out
-alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``.
+alone: its first sample waits for its own row groups, not for a burst of others), then ``INITIAL_DEPTH``. A
+source of large shards gives ``first_depth`` instead (JSON lines: ``interleave_shards``, the pieces of 16 MiB a
+window opens): that many fetches in all, the one the reader waits on included, until that one has arrived, so
+the first window's pieces share the link with nobody else's and the next ones go out with its first sample.
 ``cap`` bounds the depth (``data.prefetch_blocks``).
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
@@ -25,12 +28,13 @@ that counts as a slow one, where a running mean of the intervals took its whole 
 and cut the depth, leaving the consumer to wait on every fetch for the next few dozen row groups.
 
 **Memory** is bounded by ``budget`` bytes (``data.prefetch_memory_mb``) for the whole process: a fetch
-starts only when its reservation (its compressed bytes, plus their decoded size at the largest ratio seen
-so far, ``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
+starts only when its reservation (its compressed bytes, plus their decoded size: what the source says where
+it knows it, ``decoded(shard)``, a JSON-lines piece's text; else at the largest ratio seen so far,
+``INITIAL_RATIO`` before the first decode) fits beside what is already in flight or held; a
 decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
 than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
 prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
-the budget is not fetched ahead.
+the budget is not fetched ahead. ``stats()["held_for_memory"]``: the hinted shards that waited for room.
 
 **The request budget** (``data.max_requests_per_s``, io/budget.py) paces every request of the process; the
 prefetcher need not run further ahead than that pace can serve. With ``rate`` (requests per second this
@@ -150,6 +154,7 @@ class _Owner:
     samples: deque = field(default_factory=lambda: deque(maxlen=_WINDOWS))   # seconds per row group
     started: int = 0                                   # fetches of its started
     fetched: bool = False                              # a fetch of its finished
+    received: bool = False                             # a fetch its reader took has arrived (its first sample's)
 
     def new_window(self, now: float) -> None:
         """A window was hinted: the one before it is a sample, if a row group was taken in it."""
@@ -183,19 +188,26 @@ class Prefetcher:
                  size: Callable[[int], int | None] | None = None, threads: int | None = None,
                  first_alone: bool = False, rate: Callable[[], float | None] | None = None,
                  run: Callable[[list[int]], list[pa.Table]] | None = None,
-                 adjacent: Callable[[int], tuple[int | None, int | None]] | None = None):
+                 adjacent: Callable[[int], tuple[int | None, int | None]] | None = None,
+                 decoded: Callable[[int], int | None] | None = None, first_depth: int | None = None):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
         self._fetch = weakref.WeakMethod(fetch)
         self._size = _weak(size)
         self._rate = _weak(rate)          # requests per second this process may send (io/budget.py)
         self._run = _weak(run)            # several row groups of one file in one request ...
         self._adjacent = _weak(adjacent)  # ... the row groups next to a shard's
+        self._decoded = _weak(decoded)    # what a fetch holds once decoded, where the source knows it
         self.cap = DEFAULT_CAP if cap is None else int(cap)
         self.budget = budget
         self._threads = threads or max(1, min(self.cap, MAX_THREADS))
         # local files: a partition's first fetch runs alone until it is done (decoding is CPU: the row groups
         # fetched beside it would share the cores its first sample waits for)
         self.first_alone = first_alone
+        # fetches per partition until the first its reader took has arrived, that one included (None: FIRST_DEPTH
+        # ahead until the reader takes one): a source of large shards (JSON-lines pieces of 16 MiB) gives the
+        # shards a window opens, so that its first window's requests do not share the link with the next
+        # windows' before its first sample
+        self.first_depth = first_depth
         self._reset()
 
     def _reset(self) -> None:
@@ -211,17 +223,20 @@ class Prefetcher:
         self._bytes = 0                           # reserved (in flight) + held (decoded, not taken)
         self._counts = {"started": 0, "taken": 0, "wasted": 0, "failed": 0, "over_budget": 0,
                         "peak_bytes": 0, "peak_in_flight": 0,
-                        "waited": 0, "wait_s": 0.0, "coalesced": 0}
+                        "waited": 0, "wait_s": 0.0, "coalesced": 0, "held_for_memory": 0}
+        self._held: set[int] = set()             # hinted shards whose fetch had to wait for the budget
         self._running = 0
 
     def __getstate__(self) -> dict:
         return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": _strong(self._size),
                 "threads": self._threads, "first_alone": self.first_alone, "rate": _strong(self._rate),
-                "run": _strong(self._run), "adjacent": _strong(self._adjacent)}
+                "run": _strong(self._run), "adjacent": _strong(self._adjacent), "decoded": _strong(self._decoded),
+                "first_depth": self.first_depth}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"],
-                      state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"))
+                      state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"),
+                      state.get("decoded"), state.get("first_depth"))
 
     @property
     def depth(self) -> int:
@@ -252,8 +267,14 @@ class Prefetcher:
         state = self._owners.get(owner)
         busy = state.busy_s if state is not None else None
         if self._fetch_s is None or busy is None:
-            started = state is not None and (state.window_takes > 0 or len(state.samples) > 0)   # a row group taken
-            return min(self.cap, INITIAL_DEPTH if started else FIRST_DEPTH, self._paced_depth())
+            if self.first_depth is None:       # a row group taken
+                started = state is not None and (state.window_takes > 0 or len(state.samples) > 0)
+                first = FIRST_DEPTH
+            else:                              # the first taken one arrived (the reader takes at once, then waits)
+                started = state is not None and (state.received or len(state.samples) > 0)
+                # in flight in all, the one the reader waits on included
+                first = max(1, self.first_depth - (state.window_takes if state is not None else 0))
+            return min(self.cap, INITIAL_DEPTH if started else first, self._paced_depth())
         # no fetch more for jitter: rounding up leaves up to one consumer interval spare, and each fetch ahead
         # beyond what the rate needs is a request in flight that buys no rows (+ 1 cost ~5% of the rate's share
         # of depth x rows / latency at 100 ms, and no measurable rate)
@@ -276,6 +297,10 @@ class Prefetcher:
         n = size(shard) if size is not None else None
         if n is None:
             return 0
+        known = _strong(self._decoded)
+        d = known(shard) if known is not None else None
+        if d is not None:       # the source knows it (a JSON-lines piece's text): no ratio guessed
+            return n + d
         return int(n * (1.0 + (self._ratio if self._ratio is not None else INITIAL_RATIO)))
 
     # ------------------------------------------------------------------ hints and hand-overs
@@ -319,6 +344,9 @@ class Prefetcher:
                     if reserved > self.budget:     # never fits: the reader fetches this one itself
                         state.queue.pop(0)
                         progress = True
+                    elif shard not in self._held:
+                        self._held.add(shard)
+                        self._counts["held_for_memory"] += 1
                     continue
                 state.queue.pop(0)
                 run = self._coalesce(shard, owner, reserved, mine)
@@ -508,6 +536,8 @@ class Prefetcher:
                 if entry.done_at is None:          # the reader waits for it: that wait is no consumer time
                     self._counts["waited"] += 1
                     entry.future.add_done_callback(lambda _f, s=state, t=now: self._waited(s, t))
+                else:
+                    state.received = True
             if self._pool is not None:
                 self._top_up()
             return entry.future
@@ -516,6 +546,11 @@ class Prefetcher:
         wait = max(0.0, time.monotonic() - since)
         state.window_wait += wait
         self._counts["wait_s"] += wait
+        if not state.received and self.first_depth is not None:
+            with self._lock:                   # (the future's callback: the lock is free)
+                state.received = True
+                if self._pool is not None:
+                    self._top_up()
 
     def stats(self) -> dict:
         """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in
