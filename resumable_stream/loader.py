@@ -14,7 +14,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,7 @@ from .runtime import threads
 from .runtime.torch_compat import IterableDataset, data_loader, worker_info
 from .state.checks import same_topology
 from .state.job_state import carried_indexes, decode_state_dict, encode_state_dict, gather_job_state
-from .stream.base import Stream, round_robin
+from .stream.base import Stream, gathered_part, round_robin
 from .transforms.errors import TransformError
 from .transforms.protocol import Processor, as_processor
 
@@ -443,10 +442,8 @@ class StreamLoader:
         if not hasattr(self.stream, "set_weights"):
             raise ConfigError(f"set_weights: the stream is a {type(self.stream).__name__}; weights are a mixture's "
                               "(data.sources)")
-        snaps = {p: self._consumed.get(p) or self.stream.partition_state(p) for p in self.stream.partitions}
-        starts = {p: snap.consumed for p, snap in snaps.items()}
-        self.stream.set_weights(weights, starts=starts, step=step)
-        self._consumed = {p: replace(snap, changes=[*snap.changes, starts[p]]) for p, snap in self._consumed.items()}
+        # the stream records the change where training is and gives back the snapshots held here with it
+        self._consumed = self.stream.set_weights(weights, consumed=self._consumed, step=step)
         self._restart = self._iterated
 
     def current_weights(self) -> dict[str, float]:
@@ -524,7 +521,7 @@ class StreamLoader:
         self-verifying sidecar). Every rank's partitions are gathered here (a collective: every rank calls it), so
         any rank's copy restores the whole job; with ``per_rank_state``, this rank's alone."""
         _check_lightning_prefetch(self.trainer_prefetch)
-        state = self.rank_state() if self.per_rank_state else gather_job_state(self.rank_state())
+        state = self.rank_state() if self.per_rank_state else gather_job_state(self.rank_state(), gathered_part)
         carried = carried_indexes(self.stream.growing_indexes())   # data.growth: no directory saves the index
         if carried:
             state["indexes"] = carried

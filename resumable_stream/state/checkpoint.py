@@ -57,6 +57,8 @@ from .sidecar import (
 
 log = logging.getLogger(__name__)
 TOPOLOGY_KEYS = ("world_size", "num_workers", "num_partitions")
+# the stream layer's function making its part of a gathered state from one rank's part and the gathered partitions
+StreamPart = Callable[[dict[str, Any], dict[int, Any]], dict[str, Any]]
 
 # (what, blake2b of the bytes) -> (path, size, mtime_ns) of the last file this process wrote with them
 _written: dict[tuple[str, str], tuple[str, int, int]] = {}
@@ -208,19 +210,19 @@ class SavedState:
         """A context in which the files of a compact fingerprint can be listed (:func:`saved_identities`)."""
         return saved_identities(self.path)
 
-    def gather(self, partitions: Iterable[int]) -> tuple[dict[str, Any], str]:
-        """(state, description) of ``partitions`` after a change of ranks or workers, each from the state that holds it;
-        the rotations start afresh."""
+    def gather(self, partitions: Iterable[int], stream_part: StreamPart) -> tuple[dict[str, Any], str]:
+        """(state, description) of ``partitions`` after a change of ranks or workers, each from the state that holds it
+        (``stream_part``: see :func:`merge`)."""
         mine = set(partitions)
         saved = self.stream["topology"]
         if saved["rank"] is None or self.state_dir is None:       # one state: all it has, or a clear error
-            return merge([self.first], mine, self.where), self.where
+            return merge([self.first], mine, self.where, stream_part), self.where
         world = int(self.manifest["world_size"])
         owners = sorted({partition_owner(p, saved["num_partitions"], world) for p in mine})
         states = [self.first] + [read_rank_state(self.state_dir, self.manifest, r, self.fingerprint)[0]
                                  for r in owners if r != saved["rank"]]
         where = f"stream state {self.state_dir!r} (ranks {owners} of {world})"
-        return merge(states, mine, where), where
+        return merge(states, mine, where, stream_part), where
 
 
 open_saved = SavedState     # the saved state at a path (file, stream_state or checkpoint directory), rank first
@@ -265,10 +267,12 @@ class SavedIndexes:
         return furthest
 
 
-def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every: bool = False) -> dict[str, Any]:
+def merge(states: list[dict[str, Any]], partitions: set[int], where: str, stream_part: StreamPart,
+          every: bool = False) -> dict[str, Any]:
     """One state of ``partitions`` gathered from states of one save (elastic resume, or the job's state from its
     ranks'), each partition and carry from the state that held it; the loader part keeps the merged ranks'
-    rotations by rank. ``every``: all of ``partitions`` must be there."""
+    rotations by rank. The stream's part is the stream layer's to make: ``stream_part(first rank's part, gathered
+    partitions)`` (``stream.base.gathered_part``). ``every``: all of ``partitions`` must be there."""
     first = states[0]["stream"]
     merged: dict[int, Any] = {}
     carries: dict[int, Any] = {}
@@ -294,10 +298,8 @@ def merge(states: list[dict[str, Any]], partitions: set[int], where: str, every:
         raise SidecarError(f"{where}: holds no state of partitions {missing[:8]}{' ...' if len(missing) > 8 else ''}"
                            " that this rank reads; load the stream_state or checkpoint directory it was saved in so "
                            "they are gathered from every rank's file")
-    topology = {k: first["topology"][k] for k in TOPOLOGY_KEYS}
-    stream = {"format_version": first["format_version"], "kind": first["kind"], "fingerprint": first["fingerprint"],
-              "topology": {**topology, "rank": None}, "turn": 0, "partitions": merged}
-    return {"stream": stream, "transform": carries, "loader": rotations if rotations["turns"] else None}
+    return {"stream": stream_part(first, merged), "transform": carries,
+            "loader": rotations if rotations["turns"] else None}
 
 
 def saved_identities(path: str | os.PathLike):
@@ -349,8 +351,7 @@ def _read_bytes(path: str, what: str, max_bytes: int) -> bytes:
 def write_state_file(path: str, state: dict[str, Any]) -> str:
     """A sidecar file of the whole state: its fingerprint lists the files' identities (``fingerprint_files``
     held compactly: listed from the table they stand for), so that the file alone names a file that changed."""
-    stream = {**state["stream"], "fingerprint": fingerprint_files.expanded(state["stream"]["fingerprint"])}
-    atomic_write(path, encode_state({**state, "stream": stream}))
+    atomic_write(path, encode_state(state, fingerprint=fingerprint_files.expanded(state["stream"]["fingerprint"])))
     return path
 
 

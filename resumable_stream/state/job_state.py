@@ -12,7 +12,7 @@ from ..errors import ConfigError, SidecarError
 from ..limits import MAX_SIDECAR_BYTES
 from ..runtime.collectives import all_gather_bytes, shared_over_dist
 from ..sources.index import encode_message
-from .checkpoint import merge
+from .checkpoint import StreamPart, merge
 from .sidecar import decode_state, encode_state
 
 STATE_KEY = "resumable_stream_state"
@@ -21,13 +21,14 @@ STATE_KEY = "resumable_stream_state"
 MAX_CARRIED_INDEX_BYTES = 64 << 20
 
 
-def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
+def gather_job_state(rank_state: dict[str, Any], stream_part: StreamPart) -> dict[str, Any]:
     """Every rank's nested state (``rank_state``: this rank's, of ``stream.topology``'s rank and world size)
-    merged into the job's: all partitions, each rank's rotation, topology rank None."""
+    merged into the job's: all partitions, each rank's rotation; the stream's part made by ``stream_part``
+    (``stream.base.gathered_part``: of no rank)."""
     topology = rank_state["stream"]["topology"]
     rank, world = topology["rank"], topology["world_size"]
-    if world == 1:
-        return _as_job(rank_state)
+    if world == 1:      # the job's state is its one rank's, with the stream's part of a job
+        return {**rank_state, "stream": stream_part(rank_state["stream"], rank_state["stream"]["partitions"])}
     if not shared_over_dist(rank, world):
         raise ConfigError(
             f"state_dict(): this loader is rank {rank} of {world}, and a state is the job's (whatever rank's copy a "
@@ -42,13 +43,7 @@ def gather_job_state(rank_state: dict[str, Any]) -> dict[str, Any]:
                               f"{state['stream']['topology']['rank']} of {state['stream']['topology']['world_size']}: "
                               "each rank's loader must read its own rank of the job")
     every = set(range(topology["num_partitions"]))
-    return merge(states, every, "the job's state", every=True)     # with every rank's rotation
-
-
-def _as_job(state: dict[str, Any]) -> dict[str, Any]:
-    """A one-rank job's state: its rank's, with the topology of a job (rank None)."""
-    stream = {**state["stream"], "topology": {**state["stream"]["topology"], "rank": None}, "turn": 0}
-    return {**state, "stream": stream}
+    return merge(states, every, "the job's state", stream_part, every=True)     # with every rank's rotation
 
 
 def carried_indexes(indexes: dict[str | None, dict]) -> dict[str | None, bytes]:

@@ -52,9 +52,10 @@ def fingerprint_bytes(fingerprint: dict[str, Any]) -> bytes:
 
 
 # ------------------------------------------------------------------ encode
-def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -> bytes:
+def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None,
+                 fingerprint: dict[str, Any] | None = None) -> bytes:
     """A nested state as sidecar bytes; with ``fingerprint_digest`` only that digest instead of the fingerprint (a
-    rank file, O(its partitions))."""
+    rank file, O(its partitions)); ``fingerprint``: written instead of the stream part's (in another form of it)."""
     stream = state["stream"]
     kind = stream.get("kind", "stream")
     parts = sorted(stream["partitions"])
@@ -68,7 +69,8 @@ def encode_state(state: dict[str, Any], fingerprint_digest: str | None = None) -
         "turn": str(stream.get("turn", 0)),
     }
     if fingerprint_digest is None:
-        metadata["fingerprint"] = fingerprint_bytes(stream["fingerprint"]).decode()
+        fingerprint = stream["fingerprint"] if fingerprint is None else fingerprint
+        metadata["fingerprint"] = fingerprint_bytes(fingerprint).decode()
     else:
         metadata["fingerprint_digest"] = fingerprint_digest
     state_type = STATE_TYPES[kind]

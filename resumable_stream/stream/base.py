@@ -98,6 +98,18 @@ def order_settings(config: Any, prefix: str = "data.") -> dict[str, Any]:
     return {prefix + k: getattr(config, k) for k in ORDER_KEYS}
 
 
+def gathered_part(part: dict[str, Any], partitions: dict[int, Any]) -> dict[str, Any]:
+    """The stream's part of a state gathered from ranks' states (the job's, or a rank's partitions after a change of
+    ranks): one rank's ``part`` holding ``partitions``, of no rank (each rank loads its own partitions from it) and
+    with the rotation afresh (``turn`` is a rank's). The state layer is handed this function: it merges values and
+    never writes the stream's fields itself."""
+    topology = part["topology"]
+    return {"format_version": part["format_version"], "kind": part["kind"], "fingerprint": part["fingerprint"],
+            "topology": {"rank": None, "world_size": topology["world_size"], "num_workers": topology["num_workers"],
+                         "num_partitions": topology["num_partitions"]},
+            "turn": 0, "partitions": partitions}
+
+
 def _default_topology() -> tuple[int, int]:
     try:
         import torch.distributed as dist
@@ -326,7 +338,7 @@ class StreamBase(IterableDataset):
             same = self.adopt_topology(saved.stream["topology"], saved.where)
         if same and saved.stream["topology"]["rank"] is not None:
             return saved.first, saved.where
-        return saved.gather(self.partitions)
+        return saved.gather(self.partitions, gathered_part)
 
     def load_sidecar(self, path: str | os.PathLike) -> None:
         """Restore from a sidecar file, a stream_state or a checkpoint directory (StreamMismatchError, SidecarError)."""

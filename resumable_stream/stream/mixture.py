@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
 
@@ -248,11 +248,12 @@ class MixtureStream(StreamBase):
         events, self._events = self._events, []
         return events
 
-    def set_weights(self, weights: dict[str, Any], starts: dict[int, int] | None = None,
-                    step: int | None = None) -> None:
-        """Draw with ``weights`` (label -> number or schedule) from each partition's next draw on (``starts``: partition ->
-        draw index; the loader passes what training consumed), recorded in the weight history. Collective (rank 0's
-        apply); only from the iterating thread."""
+    def set_weights(self, weights: dict[str, Any], consumed: dict[int, MixturePartitionState] | None = None,
+                    step: int | None = None) -> dict[int, MixturePartitionState]:
+        """Draw with ``weights`` (label -> number or schedule) from each partition's next draw on, recorded in the
+        weight history. ``consumed``: partition -> its state after what training consumed (the loader's), where the
+        change starts instead (the others' starts where their reader is). Returns those states with the change
+        recorded, for the loader to hold. Collective (rank 0's apply); only from the iterating thread."""
         self._owner.check("MixtureStream.set_weights", "stream")
         self._refuse_changes_in_datasets_draws()
         labels = self.config.labels
@@ -265,12 +266,14 @@ class MixtureStream(StreamBase):
             mine = json.dumps(list(values)).encode() if self.rank == 0 else None
             values = tuple(json.loads(broadcast_bytes(mine)))
         self._history.append(Segment(labels, values, "set_weights", step))
+        consumed = consumed or {}
         for p in self.partitions:
             pos = self._pos[p]
-            pos.changes.append(int(starts[p]) if starts and p in starts else pos.consumed)
+            pos.changes.append(consumed[p].consumed if p in consumed else pos.consumed)
         self._changed()
         self._events.append({"from": "set_weights", **({"step": step} if step is not None else {}),
                              "weights": dict(zip(labels, values))})
+        return {p: replace(ps, changes=[*ps.changes, ps.consumed]) for p, ps in consumed.items()}
 
     def __iter__(self) -> Iterator[dict]:
         self._owner.claim()
