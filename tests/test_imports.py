@@ -393,3 +393,62 @@ def test_the_torch_check_sees_a_module_that_needs_torch():
     result = _import_without(("torch",), [f"{PACKAGE}.devices", PACKAGE])
     assert result.returncode == 1 and result.stdout.startswith(f"{PACKAGE}.devices: ")
     assert f"{PACKAGE}: " not in result.stdout
+
+
+# Module-level state (docs/architecture.md, "Module-level state only for process-wide caches"): a global bound to a
+# lock, a thread-local, a weak or bounded collection or a random generator, or a container the module's functions
+# change (item assignment, a mutating method, `global`), must be named in that table's row for its module.
+_STATEFUL_CALLS = {"Lock", "RLock", "local", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "Random", "deque"}
+_MUTATORS = {"append", "add", "clear", "discard", "extend", "insert", "pop", "popitem", "remove", "setdefault",
+             "update", "appendleft", "popleft"}
+
+
+def module_level_state(source: str) -> list[str]:
+    """The names of ``source``'s module-level mutable state (see above), in order."""
+    tree = ast.parse(source)
+    bound: dict[str, bool] = {}                       # name -> stateful by its kind alone
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        call = value.func if isinstance(value, ast.Call) else None
+        called = getattr(call, "attr", None) or getattr(call, "id", None)
+        container = isinstance(value, (ast.Dict, ast.List, ast.Set)) or called in {"dict", "list", "set", "OrderedDict",
+                                                                                   "defaultdict", "Counter"}
+        if called in _STATEFUL_CALLS or container:
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id != "__all__":
+                    bound[t.id] = called in _STATEFUL_CALLS
+    changed = set()                                  # changed by code that runs after the import
+    bodies = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    for node in (inner for body in bodies for inner in ast.walk(body)):
+        if isinstance(node, ast.Global):
+            changed.update(node.names)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) \
+                and isinstance(node.value, ast.Name):
+            changed.add(node.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                and isinstance(node.func.value, ast.Name):
+            changed.add(node.func.value.id)
+    return [name for name, stateful in bound.items() if stateful or name in changed]
+
+
+def test_module_level_state_is_found_by_its_kind_or_its_changes():
+    source = ("import threading\nA = {}\nB = {'k': 1}\nC = []\nL = threading.Lock()\n__all__ = ['x']\n"
+              "B['set at import'] = 2\ndef f():\n    A['x'] = 1\n    C.append(2)\n    return B['k']\n")
+    assert module_level_state(source) == ["A", "C", "L"]
+
+
+def test_every_module_level_state_is_named_in_the_architecture_table():
+    rows = [line for line in (REPO_ROOT / "docs" / "architecture.md").read_text().splitlines()
+            if line.startswith("| `")]
+    missing = []
+    for path in module_files(PACKAGE_DIR, PACKAGE).values():
+        rel = path.relative_to(PACKAGE_DIR).as_posix()
+        for name in module_level_state(path.read_text()):
+            if not any(f"`{rel}`" in row and f"`{name}`" in row for row in rows):
+                missing.append(f"{rel}: {name}")
+    assert not missing, "module-level state not named in docs/architecture.md's table:\n" + "\n".join(missing)
