@@ -482,7 +482,8 @@ class JsonLinesSource(FetchesAhead):
                     prev = entry["pieces"][piece - 1]
                     text.skip(entry["pieces"][piece][1], prev[5])
             reading = _Reading(shard, piece, text)
-            reading.table = self._piece_table(entry, reading, inside)
+            # the next piece's bytes are asked for now: they come while this one decodes and the reader takes it
+            reading.table = self._piece_table(entry, reading, inside, b)
             reading.first_row = first_row
             return reading
 
