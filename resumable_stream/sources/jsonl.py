@@ -202,11 +202,12 @@ def readahead_pool():
 
 _READAHEAD: list = []
 READAHEAD_THREADS = 4
+READAHEAD_PIECES = 2      # pieces of a shard fetched ahead of the one decoding (their compressed bytes held)
 
 
 class _Ranges:
-    """A file's compressed bytes read in order, with the next piece's range fetched ahead (at most one piece ahead
-    of the one decoding, under the same fetch: retries, request budget, checked answers). A read never asks for a
+    """A file's compressed bytes read in order, with the next pieces' ranges fetched ahead (at most READAHEAD_PIECES
+    ahead of the one decoding, under the same fetch: retries, request budget, checked answers). A read never asks for a
     byte a fetch ahead holds or is getting: no byte is fetched twice."""
 
     def __init__(self, fetch: Callable[[int, int], bytes]):
@@ -217,7 +218,7 @@ class _Ranges:
         """Fetch ``[start, end)`` in the background, from where the last fetch ahead ends if it is further on."""
         if self._ahead:
             start = max(start, self._ahead[-1][1])
-        if end > start and len(self._ahead) < 2:
+        if end > start and len(self._ahead) <= READAHEAD_PIECES:
             self._ahead.append((start, end, readahead_pool().submit(self._fetch, start, end)))
 
     def fetch(self, start: int, end: int) -> bytes:
@@ -335,13 +336,13 @@ class _Text:
         except zstandard.ZstdError as e:       # bytes that are not the index's
             raise WrongBytes(f"the zstd data does not decompress ({e})") from None
 
-    def upto(self, u_end: int, c_end: int, next_c_end: int = 0) -> bytes | bytearray:
+    def upto(self, u_end: int, c_end: int, ends_ahead: list[int] | None = None) -> bytes | bytearray:
         """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
         bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not.
-        With ``next_c_end`` (the next piece's compressed end), the next piece's bytes are fetched meanwhile."""
+        ``ends_ahead``: the next pieces' compressed ends, whose bytes are fetched meanwhile."""
         n = u_end - self.u
-        if next_c_end:
-            self._ranges.ahead(c_end, next_c_end)
+        for start, end in zip([c_end, *(ends_ahead or [])], ends_ahead or []):
+            self._ranges.ahead(start, end)
         if self.kind == "zstd":
             out = bytearray(n)                 # decompressed into its place: no copy
             self._zstd_into(memoryview(out), u_end, c_end)
@@ -503,13 +504,12 @@ class JsonLinesSource(FetchesAhead):
 
     def _piece_table(self, entry: dict, reading: _Reading, inside: int, ahead_to: int = 0) -> pa.Table:
         """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on. With
-        ``ahead_to`` (the shard's end piece), the next piece's compressed bytes are fetched meanwhile."""
+        ``ahead_to`` (the shard's end piece), the next pieces' compressed bytes are fetched meanwhile."""
         rows, start, end, crc, _, cend = entry["pieces"][reading.piece]
         if reading.text is None:
             text = fetcher(entry["path"], self._retry, entry)(start, end)
         else:
-            after = reading.piece + 1
-            text = reading.text.upto(end, cend, entry["pieces"][after][5] if after < ahead_to else 0)
+            text = reading.text.upto(end, cend, self._ends_ahead(entry, reading.piece, ahead_to))
             if reading.text.u - len(text) != start:    # text of the piece starts at its first row
                 text = text[start - (reading.text.u - len(text)):]
         if jsonl_index.crc32(text) != crc:
@@ -531,6 +531,18 @@ class JsonLinesSource(FetchesAhead):
             table = self._rows.table(text, lo, rows - inside, where)
         reading.piece += 1
         return table
+
+    @staticmethod
+    def _ends_ahead(entry: dict, piece: int, end_piece: int) -> list[int]:
+        """The compressed ends of the READAHEAD_PIECES pieces after ``piece`` (before ``end_piece``) whose bytes end
+        further on than the one before (pieces may end in the same input chunk)."""
+        pieces, ends = entry["pieces"], [entry["pieces"][piece][5]]
+        for k in range(piece + 1, end_piece):
+            if pieces[k][5] > ends[-1]:
+                ends.append(pieces[k][5])
+                if len(ends) > READAHEAD_PIECES:
+                    break
+        return ends[1:]
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]
