@@ -591,6 +591,8 @@ class JsonLinesSource(FetchesAhead):
         ahead = self._taken(shard)
         if ahead is not None and ahead.first_row <= start_row < ahead.first_row + ahead.num_rows:
             return ahead
+        if ahead is not None and ahead.text is not None:
+            ahead.text.close()                          # not the row asked for: what it fetched ahead is dropped
         return self._opened(shard, start_row, self._open)
 
 
