@@ -11,6 +11,7 @@ import bisect
 import io
 import json
 import logging
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -189,6 +190,54 @@ def _shifted(data: bytes, shift: int, carry: int) -> tuple[bytes, int]:
     return out.astype(np.uint8).tobytes(), data[-1]
 
 
+def readahead_pool():
+    """This process's threads fetching a shard's next piece while the piece before it decodes (not the decode pool:
+    a decode waiting on a fetch queued behind decodes could wait forever); a forked worker makes its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not _READAHEAD or _READAHEAD[0][0] != os.getpid():
+        _READAHEAD[:] = [(os.getpid(), ThreadPoolExecutor(READAHEAD_THREADS, thread_name_prefix="rs-readahead"))]
+    return _READAHEAD[0][1]
+
+
+_READAHEAD: list = []
+READAHEAD_THREADS = 4
+READAHEAD_PIECES = 2      # pieces of a shard fetched ahead of the one decoding (their compressed bytes held)
+
+
+class _Ranges:
+    """A file's compressed bytes read in order, with the next pieces' ranges fetched ahead (at most READAHEAD_PIECES
+    ahead of the one decoding, under the same fetch: retries, request budget, checked answers). A read never asks for a
+    byte a fetch ahead holds or is getting: no byte is fetched twice."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes]):
+        self._fetch = fetch
+        self._ahead: list[tuple[int, int, Any]] = []       # (start, end, future), in file order
+
+    def ahead(self, start: int, end: int) -> None:
+        """Fetch ``[start, end)`` in the background, from where the last fetch ahead ends if it is further on."""
+        if self._ahead:
+            start = max(start, self._ahead[-1][1])
+        if end > start and len(self._ahead) <= READAHEAD_PIECES:
+            self._ahead.append((start, end, readahead_pool().submit(self._fetch, start, end)))
+
+    def fetch(self, start: int, end: int) -> bytes:
+        if self._ahead:
+            first = self._ahead[0][0]
+            if start == first:
+                return self._ahead.pop(0)[2].result()
+            if start < first:
+                return self._fetch(start, min(end, first))
+            self.close()                               # a read elsewhere (not one in order): drop what was ahead
+        return self._fetch(start, end)
+
+    def close(self) -> None:
+        """Cancel what was fetched ahead and not read (a fetch under way ends on its own; its bytes are dropped)."""
+        for _, _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+
+
 class _Inflate:
     """Raw deflate from a gzip access point of the index (its bit offset and window), by zlib, fed the compressed
     bytes as they are fetched; at a member's end it goes on from the next member's start (a point of the index)."""
@@ -260,6 +309,8 @@ class _Text:
         p = entry["points"][point]
         self.u = p[0]
         self._rest = b""                   # (gzip) text inflated past what was handed out
+        self._ranges = _Ranges(fetch)
+        fetch = self._ranges.fetch
         if self.kind == "zstd":
             import zstandard
 
@@ -285,10 +336,13 @@ class _Text:
         except zstandard.ZstdError as e:       # bytes that are not the index's
             raise WrongBytes(f"the zstd data does not decompress ({e})") from None
 
-    def upto(self, u_end: int, c_end: int) -> bytes | bytearray:
+    def upto(self, u_end: int, c_end: int, ends_ahead: list[int] | None = None) -> bytes | bytearray:
         """The text from where the last call ended (the point's offset at first) to ``u_end``; the compressed
-        bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not."""
+        bytes fetched go up to ``c_end`` (what the index says suffices), then a little more at a time if not.
+        ``ends_ahead``: the next pieces' compressed ends, whose bytes are fetched meanwhile."""
         n = u_end - self.u
+        for start, end in zip([c_end, *(ends_ahead or [])], ends_ahead or []):
+            self._ranges.ahead(start, end)
         if self.kind == "zstd":
             out = bytearray(n)                 # decompressed into its place: no copy
             self._zstd_into(memoryview(out), u_end, c_end)
@@ -313,6 +367,10 @@ class _Text:
             part = scratch[:min(len(scratch), u_end - self.u)]
             self._zstd_into(part, u_end, c_end)
             self.u += len(part)
+
+    def close(self) -> None:
+        if self.kind != "none":
+            self._ranges.close()
 
 
 @dataclass
@@ -425,7 +483,8 @@ class JsonLinesSource(FetchesAhead):
                     prev = entry["pieces"][piece - 1]
                     text.skip(entry["pieces"][piece][1], prev[5])
             reading = _Reading(shard, piece, text)
-            reading.table = self._piece_table(entry, reading, inside)
+            # the next piece's bytes are asked for now: they come while this one decodes and the reader takes it
+            reading.table = self._piece_table(entry, reading, inside, b)
             reading.first_row = first_row
             return reading
 
@@ -443,13 +502,14 @@ class JsonLinesSource(FetchesAhead):
                     [(f"file modified: {path} (text)", "the index's CRC-32", "other bytes")]) from None
         raise AssertionError("unreachable")
 
-    def _piece_table(self, entry: dict, reading: _Reading, inside: int) -> pa.Table:
-        """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on."""
+    def _piece_table(self, entry: dict, reading: _Reading, inside: int, ahead_to: int = 0) -> pa.Table:
+        """The next piece's rows from its row ``inside`` on (its text checked first); moves ``reading`` on. With
+        ``ahead_to`` (the shard's end piece), the next pieces' compressed bytes are fetched meanwhile."""
         rows, start, end, crc, _, cend = entry["pieces"][reading.piece]
         if reading.text is None:
             text = fetcher(entry["path"], self._retry, entry)(start, end)
         else:
-            text = reading.text.upto(end, cend)
+            text = reading.text.upto(end, cend, self._ends_ahead(entry, reading.piece, ahead_to))
             if reading.text.u - len(text) != start:    # text of the piece starts at its first row
                 text = text[start - (reading.text.u - len(text)):]
         if jsonl_index.crc32(text) != crc:
@@ -471,6 +531,18 @@ class JsonLinesSource(FetchesAhead):
             table = self._rows.table(text, lo, rows - inside, where)
         reading.piece += 1
         return table
+
+    @staticmethod
+    def _ends_ahead(entry: dict, piece: int, end_piece: int) -> list[int]:
+        """The compressed ends of the READAHEAD_PIECES pieces after ``piece`` (before ``end_piece``) whose bytes end
+        further on than the one before (pieces may end in the same input chunk)."""
+        pieces, ends = entry["pieces"], [entry["pieces"][piece][5]]
+        for k in range(piece + 1, end_piece):
+            if pieces[k][5] > ends[-1]:
+                ends.append(pieces[k][5])
+                if len(ends) > READAHEAD_PIECES:
+                    break
+        return ends[1:]
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
         info = self.shards[shard]
@@ -498,14 +570,18 @@ class JsonLinesSource(FetchesAhead):
                     ahead.result()
                 except Exception:      # noqa: BLE001 - a piece nobody reads
                     pass
+            if reading.text is not None:
+                reading.text.close()
 
     def _checked_next(self, shard: int, entry: dict, reading: _Reading) -> pa.Table:
         """The next piece's table; a piece whose text fails its check is read again from the shard's point."""
         piece = reading.piece
         try:
-            return self._piece_table(entry, reading, 0)
+            return self._piece_table(entry, reading, 0, self._runs[shard][2])
         except WrongBytes as e:
             log.warning("data file %r: %s; reading it once more from the source", entry["path"], e)
+        if reading.text is not None:
+            reading.text.close()
         rows_before = self._offsets(shard)[piece - self._runs[shard][1]]
         again = self._open(shard, rows_before)
         reading.piece, reading.text = again.piece, again.text
@@ -515,6 +591,8 @@ class JsonLinesSource(FetchesAhead):
         ahead = self._taken(shard)
         if ahead is not None and ahead.first_row <= start_row < ahead.first_row + ahead.num_rows:
             return ahead
+        if ahead is not None and ahead.text is not None:
+            ahead.text.close()                          # not the row asked for: what it fetched ahead is dropped
         return self._opened(shard, start_row, self._open)
 
 

@@ -1,0 +1,107 @@
+"""A one-frame ``.jsonl.zst`` over the network is one shard read piece after piece: the next piece's compressed
+bytes are fetched while the piece before decodes and is handed out (sources/jsonl.py ``_Ranges``), not when its own
+decode starts (a round trip a piece). Asserted on the loopback server's request log: requests go out two at a
+time, each byte once."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import zstandard
+from http_server import FileServer
+
+from resumable_stream import ResumableStream, StreamConfig
+from resumable_stream.sources import jsonl_index
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("hub_offline")]
+
+LATENCY_S = 0.4
+PIECE = 64 << 10
+ROWS = 1500
+
+
+def _one_frame(path, n: int) -> int:
+    """A file of ``n`` rows in one zstd frame."""
+    rng = random.Random(7)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)) for _ in range(3000)]
+    text = "".join(json.dumps({"id": i, "text": " ".join(rng.choices(words, k=60))}) + "\n" for i in range(n))
+    data = zstandard.ZstdCompressor(level=3).compress(text.encode())
+    path.write_bytes(data)
+    return len(data)
+
+
+def _ranges(requests) -> list[tuple[float, int, int]]:
+    out = []
+    for r in requests:
+        if r.method == "GET" and r.range:
+            first, last = r.range.split("=")[1].split("-")
+            out.append((r.at, int(first), int(last)))
+    return sorted(out)
+
+
+def test_a_one_frame_zst_files_next_pieces_are_requested_while_the_one_before_is_read(tmp_path, monkeypatch):
+    """Pieces of 64 KiB of text, compressed ends known to 1 KiB: ~6 ranges. Without the read-ahead each request
+    waits for the answer before it (a latency apart); with it, 3 go out at once (the piece and 2 ahead), then the
+    next ones while those decode. No range asked for twice, bytes served <= 1.1x the file."""
+    name = "a.jsonl.zst"
+    monkeypatch.setattr(jsonl_index, "PIECE_MAX_BYTES", PIECE)
+    monkeypatch.setattr(jsonl_index, "INPUT_CHUNK", 1 << 10)     # compressed ends known to 1 KiB, not 256 KiB
+    site = tmp_path / "site"
+    site.mkdir()
+    size = _one_frame(site / name, ROWS)
+    with FileServer(str(site)) as srv:
+        cfg = StreamConfig(dataset_name_or_path="json", data_files=[srv.url(name)], shuffle=False,
+                           index_path=str(tmp_path / "i.json"), verify_files=False, retries=2, timeout_s=20)
+        ResumableStream(cfg).close()                           # builds and writes the index
+        srv.latency_s = LATENCY_S
+        srv.reset_stats()
+        s = ResumableStream(cfg)
+        assert len(s.source.shards) == 1                       # one frame: one shard
+        pieces = len(s.source._files[0]["pieces"])
+        assert pieces >= 6, pieces
+        rows = list(itertools.islice(s, ROWS))
+        s.close()
+        gets = _ranges(srv.requests)
+        served = srv.stats()["bytes_sent"]
+    assert [r["id"] for r in rows] == list(range(ROWS))
+    # each byte once: the ranges asked for do not overlap, and cover no more than the file
+    spans = sorted((a, b) for _, a, b in gets)
+    assert all(b1 < a2 for (_, b1), (a2, _) in zip(spans, spans[1:])), spans
+    assert served <= 1.1 * size, (served, size)
+    # the next piece goes out with the one before, not a round trip after it: without the read-ahead every request
+    # waits for the answer before it (gaps >= LATENCY_S); with it, they go out in groups
+    times = [t - gets[0][0] for t, _, _ in gets]
+    paired = sum(1 for a, b in zip(times, times[1:]) if b - a < LATENCY_S / 2)
+    assert len(gets) >= 5, gets
+    assert times[2] < LATENCY_S / 2, times                     # 2 pieces asked for with the first
+    assert paired >= (len(gets) - 1) // 2, times
+
+
+def test_closing_mid_shard_asks_for_nothing_more(tmp_path, monkeypatch):
+    """A stream closed while a piece is fetched ahead: what is ahead is cancelled or dropped, and no request starts
+    after close() returns."""
+    monkeypatch.setattr(jsonl_index, "PIECE_MAX_BYTES", PIECE)
+    monkeypatch.setattr(jsonl_index, "INPUT_CHUNK", 1 << 10)     # compressed ends known to 1 KiB, not 256 KiB
+    site = tmp_path / "site"
+    site.mkdir()
+    _one_frame(site / "a.jsonl.zst", ROWS)
+    with FileServer(str(site)) as srv:
+        cfg = StreamConfig(dataset_name_or_path="json", data_files=[srv.url("a.jsonl.zst")], shuffle=False,
+                           index_path=str(tmp_path / "i.json"), verify_files=False, retries=2, timeout_s=20)
+        ResumableStream(cfg).close()
+        srv.latency_s = LATENCY_S
+        srv.reset_stats()
+        s = ResumableStream(cfg)
+        first = list(itertools.islice(s, 250))                 # into the second piece
+        s.close()
+        import time
+
+        closed = time.monotonic()
+        asked = len(_ranges(srv.requests))
+        time.sleep(LATENCY_S * 2)
+        later = [r for r in _ranges(srv.requests)[asked:]]
+    assert [r["id"] for r in first] == list(range(250))
+    assert not later, (later, closed)
