@@ -614,6 +614,13 @@ class JsonLinesReader(ScannedReader):
         """The json builder's inference on the first file, on a thread while the files are indexed."""
         from concurrent.futures import ThreadPoolExecutor
 
+        import tqdm
+
+        # datasets' thread_map enters tqdm's ensure_lock even with its bar off, and deletes the class's lock after a
+        # call that found none: two threads in it at once (this one and the caller's) race to delete one lock
+        # ("type object 'tqdm' has no attribute '_lock'", seen in a fresh LLaMA-Factory process). A lock made
+        # here, before the thread, is found and kept by both.
+        tqdm.tqdm.get_lock()
         pool = ThreadPoolExecutor(1, thread_name_prefix="rs-features")
         try:
             return _FeaturesAhead(pool.submit(builder_features, path, retry), path, retry)
