@@ -122,7 +122,7 @@ def _install(timers: Timers) -> None:
     w(resolve, "file_identity", "sources.resolve.file_identity")
     w(sources_parquet, "parquet_footer", "sources.parquet.parquet_footer")
     w(growth, "recheck", "growth.recheck (saved index checked)")
-    w(resolve, "hub_identities", "sources.resolve.hub_identities")
+    w(resolve, "known_identities", "sources.resolve.known_identities")
     w(job_source, "saved_index_file", "job_source.saved_index_file")
     w(sources_parquet, "source_from_index", "sources.parquet.source_from_index")
     w(parquet_files.ParquetFiles, "__init__", "ParquetFiles.__init__ (Features.from_dict)")

@@ -18,7 +18,6 @@ from ..config.specs import DataSpec, GrowthSpec, SourceSpec
 from ..errors import ConfigError, SourceError, StreamMismatchError
 from ..io.hub import commit_sha, hub_commits, unpinned
 from ..io.net import RetryPolicy, is_remote, protocol_options
-from ..io.ranged import listed_identities
 from ..limits import is_int
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..runtime.threads import map_files
@@ -27,8 +26,8 @@ from ..sources.index import changed_files, describe_changes
 from ..sources.resolve import (
     explicit_urls,
     file_identity,
-    hub_identities,
     index_entry,
+    known_identities,
     resolve_split,
     where_to_look,
 )
@@ -243,10 +242,9 @@ def _identity_now(reader, at_now: dict[str, str], retry: RetryPolicy) -> Callabl
     the index lists; an error naming the file in place of an identity that cannot be read."""
     asked = list(at_now.values())
     try:
-        known = hub_identities(asked, retry)      # Hub files: one batched request, not one per file
+        known = known_identities(asked, retry)     # Hub files and S3 objects in batches, not a request per file
     except SourceError:
         known = {}                                 # asked file by file below, each error named
-    known.update(listed_identities(asked, retry.storage_options))     # S3: from a listing, no HEAD per object
 
     def identity(entry: dict) -> dict:
         where_now = at_now[entry["path"]]
@@ -272,8 +270,7 @@ def _grown(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: 
         if running:
             _remember_unchanged(spec.data, index, now)
         return with_generations(index, gens)
-    new_known = hub_identities(added, retry)
-    new_known.update(listed_identities(added, retry.storage_options))
+    new_known = known_identities(added, retry)
     footers: dict[str, bytes] = {}
     entries = map_files(lambda f: index_entry(reader, f, retry, new_known.get(f) or file_identity(f, retry), footers,
                                               growing=True), added)

@@ -1,33 +1,13 @@
 """The job's request budget (``data.max_requests_per_s``), and what a store's rate-limit answer makes us do.
 
-Stores limit requests per client or token: the Hub counts the ``/resolve/`` requests of a token (of an IP
-address without one) over fixed 5-minute windows (3,000 anonymous, 5,000 with a free token, 12,000 PRO, 20,000
-Team, 50,000 Enterprise, 100,000 Enterprise Plus) and answers 429 past them, with ``RateLimit: "resolvers";r=0;
-t=<seconds to the reset>``; S3 takes about 5,500 GET / HEAD per second per prefix and answers 503 ``SlowDown``
-past that. A job of many ranks and DataLoader workers stays inside such a limit by design, not by retrying into
-it:
-
-* **The job's rate is shared.** ``data.max_requests_per_s`` (per store: the Hub, an S3 bucket, an http(s) host)
-  is split evenly over the job's consumers, ranks x max(1, DataLoader workers), so each process paces its own
-  requests at its share: a token bucket of one token (GCRA, one request every 1 / share seconds) that starts
-  empty. Whatever the ranks, workers and restarts, the job makes at most ``rate x T + consumers`` requests in any
-  T seconds (a restart's first second included: no burst). Each new job (an elastic restart on other ranks
-  or workers) takes its share from its own topology. Rank 0, opening the dataset while the other ranks wait
-  for its index, uses the whole rate (:func:`opening_alone`).
-* **A rate-limit answer pauses the process's requests to that store** until the reset the answer names
-  (``RateLimit`` ``t=``, else ``Retry-After``); an S3 ``SlowDown`` names none: an exponential backoff, and the
-  process's pace halves (doubling back every 5 s without one). The request is then made again by
-  :func:`resumable_stream.io.ranged.read_range` itself: a rate limit is no fault and spends none of
-  ``data.retries`` nor ``data.retry_budget_s``; ``data.rate_limit_wait_s`` bounds the waiting of one request
-  (then a ``SourceError`` says so, never a hang).
-* **Nothing of it is saved.** The buckets live in each process's memory only: a resumed job starts with empty
-  buckets, a checkpoint holds no budget.
-
-``data.max_requests_per_s``: a number (requests per second for the whole job, per store), a Hub tier
-(``hub-anonymous`` ... ``hub-enterprise-plus``: 90 % of its resolver quota per 5 minutes, for ``hf://`` data;
-other stores as by default), ``unlimited``, or null (the default): ``hf://`` data on huggingface.co at the free
-tier with a token (``HF_TOKEN`` or a saved login), the anonymous one without (another ``HF_ENDPOINT``, a mirror:
-unlimited); S3 at 90 % of 5,500 a second per bucket; other stores unlimited.
+A job stays inside a store's limit by design (docs/scale.md#rate-limits-requests-per-epoch-and-the-hubs-tiers has
+the stores' limits and the guarantees): the job's rate per store is split evenly over its consumers (ranks x
+max(1, DataLoader workers)), each process pacing its own requests at its share with a token bucket of one token
+that starts empty (no burst, a restart's first second included); rank 0, opening the dataset while the other
+ranks wait for its index, uses the whole rate (:func:`opening_alone`). A rate-limit answer pauses the process's
+requests to that store until the reset it names (an S3 ``SlowDown``: a backoff, and half the pace), then
+:func:`resumable_stream.io.ranged.read_range` asks again, spending no retry; ``data.rate_limit_wait_s`` bounds one
+request's waiting. Nothing of it is saved: the buckets live in each process's memory only.
 """
 
 from __future__ import annotations
@@ -176,7 +156,6 @@ class _Process:
     """This process's buckets, the budgets its sources registered and its share of the job."""
 
     def __init__(self):
-        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.budgets: set[RequestBudget] = set()
         self.consumers = 1
@@ -202,28 +181,26 @@ class _Process:
 
 
 _state = _Process()
-_state_lock = threading.Lock()
 _rng = random.Random()
 _WAITS = threading.local()
 
 
-def _here() -> _Process:
-    """This process's state: a forked DataLoader worker keeps the registered budgets and the consumers, and
-    starts its buckets empty (its parent's lock may have been held by another thread at the fork)."""
+def _after_fork() -> None:
+    """A forked DataLoader worker keeps the registered budgets and the consumers, and starts its buckets empty (its
+    parent's lock may have been held by another thread at the fork)."""
     global _state
-    if _state.pid != os.getpid():
-        with _state_lock:
-            if _state.pid != os.getpid():
-                fresh = _Process()
-                fresh.budgets, fresh.consumers = set(_state.budgets), _state.consumers
-                _state = fresh
-    return _state
+    fresh = _Process()
+    fresh.budgets, fresh.consumers = set(_state.budgets), _state.consumers
+    _state = fresh
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def register(budget: RequestBudget) -> None:
     """A source of this process reads under ``budget`` (its retry policy registers it, here and in every
     worker it is handed to). A store read under several takes the lowest rate and the longest wait."""
-    p = _here()
+    p = _state
     with p.lock:
         if budget not in p.budgets:
             p.budgets.add(budget)
@@ -233,7 +210,7 @@ def register(budget: RequestBudget) -> None:
 def set_consumers(consumers: int) -> None:
     """The job has ``consumers`` processes reading (ranks x max(1, DataLoader workers)): each process's share
     of the job's rate is 1 / consumers of it. Set by the stream for its topology, in every process."""
-    p = _here()
+    p = _state
     with p.lock:
         p.consumers = max(1, int(consumers))
         p.rebalance()
@@ -243,7 +220,7 @@ def set_consumers(consumers: int) -> None:
 def opening_alone() -> Iterator[None]:
     """While rank 0 opens the dataset for the whole job (the other ranks wait for its index), it may use the job's
     whole rate."""
-    p = _here()
+    p = _state
     with p.lock:
         p.alone += 1
         p.rebalance()
@@ -262,7 +239,7 @@ def process_rate(path: str) -> float | None:
     store = store_of(path)
     if store is None:
         return None
-    p = _here()
+    p = _state
     with p.lock:
         b = p.bucket(store)
         if b.share is None:
@@ -280,7 +257,7 @@ def read_done(path: str, paced: bool) -> None:
     store = store_of(path)
     if store is None:
         return
-    p = _here()
+    p = _state
     with p.lock:
         b = p.buckets.get(store)
         if b is not None:
@@ -289,7 +266,7 @@ def read_done(path: str, paced: bool) -> None:
 
 def max_wait_s(path: str) -> float:
     """The longest one request to ``path``'s store waits out rate-limit answers (data.rate_limit_wait_s)."""
-    p = _here()
+    p = _state
     with p.lock:
         waits = [b.max_wait_s for b in p.budgets]
     return max(waits) if waits else RequestBudget().max_wait_s
@@ -298,7 +275,7 @@ def max_wait_s(path: str) -> float:
 def describe(path: str) -> str:
     """The budget ``path``'s store is read under, in words (for errors)."""
     store = store_of(path) or "local"
-    p = _here()
+    p = _state
     with p.lock:
         budgets = sorted(p.budgets, key=repr)
         consumers = 1 if p.alone else p.consumers
@@ -315,7 +292,7 @@ def acquire(path: str, paced: bool = True) -> None:
     store = store_of(path)
     if store is None:
         return
-    p = _here()
+    p = _state
     if paced:
         _WAITS.paced = paced_requests() + 1
     waited_pace = paused = 0.0
@@ -349,7 +326,7 @@ def answered(path: str) -> None:
     store = store_of(path)
     if store is None:
         return
-    p = _here()
+    p = _state
     with p.lock:
         b = p.buckets.get(store)
         if b is not None and b.slowdowns:
@@ -362,7 +339,7 @@ def limited(path: str, limit: RateLimit) -> float:
     store = store_of(path)
     if store is None:
         return 0.0
-    p = _here()
+    p = _state
     with p.lock:
         b = p.bucket(store)
         now = time.monotonic()
@@ -441,19 +418,20 @@ def retry_after_s(headers) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _chain(e: BaseException) -> Iterator[BaseException]:
-    seen: list[BaseException] = []
+def error_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and its causes (or contexts), at most 16, each once."""
+    out: list[BaseException] = []
     cur: BaseException | None = e
-    while cur is not None and len(seen) < 16 and all(cur is not x for x in seen):
-        seen.append(cur)
-        yield cur
+    while cur is not None and len(out) < 16 and all(cur is not x for x in out):
+        out.append(cur)
         cur = cur.__cause__ if cur.__cause__ is not None else (None if cur.__suppress_context__ else cur.__context__)
+    return out
 
 
 def rate_limit_of(e: BaseException) -> RateLimit | None:
     """The rate-limit answer ``e`` carries (an HTTP 429 from the Hub, aiohttp or urllib, with the reset its
     ``RateLimit`` / ``Retry-After`` headers name; an S3 503 ``SlowDown``), None when it is anything else."""
-    for x in _chain(e):
+    for x in error_chain(e):
         response = getattr(x, "response", None)
         if isinstance(response, dict):                      # botocore's ClientError (s3fs)
             code = (response.get("Error") or {}).get("Code")

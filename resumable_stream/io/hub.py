@@ -231,22 +231,15 @@ class _SignedUrls:
     worker starts without its parent's: they would be valid, but its lock may be held)."""
 
     def __init__(self):
-        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._urls: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._resolving = [threading.Lock() for _ in range(64)]    # striped by path
 
-    def _here(self) -> None:
-        if self._pid != os.getpid():
-            self.__init__()
-
     def resolving(self, path: str) -> threading.Lock:
         """The lock a thread resolving ``path`` holds (one of 64, by the path's hash)."""
-        self._here()
         return self._resolving[hash(path) % len(self._resolving)]
 
     def get(self, path: str) -> str | None:
-        self._here()
         with self._lock:
             entry = self._urls.get(path)
             if entry is None:
@@ -261,7 +254,6 @@ class _SignedUrls:
         usable = ttl - min(_CDN_MARGIN_S, ttl / 4)
         if usable <= 0:
             return
-        self._here()
         with self._lock:
             self._urls[path] = (url, time.monotonic() + usable)
             self._urls.move_to_end(path)
@@ -269,12 +261,19 @@ class _SignedUrls:
                 self._urls.popitem(last=False)
 
     def forget(self, path: str) -> None:
-        self._here()
         with self._lock:
             self._urls.pop(path, None)
 
 
 _cdn = _SignedUrls()
+
+
+def _after_fork() -> None:
+    global _cdn
+    _cdn = _SignedUrls()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import http.client
 import inspect
 import logging
@@ -18,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ..config.specs import DataSpec, NetPolicy
@@ -26,27 +27,14 @@ from ..errors import ConfigError, ResumableStreamError, SourceError
 from ..observe.metrics import record_retry, retry_cause
 from ..runtime.threads import map_files
 from . import budget as request_budget
-from .budget import retry_after_s
+from .budget import error_chain, retry_after_s
 
 log = logging.getLogger(__name__)
 
-# Remote data (http(s)://, hf://, s3://, ... files and Hub ids) is opened and read under one retry
-# policy, ``data.retries`` / ``data.retry_backoff_s`` with exponential backoff: every step of resolving
-# the dataset is retried on its own (a file's metadata, a parquet footer, load_dataset_builder, ...),
-# and a shard read that fails midway is reopened at the next row not yet yielded, so the rows come out
-# exactly as without the fault. Local files are never retried: a missing local file fails at once.
-#
-# Waiting is bounded. ``data.timeout_s`` is the deadline of one request: aiohttp (fsspec's HTTP filesystem)
-# gets it as ClientTimeout(total=...) in the ``client_kwargs`` of the storage options handed to
-# ``load_dataset_builder`` and to our ranged reads, covering connect, headers, body and the request retries
-# of :class:`_HttpRetry`; s3fs gets it as botocore's connect / read timeouts, with one attempt per call
-# (our tries are the retries; s3fs's own retries of a timed-out call are off in our reads, not in the
-# listing datasets does while resolving). ``data.retry_budget_s`` bounds one step (a read, a file's metadata, ...):
-# no try starts once its first try is that long ago, and no wait runs past it. A step of one request
-# (a row group, a footer) therefore fails within retry_budget_s + timeout_s, one of at most two (a file's
-# metadata: HEAD, then GET when the HEAD says too little) within retry_budget_s + 2 x timeout_s: 300 s
-# with the defaults. While our retries govern, datasets' own read/open retries (up to 20 tries, 5-60 s
-# sleeps each, see datasets.config.STREAMING_*) are off.
+# Remote data is read under one retry policy: every step of resolving it is retried on its own, a shard read
+# that fails midway is reopened at the next row not yet yielded; local files are never retried. The waiting is
+# bounded (data.timeout_s per request, data.retry_budget_s per step: docs/internals.md#bounded-waiting), and
+# datasets' own read/open retries (up to 20 tries, 5-60 s sleeps) are off around our calls while ours govern.
 
 T = TypeVar("T")
 
@@ -210,40 +198,6 @@ def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
     return options
 
 
-class _LaterOptions(Mapping):
-    """fsspec storage options ({protocol: kwargs}) made by ``make`` when first read (by any thread, once)."""
-
-    def __init__(self, make: Callable[[], dict]):
-        self._make: Callable[[], dict] | None = make
-        self._made: dict | None = None
-        self._lock = threading.Lock()
-
-    def _options(self) -> dict:
-        if self._made is None:
-            with self._lock:
-                if self._made is None:
-                    self._made, self._make = self._make(), None
-        return self._made
-
-    def __getitem__(self, key: str):
-        return self._options()[key]
-
-    def __iter__(self):
-        return iter(self._options())
-
-    def __len__(self) -> int:
-        return len(self._options())
-
-    def __repr__(self) -> str:
-        return repr(self._options())
-
-    def __reduce__(self):
-        return dict, (dict(self._options()),)      # a plain dict in another process
-
-    def __deepcopy__(self, memo: dict) -> dict:
-        return copy.deepcopy(self._options(), memo)
-
-
 _HTTP_STACK: list[threading.Thread] = []
 
 
@@ -293,16 +247,6 @@ def protocol_options(storage_options: dict, path: str) -> dict:
     """The flat fsspec kwargs for ``path``'s protocol out of datasets-style ``{protocol: kwargs}``."""
     protocol = path.split("://", 1)[0] if "://" in path else "file"
     return copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
-
-
-def error_chain(e: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    cur: BaseException | None = e
-    while cur is not None and len(out) < 16 and all(cur is not x for x in out):
-        out.append(cur)
-        cur = cur.__cause__ if cur.__cause__ is not None else (
-            None if cur.__suppress_context__ else cur.__context__)
-    return out
 
 
 def _status_of(e: BaseException) -> int | None:
@@ -421,18 +365,20 @@ class RetryPolicy:
             request_budget.register(self.requests)
         # the http(s) options are ours alone (no user headers, auth, ...): a read may go without aiohttp
         self.own_http_options = not net.storage_options
-        self.storage_options: Mapping = {}
-        if remote:
-            # made when first read: their aiohttp objects need aiohttp (0.2-1 s to import), imported meanwhile
-            # on a thread (a first sample's requests need not wait for it: io/ranged.read_tail)
-            protocols = _data_protocols(data) if data is not None else []
-            if any(p in ("http", "https") for p in protocols):
-                import_http_stack_ahead()
-            user = net.storage_options
-            retries, backoff = min(self.retries, HTTP_REQUEST_RETRIES), self.backoff_s
-            self.storage_options = _LaterOptions(lambda: with_user_options(
-                _storage_options(self.timeout_s, retries, backoff), user, protocols) if user else
-                _storage_options(self.timeout_s, retries, backoff))
+        self._user_options = net.storage_options
+        self._protocols = _data_protocols(data) if remote and data is not None else []
+        if any(p in ("http", "https") for p in self._protocols):
+            # their aiohttp objects need aiohttp (0.2-1 s to import), imported meanwhile on a thread (a first
+            # sample's requests need not wait for it: io/ranged.read_tail)
+            import_http_stack_ahead()
+
+    @functools.cached_property
+    def storage_options(self) -> dict:
+        """fsspec storage options ({protocol: kwargs}), made when first read; {} for a local source."""
+        if not self.remote:
+            return {}
+        ours = _storage_options(self.timeout_s, min(self.retries, HTTP_REQUEST_RETRIES), self.backoff_s)
+        return with_user_options(ours, self._user_options, self._protocols) if self._user_options else ours
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -499,12 +445,6 @@ class RetryPolicy:
                 if not self.failed(e, attempt, label, probe, started):
                     raise
             attempt += 1
-
-
-def describe_targets(targets: list[str]) -> str:
-    shown = ", ".join(targets[:3])
-    return shown + (f" and {len(targets) - 3} more" if len(targets) > 3 else "")
-
 
 
 class HttpAnswer(ResumableStreamError):

@@ -1,22 +1,12 @@
 """Ranged reads that prove they got the bytes they asked for, of the object the index recorded.
 
-``read_range(path, start, end, storage_options, identity)`` returns bytes ``[start, end)`` of a local
-file or an object (http(s)://, s3://, hf://datasets/, any other fsspec protocol) and checks the
-answer before anyone decodes it:
-
-* the length is the one asked for (a short body is an ``OSError``: a network fault, retried);
-* http(s) and S3: the answer is a 206 whose ``Content-Range`` is the range asked for, of an object of
-  the recorded size, with the recorded ETag / Last-Modified where the answer carries them. The
-  request itself says ``If-Match: <ETag>`` (a strong ETag only), so a store that honours it refuses
-  a rewritten object (412) instead of sending its bytes. A local file's size and mtime are checked
-  after the read;
-* a server that ignores ``Range`` (a 200 with the whole file) is :class:`RangeNotSupported` at its
-  first answer, never retried: the whole file is not what was asked for, and asking again cannot help.
-
-An answer of another object than the recorded one is :class:`ObjectChanged` (a
-``StreamMismatchError``), one of the right object but the wrong bytes (another range) is
-:class:`WrongBytes`. ``identity`` is the file's dataset-index entry (``size``, ``etag``,
-``last-modified``, ``mtime``); without one only the length is checked.
+``read_range(path, start, end, storage_options, identity)`` returns bytes ``[start, end)`` of a local file or an
+object (http(s)://, s3://, hf://datasets/, any other fsspec protocol), checked before anyone decodes it as
+docs/internals.md#verified-bytes says: the length (short: an ``OSError``, retried), a 206 of the range asked for
+(sent with ``If-Match`` for a strong ETag) of an object of the recorded size / ETag / Last-Modified, a local
+file's size and mtime. Another object is :class:`ObjectChanged`, another range :class:`WrongBytes`, a server that
+ignores ``Range`` :class:`RangeNotSupported` (never retried). ``identity``: the file's dataset-index entry
+(``size``, ``etag``, ``last-modified``, ``mtime``); without one only the length is checked.
 """
 
 from __future__ import annotations
@@ -152,12 +142,12 @@ def read_range(path: str, start: int, end: int, storage_options: dict, identity:
     if end <= start:
         return b""
     if "://" not in path or path.startswith("file://"):
-        return _timed_read(path, start, end, storage_options, identity, remote=False)
+        return _timed(lambda: _read_range(path, start, end, storage_options, identity), len, remote=False)
     protocol = path.split("://", 1)[0]
     if protocol in _BUCKET_STORES:
         filesystem(protocol, storage_options)    # made (and connected) before the request's turn: see _new_filesystem
     return _under_budget(path, f"bytes {start}-{end - 1}",
-                         lambda: _timed_read(path, start, end, storage_options, identity, remote=True))
+                         lambda: _timed(lambda: _read_range(path, start, end, storage_options, identity), len))
 
 
 def _under_budget(path: str, what: str, request):
@@ -191,19 +181,19 @@ def _under_budget(path: str, what: str, request):
         return data
 
 
-def _timed_read(path: str, start: int, end: int, storage_options: dict, identity: dict | None,
-                remote: bool) -> bytes:
-    """One read of ``path``, its time added to :func:`request_seconds` (and, remote, counted as a request)."""
+def _timed(request, size_of, remote: bool = True):
+    """``request()``, its time added to :func:`request_seconds`; remote, counted as a request of
+    ``size_of(answer)`` bytes (what a slow or failing link looks like: requests, bytes, response times)."""
     t0 = time.monotonic()
     ok, nbytes = False, 0
     try:
-        data = _read_range(path, start, end, storage_options, identity)
-        ok, nbytes = True, len(data)
-        return data
+        out = request()
+        ok, nbytes = True, size_of(out)
+        return out
     finally:
         took = time.monotonic() - t0
         _CLOCK.seconds = request_seconds() + took
-        if remote:       # what a slow or failing link looks like: requests, bytes, response times
+        if remote:
             record_request(took, nbytes, ok)
 
 
@@ -221,18 +211,9 @@ def read_tail(path: str, nbytes: int, timeout_s: float) -> tuple[dict, bytes] | 
     if keep_last_modified is None:
         return None
 
-    def request() -> tuple[dict, bytes] | None:
-        t0, ok, got = time.monotonic(), False, 0
-        try:
-            out = _tail_http(path, split, nbytes, timeout_s, keep_last_modified)
-            ok, got = True, len(out[1]) if out else 0
-            return out
-        finally:
-            took = time.monotonic() - t0
-            _CLOCK.seconds = request_seconds() + took
-            record_request(took, got, ok)
-
-    return _under_budget(path, f"its last {nbytes} bytes", request)
+    return _under_budget(path, f"its last {nbytes} bytes",
+                         lambda: _timed(lambda: _tail_http(path, split, nbytes, timeout_s, keep_last_modified),
+                                        lambda out: len(out[1]) if out else 0))
 
 
 @functools.cache
@@ -446,13 +427,9 @@ def _read_s3(fs, path: str, start: int, end: int, identity: dict | None) -> byte
 
 def _precondition_failed(e: BaseException) -> bool:
     """An S3 'PreconditionFailed' (412) anywhere in ``e``'s chain (s3fs wraps botocore's ClientError)."""
-    seen = 0
-    while e is not None and seen < 16:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
-                return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
+    for x in request_budget.error_chain(e):
+        response = getattr(x, "response", None)
+        if isinstance(response, dict) and ((response.get("Error") or {}).get("Code") == "PreconditionFailed"
+                                           or (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 412):
+            return True
     return False

@@ -5,6 +5,7 @@ and the plumbing the indexed readers share (ranged fetches, fetching ahead, retr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -222,24 +223,23 @@ class RetriedSource(Source):
         raise NotImplementedError
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:
+        """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
         info = self.shards[shard]
-        retry = self._retry
-        if retry is None or not retry.applies(info.file):
-            yield from self._guarded(self._tables_from(shard, start_row), shard)
-            return
+        retry = self._retry if self._retry is not None and self._retry.applies(info.file) else None
         row, attempt, started = start_row, 0, time.monotonic()
         while True:
             tables = self._tables_from(shard, row)
             try:
                 while True:
                     try:
-                        with datasets_retries_off():
+                        with datasets_retries_off() if retry is not None else contextlib.nullcontext():
                             table = next(tables)
                     except StopIteration:
                         return
                     except Exception as e:
                         label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {row}"
-                        if not retry.failed(e, attempt, label, [info.file] if info.file else [], started):
+                        if retry is None or not retry.failed(e, attempt, label, [info.file] if info.file else [],
+                                                             started):
                             err = self._read_error(shard, e)
                             if err is e:
                                 raise
@@ -259,23 +259,6 @@ class RetriedSource(Source):
         info = self.shards[shard]
         return SourceError(f"data file {info.file!r} (shard {shard}, {info.name}): read failed "
                            f"({type(e).__name__}: {e})")
-
-    def _guarded(self, tables: Iterator[pa.Table], shard: int) -> Iterator[pa.Table]:
-        """Errors from deep inside datasets / fsspec become one SourceError naming the file."""
-        try:
-            while True:
-                try:
-                    table = next(tables)
-                except StopIteration:
-                    return
-                except Exception as e:
-                    err = self._read_error(shard, e)
-                    if err is e:
-                        raise
-                    raise err from e
-                yield table
-        finally:
-            tables.close()
 
 
 class NotIndexable(SourceError):

@@ -35,7 +35,6 @@ from ..io.net import (
     BUCKET_PROTOCOLS,
     GLOB_CHARS,
     RetryPolicy,
-    describe_targets,
     error_chain,
     flat_files,
     is_remote,
@@ -119,19 +118,20 @@ def file_identity(path: str, retry: RetryPolicy | None = None) -> dict:
     return ident
 
 
-def hub_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
-    """The identities of the Hub files among ``files``, asked in batches (a few requests, not one per file)."""
-    hub_files = [f for f in files if f.startswith("hf://datasets/")]
-    if not hub_files:
-        return {}       # (and fsspec stays unimported for local data)
-    known = hub_listed_identities(hub_files, retry.storage_options if retry is not None else {})
-    hub_files = [f for f in hub_files if f not in known]
-    if not hub_files:
-        return known
-    label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
-    if retry is not None and retry.applies(hub_files[0]):
-        return {**known, **retry.call(lambda: file_identities(hub_files), label, hub_files)}
-    return {**known, **file_identities(hub_files)}
+def known_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, dict]:
+    """The identities of ``files`` the stores give in batches: Hub files (the listings this process holds, then a
+    few paths-info requests, not one per file) and S3 objects (a listing per directory, no HEAD per object)."""
+    options = retry.storage_options if retry is not None else {}
+    known = hub_listed_identities(files, options) if any(f.startswith("hf://datasets/") for f in files) else {}
+    hub_files = [f for f in files if f.startswith("hf://datasets/") and f not in known]
+    if hub_files:
+        label = f"data files {hub_files[0]!r} and {len(hub_files) - 1} more: reading their metadata"
+        if retry is not None and retry.applies(hub_files[0]):
+            known.update(retry.call(lambda: file_identities(hub_files), label, hub_files))
+        else:
+            known.update(file_identities(hub_files))
+    known.update(listed_identities(files, options))
+    return known
 
 
 def _digest(obj) -> str:
@@ -153,24 +153,18 @@ def _rows_digest(rows) -> str:
 
 
 def where_to_look(spec: SourceSpec) -> tuple[str, Any, list[str], RetryPolicy]:
-    """``builder_args``, the remote paths opening the data touches and the retry policy over them: the first
-    step of opening a source and of checking a saved index again, the same for both."""
+    """``builder_args``, the remote paths opening the data touches ([] when everything is local) and the retry
+    policy over them: the first step of opening a source and of checking a saved index again, the same for both."""
     path, data_files = builder_args(spec.data)
-    targets = remote_targets(path, data_files)
-    return path, data_files, targets, RetryPolicy(spec.net, remote=bool(targets), data=spec.data)
-
-
-def remote_targets(path: str, data_files: object) -> list[str]:
-    """The remote paths opening this dataset touches; [] when everything is local."""
     targets = [p for p in [path, *flat_files(data_files)] if is_remote(p)]
-    if targets or path in registry.indexed_builders():     # parquet, ...: a format's name, never a hub id
-        return targets
-    import datasets.config
-    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    if not targets and path not in registry.indexed_builders():     # parquet, ...: a format's name, never a hub id
+        import datasets.config
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
-    hub_id = (_HUB_ID.match(path) is not None and path not in _PACKAGED_DATASETS_MODULES
-              and not os.path.exists(path) and not datasets.config.HF_HUB_OFFLINE)
-    return [path] if hub_id else []
+        if (_HUB_ID.match(path) is not None and path not in _PACKAGED_DATASETS_MODULES
+                and not os.path.exists(path) and not datasets.config.HF_HUB_OFFLINE):
+            targets = [path]
+    return path, data_files, targets, RetryPolicy(spec.net, remote=bool(targets), data=spec.data)
 
 
 def explicit_urls(data: DataSpec, path: str, data_files) -> list[str] | None:
@@ -194,7 +188,7 @@ def where_of(data: DataSpec, targets: list[str]) -> str:
     """The config key naming the data, with the remote paths it means, for messages."""
     where = f"data.dataset_name_or_path {data.dataset_name_or_path!r}"
     if targets and targets != [data.dataset_name_or_path]:
-        where += f" ({describe_targets(targets)})"
+        where += f" ({', '.join(targets[:3])}{f' and {len(targets) - 3} more' if len(targets) > 3 else ''})"
     return where
 
 
@@ -368,8 +362,7 @@ def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], 
     dataset leaves out the files not complete yet (``index_entry``). ``progress(len(files))`` after each file
     (the total, for a progress bar)."""
     reader = fmt.load()
-    known = hub_identities(files, retry)
-    known.update(listed_identities(files, retry.storage_options if retry else {}))   # S3: a listing, no HEADs
+    known = known_identities(files, retry)
     read: dict[str, bytes] = {}
     growing = spec.growth.growing
     kept = FooterCache(spec.read.footer_dir) if spec.read.footer_dir else None
