@@ -6,6 +6,7 @@ fingerprint are the source's own (only table boundaries differ), so sidecars res
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -106,9 +107,6 @@ class CachedSource(Source):
         n = self.shards[shard].num_rows
         return n is not None and (block + 1) * self.block_rows >= n
 
-    def _where(self, shard: int) -> str:
-        return self.shards[shard].name
-
     def _fully_cached(self, shard: int, first: int = 0) -> bool:
         """Whether the store holds every block of ``shard`` from block ``first`` on."""
         n = self.num_blocks(shard)
@@ -150,7 +148,7 @@ class CachedSource(Source):
         block, skip = divmod(start_row, R)
         schema = None
         while True:
-            hit = self.store.get(shard, block, self._where(shard))
+            hit = self.store.get(shard, block, self.shards[shard].name)
             if hit is None:
                 yield from self._read_through(shard, block, skip, schema)
                 return
@@ -164,58 +162,51 @@ class CachedSource(Source):
                 return
             block += 1
 
-    def _read_through(self, shard: int, block: int, skip: int, schema: pa.Schema | None) -> Iterator[pa.Table]:
-        """Read the source from ``block`` on; store and yield whole blocks (the first one cut at ``skip``)."""
-        R = self.block_rows
-        if not self._missed:
-            self._first_miss()
-        tables = self.inner.read(shard, block * R)
+    def _source_blocks(self, shard: int, block: int, schema: pa.Schema | None = None
+                       ) -> Iterator[tuple[int, pa.Table, bool]]:
+        """(block number, table, last) of the source's rows from ``block`` on, in whole blocks: the block where the
+        source ended is the shard's last (empty when it ended on a boundary). The source is closed when left."""
+        tables = self.inner.read(shard, block * self.block_rows)
         try:
-            # the block where the source ended is the shard's last (empty when it ended on a boundary)
-            for table, whole in _in_blocks(tables, R, schema):
+            for table, whole in _in_blocks(tables, self.block_rows, schema):
                 last = self._is_last(shard, block) if whole else True
-                out = self._keep(shard, block, table, last, skip)
-                skip, block = 0, block + 1
-                if out is not None:
-                    yield out
+                self.store.count(rows_fetched=table.num_rows)
+                yield block, table, last
                 if last:
                     return
+                block += 1
         finally:
             close = getattr(tables, "close", None)
             if close is not None:
                 close()
 
-    def _keep(self, shard: int, block: int, table: pa.Table, last: bool, skip: int) -> pa.Table | None:
-        self.store.put_behind(shard, block, table, last, self._where(shard))
-        self.store.count(rows_fetched=table.num_rows)
-        if skip:
-            table = table.slice(min(skip, table.num_rows))
-        return table if table.num_rows else None
+    def _read_through(self, shard: int, block: int, skip: int, schema: pa.Schema | None) -> Iterator[pa.Table]:
+        """Read the source from ``block`` on; store and yield whole blocks (the first one cut at ``skip``)."""
+        if not self._missed:
+            self._first_miss()
+        with contextlib.closing(self._source_blocks(shard, block, schema)) as blocks:
+            for b, table, last in blocks:
+                self.store.put_behind(shard, b, table, last, self.shards[shard].name)
+                if skip:
+                    table, skip = table.slice(min(skip, table.num_rows)), 0
+                if table.num_rows:
+                    yield table
 
     # ------------------------------------------------------------------ warmup
     def fetch_blocks(self, shard: int, first: int, last: int, on_block=None) -> tuple[int, int]:
         """Fetch the missing blocks ``first..last`` of a shard into the store: (blocks, bytes) written;
         ``on_block(bytes_written)`` per block."""
         written = nbytes = 0
-        block = first
-        tables = self.inner.read(shard, first * self.block_rows)
-        try:
-            for table, whole in _in_blocks(tables, self.block_rows):
-                if not (whole or table.num_rows):
+        with contextlib.closing(self._source_blocks(shard, first)) as blocks:
+            for block, table, is_last in blocks:
+                if not table.num_rows:       # the source ended on a block boundary: nothing more to store
                     break
-                is_last = self._is_last(shard, block) if whole else True
                 b = self.store.put(shard, block, table, is_last)
-                self.store.count(rows_fetched=table.num_rows)
                 written, nbytes = written + (b > 0), nbytes + b
                 if on_block is not None:
                     on_block(b)
-                block += 1
-                if is_last or block > last:
+                if block >= last:
                     break
-        finally:
-            close = getattr(tables, "close", None)
-            if close is not None:
-                close()
         return written, nbytes
 
     # ------------------------------------------------------------------ the rest

@@ -23,7 +23,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..observe.metrics import record_budget_wait, record_rate_limited
 
@@ -152,15 +152,15 @@ class _Bucket:
         return self.factor
 
 
+@dataclass(eq=False)
 class _Process:
     """This process's buckets, the budgets its sources registered and its share of the job."""
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.budgets: set[RequestBudget] = set()
-        self.consumers = 1
-        self.alone = 0
-        self.buckets: dict[str, _Bucket] = {}
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    budgets: set[RequestBudget] = field(default_factory=set)
+    consumers: int = 1
+    alone: int = 0
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def share(self, store: str) -> float | None:
         rates = [r for r in (b.job_rate(store) for b in self.budgets) if r is not None]
@@ -189,9 +189,7 @@ def _after_fork() -> None:
     """A forked DataLoader worker keeps the registered budgets and the consumers, and starts its buckets empty (its
     parent's lock may have been held by another thread at the fork)."""
     global _state
-    fresh = _Process()
-    fresh.budgets, fresh.consumers = set(_state.budgets), _state.consumers
-    _state = fresh
+    _state = _Process(budgets=set(_state.budgets), consumers=_state.consumers)
 
 
 os.register_at_fork(after_in_child=_after_fork)

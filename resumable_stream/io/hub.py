@@ -127,19 +127,12 @@ def get_range(path: str, start: int, end: int):
     """The answer (a ``requests``-like response) to a ranged GET of bytes ``[start, end)`` of an
     ``hf://datasets/{repo}@{rev}/{file}``.
 
-    A file's ``resolve`` URL is asked once per process (HfFileSystem would first ask for the repo info and list the
-    directory, in every process, and read up to 5 MB ahead; without xet it sends every read to ``resolve``). The
-    Hub answers an LFS file's ``resolve`` with a redirect to a signed URL on its CDN (cdn-lfs.hf.co,
-    cas-bridge.xethub.hf.co), valid for a while (its ``Expires`` / ``X-Amz-Date`` + ``X-Amz-Expires``, an hour on
-    huggingface.co): the next reads of that file go to that URL, until shortly before it expires or the CDN
-    refuses it (then ``resolve`` is asked again). Only ``resolve`` requests count against the Hub's rate limit,
-    and only those wait for their turn under the request budget (io/budget.py). The CDN gets no token: the signed
-    URL is its authorization. A file the Hub serves itself (no redirect) is asked at ``resolve`` each time.
-
-    One try: every read of a Hub file runs under the data's retry policy (``io/net.py``: ``data.retries``,
-    backoff, ``data.retry_budget_s``; a 429 pauses the process's Hub requests, io/budget.py), which a second
-    layer (huggingface_hub's ``http_backoff``: 5 more tries of its own per try of ours) would multiply;
-    :func:`resumable_stream.io.ranged.read_range` checks the answer."""
+    A file's ``resolve`` URL is asked once per process (HfFileSystem would ask for the repo info and list the
+    directory first, in every process); its redirect to a signed CDN URL is kept for the next reads of that file
+    until shortly before it expires or the CDN refuses it (docs/scale.md: only ``resolve`` requests count against
+    the Hub's rate limit, and only those wait for their turn under the request budget). The CDN gets no token.
+    One try: the caller's retry policy (io/net.py) is the only retry layer (huggingface_hub's ``http_backoff``
+    would multiply it); :func:`resumable_stream.io.ranged.read_range` checks the answer."""
     parts = _parts(path)
     if parts is None or not parts[2]:
         raise ValueError(f"not an hf://datasets/ file path: {path!r}")
@@ -305,11 +298,7 @@ def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict
         if entry is None or entry.get("type") != "file" or not isinstance(entry.get("size"), int) \
                 or not entry.get("blob_id"):
             continue
-        ident = {"path": f, "size": entry["size"], "blob_id": entry["blob_id"]}
-        lfs = entry.get("lfs")
-        if lfs is not None and lfs.get("sha256"):
-            ident["sha256"] = lfs["sha256"]
-        out[f] = ident
+        out[f] = _identity(f, entry["size"], entry["blob_id"], entry.get("lfs"))
     return out
 
 
@@ -332,8 +321,13 @@ def file_identities(files: list[str]) -> dict[str, dict]:
             for info in api.get_paths_info(repo, paths[lo:lo + 100], repo_type="dataset", revision=rev):
                 if info.path not in by_path or not hasattr(info, "size"):
                     continue       # a folder
-                ident = {"path": by_path[info.path], "size": info.size, "blob_id": info.blob_id}
-                if info.lfs is not None and info.lfs.get("sha256"):
-                    ident["sha256"] = info.lfs["sha256"]
-                out[by_path[info.path]] = ident
+                out[by_path[info.path]] = _identity(by_path[info.path], info.size, info.blob_id, info.lfs)
     return out
+
+
+def _identity(path: str, size: int, blob_id: str, lfs) -> dict:
+    """A Hub file's identity: its size, git blob id and (an LFS file) content sha256."""
+    ident = {"path": path, "size": size, "blob_id": blob_id}
+    if lfs is not None and lfs.get("sha256"):
+        ident["sha256"] = lfs["sha256"]
+    return ident

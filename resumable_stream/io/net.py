@@ -219,12 +219,6 @@ def import_http_stack_ahead() -> None:
     thread.start()
 
 
-def _data_protocols(data: DataSpec) -> list[str]:
-    """The protocols of the data's remote paths (s3, gs, hf, http, ...), in order of appearance."""
-    paths = [data.dataset_name_or_path, *flat_files(data.data_files)]
-    return list(dict.fromkeys(p.split("://", 1)[0] for p in paths if is_remote(p)))
-
-
 def with_user_options(ours: dict, user: dict, protocols: list[str]) -> dict:
     """``ours`` ({protocol: kwargs}) plus ``data.storage_options``: keyed by protocol (as datasets accepts
     them) or flat, then for every protocol of the data. The user's ``client_kwargs`` (aiohttp) and
@@ -366,7 +360,9 @@ class RetryPolicy:
         # the http(s) options are ours alone (no user headers, auth, ...): a read may go without aiohttp
         self.own_http_options = not net.storage_options
         self._user_options = net.storage_options
-        self._protocols = _data_protocols(data) if remote and data is not None else []
+        # the protocols of the data's remote paths (s3, gs, hf, http, ...), in order of appearance
+        paths = [data.dataset_name_or_path, *flat_files(data.data_files)] if remote and data is not None else []
+        self._protocols = list(dict.fromkeys(p.split("://", 1)[0] for p in paths if is_remote(p)))
         if any(p in ("http", "https") for p in self._protocols):
             # their aiohttp objects need aiohttp (0.2-1 s to import), imported meanwhile on a thread (a first
             # sample's requests need not wait for it: io/ranged.read_tail)

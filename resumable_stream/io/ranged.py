@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import os
 import re
+import sys
 import threading
 import time
 import urllib.parse
@@ -43,29 +44,36 @@ class WrongBytes(Exception):
 
 
 _FILESYSTEMS: dict[tuple, Any] = {}
+_CREATING = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked DataLoader worker makes its own filesystems: with some fsspec versions one made before the fork
+    hangs in the child (and the parent's lock may have been held by another thread at the fork)."""
+    global _CREATING
+    _CREATING = threading.Lock()
+    _FILESYSTEMS.clear()
+    if "fsspec.asyn" in sys.modules:
+        sys.modules["fsspec.asyn"].reset_lock()     # its event loop thread is the parent's
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def filesystem(protocol: str, storage_options: dict):
-    """This process's fsspec filesystem for ``protocol`` (a fresh one after a fork: with some fsspec versions
-    a filesystem made before the fork hangs in a forked DataLoader worker)."""
+    """This process's fsspec filesystem for ``protocol``."""
     options = copy.deepcopy(storage_options.get(protocol, {}))   # botocore edits its config_kwargs in place
-    key = (os.getpid(), protocol, repr(sorted(options.items())))
+    key = (protocol, repr(sorted(options.items())))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
-        with _CREATING.setdefault(key[0], threading.Lock()):     # a lock of this process, never the parent's
+        with _CREATING:
             fs = _FILESYSTEMS.get(key) or _new_filesystem(protocol, options, key)
     return fs
-
-
-_CREATING: dict[int, threading.Lock] = {}
 
 
 def _new_filesystem(protocol: str, options: dict, key: tuple):
     import fsspec
 
-    if any(k[0] != key[0] for k in _FILESYSTEMS):
-        _FILESYSTEMS.clear()         # the parent's, unusable here
-        fsspec.asyn.reset_lock()
     if protocol in _BUCKET_STORES and "session" not in options:
         session = _session_of_this_process(protocol, options)
         if session is not None:

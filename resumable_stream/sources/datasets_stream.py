@@ -15,7 +15,8 @@ from ..config.specs import SourceSpec
 from ..errors import SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, RetriedSource, ShardInfo
-from .resolve import dataset_fingerprint, where_of
+from .fingerprint_files import dataset_fingerprint
+from .resolve import where_of
 
 
 class DatasetsStreamSource(RetriedSource):

@@ -1,5 +1,6 @@
-"""A dataset fingerprint's files, held compactly: ``{"count": n, "digest": d}`` (the blake2b of the identities of
-a table's first ``n`` files, in columns) instead of a dict a file on every rank and in every state.
+"""A source's fingerprint (:func:`dataset_fingerprint`, every reader's made here), its files held compactly:
+``{"count": n, "digest": d}`` (the blake2b of the identities of a table's first ``n`` files, in columns) instead
+of a dict a file on every rank and in every state.
 
 Two such values compare by their digests; only when they differ are the identities looked up
 (:func:`identities`: in a table this process holds, or in the indexes of the checkpoint being read,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import struct
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from ..config.specs import SourceSpec
+from ..io.hub import hub_commits
+from ..plan import RowCounts, shard_rows
 from .index_table import IDENTITY_ARRAYS, FileTable, identity_arrays
 
 KEYS = ("count", "digest")
@@ -157,3 +162,52 @@ def expanded(fingerprint: Any) -> Any:
         listed = identities(value) if key == "files" and is_compact(value) else None
         out[key] = list(listed) if listed is not None else expanded(value)
     return out
+
+
+def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict] | FileTable,
+                        shards: list | None = None, **extra: Any) -> dict:
+    """What determines a source's content, the one place it is made: the keys that name the data
+    (``spec.data``), the builder, every file's identity (and the Hub commits they come from), the shard count
+    and row counts; ``extra``: what a reader adds (map-style: its row count and slice size). A reader passes
+    on the spec its ``open_indexed`` was given. ``identities``: a list, or a parquet index's table, whose
+    files the fingerprint holds as their count and digest (:func:`compact`: O(1) on every rank)."""
+    data = spec.data
+    local = data.backend == "local"     # a save_to_disk directory: no builder config, never streamed
+    fp: dict[str, Any] = {"dataset": data.dataset_name_or_path, "name": None if local else data.name,
+                          "split": data.split, "backend": data.backend, "streaming": False if local else data.streaming}
+    if builder is not None:
+        fp["builder"] = builder
+    table = isinstance(identities, FileTable)
+    fp["files"] = compact(identities) if table else identities
+    if not local:
+        # the Hub commits the files come from (a new commit is then a mismatch naming it); a table's paths are
+        # made only when some may be Hub files (a million paths are ~100 MB of str)
+        hub = b"hf://datasets/" in identities.arrays()["paths"].tobytes() if table else True
+        commits = hub_commits((identities.paths() if table else [i["path"] for i in identities]) if hub else [])
+        if commits:
+            fp["hub_commits"] = commits
+        if data.data_dir is not None:       # only when set: fingerprints saved before the key still match
+            fp["data_dir"] = data.data_dir
+    if shards is not None:
+        fp["num_shards"] = len(shards)
+        fp["shard_rows"] = _rows_digest(shard_rows(shards))
+    fp.update(extra)
+    return fp
+
+
+def _digest(obj) -> str:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def _rows_digest(rows) -> str:
+    """``_digest(list(rows))``; an array of counts (a parquet index's row groups: millions) hashed in chunks, so
+    that neither the list nor its JSON is ever whole in memory."""
+    if not isinstance(rows, RowCounts):
+        return _digest(list(rows))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"[")
+    step = 1 << 16
+    for lo in range(0, len(rows.array), step):
+        h.update((", " if lo else "").encode() + ", ".join(map(str, rows.array[lo:lo + step].tolist())).encode())
+    h.update(b"]")
+    return h.hexdigest()

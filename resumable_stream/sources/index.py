@@ -67,13 +67,12 @@ def encode_index(index: dict) -> bytes:
     files, rest = index.get("files"), {k: v for k, v in index.items() if k != "files"}
     if _last_encoded is not None and _last_encoded[0] is files and _last_encoded[1] == rest:
         return _last_encoded[2]
-    if isinstance(files, FileTable):      # the files' JSON made from the table's arrays, put in their place
-        text = json.dumps({**index, "files": _FILES_HERE}, sort_keys=True, separators=(",", ":"))
-        data = text.replace(json.dumps(_FILES_HERE), files.json_text(), 1).encode()
-    else:
-        data = json.dumps(index, sort_keys=True, separators=(",", ":"), default=json_default).encode()
-    if isinstance(files, FileTable):
-        _last_encoded = (files, json.loads(json.dumps(rest)), data)
+    if not isinstance(files, FileTable):
+        return json.dumps(index, sort_keys=True, separators=(",", ":"), default=json_default).encode()
+    # the files' JSON made from the table's arrays, put in their place
+    text = json.dumps({**index, "files": _FILES_HERE}, sort_keys=True, separators=(",", ":"))
+    data = text.replace(json.dumps(_FILES_HERE), files.json_text(), 1).encode()
+    _last_encoded = (files, json.loads(json.dumps(rest)), data)
     return data
 
 

@@ -31,10 +31,10 @@ from ..io.ranged import WrongBytes
 from ..observe.metrics import record_retry, record_row_group
 from . import jsonl_index, jsonl_rows
 from .base import FetchesAhead, NotIndexable, ScannedReader, fetcher, shards_of_runs
+from .fingerprint_files import dataset_fingerprint
 from .index import identity_of
 from .parquet import prefetch_depth
 from .parquet_rows import decoder_pool
-from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from ..config.specs import SourceSpec
 from ..errors import ConfigError, SourceError
 from ..io.net import RetryPolicy
 from .base import READ_BATCH_ROWS, ShardInfo, Source
-from .resolve import dataset_fingerprint, file_identity, where_of
+from .fingerprint_files import dataset_fingerprint
+from .resolve import file_identity, where_of
 
 # Rows per shard when a dataset is loaded normally.
 MAP_STYLE_SHARD_ROWS = 8192

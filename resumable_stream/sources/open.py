@@ -11,11 +11,11 @@ from ..io.net import RetryPolicy
 from ..runtime.threads import map_files
 from .base import NotIndexable, Source
 from .datasets_stream import open_streaming
+from .fingerprint_files import dataset_fingerprint
 from .map_style import open_local, open_prepared
 from .resolve import (
     Resolved,
     build_index,
-    dataset_fingerprint,
     file_identity,
     resolve_files,
     resolve_split,

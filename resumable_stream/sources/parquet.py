@@ -22,6 +22,7 @@ from ..limits import is_int
 from ..observe.metrics import record_coalesced, record_row_group
 from ..plan import RowCounts
 from .base import READ_BATCH_ROWS, FetchesAhead, IndexedReader, RetriedSource, ShardInfo
+from .fingerprint_files import dataset_fingerprint
 from .index import compact_index, identity_of
 from .index_table import FileTable
 from .parquet_footer import (
@@ -33,7 +34,6 @@ from .parquet_footer import (
     split_footer,
 )
 from .parquet_rows import GROUP_BATCH_ROWS, LARGE_GROUP_BYTES, GroupReading, ParquetFiles, read_checked
-from .resolve import dataset_fingerprint
 
 # the most bytes between two row groups of a file that one coalesced request reads along (parquet writers leave
 # none: a row group's column chunks end where the next one's begin)

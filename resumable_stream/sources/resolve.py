@@ -1,16 +1,15 @@
-"""Which files a config means, what they are, and the fingerprint of what a source reads.
+"""Which files a config means and what they are.
 
 Dataset and Hub resolution (``datasets``' builder for a hub id, a pattern, a builder config; an explicit list of
 URLs or local parquet files without it), file identities (size plus every version marker the filesystem gives),
 and the dataset index built from a registered format's entries (a saved one is checked again by
-``dataset.growth.recheck``). Everything here runs under the one network policy (``net.py``).
+``dataset.growth.recheck``). Everything here runs under the one network policy (``net.py``); the fingerprint of
+what a reader reads is made in :mod:`.fingerprint_files`, which readers import instead of coming back here.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import os
 import re
@@ -25,7 +24,6 @@ from ..io.hub import (
     commit_sha,
     file_identities,
     hub_answer,
-    hub_commits,
     hub_repo_of,
     pin_commits,
     probe_answer,
@@ -42,12 +40,9 @@ from ..io.net import (
     remote_answer,
 )
 from ..io.ranged import ObjectChanged, listed_identities
-from ..plan import RowCounts, shard_rows
 from ..runtime.threads import map_files
-from . import fingerprint_files
 from .footer_cache import FooterCache
 from .index import make_index
-from .index_table import FileTable
 from .parquet_local import resolve_local_parquet
 
 log = logging.getLogger(__name__)
@@ -132,24 +127,6 @@ def known_identities(files: list[str], retry: RetryPolicy | None) -> dict[str, d
             known.update(file_identities(hub_files))
     known.update(listed_identities(files, options))
     return known
-
-
-def _digest(obj) -> str:
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
-
-
-def _rows_digest(rows) -> str:
-    """``_digest(list(rows))``; an array of counts (a parquet index's row groups: millions) hashed in chunks, so
-    that neither the list nor its JSON is ever whole in memory."""
-    if not isinstance(rows, RowCounts):
-        return _digest(list(rows))
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"[")
-    step = 1 << 16
-    for lo in range(0, len(rows.array), step):
-        h.update((", " if lo else "").encode() + ", ".join(map(str, rows.array[lo:lo + step].tolist())).encode())
-    h.update(b"]")
-    return h.hexdigest()
 
 
 def where_to_look(spec: SourceSpec) -> tuple[str, Any, list[str], RetryPolicy]:
@@ -269,37 +246,6 @@ def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | Non
         except Exception as e:
             return f"{bucket}: {remote_answer(e) or f'{type(e).__name__}: {e}'}"
     return None
-
-
-def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict] | FileTable,
-                        shards: list | None = None, **extra: Any) -> dict:
-    """What determines a source's content, the one place it is made: the keys that name the data
-    (``spec.data``), the builder, every file's identity (and the Hub commits they come from), the shard count
-    and row counts; ``extra``: what a reader adds (map-style: its row count and slice size). A reader passes
-    on the spec its ``open_indexed`` was given. ``identities``: a list, or a parquet index's table, whose
-    files the fingerprint holds as their count and digest (``fingerprint_files``: O(1) on every rank)."""
-    data = spec.data
-    local = data.backend == "local"     # a save_to_disk directory: no builder config, never streamed
-    fp: dict[str, Any] = {"dataset": data.dataset_name_or_path, "name": None if local else data.name,
-                          "split": data.split, "backend": data.backend, "streaming": False if local else data.streaming}
-    if builder is not None:
-        fp["builder"] = builder
-    table = isinstance(identities, FileTable)
-    fp["files"] = fingerprint_files.compact(identities) if table else identities
-    if not local:
-        # the Hub commits the files come from (a new commit is then a mismatch naming it); a table's paths are
-        # made only when some may be Hub files (a million paths are ~100 MB of str)
-        hub = b"hf://datasets/" in identities.arrays()["paths"].tobytes() if table else True
-        commits = hub_commits((identities.paths() if table else [i["path"] for i in identities]) if hub else [])
-        if commits:
-            fp["hub_commits"] = commits
-        if data.data_dir is not None:       # only when set: fingerprints saved before the key still match
-            fp["data_dir"] = data.data_dir
-    if shards is not None:
-        fp["num_shards"] = len(shards)
-        fp["shard_rows"] = _rows_digest(shard_rows(shards))
-    fp.update(extra)
-    return fp
 
 
 @dataclass

@@ -24,9 +24,9 @@ from ..io.ranged import read_range
 from ..observe.metrics import record_row_group
 from . import tar_index
 from .base import FetchesAhead, ScannedReader, fetcher, shards_of_runs
+from .fingerprint_files import dataset_fingerprint
 from .index import identity_of
 from .parquet import prefetch_depth
-from .resolve import dataset_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,6 @@ class _Reader:
                     out.append([start, end])
         return [(a, b) for a, b in (s for s in out if s)]
 
-    def _fetch(self, start: int, end: int) -> bytes:
-        path = self.entry["path"]
-        options = self.retry.storage_options if self.retry else {}
-        return read_range(path, start, end, options, self.entry)
-
     def files(self, lo: int, hi: int) -> Iterator[tuple[list, str | None]]:
         """Per sample of [lo, hi): its members as (name, file) and None, or [] and why it is bad."""
         chunks = [(a, self._checked(a, b, lo, hi)) for a, b in self.spans(lo, hi)]
@@ -178,7 +173,7 @@ class _Reader:
         they are not, then a StreamMismatchError naming the file."""
         path = self.entry["path"]
         for attempt in range(2):
-            data = self._fetch(start, end)
+            data = read_range(path, start, end, self.retry.storage_options if self.retry else {}, self.entry)
             problem = self._header_problem(data, start, lo, hi)
             if problem is None:
                 return data
@@ -259,11 +254,6 @@ class WebDatasetSource(FetchesAhead):
         return self._read_from(shard, self._starts.get(shard, 0))
 
     def _read_from(self, shard: int, start_row: int) -> pa.Table:
-        table = self._table(shard, start_row)
-        record_row_group(table.num_rows)
-        return table
-
-    def _table(self, shard: int, start_row: int) -> pa.Table:
         """Samples ``start_row`` on of ``shard`` as one table, in the dataset's features."""
         f, a, b = self._runs[shard]
         entry = self._files[f]
@@ -282,6 +272,7 @@ class WebDatasetSource(FetchesAhead):
                     example[field] = {"path": f"{example['__key__']}.{field}", "bytes": example[field]}
             rows.append(features.encode_example(example))
         table = pa.Table.from_pylist(rows, schema=features.arrow_schema)
+        record_row_group(table.num_rows)
         return table.append_column(pa.field(BAD_SAMPLE_COLUMN, pa.string()), pa.array(bad, pa.string()))
 
     def read(self, shard: int, start_row: int = 0) -> Iterator[pa.Table]:

@@ -17,7 +17,7 @@ from resumable_stream.dataset.index_message import decode_message, encode_messag
 from resumable_stream.plan import Layout, RowCounts, deal_shards, epoch_shard_order
 from resumable_stream.sources import open_source
 from resumable_stream.sources.base import ShardInfo
-from resumable_stream.sources.fingerprint_files import digest
+from resumable_stream.sources.fingerprint_files import dataset_fingerprint, digest
 from resumable_stream.sources.index import (
     compact_index,
     decode_index,
@@ -28,7 +28,6 @@ from resumable_stream.sources.index import (
 )
 from resumable_stream.sources.index import encode_message as encode_index_message
 from resumable_stream.sources.index_table import FileTable, pack_index
-from resumable_stream.sources.resolve import dataset_fingerprint
 from resumable_stream.testing import synthetic_parquet_index
 
 pytestmark = pytest.mark.timeout(60)
