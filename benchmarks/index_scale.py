@@ -70,18 +70,18 @@ def config(files: int, partitions: int):
 
 def broadcast(index: dict) -> bytes:
     """The message rank 0 sends every other rank for this one index."""
-    from resumable_stream.dataset import job_source
+    from resumable_stream.dataset import index_message
 
-    if hasattr(job_source, "encode_message"):
-        return job_source.encode_message([{"index": index, "footers": {}}], {})
+    if hasattr(index_message, "encode_message"):
+        return index_message.encode_message([{"index": index, "footers": {}}], {})
     return json.dumps({"sources": [{"index": index, "footers": {}}], "agree": {}}).encode()    # before: JSON
 
 
 def received(message: bytes) -> dict:
-    from resumable_stream.dataset import job_source
+    from resumable_stream.dataset import index_message
 
-    if hasattr(job_source, "decode_message"):
-        return job_source.decode_message(message)["sources"][0]["index"]
+    if hasattr(index_message, "decode_message"):
+        return index_message.decode_message(message)["sources"][0]["index"]
     from resumable_stream.sources.index import decode_index
 
     return decode_index(json.dumps(json.loads(message)["sources"][0]["index"]).encode(), "x")

@@ -31,7 +31,7 @@ from ..sources.resolve import (
     resolve_split,
     where_to_look,
 )
-from .index_message import decode_message, encode_message
+from .index_message import encode_message, errors_sent, received
 
 log = logging.getLogger(__name__)
 
@@ -311,18 +311,10 @@ def _by_rank_zero(make: Callable[[], dict | None], shared: bool, rank: int, what
     """``make()`` on rank 0 (or a lone process), its index (or None) broadcast to the other ranks of the job
     (the message a job's sources are opened with, ``index_message``)."""
     if shared and rank != 0:
-        message = decode_message(broadcast_bytes(None))
-        error, sent = message["error"], message["sources"][:1]
-        if error is not None:
-            error = error if isinstance(error, dict) else {}
-            raise StreamMismatchError(f"rank 0 could not {what}: {error.get('type')}: {error.get('message')}")
+        sent = received(what)["sources"][:1]
         return sent[0]["index"] if sent and sent[0] is not None else None
-    try:
+    with errors_sent(shared):
         index = make()
-    except Exception as e:
-        if shared:
-            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
-        raise
     if shared:
         broadcast_bytes(encode_message([None if index is None else {"index": index, "footers": {}}], {}))
     return index

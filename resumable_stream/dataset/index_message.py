@@ -5,16 +5,20 @@ footers rank 0 read building it and the order settings every rank must share, or
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
 from ..io.safe_files import JSONRefused, parse_json
+from ..runtime.collectives import broadcast_bytes
 from ..sources.index import decode_index
 from ..sources.index import encode_message as encode_index_message
 from ..sources.index_table import Frames, IndexTableError, framed
 
 MAGIC = b"RSOPEN01"
+_ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
 
 
 def encode_message(sources: list[dict | None], agree: dict[str, Any], error: dict | None = None) -> bytes:
@@ -57,3 +61,25 @@ def decode_message(data: bytes) -> dict[str, Any]:
     if frames.pos != len(data):
         raise SourceError(f"the message from rank 0 has {len(data) - frames.pos} bytes after its end")
     return {"agree": head.get("agree") or {}, "error": head.get("error"), "sources": sources}
+
+
+def received(what: str) -> dict[str, Any]:
+    """The message rank 0 broadcast (the other ranks' side of the collective); rank 0's error raised here, as the
+    class of ours it was (another: a SourceError), saying what rank 0 could not do."""
+    message = decode_message(broadcast_bytes(None))
+    if message["error"] is not None:
+        error = message["error"] if isinstance(message["error"], dict) else {}
+        raise _ERRORS.get(error.get("type"), SourceError)(
+            f"rank 0 could not {what}: {error.get('type')}: {error.get('message')}")
+    return message
+
+
+@contextlib.contextmanager
+def errors_sent(shared: bool) -> Iterator[None]:
+    """Rank 0's side: an error raised in the block is broadcast to the ranks waiting for its message, then raised."""
+    try:
+        yield
+    except Exception as e:
+        if shared:
+            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
+        raise

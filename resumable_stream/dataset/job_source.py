@@ -15,19 +15,16 @@ import os
 from typing import Any, Protocol
 
 from ..config.specs import SourceSpec
-from ..errors import ConfigError, SidecarError, SourceError, StreamMismatchError
+from ..errors import ConfigError
 from ..io import budget as request_budget
 from ..runtime.collectives import broadcast_bytes, max_over_ranks, shared_over_dist
 from ..sources.base import Source
 from ..sources.index import check_resolution, load_index, same_resolution, save_index
 from ..sources.open import open_source
 from . import growth
-from .index_message import decode_message, encode_message
+from .index_message import encode_message, errors_sent, received
 
 log = logging.getLogger(__name__)
-
-_ERRORS = {cls.__name__: cls for cls in (ConfigError, SourceError, StreamMismatchError, SidecarError)}
-
 
 class Saved(Protocol):
     """What a checkpoint being resumed saved of the dataset (``state.checkpoint.SavedIndexes``): read on demand."""
@@ -61,26 +58,17 @@ def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, w
     """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
     shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
-        message = decode_message(broadcast_bytes(None))
-        if message["error"] is not None:
-            error = message["error"] if isinstance(message["error"], dict) else {}
-            cls = _ERRORS.get(error.get("type"), SourceError)
-            raise cls(f"rank 0 could not open the dataset: {error.get('message')}")
+        message = received("open the dataset")
         _check_agreement(message["agree"], agree or {}, rank)
         out = []
         for c, entry in zip(specs, message["sources"]):
             index = entry["index"] if c.data.indexed and entry is not None else None
             out.append(open_source(c, index=index, footers=entry["footers"]) if index is not None else open_source(c))
         return out
-    try:
-        # rank 0 opening for the job (the other ranks wait for its index): the job's whole request rate is its
-        with request_budget.opening_alone() if shared else contextlib.nullcontext():
-            sources = [_open_first(c, rank, saved, label, i if label is not None else None) if c.data.indexed
-                       else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
-    except Exception as e:
-        if shared:
-            broadcast_bytes(encode_message([], {}, {"type": type(e).__name__, "message": str(e)}))
-        raise
+    # rank 0 opening for the job (the other ranks wait for its index): the job's whole request rate is its
+    with errors_sent(shared), request_budget.opening_alone() if shared else contextlib.nullcontext():
+        sources = [_open_first(c, rank, saved, label, i if label is not None else None) if c.data.indexed
+                   else open_source(c) for i, (c, label) in enumerate(zip(specs, labels))]
     if shared:
         # the footers rank 0 read to build the index: the other ranks then read none (O(files) per job)
         entries = [None if src.index is None else {"index": src.index, "footers": src.footers} for src in sources]

@@ -106,10 +106,8 @@ def hub_answer(chain: list[BaseException], where: str, revision: str | None) -> 
 def probe_answer(repo: str, revision: str | None, where: str) -> str | None:
     """:func:`hub_answer` for one repo-info request of ``repo`` (``datasets`` drops the Hub's answer from the
     error it raises for a missing or private repo); None when the repo answers or the Hub is unreachable."""
-    from huggingface_hub import HfApi
-
     try:
-        HfApi().dataset_info(repo, revision=revision)
+        commit_sha(repo, revision)
     except Exception as e:
         return hub_answer([e], where, revision)
     return None

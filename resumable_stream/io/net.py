@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ..config.specs import DataSpec, NetPolicy
-from ..errors import ConfigError, ResumableStreamError, SourceError
+from ..errors import ResumableStreamError, SourceError
 from ..observe.metrics import record_retry, retry_cause
 from ..runtime.threads import map_files
 from . import budget as request_budget
@@ -277,8 +277,8 @@ def _classify(e: BaseException) -> str:
     """'transient' (worth another try), 'missing' (a FileNotFoundError: maybe a fault, maybe not) or
     'permanent'."""
     chain = error_chain(e)
-    if any(isinstance(x, (ConfigError, SourceError)) for x in chain):
-        return "permanent"
+    if any(isinstance(x, ResumableStreamError) for x in chain):
+        return "permanent"          # ours: an answer about the data or the config, never a fault
     for x in chain:
         status = _status_of(x)
         if status is not None:

@@ -188,18 +188,15 @@ class FetchesAhead(Source):
     def _opened(self, shard: int, start_row: int, open_at: Callable[[int, int], Any]) -> Any:
         """``open_at(shard, start_row)`` under ``data.retries`` (a network fault opening it: tried again)."""
         info, retry = self.shards[shard], getattr(self, "_retry", None)
-        attempt, started = 0, time.monotonic()
-        while True:
-            try:
-                return open_at(shard, start_row)
-            except ResumableStreamError:
-                raise
-            except Exception as e:
-                label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
-                if retry is None or not retry.applies(info.file) or not retry.failed(
-                        e, attempt, label, [info.file], started):
-                    raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
-                attempt += 1
+        label = f"data file {info.file!r} (shard {shard}, {info.name}): read at row {start_row}"
+        try:
+            if retry is not None and retry.applies(info.file):
+                return retry.call(lambda: open_at(shard, start_row), label, [info.file])
+            return open_at(shard, start_row)
+        except ResumableStreamError:
+            raise
+        except Exception as e:
+            raise SourceError(f"{label} failed ({type(e).__name__}: {e})") from None
 
     def prefetch_ahead(self, partition: int) -> int:
         """Its adaptive depth, and a margin (at most the prefetcher's cap)."""
