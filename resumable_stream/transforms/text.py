@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections import deque
 from typing import Any
 
@@ -21,12 +20,10 @@ from ..config.chat_formats import resolved_columns, resolved_tags
 from ..config.transforms import TransformConfig
 from ..errors import SidecarError
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
-from .errors import TransformError, skip_or_raise
+from .errors import TransformError
 from .formats import BadRow, to_messages
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import RowMap
-
-log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples", "skipped_bad",
@@ -293,12 +290,6 @@ class TextProcessor(QueuedProcessor):
             del self._carry_ids[:self._carry_start]
             del self._carry_labels[:self._carry_start]
             self._carry_start = 0
-
-    def _bad(self, key: str, why: str, counter: str = "skipped_bad") -> None:
-        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
-
-    def _empty(self, key: str, why: str) -> None:
-        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _encode_text(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
         col = cfg.text_column
