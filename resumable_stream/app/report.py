@@ -448,10 +448,10 @@ def figure(log: RunLog, comparison=None):
     _, requests = log.series("data_requests", drawn=True)
     _, p50 = log.series("data_response_ms_p50", drawn=True)
     _, p99 = log.series("data_response_ms_p99", drawn=True)
+    ax.set_ylabel("requests")
     if requests or p50 or p99:
         _line(ax, requests, "requests / interval", color=COLOURS["data_requests"], drawstyle="steps-mid")
         _from_zero(ax)
-        ax.set_ylabel("requests")
         local = not any(v for _, v in requests) and not (p50 or p99)    # recorded, and all zero
         twins = [] if local else _twin(
             ax, p50 or p99, "response ms", [(p50, "response p50 ms", COLOURS["data_response_ms_p50"]),
@@ -460,12 +460,11 @@ def figure(log: RunLog, comparison=None):
         for twin in twins:
             _from_zero(twin)
         _legend(ax, *twins)
+        if local:
+            _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
+                           "count http(s), hf:// and s3:// reads)")
     else:
         _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
-        ax.set_ylabel("requests")
-    if requests and not any(v for _, v in requests) and not (p50 or p99):
-        _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
-                       "count http(s), hf:// and s3:// reads)")
 
     key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate", drawn=True)
     counted = log.series("data_cache_hits", "data_cache_misses", "cache_hits_total")[0] is not None
