@@ -103,15 +103,21 @@ def _load_processor(cfg: TrainerConfig):
     return processor
 
 
+def _token_fields(fields: dict, tokenizer, vocab: bool = True) -> None:
+    """Defaults a random-init config takes from the tokenizer: its special tokens and (``vocab``) vocabulary size."""
+    if vocab:
+        fields.setdefault("vocab_size", len(tokenizer))
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            fields.setdefault(name, getattr(tokenizer, name))
+
+
 def _vl_config_fields(fields: dict, processor) -> None:
     """Defaults a random-init VL config takes from the processor: the text model's vocabulary size and
     special tokens, and the vision token ids."""
     text = fields.setdefault("text_config", {})
     if isinstance(text, dict):
-        text.setdefault("vocab_size", len(processor.tokenizer))
-        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-            if getattr(processor.tokenizer, name, None) is not None:
-                text.setdefault(name, getattr(processor.tokenizer, name))
+        _token_fields(text, processor.tokenizer)
     for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         value = getattr(processor, name, None)
         if isinstance(value, int) and value >= 0:
@@ -142,11 +148,7 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int, processor=None):
     model_type = fields.pop("model_type")
     if processor is not None:
         _vl_config_fields(fields, processor)
-    else:
-        fields.setdefault("vocab_size", len(tokenizer))
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        if getattr(tokenizer, name, None) is not None:
-            fields.setdefault(name, getattr(tokenizer, name))
+    _token_fields(fields, tokenizer, vocab=processor is None)     # a VL model's vocabulary: its text config's
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:   # checked with the yaml already; here the fields taken from the tokenizer too
