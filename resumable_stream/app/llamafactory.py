@@ -64,25 +64,24 @@ def patched(ours: dict[str, Any]) -> Iterator[None]:
 
     from ..integrations.llamafactory.data import get_dataset
     from ..integrations.llamafactory.media import ProcessorLoader
-    from ..integrations.llamafactory.reward import patch_load_from_checkpoint
-    from ..integrations.llamafactory.weights import patch_load_renamed
+    from ..integrations.llamafactory.reward import load_value_head_checkpoint
+    from ..integrations.llamafactory.weights import load_renamed_checkpoint, patch_checkpoint_loader
     from ..integrations.transformers import patch_trainer
 
     # trl's DPO / KTO trainers: our patched get_train_dataloader stands in for trl's, which adds only
     # precompute_ref_log_probs (LLaMA-Factory turns it off); their _save_checkpoint ends in the Trainer's
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer, CustomDPOTrainer, CustomKTOTrainer, PairwiseTrainer):
         patch_trainer(trainer)
-    patch_load_from_checkpoint(PairwiseTrainer)      # a LoRA reward model resumes (llamafactory-cli's fails)
+    # a LoRA reward model resumes (llamafactory-cli's fails); a full Qwen2-VL its weights (llamafactory-cli's not)
+    patch_checkpoint_loader(PairwiseTrainer, load_value_head_checkpoint)
     for trainer in (CustomSeq2SeqTrainer, CustomTrainer):
-        patch_load_renamed(trainer)                  # a full Qwen2-VL resumes its weights (llamafactory-cli's not)
-    workflows = (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)
-    saved = [(m, "get_dataset", m.get_dataset) for m in workflows]
-    patches = [(parser, "get_last_checkpoint", latest_complete_checkpoint),
-               (model_loader, "AutoProcessor", ProcessorLoader)]     # a VL processor without torchvision
-    saved += [(m, name, getattr(m, name)) for m, name, _ in patches]
+        patch_checkpoint_loader(trainer, load_renamed_checkpoint)
+    patches = [(m, "get_dataset", functools.partial(get_dataset, m.get_dataset, ours))
+               for m in (sft_workflow, pt_workflow, dpo_workflow, kto_workflow, rm_workflow)]
+    patches += [(parser, "get_last_checkpoint", latest_complete_checkpoint),
+                (model_loader, "AutoProcessor", ProcessorLoader)]     # a VL processor without torchvision
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
-        for module, name, original in saved[:len(workflows)]:
-            setattr(module, name, functools.partial(get_dataset, original, ours))
         for module, name, replacement in patches:
             setattr(module, name, replacement)
         yield

@@ -198,10 +198,7 @@ def read_log(run_dir: str) -> RunLog:
 
 
 # ------------------------------------------------------------------------------------------------ summary
-def _mean(points):
-    if not points:
-        return None
-    values = [v for _, v in points]
+def _mean(values):
     try:
         return statistics.fmean(values)
     except OverflowError:   # the sum leaves the float range (values near 1.8e308); their mean does not:
@@ -209,37 +206,37 @@ def _mean(points):
         return math.ldexp(math.fsum(math.ldexp(v, -k) for v in values) / len(values), k)
 
 
-def _median(points):
+def _median(values):
     """The median; of an even count, the mean of the middle two taken as halves (their sum may overflow)."""
-    if not points:
-        return None
-    values = sorted(v for _, v in points)
+    values = sorted(values)
     mid = len(values) // 2
     return values[mid] if len(values) % 2 else values[mid - 1] / 2 + values[mid] / 2
+
+
+# the summary's figures of one series each: (summary key, text row, the log's field, reduced over its values)
+FIGURES = (("first_loss", "first loss", "loss", lambda v: v[0]),
+           ("last_loss", "last loss", "loss", lambda v: v[-1]),
+           ("wait_share_mean", "data wait share mean", "data_wait_share", _mean),
+           ("wait_share_max", "data wait share max", "data_wait_share", max),
+           ("samples_per_s_mean", "samples/s mean", "samples_per_s", _mean),
+           ("data_samples_per_s_mean", "data samples/s mean", "data_samples_per_s", _mean),
+           ("tokens_per_s_mean", "data tokens/s mean", "data_tokens_per_s", _mean),
+           ("requests_total", "requests total", "data_requests", sum),
+           ("response_ms_p50", "response ms p50", "data_response_ms_p50", _median),
+           ("response_ms_p99", "response ms p99", "data_response_ms_p99", _median))
 
 
 def summarize(log: RunLog) -> dict:
     """The summary's figures (None: not recorded). Means and medians are over the logged intervals that
     have the field."""
     steps = [r["step"] for r in log.training]
-    _, loss = log.series("loss")
-    _, wait = log.series("data_wait_share")
-    _, trainer_rate = log.series("samples_per_s")
-    _, data_rate = log.series("data_samples_per_s")
-    _, tokens = log.series("data_tokens_per_s")
-    _, requests = log.series("data_requests")
-    _, p50 = log.series("data_response_ms_p50")
-    _, p99 = log.series("data_response_ms_p99")
     cache_key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate")
+    figures = {key: reduce([v for _, v in points]) if (points := log.series(field)[1]) else None
+               for key, _, field, reduce in FIGURES}
     return {
         "records": len(log.training), "evaluations": len(log.evals), "damaged_lines": len(log.damaged),
         "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
-        "first_loss": loss[0][1] if loss else None, "last_loss": loss[-1][1] if loss else None,
-        "wait_share_mean": _mean(wait), "wait_share_max": max(v for _, v in wait) if wait else None,
-        "samples_per_s_mean": _mean(trainer_rate), "data_samples_per_s_mean": _mean(data_rate),
-        "tokens_per_s_mean": _mean(tokens),
-        "requests_total": sum(v for _, v in requests) if requests else None,
-        "response_ms_p50": _median(p50), "response_ms_p99": _median(p99),
+        **figures,
         "cache_hit_rate_end": cache[-1][1] if cache else None, "cache_hit_rate_step": cache[-1][0] if cache else None,
         "cache_hit_rate_kind": {"data_cache_hit_rate": "per interval"}.get(cache_key, "cumulative") if cache_key else None,
         "resume_steps": list(log.resumes),
@@ -287,16 +284,7 @@ def format_summary(summary: dict, png: str | None) -> str:
         cache += f" ({s['cache_hit_rate_kind']}, step {s['cache_hit_rate_step']})"
     rows = [
         ("steps", f"{s['first_step']}..{s['last_step']} ({s['records']} training records)"),
-        ("first loss", _fmt(s["first_loss"])),
-        ("last loss", _fmt(s["last_loss"])),
-        ("data wait share mean", _fmt(s["wait_share_mean"])),
-        ("data wait share max", _fmt(s["wait_share_max"])),
-        ("samples/s mean", _fmt(s["samples_per_s_mean"])),
-        ("data samples/s mean", _fmt(s["data_samples_per_s_mean"])),
-        ("data tokens/s mean", _fmt(s["tokens_per_s_mean"])),
-        ("requests total", _fmt(s["requests_total"])),
-        ("response ms p50", _fmt(s["response_ms_p50"])),
-        ("response ms p99", _fmt(s["response_ms_p99"])),
+        *((row, _fmt(s[key])) for key, row, _, _ in FIGURES),
         ("cache hit rate at end", cache),
         ("resume points", ", ".join(map(str, s["resume_steps"])) or "none"),
         ("damaged lines skipped", str(s["damaged_lines"])),
@@ -460,10 +448,10 @@ def figure(log: RunLog, comparison=None):
     _, requests = log.series("data_requests", drawn=True)
     _, p50 = log.series("data_response_ms_p50", drawn=True)
     _, p99 = log.series("data_response_ms_p99", drawn=True)
+    ax.set_ylabel("requests")
     if requests or p50 or p99:
         _line(ax, requests, "requests / interval", color=COLOURS["data_requests"], drawstyle="steps-mid")
         _from_zero(ax)
-        ax.set_ylabel("requests")
         local = not any(v for _, v in requests) and not (p50 or p99)    # recorded, and all zero
         twins = [] if local else _twin(
             ax, p50 or p99, "response ms", [(p50, "response p50 ms", COLOURS["data_response_ms_p50"]),
@@ -472,12 +460,11 @@ def figure(log: RunLog, comparison=None):
         for twin in twins:
             _from_zero(twin)
         _legend(ax, *twins)
+        if local:
+            _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
+                           "count http(s), hf:// and s3:// reads)")
     else:
         _not_recorded(ax, "data_requests, data_response_ms_p50/p99")
-        ax.set_ylabel("requests")
-    if requests and not any(v for _, v in requests) and not (p50 or p99):
-        _why_empty(ax, "no remote requests: the data is read from local files (requests and response times "
-                       "count http(s), hf:// and s3:// reads)")
 
     key, cache = log.series("data_cache_hit_rate", "cache_hit_rate_total", "cache_hit_rate", drawn=True)
     counted = log.series("data_cache_hits", "data_cache_misses", "cache_hits_total")[0] is not None

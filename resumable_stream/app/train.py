@@ -35,12 +35,14 @@ from ..integrations.transformers.patch import (
     TrainingStream,
     data_metrics_log,
     finished_step,
+    fit_to_steps,
     patch_trainer,
+    samples_per_step,
     source_loss,
     stream_loader,
 )
 from ..io.net import RetryPolicy
-from ..loader import check_step_shape, shard_row_key
+from ..loader import shard_row_key
 from ..runtime.collectives import barrier
 from ..runtime.devices import data_parallel_arguments, detect_device
 from ..runtime.output_lock import output_dir_lock
@@ -101,15 +103,21 @@ def _load_processor(cfg: TrainerConfig):
     return processor
 
 
+def _token_fields(fields: dict, tokenizer, vocab: bool = True) -> None:
+    """Defaults a random-init config takes from the tokenizer: its special tokens and (``vocab``) vocabulary size."""
+    if vocab:
+        fields.setdefault("vocab_size", len(tokenizer))
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            fields.setdefault(name, getattr(tokenizer, name))
+
+
 def _vl_config_fields(fields: dict, processor) -> None:
     """Defaults a random-init VL config takes from the processor: the text model's vocabulary size and
     special tokens, and the vision token ids."""
     text = fields.setdefault("text_config", {})
     if isinstance(text, dict):
-        text.setdefault("vocab_size", len(processor.tokenizer))
-        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-            if getattr(processor.tokenizer, name, None) is not None:
-                text.setdefault(name, getattr(processor.tokenizer, name))
+        _token_fields(text, processor.tokenizer)
     for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         value = getattr(processor, name, None)
         if isinstance(value, int) and value >= 0:
@@ -140,11 +148,7 @@ def _load_model(cfg: TrainerConfig, tokenizer, seed: int, processor=None):
     model_type = fields.pop("model_type")
     if processor is not None:
         _vl_config_fields(fields, processor)
-    else:
-        fields.setdefault("vocab_size", len(tokenizer))
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        if getattr(tokenizer, name, None) is not None:
-            fields.setdefault(name, getattr(tokenizer, name))
+    _token_fields(fields, tokenizer, vocab=processor is None)     # a VL model's vocabulary: its text config's
     try:
         config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:   # checked with the yaml already; here the fields taken from the tokenizer too
@@ -205,14 +209,10 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     stream = open_stream(cfg.stream.replace(resume_state_path=None), rank=args.process_index,
                          world_size=args.world_size, num_workers=args.dataloader_num_workers, index_from=resumed)
     _check_columns(cfg, stream.source.column_names)
-    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
-    check_step_shape(stream, args.gradient_accumulation_steps, args.per_device_train_batch_size, TRAIN_KEYS)
+    fit_to_steps(stream, args, TRAIN_KEYS)
     processor = _load_processor(cfg) if vl else None
     tokenizer = processor.tokenizer if vl else _load_tokenizer(cfg)
     model = _load_model(cfg, tokenizer, args.seed, processor)
-    if isinstance(stream, MixtureStream):   # schedules in steps: draws per step, fixed now (a resume keeps its own)
-        stream.set_samples_per_step(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                                    * args.world_size)
     if vl:
         # image URLs under the data's retries and timeouts (a mixture's are the same for every source)
         net = cfg.stream.sources[0] if isinstance(cfg.stream, MixtureConfig) else cfg.stream
@@ -236,7 +236,6 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
     patch_trainer(Trainer)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                       processing_class=processor or tokenizer)
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     extras = [lambda: transform_stats(stream_loader(trainer)),    # skips, drops: data_* fields
               lambda: getattr(data_metrics_log(trainer), "latest", {})]   # the data path's figures: data_*
     if cfg.stream.cache_dir:     # block cache counters: logged periodically and in train_log.jsonl
@@ -250,7 +249,7 @@ def build_trainer(cfg: TrainerConfig, args=None, **argument_overrides):
         extras.append(lambda: weight_changes(stream))     # mixture_changes: a change of weights, when one was made
     if getattr(cfg.stream, "growth", "off") == "follow":     # the data stopped arriving: end with a checkpoint
         trainer.add_callback(FollowEndCallback(stream))
-    trainer.add_callback(TrainLogCallback(args.output_dir, per_step,
+    trainer.add_callback(TrainLogCallback(args.output_dir, samples_per_step(args),
                                           extra_of=lambda: {k: v for f in extras for k, v in f().items()}))
     if cfg.transform.consumed_log:
         trainer.add_callback(ConsumedLogCallback(cfg.transform.consumed_log, args.process_index,

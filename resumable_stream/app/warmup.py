@@ -223,35 +223,30 @@ def plan_warmup(config: StreamConfig, samples: int, *, world_size: int | None = 
     The cursors are fresh, or loaded from ``state_path`` (default ``config.resume_state_path``), whose topology
     gives the defaults of ``world_size`` / ``num_workers`` / ``ranks``. The window after the last sample is
     included when the Nth sample ends a window (saving a checkpoint there reads it)."""
-    t0 = time.perf_counter()
-    state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
-    cached = _open_cached(config, source, block_rows)
-    planner = _PlanningSource(cached)
-    written_before = cached.store.stats()["blocks_written"]
-    plain = config.replace(resume_state_path=None)
-    _trace(lambda rank: ResumableStream(plain, rank=rank, world_size=world_size, num_workers=num_workers,
-                                        source=planner), [planner], ranks, samples, state_path)
-    return _plan_of(planner, written_before, ranks, world_size, num_workers, samples, t0)
+    return _plans(config, samples, world_size, ranks, num_workers, state_path, [source], block_rows)[0]
 
 
-def plan_mixture_warmup(config: MixtureConfig, samples: int, *, world_size: int | None = None,
-                        ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
-                        sources: list[Source] | None = None, block_rows: int | None = None) -> list[WarmupPlan]:
-    """:func:`plan_warmup` of a mixture: one plan per source, traced with the real mixture draws; the sources are
-    opened as the job opens them (each source's saved or given index reused)."""
+def _plans(config: StreamConfig | MixtureConfig, samples: int, world_size: int | None, ranks: list[int] | None,
+           num_workers: int | None, state_path: str | None, sources: list[Source | None] | None,
+           block_rows: int | None) -> list[WarmupPlan]:
+    """:func:`plan_warmup`, one plan per source: a mixture's traced with the real mixture draws, its ``sources``
+    (None: opened as the job opens them, each source's saved or given index reused)."""
     t0 = time.perf_counter()
     state_path, world_size, num_workers, ranks = _topology(config, samples, world_size, ranks, num_workers, state_path)
+    mixture = isinstance(config, MixtureConfig)
+    configs = config.sources if mixture else [config]
     if not config.cache_dir:
-        _open_cached(config.sources[0], None, block_rows)       # the error naming data.cache_dir
-    resumed = state_path or config.resume_state_path
-    opened = sources if sources is not None else open_job_sources(
-        [s.source_spec for s in config.sources], list(config.labels), saved=SavedIndexes(resumed) if resumed else None)
-    cached = [_open_cached(scfg, src, block_rows) for scfg, src in zip(config.sources, opened)]
+        _open_cached(configs[0], None, block_rows)       # the error naming data.cache_dir
+    if sources is None:     # a mixture's (a single dataset's is given, or [None]: opened with the cache)
+        sources = open_job_sources([s.source_spec for s in configs], list(config.labels),
+                                   saved=SavedIndexes(state_path) if state_path else None)
+    cached = [_open_cached(c, src, block_rows) for c, src in zip(configs, sources)]
     planners = [_PlanningSource(c) for c in cached]
     written_before = [c.store.stats()["blocks_written"] for c in cached]
     plain = config.replace(resume_state_path=None)
-    _trace(lambda rank: MixtureStream(plain, rank=rank, world_size=world_size, num_workers=num_workers,
-                                      sources=planners), planners, ranks, samples, state_path)
+    stream_cls, reads = (MixtureStream, {"sources": planners}) if mixture else (ResumableStream, {"source": planners[0]})
+    _trace(lambda rank: stream_cls(plain, rank=rank, world_size=world_size, num_workers=num_workers, **reads),
+           planners, ranks, samples, state_path)
     return [_plan_of(p, w, ranks, world_size, num_workers, samples, t0) for p, w in zip(planners, written_before)]
 
 
@@ -355,15 +350,11 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
                ranks: list[int] | None = None, num_workers: int | None = None, state_path: str | None = None,
                jobs: int = 8, progress: bool = True, source: Source | None = None,
                block_rows: int | None = None) -> WarmupResult:
-    """Plan (:func:`plan_warmup`, :func:`plan_mixture_warmup`) and fetch, ``jobs`` fetches at once; a warm cache
+    """Plan (:func:`plan_warmup`) and fetch, ``jobs`` fetches at once; a warm cache
     fetches nothing, a mixture's result sums its sources'. ``source``: an opened source (default: opened as the
     job opens it). The result names the blocks still not cached after the fetch and why (``not_cached`` / ``why``)."""
-    keys = dict(world_size=world_size, ranks=ranks, num_workers=num_workers, state_path=state_path,
-                block_rows=block_rows)
-    if isinstance(config, MixtureConfig):
-        plans = plan_mixture_warmup(config, samples, **keys)
-    else:
-        plans = [plan_warmup(config, samples, source=source, **keys)]
+    plans = _plans(config, samples, world_size, ranks, num_workers, state_path,
+                   None if isinstance(config, MixtureConfig) else [source], block_rows)
     fetched = [fetch(plan, jobs=jobs, progress=progress) for plan in plans]
     planned = sum(len(p.blocks) for p in plans)
     not_cached, why = 0, None
@@ -379,7 +370,6 @@ def run_warmup(config: StreamConfig | MixtureConfig, samples: int, *, world_size
     if len(plans) == 1:
         stats = plans[0].cached.stats()
     else:
-
         stats = MixtureSources([p.cached for p in plans], config.labels).stats()
     return WarmupResult(planned_blocks=planned, already_cached=planned - sum(len(p.missing) for p in plans),
                         fetched_blocks=sum(f[0] for f in fetched), fetched_bytes=sum(f[1] for f in fetched),

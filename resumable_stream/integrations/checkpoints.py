@@ -22,10 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+from ..loader import StreamLoader
 from ..runtime.collectives import barrier
 from ..state.checkpoint import finish
 from ..state.names import STATE_DIR
 from ..state.output_dir import checkpoint_dirs, checkpoint_step, is_complete, resume_latest
+from ..stream.mixture import open_stream
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,16 @@ class TrainerLoader:
     def __init__(self, loader):
         self.loader = loader
 
+    @classmethod
+    def of(cls, config, rank: int | None, world_size: int | None, batch_size: int, collate_fn: Callable,
+           num_workers: int, prefetch_factor: int | None, pin_memory: bool):
+        """Over ``config``'s stream of this rank: a loader whose state is this rank's alone (the trainer asks for
+        it after every item, from its prefetch thread)."""
+        stream = open_stream(config, rank=rank, world_size=world_size, num_workers=num_workers)
+        return cls(StreamLoader(stream, batch_size, collate_fn=collate_fn, num_workers=num_workers,
+                                prefetch_factor=prefetch_factor if num_workers else None, pin_memory=pin_memory,
+                                per_rank_state=True))
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
 
@@ -150,3 +162,19 @@ class TrainerLoader:
     def pop_consumed_keys(self) -> list[str]:
         """The keys of the samples handed out since the last call (``loader.keep_keys``)."""
         return self.loader.pop_consumed_keys()
+
+
+class RowsCollator:
+    """An item's raw rows -> the trainer's sample transform on each (``untransformed``: a row without one) -> its
+    collator (None: the samples as they are); picklable: it runs in the DataLoader workers."""
+
+    def __init__(self, transform: Callable | None, collate_fn: Callable | None):
+        self.transform, self.collate_fn = transform, collate_fn
+
+    @staticmethod
+    def untransformed(row: dict) -> Any:
+        return row
+
+    def __call__(self, rows: list[dict]) -> Any:
+        samples = [self.transform(row) if self.transform is not None else self.untransformed(row) for row in rows]
+        return self.collate_fn(samples) if self.collate_fn is not None else samples

@@ -15,10 +15,8 @@ from typing import Any
 
 from ..config.stream_config import MixtureConfig, StreamConfig
 from ..errors import ConfigError
-from ..loader import StreamLoader
 from ..runtime.torch_compat import IterableDataset
-from ..stream.mixture import open_stream
-from .checkpoints import TrainerLoader
+from .checkpoints import RowsCollator, TrainerLoader
 
 TARGET = "resumable_stream.integrations.hyper_parallel"
 
@@ -92,18 +90,6 @@ class HyperParallelStreamLoader(TrainerLoader):
                         "steps long")
 
 
-class _ItemCollator:
-    """An item's raw rows -> HyperParallel's transform on each -> its collate_fn (picklable: runs in the
-    DataLoader workers)."""
-
-    def __init__(self, transform: Callable | None, collate_fn: Callable | None):
-        self.transform, self.collate_fn = transform, collate_fn
-
-    def __call__(self, rows: list[dict]) -> Any:
-        samples = [self.transform(row) for row in rows] if self.transform is not None else rows
-        return self.collate_fn(samples) if self.collate_fn is not None else samples
-
-
 def build_dataloader(*, dataset: Any, collate_fn: Callable | None = None, batch_sampler: Any = None,
                      batch_size: int = 1, sampler_type: str = "single", dp_world_size: int | None = None,
                      max_seq_len: int | None = None, seed: int | None = None, num_workers: int = 0,
@@ -134,8 +120,6 @@ def build_dataloader(*, dataset: Any, collate_fn: Callable | None = None, batch_
                           "item is whole)")
     if collate_fn is not None and not callable(collate_fn):
         raise ConfigError(f"collate_fn: got {type(collate_fn).__name__}; allowed: the trainer's collator (callable)")
-    stream = open_stream(dataset.config, rank=dataset.rank, world_size=dataset.world_size, num_workers=num_workers)
-    loader = StreamLoader(stream, batch_size, collate_fn=_ItemCollator(dataset.transform, collate_fn),
-                          num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
-                          pin_memory=pin_memory, per_rank_state=True)   # saved per rank; HyperIter asks after
-    return HyperParallelStreamLoader(loader)                            # every item, from its prefetch thread
+    return HyperParallelStreamLoader.of(dataset.config, dataset.rank, dataset.world_size, batch_size,
+                                        RowsCollator(dataset.transform, collate_fn), num_workers, prefetch_factor,
+                                        pin_memory)

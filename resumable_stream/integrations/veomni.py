@@ -19,9 +19,7 @@ from typing import Any
 
 from ..config.stream_config import StreamConfig
 from ..errors import ConfigError
-from ..loader import StreamLoader
-from ..stream.mixture import open_stream
-from .checkpoints import TrainerLoader
+from .checkpoints import RowsCollator, TrainerLoader
 
 NAME = "resumable_stream"     # the datasets_type and dataloader.type this module registers
 
@@ -68,16 +66,12 @@ class VeOmniStreamLoader(TrainerLoader):
     where = "VeOmni checkpoint extra_state['train_dataloader']"
 
 
-class _StepCollator:
-    """A step's raw rows -> VeOmni's transform on each -> VeOmni's micro-batch collator (a picklable callable:
-    it runs in the DataLoader workers)."""
+class _StepCollator(RowsCollator):
+    """A step's raw rows -> VeOmni's transform on each (a list of features per row) -> its micro-batch collator."""
 
-    def __init__(self, transform: Callable | None, collate: Callable):
-        self.transform, self.collate = transform, collate
-
-    def __call__(self, rows: list[dict]) -> Any:
-        features = [self.transform(row) if self.transform is not None else [row] for row in rows]
-        return self.collate(features)
+    @staticmethod
+    def untransformed(row: dict) -> list[dict]:
+        return [row]
 
 
 def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int, dataloader_batch_size: int,
@@ -106,12 +100,8 @@ def build_dataloader(dataset: Any, micro_batch_size: int, global_batch_size: int
     num_micro_batch = global_batch_size // (micro_batch_size * parallel.dp_size)
     collate = MakeMicroBatchCollator(num_micro_batch=num_micro_batch,
                                      internal_data_collator=collate_fn if collate_fn is not None else MainCollator())
-    stream = open_stream(dataset.config, rank=parallel.dp_rank, world_size=parallel.dp_size,
-                         num_workers=num_workers)
-    loader = StreamLoader(stream, dataloader_batch_size, collate_fn=_StepCollator(dataset.transform, collate),
-                          num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
-                          pin_memory=pin_memory, per_rank_state=True)   # every rank saves its own; its prefetch
-    return VeOmniStreamLoader(loader)                                   # thread asks after every step
+    return VeOmniStreamLoader.of(dataset.config, parallel.dp_rank, parallel.dp_size, dataloader_batch_size,
+                                 _StepCollator(dataset.transform, collate), num_workers, prefetch_factor, pin_memory)
 
 
 def register() -> None:

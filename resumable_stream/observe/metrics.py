@@ -123,10 +123,8 @@ def _bucket(ms: float) -> str:
 def record_request(seconds: float, nbytes: int, ok: bool = True) -> None:
     """One request to a remote store answered (``ok``) or failed after ``seconds``."""
     ms = seconds * 1000.0
-    if ok:
-        source_counters().add(requests=1, bytes_read=nbytes, response_us=int(ms * 1000), **{_bucket(ms): 1})
-    else:
-        source_counters().add(requests=1, request_errors=1, response_us=int(ms * 1000), **{_bucket(ms): 1})
+    source_counters().add(requests=1, request_errors=int(not ok), bytes_read=nbytes if ok else 0,
+                          response_us=int(ms * 1000), **{_bucket(ms): 1})
 
 
 def record_retry(cause: str) -> None:

@@ -11,10 +11,12 @@ driven through :func:`as_processor`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import BAD_SAMPLE_COLUMN, SidecarError, StreamMismatchError
+from .errors import skip_or_raise
 from .row_map import BadMapResult
 
 Example = dict[str, Any]
@@ -67,7 +69,8 @@ class Processor(Protocol):
 
 class QueuedProcessor(Processor):
     """A processor whose finished examples wait in the deque ``self._pending``, with its counters in
-    ``self._stats`` and its fingerprint in ``self._fingerprint``."""
+    ``self._stats``, its fingerprint in ``self._fingerprint`` and (for ``_bad`` / ``_empty``) its
+    ``TransformConfig`` in ``self.cfg``."""
 
     def ready(self) -> int:
         return len(self._pending)
@@ -82,6 +85,13 @@ class QueuedProcessor(Processor):
 
     def fingerprint(self) -> dict[str, Any]:
         return dict(self._fingerprint)
+
+    def _bad(self, key: str, why: str, counter: str = "skipped_bad") -> None:
+        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter,
+                      logging.getLogger(type(self).__module__))
+
+    def _empty(self, key: str, why: str) -> None:
+        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _feed_mapped(self, sample: dict, key: str, row_map: Any, feed_row: Callable[[dict, str], None],
                      map_counter: str = "skipped_bad") -> None:

@@ -10,8 +10,8 @@ token is predicted from another document."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import logging
 from collections import deque
 from typing import Any
 
@@ -21,12 +21,10 @@ from ..config.chat_formats import resolved_columns, resolved_tags
 from ..config.transforms import TransformConfig
 from ..errors import SidecarError
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
-from .errors import TransformError, skip_or_raise
+from .errors import TransformError
 from .formats import BadRow, to_messages
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import RowMap
-
-log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 STAT_KEYS = ("skipped_empty", "dropped_overlong", "truncated", "samples", "examples", "skipped_bad",
@@ -216,12 +214,9 @@ class TextProcessor(QueuedProcessor):
         self._reset()
         self._carry_ids, self._carry_labels = t["carry_input_ids"], t["carry_labels"]
         self._carry_keys = deque([k, n] for k, n in zip(carry_keys, t["carry_key_tokens"]))
-        pos = kpos = 0
-        for n, nk, segs in zip(t["pending_lengths"], t["pending_key_counts"], pending_segments):
-            self._pending.append((t["pending_input_ids"][pos:pos + n], t["pending_labels"][pos:pos + n],
-                                  pending_keys[kpos:kpos + nk], segs))
-            pos += n
-            kpos += nk
+        lengths = t["pending_lengths"]
+        self._pending.extend(zip(_pieces(t["pending_input_ids"], lengths), _pieces(t["pending_labels"], lengths),
+                                 _pieces(pending_keys, t["pending_key_counts"]), pending_segments))
         self._pending_key_tokens = deque(_split_key_tokens(meta.get("pending_key_tokens"), t["pending_key_counts"],
                                                            t["pending_lengths"]))
         self._stats = stats
@@ -294,12 +289,6 @@ class TextProcessor(QueuedProcessor):
             del self._carry_labels[:self._carry_start]
             self._carry_start = 0
 
-    def _bad(self, key: str, why: str, counter: str = "skipped_bad") -> None:
-        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
-
-    def _empty(self, key: str, why: str) -> None:
-        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
-
     def _encode_text(self, sample: dict, key: str, cfg: TransformConfig) -> tuple[list[int], list[int]] | None:
         col = cfg.text_column
         text = sample.get(col) if isinstance(sample, dict) else None
@@ -354,36 +343,31 @@ class TextProcessor(QueuedProcessor):
             raise TransformError(f"sample {key!r}: {e}", key) from None
 
 
+def _pieces(flat: list, counts: list[int]) -> list[list]:
+    """``flat`` cut into consecutive pieces of ``counts`` items."""
+    ends = list(itertools.accumulate(counts))
+    return [flat[end - n:end] for n, end in zip(counts, ends)]
+
+
 def _split_segments(segments: dict[str, list[int]], lengths: list[int]) -> list[list[int]]:
     """Per pending example, its segment lengths; ``SidecarError`` unless they tile each example exactly."""
     flat, counts = segments["pending_segment_lengths"], segments["pending_segment_counts"]
-    if len(counts) != len(lengths) or sum(counts) != len(flat) or any(n <= 0 for n in flat):
+    out = _pieces(flat, counts)
+    if (len(counts) != len(lengths) or sum(counts) != len(flat) or any(n <= 0 for n in flat + counts)
+            or any(sum(segs) != n for segs, n in zip(out, lengths))):
         raise SidecarError("transform state: inconsistent segment lengths (truncated or corrupt state)")
-    out, pos = [], 0
-    for n_tokens, count in zip(lengths, counts):
-        segs = flat[pos:pos + count]
-        if count <= 0 or sum(segs) != n_tokens:
-            raise SidecarError("transform state: inconsistent segment lengths (truncated or corrupt state)")
-        out.append(segs)
-        pos += count
     return out
 
 
 def _split_key_tokens(flat: Any, key_counts: list[int], lengths: list[int]) -> list[list[int] | None]:
     """Per pending example, its keys' tokens from a state's ``pending_key_tokens``; all None when the state has
     none (saved before they were kept) or they do not add up to the examples (they only feed the metrics)."""
-    unknown: list[list[int] | None] = [None] * len(lengths)
-    if not (isinstance(flat, list) and len(flat) == sum(key_counts)
+    if (isinstance(flat, list) and len(flat) == sum(key_counts)
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in flat)):
-        return unknown
-    out, pos = [], 0
-    for nk, n in zip(key_counts, lengths):
-        part = flat[pos:pos + nk]
-        pos += nk
-        if sum(part) != n:
-            return unknown
-        out.append(part)
-    return out
+        out = _pieces(flat, key_counts)
+        if all(sum(part) == n for part, n in zip(out, lengths)):
+            return out
+    return [None] * len(lengths)
 
 
 def _arr(values: list[int]) -> np.ndarray:

@@ -16,7 +16,6 @@ import hashlib
 import http.client
 import io
 import json
-import logging
 import os
 import re
 from collections import deque
@@ -29,12 +28,11 @@ from ..errors import SidecarError, SourceError, shown
 from ..io.net import HttpAnswer, RetryPolicy, fetch_url
 from ..io.safe_files import FileRefused, read_regular_file
 from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
-from .errors import BadSample, TransformError, skip_or_raise
+from .errors import BadSample, TransformError
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import RowMap
 from .text import collate_numpy, tokenizer_digest
 
-log = logging.getLogger(__name__)
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
 PLACEHOLDER = "<image>"
@@ -391,12 +389,6 @@ class VLProcessor(QueuedProcessor):
         # the fast tokenizer's core (processor_digest made sure there is one): same ids, less per-call overhead
         enc = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
-
-    def _bad(self, key: str, why: str, counter: str) -> None:
-        skip_or_raise(self.cfg.bad_sample, "data.bad_sample", key, why, self._stats, counter, log)
-
-    def _empty(self, key: str, why: str) -> None:
-        skip_or_raise(self.cfg.empty, "data.empty", key, why, self._stats, "skipped_empty")
 
     def _conversation(self, sample: dict, key: str) -> tuple[list[dict], list[Any]] | None:
         """Checked messages in HF's structured content form, and the raw image values."""

@@ -16,7 +16,6 @@ import numpy as np
 
 from ...config.stream_config import StreamConfig
 from ...errors import ConfigError
-from ...loader import check_step_shape
 from ...stream.mixture import open_stream
 from .held_out import check_val_size, hold_out
 from .media import media_settings
@@ -144,7 +143,7 @@ def stream_section(data_args, training_args, ours: dict[str, Any]) -> tuple[dict
 def train_stream(template, data_args, training_args, tokenizer, stage: str, ours: dict[str, Any], processor=None):
     """The :class:`~resumable_stream.integrations.transformers.TrainingStream` LLaMA-Factory's trainer reads;
     ``processor``: a multimodal model's (images of the rows checked by :mod:`.media`)."""
-    from ..transformers import TrainingStream  # transformers and torch: this module imports without them
+    from ..transformers.patch import TrainingStream, fit_to_steps  # torch: this module imports without it
 
     section, attrs = stream_section(data_args, training_args, ours)
     check_stage(attrs, stage)
@@ -152,12 +151,7 @@ def train_stream(template, data_args, training_args, tokenizer, stage: str, ours
     stream = open_stream(cfg, rank=training_args.process_index, world_size=training_args.world_size,
                          num_workers=training_args.dataloader_num_workers,
                          index_from=training_args.resume_from_checkpoint, mixture_draws=mixture_draws(data_args))
-    # data.elastic_determinism: every optimizer step takes a micro-batch of each partition (before the model)
-    check_step_shape(stream, training_args.gradient_accumulation_steps, training_args.per_device_train_batch_size,
-                     LLAMAFACTORY_KEYS)
-    if hasattr(stream, "set_samples_per_step"):   # a mixture: weight schedules in steps map to draws with it
-        stream.set_samples_per_step(training_args.per_device_train_batch_size
-                                    * training_args.gradient_accumulation_steps * training_args.world_size)
+    fit_to_steps(stream, training_args, LLAMAFACTORY_KEYS)
     fmt = Formatting(template=template, tokenizer=tokenizer, data_args=data_args, stage=stage, attrs=attrs,
                      processor=processor, media=media_settings(ours, data_args.media_dir))
     # collate_fn None: the trainer's own data collator (LLaMA-Factory builds it after the dataset)

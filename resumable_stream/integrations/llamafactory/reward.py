@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-from .weights import patch_checkpoint_loader
-
 ADAPTER = "adapter_model.safetensors"
 VALUE_HEAD = "value_head.safetensors"
 
@@ -27,8 +25,3 @@ def load_value_head_checkpoint(model, checkpoint: str) -> bool:
         raise ValueError(f"{files[0]}: weights of another adapter ({result.unexpected_keys[:3]} ...)")
     head.load_state_dict({k.removeprefix("v_head."): v for k, v in load_file(files[1]).items()})
     return True
-
-
-def patch_load_from_checkpoint(trainer_cls) -> None:
-    """``trainer_cls._load_from_checkpoint`` loading a LoRA value-head checkpoint (idempotent)."""
-    patch_checkpoint_loader(trainer_cls, load_value_head_checkpoint)

@@ -87,8 +87,3 @@ def patch_checkpoint_loader(trainer_cls, load) -> None:
 
     _LOADERS[_load_from_checkpoint] = load
     trainer_cls._load_from_checkpoint = _load_from_checkpoint
-
-
-def patch_load_renamed(trainer_cls) -> None:
-    """``trainer_cls._load_from_checkpoint`` loading a checkpoint saved under reverted names (idempotent)."""
-    patch_checkpoint_loader(trainer_cls, load_renamed_checkpoint)

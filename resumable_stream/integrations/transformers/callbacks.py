@@ -15,6 +15,8 @@ from ...stream.mixture import source_counts
 from .source_loss import source_means
 
 log = logging.getLogger(__name__)
+# the block cache's counters (CachedSource.stats()) that train_log.jsonl has as cache_<name>_total
+CACHE_TOTALS = ("hits", "misses", "hit_rate", "corrupt", "unavailable", "writes_skipped", "bytes_read", "bytes_written")
 
 
 def truncate_jsonl(path: str, last_step: int, step_key: str = "step") -> None:
@@ -240,11 +242,7 @@ class CacheStatsCallback(TrainerCallback):
         """This rank's counters since the process started (``_total``, as the Prometheus endpoint names them;
         the ``data_cache_*`` fields beside them are all ranks' in the logging interval) and the cache's size."""
         s = self.stats_of()
-        return {"cache_hits_total": s["hits"], "cache_misses_total": s["misses"],
-                "cache_hit_rate_total": s["hit_rate"], "cache_corrupt_total": s["corrupt"],
-                "cache_unavailable_total": s["unavailable"], "cache_writes_skipped_total": s["writes_skipped"],
-                "cache_bytes_read_total": s["bytes_read"], "cache_bytes_written_total": s["bytes_written"],
-                "cache_size_bytes": s["cache_bytes"]}
+        return {**{f"cache_{k}_total": s[k] for k in CACHE_TOTALS}, "cache_size_bytes": s["cache_bytes"]}
 
     def _emit(self, step: int) -> None:
         rec = {"step": step, "rank": self.rank, **self.fields()}

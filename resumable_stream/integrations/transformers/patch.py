@@ -128,6 +128,20 @@ class _EvalPass:
         return itertools.islice(iter(loader), self.num_batches)
 
 
+def samples_per_step(args) -> int:
+    """Samples of the whole job per optimizer step of ``args`` (TrainingArguments): batch x accumulation x ranks."""
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+
+def fit_to_steps(stream: Stream, args, keys: dict[str, str]) -> None:
+    """Before the model is built: under data.elastic_determinism every optimizer step of ``args`` takes a
+    micro-batch of each partition (``keys`` name the arguments in its errors); a mixture's weight schedules in
+    steps map to draws with :func:`samples_per_step` (fixed now; a resume keeps its own)."""
+    check_step_shape(stream, args.gradient_accumulation_steps, args.per_device_train_batch_size, keys)
+    if hasattr(stream, "set_samples_per_step"):
+        stream.set_samples_per_step(samples_per_step(args))
+
+
 def _uses_stream(trainer) -> bool:
     return isinstance(getattr(trainer, "train_dataset", None), TrainingStream)
 

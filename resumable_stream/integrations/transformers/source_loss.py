@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-IGNORE_INDEX = -100
+from ...transforms.chat import IGNORE_INDEX
 
 
 class SourceLoss:
