@@ -66,6 +66,12 @@ def problem(table: pa.Table, metadata: pq.FileMetaData, group: int) -> str | Non
     check = RunningCheck(metadata, group)
     if table.num_rows != check.rg.num_rows:
         return f"{table.num_rows} rows decoded, the footer says {check.rg.num_rows}"
+    if any(column.num_chunks > 1 for column in table.columns):     # (decoded in batches) batch by batch, no copy
+        for batch in table.to_batches():
+            found = check.add(pa.Table.from_batches([batch]))
+            if found is not None:
+                return found
+        return check.finish()
     return check.add(table) or check.finish()
 
 

@@ -137,3 +137,86 @@ def test_a_remote_large_group_is_fetched_in_concurrent_ranges(data, monkeypatch)
     ref = ResumableStream(local)
     assert rows == list(itertools.islice(ref, 900))
     ref.close()
+
+
+# ------------------------------------------------------------------ wide columns decoded in chunks (read_row_group)
+def _chunked(monkeypatch, whole: int = 1000, chunk: int = 400) -> list[int]:
+    """Row groups whose widest column chunk holds more than ``whole`` bytes decode in batches of ~``chunk`` bytes of
+    it; returns the list the chunk counts of each decoded table are appended to."""
+    monkeypatch.setattr(parquet_rows, "WHOLE_DECODE_BYTES", whole)
+    monkeypatch.setattr(parquet_rows, "DECODE_CHUNK_BYTES", chunk)
+    chunks: list[int] = []
+    real = parquet_rows.read_row_group
+
+    def spy(*a):
+        table = real(*a)
+        chunks.append(max(c.num_chunks for c in table.columns))
+        return table
+
+    monkeypatch.setattr(parquet_rows, "read_row_group", spy)
+    return chunks
+
+
+def test_wide_columns_decoded_in_chunks_give_the_samples_cursors_and_digests_of_a_whole_decode(data, monkeypatch):
+    whole = _run(data, 1 << 30, monkeypatch)
+    with monkeypatch.context() as m:
+        chunks = _chunked(m)
+        chunked = _run(data, 1 << 30, m)
+    assert chunks and min(chunks) > 1          # every row group was decoded in several batches
+    assert chunked[0] == whole[0] and chunked[2] == whole[2]
+    assert chunked[1]["partitions"] == whole[1]["partitions"]
+
+
+def test_batch_rows_keep_the_widest_column_near_the_chunk_size(tmp_path, monkeypatch):
+    path = str(tmp_path / "w.parquet")
+    pq.write_table(pa.table({"id": list(range(4000)), "text": ["x" * 1000] * 4000}), path, row_group_size=4000,
+                   compression="none", use_dictionary=False)
+    md = pq.read_metadata(path)
+    assert parquet_rows.batch_rows(md, 0) is None             # 4 MB: below WHOLE_DECODE_BYTES
+    monkeypatch.setattr(parquet_rows, "WHOLE_DECODE_BYTES", 1 << 20)
+    rows = parquet_rows.batch_rows(md, 0)                     # 2 MiB of ~4 MB of text: about half the rows
+    assert 1800 <= rows <= 2200
+    table = parquet_rows.read_row_group(pa.BufferReader(open(path, "rb").read()), md, 0)
+    assert table.column("text").num_chunks == 2 and table.equals(pq.read_table(path))
+    assert parquet_checks.problem(table, md, 0) is None
+
+
+def test_a_chunked_table_is_checked_chunk_by_chunk_as_strictly_as_a_whole_one(tmp_path):
+    path = str(tmp_path / "c.parquet")
+    pq.write_table(pa.table({"x": list(range(100))}), path, row_group_size=100)
+    md = pq.read_metadata(path)
+    good = pa.Table.from_batches([pa.record_batch({"x": list(range(50))}), pa.record_batch({"x": list(range(50, 100))})])
+    assert good.column("x").num_chunks == 2 and parquet_checks.problem(good, md, 0) is None
+    outside = pa.Table.from_batches([pa.record_batch({"x": list(range(50))}),
+                                     pa.record_batch({"x": list(range(50, 99)) + [500]})])
+    assert "outside the footer's 0 .. 99" in parquet_checks.problem(outside, md, 0)
+    narrower = pa.Table.from_batches([pa.record_batch({"x": [1] * 50}), pa.record_batch({"x": list(range(50, 100))})])
+    assert "decoded values span 1 .. 99, the footer says 0 .. 99" in parquet_checks.problem(narrower, md, 0)
+    nulls = pa.Table.from_batches([pa.record_batch({"x": list(range(50))}),
+                                   pa.record_batch({"x": [None] + list(range(51, 100))})])
+    assert "1 nulls decoded" in parquet_checks.problem(nulls, md, 0)
+
+
+def test_decoded_chunks_that_contradict_the_footer_are_an_error_naming_the_row_group(data, monkeypatch):
+    monkeypatch.setattr(parquet_rows, "WHOLE_DECODE_BYTES", 1000)
+    monkeypatch.setattr(parquet_rows, "DECODE_CHUNK_BYTES", 400)
+    real = parquet_rows.read_row_group
+    chunks = []
+
+    def wrong(source, md, group):    # the last chunk's ids moved past the footer's max (bytes that decode, wrongly)
+        table = real(source, md, group)
+        batches = table.to_batches()
+        chunks.append(len(batches))
+        last = batches[-1]
+        ids = pa.array([v + 10**6 for v in last.column(0).to_pylist()], last.schema.field(0).type)
+        batches[-1] = pa.RecordBatch.from_arrays([ids, *last.columns[1:]], schema=last.schema)
+        return pa.Table.from_batches(batches)
+
+    monkeypatch.setattr(parquet_rows, "read_row_group", wrong)
+    path = os.path.join(data, "part-0.parquet")
+    cfg = StreamConfig(dataset_name_or_path="parquet", data_files=[path], prefetch_blocks=0)
+    s = ResumableStream(cfg)
+    with pytest.raises(SourceError, match="part-0.parquet.*row group 0.*contradict the file's footer.*'id'"):
+        list(itertools.islice(s, 1000))
+    s.close()
+    assert chunks == [chunks[0]] * 2 and chunks[0] > 1     # read twice (a retry), several chunks each time
