@@ -199,7 +199,7 @@ def test_sigkill_torchrun_two_ranks_resumes_exactly(procs, refs, tmp_path, name)
     kill_and_resume(procs, refs, tmp_path, name)
     if name == "ddp-packing":   # packed rows span steps and epochs; the split is checked without packing
         return
-    # the ranks split the data: within the first epoch (2 x 640 of 4000 rows) no row is read twice
+    # the ranks split the data: within the first epoch (2 x 320 of 4000 rows) no row is read twice
     ref_out = refs.get(name)
     per_rank = []
     for rank in range(2):
