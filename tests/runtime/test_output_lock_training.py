@@ -26,15 +26,26 @@ pytestmark = pytest.mark.slow
 MAX_STEPS, SAVE_STEPS, PAUSE_AT = 6, 2, 3
 
 
-def _start_paused(procs, tmp_path, name: str, nproc: int = 1):
-    """A job paused after step PAUSE_AT, holding its output_dir. Returns (config, out, run, go file)."""
+def _begin_paused(procs, tmp_path, name: str, nproc: int = 1):
+    """A job that will pause after step PAUSE_AT, holding its output_dir. Returns (config, out, run, signals dir)."""
     config, out = write_config(str(tmp_path), name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS)
     signals = tmp_path / f"{name}-signals"
     signals.mkdir()
     env = {"RS_TEST_PAUSE_AT": str(PAUSE_AT), "RS_TEST_PAUSE_DIR": str(signals)}
     run = procs.start(config, f"{name}-first", nproc=nproc, env=env, script=PAUSED_TRAIN)
-    run.wait_until(lambda: (signals / "paused").exists(), f"the first job paused after step {PAUSE_AT}")
+    return config, out, run, signals
+
+
+def _paused(job) -> tuple:
+    """Wait until a job of _begin_paused paused. Returns (config, out, run, go file)."""
+    config, out, run, signals = job
+    run.wait_until(lambda: (signals / "paused").exists(), f"the first job of {out} paused after step {PAUSE_AT}")
     return config, out, run, signals / "go"
+
+
+def _start_paused(procs, tmp_path, name: str, nproc: int = 1):
+    """A job paused after step PAUSE_AT, holding its output_dir. Returns (config, out, run, go file)."""
+    return _paused(_begin_paused(procs, tmp_path, name, nproc))
 
 
 def _holder(out: str) -> dict:
@@ -54,32 +65,39 @@ def _refusals(run, out: str, holder: int) -> list[str]:
                       rf"training job: pid {holder} on host [^,]+, started ", run.stderr)
 
 
-def test_a_second_job_on_a_running_jobs_output_dir_exits_2_and_the_first_is_unharmed(procs, tmp_path):
-    config, out, first, go = _start_paused(procs, tmp_path, "run")
-    assert _holder(out)["pid"] == first.proc.pid
+def test_a_second_job_is_refused_and_a_killed_jobs_lock_is_taken_over_by_its_restart(procs, tmp_path):
+    """Two cases, two output_dirs, their one-rank jobs side by side on the 2 cores (they were two tests, each
+    waiting for its own job): a second job on a running job's output_dir exits 2 and the first is unharmed; a
+    killed job's lock is taken over by its restart, which resumes."""
+    running, killed = _begin_paused(procs, tmp_path, "run"), _begin_paused(procs, tmp_path, "killed")
+    config, out, first, go = _paused(running)
+    k_config, k_out, k_first, _ = _paused(killed)
 
+    # the second job on a running job's output_dir
+    assert _holder(out)["pid"] == first.proc.pid, "refused: the lock names another holder"
     second = procs.start(config, "second")
-    assert second.wait(timeout=180) == 2, second.describe()
-    assert _refusals(second, out, first.proc.pid) == [""], second.describe()
 
+    # the killed job
+    k_first.kill()
+    assert _holder(k_out)["pid"] == k_first.proc.pid, "taken over: the killed job's details are left in the lock file"
+    assert complete_checkpoints(k_out) == [SAVE_STEPS], "taken over: checkpoints of the killed job"
+    restart = procs.start(k_config, "restart")
+
+    assert second.wait(timeout=180) == 2, f"refused: exit of the second job\n{second.describe()}"
+    assert _refusals(second, out, first.proc.pid) == [""], f"refused: the message\n{second.describe()}"
     go.touch()
     first.wait_ok()
-    assert _steps(out) == list(range(1, MAX_STEPS + 1)), "two jobs wrote train_log.jsonl"
-    assert sorted(consumed(out)) == list(range(1, MAX_STEPS + 1))
-    assert complete_checkpoints(out) == [4, 6]       # save_total_limit 2 rotated, the lock file is no checkpoint
-    assert os.path.isfile(os.path.join(out, LOCK_FILE))
+    assert _steps(out) == list(range(1, MAX_STEPS + 1)), "refused: two jobs wrote train_log.jsonl"
+    assert sorted(consumed(out)) == list(range(1, MAX_STEPS + 1)), "refused: the first job's consumed log"
+    # save_total_limit 2 rotated, the lock file is no checkpoint
+    assert complete_checkpoints(out) == [4, 6], "refused: the first job's checkpoints"
+    assert os.path.isfile(os.path.join(out, LOCK_FILE)), "refused: the first job's lock file"
 
-
-def test_a_killed_jobs_lock_is_taken_over_by_its_restart_which_resumes(procs, tmp_path):
-    config, out, first, _ = _start_paused(procs, tmp_path, "killed")
-    first.kill()
-    assert _holder(out)["pid"] == first.proc.pid, "the killed job's details are left in the lock file"
-    assert complete_checkpoints(out) == [SAVE_STEPS]
-
-    restart = procs.start(config, "restart").wait_ok()
-    assert f"resuming from {checkpoint_path(out, SAVE_STEPS)}" in restart.stderr, restart.describe()
-    assert printed_steps(restart) == MAX_STEPS - SAVE_STEPS
-    assert _steps(out) == list(range(1, MAX_STEPS + 1))
+    restart.wait_ok()
+    assert f"resuming from {checkpoint_path(k_out, SAVE_STEPS)}" in restart.stderr, \
+        f"taken over: the restart did not resume\n{restart.describe()}"
+    assert printed_steps(restart) == MAX_STEPS - SAVE_STEPS, "taken over: steps the restart trained"
+    assert _steps(k_out) == list(range(1, MAX_STEPS + 1)), "taken over: train_log.jsonl of the killed job and its restart"
 
 
 def test_a_second_torchrun_job_fails_on_every_rank_without_hanging(procs, tmp_path):
