@@ -26,8 +26,12 @@ from training_helpers import (
     train_losses,
 )
 
-MAX_STEPS = 80
-SAVE_STEPS = 20
+# 40 steps of 8 rows, a checkpoint every 10, reach every case the kill tests assert: a kill after the
+# first checkpoint and before the end (steps 11..25), and no epoch end either way (80 steps read 16% of the text
+# data's epoch). VL keeps 80 / 20 (test_vl_kill_resume.py): its broken rows are ~1.5% of the data, and the longer
+# run meets more of them around the resume point.
+MAX_STEPS = 40
+SAVE_STEPS = 10
 LOSS_TOL = 1e-6
 
 
@@ -37,15 +41,18 @@ class References:
     ``setups``: name -> (options, ranks); ``write``: (directory, name, max_steps=, save_steps=, **options) ->
     (yaml path, output dir), e.g. training_helpers.write_config."""
 
-    def __init__(self, directory: str, setups: dict, write: Callable[..., tuple[str, str]], script: str):
+    def __init__(self, directory: str, setups: dict, write: Callable[..., tuple[str, str]], script: str,
+                 max_steps: int = MAX_STEPS, save_steps: int = SAVE_STEPS):
         self.directory, self.setups, self.write = directory, setups, write
+        self.max_steps, self.save_steps = max_steps, save_steps
         self.procs = Procs(directory, script=script)
         self.runs: dict[str, tuple] = {}
 
     def start(self, name: str) -> None:
         if name not in self.runs:
             options, ranks = self.setups[name]
-            config, out = self.write(self.directory, f"ref-{name}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+            config, out = self.write(self.directory, f"ref-{name}", max_steps=self.max_steps,
+                                     save_steps=self.save_steps,
                                      **options)
             self.runs[name] = (self.procs.start(config, f"ref-{name}", nproc=ranks), out)
 
@@ -72,12 +79,12 @@ def first_difference(a: dict, b: dict) -> str:
     return "no difference"
 
 
-def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
+def assert_same_training(ref_out: str, out: str, ranks: int, note: str, max_steps: int = MAX_STEPS) -> None:
     """Every step's loss (within LOSS_TOL) and every rank's consumed samples equal the reference's."""
     ref_losses, losses = train_losses(ref_out), train_losses(out)
-    assert sorted(ref_losses) == list(range(1, MAX_STEPS + 1)), f"reference train log incomplete {note}"
-    assert sorted(losses) == list(range(1, MAX_STEPS + 1)), \
-        f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{MAX_STEPS} {note}"
+    assert sorted(ref_losses) == list(range(1, max_steps + 1)), f"reference train log incomplete {note}"
+    assert sorted(losses) == list(range(1, max_steps + 1)), \
+        f"resumed train log steps {sorted(set(losses) ^ set(ref_losses))[:10]} differ from 1..{max_steps} {note}"
     bad = [(s, ref_losses[s], losses[s]) for s in ref_losses if abs(ref_losses[s] - losses[s]) > LOSS_TOL]
     assert not bad, f"{len(bad)} step losses differ (step, reference, resumed): {bad[:5]} {note}"
     # the Trainer's own epoch continues through the resume (it restarted from 0 when its skip was turned off)
@@ -91,7 +98,7 @@ def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
         assert results[name]["epoch"] == ref_results[name]["epoch"] == 1.0, f"{name}: {results[name]} {note}"
     for rank in range(ranks):
         ref_keys, keys = consumed(ref_out, rank), consumed(out, rank)
-        assert sorted(ref_keys) == list(range(1, MAX_STEPS + 1)), f"reference rank {rank} consumed log {note}"
+        assert sorted(ref_keys) == list(range(1, max_steps + 1)), f"reference rank {rank} consumed log {note}"
         assert all(ref_keys[s] for s in ref_keys), f"reference rank {rank} logged a step with no samples {note}"
         assert keys == ref_keys, f"rank {rank} consumed other samples: {first_difference(ref_keys, keys)} {note}"
     if ranks > 1:
@@ -99,11 +106,12 @@ def assert_same_training(ref_out: str, out: str, ranks: int, note: str) -> None:
         assert_data_parallel(out, ranks, note)
 
 
-def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random):
+def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random,
+                        max_steps: int = MAX_STEPS, save_steps: int = SAVE_STEPS):
     """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
 
     Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
-    target = rng.randint(SAVE_STEPS + 1, MAX_STEPS - 15)
+    target = rng.randint(save_steps + 1, max_steps - 15)
     run = procs.start(config, f"{name}-killed", nproc=ranks)
     log = train_log(out)
     run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
@@ -113,21 +121,21 @@ def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: i
     note = seed_note(name, target_step=target, killed_after_step=logged)
     assert run.proc.returncode == -signal.SIGKILL, \
         f"the run was not killed mid-training (exit {run.proc.returncode}) {note}\n{run.describe()}"
-    assert logged < MAX_STEPS, f"the run got to the end before the kill landed {note}"
+    assert logged < max_steps, f"the run got to the end before the kill landed {note}"
     done = complete_checkpoints(out)
     assert done, f"no complete checkpoint when killed {note}"
     return target, logged, done[-1], seed_note(name, target_step=target, killed_after_step=logged,
                                                resumed_from=f"checkpoint-{done[-1]}")
 
 
-def assert_resumed_from(run, out: str, resume_step: int, note: str) -> None:
+def assert_resumed_from(run, out: str, resume_step: int, note: str, max_steps: int = MAX_STEPS) -> None:
     """The restart loaded ``checkpoint-<resume_step>`` and trained only the steps after it."""
     expected = checkpoint_path(out, resume_step)
     assert f"resuming from {expected}" in run.stderr, f"restart did not log 'resuming from {expected}' {note}\n" \
                                                       f"{run.describe()}"
     trained = printed_steps(run)
-    assert trained == MAX_STEPS - resume_step, \
-        f"restart trained {trained} steps, expected {MAX_STEPS - resume_step} (steps after the checkpoint) {note}"
+    assert trained == max_steps - resume_step, \
+        f"restart trained {trained} steps, expected {max_steps - resume_step} (steps after the checkpoint) {note}"
     # train_log.jsonl marks the resume point (for `resumable-stream report`): on the first line after it only
     marks = {r["step"]: r["resumed_from"] for r in train_log_records(out) if "resumed_from" in r}
     assert marks == {resume_step + 1: f"checkpoint-{resume_step}"}, f"resume marks {marks} {note}"

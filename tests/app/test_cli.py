@@ -186,8 +186,12 @@ def _check_printed_commands(stdout, work):
                 if " inspect " in line or " report " in line]
     kinds = sorted(c[1] if c[0].endswith("resumable-stream") else c[3] for c in commands)
     assert kinds == ["inspect", "report", "report"], stdout
-    for command in commands:
-        r = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # the three commands read the runs and write apart (report.png in each run): they run side by side
+    started = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+               for command in commands]
+    for command, proc in started:
+        out, err = proc.communicate(timeout=300)
+        r = subprocess.CompletedProcess(command, proc.returncode, out, err)
         assert r.returncode == 0, (command, r.stdout, r.stderr)
         if "inspect" in command:   # the newest complete checkpoint of the resumed run: its last one
             state = json.loads(r.stdout)

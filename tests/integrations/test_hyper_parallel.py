@@ -181,6 +181,19 @@ def _harness_yaml(tmp_path, data: str, nproc: int, name: str) -> str:
 
 
 def _run(config: str, log_dir: str, nproc: int, hold: int | None = None) -> None:
+    """Run the harness to its end (``hold``: until every rank is past that step, then SIGKILL it)."""
+    run = _start(config, log_dir, nproc, hold)
+    try:
+        if hold is None:
+            run.wait_ok(300)
+            return
+        run.wait_until(lambda: all(hold in _records(log_dir, r) for r in range(nproc)),
+                       f"every rank past step {hold}", timeout=300)
+    finally:
+        run.kill()
+
+
+def _start(config: str, log_dir: str, nproc: int, hold: int | None = None) -> Run:
     import socket
 
     with socket.socket() as s:
@@ -192,17 +205,9 @@ def _run(config: str, log_dir: str, nproc: int, hold: int | None = None) -> None
         env["HP_TEST_HOLD_AFTER"] = str(hold)
     # training_helpers.Run: torchrun starts its ranks in sessions of their own, so a kill of its process group
     # would leave them running; Run kills every process of the run by an environment tag
-    run = Run(config, f"{log_dir}-{'held' if hold else 'run'}-{time.monotonic_ns()}", env=env,
-              command=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                       f"--master_port={port}", HARNESS, config, log_dir])
-    try:
-        if hold is None:
-            run.wait_ok(300)
-            return
-        run.wait_until(lambda: all(hold in _records(log_dir, r) for r in range(nproc)),
-                       f"every rank past step {hold}", timeout=300)
-    finally:
-        run.kill()
+    return Run(config, f"{log_dir}-{'held' if hold else 'run'}-{time.monotonic_ns()}", env=env,
+               command=[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                        f"--master_port={port}", HARNESS, config, log_dir])
 
 
 def _records(log_dir: str, rank: int) -> dict[int, dict]:
@@ -217,9 +222,13 @@ def _records(log_dir: str, rank: int) -> dict[int, dict]:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigkill_after_a_checkpoint_resumes_exactly_through_the_contract(tmp_path, data, nproc):
     straight = _harness_yaml(tmp_path, data, nproc, "straight")
-    _run(straight, str(tmp_path / "log_straight"), nproc)
-    killed = _harness_yaml(tmp_path, data, nproc, "killed")
-    _run(killed, str(tmp_path / "log_killed"), nproc, hold=HOLD)
+    uninterrupted = _start(straight, str(tmp_path / "log_straight"), nproc)    # side by side with the killed run
+    try:
+        killed = _harness_yaml(tmp_path, data, nproc, "killed")
+        _run(killed, str(tmp_path / "log_killed"), nproc, hold=HOLD)
+        uninterrupted.wait_ok(300)
+    finally:
+        uninterrupted.kill()
     assert (tmp_path / "killed" / "latest").read_text() == "global_step_6"
     _run(killed, str(tmp_path / "log_killed"), nproc)        # restore_from: LATEST, before the first step
     for r in range(nproc):

@@ -69,21 +69,25 @@ def _killed_after(run, out: str, step: int) -> None:
 @pytest.mark.timeout(900)
 def test_a_run_killed_and_resumed_on_other_ranks_and_workers_trains_the_identical_steps(procs, tmp_path, data_dir,
                                                                                        record_property):
+    # the uninterrupted run, the refused one and the first of the elastic run are independent one-rank processes of
+    # one thread each: they train side by side on the 2 cores
     reference, ref_out = _config(tmp_path, data_dir, "reference", 1, 0)
-    procs.start(reference, "reference").wait_ok()
+    uninterrupted = procs.start(reference, "reference")
 
     # a gradient accumulation of 4 on one rank takes 4 of the 12 partitions a step: refused, naming the keys
     wrong, _ = write_config(str(tmp_path), "wrong", max_steps=STEPS, save_steps=3, gradient_accumulation_steps=4,
                             data={"data_files": os.path.join(data_dir, "*.parquet"), "num_partitions": PARTITIONS})
-    run = procs.start(wrong, "wrong")
-    assert run.wait() == 2, run.describe()
-    assert ("train.gradient_accumulation_steps: got 4 on 1 rank(s) x train.dataloader_num_workers 0 with "
-            "data.num_partitions 12") in run.stderr, run.describe()
-    assert "a multiple of num_partitions / ranks = 12" in run.stderr, run.describe()
+    wrong_run = procs.start(wrong, "wrong")
 
     first, out = _config(tmp_path, data_dir, "run", 1, 0)
     _killed_after(procs.start(first, "first"), out, 4)
     assert complete_checkpoints(out) == [3]
+
+    run = wrong_run
+    assert run.wait() == 2, run.describe()
+    assert ("train.gradient_accumulation_steps: got 4 on 1 rank(s) x train.dataloader_num_workers 0 with "
+            "data.num_partitions 12") in run.stderr, run.describe()
+    assert "a multiple of num_partitions / ranks = 12" in run.stderr, run.describe()
 
     refused, _ = _config(tmp_path, data_dir, "run", 1, 2, elastic=False)    # a change without data.elastic
     run = procs.start(refused, "refused")
@@ -99,6 +103,7 @@ def test_a_run_killed_and_resumed_on_other_ranks_and_workers_trains_the_identica
     third, _ = _config(tmp_path, data_dir, "run", 1, 1)              # 2 -> 1 rank, 2 -> 1 worker
     run = procs.start(third, "third").wait_ok()
     assert "checkpoint-6" in run.stderr, run.describe()
+    uninterrupted.wait_ok()
 
     ranks_of_step = {s: 1 if s <= 3 or s > 6 else 2 for s in range(1, STEPS + 1)}
     expected = step_multisets(ref_out, {s: 1 for s in range(1, STEPS + 1)})
@@ -155,13 +160,14 @@ def test_a_plain_loop_killed_and_resumed_on_other_ranks_trains_the_identical_ste
     ref_out, out = str(tmp_path / "reference"), str(tmp_path / "run")
     os.makedirs(ref_out)
     os.makedirs(out)
-    _loop(procs, ref_out, data, "reference", 1, 2).wait_ok(300)
+    uninterrupted = _loop(procs, ref_out, data, "reference", 1, 2)     # side by side with the first 4 ranks
 
     def killed_after(run, step):
         run.wait_until(lambda: count_lines(os.path.join(out, "steps.jsonl")) >= step, f"step {step} logged")
         run.kill()
 
     killed_after(_loop(procs, out, data, "four", 4, 0), 4)           # 4 ranks
+    uninterrupted.wait_ok(300)
     killed_after(_loop(procs, out, data, "two", 2, 1), 7)            # 4 -> 2 ranks, 0 -> 1 worker
     _loop(procs, out, data, "three", 3, 0).wait_ok(300)              # 2 -> 3 ranks, 1 -> 0 workers
 

@@ -8,7 +8,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from training_helpers import PAUSED_TRAIN, consumed, write_config
+from training_helpers import PAUSED_TRAIN, Procs, consumed, write_config
 
 from resumable_stream.sources.index import load_index
 from resumable_stream.testing import synthetic_rows, write_parquet_dataset
@@ -18,16 +18,47 @@ pytestmark = pytest.mark.slow
 ROWS, BATCH = 160, 8            # 2 files of 80 rows: an epoch is 20 steps of the tiny yaml's batch of 8
 
 
-@pytest.mark.timeout(600)
-def test_file_added_between_sigkill_and_restart_joins_at_the_next_epoch(procs, tmp_path):
-    data = tmp_path / "data"
+def _data(directory) -> str:
+    data = directory / "data"
     write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
-    config, out = write_config(str(tmp_path), "grow", max_steps=50, save_steps=10,
+    return data
+
+
+def _paused_run(procs, directory, name: str, pause_at: int, save_steps: int) -> dict:
+    data = _data(directory)
+    config, out = write_config(str(directory), name, max_steps=50, save_steps=save_steps,
                                data={"data_files": str(data / "*.parquet"), "growth": "append"})
-    signals = tmp_path / "signals"
+    signals = directory / "signals"
     signals.mkdir()
-    env = {"RS_TEST_PAUSE_AT": "15", "RS_TEST_PAUSE_DIR": str(signals)}
-    first = procs.start(config, "grow-first", env=env, script=PAUSED_TRAIN)
+    env = {"RS_TEST_PAUSE_AT": str(pause_at), "RS_TEST_PAUSE_DIR": str(signals)}
+    return {"data": data, "config": config, "out": out, "signals": signals,
+            "run": procs.start(config, name, env=env, script=PAUSED_TRAIN)}
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """The first process of each one-rank test below, started together: one thread each, they train side by side
+    on the 2 cores rather than one after the other (each test then goes on with its own run)."""
+    base = tmp_path_factory.mktemp("growth_runs")
+    procs = Procs(str(base))
+    try:
+        runs = {"grow": _paused_run(procs, base / "grow", "grow-first", pause_at=15, save_steps=10),
+                "live": _paused_run(procs, base / "live", "live", pause_at=12, save_steps=5)}
+        follow = base / "follow"
+        data = _data(follow)
+        config, out = write_config(str(follow), "follow", max_steps=50, save_steps=100,
+                                   data={"data_files": str(data / "*.parquet"), "growth": "follow",
+                                         "poll_interval_s": 0.05, "follow_timeout_s": 1.0})
+        runs["follow"] = {"out": out, "run": procs.start(config, "follow")}
+        yield procs, runs
+    finally:
+        procs.cleanup()
+
+
+@pytest.mark.timeout(600)
+def test_file_added_between_sigkill_and_restart_joins_at_the_next_epoch(one_rank_runs):
+    procs, runs = one_rank_runs
+    data, config, out, signals, first = (runs["grow"][k] for k in ("data", "config", "out", "signals", "run"))
     first.wait_until(lambda: (signals / "paused").exists(), "the run paused after step 15")
     first.kill()                                   # SIGKILL mid-epoch 0; checkpoint-10 is the last complete one
     pq.write_table(pa.table(synthetic_rows(5000, 80)), str(data / "part-00002.parquet"), row_group_size=20)
@@ -42,17 +73,11 @@ def test_file_added_between_sigkill_and_restart_joins_at_the_next_epoch(procs, t
 
 
 @pytest.mark.timeout(600)
-def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(procs, tmp_path):
+def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(one_rank_runs):
     """Without a restart: a file written while the run trains is taken in at the next checkpoint (every rank
     refreshes there, the saved index has it) and read from the next epoch."""
-    data = tmp_path / "data"
-    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
-    config, out = write_config(str(tmp_path), "live", max_steps=50, save_steps=5,
-                               data={"data_files": str(data / "*.parquet"), "growth": "append"})
-    signals = tmp_path / "signals"
-    signals.mkdir()
-    env = {"RS_TEST_PAUSE_AT": "12", "RS_TEST_PAUSE_DIR": str(signals)}
-    run = procs.start(config, "live", env=env, script=PAUSED_TRAIN)
+    _, runs = one_rank_runs
+    data, out, signals, run = (runs["live"][k] for k in ("data", "out", "signals", "run"))
     run.wait_until(lambda: (signals / "paused").exists(), "the run paused after step 12")
     pq.write_table(pa.table(synthetic_rows(5000, 80)), str(data / "part-00002.parquet"), row_group_size=20)
     (signals / "go").touch()
@@ -67,15 +92,12 @@ def test_file_added_while_training_joins_at_the_next_save_and_its_next_epoch(pro
 
 
 @pytest.mark.timeout(600)
-def test_follow_timeout_ends_the_run_with_a_checkpoint(procs, tmp_path):
+def test_follow_timeout_ends_the_run_with_a_checkpoint(one_rank_runs):
     """data.growth: follow under the Trainer: the data read once (no second epoch over it), then no new file
     within data.follow_timeout_s: the run ends before max_steps, cleanly, with a checkpoint at its last step."""
-    data = tmp_path / "data"
-    write_parquet_dataset(str(data), rows=ROWS, files=2, row_group_size=20)
-    config, out = write_config(str(tmp_path), "follow", max_steps=50, save_steps=100,
-                               data={"data_files": str(data / "*.parquet"), "growth": "follow",
-                                     "poll_interval_s": 0.05, "follow_timeout_s": 1.0})
-    run = procs.start(config, "follow").wait_ok(timeout=400)
+    _, runs = one_rank_runs
+    out = runs["follow"]["out"]
+    run = runs["follow"]["run"].wait_ok(timeout=400)
     steps = consumed(out)
     ids = sorted(int(k) for s in steps.values() for k in s)
     assert ids == list(range(ROWS))                        # each row once, and nothing after

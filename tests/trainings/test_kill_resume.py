@@ -93,42 +93,56 @@ def test_sigkill_at_random_step_resumes_exactly(procs, refs, tmp_path):
 
 
 # ------------------------------------------------------------------------ (c) SIGKILL while a checkpoint is written
-@pytest.mark.parametrize("cut", [2 * SAVE_STEPS, SAVE_STEPS], ids=["second-checkpoint", "first-checkpoint"])
-def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, refs, tmp_path, cut):
+CUTS = {"first-checkpoint": SAVE_STEPS, "second-checkpoint": 2 * SAVE_STEPS}
+
+
+def test_sigkill_while_checkpoint_is_written_uses_previous_checkpoint(procs, refs, tmp_path):
     """Rank 0 sleeps between the sidecars and the manifest (tests/_support/slow_manifest_train.py); the kill lands there. The restart removes the
     incomplete checkpoint and resumes from the one before it (or, killed in the first one, starts over).
     ``save_total_limit: 1`` also checks that the previous checkpoint is not rotated away before the new
-    one is complete."""
+    one is complete. Both cases (killed in the first checkpoint, in the second) in one test: their one-rank runs
+    go side by side on the 2 cores (the second's sleep in its first checkpoint is the first's time to train); each
+    message names its case (``checkpoint=`` in the note)."""
     name, (options, ranks) = "single", SETUPS["single"]
     refs.start(name)
-    previous = cut - SAVE_STEPS
-    note = seed_note("kill-during-checkpoint", checkpoint=cut)
-    config, out = write_config(str(tmp_path), "midsave", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
-                               save_total_limit=1, **options)
-    state_dir = os.path.join(checkpoint_path(out, cut), STATE_DIR)
-    run = procs.start(config, "midsave-killed", script=SLOW_MANIFEST_TRAIN)
-    run.wait_until(lambda: os.path.isfile(os.path.join(state_dir, "rank-00000.safetensors")),
-                   f"checkpoint-{cut}/{STATE_DIR}/rank-00000.safetensors {note}")
-    run.kill()
-    assert run.proc.returncode == -signal.SIGKILL, f"not killed (exit {run.proc.returncode}) {note}"
-    assert not os.path.exists(os.path.join(state_dir, MANIFEST)), \
-        f"the manifest was written before the kill; slow_manifest_train.py did not delay it {note}"
-    assert os.path.isfile(os.path.join(checkpoint_path(out, cut), "trainer_state.json")), note
-    assert complete_checkpoints(out) == ([previous] if previous else []), \
-        f"expected complete checkpoints {[previous] if previous else []} (the previous one kept until the new " \
-        f"one is complete), found checkpoints {checkpoint_steps(out)}, complete {complete_checkpoints(out)} {note}"
+    cases = {}
+    for case, cut in CUTS.items():
+        note = seed_note("kill-during-checkpoint", checkpoint=cut)
+        config, out = write_config(str(tmp_path), f"midsave-{case}", max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                                   save_total_limit=1, **options)
+        state_dir = os.path.join(checkpoint_path(out, cut), STATE_DIR)
+        run = procs.start(config, f"midsave-{case}-killed", script=SLOW_MANIFEST_TRAIN)
+        cases[case] = (cut, note, config, out, state_dir, run)
 
-    restart = procs.start(config, "midsave-restart").wait_ok()
-    assert f"removing incomplete checkpoint {checkpoint_path(out, cut)}" in restart.stderr, \
-        f"restart did not report removing the incomplete checkpoint {note}\n{restart.describe()}"
-    if previous:
-        assert_resumed_from(restart, out, previous, note)
-    else:
-        assert "resuming from" not in restart.stderr, f"nothing to resume from, yet {note}\n{restart.describe()}"
-        assert printed_steps(restart) == MAX_STEPS, f"the restart must train from step 1 {note}"
-    assert_same_training(refs.get(name), out, ranks, note)
-    assert checkpoint_steps(out) == [MAX_STEPS] and is_complete(out, MAX_STEPS), \
-        f"checkpoints after the restart: {checkpoint_steps(out)} {note}"
+    restarts = {}
+    for case, (cut, note, config, out, state_dir, run) in cases.items():
+        previous = cut - SAVE_STEPS
+        rank_file = os.path.join(state_dir, "rank-00000.safetensors")
+        run.wait_until(lambda rank_file=rank_file: os.path.isfile(rank_file),
+                       f"checkpoint-{cut}/{STATE_DIR}/rank-00000.safetensors {note}")
+        run.kill()
+        assert run.proc.returncode == -signal.SIGKILL, f"not killed (exit {run.proc.returncode}) {note}"
+        assert not os.path.exists(os.path.join(state_dir, MANIFEST)), \
+            f"the manifest was written before the kill; slow_manifest_train.py did not delay it {note}"
+        assert os.path.isfile(os.path.join(checkpoint_path(out, cut), "trainer_state.json")), note
+        assert complete_checkpoints(out) == ([previous] if previous else []), \
+            f"expected complete checkpoints {[previous] if previous else []} (the previous one kept until the new " \
+            f"one is complete), found checkpoints {checkpoint_steps(out)}, complete {complete_checkpoints(out)} {note}"
+        restarts[case] = procs.start(config, f"midsave-{case}-restart")
+
+    for case, (cut, note, _, out, _, _) in cases.items():
+        previous = cut - SAVE_STEPS
+        restart = restarts[case].wait_ok()
+        assert f"removing incomplete checkpoint {checkpoint_path(out, cut)}" in restart.stderr, \
+            f"restart did not report removing the incomplete checkpoint {note}\n{restart.describe()}"
+        if previous:
+            assert_resumed_from(restart, out, previous, note)
+        else:
+            assert "resuming from" not in restart.stderr, f"nothing to resume from, yet {note}\n{restart.describe()}"
+            assert printed_steps(restart) == MAX_STEPS, f"the restart must train from step 1 {note}"
+        assert_same_training(refs.get(name), out, ranks, note)
+        assert checkpoint_steps(out) == [MAX_STEPS] and is_complete(out, MAX_STEPS), \
+            f"checkpoints after the restart: {checkpoint_steps(out)} {note}"
 
 
 # ---------------------------------------------------------------- explicit resume_from_checkpoint: refused if partial
@@ -199,7 +213,7 @@ def test_sigkill_torchrun_two_ranks_resumes_exactly(procs, refs, tmp_path, name)
     kill_and_resume(procs, refs, tmp_path, name)
     if name == "ddp-packing":   # packed rows span steps and epochs; the split is checked without packing
         return
-    # the ranks split the data: within the first epoch (2 x 640 of 4000 rows) no row is read twice
+    # the ranks split the data: within the first epoch (2 x 320 of 4000 rows) no row is read twice
     ref_out = refs.get(name)
     per_rank = []
     for rank in range(2):

@@ -25,13 +25,15 @@ def _losses(run) -> dict[int, str]:
 def test_own_trainer_resumes_exactly_after_a_sigkill(tmp_path):
     procs = Procs(str(tmp_path))
     try:
+        # the uninterrupted run trains side by side with the one that is killed (a process each, on 2 cores)
         whole = procs.start(str(tmp_path / "x"), "whole", command=[sys.executable, SCRIPT, str(tmp_path / "whole"),
-                                                                    str(STEPS)]).wait_ok(300)
+                                                                    str(STEPS)])
         out = tmp_path / "killed"
         manifest = out / "checkpoint-3" / "stream_state" / "manifest.json"
         victim = procs.start(str(tmp_path / "x"), "victim", command=[sys.executable, SCRIPT, str(out), str(STEPS)])
         victim.wait_until(manifest.exists, "the checkpoint of step 3")
         victim.kill()
+        whole.wait_ok(300)
         assert not (out / f"checkpoint-{STEPS}").exists(), "the run ended before the kill: nothing was resumed"
         resumed = procs.start(str(tmp_path / "x"), "resumed",
                               command=[sys.executable, SCRIPT, str(out), str(STEPS)]).wait_ok(300)

@@ -21,8 +21,6 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import seeded_rng
 from kill_resume_harness import (
-    MAX_STEPS,
-    SAVE_STEPS,
     References,
     assert_resumed_from,
     assert_same_training,
@@ -36,6 +34,7 @@ from resumable_stream.transforms.vl import STAT_KEYS as VL_STAT_KEYS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TRAINING_SCRIPT = TRAIN_VL     # what the procs fixture (conftest.py) runs
 
+MAX_STEPS, SAVE_STEPS = 80, 20     # not the text tests' 40 / 10: the longer run meets more broken rows
 BATCH = 4      # samples per step and rank (the yaml has 8): half the work, the same checks
 # name -> (write_vl_config options, ranks)
 SETUPS = {
@@ -47,7 +46,8 @@ SETUPS = {
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    r = References(str(tmp_path_factory.mktemp("vl-references")), SETUPS, write_vl_config, TRAIN_VL)
+    r = References(str(tmp_path_factory.mktemp("vl-references")), SETUPS, write_vl_config, TRAIN_VL, MAX_STEPS,
+                   SAVE_STEPS)
     try:
         yield r
     finally:
@@ -90,12 +90,13 @@ def vl_kill_and_resume(procs, refs, tmp_path, name: str, broken_ids: set[str]) -
     refs.start(name)
     rng = seeded_rng(f"vl-{name}")
     config, out = write_vl_config(str(tmp_path), name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
-    _, _, resume_step, note = kill_at_random_step(procs, config, out, f"vl-{name}", ranks, rng)
+    _, _, resume_step, note = kill_at_random_step(procs, config, out, f"vl-{name}", ranks, rng, MAX_STEPS,
+                                                 SAVE_STEPS)
 
     restart = procs.start(config, f"{name}-restart", nproc=ranks).wait_ok()
-    assert_resumed_from(restart, out, resume_step, note)
+    assert_resumed_from(restart, out, resume_step, note, MAX_STEPS)
     ref_out = refs.get(name)
-    assert_same_training(ref_out, out, ranks, note)
+    assert_same_training(ref_out, out, ranks, note, MAX_STEPS)
     assert all(is_complete(out, s) for s in checkpoint_steps(out)), f"incomplete checkpoint left behind {note}"
 
     ref_counters, counters = _counters(ref_out), _counters(out)
