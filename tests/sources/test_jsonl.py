@@ -170,6 +170,8 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
     theirs = _theirs([path])[0]
     entry = src.index["files"][0]
     assert entry["rows"] == n and len(entry["pieces"]) > 5
+    if ext == ".jsonl.gz":                            # points inside a byte: the inflate's input is shifted
+        assert any(p[2] for p in entry["points"])
     if ext == ".jsonl.zst" and frames == 1:
         assert len(src.shards) == 1                   # one frame: one access point, one shard
     else:
@@ -194,6 +196,25 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
                                                             .encode()[:40])
         start += info.num_rows
     assert start == n
+
+
+def test_a_deflate_stream_inside_a_byte_is_shifted_as_its_bits():
+    """A gzip access point inside a byte: the compressed bytes handed on in parts of any size (the first byte of the
+    first part being the carry) come out as the bit stream from that bit on, byte-aligned (checked against Python
+    integers)."""
+    from resumable_stream.sources.jsonl import _shifted
+
+    rng = random.Random(5)
+    data = bytes(rng.randrange(256) for _ in range(3001))
+    for shift in range(1, 8):
+        want = (int.from_bytes(data, "little") >> shift).to_bytes(len(data), "little")[:len(data) - 1]
+        for sizes in ([3001], [1, 2000, 1000], [8, 7, 1, 9, 2976], [1] * 40 + [2961]):
+            got, carry, at = [], None, 0
+            for size in sizes:
+                out, carry = _shifted(data[at:at + size], shift, carry)
+                got.append(bytes(out))
+                at += size
+            assert b"".join(got) == want and carry == data[-1]
 
 
 def test_a_resume_reads_one_piece_not_the_prefix(tmp_path, small_pieces, monkeypatch):
