@@ -230,7 +230,7 @@ class _Ranges:
         """Fetch ``[start, end)`` in the background, from where the last fetch ahead ends if it is further on."""
         if self._ahead:
             start = max(start, self._ahead[-1][1])
-        if end > start and len(self._ahead) <= READAHEAD_PIECES:
+        if end > start and len(self._ahead) < READAHEAD_PIECES:
             self._ahead.append((start, end, readahead_pool().submit(self._fetch, start, end)))
 
     def fetch(self, start: int, end: int) -> bytes:
@@ -264,26 +264,50 @@ class _Inflate:
         self.made = p[0]                               # the text offset the output reaches
         self._shift = 8 - p[2] if p[2] else 0
         self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
+        self._fed_from, self._fed = self._c, 0         # the byte the inflate's input starts at; its bytes so far
         self._carry: int | None = None
         self._d = jsonl_index.raw_inflater(window)
 
-    def more(self, c_end: int) -> bytes:
-        """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
+    def _next_member(self) -> None:
+        """At a member's end where the index has no point: the next member's header is found after the 8-byte
+        trailer (its byte known to within one where the input was shifted: the deflate data ends inside a byte),
+        and the inflate starts again after it."""
+        used = self._fed - len(self._d.unconsumed_tail) - len(self._d.unused_data)
+        first = self._fed_from + used                  # the trailer's start, or (shifted) the byte before it
+        head = self.fetch(first + 8, min(self.size, first + 8 + 1 + 1024))
+        for k in ((0, 1) if self._shift else (0,)):
+            if head[k:k + 3] == b"\x1f\x8b\x08":
+                break
+        else:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, and no gzip member follows")
+        try:
+            length = jsonl_index._gzip_header_length(head[k:], "")
+        except SourceError:
+            raise WrongBytes(f"the gzip member after text byte {self.made} has a header longer than 1 KiB, or none")
+        made = self.made
+        self._start([made, first + 8 + k + length, 0, ""])
+
+    def more(self, c_end: int, want: int) -> bytes:
+        """More text, at most ``want`` bytes (a piece's text ends where it asks: no copy to cut it there): the
+        compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
         if self._d.eof:
             nxt = self._members.get(self.made)
             if nxt is None:
-                raise WrongBytes(f"the gzip data ends at text byte {self.made}, where the index has no member start")
-            self._start(nxt)
-        if self._c >= self.size:
-            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
-        end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
-        data = self.fetch(self._c, end)
-        self._c += len(data)
-        if self._shift:
-            if data:
+                self._next_member()
+            else:
+                self._start(nxt)
+        data = self._d.unconsumed_tail        # input left over when the last call had made what it asked for
+        if not data:
+            if self._c >= self.size:
+                raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
+            end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+            data = self.fetch(self._c, end)
+            self._c += len(data)
+            if self._shift and data:
                 data, self._carry = _shifted(data, self._shift, self._carry)
+            self._fed += len(data)
         try:
-            out = self._d.decompress(data)
+            out = self._d.decompress(data, want)
         except jsonl_index.INFLATE_ERRORS as e:
             raise WrongBytes(f"the gzip data does not inflate ({e})") from None
         self.made += len(out)
@@ -359,7 +383,7 @@ class _Text:
         else:
             parts, have = ([self._rest] if self._rest else []), len(self._rest)
             while have < n:
-                more = self._inflate.more(c_end)
+                more = self._inflate.more(c_end, n - have)
                 parts.append(more)
                 have += len(more)
             joined = parts[0] if len(parts) == 1 else b"".join(parts)
