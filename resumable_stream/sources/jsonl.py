@@ -283,9 +283,9 @@ class _Inflate:
         try:
             length = jsonl_index._gzip_header_length(head[k:], "")
         except SourceError:
-            raise WrongBytes(f"the gzip member after text byte {self.made} has a header longer than 1 KiB, or none")
-        made = self.made
-        self._start([made, first + 8 + k + length, 0, ""])
+            raise WrongBytes(f"the gzip member after text byte {self.made} has a header longer than 1 KiB, or none") \
+                from None
+        self._start([self.made, first + 8 + k + length, 0, ""])
 
     def more(self, c_end: int, want: int) -> bytes:
         """More text, at most ``want`` bytes (a piece's text ends where it asks: no copy to cut it there): the
