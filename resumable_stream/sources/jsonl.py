@@ -274,6 +274,8 @@ class _Inflate:
         and the inflate starts again after it."""
         used = self._fed - len(self._d.unconsumed_tail) - len(self._d.unused_data)
         first = self._fed_from + used                  # the trailer's start, or (shifted) the byte before it
+        if first + 8 + 10 > self.size:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
         head = self.fetch(first + 8, min(self.size, first + 8 + 1 + 1024))
         for k in ((0, 1) if self._shift else (0,)):
             if head[k:k + 3] == b"\x1f\x8b\x08":
