@@ -283,7 +283,7 @@ class _Inflate:
         else:
             raise WrongBytes(f"the gzip data ends at text byte {self.made}, and no gzip member follows")
         try:
-            length = jsonl_index._gzip_header_length(head[k:], "")
+            length = jsonl_index.gzip_header_length(head[k:], "")
         except SourceError:
             raise WrongBytes(f"the gzip member after text byte {self.made} has a header longer than 1 KiB, or none") \
                 from None
