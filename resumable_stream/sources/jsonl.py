@@ -214,7 +214,7 @@ def readahead_pool():
 
 _READAHEAD: list = []
 READAHEAD_THREADS = 4
-READAHEAD_PIECES = 2      # pieces of a shard fetched ahead of the one decoding (their compressed bytes held)
+READAHEAD_PIECES = 2      # pieces of a shard asked for ahead of the one decoding (one more may still be held: _Ranges)
 
 
 class _Ranges:
@@ -230,7 +230,7 @@ class _Ranges:
         """Fetch ``[start, end)`` in the background, from where the last fetch ahead ends if it is further on."""
         if self._ahead:
             start = max(start, self._ahead[-1][1])
-        if end > start and len(self._ahead) < READAHEAD_PIECES:
+        if end > start and len(self._ahead) <= READAHEAD_PIECES:
             self._ahead.append((start, end, readahead_pool().submit(self._fetch, start, end)))
 
     def fetch(self, start: int, end: int) -> bytes:
