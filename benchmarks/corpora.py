@@ -378,15 +378,18 @@ def report_layout(layout: str, r: dict) -> None:
               f"/ 1k rows  first sample {_fmt(x['first_s'], '.2f')} s (runs "
               + "/".join(_fmt(v, ".2f") for v in x["runs_first_s"]) + ")"
               + (f", {x['bytes'] / 1e6:.0f} MB read" if x.get("bytes") else ""), flush=True)
-    ours, lim = rd.get("ours", {}), rd.get("limit", {})
-    line = "    "
-    if ours.get("rows_s") and lim.get("rows_s"):
-        line += f"ours / limit {ours['rows_s'] / lim['rows_s']:.2f}x (per CPU-s " \
-                f"{lim['cpu_ms_per_krows'] / ours['cpu_ms_per_krows']:.2f}x)"
-    for peer in ("hf_shuffled", "hf_plain"):
-        if ours.get("rows_s") and rd.get(peer, {}).get("rows_s"):
-            line += f", ours / {peer} {ours['rows_s'] / rd[peer]['rows_s']:.2f}x"
-    print(line, flush=True)
+    lim = rd.get("limit", {})
+    for name in ("ours", "ours_indexed"):          # (the index built in the process, or read from a saved one)
+        ours, parts = rd.get(name, {}), []
+        if not ours.get("rows_s"):
+            continue
+        if lim.get("rows_s"):
+            parts.append(f"{name} / limit {ours['rows_s'] / lim['rows_s']:.2f}x (per CPU-s "
+                         f"{lim['cpu_ms_per_krows'] / ours['cpu_ms_per_krows']:.2f}x)")
+        for peer in ("hf_shuffled", "hf_plain"):
+            if rd.get(peer, {}).get("rows_s"):
+                parts.append(f"{name} / {peer} {ours['rows_s'] / rd[peer]['rows_s']:.2f}x")
+        print("    " + ", ".join(parts), flush=True)
     rs = r["resume"]
     print(f"    resume: ours shuffled {_fmt(rs['ours']['first_s'], '.2f')} s ({(rs['ours']['bytes'] or 0) / 1e6:.1f} MB "
           f"read by us, rchar {(rs['ours']['rchar'] or 0) / 1e6:.1f} MB) vs HF unshuffled "

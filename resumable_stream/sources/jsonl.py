@@ -180,14 +180,26 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
 
 
 # ------------------------------------------------------------------------------ text from an access point
-def _shifted(data: bytes, shift: int, carry: int) -> tuple[bytes, int]:
-    """``data`` (following the byte ``carry``) read from bit ``shift`` of ``carry`` on: a deflate stream that starts
-    inside a byte, moved onto byte boundaries for zlib (Python's zlib has no ``inflatePrime``); and the new carry."""
+def _shifted(data: bytes, shift: int, carry: int | None) -> tuple[memoryview, int]:
+    """``data`` (following the byte ``carry``; None: its first byte is the carry) read from bit ``shift`` of
+    ``carry`` on: a deflate stream that starts inside a byte, moved onto byte boundaries for zlib (Python's zlib
+    has no ``inflatePrime``); and the new carry. Shifted 64 bits at a time, by numpy (the GIL let go): byte by
+    byte as uint16 cost as much as the inflate itself."""
     import numpy as np
 
-    raw = np.frombuffer(bytes([carry]) + data, dtype=np.uint8).astype(np.uint16)
-    out = ((raw[:-1] >> shift) | (raw[1:] << (8 - shift))) & 0xFF
-    return out.astype(np.uint8).tobytes(), data[-1]
+    raw = len(data) + (carry is not None)
+    if raw < 2:
+        return memoryview(b""), data[-1] if data else carry
+    words = np.zeros(raw // 8 + 2, dtype="<u8")
+    as_bytes = words.view(np.uint8)
+    if carry is None:
+        as_bytes[:raw] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        as_bytes[0] = carry
+        as_bytes[1:raw] = np.frombuffer(data, dtype=np.uint8)
+    out = words[:-1] >> np.uint64(shift)
+    out |= words[1:] << np.uint64(64 - shift)
+    return memoryview(out.view(np.uint8))[:raw - 1], data[-1]
 
 
 def readahead_pool():
@@ -202,7 +214,7 @@ def readahead_pool():
 
 _READAHEAD: list = []
 READAHEAD_THREADS = 4
-READAHEAD_PIECES = 2      # pieces of a shard fetched ahead of the one decoding (their compressed bytes held)
+READAHEAD_PIECES = 2      # pieces of a shard asked for ahead of the one decoding (one more may still be held: _Ranges)
 
 
 class _Ranges:
@@ -252,28 +264,52 @@ class _Inflate:
         self.made = p[0]                               # the text offset the output reaches
         self._shift = 8 - p[2] if p[2] else 0
         self._c = p[1] - 1 if p[2] else p[1]           # the next compressed byte to fetch
+        self._fed_from, self._fed = self._c, 0         # the byte the inflate's input starts at; its bytes so far
         self._carry: int | None = None
         self._d = jsonl_index.raw_inflater(window)
 
-    def more(self, c_end: int) -> bytes:
-        """More text: the compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
+    def _next_member(self) -> None:
+        """At a member's end where the index has no point: the next member's header is found after the 8-byte
+        trailer (its byte known to within one where the input was shifted: the deflate data ends inside a byte),
+        and the inflate starts again after it."""
+        used = self._fed - len(self._d.unconsumed_tail) - len(self._d.unused_data)
+        first = self._fed_from + used                  # the trailer's start, or (shifted) the byte before it
+        if first + 8 + 10 > self.size:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
+        head = self.fetch(first + 8, min(self.size, first + 8 + 1 + 1024))
+        for k in ((0, 1) if self._shift else (0,)):
+            if head[k:k + 3] == b"\x1f\x8b\x08":
+                break
+        else:
+            raise WrongBytes(f"the gzip data ends at text byte {self.made}, and no gzip member follows")
+        try:
+            length = jsonl_index.gzip_header_length(head[k:], "")
+        except SourceError:
+            raise WrongBytes(f"the gzip member after text byte {self.made} has a header longer than 1 KiB, or none") \
+                from None
+        self._start([self.made, first + 8 + k + length, 0, ""])
+
+    def more(self, c_end: int, want: int) -> bytes:
+        """More text, at most ``want`` bytes (a piece's text ends where it asks: no copy to cut it there): the
+        compressed bytes up to ``c_end`` at first, then INPUT_CHUNK at a time."""
         if self._d.eof:
             nxt = self._members.get(self.made)
             if nxt is None:
-                raise WrongBytes(f"the gzip data ends at text byte {self.made}, where the index has no member start")
-            self._start(nxt)
-        if self._c >= self.size:
-            raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
-        end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
-        data = self.fetch(self._c, end)
-        self._c += len(data)
-        if self._shift:
-            if self._carry is None:
-                self._carry, data = data[0], data[1:]
-            if data:
+                self._next_member()
+            else:
+                self._start(nxt)
+        data = self._d.unconsumed_tail        # input left over when the last call had made what it asked for
+        if not data:
+            if self._c >= self.size:
+                raise WrongBytes(f"the gzip data ends at text byte {self.made}, before the piece's end")
+            end = min(self.size, c_end if c_end > self._c else self._c + jsonl_index.INPUT_CHUNK)
+            data = self.fetch(self._c, end)
+            self._c += len(data)
+            if self._shift and data:
                 data, self._carry = _shifted(data, self._shift, self._carry)
+            self._fed += len(data)
         try:
-            out = self._d.decompress(data)
+            out = self._d.decompress(data, want)
         except jsonl_index.INFLATE_ERRORS as e:
             raise WrongBytes(f"the gzip data does not inflate ({e})") from None
         self.made += len(out)
@@ -349,7 +385,7 @@ class _Text:
         else:
             parts, have = ([self._rest] if self._rest else []), len(self._rest)
             while have < n:
-                more = self._inflate.more(c_end)
+                more = self._inflate.more(c_end, n - have)
                 parts.append(more)
                 have += len(more)
             joined = parts[0] if len(parts) == 1 else b"".join(parts)

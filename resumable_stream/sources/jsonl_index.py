@@ -372,7 +372,7 @@ class _RangedFile(SeekableFile):
         return len(got)
 
 
-def _gzip_header_length(head: bytes, path: str) -> int:
+def gzip_header_length(head: bytes, path: str) -> int:
     """The length of the gzip member header ``head`` begins with (RFC 1952)."""
     if len(head) < 10 or head[:3] != b"\x1f\x8b\x08":
         raise SourceError(f"data file {path!r}: not a gzip file (no gzip header at its start)")
@@ -396,7 +396,7 @@ def _scan_gzip(path: str, size: int, fetch: Callable[[int, int], bytes]) -> dict
                            "package indexed_gzip (pip install indexed_gzip)") from None
     raw = _RangedFile(size, fetch)
     cutter = _Cutter(plain=False)
-    cutter.point_reached(0, _gzip_header_length(fetch(0, min(size, 65536)), path))
+    cutter.point_reached(0, gzip_header_length(fetch(0, min(size, 65536)), path))
     gz = indexed_gzip.IndexedGzipFile(fileobj=raw, spacing=GZIP_SPACING, window_size=GZIP_WINDOW,
                                       readbuf_size=INPUT_CHUNK, buffer_size=1 << 20, drop_handles=False)
     try:

@@ -170,6 +170,8 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
     theirs = _theirs([path])[0]
     entry = src.index["files"][0]
     assert entry["rows"] == n and len(entry["pieces"]) > 5
+    if ext == ".jsonl.gz":                            # points inside a byte: the inflate's input is shifted
+        assert any(p[2] for p in entry["points"])
     if ext == ".jsonl.zst" and frames == 1:
         assert len(src.shards) == 1                   # one frame: one access point, one shard
     else:
@@ -194,6 +196,72 @@ def test_every_shard_reads_from_any_row_parsing_only_from_there(tmp_path, small_
                                                             .encode()[:40])
         start += info.num_rows
     assert start == n
+
+
+def test_a_gzip_file_of_several_members_reads_from_any_row(tmp_path, small_pieces):
+    """Gzip members one after another (``cat a.gz b.gz``, cut anywhere, even inside a line): every shard read from
+    any row gives datasets' rows (the inflate goes on into the next member, whose start the index need not hold:
+    found after the member's trailer, from a point inside a byte too)."""
+    rows = _rows(8, 3000)
+    data = _text(rows, blank_every=13)
+    cuts = [0, 1, 4097, 4098, 70001, 150000, len(data) // 2 + 3, len(data)]
+    path = str(tmp_path / "members.jsonl.gz")
+    with open(path, "wb") as f:
+        for a, b in zip(cuts, cuts[1:]):
+            f.write(gzip.compress(data[a:b], 6))
+    theirs = _theirs([path])[0]
+    src, ours = _ours([path])
+    assert _clean(ours) == theirs
+    start = 0
+    rng = random.Random(2)
+    for s, info in enumerate(src.shards):
+        for row in {0, info.num_rows - 1, rng.randrange(info.num_rows)}:
+            got = [r for t in src.read(s, row) for r in _rows_of(t, t.num_rows)]
+            assert got == theirs[start + row:start + info.num_rows]
+        start += info.num_rows
+    assert start == len(rows)
+
+
+def test_the_next_member_is_found_from_a_point_inside_a_byte(tmp_path, small_pieces):
+    """The inflate started at an access point inside a byte (its input shifted) goes on into a member that follows:
+    the text from the point on, through the second member's."""
+    from resumable_stream.sources.jsonl import _Inflate
+
+    first, second = _text(_rows(9, 5000), blank_every=11) + b"\n", _text(_rows(10, 300)) + b"\n"
+    path = _write(str(tmp_path / "a.jsonl.gz"), first)
+    entry = dict(_ours([path])[0].index["files"][0])
+    with open(path, "rb") as f:
+        data = f.read() + gzip.compress(second, 6)
+    entry["size"] = len(data)
+    text = first + second
+    shifted = [i for i, p in enumerate(entry["points"]) if p[2]]
+    assert shifted
+    for i in shifted:
+        inflate, out = _Inflate(entry, i, lambda a, b: data[a:b]), []
+        want = len(text) - entry["points"][i][0]
+        while want:
+            out.append(inflate.more(entry["size"], want))
+            want -= len(out[-1])
+        assert b"".join(out) == text[entry["points"][i][0]:]
+
+
+def test_a_deflate_stream_inside_a_byte_is_shifted_as_its_bits():
+    """A gzip access point inside a byte: the compressed bytes handed on in parts of any size (the first byte of the
+    first part being the carry) come out as the bit stream from that bit on, byte-aligned (checked against Python
+    integers)."""
+    from resumable_stream.sources.jsonl import _shifted
+
+    rng = random.Random(5)
+    data = bytes(rng.randrange(256) for _ in range(3001))
+    for shift in range(1, 8):
+        want = (int.from_bytes(data, "little") >> shift).to_bytes(len(data), "little")[:len(data) - 1]
+        for sizes in ([3001], [1, 2000, 1000], [8, 7, 1, 9, 2976], [1] * 40 + [2961]):
+            got, carry, at = [], None, 0
+            for size in sizes:
+                out, carry = _shifted(data[at:at + size], shift, carry)
+                got.append(bytes(out))
+                at += size
+            assert b"".join(got) == want and carry == data[-1]
 
 
 def test_a_resume_reads_one_piece_not_the_prefix(tmp_path, small_pieces, monkeypatch):

@@ -105,3 +105,33 @@ def test_closing_mid_shard_asks_for_nothing_more(tmp_path, monkeypatch):
         later = [r for r in _ranges(srv.requests)[asked:]]
     assert [r["id"] for r in first] == list(range(250))
     assert not later, (later, closed)
+
+
+def test_the_read_ahead_holds_at_most_its_pieces():
+    """What a shard fetches ahead (outside ``data.prefetch_memory_mb``: docs/limitations.md) is at most
+    READAHEAD_PIECES + 1 ranges at once (the next pieces asked for at each piece, and one asked for at the piece
+    before and not yet read), however far ahead it is asked to go; a range read in order takes the one fetched
+    ahead, and a range asked for again is never fetched twice."""
+    import threading
+
+    from resumable_stream.sources.jsonl import READAHEAD_PIECES, _Ranges
+
+    gate, asked = threading.Event(), []
+
+    def fetch(a: int, b: int) -> bytes:
+        asked.append((a, b))
+        gate.wait(10)
+        return bytes(b - a)
+
+    ranges = _Ranges(fetch)
+    for k in range(1, 8):                       # asked 7 ranges ahead while none has come back
+        ranges.ahead(k * 100, (k + 1) * 100)
+        ranges.ahead(k * 100, (k + 1) * 100)    # (again: nothing more)
+        assert len(ranges._ahead) <= READAHEAD_PIECES + 1
+    assert [r[:2] for r in ranges._ahead] == [(k * 100, k * 100 + 100) for k in range(1, READAHEAD_PIECES + 2)]
+    gate.set()
+    assert ranges.fetch(0, 100) == bytes(100)                 # before what is ahead: fetched now
+    assert ranges.fetch(100, 200) == bytes(100)               # taken from what was fetched ahead
+    ranges.close()
+    assert sorted(set(asked)) == sorted(asked)                # no range fetched twice
+    assert len([r for r in asked if r[0] >= 100]) == READAHEAD_PIECES + 1
