@@ -20,23 +20,13 @@ from safetensors.numpy import save as st_save
 
 from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
-from ..limits import (
-    MAX_HEADER_BYTES,
-    MAX_INDEX_BYTES,
-    MAX_PARTITIONS,
-    MAX_WORLD_SIZE,
-    is_int,
-)
-from .fields import is_hex as _is_hex
-from .fields import json_field as _json_field
-from .fields import require as _require
-from .fields import tensor as _tensor
-from .mixture_state import MixturePartitionState
-from .names import (
-    FINGERPRINT,
-    MANIFEST,
-)
-from .partition_state import Cursor, PartitionState
+from ..limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PARTITIONS, MAX_WORLD_SIZE, is_int
+from .names import FINGERPRINT, MANIFEST
+from .partition_state import Cursor, MixturePartitionState, PartitionState
+from .partition_state import is_hex as _is_hex
+from .partition_state import json_field as _json_field
+from .partition_state import require as _require
+from .partition_state import tensor as _tensor
 
 FORMAT = "resumable-stream-state"    # sidecars and manifests; the format of the dataset index is its own
 FORMAT_VERSION = 1                   # a sidecar's metadata holds it as a string, a manifest as an integer

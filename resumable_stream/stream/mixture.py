@@ -4,7 +4,7 @@ Mixture partition *p* reads partition *p* of every source, so it moves between r
 Its *k*-th draw of mixture epoch *e* takes the next sample of the source picked by a counter-based hash of
 (seed, e, p, k) against the cumulative weights (or datasets' draws, :mod:`.datasets_draws`): the sampler has no
 state but (e, k). ``stopping`` (``first_exhausted``, ``all_exhausted``, ``never``) says what a source's end does.
-A partition's state is a :class:`~resumable_stream.state.mixture_state.MixturePartitionState` that nests each
+A partition's state is a :class:`~resumable_stream.state.partition_state.MixturePartitionState` that nests each
 source's own state."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..sources.index import check_resolution, decode_index
 from ..sources.open import open_source
 from ..state.checkpoint import SavedIndexes
 from ..state.checks import check_fingerprint, fingerprint_diff
-from ..state.mixture_state import MixturePartitionState
+from ..state.partition_state import MixturePartitionState
 from ..state.relocation import describe_files
 from .base import StreamBase, order_settings
 from .datasets_draws import MODES as DATASETS_MODES
