@@ -23,7 +23,6 @@ from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
 from .transforms import SOURCE_TRANSFORM_KEYS, TransformConfig
 from .weight_schedule import check_weights, normalised, weight_at
-from .yaml_files import load_file
 
 BACKENDS = ("hf", "local")
 
@@ -271,11 +270,7 @@ class StreamConfig:
         """The ``data:`` section of a trainer yaml, or of a yaml of data keys only, with ``key=value`` ``overrides``
         merged in first (:mod:`resumable_stream.config.overrides`); relative paths from the yaml's folder first."""
         path = os.fspath(path)
-        doc = load_file(path)
-        if not isinstance(doc, dict):
-            raise ConfigError(f"config file {shown(path)}: expected a mapping at the top level, got {type(doc).__name__}")
-        base_dir = os.path.dirname(os.path.abspath(path))
-        doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
+        doc, base_dir, given = override.read(path, overrides, "a mapping at the top level", data_only=True)
         if "data" not in doc and ({"model", "train"} & set(doc)):
             raise ConfigError(f"config file {shown(path)}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
                               "without a data: section; add one with at least dataset_name_or_path")
