@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 _MD5_ETAG = re.compile(r'^"?[0-9a-f]{32}"?$')
 
 
-def _protocol(path: str) -> str:
-    return path.split("://", 1)[0] if "://" in path else "file"
-
-
 def dataset_root(paths: list[str]) -> str:
     """The deepest directory (or URL prefix) that holds every path: what the relative paths are relative to."""
     return "/".join(os.path.commonprefix([p.rstrip("/").split("/")[:-1] for p in paths]))   # by component
@@ -43,13 +39,9 @@ def relative_paths(paths: list[str]) -> list[str]:
 
 def content_identity(entry: dict[str, Any]) -> dict[str, Any]:
     """The fields of a file identity that hold wherever the same bytes are stored."""
-    out = {"size": entry.get("size")}
-    if entry.get("footer") is not None:
-        out["footer"] = entry["footer"]
-    if entry.get("sha256") is not None:
-        out["sha256"] = entry["sha256"]
+    out = {"size": entry.get("size"), **{k: entry[k] for k in ("footer", "sha256") if entry.get(k) is not None}}
     etag = entry.get("etag")
-    if _protocol(entry.get("path", "")) == "s3" and isinstance(etag, str) and _MD5_ETAG.match(etag):
+    if entry.get("path", "").startswith("s3://") and isinstance(etag, str) and _MD5_ETAG.match(etag):
         out["md5"] = etag.strip('"')
     return out
 

@@ -203,20 +203,16 @@ def _decode_loader(meta: dict[str, str], topology: dict[str, Any], path: str) ->
             "lane_turns": {int(r): ts for r, ts in loader["lane_turns"].items()}}
 
 
-def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
+def _mixture_slots(fingerprint: dict, path: str) -> int:
+    """The source columns of a mixture state: its sources', then those a change of mixture removed (kept)."""
     mixture = fingerprint.get("mixture")
     labels = mixture.get("labels") if isinstance(mixture, dict) else None
     _require(isinstance(labels, list) and len(labels) >= 1 and all(isinstance(x, str) for x in labels), path,
              "fingerprint.mixture.labels", labels, "a list of source labels")
-    return labels
-
-
-def _mixture_slots(fingerprint: dict, path: str) -> int:
-    """The source columns of a mixture state: its sources', then those a change of mixture removed (kept)."""
-    retired = fingerprint["mixture"].get("retired", [])
+    retired = mixture.get("retired", [])
     _require(isinstance(retired, list) and len(retired) <= MAX_RETIRED and all(isinstance(x, str) for x in retired),
              path, "fingerprint.mixture.retired", retired, f"a list of at most {MAX_RETIRED} source labels")
-    return len(_mixture_labels(fingerprint, path)) + len(retired)
+    return len(labels) + len(retired)
 
 
 def _fingerprint_of(meta: dict[str, str], shared: tuple[dict[str, Any], str] | None, path: str) -> dict[str, Any]:

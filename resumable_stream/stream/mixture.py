@@ -2,7 +2,7 @@
 
 Mixture partition *p* reads partition *p* of every source, so it moves between ranks like a single stream's.
 Its *k*-th draw of mixture epoch *e* takes the next sample of the source picked by a counter-based hash of
-(seed, e, p, k) against the cumulative weights (or datasets' draws, :mod:`.datasets_draws`): the sampler has no
+(seed, e, p, k) against the cumulative weights (or datasets' draws, :class:`.weights.DatasetsDraws`): the sampler has no
 state but (e, k). ``stopping`` (``first_exhausted``, ``all_exhausted``, ``never``) says what a source's end does.
 A partition's state is a :class:`~resumable_stream.state.partition_state.MixturePartitionState` that nests each
 source's own state."""
@@ -33,11 +33,9 @@ from ..state.checks import check_fingerprint, fingerprint_diff
 from ..state.partition_state import MixturePartitionState
 from ..state.relocation import describe_files
 from .base import StreamBase, order_settings
-from .datasets_draws import MODES as DATASETS_MODES
-from .datasets_draws import DatasetsDraws
 from .partition import MAX_EMPTY_EPOCHS
 from .single import ResumableStream
-from .weights import TAG_MIXTURE, Segment, WeightPlan, draw_sources, history_from_json, history_unit  # noqa: F401
+from .weights import DATASETS_MODES, DatasetsDraws, Segment, WeightPlan, history_from_json, history_unit
 
 DRAW_BLOCK = 4096          # draws computed at once
 
@@ -124,7 +122,7 @@ class MixtureStream(StreamBase):
             raise not_a_config(config, "a MixtureConfig")
         if draws not in ("hash", *DATASETS_MODES):
             raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
-        # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)
+        # draws: our counter-based hash, or datasets.interleave_datasets' sequence (weights.DatasetsDraws)
         self.draws = draws
         if draws != "hash" and not all(isinstance(w, (int, float)) for w in config.weights):
             raise ConfigError(f"draws {draws!r} (datasets.interleave_datasets' own sequence) take fixed weights; got "
@@ -684,7 +682,7 @@ def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, w
                 mixture_draws: str = "hash") -> ResumableStream | MixtureStream:
     """The stream of a ``data:`` config (a :class:`MixtureStream` with ``sources``), opened at its fresh position or
     at ``data.resume_state_path``'s. ``index_from``: a checkpoint about to be resumed, whose saved indexes are
-    reused; ``mixture_draws``: ``hash`` or ``datasets_cycle`` / ``datasets_choice`` (:mod:`.datasets_draws`)."""
+    reused; ``mixture_draws``: ``hash`` or ``datasets_cycle`` / ``datasets_choice`` (:class:`.weights.DatasetsDraws`)."""
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                              index_from=index_from, draws=mixture_draws)
