@@ -71,7 +71,7 @@ GROWTH_MODES = ("off", "append", "follow")
 
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
-    "streaming": (lambda v: isinstance(v, bool), "true or false"),
+    "streaming": (lambda v: v is None or isinstance(v, bool), "true or false"),   # None: by backend
     "dataset_name_or_path": (lambda v: isinstance(v, str) and v.strip() != "",
                              "a non-empty string: a hub id, a builder name "
                              f"({', '.join(dict.fromkeys((*registry.indexed_builders(), *registry.DATASETS_BUILDERS)))}) "
@@ -190,8 +190,6 @@ class StreamConfig:
     def __post_init__(self) -> None:
         for key, (check, allowed) in _RULES.items():
             value = getattr(self, key)
-            if key == "streaming" and value is None:
-                continue
             if not check(value):
                 raise ConfigError(f"data.{key}: got {shown(value)}; allowed: {allowed}")
         if self.streaming is None:

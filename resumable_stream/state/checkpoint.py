@@ -225,9 +225,6 @@ class SavedState:
         return merge(states, mine, where, stream_part), where
 
 
-open_saved = SavedState     # the saved state at a path (file, stream_state or checkpoint directory), rank first
-
-
 class SavedIndexes:
     """What a checkpoint being resumed saved of its dataset, read on demand on the rank that opens the dataset: each
     source's index (checked against the manifest) and the furthest epoch begun. A bare sidecar file saved none."""

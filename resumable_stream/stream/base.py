@@ -330,7 +330,7 @@ class StreamBase(IterableDataset):
     def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         """(nested state, description) of this rank's partitions from a sidecar file, a stream_state or a checkpoint
         directory; after a change of ranks or workers gathered from the files that hold them."""
-        saved = checkpoint.open_saved(path, self.rank)
+        saved = checkpoint.SavedState(path, self.rank)
         with saved.identities():     # the files a compact fingerprint stands for: the indexes saved there
             self.check_saved_identity(saved.stream, saved.where)
             same = self.adopt_topology(saved.stream["topology"], saved.where)
