@@ -208,7 +208,7 @@ class MixtureStream(StreamBase):
         return self._plan[1]
 
     def _refuse_changes_in_datasets_draws(self) -> None:
-        """Before a change of weights: datasets' own sequences are of fixed probabilities (datasets_draws.py)."""
+        """Before a change of weights: datasets' own sequences are of fixed probabilities (weights.DatasetsDraws)."""
         if self._datasets_draws is not None:
             raise ConfigError(f"mixture draws {self.draws!r} (datasets.interleave_datasets' own sequence, read in "
                               "file order: LLaMA-Factory's buffer_size 1) take fixed weights; got a change of "
