@@ -326,7 +326,10 @@ def _resolve_one(p: str, base_dir: str) -> str:
 
 
 def _resolve_paths(value: Any, base_dir: str) -> Any:
-    """A path or a list of paths, each taken as :func:`_resolve_one` takes it; anything else as it is."""
+    """A path, a list of paths or a mapping split -> those (data_files), each path taken as :func:`_resolve_one`
+    takes it; anything else as it is."""
+    if isinstance(value, dict):
+        return {k: _resolve_paths(v, base_dir) for k, v in value.items()}
     if isinstance(value, list):
         return [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in value]
     return _resolve_one(value, base_dir) if isinstance(value, str) else value
@@ -334,11 +337,7 @@ def _resolve_paths(value: Any, base_dir: str) -> Any:
 
 def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, Any]:
     out = dict(values)
-    dfs = out.get("data_files")
-    if isinstance(dfs, dict):      # split -> a path or a list of them
-        out["data_files"] = {k: _resolve_paths(v, base_dir) for k, v in dfs.items()}
-    else:
-        out["data_files"] = _resolve_paths(dfs, base_dir)
+    out["data_files"] = _resolve_paths(out.get("data_files"), base_dir)
     for key in ("resume_state_path", "index_path"):
         value = out.get(key)
         if isinstance(value, str) and value:

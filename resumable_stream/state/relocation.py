@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,9 +100,7 @@ _described: dict[tuple, dict[str, Any]] = {}
 
 def _describe_listed(files: list[dict], full: bool) -> dict[str, Any]:
     paths = [f.get("path", "") for f in files]
-    kinds: dict[str, int] = {}
-    for f in files:
-        kinds[identity_kind(f)] = kinds.get(identity_kind(f), 0) + 1
+    kinds = dict(Counter(identity_kind(f) for f in files))
     out: dict[str, Any] = {"root": dataset_root(paths), "count": len(files), "identity": kinds}
     if full:
         out["files"] = [{"relative_path": rel, "size": f.get("size"), "identity": identity_kind(f),

@@ -153,12 +153,12 @@ class MixtureStream(StreamBase):
         self._owner = OwnerThread()          # the thread iterating: only it may call set_weights
         self._start()
 
-    def _view(self, i: int, partition: int) -> ResumableStream:
-        """Source i's partition ``partition`` alone, whose epoch limit concerns that partition only (each mixture
-        partition ends a source's epoch without reading into the next one)."""
-        scfg: StreamConfig = self.config.sources[i].replace(num_partitions=self.num_partitions)
-        return ResumableStream(scfg, rank=partition, world_size=self.num_partitions, num_workers=0,
-                               source=self.source.sources[i])
+    def _view(self, i: int, partition: int, num_partitions: int | None = None) -> ResumableStream:
+        """Source i's partition ``partition`` alone (of ``num_partitions``, default this mixture's), whose epoch limit
+        concerns that partition only (each mixture partition ends a source's epoch without reading into the next)."""
+        n = num_partitions or self.num_partitions
+        scfg: StreamConfig = self.config.sources[i].replace(num_partitions=n)
+        return ResumableStream(scfg, rank=partition, world_size=n, num_workers=0, source=self.source.sources[i])
 
     def _build_readers(self) -> None:
         n = len(self.config.sources)
@@ -589,13 +589,9 @@ class MixtureStream(StreamBase):
                 ended.append(ps.ended[j])
                 sources.append(ps.sources[j])
             else:      # added: from its start
-                i = labels.index(label)
-                scfg = self.config.sources[i].replace(num_partitions=num_partitions)
-                fresh = ResumableStream(scfg, rank=p, world_size=num_partitions, num_workers=0,
-                                        source=self.source.sources[i])
                 epochs.append(0)
                 ended.append(False)
-                sources.append(fresh.partition_state(p))
+                sources.append(self._view(labels.index(label), p, num_partitions).partition_state(p))
         out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources,
                                     [*ps.changes, ps.consumed])
         return out.to_dict()
