@@ -48,10 +48,6 @@ def _identity(item):
 _SKIP = {"skip": True}
 
 
-def _not_skip(item: dict[str, Any]) -> bool:
-    return "skip" not in item
-
-
 def round_steps(lanes: list[list[int]]) -> int:
     """Lane steps in a round: the longest lane's partitions."""
     return max(len(lane) for lane in lanes)
@@ -416,7 +412,7 @@ class StreamLoader:
             return iter(producer)
         items = iter(data_loader(producer, "StreamLoader(num_workers>0 or pin_memory)", **kwargs))
         if any(len(lane) != steps for lane in lanes):     # shorter lanes hand out skip items (round_robin)
-            return filter(_not_skip, items)
+            return (item for item in items if "skip" not in item)
         return items
 
     def hand_out(self, item: dict[str, Any]) -> None:

@@ -21,33 +21,30 @@ def synthetic_rows(start: int, count: int, words: int = 8) -> dict[str, list]:
     return {"id": ids.tolist(), "text": text, "label": (ids % 7).tolist()}
 
 
+def _file_rows(rows: int, files: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each of ``files`` files sharing ``rows`` rows, the first ones a row more."""
+    counts = [rows // files + (1 if f < rows % files else 0) for f in range(files)]
+    return [(sum(counts[:f]), n) for f, n in enumerate(counts)]
+
+
 def write_parquet_dataset(directory: str, rows: int, files: int, row_group_size: int, words: int = 8,
                           prefix: str = "part") -> list[str]:
     """``rows`` rows over ``files`` parquet files with row groups of ``row_group_size`` rows."""
     os.makedirs(directory, exist_ok=True)
-    paths, start = [], 0
-    for f in range(files):
-        count = rows // files + (1 if f < rows % files else 0)
-        table = pa.table(synthetic_rows(start, count, words))
-        path = os.path.join(directory, f"{prefix}-{f:05d}.parquet")
-        pq.write_table(table, path, row_group_size=row_group_size)
-        paths.append(path)
-        start += count
+    paths = [os.path.join(directory, f"{prefix}-{f:05d}.parquet") for f in range(files)]
+    for path, (start, count) in zip(paths, _file_rows(rows, files)):
+        pq.write_table(pa.table(synthetic_rows(start, count, words)), path, row_group_size=row_group_size)
     return paths
 
 
 def write_jsonl_dataset(directory: str, rows: int, files: int, words: int = 8) -> list[str]:
     os.makedirs(directory, exist_ok=True)
-    paths, start = [], 0
-    for f in range(files):
-        count = rows // files + (1 if f < rows % files else 0)
+    paths = [os.path.join(directory, f"part-{f:05d}.jsonl") for f in range(files)]
+    for path, (start, count) in zip(paths, _file_rows(rows, files)):
         cols = synthetic_rows(start, count, words)
-        path = os.path.join(directory, f"part-{f:05d}.jsonl")
         with open(path, "w", encoding="utf-8") as fh:
             for i in range(count):
                 fh.write(json.dumps({k: v[i] for k, v in cols.items()}) + "\n")
-        paths.append(path)
-        start += count
     return paths
 
 

@@ -42,7 +42,7 @@ from resumable_stream.integrations.llamafactory.media import checked_images
 from resumable_stream.io.net import RetryPolicy
 from resumable_stream.loader import StreamLoader
 from resumable_stream.state import names, output_dir
-from resumable_stream.stream.datasets_draws import DatasetsDraws
+from resumable_stream.stream.weights import DatasetsDraws
 from resumable_stream.testing import synthetic_rows
 from resumable_stream.transforms import TransformConfig
 from resumable_stream.transforms.vl import BadSample, decode_image

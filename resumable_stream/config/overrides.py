@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, UnknownKeyError, shown
-from .yaml_files import load_text
+from .yaml_files import load_file, load_text
 
 # keys naming local inputs, resolved like the yaml resolves them (but from the current directory)
 _INPUT_PATHS = {"data": ("data_files", "resume_state_path", "index_path", "dataset_name_or_path", "image_dir"),
@@ -96,6 +96,17 @@ def _is_input_path(path: tuple[str | int, ...]) -> bool:
     if path[0] == "model":
         return len(path) == 2 and path[1] in _INPUT_PATHS["model"]
     return path[0] == "data" and (path[-1] in _INPUT_PATHS["data"] or "data_files" in path)
+
+
+def read(path: str, overrides: Sequence[str], expected: str, data_only: bool = False) -> tuple[dict, str, list[Override]]:
+    """(the yaml at ``path`` with ``overrides`` merged in (:func:`apply`), its folder, the overrides); a yaml that is
+    not a mapping is refused, saying what is ``expected``."""
+    doc = load_file(path)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {shown(path)}: expected {expected}, got {type(doc).__name__}")
+    base_dir = os.path.dirname(os.path.abspath(path))
+    doc, given = apply(doc, overrides, base_dir=base_dir, data_only=data_only, source=path)
+    return doc, base_dir, given
 
 
 def apply(doc: dict, items: Sequence[str], *, base_dir: str | None, data_only: bool = False,

@@ -23,7 +23,6 @@ from . import overrides as override
 from .specs import CacheSpec, DataSpec, GrowthSpec, IndexSpec, NetPolicy, ReadSpec, SourceSpec
 from .transforms import SOURCE_TRANSFORM_KEYS, TransformConfig
 from .weight_schedule import check_weights, normalised, weight_at
-from .yaml_files import load_file
 
 BACKENDS = ("hf", "local")
 
@@ -72,7 +71,7 @@ GROWTH_MODES = ("off", "append", "follow")
 
 _RULES: dict[str, tuple[Any, str]] = {
     "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
-    "streaming": (lambda v: isinstance(v, bool), "true or false"),
+    "streaming": (lambda v: v is None or isinstance(v, bool), "true or false"),   # None: by backend
     "dataset_name_or_path": (lambda v: isinstance(v, str) and v.strip() != "",
                              "a non-empty string: a hub id, a builder name "
                              f"({', '.join(dict.fromkeys((*registry.indexed_builders(), *registry.DATASETS_BUILDERS)))}) "
@@ -191,8 +190,6 @@ class StreamConfig:
     def __post_init__(self) -> None:
         for key, (check, allowed) in _RULES.items():
             value = getattr(self, key)
-            if key == "streaming" and value is None:
-                continue
             if not check(value):
                 raise ConfigError(f"data.{key}: got {shown(value)}; allowed: {allowed}")
         if self.streaming is None:
@@ -271,11 +268,7 @@ class StreamConfig:
         """The ``data:`` section of a trainer yaml, or of a yaml of data keys only, with ``key=value`` ``overrides``
         merged in first (:mod:`resumable_stream.config.overrides`); relative paths from the yaml's folder first."""
         path = os.fspath(path)
-        doc = load_file(path)
-        if not isinstance(doc, dict):
-            raise ConfigError(f"config file {shown(path)}: expected a mapping at the top level, got {type(doc).__name__}")
-        base_dir = os.path.dirname(os.path.abspath(path))
-        doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
+        doc, base_dir, given = override.read(path, overrides, "a mapping at the top level", data_only=True)
         if "data" not in doc and ({"model", "train"} & set(doc)):
             raise ConfigError(f"config file {shown(path)}: a trainer yaml (it has {', '.join(sorted({'model', 'train'} & set(doc)))}) "
                               "without a data: section; add one with at least dataset_name_or_path")
@@ -333,7 +326,10 @@ def _resolve_one(p: str, base_dir: str) -> str:
 
 
 def _resolve_paths(value: Any, base_dir: str) -> Any:
-    """A path or a list of paths, each taken as :func:`_resolve_one` takes it; anything else as it is."""
+    """A path, a list of paths or a mapping split -> those (data_files), each path taken as :func:`_resolve_one`
+    takes it; anything else as it is."""
+    if isinstance(value, dict):
+        return {k: _resolve_paths(v, base_dir) for k, v in value.items()}
     if isinstance(value, list):
         return [_resolve_one(p, base_dir) if isinstance(p, str) else p for p in value]
     return _resolve_one(value, base_dir) if isinstance(value, str) else value
@@ -341,11 +337,7 @@ def _resolve_paths(value: Any, base_dir: str) -> Any:
 
 def _resolve_relative_paths(values: dict[str, Any], base_dir: str) -> dict[str, Any]:
     out = dict(values)
-    dfs = out.get("data_files")
-    if isinstance(dfs, dict):      # split -> a path or a list of them
-        out["data_files"] = {k: _resolve_paths(v, base_dir) for k, v in dfs.items()}
-    else:
-        out["data_files"] = _resolve_paths(dfs, base_dir)
+    out["data_files"] = _resolve_paths(out.get("data_files"), base_dir)
     for key in ("resume_state_path", "index_path"):
         value = out.get(key)
         if isinstance(value, str) and value:

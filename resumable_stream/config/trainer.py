@@ -16,7 +16,6 @@ from . import overrides as override
 from .model_config import check_local_paths, check_model_config
 from .stream_config import MixtureConfig, StreamConfig
 from .transforms import TransformConfig
-from .yaml_files import load_file
 
 SECTIONS = ("model", "data", "train")
 MODEL_KEYS = ("name_or_path", "config", "tokenizer", "processor", "dtype", "trust_remote_code")
@@ -26,10 +25,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the Trainer forget the steps already trained in its epoch count
 _FORCED = {"ignore_data_skip": False, "remove_unused_columns": False}
 _DEFAULTS = {"report_to": "none", "save_strategy": "steps", "logging_steps": 10, "save_steps": 100}
-
-
-def _unknown(section: str, key: str, known: list[str]) -> ConfigError:
-    return UnknownKeyError(section, key, known)
 
 
 @dataclass(frozen=True)
@@ -75,9 +70,7 @@ class TrainerConfig:
     @classmethod
     def from_yaml(cls, path: str, overrides: Sequence[str] = ()) -> TrainerConfig:
         """``overrides``: ``key=value`` texts merged into the yaml first (:mod:`resumable_stream.config.overrides`)."""
-        doc = _read_yaml(path)
-        base_dir = os.path.dirname(os.path.abspath(path))
-        doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+        doc, base_dir, given = override.read(path, overrides, _TRAINER_YAML)
         with override.named(given):
             _check_sections(doc, path, required=("model", "data", "train"))
             return cls.from_dict(doc, base_dir=base_dir, path=path)
@@ -106,17 +99,13 @@ class TrainerConfig:
         return args
 
 
-def _read_yaml(path: str, expected: str = "a mapping with model, data and train sections") -> dict:
-    doc = load_file(path)
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config file {shown(path)}: expected {expected}, got {type(doc).__name__}")
-    return doc
+_TRAINER_YAML = "a mapping with model, data and train sections"
 
 
 def _check_sections(doc: dict, path: str, required: Sequence[str]) -> None:
     for key in doc:
         if key not in SECTIONS:
-            raise _unknown("config", str(key), list(SECTIONS))
+            raise UnknownKeyError("config", str(key), list(SECTIONS))
     for key in SECTIONS:
         if (key in required or key in doc) and not isinstance(doc.get(key), dict):
             raise ConfigError(f"{key}: missing or not a mapping in {shown(path)}")
@@ -159,7 +148,7 @@ def _model_section(section: dict, base_dir: str | None, transform: TransformConf
     model_doc = dict(section)
     for key in model_doc:
         if key not in MODEL_KEYS:
-            raise _unknown("model", str(key), list(MODEL_KEYS))
+            raise UnknownKeyError("model", str(key), list(MODEL_KEYS))
     for key in ("name_or_path", "tokenizer", "processor"):   # local dirs next to the yaml
         v = model_doc.get(key)
         if base_dir and isinstance(v, str) and not os.path.isabs(v) and os.path.isdir(os.path.join(base_dir, v)):
@@ -178,9 +167,8 @@ def _model_section(section: dict, base_dir: str | None, transform: TransformConf
 def data_config_from_yaml(path: str, overrides: Sequence[str] = ()) -> StreamConfig | MixtureConfig:
     """The data of ``peek``, ``index`` and ``warmup``, every key of the yaml checked as ``train`` checks it (the same
     errors), though they read only the data. Overrides are data keys only."""
-    doc = _read_yaml(path, "a mapping with a data: section (and model: and train:), or of data keys")
-    base_dir = os.path.dirname(os.path.abspath(path))
-    doc, given = override.apply(doc, overrides, base_dir=base_dir, data_only=True, source=path)
+    doc, base_dir, given = override.read(path, overrides, "a mapping with a data: section (and model: and train:), "
+                                         "or of data keys", data_only=True)
     with override.named(given):
         if not set(SECTIONS) & set(doc):
             return _DataSection.from_dict(doc, base_dir, path).stream
@@ -202,9 +190,7 @@ def data_sections_from_yaml(path: str, overrides: Sequence[str] = ()) -> tuple[S
                                                                              dict[str, Any]]:
     """(stream, validation stream, train: section as written) of a trainer yaml, the data checked as
     :meth:`TrainerConfig.from_yaml` checks it, but not model: / train: (those checks import transformers)."""
-    doc = _read_yaml(path)
-    base_dir = os.path.dirname(os.path.abspath(path))
-    doc, given = override.apply(doc, overrides, base_dir=base_dir, source=path)
+    doc, base_dir, given = override.read(path, overrides, _TRAINER_YAML)
     with override.named(given):
         _check_sections(doc, path, required=("model", "data", "train"))
         data = _DataSection.from_dict(doc["data"], base_dir, path)
@@ -268,7 +254,7 @@ def _check_train(train: dict[str, Any], has_eval: bool = False) -> None:
     known = list(fields)
     for key in train:
         if key not in known:
-            raise _unknown("train", str(key), known)
+            raise UnknownKeyError("train", str(key), known)
     for key, value in list(train.items()):
         default = fields[key].default
         if isinstance(default, float) and not isinstance(value, bool):

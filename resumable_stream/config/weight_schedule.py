@@ -18,14 +18,10 @@ _ALLOWED = ("a finite number > 0, or a schedule {schedule: linear | constant, un
             "points: [[position, weight], ...]} with positions strictly increasing from 0 and weights >= 0")
 
 
-def _number(x: Any) -> bool:
-    return is_number(x)
-
-
 def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict[str, Any]:
     """A source's weight in its canonical form: a float, or a schedule with float points. ``key`` names it;
     ``allow_zero``: a fixed weight may be 0 (a source paused by a change of weights)."""
-    if _number(value):
+    if is_number(value):
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{key}: got {shown(value)}; allowed: {_ALLOWED} (weights are relative: they are "
                               "normalised to sum to 1)")
@@ -45,7 +41,7 @@ def check_weight(value: Any, key: str, allow_zero: bool = False) -> float | dict
                           "[position, weight] pairs")
     out = []
     for j, point in enumerate(points):
-        if not (isinstance(point, (list, tuple)) and len(point) == 2 and all(_number(v) for v in point)
+        if not (isinstance(point, (list, tuple)) and len(point) == 2 and all(is_number(v) for v in point)
                 and point[0] >= 0 and point[1] >= 0):
             raise ConfigError(f"{key}.points[{j}]: got {shown(point)}; allowed: [position, weight], a position >= 0 "
                               f"({unit}) and a finite weight >= 0")

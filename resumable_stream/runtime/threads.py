@@ -34,10 +34,6 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def trainer_threads(local_world_size: int) -> int:
-    return max(1, cores() // max(1, local_world_size))
-
-
 def set_trainer_threads() -> str:
     """Set torch's intra-op threads of a training process (``LOCAL_WORLD_SIZE`` of them per node, from
     torchrun) unless the user chose; returns what was decided, for the startup summary."""
@@ -47,7 +43,7 @@ def set_trainer_threads() -> str:
     if chosen is not None:
         return f"{torch.get_num_threads()} ({chosen})"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    torch.set_num_threads(trainer_threads(local))
+    torch.set_num_threads(max(1, cores() // max(1, local)))
     return f"{torch.get_num_threads()} ({cores()} cores / {local} local process{'es' if local > 1 else ''})"
 
 
@@ -77,12 +73,10 @@ def map_files(fn: Callable[[Any], Any], items: list, progress: Callable[[], None
             progress()
         return r
 
-    if len(items) <= 1 or (all(_local(x) for x in items) and (not cpu_bound or cores() == 1)):
+    local = all(_local(x) for x in items)
+    if len(items) <= 1 or (local and (not cpu_bound or cores() == 1)):
         return [one(x) for x in items]
-    if all(_local(x) for x in items):
-        with ThreadPoolExecutor(max_workers=min(cores(), len(items))) as pool:
-            return list(pool.map(one, items))
-    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
+    with ThreadPoolExecutor(max_workers=min(cores() if local else 16, len(items))) as pool:
         return list(pool.map(one, items))
 
 

@@ -34,7 +34,6 @@ from ..plan import partition_owner
 from ..sources import fingerprint_files
 from ..sources.index import decode_index, encode_message
 from ..sources.index_table import FileTable, is_packed
-from .fields import is_hex as _is_hex
 from .names import (
     MANIFEST,
     RANK_FILE,
@@ -45,6 +44,7 @@ from .names import (
     shared_file_name,
     source_index_file_name,
 )
+from .partition_state import is_hex as _is_hex
 from .sidecar import (
     FORMAT,
     FORMAT_VERSION,
@@ -223,9 +223,6 @@ class SavedState:
                                  for r in owners if r != saved["rank"]]
         where = f"stream state {self.state_dir!r} (ranks {owners} of {world})"
         return merge(states, mine, where, stream_part), where
-
-
-open_saved = SavedState     # the saved state at a path (file, stream_state or checkpoint directory), rank first
 
 
 class SavedIndexes:

@@ -6,8 +6,7 @@ from typing import Any
 
 from ..errors import StreamMismatchError
 from ..sources.fingerprint_files import is_compact
-from .files_diff import compare_files
-from .relocation import announce
+from .relocation import announce, compare_files
 
 # Fingerprint entries that map to config keys users can change, shown under those names.
 _ORDER_KEYS = {"seed": "shuffle_seed", "buffer_size": "buffer_size", "shuffle": "shuffle",

@@ -54,10 +54,7 @@ def _regular_file(path: str) -> bool:
 def latest_complete_checkpoint(output_dir: str, required: Sequence[str] = TRAINER_FILES) -> str | None:
     """The newest ``checkpoint-N`` of a run that was completely written, or None: a save cut short by a kill is
     passed over, the one before it resumes."""
-    for _, path in reversed(checkpoint_dirs(output_dir)):
-        if is_complete(path, required):
-            return path
-    return None
+    return next((path for _, path in reversed(checkpoint_dirs(output_dir)) if is_complete(path, required)), None)
 
 
 def check_complete(checkpoint: str, required: Sequence[str] = TRAINER_FILES) -> None:

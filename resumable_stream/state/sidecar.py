@@ -20,23 +20,13 @@ from safetensors.numpy import save as st_save
 
 from ..errors import SidecarError
 from ..io.safe_files import JSONRefused, parse_json
-from ..limits import (
-    MAX_HEADER_BYTES,
-    MAX_INDEX_BYTES,
-    MAX_PARTITIONS,
-    MAX_WORLD_SIZE,
-    is_int,
-)
-from .fields import is_hex as _is_hex
-from .fields import json_field as _json_field
-from .fields import require as _require
-from .fields import tensor as _tensor
-from .mixture_state import MixturePartitionState
-from .names import (
-    FINGERPRINT,
-    MANIFEST,
-)
-from .partition_state import Cursor, PartitionState
+from ..limits import MAX_HEADER_BYTES, MAX_INDEX_BYTES, MAX_PARTITIONS, MAX_WORLD_SIZE, is_int
+from .names import FINGERPRINT, MANIFEST
+from .partition_state import Cursor, MixturePartitionState, PartitionState
+from .partition_state import is_hex as _is_hex
+from .partition_state import json_field as _json_field
+from .partition_state import require as _require
+from .partition_state import tensor as _tensor
 
 FORMAT = "resumable-stream-state"    # sidecars and manifests; the format of the dataset index is its own
 FORMAT_VERSION = 1                   # a sidecar's metadata holds it as a string, a manifest as an integer
@@ -213,20 +203,16 @@ def _decode_loader(meta: dict[str, str], topology: dict[str, Any], path: str) ->
             "lane_turns": {int(r): ts for r, ts in loader["lane_turns"].items()}}
 
 
-def _mixture_labels(fingerprint: dict, path: str) -> list[str]:
+def _mixture_slots(fingerprint: dict, path: str) -> int:
+    """The source columns of a mixture state: its sources', then those a change of mixture removed (kept)."""
     mixture = fingerprint.get("mixture")
     labels = mixture.get("labels") if isinstance(mixture, dict) else None
     _require(isinstance(labels, list) and len(labels) >= 1 and all(isinstance(x, str) for x in labels), path,
              "fingerprint.mixture.labels", labels, "a list of source labels")
-    return labels
-
-
-def _mixture_slots(fingerprint: dict, path: str) -> int:
-    """The source columns of a mixture state: its sources', then those a change of mixture removed (kept)."""
-    retired = fingerprint["mixture"].get("retired", [])
+    retired = mixture.get("retired", [])
     _require(isinstance(retired, list) and len(retired) <= MAX_RETIRED and all(isinstance(x, str) for x in retired),
              path, "fingerprint.mixture.retired", retired, f"a list of at most {MAX_RETIRED} source labels")
-    return len(_mixture_labels(fingerprint, path)) + len(retired)
+    return len(labels) + len(retired)
 
 
 def _fingerprint_of(meta: dict[str, str], shared: tuple[dict[str, Any], str] | None, path: str) -> dict[str, Any]:

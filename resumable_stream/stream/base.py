@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError, StreamMismatchError
@@ -244,10 +245,7 @@ class StreamBase(IterableDataset):
             return self._samples(parts[0])
         if info is not None:    # a worker's copy: its rotation is not saved
             return round_robin({p: self._samples(p) for p in parts}, parts)
-        return round_robin({p: self._samples(p) for p in parts}, parts, self._turn, self._set_turn)
-
-    def _set_turn(self, turn: int) -> None:
-        self._turn = turn
+        return round_robin({p: self._samples(p) for p in parts}, parts, self._turn, partial(setattr, self, "_turn"))
 
     # ------------------------------------------------------------------ state
     def state_dict(self, partitions: dict[int, Any] | None = None) -> dict[str, Any]:
@@ -332,7 +330,7 @@ class StreamBase(IterableDataset):
     def read_sidecar(self, path: str | os.PathLike) -> tuple[dict[str, Any], str]:
         """(nested state, description) of this rank's partitions from a sidecar file, a stream_state or a checkpoint
         directory; after a change of ranks or workers gathered from the files that hold them."""
-        saved = checkpoint.open_saved(path, self.rank)
+        saved = checkpoint.SavedState(path, self.rank)
         with saved.identities():     # the files a compact fingerprint stands for: the indexes saved there
             self.check_saved_identity(saved.stream, saved.where)
             same = self.adopt_topology(saved.stream["topology"], saved.where)

@@ -2,9 +2,9 @@
 
 Mixture partition *p* reads partition *p* of every source, so it moves between ranks like a single stream's.
 Its *k*-th draw of mixture epoch *e* takes the next sample of the source picked by a counter-based hash of
-(seed, e, p, k) against the cumulative weights (or datasets' draws, :mod:`.datasets_draws`): the sampler has no
+(seed, e, p, k) against the cumulative weights (or datasets' draws, :class:`.weights.DatasetsDraws`): the sampler has no
 state but (e, k). ``stopping`` (``first_exhausted``, ``all_exhausted``, ``never``) says what a source's end does.
-A partition's state is a :class:`~resumable_stream.state.mixture_state.MixturePartitionState` that nests each
+A partition's state is a :class:`~resumable_stream.state.partition_state.MixturePartitionState` that nests each
 source's own state."""
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ from ..sources.index import check_resolution, decode_index
 from ..sources.open import open_source
 from ..state.checkpoint import SavedIndexes
 from ..state.checks import check_fingerprint, fingerprint_diff
-from ..state.mixture_state import MixturePartitionState
+from ..state.partition_state import MixturePartitionState
 from ..state.relocation import describe_files
 from .base import StreamBase, order_settings
-from .datasets_draws import MODES as DATASETS_MODES
-from .datasets_draws import DatasetsDraws
 from .partition import MAX_EMPTY_EPOCHS
 from .single import ResumableStream
-from .weights import TAG_MIXTURE, Segment, WeightPlan, draw_sources, history_from_json, history_unit  # noqa: F401
+from .weights import DATASETS_MODES, DatasetsDraws, Segment, WeightPlan, history_from_json, history_unit
 
 DRAW_BLOCK = 4096          # draws computed at once
 
@@ -124,7 +122,7 @@ class MixtureStream(StreamBase):
             raise not_a_config(config, "a MixtureConfig")
         if draws not in ("hash", *DATASETS_MODES):
             raise ConfigError(f"draws: got {draws!r}; allowed: hash, {', '.join(DATASETS_MODES)}")
-        # draws: our counter-based hash, or datasets.interleave_datasets' sequence (datasets_draws.py)
+        # draws: our counter-based hash, or datasets.interleave_datasets' sequence (weights.DatasetsDraws)
         self.draws = draws
         if draws != "hash" and not all(isinstance(w, (int, float)) for w in config.weights):
             raise ConfigError(f"draws {draws!r} (datasets.interleave_datasets' own sequence) take fixed weights; got "
@@ -155,12 +153,12 @@ class MixtureStream(StreamBase):
         self._owner = OwnerThread()          # the thread iterating: only it may call set_weights
         self._start()
 
-    def _view(self, i: int, partition: int) -> ResumableStream:
-        """Source i's partition ``partition`` alone, whose epoch limit concerns that partition only (each mixture
-        partition ends a source's epoch without reading into the next one)."""
-        scfg: StreamConfig = self.config.sources[i].replace(num_partitions=self.num_partitions)
-        return ResumableStream(scfg, rank=partition, world_size=self.num_partitions, num_workers=0,
-                               source=self.source.sources[i])
+    def _view(self, i: int, partition: int, num_partitions: int | None = None) -> ResumableStream:
+        """Source i's partition ``partition`` alone (of ``num_partitions``, default this mixture's), whose epoch limit
+        concerns that partition only (each mixture partition ends a source's epoch without reading into the next)."""
+        n = num_partitions or self.num_partitions
+        scfg: StreamConfig = self.config.sources[i].replace(num_partitions=n)
+        return ResumableStream(scfg, rank=partition, world_size=n, num_workers=0, source=self.source.sources[i])
 
     def _build_readers(self) -> None:
         n = len(self.config.sources)
@@ -210,7 +208,7 @@ class MixtureStream(StreamBase):
         return self._plan[1]
 
     def _refuse_changes_in_datasets_draws(self) -> None:
-        """Before a change of weights: datasets' own sequences are of fixed probabilities (datasets_draws.py)."""
+        """Before a change of weights: datasets' own sequences are of fixed probabilities (weights.DatasetsDraws)."""
         if self._datasets_draws is not None:
             raise ConfigError(f"mixture draws {self.draws!r} (datasets.interleave_datasets' own sequence, read in "
                               "file order: LLaMA-Factory's buffer_size 1) take fixed weights; got a change of "
@@ -591,13 +589,9 @@ class MixtureStream(StreamBase):
                 ended.append(ps.ended[j])
                 sources.append(ps.sources[j])
             else:      # added: from its start
-                i = labels.index(label)
-                scfg = self.config.sources[i].replace(num_partitions=num_partitions)
-                fresh = ResumableStream(scfg, rank=p, world_size=num_partitions, num_workers=0,
-                                        source=self.source.sources[i])
                 epochs.append(0)
                 ended.append(False)
-                sources.append(fresh.partition_state(p))
+                sources.append(self._view(labels.index(label), p, num_partitions).partition_state(p))
         out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources,
                                     [*ps.changes, ps.consumed])
         return out.to_dict()
@@ -684,7 +678,7 @@ def open_stream(config: StreamConfig | MixtureConfig, rank: int | None = None, w
                 mixture_draws: str = "hash") -> ResumableStream | MixtureStream:
     """The stream of a ``data:`` config (a :class:`MixtureStream` with ``sources``), opened at its fresh position or
     at ``data.resume_state_path``'s. ``index_from``: a checkpoint about to be resumed, whose saved indexes are
-    reused; ``mixture_draws``: ``hash`` or ``datasets_cycle`` / ``datasets_choice`` (:mod:`.datasets_draws`)."""
+    reused; ``mixture_draws``: ``hash`` or ``datasets_cycle`` / ``datasets_choice`` (:class:`.weights.DatasetsDraws`)."""
     if isinstance(config, MixtureConfig):
         return MixtureStream(config, rank=rank, world_size=world_size, num_workers=num_workers,
                              index_from=index_from, draws=mixture_draws)

@@ -3,7 +3,12 @@
 The history is an ordered list of segments, each the weights (numbers or schedules) of a set of sources from a
 draw on; segments live in the fingerprint, the draw each starts at in a partition's state (``changes``). A
 schedule is read at ``d * num_partitions`` (unit samples) or ``/ samples_per_step`` (unit steps); the pick is
-the draw's counter-based uniform against the cumulative weights, a pure function of the draw and the history."""
+the draw's counter-based uniform against the cumulative weights, a pure function of the draw and the history.
+
+Or (:class:`DatasetsDraws`) the sources in the sequence of ``datasets.interleave_datasets`` (datasets 4.0;
+LLaMA-Factory's ``mix_strategy: interleave_*``): the sources in turn without probabilities, else
+``numpy.random.default_rng(seed).choice(n, size=1000, p=...)`` block after block, seeded per epoch as datasets'
+``_effective_generator``. Draw k of an epoch is a pure function of (seed, epoch, k); the epochs are datasets' too."""
 
 from __future__ import annotations
 
@@ -189,3 +194,47 @@ class WeightPlan:
         segment = self.segment_of(consumed, changes)
         w = normalised_rows(self.weights(segment, np.asarray([consumed], dtype=np.int64)))[0]
         return {label: float(v) for label, v in zip(self.history[segment].labels, w)}
+
+
+# ------------------------------------------------------------------ datasets.interleave_datasets' draws
+DATASETS_MODES = ("datasets_cycle", "datasets_choice")
+DATASETS_BLOCK = 1000        # datasets' random_batch_size
+
+
+def _datasets_generator(seed: int, epoch: int, partition: int) -> np.random.Generator:
+    if epoch > 0:      # datasets' _effective_generator
+        effective = int(np.random.default_rng(seed).integers(0, 1 << 63)) - epoch
+        seed = (1 << 63) + effective if effective < 0 else effective
+    # one rank and one worker (partition 0): datasets' own generator; other partitions: their own sequence
+    return np.random.default_rng(seed if partition == 0 else [seed, partition])
+
+
+class DatasetsDraws:
+    """Blocks of draws of one mixture, per (epoch, partition), continued without regenerating."""
+
+    def __init__(self, mode: str, weights: tuple[float, ...], seed: int):
+        if mode not in DATASETS_MODES:
+            raise ValueError(f"mode: got {mode!r}; allowed: {', '.join(DATASETS_MODES)}")
+        self.mode, self.seed, self.n = mode, int(seed), len(weights)
+        p = np.asarray(weights, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            if not np.isfinite(p.sum()):      # weights near the float maximum: the sum overflows
+                p = p / p.max()
+        self.p = p if p.sum() == 1.0 else p / p.sum()
+        self._at: dict[int, tuple[int, int, np.random.Generator]] = {}   # partition -> (epoch, next block, rng)
+
+    def block(self, epoch: int, partition: int, start: int) -> tuple[int, list[int]]:
+        """(first draw, sources) of the block holding draw ``start`` of (epoch, partition)."""
+        first = start // DATASETS_BLOCK
+        if self.mode == "datasets_cycle":
+            return first * DATASETS_BLOCK, [(first * DATASETS_BLOCK + i) % self.n for i in range(DATASETS_BLOCK)]
+        at = self._at.get(partition)
+        if at is None or at[0] != epoch or at[1] > first:
+            at = (epoch, 0, _datasets_generator(self.seed, epoch, partition))
+        _, k, rng = at
+        while True:
+            picks = rng.choice(self.n, size=DATASETS_BLOCK, p=self.p)
+            k += 1
+            if k > first:
+                self._at[partition] = (epoch, k, rng)
+                return first * DATASETS_BLOCK, picks.tolist()

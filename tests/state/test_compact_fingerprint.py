@@ -17,7 +17,7 @@ from resumable_stream import ResumableStream, StreamConfig, StreamMismatchError
 from resumable_stream.sources import fingerprint_files, open_source
 from resumable_stream.sources.index import decode_index, encode_index, encode_message, load_index
 from resumable_stream.sources.index_table import FileTable
-from resumable_stream.state.files_diff import _files_diff, compare_files
+from resumable_stream.state.relocation import _files_diff, compare_files
 from resumable_stream.testing import synthetic_parquet_index, write_parquet_dataset
 
 pytestmark = pytest.mark.timeout(120)

@@ -98,7 +98,7 @@ def test_a_saved_directory_is_gathered_with_the_streams_part_made_by_the_stream(
     for each in _two_ranks(data, mixture_config):
         each.save_sidecar(str(tmp_path), manifest=False)
     checkpoint.finish(str(tmp_path), 2)
-    saved = checkpoint.open_saved(str(tmp_path), 0)
+    saved = checkpoint.SavedState(str(tmp_path), 0)
     first = _plain(saved.first)
     spy = StreamPartSpy()
     state, _ = saved.gather(range(NUM_PARTITIONS), spy)

@@ -52,7 +52,8 @@ from resumable_stream.errors import SourceError
 from resumable_stream.loader import StreamLoader
 from resumable_stream.sources import Source, open_source
 from resumable_stream.state.checkpoint import write_manifest
-from resumable_stream.stream.mixture import draw_sources, source_counts
+from resumable_stream.stream.mixture import source_counts
+from resumable_stream.stream.weights import draw_sources
 from resumable_stream.testing import synthetic_rows
 
 B_START, C_START = 100_000, 200_000
