@@ -1,10 +1,6 @@
-"""Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
-
-The index lists every file the job has read, new ones at the end (old shard ids never change), and
-``growth.generations``: ``{"from_epoch", "files", "dropped"}``; epoch e reads the first ``files`` files of the last
-generation with ``from_epoch <= e``, less its ``dropped``. A generation is added at a resume or a refresh
-(``refresh_files``, follow mode) by rank 0 and broadcast, from the epoch after the furthest one any partition
-has begun; a file not complete yet waits for the next one (docs/growing-data.md).
+"""Datasets that grow (``data.growth``): the index lists every file read, new ones at the end, and
+``growth.generations`` (``{"from_epoch", "files", "dropped"}``): epoch e reads the first ``files`` files of the
+last generation with ``from_epoch <= e``, less its ``dropped`` (docs/growing-data.md#how-it-works).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Open a rank's source so that the whole job resolves its dataset once.
-
-The index comes from the checkpoint being resumed (``saved``: read on demand by the state layer), else
-``data.index_path``, else it is built; a loaded one is checked first (``data.verify_files``: ``growth.recheck``).
-Under ``torch.distributed`` only rank 0 does this and broadcasts the index (``index_message``: no pickle), with
-its order settings (``agree``): a rank whose own differ makes every rank raise a ConfigError naming them.
+"""Open a rank's source so that the whole job resolves its dataset once: the index of the checkpoint being resumed,
+else ``data.index_path``, else built (a loaded one checked: ``growth.recheck``); under ``torch.distributed`` by
+rank 0 only, broadcast with the settings every rank must share (``index_message``).
 """
 
 from __future__ import annotations
