@@ -197,8 +197,10 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
         if answer is not None:
             raise SourceError(answer) from None
         answer = remote_answer(e)
-        if answer is not None:
-            raise SourceError(f"{_data_key(data)}: the object store refused ({answer})") from None
+        if answer is not None:      # the key naming the data: data_files when set
+            key = (f"data.data_files {data.data_files!r}" if data.data_files is not None
+                   else f"data.dataset_name_or_path {data.dataset_name_or_path!r}")
+            raise SourceError(f"{key}: the object store refused ({answer})") from None
         if isinstance(e, FileNotFoundError):
             raise SourceError(f"data.dataset_name_or_path {data.dataset_name_or_path!r} / data.data_files "
                               f"{data.data_files!r}: {e}") from None
@@ -218,13 +220,6 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
     files = pin_commits(files, lambda repo, rev: retry.call(
         lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
-
-
-def _data_key(data: DataSpec) -> str:
-    """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
-    if data.data_files is not None:
-        return f"data.data_files {data.data_files!r}"
-    return f"data.dataset_name_or_path {data.dataset_name_or_path!r}"
 
 
 def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | None:
