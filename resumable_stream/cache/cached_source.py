@@ -1,8 +1,6 @@
-"""``CachedSource``: a read-through block cache around any :class:`~resumable_stream.sources.base.Source`.
-
-``read(shard, start_row)`` serves blocks from the store while they are there, then reads the source from the
-first missing block, handing each block to the store's writer thread as it passes. Rows, order, shards and
-fingerprint are the source's own (only table boundaries differ), so sidecars resume with the cache on or off."""
+"""``CachedSource``: a read-through block cache around any :class:`~resumable_stream.sources.base.Source`: blocks
+from the store while they are there, then the source from the first missing one (written behind). Rows, order and
+fingerprint are the source's own, so a state resumes with the cache on or off."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The block store: Arrow IPC blocks bound to their key, in a ``diskcache`` directory shared by a node.
 
-A block is ``block_rows`` consecutive rows of one shard (the shard's last one marked *last*, so that a fully
-cached shard is read without asking the source). Keys are ``<namespace>/<shard>/<block>``, the namespace a
-digest of the dataset fingerprint, block size and block format, so changed data never meets an old entry.
-A value is a header (magic, flags, rows, length, key digest, CRC-32) and the Arrow IPC stream; one that fails
-a check (moved under another key included) is dropped with a warning and fetched again.
-
-``cache.db`` is not trusted (:mod:`.disk`): lookups read rows themselves on a read-only SQLite connection
-(diskcache's ``get`` unpickles and writes) and give up on a locked database after READ_TIMEOUT_S. Writes go
-through ``diskcache.Cache`` with :class:`~.disk.SafeDisk` on one background thread per process
-(:meth:`BlockStore.put_behind`); a read-only, locked or full cache skips them, it never stops reading.
-Connections are opened per process (again after a fork); counters live in shared memory, so DataLoader
-workers' reads show in the main process's :meth:`BlockStore.stats`."""
+A block is ``block_rows`` consecutive rows of one shard (the last one marked), under
+``<namespace>/<shard>/<block>`` (the namespace: a digest of the fingerprint, block size and format); its value
+a header (magic, flags, rows, length, key digest, CRC-32) and the Arrow IPC stream. What is guaranteed (trust,
+locks, read-only caches, sharing): docs/cache-and-warmup.md."""
 
 from __future__ import annotations
 
@@ -42,11 +34,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_ROWS = 8192
 # Blocks a reader may have waiting for the writer thread (memory bound: a few blocks).
 WRITE_BEHIND_BLOCKS = 4
-# The data path never waits long for the cache. A lookup waits at most READ_TIMEOUT_S for a locked
-# cache.db (WAL readers are not blocked by writers: only an exclusive lock of another kind makes one
-# wait); a write (writer thread, warmup) at most WRITE_TIMEOUT_S; a reader whose writer thread is still
-# busy after SLOT_WAIT_S does not cache that block. After a failure, lookups (or writes) skip the cache
-# for RETRY_AFTER_S, then try again.
+# The data path never waits long for the cache: a lookup's lock wait, a write's, a reader's wait for a writer
+# slot, and how long the cache is skipped after a failure (docs/cache-and-warmup.md).
 READ_TIMEOUT_S = 0.2
 WRITE_TIMEOUT_S = 2.0
 SLOT_WAIT_S = 5.0
@@ -174,8 +163,7 @@ def decode_block(data: bytes, key: str) -> tuple[pa.Table, bool]:
 
 
 def _open_read_only(db: str) -> sqlite3.Connection:
-    """A connection that only reads ``cache.db``, waiting at most READ_TIMEOUT_S for a lock (WAL readers are not
-    blocked by writers). A WAL database in a directory nobody may write cannot be opened read-only: immutable."""
+    """A read-only connection to ``cache.db`` (immutable in a directory nobody may write: WAL needs that)."""
     uri = "file:" + urllib.parse.quote(db)
     con = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=READ_TIMEOUT_S, isolation_level=None)
     try:
@@ -404,9 +392,8 @@ class BlockStore:
         self._counters.add(corrupt=1)
 
     def _first_to_meet(self, st: _ProcessState, key: str, fixed: int) -> bool:
-        """Whether this thread is the first here to meet the corrupt entry of ``key`` (then it is dropped:
-        counted, warned, and read again) rather than an entry already counted, or one this process has stored
-        sound since the caller's lookup began (``fixed``: ``st.fixed[key]`` before that lookup)."""
+        """Whether this thread is the first here to meet the corrupt entry of ``key`` (``fixed``: ``st.fixed[key]``
+        before its lookup: a sound copy stored since then is no corruption)."""
         with st.lock:
             if key in st.dropped or st.fixed.get(key, 0) != fixed:
                 return False
@@ -422,9 +409,7 @@ class BlockStore:
                     st.fixed[key] = st.fixed.get(key, 0) + 1
 
     def _drop(self, st: _ProcessState, shard: int, block: int, where: str, err: Exception, fixed: int) -> None:
-        """Warn, and delete the entry on the writer thread (its file only if inside the directory); nothing
-        if another thread of this process met it first (a write queued before the lookup checks the entry
-        it replaces)."""
+        """Warn, and delete the entry on the writer thread, unless another thread here met it first."""
         key = self.key(shard, block)
         if not self._first_to_meet(st, key, fixed):
             return
@@ -456,8 +441,7 @@ class BlockStore:
             self._error(what, err)
 
     def put(self, shard: int, block: int, table: pa.Table, last: bool, where: str = "") -> int:
-        """Store a block unless a sound copy is there (a corrupt one is replaced): the bytes written, 0 when present
-        or skipped (a read-only, locked or full cache, counted in ``writes_skipped``)."""
+        """Store a block unless a sound copy is there: the bytes written, 0 when present or skipped."""
         st = self._proc()
         if not self._may_write(st):
             self._counters.add(writes_skipped=1)

@@ -1,10 +1,6 @@
-"""Datasets that grow (``data.growth: append`` / ``follow``): which files each epoch reads, kept in the dataset index.
-
-The index lists every file the job has read, new ones at the end (old shard ids never change), and
-``growth.generations``: ``{"from_epoch", "files", "dropped"}``; epoch e reads the first ``files`` files of the last
-generation with ``from_epoch <= e``, less its ``dropped``. A generation is added at a resume or a refresh
-(``refresh_files``, follow mode) by rank 0 and broadcast, from the epoch after the furthest one any partition
-has begun; a file not complete yet waits for the next one (docs/growing-data.md).
+"""Datasets that grow (``data.growth``): the index lists every file read, new ones at the end, and
+``growth.generations`` (``{"from_epoch", "files", "dropped"}``): epoch e reads the first ``files`` files of the
+last generation with ``from_epoch <= e``, less its ``dropped`` (docs/growing-data.md#how-it-works).
 """
 
 from __future__ import annotations
@@ -150,10 +146,8 @@ def _file_set(index: dict) -> tuple:
 
 
 def _branch_unmoved(data: DataSpec, index: dict) -> bool:
-    """A running job's Hub branch still points to the commit the index's newest files come from, or to a later
-    one this process found to hold the same files (one repo-info request): then no file can have been added,
-    changed or removed, and nothing else needs asking. False for data not on one Hub repo, or when the request
-    fails (the full resolution then says why)."""
+    """A running job's Hub branch still points to the commit of the index's newest files, or to a later one found
+    to hold the same files (one repo-info request): nothing changed. False off one Hub repo or when it fails."""
     pinned = [hub_commits([f["path"]]) for f in reversed(index["files"])]
     repos = {repo for p in pinned for repo in p}
     if len(repos) != 1:
@@ -177,17 +171,12 @@ def _remember_unchanged(data: DataSpec, index: dict, files_now: list[str]) -> No
 
 def recheck(spec: SourceSpec, index: dict, from_epoch: int | None, where: str, running: bool = False,
             given: bool = False) -> dict | None:
-    """``index`` checked against the data now, the one way a saved or given index is checked: the files the
-    config resolves to now (patterns and repositories listed again; an explicit list of URLs needs no request)
-    and the identities of the listed files still read. A listed file that changed is a StreamMismatchError
-    naming it.
-
-    Without growth (``from_epoch`` None) the files must be the same: else a ``given`` index
-    (``data.index_path``) is an error naming what changed, and a checkpoint's gives None (the dataset is then
-    resolved afresh, so that the resume check names the change with the saved fingerprint). A growing dataset
-    may gain files: a new generation from ``from_epoch`` when the file set changed; a file that disappeared is
-    an error unless ``data.growth_allow_removal``. ``running``: the job that built ``index`` asks again (same
-    config): a Hub branch that has not moved costs one repo-info request."""
+    """``index`` checked against the data now (the files the config resolves to, the identities of those read):
+    the one way a saved or given index is checked; a changed file is a StreamMismatchError naming it.
+    Without growth (``from_epoch`` None) the files must be the same: else a ``given`` index is an error naming
+    the change, a checkpoint's gives None (resolved afresh: the resume check names it). A growing dataset may
+    gain files (a generation from ``from_epoch``), lose them only with ``data.growth_allow_removal``.
+    ``running``: the job that built ``index`` asks again (an unmoved Hub branch: one request)."""
     data = spec.data
     path, data_files, targets, retry = where_to_look(spec)
     reader = registry.format_of_index(index).load()
@@ -299,10 +288,8 @@ def _grown(spec: SourceSpec, index: dict, from_epoch: int, where: str, running: 
 
 
 def resume(spec: SourceSpec, saved: dict, furthest: int, rank: int, world_size: int, where: str) -> dict:
-    """The index a resume continues with when its state carries the index (a state a trainer keeps in its own
-    checkpoint, not in a stream_state directory): ``saved``, the files it lists checked, those that appeared
-    since joining after ``furthest`` (the furthest epoch any partition of the job has begun: a job's state holds
-    them all). Rank 0 lists the files and broadcasts the result; every rank calls it (a collective)."""
+    """The index a resume continues with when its state carries it: ``saved`` checked, new files joining after
+    ``furthest`` (the furthest epoch begun in the job). Rank 0 lists the files and broadcasts (a collective)."""
     return _by_rank_zero(lambda: recheck(spec, saved, joins_at(spec.growth, saved, furthest), where),
                          shared_over_dist(rank, world_size), rank, "resume from the files the state lists")
 

@@ -1,9 +1,6 @@
-"""Open a rank's source so that the whole job resolves its dataset once.
-
-The index comes from the checkpoint being resumed (``saved``: read on demand by the state layer), else
-``data.index_path``, else it is built; a loaded one is checked first (``data.verify_files``: ``growth.recheck``).
-Under ``torch.distributed`` only rank 0 does this and broadcasts the index (``index_message``: no pickle), with
-its order settings (``agree``): a rank whose own differ makes every rank raise a ConfigError naming them.
+"""Open a rank's source so that the whole job resolves its dataset once: the index of the checkpoint being resumed,
+else ``data.index_path``, else built (a loaded one checked: ``growth.recheck``); under ``torch.distributed`` by
+rank 0 only, broadcast with the settings every rank must share (``index_message``).
 """
 
 from __future__ import annotations
@@ -41,21 +38,15 @@ def open_job_source(spec: SourceSpec, rank: int = 0, world_size: int = 1, saved:
     """This rank's source of one dataset; ``saved``: what a checkpoint being resumed saved of it (its index may
     be used: ``data.resume_state_path`` or a loader's / trainer's ``index_from``); ``agree``: settings (key ->
     JSON value) every rank must have the same, checked against rank 0's when the index is shared."""
-    return _open_shared([spec], [None], rank, world_size, saved, agree)[0]
+    return open_job_sources([spec], [None], rank, world_size, saved, agree)[0]
 
 
-def open_job_sources(specs: list[SourceSpec], labels: list[str], rank: int = 0, world_size: int = 1,
+def open_job_sources(specs: list[SourceSpec], labels: list[str | None], rank: int = 0, world_size: int = 1,
                      saved: Saved | None = None, agree: dict[str, Any] | None = None) -> list[Source]:
-    """This rank's sources of a mixture, one per spec (``labels``: the mixture's source labels), each resolved
-    and indexed once per job as :func:`open_job_source` does for one dataset: the saved index of source
-    ``label`` in ``saved``, its ``index_path``, else built; under ``torch.distributed`` by rank 0 only,
-    all sources' indexes broadcast in one message (``agree``: as :func:`open_job_source`)."""
-    return _open_shared(list(specs), list(labels), rank, world_size, saved, agree)
-
-
-def _open_shared(specs: list[SourceSpec], labels: list[str | None], rank: int, world_size: int,
-                 saved: Saved | None, agree: dict[str, Any] | None = None) -> list[Source]:
-    """The sources of ``specs`` (``labels``: their names in a mixture's saved state, None for one dataset)."""
+    """This rank's sources of a mixture, one per spec (``labels``: the mixture's source labels; None: one
+    dataset), each resolved and indexed once per job as :func:`open_job_source` does for one dataset; under
+    ``torch.distributed`` all sources' indexes broadcast in one message."""
+    specs, labels = list(specs), list(labels)
     shared = shared_over_dist(rank, world_size) and any(c.data.indexed for c in specs)
     if shared and rank != 0:
         message = received("open the dataset")

@@ -1,13 +1,8 @@
 """The job's request budget (``data.max_requests_per_s``), and what a store's rate-limit answer makes us do.
 
-A job stays inside a store's limit by design (docs/scale.md#rate-limits-requests-per-epoch-and-the-hubs-tiers has
-the stores' limits and the guarantees): the job's rate per store is split evenly over its consumers (ranks x
-max(1, DataLoader workers)), each process pacing its own requests at its share with a token bucket of one token
-that starts empty (no burst, a restart's first second included); rank 0, opening the dataset while the other
-ranks wait for its index, uses the whole rate (:func:`opening_alone`). A rate-limit answer pauses the process's
-requests to that store until the reset it names (an S3 ``SlowDown``: a backoff, and half the pace), then
-:func:`resumable_stream.io.ranged.read_range` asks again, spending no retry; ``data.rate_limit_wait_s`` bounds one
-request's waiting. Nothing of it is saved: the buckets live in each process's memory only.
+The job's rate per store is split over its consumers, each process pacing its share with a one-token bucket that
+starts empty; a rate-limit answer pauses the process's requests to that store until its reset. The limits and
+guarantees: docs/scale.md#rate-limits-requests-per-epoch-and-the-hubs-tiers. Nothing of it is saved.
 """
 
 from __future__ import annotations
@@ -206,8 +201,8 @@ def register(budget: RequestBudget) -> None:
 
 
 def set_consumers(consumers: int) -> None:
-    """The job has ``consumers`` processes reading (ranks x max(1, DataLoader workers)): each process's share
-    of the job's rate is 1 / consumers of it. Set by the stream for its topology, in every process."""
+    """The job has ``consumers`` processes reading (ranks x max(1, DataLoader workers)), each with 1 / consumers
+    of the job's rate."""
     p = _state
     with p.lock:
         p.consumers = max(1, int(consumers))
@@ -231,9 +226,8 @@ def opening_alone() -> Iterator[None]:
 
 
 def process_rate(path: str) -> float | None:
-    """Reads per second this process may make of ``path``'s store now: its paced requests' rate, over the share of
-    its reads that make one (1 but for Hub files, whose reads mostly go to a CDN URL: io/hub.py); None:
-    unlimited (or local)."""
+    """Reads per second this process may make of ``path``'s store now (its paced rate over the share of reads that
+    make a paced request: Hub reads mostly go to a CDN URL); None: unlimited (or local)."""
     store = store_of(path)
     if store is None:
         return None
@@ -284,9 +278,8 @@ def describe(path: str) -> str:
 
 
 def acquire(path: str, paced: bool = True) -> None:
-    """Wait until this process may send one request to ``path``'s store: its pace (unless not ``paced``), and any
-    pause a rate-limit answer asked for. Waits are counted (``budget_wait``: the pace; ``rate_limit_wait``: a
-    pause) and noted for :func:`waited_since`."""
+    """Wait until this process may send one request to ``path``'s store: its pace (unless not ``paced``) and any
+    rate-limit pause; the waits are counted and noted for :func:`waited_since`."""
     store = store_of(path)
     if store is None:
         return

@@ -1,12 +1,6 @@
-"""Hugging Face Hub revisions: which commit of a dataset repo a job reads.
-
-``datasets`` resolves a hub id to ``hf://datasets/{repo}@{commit sha}/...`` files; ``hf://`` paths a user
-writes may name a branch (``@main``) or no revision at all. :func:`pin_commits` rewrites such paths to the
-commit the branch points to now (one repo-info request per repo and job, made by whoever resolves the
-dataset), so that every rank, worker and restart of the job reads the same commit even when the repo gets a
-new one meanwhile, and :func:`hub_commits` names those commits for the stream fingerprint: a resume on
-another commit is then a StreamMismatchError naming the repo and both commits, unless ``data.revision``
-pins the one the run started with.
+"""Hugging Face Hub revisions and reads: :func:`pin_commits` pins ``hf://`` paths on a branch to the commit it
+points to now, so that every rank, worker and restart reads one commit; :func:`hub_commits` names it for the
+fingerprint (docs/hub.md#revisions-what-a-resume-reads). Ranged reads of Hub files: :func:`get_range`.
 """
 
 from __future__ import annotations
@@ -123,14 +117,9 @@ def hub_repo_of(path: str) -> str | None:
 
 def get_range(path: str, start: int, end: int):
     """The answer (a ``requests``-like response) to a ranged GET of bytes ``[start, end)`` of an
-    ``hf://datasets/{repo}@{rev}/{file}``.
-
-    A file's ``resolve`` URL is asked once per process (HfFileSystem would ask for the repo info and list the
-    directory first, in every process); its redirect to a signed CDN URL is kept for the next reads of that file
-    until shortly before it expires or the CDN refuses it (docs/scale.md: only ``resolve`` requests count against
-    the Hub's rate limit, and only those wait for their turn under the request budget). The CDN gets no token.
-    One try: the caller's retry policy (io/net.py) is the only retry layer (huggingface_hub's ``http_backoff``
-    would multiply it); :func:`resumable_stream.io.ranged.read_range` checks the answer."""
+    ``hf://datasets/{repo}@{rev}/{file}``: its ``resolve`` URL asked once per process (the requests the Hub's rate
+    limit counts, paced), its signed CDN URL kept until shortly before it expires (no token goes there). One try:
+    the caller's retry policy is the only retry layer; ``io.ranged.read_range`` checks the answer."""
     parts = _parts(path)
     if parts is None or not parts[2]:
         raise ValueError(f"not an hf://datasets/ file path: {path!r}")
@@ -269,9 +258,7 @@ os.register_at_fork(after_in_child=_after_fork)
 
 def listed_identities(files: list[str], storage_options: dict) -> dict[str, dict]:
     """Identities of the ``hf://datasets/`` files among ``files`` that name a commit sha, from the folder
-    listings the process's HfFileSystem already holds: ``datasets`` lists a data folder when it resolves a
-    pattern, and that listing carries each file's size, blob id and LFS sha256. A commit's tree never changes,
-    so this is the answer a paths-info request would give, without asking. {} for files not listed (asked then)."""
+    listings HfFileSystem already holds (``datasets`` made them; a commit's tree never changes); {}: not listed."""
     pinned = {}         # file -> its name in HfFileSystem's listings
     for f in files:
         parts = _parts(f)

@@ -31,10 +31,8 @@ from .budget import error_chain, retry_after_s
 
 log = logging.getLogger(__name__)
 
-# Remote data is read under one retry policy: every step of resolving it is retried on its own, a shard read
-# that fails midway is reopened at the next row not yet yielded; local files are never retried. The waiting is
-# bounded (data.timeout_s per request, data.retry_budget_s per step: docs/internals.md#bounded-waiting), and
-# datasets' own read/open retries (up to 20 tries, 5-60 s sleeps) are off around our calls while ours govern.
+# Every remote step is retried on its own, local files never; the waiting is bounded and datasets' own retries
+# are off around our calls (docs/internals.md#bounded-waiting).
 
 T = TypeVar("T")
 
@@ -109,16 +107,10 @@ def flat_files(data_files: object) -> list[str]:
     return []
 
 
-
 class _HttpRetry:
-    """aiohttp client middleware: each idempotent HTTP request is retried up to ``retries`` times.
-
-    Covers what no code of ours wraps (requests made deep inside datasets while it resolves files,
-    infers a schema or reshards) so that a step made of many requests does not fail whenever one of them
-    does. Retried: connection errors and resets, timeouts, 5xx / 408 / 425 / 429; for ranged GETs (the
-    only body reads fsspec buffers whole anyway) the body is read here, so a cut-off or stalled body is
-    retried too. Anything else comes back as aiohttp gave it. Picklable, with a stable repr (fsspec keys
-    its filesystem cache on it)."""
+    """aiohttp client middleware retrying each idempotent request up to ``retries`` times: the requests datasets
+    makes deep inside (resolving, schema inference). A ranged GET's body is read here, so a cut body is retried
+    too. Picklable, with a stable repr (fsspec keys its filesystem cache on it)."""
 
     def __init__(self, retries: int, backoff_s: float):
         self.retries, self.backoff_s = retries, backoff_s
@@ -179,8 +171,7 @@ def backoff_wait(backoff_s: float, attempt: int, retry_after: float | None = Non
 
 
 def _storage_options(timeout_s: float, retries: int, backoff_s: float) -> dict:
-    """fsspec HTTP options handed to datasets: aiohttp times out a connect or read stalled for
-    ``timeout_s``, and retries single requests (see :class:`_HttpRetry`)."""
+    """fsspec options handed to datasets: ``timeout_s`` per connect or read, single requests retried."""
     try:
         import aiohttp
     except ImportError:  # no fsspec HTTP filesystem without aiohttp anyway
@@ -400,10 +391,8 @@ class RetryPolicy:
         return backoff_wait(self.backoff_s, attempt, retry_after)
 
     def failed(self, e: BaseException, attempt: int, label: str, probe: list[str], started: float) -> bool:
-        """After ``e`` ended try ``attempt + 1`` of a step whose first try began at ``started`` (monotonic):
-        sleep and return True when another try is due; False when ``e`` is no network fault (the caller
-        reports it). Raises SourceError when a probe shows the file is gone, or when the retries or the
-        step's time (data.retry_budget_s) are spent."""
+        """After ``e`` ended try ``attempt + 1`` of a step begun at ``started``: sleep and True when another try
+        is due, False when ``e`` is no fault; SourceError when the file is gone or the retries / time are spent."""
         kind = _classify(e)
         if kind == "permanent":
             return False
@@ -452,11 +441,8 @@ class HttpAnswer(ResumableStreamError):
 
 
 def fetch_url(url: str, read: Callable[[Any], T], retry: RetryPolicy, label: str) -> T:
-    """``read(response)`` of a plain GET of an http(s) ``url`` under ``retry``: each try has ``data.timeout_s``;
-    connection errors, timeouts, cut bodies and 5xx / 408 / 425 / 429 are tried again (``data.retries``, with
-    the backoff and Retry-After of every other step, within ``data.retry_budget_s``). A status that describes
-    the resource raises :class:`HttpAnswer`; a fault that outlasts the retries a SourceError naming ``label``.
-    What ``read`` raises of its own passes through."""
+    """``read(response)`` of a plain GET of an http(s) ``url``, faults retried as every step's are; a status about
+    the resource raises :class:`HttpAnswer`, spent retries a SourceError naming ``label``."""
     attempt, started = 0, time.monotonic()
     while True:
         request_budget.acquire(url)

@@ -1,12 +1,6 @@
-"""Ranged reads that prove they got the bytes they asked for, of the object the index recorded.
-
-``read_range(path, start, end, storage_options, identity)`` returns bytes ``[start, end)`` of a local file or an
-object (http(s)://, s3://, hf://datasets/, any other fsspec protocol), checked before anyone decodes it as
-docs/internals.md#verified-bytes says: the length (short: an ``OSError``, retried), a 206 of the range asked for
-(sent with ``If-Match`` for a strong ETag) of an object of the recorded size / ETag / Last-Modified, a local
-file's size and mtime. Another object is :class:`ObjectChanged`, another range :class:`WrongBytes`, a server that
-ignores ``Range`` :class:`RangeNotSupported` (never retried). ``identity``: the file's dataset-index entry
-(``size``, ``etag``, ``last-modified``, ``mtime``); without one only the length is checked.
+"""Ranged reads that prove they got the bytes they asked for, of the object the index recorded (the checks:
+docs/internals.md#verified-bytes). Another object is :class:`ObjectChanged`, another range :class:`WrongBytes`,
+a server that ignores ``Range`` :class:`RangeNotSupported`; a short read an ``OSError`` (retried).
 """
 
 from __future__ import annotations
@@ -93,10 +87,8 @@ def _new_filesystem(protocol: str, options: dict, key: tuple):
 
 
 def _session_of_this_process(protocol: str, options: dict):
-    """The aiobotocore session of the s3fs filesystem this process already made with the same options (fsspec's
-    cached instance: the one ``datasets`` listed the files with): a client made from it skips loading
-    botocore's service models again (~0.1-0.3 s per new session). The client itself (keys, endpoint, timeouts,
-    retries) is ours. None when there is none yet (a cached instance is made lazily, without connecting)."""
+    """The aiobotocore session of fsspec's cached s3fs instance with the same options (the one ``datasets`` listed
+    with): our client made from it skips loading botocore's models again (~0.1-0.3 s). None: none yet."""
     import fsspec
 
     try:
@@ -143,10 +135,8 @@ def request_seconds() -> float:
 
 
 def read_range(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None) -> bytes:
-    """Bytes ``[start, end)`` of ``path``, checked as the module docstring says. A remote request waits for its
-    turn under the job's request budget first; a rate-limit answer (429, S3 SlowDown) pauses the process's
-    requests to that store until the reset it names and the request is made again, up to
-    ``data.rate_limit_wait_s`` of such waits (io/budget.py)."""
+    """Bytes ``[start, end)`` of ``path``, checked against ``identity`` (its index entry; None: the length only);
+    a remote request in its turn under the request budget, asked again after a rate-limit pause (io/budget.py)."""
     if end <= start:
         return b""
     if "://" not in path or path.startswith("file://"):
@@ -206,12 +196,9 @@ def _timed(request, size_of, remote: bool = True):
 
 
 def read_tail(path: str, nbytes: int, timeout_s: float) -> tuple[dict, bytes] | None:
-    """The last ``nbytes`` of an http(s) file and its identity (size, ETag, Last-Modified: what a HEAD gives,
-    ``sources/resolve.file_identity``) from one GET of a suffix range, whose Content-Range names the file's size: a
-    file's identity and its footer in one round trip instead of two. Sent with the standard library's http.client
-    (fsspec's aiohttp is not needed for it, nor imported: ``io/net.import_http_stack_ahead``), under the request
-    budget. None where one such request cannot tell both (a redirect, a server that ignores the range, an empty
-    file, credentials in the URL): the caller asks the way it did."""
+    """The last ``nbytes`` of an http(s) file and its identity (what a HEAD gives) from one suffix-range GET, sent
+    with http.client (no aiohttp import) under the request budget. None where one such request cannot tell both
+    (a redirect, a server ignoring the range, an empty file, credentials in the URL): the caller asks as before."""
     split = urllib.parse.urlsplit(path)
     if split.scheme not in ("http", "https") or split.username or split.password or nbytes <= 0:
         return None
@@ -226,10 +213,8 @@ def read_tail(path: str, nbytes: int, timeout_s: float) -> tuple[dict, bytes] | 
 
 @functools.cache
 def _fsspec_reports_last_modified() -> bool | None:
-    """Whether fsspec's HTTP ``info()`` reports Last-Modified (filesystem_spec#1909; 2025.3.0, beside
-    LLaMA-Factory 0.9.5, does not), so that read_tail's identity holds the keys ``file_identity``'s HEAD gives
-    (a resume compares them). Read from its source, not imported: that import is the aiohttp stack read_tail
-    does without. None when it cannot be told (read_tail then leaves the file to fsspec)."""
+    """Whether fsspec's HTTP ``info()`` reports Last-Modified (filesystem_spec#1909), so that read_tail's identity
+    holds the keys a HEAD gives; read from its source (importing it imports aiohttp). None: cannot be told."""
     try:
         spec = importlib.util.find_spec("fsspec")
         where = spec.submodule_search_locations if spec is not None else None
@@ -281,9 +266,7 @@ def _tail_http(path: str, split, nbytes: int, timeout_s: float,
 
 def read_range_parallel(path: str, start: int, end: int, storage_options: dict, identity: dict | None = None,
                         part_bytes: int = 8 << 20, threads: int = 16) -> bytes:
-    """Bytes ``[start, end)`` of ``path`` as :func:`read_range` gives them, in concurrent ranged reads of about
-    ``part_bytes`` each (a large parquet row group: one request would take its whole transfer time on one
-    connection). Local files: one read."""
+    """:func:`read_range` in concurrent reads of about ``part_bytes`` each (a large row group); local files: one."""
     parts = max(1, min(threads, -(-(end - start) // part_bytes)))
     if parts == 1 or "://" not in path or path.startswith("file://"):
         return read_range(path, start, end, storage_options, identity)

@@ -140,12 +140,8 @@ class FetchesAhead(Source):
 
     def _fetch_ahead(self, fetch, depth: int | None, memory_mb: float | None, bytes_of, remote: bool,
                      rate=None, run=None, adjacent=None, decoded=None, first_depth=None) -> None:
-        """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive, prefetch.py;
-        0: off) within ``memory_mb``; ``bytes_of(shard)``: what one fetch transfers. ``rate()``: the requests per
-        second this process may send (the request budget bounds the depth); ``run(shards)`` and
-        ``adjacent(shard)``: several neighbouring shards of one file fetched in one request (prefetch.py);
-        ``decoded(shard)``: the bytes its fetch holds once decoded, where the source knows them; ``first_depth``:
-        the fetches ahead before a partition's first hand-over (None: the prefetcher's)."""
+        """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive; 0: off) within
+        ``memory_mb``; the other arguments are :class:`~.prefetch.Prefetcher`'s."""
         self._starts: dict[int, int] = {}     # shard -> the row its next fetch ahead starts at (a resume)
         if depth is not None and depth <= 0:
             return
@@ -280,14 +276,12 @@ class IndexedReader:
 
     def index_unknown(self, path: str, retry: RetryPolicy | None, footers: dict[str, bytes]) -> dict | None:
         """``index_file`` of a file whose identity is not known yet, in fewer requests where the store allows it
-        (parquet over http(s): identity and footer from one suffix-range GET); None: the identity is asked first
-        (``file_identity``), then ``index_file``. By default None."""
+        (parquet over http(s): one suffix-range GET); None (the default): identity first, then ``index_file``."""
         return None
 
     def index_complete(self, path: str, retry: RetryPolicy | None, identity: dict,
                        footers: dict[str, bytes] | None = None) -> dict:
-        """``index_file`` for a growing dataset (``data.growth``): a file not complete yet (still being written)
-        raises IncompleteFileError, and the dataset lists it again later. By default ``index_file``."""
+        """``index_file`` for a growing dataset: IncompleteFileError for a file still being written."""
         return self.index_file(path, retry, identity, footers)
 
     def features(self, path: str, footer: bytes | None) -> dict:
@@ -295,13 +289,12 @@ class IndexedReader:
         raise SourceError(f"data file {path!r}: its features are unknown")
 
     def infer_features(self, spec: SourceSpec, entry: dict, footer: bytes | None, retry: RetryPolicy | None) -> Any:
-        """The features when ``datasets`` gives none, from the first file's entry and raw metadata: by default
-        :meth:`features`; a format whose features come from the data (webdataset: its first samples) overrides it."""
+        """The features when ``datasets`` gives none, from the first file's entry and raw metadata (default:
+        :meth:`features`)."""
         return self.features(entry["path"], footer)
 
     def features_ahead(self, spec: SourceSpec, path: str, retry: RetryPolicy | None) -> Any:
-        """An object whose ``result()`` gives the features (or None: ``infer_features`` is asked), inferred from
-        the first file's path while the files are indexed; None: not so."""
+        """A future of the features inferred from the first file while the files are indexed; None: not so."""
         return None
 
     def entry_problem(self, entry: dict) -> str | None:
@@ -309,8 +302,7 @@ class IndexedReader:
         return None
 
     def local_check(self, path: str, identity: dict, retry: RetryPolicy | None, entry: dict) -> dict:
-        """Identity fields beyond size and mtime that a local file is checked on at resume (it costs no
-        request), compared with the entry's (``entry``: the index's, its layout says where to look); {}: none."""
+        """Identity fields beyond size and mtime a local file is checked on at resume (compared with ``entry``'s)."""
         return {}
 
     def indexable(self, builder: Any) -> bool:

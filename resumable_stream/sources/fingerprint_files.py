@@ -1,11 +1,6 @@
-"""A source's fingerprint (:func:`dataset_fingerprint`, every reader's made here), its files held compactly:
-``{"count": n, "digest": d}`` (the blake2b of the identities of a table's first ``n`` files, in columns) instead
-of a dict a file on every rank and in every state.
-
-Two such values compare by their digests; only when they differ are the identities looked up
-(:func:`identities`: in a table this process holds, or in the indexes of the checkpoint being read,
-:func:`saved_indexes`) and compared file by file (``state.checks``). A listed fingerprint (a reader without a
-columnar index) gets the same digest from its list. docs/internals.md has the why.
+"""A source's fingerprint (:func:`dataset_fingerprint`, every reader's made here), its files held compactly as
+``{"count": n, "digest": d}``: compared by digest, listed (:func:`identities`) only when they differ
+(docs/scale.md, docs/internals.md#small-state-at-scale).
 """
 
 from __future__ import annotations
@@ -166,11 +161,8 @@ def expanded(fingerprint: Any) -> Any:
 
 def dataset_fingerprint(spec: SourceSpec, builder: str | None, identities: list[dict] | FileTable,
                         shards: list | None = None, **extra: Any) -> dict:
-    """What determines a source's content, the one place it is made: the keys that name the data
-    (``spec.data``), the builder, every file's identity (and the Hub commits they come from), the shard count
-    and row counts; ``extra``: what a reader adds (map-style: its row count and slice size). A reader passes
-    on the spec its ``open_indexed`` was given. ``identities``: a list, or a parquet index's table, whose
-    files the fingerprint holds as their count and digest (:func:`compact`: O(1) on every rank)."""
+    """What determines a source's content, the one place it is made: the keys naming the data, the builder, every
+    file's identity (a table's: :func:`compact`) and Hub commit, the shard and row counts; ``extra``: a reader's."""
     data = spec.data
     local = data.backend == "local"     # a save_to_disk directory: no builder config, never streamed
     fp: dict[str, Any] = {"dataset": data.dataset_name_or_path, "name": None if local else data.name,

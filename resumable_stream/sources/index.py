@@ -55,25 +55,17 @@ def identity_of(entry: dict, layout_keys: tuple[str, ...] = PARQUET_LAYOUT_KEYS)
 
 
 # ------------------------------------------------------------------------------ files
-# (files table, the index's other keys, their JSON form): a checkpoint saves the index at every save, and a
-# columnar one cannot change (its files are read-only), so it is encoded once per process
-_last_encoded: tuple[FileTable, dict, bytes] | None = None
 _FILES_HERE = "\0files of the table\0"     # a string no index holds (its JSON escapes the NULs)
 
 
 def encode_index(index: dict) -> bytes:
     """The JSON form of ``index`` (its files as a list, however they are held)."""
-    global _last_encoded
-    files, rest = index.get("files"), {k: v for k, v in index.items() if k != "files"}
-    if _last_encoded is not None and _last_encoded[0] is files and _last_encoded[1] == rest:
-        return _last_encoded[2]
+    files = index.get("files")
     if not isinstance(files, FileTable):
         return json.dumps(index, sort_keys=True, separators=(",", ":"), default=json_default).encode()
     # the files' JSON made from the table's arrays, put in their place
     text = json.dumps({**index, "files": _FILES_HERE}, sort_keys=True, separators=(",", ":"))
-    data = text.replace(json.dumps(_FILES_HERE), files.json_text(), 1).encode()
-    _last_encoded = (files, json.loads(json.dumps(rest)), data)
-    return data
+    return text.replace(json.dumps(_FILES_HERE), files.json_text(), 1).encode()
 
 
 def compact_index(index: dict) -> dict[str, Any]:

@@ -1,9 +1,6 @@
-"""A parquet dataset index's files, columnar: what a rank holds in memory and what rank 0 broadcasts.
-
-:class:`FileTable` keeps the JSON form's content in a few numpy arrays plus two string tables (~12 bytes per row
-group and 50 per file plus the path, against ~2 KB of Python objects per file), as a read-only sequence of the
-very dicts the JSON form has. :func:`pack_index` / :func:`unpack_index`: one binary message (magic, a
-length-prefixed JSON header, length-prefixed arrays), every length, dtype, offset and span checked on the way in.
+"""A parquet dataset index's files, columnar (:class:`FileTable`: a read-only sequence of the JSON form's dicts,
+~12 bytes per row group), and its binary message (:func:`pack_index`, checked by :func:`unpack_index`):
+docs/scale.md.
 """
 
 from __future__ import annotations

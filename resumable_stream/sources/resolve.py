@@ -1,10 +1,6 @@
-"""Which files a config means and what they are.
-
-Dataset and Hub resolution (``datasets``' builder for a hub id, a pattern, a builder config; an explicit list of
-URLs or local parquet files without it), file identities (size plus every version marker the filesystem gives),
-and the dataset index built from a registered format's entries (a saved one is checked again by
-``dataset.growth.recheck``). Everything here runs under the one network policy (``net.py``); the fingerprint of
-what a reader reads is made in :mod:`.fingerprint_files`, which readers import instead of coming back here.
+"""Which files a config means and what they are: resolution (``datasets``' builder, or none for explicit URLs and
+local files of a registered format), file identities, and the dataset index built from a format's entries; all
+under the one network policy (``io/net.py``).
 """
 
 from __future__ import annotations
@@ -145,9 +141,8 @@ def where_to_look(spec: SourceSpec) -> tuple[str, Any, list[str], RetryPolicy]:
 
 
 def explicit_urls(data: DataSpec, path: str, data_files) -> list[str] | None:
-    """The split's files when the config lists files of a registered format (parquet) by plain http(s) URL: then there is nothing
-    to resolve (no pattern, no repository), and asking ``datasets`` would cost 3 requests per file. None
-    otherwise: ``datasets`` resolves (hub ids, hf://, patterns, builder configs, local files)."""
+    """The split's files when the config lists files of a registered format by plain http(s) URL (nothing to
+    resolve; ``datasets`` would cost 3 requests per file); None otherwise."""
     if registry.format_for_builder(path) is None or data.name is not None or data.data_dir is not None or data_files is None:
         return None
     splits = data_files if isinstance(data_files, dict) else {"train": data_files}
@@ -202,8 +197,10 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
         if answer is not None:
             raise SourceError(answer) from None
         answer = remote_answer(e)
-        if answer is not None:
-            raise SourceError(f"{_data_key(data)}: the object store refused ({answer})") from None
+        if answer is not None:      # the key naming the data: data_files when set
+            key = (f"data.data_files {data.data_files!r}" if data.data_files is not None
+                   else f"data.dataset_name_or_path {data.dataset_name_or_path!r}")
+            raise SourceError(f"{key}: the object store refused ({answer})") from None
         if isinstance(e, FileNotFoundError):
             raise SourceError(f"data.dataset_name_or_path {data.dataset_name_or_path!r} / data.data_files "
                               f"{data.data_files!r}: {e}") from None
@@ -223,13 +220,6 @@ def resolve_files(data: DataSpec, path: str, data_files, targets: list[str],
     files = pin_commits(files, lambda repo, rev: retry.call(
         lambda: commit_sha(repo, rev), f"{where}: reading the commit of {repo}@{rev or 'main'}", targets))
     return builder, files
-
-
-def _data_key(data: DataSpec) -> str:
-    """The config key (and value) that names the data: data_files when set, else dataset_name_or_path."""
-    if data.data_files is not None:
-        return f"data.data_files {data.data_files!r}"
-    return f"data.dataset_name_or_path {data.dataset_name_or_path!r}"
 
 
 def _why_nothing_listed(patterns: list[str], storage_options: dict) -> str | None:
@@ -265,9 +255,8 @@ class Resolved:
 
 
 def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], retry: RetryPolicy) -> Resolved:
-    """The files of ``spec``'s split (``path`` / ``data_files``: its ``builder_args``; ``targets``: its remote
-    paths): explicit http(s) URLs and local files of a registered format need no ``datasets``; else
-    ``datasets`` resolves them (hub ids, hf://, patterns, builder configs)."""
+    """The files of ``spec``'s split (``path``, ``data_files``, ``targets``: :func:`where_to_look`'s): explicit
+    http(s) URLs and local files of a registered format need no ``datasets``; it resolves the rest."""
     data = spec.data
     files = explicit_urls(data, path, data_files) if data.streaming else None
     if files is None and not targets:
@@ -288,9 +277,8 @@ def resolve_split(spec: SourceSpec, path: str, data_files, targets: list[str], r
 
 def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, footers: dict[str, bytes],
                 growing: bool) -> dict | None:
-    """``reader``'s index entry of ``path``. ``growing`` (data.growth): None, logged, for a file not complete
-    yet (still being written: IncompleteFileError, or it changed while read), which the dataset lists again at
-    its next refresh or resume."""
+    """``reader``'s index entry of ``path``; ``growing``: None, logged, for a file not complete yet (listed again at
+    the next refresh or resume)."""
     if not growing:
         return reader.index_file(path, retry, identity, footers)
     try:
@@ -303,10 +291,8 @@ def index_entry(reader, path: str, retry: RetryPolicy | None, identity: dict, fo
 
 def build_index(fmt: registry.SourceFormat, spec: SourceSpec, files: list[str], features, retry: RetryPolicy | None,
                 progress: Callable[[int], None] | None = None, footers: dict | None = None) -> dict:
-    """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the
-    reader's, from the first file). ``footers``: filled with what the reader read that it may reuse. A growing
-    dataset leaves out the files not complete yet (``index_entry``). ``progress(len(files))`` after each file
-    (the total, for a progress bar)."""
+    """The dataset index of resolved ``files`` read by ``fmt``; ``features``: the builder's (None: the reader's).
+    ``footers``: filled with what the reader read that it may reuse; ``progress(len(files))`` after each file."""
     reader = fmt.load()
     known = known_identities(files, retry)
     read: dict[str, bytes] = {}

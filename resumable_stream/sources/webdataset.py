@@ -1,10 +1,6 @@
-"""WebDataset tar shards read by byte ranges from a tar index (:mod:`.tar_index`).
-
-A shard is a run of samples of one tar; ``read(shard, row)`` is one ranged read of the samples from ``row`` on,
-each member's ustar header checked against the index before its data is used. The samples are made by
-``datasets``' own webdataset builder code, so they equal ``load_dataset("webdataset", ..., streaming=True)``'s.
-A bad sample (a member over ``data.max_member_bytes``, cut short, sparse, or refused by its decoder) keeps its
-row, every member column None and ``__bad_sample__`` naming the tar, key and member (docs/webdataset.md).
+"""WebDataset tar shards read by byte ranges from a tar index (:mod:`.tar_index`): a shard is a run of samples of
+one tar, each member's header checked again before its data is used; the samples are made by ``datasets``' own
+webdataset code. Bad samples keep their row (docs/webdataset.md#bad-input).
 """
 
 from __future__ import annotations
