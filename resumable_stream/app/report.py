@@ -1,10 +1,6 @@
-"""``resumable-stream report RUN_DIR``: a PNG of stacked panels over steps and a short text summary, both from
-``RUN_DIR/train_log.jsonl`` alone (docs/cli.md).
-
-The log is read once as bytes (their blake2b digest goes into the PNG's metadata); lines that do not parse are
-skipped and counted; a log linked out of RUN_DIR is refused and nothing it names is opened. matplotlib (the
-``report`` extra) is imported only to draw, with its Agg canvas. The summary never overflows; a value the
-picture cannot draw (NaN, infinities, beyond +-DRAW_LIMIT) is left out and named in one warning line."""
+"""``resumable-stream report RUN_DIR``: a PNG of stacked panels over steps and a text summary, both from
+``RUN_DIR/train_log.jsonl`` alone (docs/cli.md). Damaged lines are skipped and counted, a log linked out of
+RUN_DIR is refused, and a value the picture cannot draw is left out and named in one warning."""
 
 from __future__ import annotations
 

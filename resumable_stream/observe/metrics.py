@@ -1,11 +1,6 @@
-"""Data-path counters: requests, bytes, response times, retries and their causes, row groups, prefetch depth,
-the request budget's waits and the stores' rate-limit answers.
-
-Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``),
-inherited or handed to its DataLoader workers, so the main process reads the whole rank's figures; recording
-is at most once per request or row group, never per sample. Response times go into fixed buckets
-(``RESPONSE_BUCKETS_MS``, as Prometheus exports them). :class:`LoaderCounters` is the training loop's side
-(main process); :func:`interval` turns two readings into the figures of the steps in between."""
+"""Data-path counters (requests, bytes, response-time buckets, retries, row groups, prefetch, request budget):
+one integer set per rank in shared memory, recorded at most once per request or row group, never per sample;
+:func:`delta` and :func:`figures` turn two readings into the figures of the steps in between (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -34,10 +29,9 @@ SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
 class SharedCounters:
     """Integer counters in shared memory (a ``RawArray``: nothing to clean up, whatever ends the process).
 
-    The lock has no name (a fork-context semaphore): a named one is registered with multiprocessing's resource
-    tracker, which reports a SIGKILLed process's as "leaked". Spawned workers cannot open an unnamed lock, so the
-    first one gets a named lock, and from then on this process takes both. Workers of both kinds alive at once in
-    one rank could lose an addition to each other."""
+    The lock has no name: a named one is registered with the resource tracker, which reports a SIGKILLed
+    process's as "leaked". Spawned workers cannot open an unnamed lock, so the first gets a named one and this
+    process then takes both (forked and spawned workers alive at once in one rank could lose an addition)."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names

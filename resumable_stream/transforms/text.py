@@ -1,11 +1,5 @@
-"""Text transform: raw rows -> tokenized training examples, with optional packing (docs/packing.md, docs/formats.md).
-
-``TextProcessor`` is a :class:`~.protocol.Processor`; its ``state()`` holds the tokens carried over by packing,
-the examples not taken yet and the counters. ``text``: tokenized without special tokens, EOS appended, labels =
-input_ids. ``messages`` (and ``alpaca`` / ``sharegpt``, :mod:`.formats`): rendered with the chat template and
-labelled on assistant turns (:mod:`.chat`). Packing ``concat`` cuts the token stream into blocks of
-``max_seq_len``; ``neat`` also restarts ``position_ids`` and masks the first token of every segment, so no
-token is predicted from another document."""
+"""Text transform: raw rows -> tokenized training examples (``text``, or chat formats labelled on assistant turns
+by :mod:`.chat`), packed ``concat`` or ``neat`` (docs/packing.md, docs/formats.md)."""
 
 from __future__ import annotations
 

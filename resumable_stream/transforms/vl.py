@@ -1,12 +1,7 @@
-"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels (docs/vl.md).
-
-``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples. Images (HF
-``Image`` values, bytes, paths under ``data.image_dir``, URLs, PIL images) are decoded here, never by
-``datasets``, so ``data.bad_sample`` can act on a broken one; the conversation is rendered with the processor's
-chat template and labelled as the text transform's (:mod:`.chat`), vision tokens never; the processor's ids
-must equal the labelled ids with each run of image tokens expanded. A failure that depends on the machine (a
-URL that keeps failing, EMFILE, EIO, ...) is a ``TransformError`` whatever the policy, so a resumed run skips
-the same samples."""
+"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs labelled as the text
+transform's (:mod:`.chat`), vision tokens never (docs/vl.md). Images are decoded here, not by ``datasets``, so
+``data.bad_sample`` can act on a broken one; a failure of the machine (a URL, EMFILE, EIO) is a TransformError
+whatever the policy, so a resumed run skips the same samples."""
 
 from __future__ import annotations
 
