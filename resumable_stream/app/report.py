@@ -396,10 +396,8 @@ def figure_size_px(log: RunLog, compared: bool = False) -> tuple[int, int]:
 
 
 def figure(log: RunLog, comparison=None):
-    """The picture as a matplotlib Figure (Agg canvas): six panels over steps (seven for a mixture: its target
-    and realized weights per source; one more with ``comparison``: the loss difference and the consumed samples
-    against the other run, whose loss is drawn on the first panel too), resume points as dashed vertical lines
-    on each."""
+    """The picture as a matplotlib Figure (Agg canvas): six panels over steps, one more for a mixture's weights and
+    one with ``comparison``; resume points as dashed vertical lines on each."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     sources = log.sources()
     width, height = figure_size_px(log, comparison is not None)
