@@ -122,14 +122,27 @@ class _RequiredOnly(Processor):
 
     def __init__(self, inner: Any):
         self.inner = inner
-        for name in ("ready", "state", "load_state", "fingerprint", "stats"):   # called as they are
-            setattr(self, name, getattr(inner, name))
 
     def feed(self, sample: dict, key: str, source: str | None = None) -> None:
         self.inner.feed(sample, key)
 
+    def ready(self) -> int:
+        return self.inner.ready()
+
     def take(self, with_key_tokens: bool = False) -> Example:
         return self.inner.take()
+
+    def state(self) -> dict[str, Any]:
+        return self.inner.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.inner.load_state(state)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.inner.fingerprint()
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
 
 
 def as_processor(obj: Any) -> Processor:
