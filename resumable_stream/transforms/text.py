@@ -39,13 +39,15 @@ def tokenizer_digest(tokenizer: Any) -> str:
     # transformers sets these on the backend per call (truncation=True, padding=...); they are not identity.
     spec["truncation"] = None
     spec["padding"] = None
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode())
-    h.update(b"\0chat_template\0")
-    h.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
-    h.update(b"\0eos\0")
-    h.update(str(getattr(tokenizer, "eos_token_id", None)).encode())
-    return h.hexdigest()
+    return labelled_digest(json.dumps(spec, sort_keys=True, ensure_ascii=False),
+                           chat_template=json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True),
+                           eos=getattr(tokenizer, "eos_token_id", None))
+
+
+def labelled_digest(first: str, **parts: Any) -> str:
+    """blake2b (16 bytes) of ``first``, then ``\\0name\\0value`` per part: the tokenizer's and processor's digests."""
+    text = first + "".join(f"\0{name}\0{value}" for name, value in parts.items())
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class TextProcessor(QueuedProcessor):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import http.client
 import io
 import json
@@ -26,7 +25,7 @@ from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import BadSample, TransformError
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import RowMap
-from .text import collate_numpy, tokenizer_digest
+from .text import collate_numpy, labelled_digest, tokenizer_digest
 
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
@@ -100,18 +99,12 @@ def _image_only(cls, name: str, trust_remote_code: bool):
 def processor_digest(processor: Any) -> str:
     """blake2b of what decides the outputs: the tokenizer, the chat template and the image processor's
     settings (not its backend class: the PIL and torchvision image processors are interchangeable)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(tokenizer_digest(processor.tokenizer).encode())
-    h.update(b"\0chat_template\0")
-    h.update(json.dumps(getattr(processor, "chat_template", None), sort_keys=True).encode())
-    h.update(b"\0image_processor\0")
-    settings = processor.image_processor.to_dict()
-    for k in ("image_processor_type", "processor_class", "_processor_class", "backend"):
-        settings.pop(k, None)
-    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    h.update(b"\0processor\0")
-    h.update(type(processor).__name__.encode())
-    return h.hexdigest()
+    settings = {k: v for k, v in processor.image_processor.to_dict().items()
+                if k not in ("image_processor_type", "processor_class", "_processor_class", "backend")}
+    return labelled_digest(tokenizer_digest(processor.tokenizer),
+                           chat_template=json.dumps(getattr(processor, "chat_template", None), sort_keys=True),
+                           image_processor=json.dumps(settings, sort_keys=True, default=str),
+                           processor=type(processor).__name__)
 
 
 # ---------------------------------------------------------------------------------------------- images
