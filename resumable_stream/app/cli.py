@@ -1,9 +1,5 @@
-"""``resumable-stream`` command line: peek at what a rank reads next, inspect saved stream state, warm the cache,
-index a dataset.
-
-At module level only what the parser needs: each command imports its own modules (torch, pyarrow, datasets
-come with the streams), so that ``--help``, ``--version`` and a mistyped argument answer at once
-(tests/app/test_cli_startup.py)."""
+"""``resumable-stream`` command line (docs/cli.md). At module level only what the parser needs: each command
+imports its own modules, so ``--help`` and a mistyped argument answer at once (tests/app/test_cli_startup.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``resumable-stream llamafactory train CONFIG [key=value ...]``: LLaMA-Factory's ``run_exp`` with our stream.
-
-While it runs (restored after) we patch: ``get_dataset`` of its workflows (:mod:`.data`, :mod:`.preference`);
-its ``AutoProcessor`` (:mod:`.media`); the checkpoint it resumes (the newest *complete* one); the weights a full
-fine-tune resumes (:mod:`.weights`); and its trainers through :func:`patch_trainer`. A run already at
-``max_steps`` is left unchanged (LLaMA-Factory would save over its outputs). ``FORCE_TORCHRUN=1`` (or several
-devices) launches torchrun as ``llamafactory-cli`` does, with the same environment variables."""
+"""``resumable-stream llamafactory train CONFIG [key=value ...]``: LLaMA-Factory's ``run_exp`` with our stream,
+its dataset, processor, checkpoint and trainer hooks patched while it runs (docs/llamafactory.md)."""
 
 from __future__ import annotations
 

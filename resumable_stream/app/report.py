@@ -1,10 +1,6 @@
-"""``resumable-stream report RUN_DIR``: a PNG of stacked panels over steps and a short text summary, both from
-``RUN_DIR/train_log.jsonl`` alone (docs/cli.md).
-
-The log is read once as bytes (their blake2b digest goes into the PNG's metadata); lines that do not parse are
-skipped and counted; a log linked out of RUN_DIR is refused and nothing it names is opened. matplotlib (the
-``report`` extra) is imported only to draw, with its Agg canvas. The summary never overflows; a value the
-picture cannot draw (NaN, infinities, beyond +-DRAW_LIMIT) is left out and named in one warning line."""
+"""``resumable-stream report RUN_DIR``: a PNG of stacked panels over steps and a text summary, both from
+``RUN_DIR/train_log.jsonl`` alone (docs/cli.md). Damaged lines are skipped and counted, a log linked out of
+RUN_DIR is refused, and a value the picture cannot draw is left out and named in one warning."""
 
 from __future__ import annotations
 
@@ -400,10 +396,8 @@ def figure_size_px(log: RunLog, compared: bool = False) -> tuple[int, int]:
 
 
 def figure(log: RunLog, comparison=None):
-    """The picture as a matplotlib Figure (Agg canvas): six panels over steps (seven for a mixture: its target
-    and realized weights per source; one more with ``comparison``: the loss difference and the consumed samples
-    against the other run, whose loss is drawn on the first panel too), resume points as dashed vertical lines
-    on each."""
+    """The picture as a matplotlib Figure (Agg canvas): six panels over steps, one more for a mixture's weights and
+    one with ``comparison``; resume points as dashed vertical lines on each."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     sources = log.sources()
     width, height = figure_size_px(log, comparison is not None)

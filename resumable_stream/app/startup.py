@@ -90,29 +90,21 @@ def tied_parameter_names(model) -> set[str]:
     return {n for names in by_tensor.values() if len(names) > 1 for n in names}
 
 
-class _TiedWeightsFilter(logging.Filter):
-    """Drops the Trainer's "missing keys" warning when every missing key is a tied weight; any other missing
-    key shows the warning unchanged."""
-
-    def __init__(self, tied: set[str]):
-        super().__init__()
-        self.tied = tied
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        m = _MISSING.search(record.getMessage())
-        if m is None:
-            return True
-        try:
-            keys = ast.literal_eval(m.group(1))
-        except (ValueError, SyntaxError):
-            return True
-        return not (keys and set(keys) <= self.tied)
-
-
 @contextlib.contextmanager
 def quiet_tied_weights(model) -> Iterator[None]:
+    """Drops the Trainer's "missing keys" warning when every missing key is a tied weight; any other missing
+    key shows the warning unchanged."""
+    tied = tied_parameter_names(model)
+
+    def hide(record: logging.LogRecord) -> bool:     # a logging filter may be a function
+        m = _MISSING.search(record.getMessage())
+        try:
+            keys = ast.literal_eval(m.group(1)) if m is not None else None
+        except (ValueError, SyntaxError):
+            return True
+        return not (keys and set(keys) <= tied)
+
     logger = logging.getLogger("transformers.trainer")
-    hide = _TiedWeightsFilter(tied_parameter_names(model))
     logger.addFilter(hide)
     try:
         yield

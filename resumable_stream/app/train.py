@@ -1,10 +1,5 @@
-"""Train a causal LM or, with ``data.format: vl``, a vision-language model from one yaml file; a restart
-with the same output_dir resumes exactly.
-
-    python examples/train_lm.py CONFIG                 # one process
-    torchrun --nproc_per_node=N examples/train_lm.py CONFIG
-    resumable-stream train CONFIG
-"""
+"""Train a causal LM or, with ``data.format: vl``, a vision-language model from one yaml file (``resumable-stream
+train CONFIG``, under torchrun too); a restart with the same output_dir resumes exactly (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Cache warmup: fetch exactly the blocks some ranks will read in their next N samples (docs/cache-and-warmup.md).
-
-Planning runs the real stream for each rank over a *planning source* whose tables carry only row numbers, cut
-at the cache's block boundaries, and records every block the reader pulls: nothing is downloaded, and the
-trace is exactly the cached stream's lookups. Shards of unknown length (json, csv, text) are read through the
-cache instead, each by its own thread a few blocks ahead. The missing blocks are then fetched in parallel,
-consecutive blocks of a shard in one job, in the order they will be needed."""
+"""Cache warmup: fetch exactly the blocks some ranks will read in their next N samples, planned by running the
+real stream over row numbers only (nothing downloaded), then fetched in parallel (docs/cache-and-warmup.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""A run's checkpoints for any training loop: ``checkpoint-N/`` directories in an output dir, each completed by
-the stream state every rank writes after the user's own files, with the manifest last (docs/trainers.md).
-
-    checkpoints = Checkpoints(output_dir, keep=3)
-    start = checkpoints.resume(loader)               # the newest complete checkpoint's step (0: none)
-    for step, batch in enumerate(loader, start=start + 1):
-        ...                                          # train
-        if step % 100 == 0:
-            with checkpoints.save(step, loader) as path:     # output_dir/checkpoint-<step>
-                torch.save(model.state_dict(), f"{path}/model.pt")   # your files first
-
-A kill at any moment leaves the previous checkpoint as the newest complete one; a restart removes those a
-kill cut short (rank 0) before it resumes."""
+"""A run's ``checkpoint-N/`` directories for any training loop, each completed by every rank's stream state after
+the user's own files, the manifest last: a kill leaves the previous one the newest complete (docs/trainers.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""``_target_`` builders for HyperParallel's trainer (mindspore-ai/hyper-parallel): our stream as its dataset and
-its train dataloader (examples/hyper_parallel/train_stream.yaml).
-
-The calls HyperParallel makes and what each builder answers are in docs/hyper-parallel.md ("The contract");
-tests/_support/hp_trainer.py quotes its sources. In short: ``build_dataset`` takes this rank's place from
-``mesh_context`` (``dp_rank`` / ``dp_size``), ``build_dataloader`` returns an unsized loader whose
-``state_dict`` is this rank's, cheap and with no collective (``HyperIter`` asks after every item it prefetches).
-HyperParallel itself is not imported here (it is not on the package index).
-"""
+"""``_target_`` builders for HyperParallel's trainer: our stream as its dataset and train dataloader, whose
+``state_dict`` is this rank's, cheap and with no collective (docs/hyper-parallel.md, "The contract")."""
 
 from __future__ import annotations
 

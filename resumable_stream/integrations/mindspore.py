@@ -1,11 +1,6 @@
-"""A resumable stream as the source of a ``mindspore.dataset.GeneratorDataset``, saving what was consumed
-(docs/mindspore.md).
-
-MindSpore prefetches ahead of the training loop from a thread of its own, so the source's position is not what
-training consumed. As in :class:`~resumable_stream.loader.StreamLoader` (which batches and transforms here),
-every row travels with an id whose snapshot the source keeps; :meth:`MindSporeSource.iterate` records the
-snapshot of each row it hands to the loop. The state and sidecars are the loader's, so a checkpoint resumes
-under PyTorch and vice versa. mindspore (and torch) are imported only when needed."""
+"""A resumable stream as the source of a ``mindspore.dataset.GeneratorDataset``. MindSpore prefetches from a thread
+of its own, so each row carries an id and only rows :meth:`MindSporeSource.iterate` hands out count as consumed;
+the state and sidecars are the loader's, so a checkpoint resumes under PyTorch too (docs/mindspore.md)."""
 
 from __future__ import annotations
 
@@ -44,13 +39,9 @@ def mindspore_topology(rank: int | None = None, world_size: int | None = None) -
 
 
 class MindSporeSource:
-    """The iterable source of a ``GeneratorDataset``: batches of ``batch_size`` examples of a stream's rank (made by
-    ``processor_factory`` and ``collate_fn``, as for ``StreamLoader``), a dict of numpy arrays keyed ``columns``.
-
-    The stream is read in this process (``num_workers=0``). :meth:`dataset` makes the ``GeneratorDataset``,
-    :meth:`iterate` wraps the loop (only rows it hands out count as consumed); the state and sidecar methods are
-    the loader's. With ``data.elastic_determinism``, ``gradient_accumulation_steps`` must be a multiple of
-    :attr:`micro_batches_per_step`, so every step takes one row of each partition (else a ConfigError)."""
+    """The iterable source of a ``GeneratorDataset``: batches of ``batch_size`` examples of a stream's rank (made as
+    ``StreamLoader`` makes them), read in this process, as a dict of numpy arrays keyed ``columns``. With
+    ``data.elastic_determinism``, ``gradient_accumulation_steps`` must be a multiple of :attr:`micro_batches_per_step`."""
 
     def __init__(self, stream: Stream, batch_size: int, columns: Sequence[str],
                  collate_fn: Callable[[list], dict[str, Any]], processor_factory: Callable | None = None,

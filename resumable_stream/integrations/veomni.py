@@ -1,14 +1,6 @@
-"""A resumable stream as VeOmni's training dataset and dataloader (VeOmni 0.1.12); docs/veomni.md.
-
-Importing this module (before VeOmni builds its trainer) registers :func:`build_dataset` and
-:func:`build_dataloader` in VeOmni's registries as ``resumable_stream`` (``datasets_type`` and
-``dataloader.type`` in its yaml). VeOmni's transform, collators and ``CheckpointerCallback`` run as they are.
-
-Why our dataloader, not VeOmni's ``StatefulDataLoader`` (docs/veomni.md has the measurements): VeOmni starts
-a new iterator at every one of its epochs, which restarts a torchdata iterable dataset, and torchdata's state
-with workers replays batches; our :class:`~resumable_stream.loader.StreamLoader` continues after the last
-batch consumed and saves what training consumed.
-"""
+"""A resumable stream as VeOmni's training dataset and dataloader (VeOmni 0.1.12), registered as
+``resumable_stream`` on import. Our loader, not VeOmni's ``StatefulDataLoader``: that one restarts at every
+VeOmni epoch and replays batches with workers (docs/veomni.md has the measurements)."""
 
 from __future__ import annotations
 

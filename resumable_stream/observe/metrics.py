@@ -1,14 +1,10 @@
-"""Data-path counters: requests, bytes, response times, retries and their causes, row groups, prefetch depth,
-the request budget's waits and the stores' rate-limit answers.
-
-Every process of a rank records into one set of integer counters in shared memory (``SharedCounters``),
-inherited or handed to its DataLoader workers, so the main process reads the whole rank's figures; recording
-is at most once per request or row group, never per sample. Response times go into fixed buckets
-(``RESPONSE_BUCKETS_MS``, as Prometheus exports them). :class:`LoaderCounters` is the training loop's side
-(main process); :func:`interval` turns two readings into the figures of the steps in between."""
+"""Data-path counters (requests, bytes, response-time buckets, retries, row groups, prefetch, request budget):
+one integer set per rank in shared memory, recorded at most once per request or row group, never per sample;
+:func:`delta` and :func:`figures` turn two readings into the figures of the steps in between (docs/training.md)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import multiprocessing
@@ -21,23 +17,23 @@ from typing import Any
 RETRY_CAUSES = ("timeout", "connection", "http_429", "http_5xx", "http_other", "short_read", "wrong_bytes",
                 "other")
 RESPONSE_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+_BOUNDS = (*RESPONSE_BUCKETS_MS, math.inf)
+_BUCKET_NAMES = (*(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
 _SOURCE = ("requests", "request_errors", "bytes_read", "response_us", "row_groups", "rows_decoded",
            "prefetch_takes", "prefetch_depth_sum", "prefetch_waits", "retries",
            # the request budget (io/budget.py): requests that waited for their turn, and how long; rate-limit
            # answers (429, 503 SlowDown), and how long requests waited for the reset they named; row groups
            # fetched in a request another row group of the same file opened (coalesced)
            "budget_waits", "budget_wait_us", "rate_limited", "rate_limit_wait_us", "coalesced")
-SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES),
-                   *(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
+SOURCE_COUNTERS = (*_SOURCE, *(f"retry_{c}" for c in RETRY_CAUSES), *_BUCKET_NAMES)
 
 
 class SharedCounters:
     """Integer counters in shared memory (a ``RawArray``: nothing to clean up, whatever ends the process).
 
-    The lock has no name (a fork-context semaphore): a named one is registered with multiprocessing's resource
-    tracker, which reports a SIGKILLed process's as "leaked". Spawned workers cannot open an unnamed lock, so the
-    first one gets a named lock, and from then on this process takes both. Workers of both kinds alive at once in
-    one rank could lose an addition to each other."""
+    The lock has no name: a named one is registered with the resource tracker, which reports a SIGKILLed
+    process's as "leaked". Spawned workers cannot open an unnamed lock, so the first gets a named one and this
+    process then takes both (forked and spawned workers alive at once in one rank could lose an addition)."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
@@ -114,10 +110,7 @@ def adopt(counters: SharedCounters | None) -> None:
 
 
 def _bucket(ms: float) -> str:
-    for b in RESPONSE_BUCKETS_MS:
-        if ms <= b:
-            return f"response_le_{b}"
-    return "response_le_inf"
+    return _BUCKET_NAMES[bisect.bisect_left(RESPONSE_BUCKETS_MS, ms)]    # the first bound >= ms
 
 
 def record_request(seconds: float, nbytes: int, ok: bool = True) -> None:
@@ -184,10 +177,6 @@ def retry_cause(e: BaseException | None) -> str:
 def snapshot() -> dict[str, int]:
     """The rank's data-path counters now (since the process started)."""
     return source_counters().snapshot()
-
-
-_BOUNDS = (*RESPONSE_BUCKETS_MS, math.inf)
-_BUCKET_NAMES = (*(f"response_le_{b}" for b in RESPONSE_BUCKETS_MS), "response_le_inf")
 
 
 def percentile_ms(buckets: dict[str, float], q: float) -> float | None:

@@ -1,9 +1,5 @@
-"""The realized mixture: what each source of a mixture put into the batches the training loop consumed.
-
-Counted where a batch is built (a worker or the main process) and carried with it, so the loader adds up
-exactly the batches it hands out (prefetched ones never count) without sharing memory: ``source_samples``
-(the samples each source's cursor moved past, as ``train_log.jsonl`` logs them) and ``source_tokens`` (tokens
-without padding, by the sample each came from). A sample's source is its key's label prefix."""
+"""The realized mixture: each source's samples and tokens in the batches training consumed, counted where a batch
+is built and carried with it, so prefetched batches never count and no memory is shared (docs/mixtures.md)."""
 
 from __future__ import annotations
 

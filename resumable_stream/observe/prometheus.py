@@ -1,9 +1,5 @@
-"""A Prometheus endpoint per rank with the data path's counters (``data.metrics_port``; the ``metrics`` extra).
-
-Every figure is read when Prometheus scrapes (nothing per step), prefixed ``resumable_stream_`` with a ``rank``
-label (a mixture's per-source ones with a ``source`` label too), next to prometheus_client's default process
-collectors. The metrics are listed in docs/training.md; ``examples/grafana/resumable-stream.json`` is a
-dashboard over them."""
+"""A Prometheus endpoint per rank with the data path's counters (``data.metrics_port``; the ``metrics`` extra),
+read at scrape time, never per step (metrics listed in docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``data.map``: a user's deterministic function of one row applied before the built-in transform (docs/configuration.md).
-
-It returns a row, a list of rows or None (dropped); all its rows are fed at once, so examples not yet handed out
-are in the transform's saved state. Its name and a digest of its source (or ``data.map_version``) go into the
-transform fingerprint. Only the configuration names a module to import; nothing read from a sidecar does."""
+"""``data.map``: a user's deterministic function of one row, applied before the built-in transform; its name and
+source digest (or ``data.map_version``) join the fingerprint, and nothing read from a sidecar names a module to
+import (docs/configuration.md)."""
 
 from __future__ import annotations
 

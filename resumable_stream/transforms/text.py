@@ -1,11 +1,5 @@
-"""Text transform: raw rows -> tokenized training examples, with optional packing (docs/packing.md, docs/formats.md).
-
-``TextProcessor`` is a :class:`~.protocol.Processor`; its ``state()`` holds the tokens carried over by packing,
-the examples not taken yet and the counters. ``text``: tokenized without special tokens, EOS appended, labels =
-input_ids. ``messages`` (and ``alpaca`` / ``sharegpt``, :mod:`.formats`): rendered with the chat template and
-labelled on assistant turns (:mod:`.chat`). Packing ``concat`` cuts the token stream into blocks of
-``max_seq_len``; ``neat`` also restarts ``position_ids`` and masks the first token of every segment, so no
-token is predicted from another document."""
+"""Text transform: raw rows -> tokenized training examples (``text``, or chat formats labelled on assistant turns
+by :mod:`.chat`), packed ``concat`` or ``neat`` (docs/packing.md, docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -45,13 +39,15 @@ def tokenizer_digest(tokenizer: Any) -> str:
     # transformers sets these on the backend per call (truncation=True, padding=...); they are not identity.
     spec["truncation"] = None
     spec["padding"] = None
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode())
-    h.update(b"\0chat_template\0")
-    h.update(json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True).encode())
-    h.update(b"\0eos\0")
-    h.update(str(getattr(tokenizer, "eos_token_id", None)).encode())
-    return h.hexdigest()
+    return labelled_digest(json.dumps(spec, sort_keys=True, ensure_ascii=False),
+                           chat_template=json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True),
+                           eos=getattr(tokenizer, "eos_token_id", None))
+
+
+def labelled_digest(first: str, **parts: Any) -> str:
+    """blake2b (16 bytes) of ``first``, then ``\\0name\\0value`` per part: the tokenizer's and processor's digests."""
+    text = first + "".join(f"\0{name}\0{value}" for name, value in parts.items())
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class TextProcessor(QueuedProcessor):

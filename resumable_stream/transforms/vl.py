@@ -1,18 +1,12 @@
-"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs with labels (docs/vl.md).
-
-``VLProcessor`` is a :class:`~.protocol.Processor` and ``collate_vl`` batches its examples. Images (HF
-``Image`` values, bytes, paths under ``data.image_dir``, URLs, PIL images) are decoded here, never by
-``datasets``, so ``data.bad_sample`` can act on a broken one; the conversation is rendered with the processor's
-chat template and labelled as the text transform's (:mod:`.chat`), vision tokens never; the processor's ids
-must equal the labelled ids with each run of image tokens expanded. A failure that depends on the machine (a
-URL that keeps failing, EMFILE, EIO, ...) is a ``TransformError`` whatever the policy, so a resumed run skips
-the same samples."""
+"""Vision-language transform: rows with ``messages`` + ``images`` -> processor outputs labelled as the text
+transform's (:mod:`.chat`), vision tokens never (docs/vl.md). Images are decoded here, not by ``datasets``, so
+``data.bad_sample`` can act on a broken one; a failure of the machine (a URL, EMFILE, EIO) is a TransformError
+whatever the policy, so a resumed run skips the same samples."""
 
 from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import http.client
 import io
 import json
@@ -31,7 +25,7 @@ from .chat import IGNORE_INDEX, ChatTemplate, NotVerbatim, checked_messages
 from .errors import BadSample, TransformError
 from .protocol import Example, QueuedProcessor, checked_state, saved_stats
 from .row_map import RowMap
-from .text import collate_numpy, tokenizer_digest
+from .text import collate_numpy, labelled_digest, tokenizer_digest
 
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
@@ -105,18 +99,12 @@ def _image_only(cls, name: str, trust_remote_code: bool):
 def processor_digest(processor: Any) -> str:
     """blake2b of what decides the outputs: the tokenizer, the chat template and the image processor's
     settings (not its backend class: the PIL and torchvision image processors are interchangeable)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(tokenizer_digest(processor.tokenizer).encode())
-    h.update(b"\0chat_template\0")
-    h.update(json.dumps(getattr(processor, "chat_template", None), sort_keys=True).encode())
-    h.update(b"\0image_processor\0")
-    settings = processor.image_processor.to_dict()
-    for k in ("image_processor_type", "processor_class", "_processor_class", "backend"):
-        settings.pop(k, None)
-    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    h.update(b"\0processor\0")
-    h.update(type(processor).__name__.encode())
-    return h.hexdigest()
+    settings = {k: v for k, v in processor.image_processor.to_dict().items()
+                if k not in ("image_processor_type", "processor_class", "_processor_class", "backend")}
+    return labelled_digest(tokenizer_digest(processor.tokenizer),
+                           chat_template=json.dumps(getattr(processor, "chat_template", None), sort_keys=True),
+                           image_processor=json.dumps(settings, sort_keys=True, default=str),
+                           processor=type(processor).__name__)
 
 
 # ---------------------------------------------------------------------------------------------- images

@@ -1,10 +1,6 @@
-"""Multimodal SFT through LLaMA-Factory: the images its rows name, checked before its mm_plugin reads them
-(docs/llamafactory.md, "Multimodal SFT"). Its converter keeps a path outside ``media_dir`` as written and an
-unreadable file stops its run; here every image is checked first with the rules of our VL transform
-(confined, regular, bounded, decodable; ``bad_sample`` decides) and LLaMA-Factory reads the very file checked.
-
-:class:`ProcessorLoader`: a Qwen-VL processor without its video processor (which needs torchvision), as
-``resumable_stream.transforms.load_processor`` loads it."""
+"""Multimodal SFT through LLaMA-Factory: every image a row names is checked by our VL transform's rules first
+(confined, regular, bounded, decodable; ``bad_sample`` decides), so an unreadable file cannot stop the run
+(docs/llamafactory.md, "Multimodal SFT")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""LLaMA-Factory's formatting of rows, as a stateful transform inside the stream.
-
-Each row goes through LLaMA-Factory's converter for its dataset, then its dataset processor (``pt``, ``sft``,
-packed ``sft``), exactly as ``llamafactory-cli`` does with ``dataset.map(..., batched=True)``. A packing
-processor works on chunks of ``preprocessing_batch_size`` rows, so an unfinished chunk is part of the state
-(without packing every row is its own chunk). A multimodal row's images are checked first (:mod:`.media`).
-
-``llamafactory-cli`` maps each epoch afresh, so a chunk never spans an epoch's end: :meth:`end_epoch` processes
-the ended epoch's unfinished chunk and :meth:`epoch_tail` batches its last examples apart. With ``val_size``
-(:mod:`.held_out`) the rows before the cut are dropped first, and the cut is part of the fingerprint."""
+"""LLaMA-Factory's converter and dataset processor (``pt``, ``sft``, packed ``sft``) as a stateful transform,
+exactly as ``llamafactory-cli``'s batched ``map``: a packing chunk of ``preprocessing_batch_size`` rows is part of
+the state and never spans an epoch's end (docs/llamafactory.md)."""
 
 from __future__ import annotations
 

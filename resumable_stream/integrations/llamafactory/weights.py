@@ -1,9 +1,6 @@
-"""Resuming a full fine-tune whose checkpoint holds the weights under their saved (legacy) names.
-
-transformers 5 renames some models' weights on load (Qwen2-VL: ``visual.*`` -> ``model.visual.*``, ...) and
-``save_pretrained`` writes the old names back, but the Trainer's ``_load_from_checkpoint`` loads them as they
-are: nothing matches, it only warns, and the resumed run trains on from the base weights (transformers 5.6).
-Such a checkpoint is loaded here under the model's names; any other is left to the Trainer."""
+"""Resuming a full fine-tune whose checkpoint holds weights under their saved (legacy) names: transformers 5's
+Trainer loads them as they are, matches nothing and only warns (transformers 5.6), so such a checkpoint is
+loaded here under the model's names; any other is left to the Trainer."""
 
 from __future__ import annotations
 

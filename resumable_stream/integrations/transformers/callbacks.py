@@ -90,10 +90,7 @@ def transform_stats(loader) -> dict:
 
 
 class SourceCountsCallback(TrainerCallback):
-    """A mixture's figures per source for ``train_log.jsonl``, summed over ranks (docs/mixtures.md):
-    ``source_samples`` (since the run began, from the loader's consumed state), ``source_interval_samples`` /
-    ``source_interval_tokens`` (of the logging interval, counted with each batch), ``source_target_weights``,
-    ``source_realized_weights`` and, with ``data.log_source_loss``, ``source_loss`` / ``source_loss_tokens``."""
+    """A mixture's ``source_*`` figures for ``train_log.jsonl``, summed over ranks (listed in docs/mixtures.md)."""
 
     def __init__(self, loader_of, loss_of=None):
         self.loader_of = loader_of   # () -> the trainer's StreamLoader
@@ -162,11 +159,8 @@ def weight_changes(stream) -> dict:
 
 
 class MixtureWeightsCallback(TrainerCallback):
-    """The hook for a mixture's weights decided by code during training: override :meth:`new_weights`.
-
-    Asked after every optimizer step; weights it returns apply from the next batch (``StreamLoader.set_weights``),
-    are saved with the next checkpoint and logged, so a resume replays the same samples. Every rank must return
-    weights at the same steps; rank 0's values apply."""
+    """The hook for a mixture's weights decided by code during training: override :meth:`new_weights`, asked after
+    every optimizer step on every rank (rank 0's values apply; docs/mixtures.md)."""
 
     def new_weights(self, args, state, current: dict[str, float], **kwargs) -> dict[str, float] | None:
         """The weights (label -> number >= 0, or a schedule) from the next batch on, or None to keep them.

@@ -1,15 +1,5 @@
-"""One call makes ``transformers.Trainer`` (or a subclass) train from a resumable stream (docs/trainers.md).
-
-    from resumable_stream.integrations.transformers import patch_trainer, TrainingStream
-    patch_trainer()                                   # once; or patch_trainer(MyTrainerSubclass)
-    trainer = Trainer(model, args, train_dataset=TrainingStream(stream, ...))
-    trainer.train(resume_from_checkpoint=True)
-
-With a :class:`TrainingStream` the patched Trainer reads through our rank-aware :class:`StreamLoader`, replays
-no batch on resume (the stream is restored from ``stream_state/``, elastically with ``data.elastic``; the
-Trainer's skip hands the loader back unchanged so its epoch count continues), writes every rank's stream state
-before the Trainer rotates checkpoints, and holds ``output_dir`` for the job while ``train()`` runs. An
-:class:`EvalStream` is evaluated over the same samples every time. Any other dataset is left to the Trainer."""
+"""One call makes ``transformers.Trainer`` (or a subclass) train from a :class:`TrainingStream`: our rank-aware
+loader, no batch replayed on resume, the stream state written before checkpoints rotate (docs/trainers.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``data.log_source_loss``: the training loss of each source of a mixture, for ``train_log.jsonl``.
-
-The batches carry ``source_ids`` (-1 on padding); the patched ``compute_loss`` takes them out before the model
-sees them and adds up, without gradients, each source's next-token cross-entropy and labelled tokens from the
-logits (token t's logits predict label t+1, whose source counts). Each log gives per-source mean loss per token."""
+"""``data.log_source_loss``: each mixture source's training loss for ``train_log.jsonl``, summed without gradients
+from the logits and the batch's ``source_ids`` (which the patched ``compute_loss`` takes out before the model)."""
 
 from __future__ import annotations
 
