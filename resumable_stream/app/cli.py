@@ -1,5 +1,6 @@
-"""``resumable-stream`` command line (docs/cli.md). At module level only what the parser needs: each command
-imports its own modules, so ``--help`` and a mistyped argument answer at once (tests/app/test_cli_startup.py)."""
+"""``resumable-stream`` command line (docs/cli.md). At module level only the config, the state's names and the
+figures, which import no heavy library; each command imports its readers, the checkpoint code (pyarrow, numpy) and
+trainers itself, so ``--help`` and a mistyped argument answer at once (tests/app/test_cli_startup.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import json
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import __version__
+from ..config import formats as registry
+from ..config.stream_config import StreamConfig
+from ..config.trainer import TrainerConfig, data_config_from_yaml
 from ..errors import ConfigError, ResumableStreamError, SidecarError
-
-if TYPE_CHECKING:
-    from ..config.stream_config import StreamConfig
+from ..observe import metrics
+from ..observe.progress import partition_progress, progress_summary
+from ..state.names import MANIFEST, rank_file_name, rank_of_file_name
+from .preflight import check_training_data
 
 
 def _show(value: Any) -> Any:
@@ -40,7 +45,6 @@ def _positive(name: str, minimum: int):
 
 def _print_stats(before: dict[str, float], samples: int | None, cache: dict | None, **more: Any) -> None:
     """``--stats``: the data path's figures of this command, as one JSON line on stderr."""
-    from ..observe import metrics
 
     d = metrics.delta(before, metrics.reading(cache=cache))
     d["loader_samples"] = samples or 0
@@ -58,15 +62,11 @@ def _print_stats(before: dict[str, float], samples: int | None, cache: dict | No
 
 def _data_config(args: argparse.Namespace):
     """The data of peek / warmup / index, with every key of the yaml checked as train checks it."""
-    from ..config.trainer import data_config_from_yaml
 
     return data_config_from_yaml(args.config, args.overrides)
 
 
 def cmd_peek(args: argparse.Namespace) -> int:
-    from ..observe import metrics
-    from ..state.names import MANIFEST, rank_file_name
-
     cfg = _data_config(args)
     from ..stream.mixture import open_stream  # torch, pyarrow, datasets: after the config passed
 
@@ -140,7 +140,6 @@ def _summarize_state(nested: dict[str, Any], full: bool) -> dict[str, Any]:
 
 
 def _summarize_stream(state: dict[str, Any], full: bool) -> dict[str, Any]:
-    from ..observe.progress import partition_progress
     from ..state.relocation import describe_files
 
     fp = state["fingerprint"]
@@ -170,7 +169,6 @@ def _summarize_stream(state: dict[str, Any], full: bool) -> dict[str, Any]:
 
 def _progress(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress over every partition of these states (one file, or every rank of a checkpoint)."""
-    from ..observe.progress import partition_progress, progress_summary
 
     streams = [st["stream"] for st in states]
     if any(st["kind"] == "mixture" for st in streams):   # data.sources: per source
@@ -184,7 +182,6 @@ def _check_rank_file(state: dict[str, Any], file: str) -> None:
     """A rank file holds the state of the rank its name says, checked as a resume checks it
     (:func:`resumable_stream.state.checks.check_rank`): one copied or renamed over another rank's is refused."""
     from ..state.checks import check_rank
-    from ..state.names import rank_of_file_name
 
     named = rank_of_file_name(os.path.basename(file))
     if named is not None:
@@ -220,7 +217,6 @@ def _inspected(args: argparse.Namespace, path: str, picked: str | None) -> dict[
         read_state_fingerprint,
         state_dir_of,
     )
-    from ..state.names import rank_file_name
 
     if os.path.isdir(path):
         state_dir = state_dir_of(path)
@@ -256,7 +252,6 @@ def _inspected(args: argparse.Namespace, path: str, picked: str | None) -> dict[
 
 def _saved_index_brief(saved: dict) -> dict:
     """A saved index in ``inspect``: its files, and row groups for parquet (another format: its name)."""
-    from ..config import formats as registry
     from ..dataset.growth import describe
     from ..sources.index_table import FileTable
 
@@ -286,8 +281,6 @@ def _parse_ranks(text: str) -> list[int] | None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from ..observe import metrics
-
     cfg = _data_config(args)     # a mixture: every source's blocks
     from .warmup import run_warmup  # the readers: after the config passed
     before = metrics.reading()
@@ -306,8 +299,6 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from ..config.stream_config import StreamConfig
-
     cfg = _data_config(args)
     from ..sources.index import save_index  # the readers: after the config passed
     if isinstance(cfg, StreamConfig):
@@ -336,8 +327,6 @@ def _check_indexable(cfg: StreamConfig, args: argparse.Namespace, key: str) -> N
 
 
 def _not_indexed(cfg: StreamConfig, args: argparse.Namespace, key: str, builder: str | None) -> ConfigError:
-    from ..config import formats as registry
-
     return ConfigError(f"{args.config}: {key}dataset_name_or_path {cfg.dataset_name_or_path!r} is read by datasets' "
                        f"{builder!r} builder, which has no dataset index; allowed: data of an indexed format "
                        f"({', '.join(registry.names())}; docs/formats.md). Data of other formats needs no index: "
@@ -348,7 +337,6 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
     """The indexed source of ``cfg`` (``key``: its keys' prefix in errors, ``label``: its source's name)."""
     from tqdm.auto import tqdm
 
-    from ..config import formats as registry
     from ..sources.open import open_source
 
     _check_indexable(cfg, args, key)
@@ -370,7 +358,6 @@ def _build_index(cfg: StreamConfig, args: argparse.Namespace, key: str, label: s
 
 def _index_summary(path: str, source) -> dict:
     """What ``index`` prints of a source's index: its format, files, shards, rows (parquet: row_groups too)."""
-    from ..config import formats as registry
 
     index = source.index
     summary = {"index": os.path.abspath(path), "format": registry.format_of_index(index).name,
@@ -383,9 +370,6 @@ def _index_summary(path: str, source) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..config.trainer import TrainerConfig
-    from .preflight import check_training_data
-
     # the data files, split, resume state and checkpoint, then every key (the model's before the train: section's
     # check imports transformers), before the trainer's imports; run_training checks them again, as any caller
     # of it gets them
