@@ -125,9 +125,7 @@ class _BatchProducer(IterableDataset):
         steps = round_steps(lanes)
         turn = (self.lane_turns[j] if j < len(self.lane_turns) else 0) % steps
         if self.stream.follows:     # data.growth: follow (main process, one lane): rounds with waits between
-            follower = self.stream.follower
-            rounds = follower.rounds_in_step if self.stream.world_size > 1 else follower.rounds
-            yield from rounds(lane, turn, self._batches)
+            yield from self.stream.follower.rounds(lane, turn, self._batches)
             return
         if steps == 1:
             yield from self._batches(lane[0])
