@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Any
 
 from ..cache.cached_source import with_block_cache
@@ -87,12 +87,9 @@ class MixtureSources:
         total: dict[str, Any] = {}
         for stats in each:
             for key, value in stats.items():
-                if key in ("hit_rate",) or value is None:
-                    continue
-                if key in ("cache_bytes", "size_limit_bytes"):
-                    total[key] = max(total.get(key) or 0, value)
-                else:
-                    total[key] = total.get(key, 0) + value
+                if key != "hit_rate" and value is not None:     # the cache's sizes once, the counters summed
+                    merge = max if key in ("cache_bytes", "size_limit_bytes") else add
+                    total[key] = merge(total.get(key, 0), value)
         lookups = total.get("hits", 0) + total.get("misses", 0)
         total["hit_rate"] = round(total["hits"] / lookups, 4) if lookups else None
         total.setdefault("cache_bytes", None)
