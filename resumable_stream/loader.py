@@ -1,11 +1,7 @@
-"""Batches for training, with the state of what the training loop *consumed*.
-
-Each DataLoader worker reads one lane of the rank's partitions, runs the transform and collates batches; every
-batch comes from ONE partition and carries a snapshot of its cursor and the transform's carry *after* it. The
-main process keeps the snapshot of the last batch handed out per partition, so batches prefetched but not handed
-out are never counted. A rank hands out its batches in rounds, one from each partition in order (shorter lanes
-hand out skip items the main process drops), and saves where the rotation stands; after an elastic change the
-rounds start afresh (docs/elastic.md, docs/architecture.md "Each layer owns its state")."""
+"""Batches for training, with the state of what the training loop *consumed*: every batch comes from ONE partition
+and carries the snapshot of its cursor and transform carry *after* it; the main process keeps the last one handed
+out per partition, so batches prefetched but not handed out are never counted. Batches go out in rounds, one from
+each partition (docs/elastic.md, "Rounds"; docs/internals.md, "Consumed, not produced")."""
 
 from __future__ import annotations
 
@@ -125,9 +121,7 @@ class _BatchProducer(IterableDataset):
         steps = round_steps(lanes)
         turn = (self.lane_turns[j] if j < len(self.lane_turns) else 0) % steps
         if self.stream.follows:     # data.growth: follow (main process, one lane): rounds with waits between
-            follower = self.stream.follower
-            rounds = follower.rounds_in_step if self.stream.world_size > 1 else follower.rounds
-            yield from rounds(lane, turn, self._batches)
+            yield from self.stream.follower.rounds(lane, turn, self._batches)
             return
         if steps == 1:
             yield from self._batches(lane[0])

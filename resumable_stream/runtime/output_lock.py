@@ -1,11 +1,7 @@
-"""One training job per output directory: an exclusive lock on ``<output_dir>/.resumable-stream.lock``.
-
-Two jobs writing one output_dir would interleave checkpoints and remove each other's. Rank 0 holds
-``flock(LOCK_EX | LOCK_NB)`` until training returns; the kernel drops it however the process dies (no stale
-locks). The holder writes who it is for the refusal's message; rank 0's outcome is broadcast so every rank of a
-refused job raises. A lock lives on an inode: the file is never replaced, only removed (with the directories it
-made) by the job that created it and left nothing else, and a job that takes a lock checks that the name still
-leads to the inode it locked."""
+"""One training job per output directory (docs/training.md, "One job per output_dir"): rank 0 holds a ``flock`` on
+``<output_dir>/.resumable-stream.lock``, which the kernel drops however the process dies, and broadcasts its
+outcome. A lock lives on an inode: the file is never replaced, only removed (with the directories it made) by the
+job that created it and left nothing else, and a job that takes a lock checks that the name still leads to it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The stream_state directory and sidecar files: a saved state on disk (docs/internals.md, "States and
-checkpoints"). It takes values (a nested state, the dataset's fingerprint and indexes, a rank and a world size)
-and gives values back; it never sees a stream. The bytes of one state are :mod:`.sidecar`'s, the file names
-:mod:`.names`', which checkpoint of an output_dir resumes :mod:`.output_dir`'s.
-
-A directory save: ``rank-NNNNN.safetensors`` per rank (its partitions and the digest of ``fingerprint.json``,
-so O(its partitions)), and from rank 0 the dataset's ``fingerprint.json``, ``index.bin`` / ``index-<label>.bin``
-(linked, not rewritten, while unchanged since this process wrote them) and, last, ``manifest.json``: the files
-of the save and their digests. Reading (:class:`SavedState`) checks every file against the manifest."""
+checkpoints", "Saving over a state"). It takes values (a nested state, the dataset's fingerprint and indexes, a
+rank and a world size) and gives values back; it never sees a stream. The bytes of one state are :mod:`.sidecar`'s,
+the file names :mod:`.names`', which checkpoint of an output_dir resumes :mod:`.output_dir`'s."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Which data files of a saved fingerprint differ from this run's, each named (removed, added, resized, modified,
-the order), and relocated data: the same files under another root resume as the same data
-(docs/relocating-data.md). Equal digests of compact lists are the same files; else only the files whose identity
-columns differ (found with numpy) are made into dicts and compared.
-
-A file is its path relative to the dataset root, its size and a content identity that costs no extra read (a
-parquet footer digest, an LFS sha256, an S3 ETag that is an MD5). Under the saved root every field is compared;
-after a move, not the markers a copy changes (mtime, Last-Modified, http or multipart ETags, blob ids)."""
+the order), and relocated data: the same files under another root, compared by relative path, size and content
+identity (docs/relocating-data.md). Equal digests of compact lists are the same files; else only the files whose
+identity columns differ (found with numpy) are made into dicts and compared."""
 
 from __future__ import annotations
 

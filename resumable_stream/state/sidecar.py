@@ -1,11 +1,6 @@
-"""A saved state <-> the bytes of a safetensors sidecar: every field checked when read, no pickle.
-
-The state is nested, each layer's own part (docs/architecture.md, "Each layer owns its state"); tensors hold
-the integer cursors and digest chains, ``__metadata__`` the rest as JSON (docs/internals.md, "Sidecar schema").
-``topology.rank`` is None for a job's state and one gathered after a change of ranks. Every file carries the
-digest of its own bytes (``self_blake2b``); a rank file of a stream_state directory holds the digest of its
-``fingerprint.json`` instead of the fingerprint. Version 1 of the released format (:data:`FORMAT`); development
-builds' files (format ``resumable-stream``, versions 1-3) are refused, naming them."""
+"""A saved state <-> the bytes of a safetensors sidecar: every field checked when read, no pickle
+(docs/internals.md, "Sidecar schema", "What a sidecar's digest guarantees"). Version 1 of the released format
+(:data:`FORMAT`); development builds' files (format ``resumable-stream``, versions 1-3) are refused, naming them."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Any
 
 from ..cache.cached_source import with_block_cache
@@ -87,12 +87,9 @@ class MixtureSources:
         total: dict[str, Any] = {}
         for stats in each:
             for key, value in stats.items():
-                if key in ("hit_rate",) or value is None:
-                    continue
-                if key in ("cache_bytes", "size_limit_bytes"):
-                    total[key] = max(total.get(key) or 0, value)
-                else:
-                    total[key] = total.get(key, 0) + value
+                if key != "hit_rate" and value is not None:     # the cache's sizes once, the counters summed
+                    merge = max if key in ("cache_bytes", "size_limit_bytes") else add
+                    total[key] = merge(total.get(key, 0), value)
         lookups = total.get("hits", 0) + total.get("misses", 0)
         total["hit_rate"] = round(total["hits"] / lookups, 4) if lookups else None
         total.setdefault("cache_bytes", None)
@@ -469,132 +466,91 @@ class MixtureStream(StreamBase):
                              if partition in views) if x is not None]
         return sum(known) / len(known) if known else None
 
-    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
-        """The saved weight history is taken over, and with ``data.mixture_change: allow`` other weights or sources
-        apply from each partition's next draw on (:meth:`_take_over`)."""
-        fp = state.get("fingerprint")
-        if state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict):
-            return self._take_over(state, where)
-        return state
-
-    def _core(self, fp: dict[str, Any], labels: list[str], weights: bool = True) -> dict[str, Any]:
-        """What must agree for a state to resume here: the mixture's labels, stopping and seed, its sources'
-        entries (without their weights when ``weights`` is False: a change of mixture)."""
-        mix = fp["mixture"]
-        sources = fp.get("sources") if isinstance(fp.get("sources"), dict) else {}
-        core_mix = {k: mix.get(k) for k in (("labels", "stopping", "seed") if weights else ("stopping", "seed"))}
-        return {"mixture": core_mix,
-                "sources": {label: {k: v for k, v in (sources.get(label) or {}).items() if weights or k != "weight"}
-                            for label in labels}}
-
-    def _compare(self, saved_fp: dict[str, Any], where: str) -> tuple[bool, list[str]]:
-        """(whether the saved mixture has other weights or sources than this one, the saved labels then those
-        a change removed). Any other difference, or that one without ``data.mixture_change: allow``, is a
-        StreamMismatchError naming it."""
-        mix, mine = saved_fp["mixture"], self.state_fingerprint()
-        saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
-        saved_retired = mix.get("retired", [])
-        if not isinstance(saved_retired, list):
-            raise SidecarError(f"{where}: corrupt fingerprint.mixture.retired {saved_retired!r:.80}")
-        every = list(saved_labels) + list(saved_retired)
-        labels = list(self.config.labels)
-        changed = bool(fingerprint_diff(self._core(saved_fp, saved_labels), self._core(mine, labels)))
+    # ------------------------------------------------------------------ a resume across a change of mixture
+    def _compare(self, saved_fp: dict[str, Any], where: str) -> tuple[bool, list[str], list[str]]:
+        """(whether the saved mixture has other weights or sources than this one, its labels, those a change removed).
+        Any other difference, or that one without ``data.mixture_change: allow``, is a StreamMismatchError naming it."""
+        mix, mine, labels = saved_fp["mixture"], self.state_fingerprint(), list(self.config.labels)
+        saved_labels = list(mix["labels"]) if isinstance(mix.get("labels"), list) else []
+        retired = mix.get("retired", [])
+        if not isinstance(retired, list):
+            raise SidecarError(f"{where}: corrupt fingerprint.mixture.retired {retired!r:.80}")
+        changed = bool(fingerprint_diff(_core(saved_fp, saved_labels), _core(mine, labels)))
         if changed and self.config.mixture_change != "allow":
             try:
-                check_fingerprint(self._core(saved_fp, saved_labels), self._core(mine, labels), where)
+                check_fingerprint(_core(saved_fp, saved_labels), _core(mine, labels), where)
             except StreamMismatchError as e:
                 raise StreamMismatchError(
                     f"{e}\nTo resume with other weights or sources on purpose (they apply from the resume point, "
                     "the samples before it stay as they were), set data.mixture_change: allow", e.differences) from None
         if changed:     # only the weights and the set of sources may differ
-            kept = [label for label in labels if label in every]
-            check_fingerprint(self._core(saved_fp, kept, weights=False), self._core(mine, kept, weights=False), where)
-        return changed, every
+            kept = [label for label in labels if label in saved_labels + retired]
+            check_fingerprint(_core(saved_fp, kept, weights=False), _core(mine, kept, weights=False), where)
+        return changed, saved_labels, list(retired)
 
     def check_saved_identity(self, state: dict[str, Any], where: str) -> None:
-        """As ``StreamBase.check_saved_identity``, with the mixture compared by :meth:`_compare` (other weights
-        or sources pass with ``data.mixture_change: allow``; the weight history is the saved state's)."""
-        fp = state.get("fingerprint")
-        if state.get("kind", "stream") != self.kind or not (isinstance(fp, dict) and isinstance(fp.get("mixture"), dict)):
-            super().check_saved_identity(state, where)
-            return
-        self._compare(fp, where)
-        super().check_saved_identity({**state, "fingerprint": self._ours_with_transform_of(fp)}, where)
-
-    def _take_over(self, state: dict[str, Any], where: str) -> dict[str, Any]:
-        """Take the saved weight history, compare, and return the state in this mixture's form: its sources in this order
-        (a removed one's kept after them, an added one from its start), after a change a history entry from each
-        partition's next draw."""
-        saved_fp = state["fingerprint"]
-        mix = saved_fp["mixture"]
-        saved_labels = mix.get("labels") if isinstance(mix.get("labels"), list) else []
-        changed, every = self._compare(saved_fp, where)
-        if changed:
-            self._refuse_changes_in_datasets_draws()
-        labels = list(self.config.labels)
-        if "history" in mix:
-            history = history_from_json(mix["history"], f"{where}: fingerprint.mixture.history")
-        elif changed:     # saved before histories: its configured weights (normalised) from draw 0
-            history = [Segment(tuple(saved_labels), tuple(float(saved_fp["sources"][label]["weight"])
-                                                          if not isinstance(saved_fp["sources"][label]["weight"], dict)
-                                                          else saved_fp["sources"][label]["weight"]
-                                                          for label in saved_labels))]
-        else:
-            history = [Segment(self.config.labels, self.config.weights)]
-        if changed:
-            history.append(Segment(self.config.labels, self.config.weights, "resume"))
-        retired = {label: saved_fp["sources"][label] for label in every if label not in labels}
-        sps = mix.get("samples_per_step")
-        if sps is not None and not (isinstance(sps, int) and sps >= 1):
-            raise SidecarError(f"{where}: corrupt fingerprint.mixture.samples_per_step {sps!r}")
-        topology = state.get("topology") or {}
-        partitions = {p: self._reorder(MixturePartitionState.from_dict(ps, f"{where}: partition {p}"), every,
-                                       len(history) - 1 - changed, changed, int(p),
-                                       topology.get("num_partitions", self.num_partitions), where)
-                      for p, ps in state["partitions"].items()}
-        self._history, self._retired = history, retired
-        if sps is not None:
-            self._samples_per_step = sps
-        self._changed()
-        if changed:
-            self._events.append({"from": "resume", "weights": dict(zip(labels, self.config.weights)),
-                                 "added": [label for label in labels if label not in every],
-                                 "removed": [label for label in saved_labels if label not in labels]})
-        return {**state, "fingerprint": self._ours_with_transform_of(saved_fp), "partitions": partitions}
+        """As ``StreamBase.check_saved_identity``, with the mixture compared by :meth:`_compare`."""
+        if _is_mixture_state(state):
+            self._compare(state["fingerprint"], where)
+            state = {**state, "fingerprint": self._ours_with_transform_of(state["fingerprint"])}
+        super().check_saved_identity(state, where)
 
     def _ours_with_transform_of(self, saved_fp: dict[str, Any]) -> dict[str, Any]:
         """This mixture's fingerprint (compared by :meth:`_compare`) with the saved transform's, which
         ``StreamBase.check_saved_identity`` then checks."""
         fp = {k: v for k, v in self.state_fingerprint().items() if k != "transform"}
-        if "transform" in saved_fp:
-            fp["transform"] = saved_fp["transform"]
-        return fp
+        return {**fp, "transform": saved_fp["transform"]} if "transform" in saved_fp else fp
 
-    def _reorder(self, ps: MixturePartitionState, every: list[str], changes: int, changed: bool, p: int,
-                 num_partitions: int, where: str) -> dict[str, Any]:
-        """One partition's saved state with its sources' columns in this mixture's order (see _take_over)."""
-        if len(ps.sources) != len(every) or len(ps.changes) != changes:
-            raise SidecarError(f"{where}: partition {p}: the state of {len(ps.sources)} sources and {len(ps.changes)} "
-                               f"weight changes; its fingerprint lists {len(every)} sources ({', '.join(every)}) and "
-                               f"{changes} changes")
-        if not changed:
-            return ps.to_dict()
-        labels = list(self.config.labels)
+    def _in_own_form(self, state: dict[str, Any], where: str) -> dict[str, Any]:
+        """A saved mixture state in this mixture's form, its weight history taken over (docs/mixtures.md, "Changes on
+        resume"). One rule for a source added, removed or reweighted: each partition keeps the saved columns of the
+        sources it has (this mixture's order, then the removed ones, kept for their return), an added one starts
+        fresh, and the new weights apply from its next draw (a history entry starting there)."""
+        if not _is_mixture_state(state):
+            return state
+        saved_fp = state["fingerprint"]
+        mix, labels = saved_fp["mixture"], list(self.config.labels)
+        changed, saved_labels, retired = self._compare(saved_fp, where)
+        if changed:
+            self._refuse_changes_in_datasets_draws()
+        if "history" in mix:
+            history = history_from_json(mix["history"], f"{where}: fingerprint.mixture.history")
+        elif changed:     # no history saved: the saved configured weights (normalised) from draw 0
+            weights = [saved_fp["sources"][label]["weight"] for label in saved_labels]
+            history = [Segment(tuple(saved_labels), tuple(w if isinstance(w, dict) else float(w) for w in weights))]
+        else:
+            history = [Segment(self.config.labels, self.config.weights)]
+        sps = mix.get("samples_per_step")
+        if sps is not None and not (isinstance(sps, int) and sps >= 1):
+            raise SidecarError(f"{where}: corrupt fingerprint.mixture.samples_per_step {sps!r}")
+        every = saved_labels + retired       # the saved columns of each partition
         order = labels + [label for label in every if label not in labels]
-        epochs, ended, sources = [], [], []
-        for label in order:
-            if label in every:
-                j = every.index(label)
-                epochs.append(ps.source_epochs[j])
-                ended.append(ps.ended[j])
-                sources.append(ps.sources[j])
-            else:      # added: from its start
-                epochs.append(0)
-                ended.append(False)
-                sources.append(self._view(labels.index(label), p, num_partitions).partition_state(p))
-        out = MixturePartitionState(ps.epoch, ps.draws, ps.consumed, epochs, ended, sources,
-                                    [*ps.changes, ps.consumed])
-        return out.to_dict()
+        num_partitions = (state.get("topology") or {}).get("num_partitions", self.num_partitions)
+        partitions = {}
+        for p, saved in state["partitions"].items():
+            ps = MixturePartitionState.from_dict(saved, f"{where}: partition {p}")
+            if len(ps.sources) != len(every) or len(ps.changes) != len(history) - 1:
+                raise SidecarError(f"{where}: partition {p}: the state of {len(ps.sources)} sources and "
+                                   f"{len(ps.changes)} weight changes; its fingerprint lists {len(every)} sources "
+                                   f"({', '.join(every)}) and {len(history) - 1} changes")
+            if changed:
+                columns = [(ps.source_epochs[every.index(label)], ps.ended[every.index(label)],
+                            ps.sources[every.index(label)]) if label in every
+                           else (0, False, self._view(labels.index(label), int(p), num_partitions).partition_state(int(p)))
+                           for label in order]
+                epochs, ended, sources = (list(c) for c in zip(*columns))
+                ps = replace(ps, source_epochs=epochs, ended=ended, sources=sources, changes=[*ps.changes, ps.consumed])
+            partitions[p] = ps.to_dict()
+        if changed:
+            history.append(Segment(self.config.labels, self.config.weights, "resume"))
+            self._events.append({"from": "resume", "weights": dict(zip(labels, self.config.weights)),
+                                 "added": [label for label in labels if label not in every],
+                                 "removed": [label for label in saved_labels if label not in labels]})
+        self._history, self._retired = history, {label: saved_fp["sources"][label] for label in order[len(labels):]}
+        if sps is not None:
+            self._samples_per_step = sps
+        self._changed()
+        return {**state, "fingerprint": self._ours_with_transform_of(saved_fp), "partitions": partitions}
 
     def _restore_partition(self, p: int, ps: MixturePartitionState, where: str, verify_next_sample: bool) -> None:
         """Continue partition ``p``: each source's view from its cursor, the draws from the saved position."""
@@ -616,6 +572,22 @@ class MixtureStream(StreamBase):
         pos.changes = list(ps.changes)
         pos.iters = [None] * n
         self._kept[p] = [(ps.source_epochs[i], ps.ended[i], ps.sources[i]) for i in range(n, len(ps.sources))]
+
+
+def _is_mixture_state(state: dict[str, Any]) -> bool:
+    fp = state.get("fingerprint")
+    return state.get("kind") == "mixture" and isinstance(fp, dict) and isinstance(fp.get("mixture"), dict)
+
+
+def _core(fp: dict[str, Any], labels: list[str], weights: bool = True) -> dict[str, Any]:
+    """What must agree for a state to resume here: the mixture's labels, stopping and seed, its sources'
+    entries (without their weights when ``weights`` is False: a change of mixture)."""
+    mix = fp["mixture"]
+    sources = fp.get("sources") if isinstance(fp.get("sources"), dict) else {}
+    core_mix = {k: mix.get(k) for k in (("labels", "stopping", "seed") if weights else ("stopping", "seed"))}
+    return {"mixture": core_mix,
+            "sources": {label: {k: v for k, v in (sources.get(label) or {}).items() if weights or k != "weight"}
+                        for label in labels}}
 
 
 def describe_state(state: dict[str, Any], full: bool = False) -> dict[str, Any]:

@@ -1,14 +1,6 @@
-"""A mixture's weight history and the sources its draws pick (docs/mixtures.md).
-
-The history is an ordered list of segments, each the weights (numbers or schedules) of a set of sources from a
-draw on; segments live in the fingerprint, the draw each starts at in a partition's state (``changes``). A
-schedule is read at ``d * num_partitions`` (unit samples) or ``/ samples_per_step`` (unit steps); the pick is
-the draw's counter-based uniform against the cumulative weights, a pure function of the draw and the history.
-
-Or (:class:`DatasetsDraws`) the sources in the sequence of ``datasets.interleave_datasets`` (datasets 4.0;
-LLaMA-Factory's ``mix_strategy: interleave_*``): the sources in turn without probabilities, else
-``numpy.random.default_rng(seed).choice(n, size=1000, p=...)`` block after block, seeded per epoch as datasets'
-``_effective_generator``. Draw k of an epoch is a pure function of (seed, epoch, k); the epochs are datasets' too."""
+"""A mixture's weight history and the sources its draws pick: a pure function of the draw and the history, so
+it has no state to save (docs/mixtures.md, "Curricula and changing mixtures"). Or (:class:`DatasetsDraws`) the
+sequence of ``datasets.interleave_datasets`` that LLaMA-Factory's ``interleave_*`` draws (docs/llamafactory.md)."""
 
 from __future__ import annotations
 
