@@ -692,14 +692,15 @@ class PartitionReader:
             within[at:at + n] = np.arange(first, first + n, dtype=np.int64)
             shard_ids[at:at + n] = take.slot.shard
             at += n
-        keys = np.empty((have, 2), dtype="<i8")
-        keys[:, 0], keys[:, 1] = shard_ids, _piece_rows(pieces)
+        raw_rows = _piece_rows(pieces)
         skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            keys = keys[perm]       # fancy indexing: a new C-contiguous array
+            shard_ids, raw_rows = shard_ids[perm], raw_rows[perm]     # two gathers: cheaper than one of (n, 2) rows
         else:
             perm = None
+        keys = np.empty((have, 2), dtype="<i8")
+        keys[:, 0], keys[:, 1] = shard_ids, raw_rows
         if planned:     # the shard of the first sample first, unless its reading began in an earlier window
             slot = order[int(owner[perm[skip] if perm is not None else skip])].slot if skip < have else None
             first = [slot.shard] if slot is not None and slot.unread else []
