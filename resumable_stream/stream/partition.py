@@ -32,6 +32,8 @@ PREFETCH_HINT = 256        # shards of its plan a partition hints at most when i
 FIRST_ROWS = 1024          # rows a window makes before its first sample; the rest when the consumer gets there
 PART_ROWS = 2048           # rows a window makes at a time after its first part (the consumer dropping each part
                            # before the next is made keeps the rows in the CPU's cache: ~0.2 us a row less)
+TAKE_ROWS = 16384          # rows a window takes from its tables in one Arrow call, sliced into parts (rows under
+                           # LARGE_ROW_BYTES: at most 8 MiB)
 LARGE_ROW_BYTES = 512      # rows of at least this many Arrow bytes are permuted as Python objects (_gathered)
 
 
@@ -180,14 +182,19 @@ def _window_rows(takes: list[_Take], owner: np.ndarray, within: np.ndarray, perm
         if j is None:               # made once for the parts made from the same takes (the last ones kept)
             joined.clear()
             j = joined[key] = _Joined(ready, len(takes), perm)
-        idx = j.offset[owner[pos]] + within[pos]
         if j.rows is not None:
-            return _gathered(j.rows, idx)
-        if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:     # file order: one contiguous slice
-            part = j.table.slice(int(idx[0]), len(idx))
-        else:
-            part = pc.take(j.combined(), _indices(idx), memory_pool=rows_pool())
-        return _rows_of(part, hi - lo)
+            return _gathered(j.rows, j.offset[owner[pos]] + within[pos])
+        if j.block is None or not j.block_lo <= lo <= hi <= j.block_lo + j.block.num_rows:
+            # every take read: the parts of the next TAKE_ROWS rows taken at once (one Arrow call, not one a part)
+            end = hi if len(ready) < len(takes) else min(have, max(hi, lo + TAKE_ROWS))
+            block = positions(lo, end)
+            idx = j.offset[owner[block]] + within[block]
+            if perm is None and len(idx) and idx[-1] - idx[0] == len(idx) - 1:     # file order: a contiguous slice
+                j.block = j.table.slice(int(idx[0]), len(idx))
+            else:
+                j.block = pc.take(j.combined(), _indices(idx), memory_pool=rows_pool())
+            j.block_lo = lo
+        return _rows_of(j.block.slice(lo - j.block_lo, hi - lo), hi - lo)
 
     first = takes[int(owner[positions(skip, skip + 1)[0]])]
     first.read()
@@ -223,6 +230,8 @@ class _Joined:
             at += t.table.num_rows
         self.rows: list[dict] | None = None
         self.table: pa.Table | None = None
+        self.block: pa.Table | None = None      # the rows of the window from ``block_lo`` on, in the order handed out
+        self.block_lo = 0
         self._combined: pa.Table | None = None
         if _per_take(ready, perm):
             self.rows = ready[0].made_rows() if len(ready) == 1 else [r for t in ready for r in t.made_rows()]
@@ -683,14 +692,15 @@ class PartitionReader:
             within[at:at + n] = np.arange(first, first + n, dtype=np.int64)
             shard_ids[at:at + n] = take.slot.shard
             at += n
-        keys = np.empty((have, 2), dtype="<i8")
-        keys[:, 0], keys[:, 1] = shard_ids, _piece_rows(pieces)
+        raw_rows = _piece_rows(pieces)
         skip = min(consumed, have)
         if lay.shuffle:
             perm = window_permutation(have, lay.seed, start.epoch, self.partition, start.window)
-            keys = keys[perm]       # fancy indexing: a new C-contiguous array
+            shard_ids, raw_rows = shard_ids[perm], raw_rows[perm]     # two gathers: cheaper than one of (n, 2) rows
         else:
             perm = None
+        keys = np.empty((have, 2), dtype="<i8")
+        keys[:, 0], keys[:, 1] = shard_ids, raw_rows
         if planned:     # the shard of the first sample first, unless its reading began in an earlier window
             slot = order[int(owner[perm[skip] if perm is not None else skip])].slot if skip < have else None
             first = [slot.shard] if slot is not None and slot.unread else []

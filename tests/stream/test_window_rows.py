@@ -116,14 +116,17 @@ def test_a_window_made_in_two_parts_hands_out_the_samples_a_whole_one_does(cfg, 
         assert take_ids(resumed, n - k) == whole[k:]
 
 
+@pytest.mark.parametrize("take_rows", [10**6, 12])
 @pytest.mark.parametrize("part_rows", [1, 5, 16])
 def test_a_window_made_part_by_part_hands_out_the_samples_a_whole_one_does(cfg, source, whole_windows, monkeypatch,
-                                                                          part_rows, tmp_path):
+                                                                          part_rows, take_rows, tmp_path):
     """After its first part a window makes PART_ROWS rows at a time and lets go of each part once the next is made:
     the same samples and keys as windows made whole, a save at, before and after a part's end resumes exactly, and
-    the window holds no more than one part."""
+    the window holds no more than one part. ``take_rows``: the rows taken from the window's tables at once (parts
+    sliced from them; 12: blocks that end inside a part of 5 or 16)."""
     from resumable_stream.stream import partition
 
+    monkeypatch.setattr(partition, "TAKE_ROWS", take_rows)
     whole_windows(10**9)
     n = 2 * cfg.buffer_size + 13
     whole = take_ids(ResumableStream(cfg, rank=0, world_size=1, source=source), n)
