@@ -183,23 +183,35 @@ def _features_of_good_lines(entry: dict, retry: RetryPolicy | None):
 def _shifted(data: bytes, shift: int, carry: int | None) -> tuple[memoryview, int]:
     """``data`` (following the byte ``carry``; None: its first byte is the carry) read from bit ``shift`` of
     ``carry`` on: a deflate stream that starts inside a byte, moved onto byte boundaries for zlib (Python's zlib
-    has no ``inflatePrime``); and the new carry. Shifted 64 bits at a time, by numpy (the GIL let go): byte by
-    byte as uint16 cost as much as the inflate itself."""
+    has no ``inflatePrime``); and the new carry. Shifted 64 bits at a time, by numpy (the GIL let go), in place and
+    _SHIFT_WORDS at a time (the temporary stays in the CPU's cache): whole-array temporaries, fresh pages each, cost
+    ~3.5x the time (~0.8 us a row of the corpora benchmark's ``.json.gz``), as much as a sixth of the inflate."""
     import numpy as np
 
     raw = len(data) + (carry is not None)
     if raw < 2:
         return memoryview(b""), data[-1] if data else carry
-    words = np.zeros(raw // 8 + 2, dtype="<u8")
+    n = raw // 8 + 2
+    words = np.empty(n, dtype="<u8")
     as_bytes = words.view(np.uint8)
+    as_bytes[raw:] = 0
     if carry is None:
         as_bytes[:raw] = np.frombuffer(data, dtype=np.uint8)
     else:
         as_bytes[0] = carry
         as_bytes[1:raw] = np.frombuffer(data, dtype=np.uint8)
-    out = words[:-1] >> np.uint64(shift)
-    out |= words[1:] << np.uint64(64 - shift)
-    return memoryview(out.view(np.uint8))[:raw - 1], data[-1]
+    right, left = np.uint64(shift), np.uint64(64 - shift)
+    high = np.empty(min(_SHIFT_WORDS, n - 1), dtype="<u8")
+    for a in range(0, n - 1, _SHIFT_WORDS):       # word k = (k >> shift) | (k + 1 << 64 - shift), k + 1 not yet moved
+        b = min(a + _SHIFT_WORDS, n - 1)
+        part, top = words[a:b], high[:b - a]
+        np.left_shift(words[a + 1:b + 1], left, out=top)
+        np.right_shift(part, right, out=part)
+        np.bitwise_or(part, top, out=part)
+    return memoryview(as_bytes)[:raw - 1], data[-1]
+
+
+_SHIFT_WORDS = 1 << 15        # 256 KiB of words shifted at a time
 
 
 def readahead_pool():
