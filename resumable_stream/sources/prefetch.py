@@ -17,7 +17,9 @@ alone: its first sample waits for its own row groups, not for a burst of others)
 source of large shards gives ``first_depth`` instead (JSON lines: ``interleave_shards``, the pieces of 16 MiB a
 window opens): that many fetches in all, the one the reader waits on included, until that one has arrived, so
 the first window's pieces share the link with nobody else's and the next ones go out with its first sample.
-``cap`` bounds the depth (``data.prefetch_blocks``).
+``cap`` bounds the depth (``data.prefetch_blocks``). ``fetch_s`` is the fetch's requests' time (its decoding is
+CPU the consumer shares), or with ``whole_call`` its whole call: a local JSON-lines piece reads in ~2 ms and inflates
+for ~50-100 ms on the fetch thread, and timed by its read the depth fell to 1 and the reader waited on each inflate.
 
 ``busy_s`` is measured per window, not per hand-over: a partition hints its plan each time it builds a
 window, so the time between two hints (less the waits) over the row groups taken in between is one sample,
@@ -34,7 +36,9 @@ it knows it, ``decoded(shard)``, a JSON-lines piece's text; else at the largest 
 decoded table then counts its real ``nbytes`` until the reader takes it. A table that turns out larger
 than its reservation and would overflow the budget is dropped (the reader fetches it itself), so what the
 prefetcher holds never exceeds the budget (``stats()["peak_bytes"]``). A row group that alone exceeds
-the budget is not fetched ahead. ``stats()["held_for_memory"]``: the hinted shards that waited for room.
+the budget is not fetched ahead. ``stats()["held_for_memory"]``: the hinted shards that waited for room. A
+source that holds bytes ahead on its own (a JSON-lines shard's next pieces, sources/jsonl.py) counts them with
+``reserve`` / ``release`` in the same budget, and does without them when they do not fit (``stats()["declined"]``).
 
 **The request budget** (``data.max_requests_per_s``, io/budget.py) paces every request of the process; the
 prefetcher need not run further ahead than that pace can serve. With ``rate`` (requests per second this
@@ -189,7 +193,8 @@ class Prefetcher:
                  first_alone: bool = False, rate: Callable[[], float | None] | None = None,
                  run: Callable[[list[int]], list[pa.Table]] | None = None,
                  adjacent: Callable[[int], tuple[int | None, int | None]] | None = None,
-                 decoded: Callable[[int], int | None] | None = None, first_depth: int | None = None):
+                 decoded: Callable[[int], int | None] | None = None, first_depth: int | None = None,
+                 whole_call: bool = False):
         # held weakly: the source owns this prefetcher, and its threads must not keep the source alive
         self._fetch = weakref.WeakMethod(fetch)
         self._size = _weak(size)
@@ -208,6 +213,10 @@ class Prefetcher:
         # shards a window opens, so that its first window's requests do not share the link with the next
         # windows' before its first sample
         self.first_depth = first_depth
+        # a fetch's time is its whole call, decoding included, not only its requests: a source whose fetch decodes
+        # off the consumer's thread on a core the consumer does not use (a compressed JSON-lines piece inflates for
+        # ~50-100 ms, its local read takes ~2 ms: timed by its read, the depth stayed at 1-2 and the reader waited)
+        self.whole_call = whole_call
         self._reset()
 
     def _reset(self) -> None:
@@ -223,7 +232,8 @@ class Prefetcher:
         self._bytes = 0                           # reserved (in flight) + held (decoded, not taken)
         self._counts = {"started": 0, "taken": 0, "wasted": 0, "failed": 0, "over_budget": 0,
                         "peak_bytes": 0, "peak_in_flight": 0,
-                        "waited": 0, "wait_s": 0.0, "coalesced": 0, "held_for_memory": 0}
+                        "waited": 0, "wait_s": 0.0, "coalesced": 0, "held_for_memory": 0,
+                        "reserved": 0, "declined": 0}
         self._held: set[int] = set()             # hinted shards whose fetch had to wait for the budget
         self._running = 0
 
@@ -231,12 +241,13 @@ class Prefetcher:
         return {"fetch": self._fetch(), "cap": self.cap, "budget": self.budget, "size": _strong(self._size),
                 "threads": self._threads, "first_alone": self.first_alone, "rate": _strong(self._rate),
                 "run": _strong(self._run), "adjacent": _strong(self._adjacent), "decoded": _strong(self._decoded),
-                "first_depth": self.first_depth}
+                "first_depth": self.first_depth, "whole_call": self.whole_call}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fetch"], state["cap"], state["budget"], state["size"], state["threads"],
                       state.get("first_alone", False), state.get("rate"), state.get("run"), state.get("adjacent"),
-                      state.get("decoded"), state.get("first_depth"))
+                      state.get("decoded"), state.get("first_depth"),
+                      state.get("whole_call", False))
 
     @property
     def depth(self) -> int:
@@ -472,7 +483,8 @@ class Prefetcher:
                 self._counts["failed"] += 1
                 self._release(shard, entry)
                 return False
-            took = net if net > 0 else now - t0      # its requests' time (decoding is the consumer side's CPU)
+            # its requests' time (decoding is the consumer side's CPU), or its whole call (``whole_call``)
+            took = net if net > 0 and not self.whole_call else now - t0
             self._net.append(took)
             del self._net[:-_NET]
             self._fetch_s = sorted(self._net)[int(len(self._net) * _NET_QUANTILE)]
@@ -551,6 +563,27 @@ class Prefetcher:
                 state.received = True
                 if self._pool is not None:
                     self._top_up()
+
+    # ------------------------------------------------------------------ memory a source holds ahead on its own
+    def reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` a source fetches ahead on its own (a JSON-lines shard's next pieces' compressed bytes)
+        against the budget, beside the fetches'; False when they do not fit (the source then does without).
+        A True is given back with :meth:`release` once those bytes are the reader's or dropped."""
+        with self._here():
+            if self.budget is not None and self._bytes + nbytes > self.budget:
+                self._counts["declined"] += 1
+                return False
+            self._bytes += nbytes
+            self._counts["reserved"] += 1
+            self._counts["peak_bytes"] = max(self._counts["peak_bytes"], self._bytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` counted; the fetches it held back may start."""
+        with self._here():
+            self._bytes = max(0, self._bytes - nbytes)
+            if self._pool is not None:
+                self._top_up()
 
     def stats(self) -> dict:
         """Measurements and counters: the depth per partition now, the average fetch time, bytes held or in

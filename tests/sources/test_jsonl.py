@@ -245,12 +245,15 @@ def test_the_next_member_is_found_from_a_point_inside_a_byte(tmp_path, small_pie
         assert b"".join(out) == text[entry["points"][i][0]:]
 
 
-def test_a_deflate_stream_inside_a_byte_is_shifted_as_its_bits():
+@pytest.mark.parametrize("words", [1 << 15, 1, 2, 7])
+def test_a_deflate_stream_inside_a_byte_is_shifted_as_its_bits(monkeypatch, words):
     """A gzip access point inside a byte: the compressed bytes handed on in parts of any size (the first byte of the
     first part being the carry) come out as the bit stream from that bit on, byte-aligned (checked against Python
-    integers)."""
+    integers), shifted ``words`` 64-bit words at a time."""
+    from resumable_stream.sources import jsonl
     from resumable_stream.sources.jsonl import _shifted
 
+    monkeypatch.setattr(jsonl, "_SHIFT_WORDS", words)
     rng = random.Random(5)
     data = bytes(rng.randrange(256) for _ in range(3001))
     for shift in range(1, 8):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 
 import pytest
 import zstandard
@@ -108,7 +109,7 @@ def test_closing_mid_shard_asks_for_nothing_more(tmp_path, monkeypatch):
 
 
 def test_the_read_ahead_holds_at_most_its_pieces():
-    """What a shard fetches ahead (outside ``data.prefetch_memory_mb``: docs/limitations.md) is at most
+    """What a shard fetches ahead (counted in ``data.prefetch_memory_mb`` where a prefetcher is given) is at most
     READAHEAD_PIECES + 1 ranges at once (the next pieces asked for at each piece, and one asked for at the piece
     before and not yet read), however far ahead it is asked to go; a range read in order takes the one fetched
     ahead, and a range asked for again is never fetched twice."""
@@ -135,3 +136,100 @@ def test_the_read_ahead_holds_at_most_its_pieces():
     ranges.close()
     assert sorted(set(asked)) == sorted(asked)                # no range fetched twice
     assert len([r for r in asked if r[0] >= 100]) == READAHEAD_PIECES + 1
+
+
+def test_the_read_ahead_is_charged_to_the_prefetch_memory_budget():
+    """A range fetched ahead counts against ``data.prefetch_memory_mb`` (the prefetcher's ``reserve``) from when it is
+    asked for until the reader takes it or it is dropped; one that does not fit is not fetched ahead. Observed on
+    the fetches made: ranges of 100 bytes under a budget of 250, while none comes back, at most 2 are fetched ahead
+    (uncharged, READAHEAD_PIECES + 1 = 3), and a range taken gives its bytes back for the next one."""
+    import threading
+
+    import pyarrow as pa
+
+    from resumable_stream.sources.jsonl import _Ranges
+    from resumable_stream.sources.prefetch import Prefetcher
+
+    class Rows:                                 # the prefetcher's own fetches: none here
+        def fetch(self, shard):
+            return pa.table({"x": [shard]})
+
+    rows = Rows()
+    budget = Prefetcher(rows.fetch, cap=4, budget=250)
+    gate, asked = threading.Event(), []
+
+    def fetch(a: int, b: int) -> bytes:
+        asked.append((a, b))
+        gate.wait(10)
+        return bytes(b - a)
+
+    ranges = _Ranges(fetch, budget)
+    try:
+        for k in range(1, 4):
+            ranges.ahead(k * 100, (k + 1) * 100)
+        time.sleep(0.2)
+        assert sorted(asked) == [(100, 200), (200, 300)]        # the third did not fit: not fetched ahead
+        assert budget.stats()["bytes"] == 200 and budget.stats()["declined"] == 1
+        gate.set()
+        assert ranges.fetch(100, 200) == bytes(100)             # taken: its 100 bytes are the reader's now
+        assert budget.stats()["bytes"] == 100
+        ranges.ahead(300, 400)                                  # fits again
+        assert ranges.fetch(200, 300) == bytes(100) and ranges.fetch(300, 400) == bytes(100)
+        assert sorted(asked) == [(100, 200), (200, 300), (300, 400)]
+        ranges.ahead(400, 500)
+        ranges.close()                                          # dropped: given back once its fetch is over
+        deadline = time.monotonic() + 10
+        while budget.stats()["bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert budget.stats()["bytes"] == 0 and budget.stats()["peak_bytes"] <= 250
+    finally:
+        gate.set()
+        ranges.close()
+        budget.close()
+
+
+def _incompressible(path, n: int) -> None:
+    """``n`` rows of ~1 KB of base64 (zstd keeps ~3/4 of it) in one zstd frame."""
+    import base64
+
+    rng = random.Random(3)
+    text = "".join(json.dumps({"id": i, "text": base64.b64encode(rng.randbytes(750)).decode()}) + "\n"
+                   for i in range(n))
+    path.write_bytes(zstandard.ZstdCompressor(level=1).compress(text.encode()))
+
+
+ROWS_BIG = 14_000
+
+
+@pytest.mark.parametrize("memory_mb", [1, 256])
+def test_a_local_shards_read_ahead_stays_within_the_memory_budget(tmp_path, monkeypatch, memory_mb):
+    """Pieces of ~3 MiB of text (~2.3 MiB compressed) in a one-frame local file: under a budget of 1 MiB no piece's
+    bytes are fetched ahead (none fits), and the rows are the same; under 256 MiB they are."""
+    from resumable_stream.sources import jsonl
+
+    monkeypatch.setattr(jsonl_index, "PIECE_MAX_BYTES", 3 << 20)
+    _incompressible(tmp_path / "a.jsonl.zst", ROWS_BIG)
+    submitted = []
+    real_pool = jsonl.readahead_pool
+
+    class Watched:
+        def submit(self, fn, start, end):
+            submitted.append(end - start)
+            return real_pool().submit(fn, start, end)
+
+    monkeypatch.setattr(jsonl, "readahead_pool", Watched)
+    cfg = StreamConfig(dataset_name_or_path="json", data_files=[str(tmp_path / "a.jsonl.zst")], shuffle=False,
+                       prefetch_memory_mb=memory_mb)
+    s = ResumableStream(cfg)
+    try:
+        assert len(s.source.shards) == 1 and len(s.source._files[0]["pieces"]) >= 4
+        ids = [r["id"] for r in itertools.islice(s, ROWS_BIG)]
+        stats = s.source.prefetch_stats()
+    finally:
+        s.close()
+    assert ids == list(range(ROWS_BIG))
+    assert stats["peak_bytes"] <= memory_mb << 20, stats
+    if memory_mb == 1:
+        assert submitted == [] and stats["declined"] >= 1, (submitted, stats)
+    else:
+        assert submitted and max(submitted) > 1 << 20 and stats["reserved"] == len(submitted), (submitted, stats)

@@ -267,3 +267,84 @@ def test_a_local_partitions_first_fetch_runs_alone_until_it_is_done():
             time.sleep(0.01)
         assert sorted(rows.started) == [0, 1, 2, 3]
         prefetcher.close()
+
+
+def test_a_fetch_that_decodes_is_timed_whole_where_the_source_says_so(tmp_path):
+    """A local JSON-lines piece's fetch reads its bytes in ~2 ms and then inflates them for ~50-100 ms on the
+    prefetch thread. Timed by its read alone (the requests' time), the depth covers ~2 ms and the reader waits on
+    each inflate; ``whole_call`` times the whole fetch, so the depth covers the decode too."""
+    import pyarrow as pa
+
+    from resumable_stream.io.ranged import read_range
+    from resumable_stream.sources.prefetch import Prefetcher
+
+    path = tmp_path / "piece"
+    path.write_bytes(bytes(4096))
+    decode_s, per_row_group = 0.06, 0.01
+
+    class Rows:
+        def fetch(self, shard):
+            read_range(str(path), 0, 4096, {})       # a local read: counted as the fetch's request time
+            time.sleep(decode_s)                      # its decoding, off the consumer's thread
+            return pa.table({"x": [shard]})
+
+    depths = {}
+    for whole in (False, True):
+        rows = Rows()
+        prefetcher = Prefetcher(rows.fetch, cap=16, whole_call=whole)
+        try:
+            for w in range(6):                        # windows of 2 row groups, consumed at per_row_group each
+                prefetcher.hint(0, list(range(2 * w, 64)))
+                for shard in (2 * w, 2 * w + 1):
+                    assert prefetcher.take(shard).result(timeout=30).column("x")[0].as_py() == shard
+                time.sleep(2 * per_row_group)
+            stats = prefetcher.stats()
+            depths[whole] = prefetcher.depth_for(0)
+        finally:
+            prefetcher.close()
+        if whole:
+            assert stats["fetch_s"] >= decode_s, stats
+        else:
+            assert stats["fetch_s"] < decode_s, stats
+    # covering the decode needs about decode_s / per_row_group fetches ahead; timed by the read alone, one
+    assert depths[True] >= 3 and depths[False] <= 2, depths
+
+
+def test_memory_a_source_holds_ahead_on_its_own_counts_against_the_budget():
+    """``reserve`` / ``release`` (a JSON-lines shard's read-ahead): granted while it fits beside the fetches, declined
+    past the budget, and a fetch held back for memory starts once the bytes are given back."""
+    import threading
+
+    import pyarrow as pa
+
+    from resumable_stream.sources.prefetch import Prefetcher
+
+    started = threading.Event()
+
+    class Rows:
+        def size(self, shard):
+            return 40
+
+        def decoded(self, shard):
+            return 10                              # a fetch reserves 50 bytes
+
+        def fetch(self, shard):
+            started.set()
+            return pa.table({"x": [shard]})
+
+    rows = Rows()
+    prefetcher = Prefetcher(rows.fetch, cap=4, budget=100, size=rows.size, decoded=rows.decoded)
+    try:
+        assert prefetcher.reserve(60)
+        assert not prefetcher.reserve(50)              # 110 > 100
+        prefetcher.hint(0, [0])                        # 60 + 50 > 100: held back for memory
+        assert not started.wait(0.3)
+        assert prefetcher.stats()["held_for_memory"] == 1
+        prefetcher.release(60)                         # room again: the held fetch starts
+        assert started.wait(10)
+        assert prefetcher.take(0).result(timeout=10).num_rows == 1
+        stats = prefetcher.stats()
+        assert stats["reserved"] == 1 and stats["declined"] == 1, stats
+        assert stats["peak_bytes"] <= 100 and stats["bytes"] == 0, stats
+    finally:
+        prefetcher.close()
