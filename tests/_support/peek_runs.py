@@ -11,6 +11,9 @@ import json
 import os
 import sys
 
+import pyarrow.parquet  # noqa: F401  (imported once, before the forks; every peek of parquet imports them)
+import torch  # noqa: F401
+
 from resumable_stream.app import cli
 
 
