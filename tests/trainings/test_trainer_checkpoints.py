@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
-from training_helpers import Procs, free_port
+from training_helpers import Procs, free_port, wait_until_each
 
 from resumable_stream.testing import write_parquet_dataset
 
@@ -51,24 +50,18 @@ def _held_then_resumed(procs: Procs, runs: dict[str, tuple[str, int]], data: str
     all at once (their processes share the cores). Returns via -> None, or what went wrong."""
     held = {via: procs.start(out, f"{via}-held", command=_command(via, ranks, out, data, hold=True))
             for via, (out, ranks) in runs.items()}
+    what = f"every rank past step {STEPS} with the checkpoint of step {EVERY} written"
+    waits = {via: (run, lambda out=runs[via][0], ranks=runs[via][1]:
+                   all(os.path.exists(os.path.join(out, f"held-{r}")) for r in range(ranks)), what)
+             for via, run in held.items()}
     resumed, failed = {}, {}
-    deadline = time.monotonic() + 300
-    while len(resumed) + len(failed) < len(runs):
-        for via, run in held.items():
-            if via in resumed or via in failed:
-                continue
-            out, ranks = runs[via]
-            if all(os.path.exists(os.path.join(out, f"held-{r}")) for r in range(ranks)):
-                run.kill()
-                resumed[via] = procs.start(out, f"{via}-resumed", command=_command(via, ranks, out, data, hold=False))
-            elif run.proc.poll() is not None:
-                failed[via] = f"process exited before every rank was past step {STEPS} with the checkpoint of " \
-                              f"step {EVERY} written\n{run.describe()}"
-            elif time.monotonic() > deadline:
-                run.kill()
-                failed[via] = f"timed out after 300s waiting for every rank past step {STEPS} with the checkpoint " \
-                              f"of step {EVERY} written\n{run.describe()}"
-        time.sleep(0.01)
+    for via, failure in wait_until_each(waits, timeout=300):
+        if failure is not None:
+            failed[via] = failure
+            continue
+        out, ranks = runs[via]
+        held[via].kill()
+        resumed[via] = procs.start(out, f"{via}-resumed", command=_command(via, ranks, out, data, hold=False))
     for via, run in resumed.items():
         try:
             if run.wait(300) != 0:
