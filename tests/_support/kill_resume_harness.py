@@ -24,6 +24,7 @@ from training_helpers import (
     train_epochs,
     train_log_records,
     train_losses,
+    wait_until_each,
 )
 
 # 40 steps of 8 rows, a checkpoint every 10, reach every case the kill tests assert: a kill after the
@@ -106,18 +107,23 @@ def assert_same_training(ref_out: str, out: str, ranks: int, note: str, max_step
         assert_data_parallel(out, ranks, note)
 
 
-def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random,
-                        max_steps: int = MAX_STEPS, save_steps: int = SAVE_STEPS):
-    """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
+def start_killed_run(procs: Procs, config: str, name: str, ranks: int, rng: random.Random,
+                     max_steps: int = MAX_STEPS, save_steps: int = SAVE_STEPS):
+    """Start the run to kill and draw its kill step (after the first checkpoint): (run, target step)."""
+    target = rng.randint(save_steps + 1, max_steps - 15)
+    return procs.start(config, f"{name}-killed", nproc=ranks), target
+
+
+def ready_to_kill(out: str, target: int) -> bool:
+    return count_lines(train_log(out)) >= target and bool(complete_checkpoints(out))
+
+
+def kill_now(run, out: str, name: str, target: int, max_steps: int = MAX_STEPS):
+    """SIGKILL all the run's processes; check the kill landed mid-training after a complete checkpoint.
 
     Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
-    target = rng.randint(save_steps + 1, max_steps - 15)
-    run = procs.start(config, f"{name}-killed", nproc=ranks)
-    log = train_log(out)
-    run.wait_until(lambda: count_lines(log) >= target and complete_checkpoints(out),
-                   f"step {target} and a complete checkpoint {seed_note(name)}")
     run.kill()
-    logged = count_lines(log)
+    logged = count_lines(train_log(out))
     note = seed_note(name, target_step=target, killed_after_step=logged)
     assert run.proc.returncode == -signal.SIGKILL, \
         f"the run was not killed mid-training (exit {run.proc.returncode}) {note}\n{run.describe()}"
@@ -126,6 +132,49 @@ def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: i
     assert done, f"no complete checkpoint when killed {note}"
     return target, logged, done[-1], seed_note(name, target_step=target, killed_after_step=logged,
                                                resumed_from=f"checkpoint-{done[-1]}")
+
+
+def kill_at_random_step(procs: Procs, config: str, out: str, name: str, ranks: int, rng: random.Random,
+                        max_steps: int = MAX_STEPS, save_steps: int = SAVE_STEPS):
+    """Start a run; SIGKILL all its processes at a random step after the first checkpoint.
+
+    Returns (target step, steps logged when killed, last complete checkpoint step, note)."""
+    run, target = start_killed_run(procs, config, name, ranks, rng, max_steps, save_steps)
+    run.wait_until(lambda: ready_to_kill(out, target), f"step {target} and a complete checkpoint {seed_note(name)}")
+    return kill_now(run, out, name, target, max_steps)
+
+
+def kill_and_restart_side_by_side(procs: Procs, cases: dict, max_steps: int = MAX_STEPS,
+                                  save_steps: int = SAVE_STEPS, timeout: float = 400) -> dict:
+    """``kill_at_random_step`` and the restart for several runs at once (one-process runs leave a core idle while
+    they start, import and save): ``cases`` is name -> (config, out, ranks, rng, restart label). Each run is killed
+    as soon as it reached its own kill step (all are polled together), and restarted at once.
+
+    Returns name -> (the finished restart, last complete checkpoint step when killed, note), or the
+    AssertionError of that case (raised by the test of that case)."""
+    runs = {name: start_killed_run(procs, config, name, ranks, rng, max_steps, save_steps)
+            for name, (config, out, ranks, rng, _) in cases.items()}
+    waits = {name: (run, lambda out=cases[name][1], target=target: ready_to_kill(out, target),
+                    f"step {target} and a complete checkpoint {seed_note(name)}")
+             for name, (run, target) in runs.items()}
+    results: dict = {}
+    restarts = {}
+    for name, failure in wait_until_each(waits, timeout):
+        config, out, ranks, _, restart_label = cases[name]
+        run, target = runs[name]
+        try:
+            assert failure is None, failure
+            _, _, resume_step, note = kill_now(run, out, name, target, max_steps)
+        except AssertionError as e:
+            results[name] = e
+            continue
+        restarts[name] = (procs.start(config, restart_label, nproc=ranks), resume_step, note)
+    for name, (restart, resume_step, note) in restarts.items():
+        try:
+            results[name] = (restart.wait_ok(), resume_step, note)
+        except AssertionError as e:
+            results[name] = e
+    return results
 
 
 def assert_resumed_from(run, out: str, resume_step: int, note: str, max_steps: int = MAX_STEPS) -> None:

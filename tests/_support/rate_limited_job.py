@@ -4,7 +4,8 @@
 
 ``SPEC.json``: ``{"data": {StreamConfig keys}, "workers": 2, "batch": 32, "out": DIR}``. The rank opens the stream
 (rank 0 resolves and indexes, the others get the index over gloo), reads one epoch (``set_epoch(0)``) through a
-``StreamLoader`` with ``workers`` DataLoader workers, and writes ``DIR/rank-R.json``: every batch it was handed
+``StreamLoader`` with ``workers`` DataLoader workers (every rank waits for the others after its first batch, as a
+training step would), and writes ``DIR/rank-R.json``: every batch it was handed
 (its partition, sample keys and ids, when it came), the data-path figures of the rank (its workers' requests,
 budget waits, rate-limit answers and waits included) and when reading began and ended. Any error fails the
 rank, and torchrun the job: a "failed step".
@@ -35,10 +36,15 @@ def main() -> None:
     loader = StreamLoader(stream, spec["batch"], num_workers=spec["workers"], keep_keys=True)
     opened = time.monotonic()
     batches = []
-    for item in loader.items():
+    for i, item in enumerate(loader.items()):
         loader.hand_out(item)
         batches.append({"partition": item["partition"], "keys": item["keys"],
                         "ids": [sample["id"] for sample in item["batch"]], "at": time.monotonic()})
+        if i == 0:
+            # as a training job's first step does: no rank goes on before every rank has its first batch (on 2
+            # busy cores the last rank's workers may start seconds after the first's; the test measures the rate
+            # from the last rank's first batch on)
+            dist.barrier()
     ended = time.monotonic()
     figures = loader.data_metrics()
     with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w", encoding="utf-8") as f:

@@ -198,6 +198,29 @@ class Run:
             time.sleep(interval)
 
 
+def wait_until_each(waits: dict, timeout: float = 180, interval: float = 0.01):
+    """``Run.wait_until`` for several runs at once: polls every ``key -> (run, condition, what)`` and yields
+    ``(key, None)`` as soon as its condition holds, or ``(key, message)`` where ``wait_until`` would fail (its run
+    exited first; or time ran out, and it is killed). The caller acts on a run (kills it, starts the next) while
+    the others go on."""
+    pending = dict(waits)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for key, (run, condition, what) in list(pending.items()):
+            if condition():
+                message = None
+            elif run.proc.poll() is not None:
+                message = None if condition() else f"process exited before {what}\n{run.describe()}"
+            elif time.monotonic() > deadline:
+                run.kill()
+                message = f"timed out after {timeout}s waiting for {what}\n{run.describe()}"
+            else:
+                continue
+            del pending[key]
+            yield key, message
+        time.sleep(interval)
+
+
 class Procs:
     """Starts runs (of ``script``) and guarantees none outlives the test (or fixture) that started it."""
 

@@ -255,13 +255,15 @@ def test_version_and_python_m_run_the_command_line(tmp_path):
 @pytest.mark.timeout(1200)
 def test_peek_resume_from_exits_cleanly_200_times(parquet_small, tmp_path):
     """`peek --resume-from` stops its readers before interpreter teardown: 200 runs (forked after the
-    imports by tests/_support/peek_runs.py, 2 at a time) all exit 0 with the right samples; none aborts at exit."""
+    imports by tests/_support/peek_runs.py, 2 at a time; after run 0, with the modules it imported) all exit 0 with
+    the right samples; none aborts at exit."""
     cfg_path = _yaml(tmp_path, parquet_small)
     assert main(["peek", cfg_path, "--num", "30", "--save-state", str(tmp_path / "st")]) == 0
     expected = take_ids(ResumableStream(StreamConfig.from_yaml(cfg_path), rank=0, world_size=1), 35)[30:]
     out = tmp_path / "runs"
     out.mkdir()
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_support", "peek_runs.py"), "200", "2", str(out),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_support", "peek_runs.py"),
+                        "--import-what-run-0-imports", "200", "2", str(out),
                         "peek", cfg_path, "--num", "5", "--fields", "id", "--resume-from", str(tmp_path / "st")],
                        capture_output=True, text=True, timeout=1100)
     assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -61,18 +62,45 @@ def reference(files) -> dict[int, tuple[list[str], list[int]]]:
     return out
 
 
+class Job:
+    """One torchrun job of RANKS ranks reading ``data``, started at once; ``ranks()`` waits for it."""
+
+    def __init__(self, tmp_path, data: dict, env: dict):
+        self.out = tmp_path / "ranks"
+        self.out.mkdir()
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({"data": data, "workers": WORKERS, "batch": 32, "out": str(self.out)}))
+        full = {**os.environ, **env, "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p)}
+        self.stderr_path = tmp_path / "job.err"
+        with open(tmp_path / "job.out", "wb") as out, open(self.stderr_path, "wb") as err:   # files: never a full pipe
+            self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                          str(RANKS), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                          JOB, str(spec)], env=full, stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def ranks(self) -> list[dict]:
+        try:
+            rc = self.proc.wait(timeout=540)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        stderr = self.stderr_path.read_text(errors="replace")
+        assert rc == 0, stderr[-6000:]          # a failed step fails its rank, and the job
+        return [json.loads((self.out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+
+
 def run_job(tmp_path, data: dict, env: dict) -> list[dict]:
-    out = tmp_path / "ranks"
-    out.mkdir()
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"data": data, "workers": WORKERS, "batch": 32, "out": str(out)}))
-    full = {**os.environ, **env, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in [REPO_ROOT, os.environ.get("PYTHONPATH")] if p)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), JOB, str(spec)],
-                          env=full, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-6000:]          # a failed step fails its rank, and the job
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
+    job = Job(tmp_path, data, env)
+    try:
+        return job.ranks()
+    finally:
+        job.stop()
 
 
 def check_rows(ranks: list[dict], reference) -> None:
@@ -103,11 +131,12 @@ def steady_rate(times: list[float], ranks: list[dict], paused: tuple[float, floa
     return n / seconds, hi - lo
 
 
-def test_eight_ranks_of_two_workers_read_the_rate_limited_hub_exactly_within_its_limit(tmp_path, files, reference):
+def test_eight_ranks_of_two_workers_read_the_rate_limited_hub_exactly_within_its_limit(tmp_path, files, s3_job,
+                                                                                        reference):
     """A Hub that allows 60 resolver requests per 2 s per client (all ranks are one IP here, as one token is
     one client on the Hub), a job that plans 18 a second. Midway another client on the same IP spends two
     windows' quota (as a second job on the same token would): the ranks meet 429s, wait for the resets the
-    answers name, and go on, no step lost."""
+    answers name, and go on, no step lost. (``s3_job``: the S3 test's job reads meanwhile, on a store of its own.)"""
     import shutil
 
     repo = tmp_path / "repo"
@@ -160,12 +189,14 @@ def test_eight_ranks_of_two_workers_read_the_rate_limited_hub_exactly_within_its
     assert summed(ranks, "retries") == 0                      # a rate limit spends no retry
 
 
-def test_eight_ranks_of_two_workers_read_a_slowing_s3_exactly_within_its_rate(tmp_path, files, reference):
-    """An S3 endpoint that takes 60 GET / HEAD in any 2 s and answers 503 SlowDown beyond; the job plans 18 a
-    second. (Its DataLoader workers make their s3fs clients before their first turn: made inside the first request,
-    the 16 workers' first requests of ~5 s reached the store together, 56-60 in 2 s.)"""
+@pytest.fixture(scope="module")
+def s3_job(tmp_path_factory, files):
+    """The S3 test's job, started with the module's first test: it reads while the Hub test's job reads (each
+    rate-bound, mostly waiting on its own budget; apart, the two would leave the cores idle for ~30 s each). The
+    stores are apart: neither job's requests reach the other's store, and each test measures its own store."""
     from s3_server import S3Server
 
+    tmp_path = tmp_path_factory.mktemp("s3_job")
     with S3Server() as srv:
         s3 = srv.admin()
         s3.create_bucket(Bucket="data")
@@ -175,17 +206,30 @@ def test_eight_ranks_of_two_workers_read_a_slowing_s3_exactly_within_its_rate(tm
         data = {"dataset_name_or_path": "parquet", "data_files": "s3://data/ds/*.parquet",
                 "storage_options": {"endpoint_url": srv.endpoint}, "max_requests_per_s": BUDGET,
                 "retry_backoff_s": 0.1, **ORDER}
-        ranks = run_job(tmp_path, data, srv.env())
-        check_rows(ranks, reference)
-        allowed = list(srv.allowed_at)
-        rate, steady_s = steady_rate(allowed, ranks)
-        ratio = rate / BUDGET
-        span = allowed[-1] - allowed[0]
-        print(f"\ns3: {len(allowed)} GET / HEAD let through ({srv.slowdowns} answered SlowDown) for "
-              f"{FILES * GROUPS} row groups and {FILES} files in {span:.1f} s ({len(allowed) / BUDGET / span:.2f}x of "
-              f"the budget's bound over the whole job); {rate:.1f} requests/s while all ranks read ({steady_s:.1f} s): "
-              f"{ratio:.2f}x of the budget; budget waits {summed(ranks, 'budget_wait_s'):.1f} s, coalesced "
-              f"{summed(ranks, 'coalesced_row_groups'):.0f}")
+        job = Job(tmp_path, data, srv.env())
+        try:
+            yield srv, job
+        finally:
+            job.stop()
+
+
+def test_eight_ranks_of_two_workers_read_a_slowing_s3_exactly_within_its_rate(s3_job, reference):
+    """An S3 endpoint that takes 60 GET / HEAD in any 2 s and answers 503 SlowDown beyond; the job plans 18 a
+    second. (Its DataLoader workers make their s3fs clients before their first turn: made inside the first request,
+    the 16 workers' first requests of ~5 s reached the store together, 56-60 in 2 s.) The job runs beside the Hub
+    test's (``s3_job``)."""
+    srv, job = s3_job
+    ranks = job.ranks()
+    check_rows(ranks, reference)
+    allowed = list(srv.allowed_at)
+    rate, steady_s = steady_rate(allowed, ranks)
+    ratio = rate / BUDGET
+    span = allowed[-1] - allowed[0]
+    print(f"\ns3: {len(allowed)} GET / HEAD let through ({srv.slowdowns} answered SlowDown) for "
+          f"{FILES * GROUPS} row groups and {FILES} files in {span:.1f} s ({len(allowed) / BUDGET / span:.2f}x of "
+          f"the budget's bound over the whole job); {rate:.1f} requests/s while all ranks read ({steady_s:.1f} s): "
+          f"{ratio:.2f}x of the budget; budget waits {summed(ranks, 'budget_wait_s'):.1f} s, coalesced "
+          f"{summed(ranks, 'coalesced_row_groups'):.0f}")
     assert ratio >= 0.8
     refused = [f"{at - allowed[0]:.2f} s: {method} {path}" for at, method, path in srv.refused[:5]]
     assert srv.slowdowns == 0 and summed(ranks, "rate_limited") == 0, refused     # inside the limit by design

@@ -5,7 +5,9 @@ process, or ``torch.distributed.run`` with 2 gloo ranks), kills it, restarts it 
 resumes from the last complete checkpoint) and compares, step by step, what every rank consumed
 (``data.consumed_log``) and the loss of every step (``train_log.jsonl``, logging_steps 1) with an
 uninterrupted reference run. References are shared through a module fixture and run alongside the
-killed run they are compared with (one thread per process, so two processes fill the 2 cores).
+killed run they are compared with (one thread per process, so two processes fill the 2 cores); the four
+one-process cases (single, packing, packing-workers2, packing-neat) are killed and restarted side by side
+(``one_process_kills``), each polled for its own kill step.
 
 The kill step is random; the seed is printed in every assertion message. Reproduce a failure with
 ``RS_TEST_SEED=<seed> pytest tests/trainings/test_kill_resume.py`` (the exact step reached when the kill lands
@@ -27,6 +29,7 @@ from kill_resume_harness import (
     References,
     assert_resumed_from,
     assert_same_training,
+    kill_and_restart_side_by_side,
     kill_at_random_step,
     seed_note,
     train_log,
@@ -74,6 +77,13 @@ def refs(tmp_path_factory):
         r.procs.cleanup()
 
 
+def assert_resumed_like_the_reference(refs: References, name: str, out: str, restart, resume_step: int,
+                                      note: str) -> None:
+    assert_resumed_from(restart, out, resume_step, note)
+    assert_same_training(refs.get(name), out, SETUPS[name][1], note)
+    assert all(is_complete(out, s) for s in checkpoint_steps(out)), f"incomplete checkpoint left behind {note}"
+
+
 def kill_and_resume(procs: Procs, refs: References, tmp_path, name: str) -> None:
     options, ranks = SETUPS[name]
     refs.start(name)    # the reference trains alongside the run we kill
@@ -82,14 +92,44 @@ def kill_and_resume(procs: Procs, refs: References, tmp_path, name: str) -> None
     _, _, resume_step, note = kill_at_random_step(procs, config, out, name, ranks, rng)
 
     restart = procs.start(config, f"{name}-restart", nproc=ranks).wait_ok()
-    assert_resumed_from(restart, out, resume_step, note)
-    assert_same_training(refs.get(name), out, ranks, note)
-    assert all(is_complete(out, s) for s in checkpoint_steps(out)), f"incomplete checkpoint left behind {note}"
+    assert_resumed_like_the_reference(refs, name, out, restart, resume_step, note)
+
+
+ONE_PROCESS = ["single", "packing", "packing-workers2", "packing-neat"]
+
+
+@pytest.fixture(scope="module")
+def one_process_kills(refs, tmp_path_factory):
+    """The one-process cases, each killed at its own random step and restarted as kill_and_resume does, all side by
+    side with their references (a one-process run leaves a core idle while it starts, imports and saves):
+    name -> (output dir, (restart, resume step, note) or the case's AssertionError)."""
+    root = str(tmp_path_factory.mktemp("one_process_kills"))
+    procs = Procs(root)
+    cases = {}
+    for name in ONE_PROCESS:
+        options, ranks = SETUPS[name]
+        refs.start(name)
+        config, out = write_config(root, name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
+        cases[name] = (config, out, ranks, seeded_rng(name), f"{name}-restart")
+    try:
+        results = kill_and_restart_side_by_side(procs, cases)
+        yield {name: (cases[name][1], results[name]) for name in ONE_PROCESS}
+    finally:
+        procs.cleanup()
+
+
+def one_process_kill_and_resume(refs: References, one_process_kills, name: str) -> None:
+    out, result = one_process_kills[name]
+    if isinstance(result, AssertionError):
+        raise result
+    restart, resume_step, note = result
+    assert_resumed_like_the_reference(refs, name, out, restart, resume_step, note)
 
 
 # ------------------------------------------------------------------------------------------------- (a) one process
-def test_sigkill_at_random_step_resumes_exactly(procs, refs, tmp_path):
-    kill_and_resume(procs, refs, tmp_path, "single")
+@pytest.mark.timeout(900)     # the first one-process case waits for all four
+def test_sigkill_at_random_step_resumes_exactly(refs, one_process_kills):
+    one_process_kill_and_resume(refs, one_process_kills, "single")
 
 
 # ------------------------------------------------------------------------ (c) SIGKILL while a checkpoint is written
@@ -199,11 +239,12 @@ def test_restarting_a_finished_run_trains_nothing_more(procs, refs, tmp_path):
 
 
 # ------------------------------------------------------------------ (d) packing, and packing with 2 DataLoader workers
+@pytest.mark.timeout(900)     # run first alone (-k): waits for all four one-process cases
 @pytest.mark.parametrize("name", ["packing", "packing-workers2", "packing-neat"])
-def test_sigkill_resumes_exactly_with_packing_and_workers(procs, refs, tmp_path, name):
+def test_sigkill_resumes_exactly_with_packing_and_workers(refs, one_process_kills, name):
     """packing-neat: data.packing_mode neat, whose carry holds document boundaries, and whose losses would
     differ if the resumed blocks' position ids (documents) differed."""
-    kill_and_resume(procs, refs, tmp_path, name)
+    one_process_kill_and_resume(refs, one_process_kills, name)
 
 
 # ------------------------------------------------------------------------------------- (b) torchrun, 2 gloo ranks

@@ -12,7 +12,7 @@ import os
 import sys
 
 import pytest
-from training_helpers import Procs, free_port
+from training_helpers import Procs, free_port, wait_until_each
 
 from resumable_stream.testing import write_parquet_dataset
 
@@ -42,20 +42,67 @@ def _logged(out: str, rank: int, run: str) -> dict[int, dict]:
     return {r["step"]: r for r in records if r["run"] == run}
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("via", ["dcp", "accelerate", "lightning", "statefuldl"])
-def test_a_sigkill_after_the_packages_own_checkpoint_resumes_exactly(via, ranks, data, tmp_path):
-    out = str(tmp_path / "run")
-    os.makedirs(out)
-    procs = Procs(str(tmp_path))
+VIAS = ["dcp", "accelerate", "lightning", "statefuldl"]
+
+
+def _held_then_resumed(procs: Procs, runs: dict[str, tuple[str, int]], data: str) -> dict[str, str | None]:
+    """Runs each (via -> (out, ranks)) held at step ``STEPS``, SIGKILLed once every rank is there, and restarted;
+    all at once (their processes share the cores). Returns via -> None, or what went wrong."""
+    held = {via: procs.start(out, f"{via}-held", command=_command(via, ranks, out, data, hold=True))
+            for via, (out, ranks) in runs.items()}
+    what = f"every rank past step {STEPS} with the checkpoint of step {EVERY} written"
+    waits = {via: (run, lambda out=runs[via][0], ranks=runs[via][1]:
+                   all(os.path.exists(os.path.join(out, f"held-{r}")) for r in range(ranks)), what)
+             for via, run in held.items()}
+    resumed, failed = {}, {}
+    for via, failure in wait_until_each(waits, timeout=300):
+        if failure is not None:
+            failed[via] = failure
+            continue
+        out, ranks = runs[via]
+        held[via].kill()
+        resumed[via] = procs.start(out, f"{via}-resumed", command=_command(via, ranks, out, data, hold=False))
+    for via, run in resumed.items():
+        try:
+            if run.wait(300) != 0:
+                failed[via] = f"training process failed\n{run.describe()}"
+        except AssertionError as e:      # still running after 300 s (killed)
+            failed[via] = str(e)
+    return {via: failed.get(via) for via in runs}
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(data, tmp_path_factory):
+    """The one-rank case of every trainer, held, killed and resumed side by side (a one-rank run leaves a core
+    idle while it starts, imports and saves): via -> (output dir, None or what went wrong)."""
+    root = tmp_path_factory.mktemp("one_rank")
+    runs = {via: (str(root / via), 1) for via in VIAS}
+    for out, _ in runs.values():
+        os.makedirs(out)
+    procs = Procs(str(root))
     try:
-        held = procs.start(out, "held", command=_command(via, ranks, out, data, hold=True))
-        held.wait_until(lambda: all(os.path.exists(os.path.join(out, f"held-{r}")) for r in range(ranks)),
-                        f"every rank past step {STEPS} with the checkpoint of step {EVERY} written", timeout=300)
-        held.kill()
-        procs.start(out, "resumed", command=_command(via, ranks, out, data, hold=False)).wait_ok(300)
+        failures = _held_then_resumed(procs, runs, data)
     finally:
         procs.cleanup()
+    return {via: (runs[via][0], failures[via]) for via in VIAS}
+
+
+@pytest.mark.timeout(900)      # the first one-rank case waits for all four
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("via", VIAS)
+def test_a_sigkill_after_the_packages_own_checkpoint_resumes_exactly(via, ranks, data, tmp_path, request):
+    if ranks == 1:
+        out, failure = request.getfixturevalue("one_rank_runs")[via]
+        assert failure is None, failure
+    else:
+        out = str(tmp_path / "run")
+        os.makedirs(out)
+        procs = Procs(str(tmp_path))
+        try:
+            failure = _held_then_resumed(procs, {via: (out, ranks)}, data)[via]
+        finally:
+            procs.cleanup()
+        assert failure is None, failure
     trained = set()
     for rank in range(ranks):
         before, after = _logged(out, rank, "held"), _logged(out, rank, "resumed")

@@ -7,6 +7,7 @@ workers) on the bundled pictures, about 1.5% of which are broken and skipped (``
 It kills the run at a random step after the first checkpoint, restarts it, and compares with an
 uninterrupted reference: every step's loss, every rank's consumed samples, and every step's transform
 counters (samples read, examples made, skips) in ``train_log.jsonl``. A broken sample never reaches a batch.
+The two one-process cases are killed and restarted side by side (``one_process_kills``).
 
 Reproduce a failure with ``RS_TEST_SEED=<seed> pytest tests/trainings/test_vl_kill_resume.py``.
 """
@@ -25,9 +26,10 @@ from kill_resume_harness import (
     assert_resumed_from,
     assert_same_training,
     first_difference,
+    kill_and_restart_side_by_side,
     kill_at_random_step,
 )
-from training_helpers import TINY, TRAIN_VL, checkpoint_steps, consumed, is_complete, write_vl_config
+from training_helpers import TINY, TRAIN_VL, Procs, checkpoint_steps, consumed, is_complete, write_vl_config
 
 from resumable_stream.transforms.vl import STAT_KEYS as VL_STAT_KEYS
 
@@ -94,6 +96,12 @@ def vl_kill_and_resume(procs, refs, tmp_path, name: str, broken_ids: set[str]) -
                                                  SAVE_STEPS)
 
     restart = procs.start(config, f"{name}-restart", nproc=ranks).wait_ok()
+    assert_resumed_like_the_reference(refs, name, out, restart, resume_step, note, broken_ids)
+
+
+def assert_resumed_like_the_reference(refs, name: str, out: str, restart, resume_step: int, note: str,
+                                      broken_ids: set[str]) -> None:
+    ranks = SETUPS[name][1]
     assert_resumed_from(restart, out, resume_step, note, MAX_STEPS)
     ref_out = refs.get(name)
     assert_same_training(ref_out, out, ranks, note, MAX_STEPS)
@@ -112,12 +120,45 @@ def vl_kill_and_resume(procs, refs, tmp_path, name: str, broken_ids: set[str]) -
         assert not keys & broken_ids, f"rank {rank} trained on broken rows {sorted(keys & broken_ids)} {note}"
 
 
-def test_vl_sigkill_at_random_step_resumes_exactly(procs, refs, tmp_path, broken_ids):
-    vl_kill_and_resume(procs, refs, tmp_path, "single", broken_ids)
+ONE_PROCESS = ["single", "workers2"]
 
 
-def test_vl_sigkill_with_two_dataloader_workers_resumes_exactly(procs, refs, tmp_path, broken_ids):
-    vl_kill_and_resume(procs, refs, tmp_path, "workers2", broken_ids)
+@pytest.fixture(scope="module")
+def one_process_kills(refs, tmp_path_factory):
+    """The one-process cases, each killed at its own random step and restarted as vl_kill_and_resume does, side by
+    side with their references (a one-process run leaves a core idle while it starts, imports and saves):
+    name -> (output dir, (restart, resume step, note) or the case's AssertionError)."""
+    root = str(tmp_path_factory.mktemp("vl_one_process_kills"))
+    procs = Procs(root, script=TRAIN_VL)
+    cases, outs = {}, {}
+    for name in ONE_PROCESS:
+        options, ranks = SETUPS[name]
+        refs.start(name)
+        config, outs[name] = write_vl_config(root, name, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, **options)
+        cases[f"vl-{name}"] = (config, outs[name], ranks, seeded_rng(f"vl-{name}"), f"{name}-restart")
+    try:
+        results = kill_and_restart_side_by_side(procs, cases, MAX_STEPS, SAVE_STEPS)
+        yield {name: (outs[name], results[f"vl-{name}"]) for name in ONE_PROCESS}
+    finally:
+        procs.cleanup()
+
+
+def one_process_kill_and_resume(refs, one_process_kills, name: str, broken_ids: set[str]) -> None:
+    out, result = one_process_kills[name]
+    if isinstance(result, AssertionError):
+        raise result
+    restart, resume_step, note = result
+    assert_resumed_like_the_reference(refs, name, out, restart, resume_step, note, broken_ids)
+
+
+@pytest.mark.timeout(900)     # the first one-process case waits for both
+def test_vl_sigkill_at_random_step_resumes_exactly(refs, one_process_kills, broken_ids):
+    one_process_kill_and_resume(refs, one_process_kills, "single", broken_ids)
+
+
+@pytest.mark.timeout(900)     # run first alone (-k): waits for both
+def test_vl_sigkill_with_two_dataloader_workers_resumes_exactly(refs, one_process_kills, broken_ids):
+    one_process_kill_and_resume(refs, one_process_kills, "workers2", broken_ids)
 
 
 def test_vl_sigkill_torchrun_two_ranks_resumes_exactly(procs, refs, tmp_path, broken_ids):
