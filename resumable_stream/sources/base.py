@@ -139,7 +139,8 @@ class FetchesAhead(Source):
     _prefetch = None
 
     def _fetch_ahead(self, fetch, depth: int | None, memory_mb: float | None, bytes_of, remote: bool,
-                     rate=None, run=None, adjacent=None, decoded=None, first_depth=None) -> None:
+                     rate=None, run=None, adjacent=None, decoded=None, first_depth=None,
+                     whole_call: bool = False) -> None:
         """Fetch ahead with ``fetch(shard)`` up to ``depth`` shards per partition (None: adaptive; 0: off) within
         ``memory_mb``; the other arguments are :class:`~.prefetch.Prefetcher`'s."""
         self._starts: dict[int, int] = {}     # shard -> the row its next fetch ahead starts at (a resume)
@@ -152,7 +153,7 @@ class FetchesAhead(Source):
         threads = None if remote else max(1, min(depth or cores, cores))
         self._prefetch = Prefetcher(fetch, depth, budget, bytes_of, threads, first_alone=not remote, rate=rate,
                                     run=run, adjacent=adjacent, decoded=decoded,
-                                    first_depth=first_depth)
+                                    first_depth=first_depth, whole_call=whole_call)
 
     def _taken(self, shard: int) -> pa.Table | None:
         """The table fetched ahead for ``shard``; None when there is none or its fetch met a network fault (the

@@ -487,11 +487,10 @@ class JsonLinesSource(FetchesAhead):
         self.column_names = list(index["features"])
         self._fetch_ahead(self._fetch_shard, prefetch_depth(spec.read, retry.remote), spec.read.prefetch_memory_mb,
                           self._shard_bytes, remote=retry.remote, decoded=self._shard_text,
-                          first_depth=spec.read.interleave_shards)
-        if self._prefetch is not None and not retry.remote:
-            # a local piece's fetch is mostly its decode (inflating a .gz piece: ~50-100 ms, reading it: ~2 ms), and
-            # that runs on the prefetch threads: the depth covers the whole fetch (prefetch.py ``whole_call``)
-            self._prefetch.whole_call = True
+                          first_depth=spec.read.interleave_shards,
+                          # a local piece's fetch is mostly its decode (inflating a .gz piece: ~50-100 ms, reading
+                          # it: ~2 ms) on the prefetch threads: the depth covers the whole fetch
+                          whole_call=not retry.remote)
 
     # ------------------------------------------------------------------ where rows are
     def _offsets(self, shard: int) -> list[int]:
